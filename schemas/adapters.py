@@ -1,0 +1,169 @@
+"""Adapters from the formats users bring to the plain form the contracts check.
+
+- `plain`: `prompt` plus `response` (or `completion`) for SFT, `chosen`/`rejected` for pairs.
+- `hh`: Anthropic HH-RLHF transcripts: `chosen` and `rejected` are whole
+  "\\n\\nHuman: ... \\n\\nAssistant: ..." dialogues; their shared history is the prompt.
+- `chat`: message lists (UltraFeedback-binarized style): `chosen`/`rejected` (or SFT
+  `messages`) are lists of {role, content} ending with the assistant's reply.
+
+Every adapter returns the frame with `prompt` (the last user turn, for the contract's checks),
+the reply columns as text, and `prompt_messages` (the whole prompt conversation, rendered later
+with the model's own chat template), plus the problems it found, row by row.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from schemas.errors import Problem
+
+ROLES = ("system", "user", "assistant")
+Messages = list[dict[str, str]]
+
+
+class _RowError(ValueError):
+    def __init__(self, column: str | None, reason: str):
+        super().__init__(reason)
+        self.column, self.reason = column, reason
+
+
+def _as_messages(value: Any, column: str) -> Messages:
+    if isinstance(value, np.ndarray):  # Parquet and datasets hand lists back as arrays
+        value = value.tolist()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise _RowError(column, "expected a list of {role, content} messages, got text") from None
+    if not isinstance(value, list) or not value:
+        raise _RowError(column, "expected a non-empty list of {role, content} messages")
+    messages = []
+    for i, m in enumerate(value, start=1):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise _RowError(column, f"message {i} is not a {{role, content}} object with string values")
+        if m["role"] not in ROLES:
+            raise _RowError(column, f"message {i} has unknown role {m['role']!r} (expected one of {', '.join(ROLES)})")
+        messages.append({"role": m["role"], "content": m["content"]})
+    return messages
+
+
+def _split_reply(messages: Messages, column: str) -> tuple[Messages, str]:
+    if messages[-1]["role"] != "assistant":
+        raise _RowError(column, "conversation does not end with an assistant reply")
+    if not any(m["role"] == "user" for m in messages[:-1]):
+        raise _RowError(column, "conversation has no user turn before the assistant reply")
+    return messages[:-1], messages[-1]["content"]
+
+
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def parse_hh(transcript: Any, column: str) -> Messages:
+    """'\\n\\nHuman: hi\\n\\nAssistant: hello' -> [{user: hi}, {assistant: hello}]."""
+    if not isinstance(transcript, str):
+        raise _RowError(column, "must be a string")
+    parts = _HH_TURN.split(transcript)
+    if parts[0].strip() or len(parts) < 3:
+        raise _RowError(column, "not an HH transcript: expected '\\n\\nHuman: ... \\n\\nAssistant: ...'")
+    roles = {"Human": "user", "Assistant": "assistant"}
+    return [{"role": roles[speaker], "content": text.strip()} for speaker, text in zip(parts[1::2], parts[2::2])]
+
+
+def _last_user(messages: Messages) -> str:
+    return next(m["content"] for m in reversed(messages) if m["role"] == "user")
+
+
+def _user_prompt(prompt: Any) -> str | None:
+    return json.dumps([{"role": "user", "content": prompt}]) if isinstance(prompt, str) else None
+
+
+def _apply(frame: pd.DataFrame, adapt_row: Callable[[pd.Series], dict]) -> tuple[pd.DataFrame, list[Problem]]:
+    rows, problems = {}, []
+    for number, record in frame.iterrows():
+        try:
+            rows[number] = adapt_row(record)
+        except _RowError as e:
+            problems.append(Problem(int(number), e.column, e.reason))
+    adapted = pd.DataFrame.from_dict(rows, orient="index")
+    adapted.index.name = "row"
+    extra = [c for c in frame.columns if c not in adapted.columns]
+    return adapted.join(frame[extra]) if len(adapted) else adapted, problems
+
+
+def adapt_plain(frame: pd.DataFrame, kind: str) -> tuple[pd.DataFrame, list[Problem]]:
+    frame = frame.copy()
+    if kind == "sft" and "response" not in frame.columns and "completion" in frame.columns:
+        frame = frame.rename(columns={"completion": "response"})
+    if "prompt" in frame.columns:
+        frame["prompt_messages"] = frame["prompt"].map(_user_prompt)
+    return frame, []
+
+
+def adapt_hh(frame: pd.DataFrame, kind: str) -> tuple[pd.DataFrame, list[Problem]]:
+    def row(record: pd.Series) -> dict:
+        chosen_prompt, chosen = _split_reply(parse_hh(record["chosen"], "chosen"), "chosen")
+        rejected_prompt, rejected = _split_reply(parse_hh(record["rejected"], "rejected"), "rejected")
+        if chosen_prompt != rejected_prompt:
+            raise _RowError(None, "chosen and rejected continue different prompts")
+        return {"prompt": _last_user(chosen_prompt), "chosen": chosen, "rejected": rejected,
+                "prompt_messages": json.dumps(chosen_prompt)}
+
+    return _apply(frame, row)
+
+
+def adapt_chat(frame: pd.DataFrame, kind: str) -> tuple[pd.DataFrame, list[Problem]]:
+    def sft_row(record: pd.Series) -> dict:
+        prompt, response = _split_reply(_as_messages(record["messages"], "messages"), "messages")
+        return {"prompt": _last_user(prompt), "response": response, "prompt_messages": json.dumps(prompt)}
+
+    def pair_row(record: pd.Series) -> dict:
+        chosen_prompt, chosen = _split_reply(_as_messages(record["chosen"], "chosen"), "chosen")
+        rejected_prompt, rejected = _split_reply(_as_messages(record["rejected"], "rejected"), "rejected")
+        if chosen_prompt != rejected_prompt:
+            raise _RowError(None, "chosen and rejected continue different prompts")
+        return {"prompt": _last_user(chosen_prompt), "chosen": chosen, "rejected": rejected,
+                "prompt_messages": json.dumps(chosen_prompt)}
+
+    def prompt_row(record: pd.Series) -> dict:
+        messages = _as_messages(record["messages"], "messages")
+        if messages[-1]["role"] != "user":
+            raise _RowError("messages", "a prompt conversation must end with a user turn")
+        return {"prompt": messages[-1]["content"], "prompt_messages": json.dumps(messages)}
+
+    return _apply(frame, {"sft": sft_row, "preference": pair_row, "prompt": prompt_row}[kind])
+
+
+ADAPTERS = {"plain": adapt_plain, "hh": adapt_hh, "chat": adapt_chat}
+# The columns each format needs, by kind; checked before adapting so a missing column is one clear error.
+REQUIRED = {
+    ("plain", "sft"): ("prompt", "response"),
+    ("plain", "preference"): ("prompt", "chosen", "rejected"),
+    ("plain", "prompt"): ("prompt",),
+    ("hh", "preference"): ("chosen", "rejected"),
+    ("chat", "sft"): ("messages",),
+    ("chat", "preference"): ("chosen", "rejected"),
+    ("chat", "prompt"): ("messages",),
+}
+
+
+def _is_message_list(value: Any) -> bool:
+    return isinstance(value, (list, np.ndarray))
+
+
+def detect_format(frame: pd.DataFrame, kind: str) -> str:
+    """Guess the format from the columns and the first record; `plain` when unsure."""
+    first = frame.iloc[0] if len(frame) else pd.Series(dtype=object)
+    if kind in ("sft", "prompt") and "messages" in frame.columns and "prompt" not in frame.columns:
+        return "chat"
+    if kind == "preference" and "chosen" in frame.columns:
+        if _is_message_list(first.get("chosen")):
+            return "chat"
+        if "prompt" not in frame.columns:
+            return "hh"
+    return "plain"
