@@ -285,3 +285,21 @@ def build_world(root: Path, cfg: DemoWorldConfig = DemoWorldConfig()) -> Path:
 
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+# --- `demo:` locations in configs ------------------------------------------------------------
+
+DEMO_SCHEME = "demo:"
+DEMO_ARTIFACTS = ("model", "sft", "sft_eval", "preferences", "preferences_eval", "prompts", "prompts_eval")
+
+
+def resolve_location(location: str, world_dir: Path | None) -> str:
+    """`demo:sft` -> `<world>/sft.jsonl`, `demo:model` -> `<world>/model`; anything else unchanged."""
+    if not location.startswith(DEMO_SCHEME):
+        return location
+    name = location[len(DEMO_SCHEME):]
+    if name not in DEMO_ARTIFACTS:
+        raise ValueError(f"unknown demo artifact {location!r}; known: {', '.join(DEMO_ARTIFACTS)}")
+    if world_dir is None:
+        raise ValueError(f"{location!r} needs the demo world, which this config does not build")
+    return str(Path(world_dir) / (name if name == "model" else f"{name}.jsonl"))

@@ -1,0 +1,174 @@
+"""Typed, frozen configuration for the whole pipeline, loaded from YAML plus dotted overrides.
+
+Every field has a one-line docstring; the README's configuration reference is generated from
+them (`rlhf config-reference`). Unknown keys are errors, and so is any value a stage could
+not use, so a bad config fails at parameter validation, before anything trains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+
+from rlhf.demo_world import DEMO_SCHEME, DemoWorldConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class DataSource(_Frozen):
+    """Where a data set comes from and what shape it is in."""
+
+    path: str
+    """A local .jsonl/.json/.parquet/.csv file, a `datasets.load_dataset` name, or `demo:<name>`."""
+    split: str = "train"
+    """Split to load when `path` is a `datasets` name."""
+    format: Literal["auto", "plain", "hh", "chat"] = "auto"
+    """Input format: plain columns, Anthropic HH transcripts, or chat message lists; `auto` guesses."""
+
+
+class SFTConfig(_Frozen):
+    """Supervised fine-tuning of the base model on demonstrations (TRL `SFTTrainer`)."""
+
+    model: str = "demo:model"
+    """Base causal LM: a Hugging Face hub id, a local folder, or `demo:model`."""
+    train_data: DataSource = DataSource(path="demo:sft")
+    """Demonstrations to train on."""
+    eval_data: DataSource | None = DataSource(path="demo:sft_eval")
+    """Held-out demonstrations; when unset, `eval_fraction` of `train_data` is held out."""
+    eval_fraction: float = Field(0.1, gt=0, lt=1)
+    """Share of `train_data` held out for evaluation when `eval_data` is unset."""
+    duplicates: Literal["error", "drop"] = "error"
+    """Duplicate records: refuse the data set, or drop them and report how many."""
+    max_prompt_length: PositiveInt = 64
+    """Token budget of a rendered prompt; longer records are refused."""
+    max_length: PositiveInt = 128
+    """Token budget of prompt + response + EOS; longer records are refused."""
+    learning_rate: PositiveFloat = 2e-5
+    """Peak AdamW learning rate."""
+    num_train_epochs: PositiveFloat = 1.0
+    """Passes over the training data (ignored when `max_steps` is set)."""
+    max_steps: PositiveInt | None = None
+    """Stop after this many optimizer steps."""
+    batch_size: PositiveInt = 8
+    """Examples per device per step."""
+    gradient_accumulation_steps: PositiveInt = 1
+    """Micro-batches accumulated per optimizer step."""
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    """Share of steps with a linearly rising learning rate."""
+    lr_scheduler_type: Literal["linear", "cosine", "constant_with_warmup"] = "cosine"
+    """Learning-rate schedule after warmup."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: PositiveFloat = 1.0
+    """Gradient-norm clipping."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory on large models."""
+    eval_steps: PositiveInt = 20
+    """Evaluate on held-out data every this many steps."""
+    logging_steps: PositiveInt = 10
+    """Log training loss every this many steps."""
+    num_samples: int = Field(4, ge=0)
+    """Held-out prompts answered greedily after training, shown as samples."""
+    seed: int = 0
+    """Seeds data order and initialisation."""
+    trust_remote_code: bool = False
+    """Allow model repositories to run their own Python code when loading."""
+
+    @model_validator(mode="after")
+    def _budgets_fit(self) -> SFTConfig:
+        if self.max_prompt_length >= self.max_length:
+            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be below max_length ({self.max_length})")
+        return self
+
+
+class PipelineConfig(_Frozen):
+    """One pipeline run: the demo world (when used) and each stage's settings."""
+
+    demo: DemoWorldConfig | None = DemoWorldConfig()
+    """The embedded demo world, built locally from its seed; needed by any `demo:` location."""
+    experiment: str = "rlhf"
+    """MLflow experiment that holds the pipeline's runs."""
+    sft: SFTConfig = SFTConfig()
+    """Supervised fine-tuning stage."""
+
+    @model_validator(mode="after")
+    def _demo_locations_need_demo(self) -> PipelineConfig:
+        if self.demo is None:
+            used = [loc for loc in _locations(self) if loc.startswith(DEMO_SCHEME)]
+            if used:
+                raise ValueError(f"{used[0]!r} refers to the demo world, but `demo` is unset")
+        return self
+
+
+def _locations(cfg: PipelineConfig) -> list[str]:
+    sft = cfg.sft
+    return [sft.model, sft.train_data.path] + ([sft.eval_data.path] if sft.eval_data else [])
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run, with every offending field named."""
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Read a YAML config (relative paths from the repo root too) and apply dotted overrides,
+    e.g. {"sft.learning_rate": 3e-4}."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_absolute() and not file.exists():
+            file = REPO_ROOT / file
+        if not file.exists():
+            raise ConfigError(f"config file {path} not found")
+        try:
+            tree = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(tree, dotted, value)
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(map(str, err['loc'])) or '(top level)'}: {err['msg']}" for err in e.errors()]
+        raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n" + "\n".join(lines)) from None
+
+
+def config_hash(section: BaseModel) -> str:
+    """Stable digest of a resolved config section."""
+    return hashlib.sha256(json.dumps(section.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def flatten(section: BaseModel, prefix: str = "") -> dict[str, str]:
+    """{"train_data.path": "...", ...}: a config section as MLflow params."""
+    flat: dict[str, str] = {}
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else k)
+        else:
+            flat[key] = json.dumps(node) if isinstance(node, (list, type(None))) else str(node)
+
+    walk(section.model_dump(mode="json"), prefix)
+    return flat

@@ -1,0 +1,71 @@
+"""Loading and saving models the same way in every stage.
+
+One place decides how a checkpoint is read (safetensors only, remote code only when asked),
+how the tokenizer pads, and which special-token ids the model config carries, so no two
+stages can disagree about them silently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+
+def load_tokenizer(location: str, *, padding_side: str = "left", trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer at `location`, padding on `padding_side`, with a pad token distinct from EOS.
+
+    A tokenizer without a pad token gets `<pad>` added (the model's embeddings are resized
+    to match in `load_causal_lm`): reusing EOS as padding would hide every real EOS from
+    the loss and from the end-of-response mask.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(location, padding_side=padding_side, trust_remote_code=trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer at {location} has no EOS token; responses could never end")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    return tokenizer
+
+
+def load_causal_lm(location: str, tokenizer: PreTrainedTokenizerBase, *, trust_remote_code: bool = False) -> PreTrainedModel:
+    """A causal LM from safetensors weights, its embeddings and special-token ids matching `tokenizer`."""
+    model = AutoModelForCausalLM.from_pretrained(location, use_safetensors=True, trust_remote_code=trust_remote_code)
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        model.resize_token_embeddings(len(tokenizer))
+    align_special_tokens(model, tokenizer)
+    return model
+
+
+def align_special_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Write the tokenizer's pad/bos/eos ids into the model and generation configs."""
+    for config in (model.config, model.generation_config or GenerationConfig()):
+        config.pad_token_id = tokenizer.pad_token_id
+        config.bos_token_id = tokenizer.bos_token_id
+        config.eos_token_id = tokenizer.eos_token_id
+
+
+def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> Path:
+    """A plain Hugging Face folder: safetensors weights, config, generation config, tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@torch.inference_mode()
+def generate_greedy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy completions of rendered prompts, decoded without special tokens."""
+    if not prompts:
+        return []
+    was_training = model.training
+    model.eval()
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="left").to(model.device)
+    out = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # (B, T + new)
+    model.train(was_training)
+    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
