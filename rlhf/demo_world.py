@@ -20,8 +20,9 @@ import json
 import math
 import random
 import re
-from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
 
 SUBJECTS = ("cat", "dog", "park", "city", "movie", "book", "song", "garden", "river", "house", "train", "coffee")
 POSITIVE = ("good", "great", "lovely", "bright", "happy", "kind", "warm", "calm", "fresh", "sweet")
@@ -51,9 +52,10 @@ SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"}
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 
 
-@dataclass(frozen=True)
-class DemoWorldConfig:
+class DemoWorldConfig(BaseModel):
     """Sizes and knobs of the demo world; the seed makes it reproducible."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     seed: int = 0
     """Seeds every random choice: data, tokenizer corpus order and model initialisation."""
@@ -76,15 +78,20 @@ class DemoWorldConfig:
     vocab_size: int = 512
     """Byte-level BPE vocabulary size."""
     hidden_size: int = 64
+    """Width of the tiny Llama model."""
     intermediate_size: int = 192
+    """MLP width of the tiny Llama model."""
     num_layers: int = 2
+    """Decoder layers."""
     num_heads: int = 4
+    """Attention heads (and key/value heads)."""
     max_position_embeddings: int = 128
+    """Context length."""
 
     def fingerprint(self) -> str:
         """Digest of the config and of this module's source: a new world whenever either changes."""
         source = Path(__file__).read_bytes()
-        payload = json.dumps(asdict(self), sort_keys=True).encode() + source
+        payload = json.dumps(self.model_dump(), sort_keys=True).encode() + source
         return hashlib.sha256(payload).hexdigest()[:16]
 
 
@@ -277,7 +284,7 @@ def build_world(root: Path, cfg: DemoWorldConfig = DemoWorldConfig()) -> Path:
     model = build_model(tokenizer, cfg)
     model.save_pretrained(staging / "model", safe_serialization=True)
     tokenizer.save_pretrained(staging / "model")
-    (staging / "world.json").write_text(json.dumps({"config": asdict(cfg)}, indent=2))
+    (staging / "world.json").write_text(json.dumps({"config": cfg.model_dump()}, indent=2))
     try:
         staging.rename(target)
     except OSError:  # another process finished the same world first

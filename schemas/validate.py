@@ -46,9 +46,12 @@ class ValidatedData:
     format: str
     digest: str
     """sha256 of the canonical records: the identity of the data for lineage and caching."""
+    dropped_duplicates: int = 0
 
     def summary(self) -> str:
-        return f"{self.source}: {len(self.frame)} valid {self.kind} records ({self.format} format), digest {self.digest[:12]}"
+        dropped = f", {self.dropped_duplicates} duplicates dropped" if self.dropped_duplicates else ""
+        return (f"{self.source}: {len(self.frame)} valid {self.kind} records ({self.format} format{dropped}), "
+                f"digest {self.digest[:12]}")
 
 
 def render_prompt(messages: list[dict[str, str]], tokenizer=None) -> str:
@@ -98,12 +101,17 @@ def _length_problems(frame: pd.DataFrame, kind: str, tokenizer, budget: LengthBu
     return problems
 
 
-def _duplicate_problems(frame: pd.DataFrame, kind: str) -> list[Problem]:
-    key = ["prompt", *REPLY_COLUMNS[kind]]
-    first = frame.reset_index().groupby(key, sort=False)["row"].transform("first")
-    first.index = frame.index
-    return [Problem(int(row), None, f"duplicate of record {int(original)}")
-            for row, original in first.items() if row != original]
+def _duplicate_rows(frame: pd.DataFrame, kind: str, unit: str) -> list[Problem]:
+    """Records whose prompt conversation and replies repeat an earlier record's."""
+    key = frame[["prompt_messages", *REPLY_COLUMNS[kind]]].astype(str).apply(tuple, axis=1)
+    first_seen: dict[tuple, int] = {}
+    problems = []
+    for row, value in key.items():
+        if value in first_seen:
+            problems.append(Problem(int(row), None, f"duplicate of {unit} {first_seen[value]}"))
+        else:
+            first_seen[value] = int(row)
+    return problems
 
 
 def load_validated(
@@ -128,6 +136,11 @@ def load_validated(
         raise DataContractError(source, problems, unit)
 
     frame, problems = ADAPTERS[fmt](raw, kind)
+    duplicate_rows = _duplicate_rows(frame, kind, unit) if len(frame) else []
+    if duplicates == "error":
+        problems += duplicate_rows
+    else:
+        frame = frame.drop(index=[p.row for p in duplicate_rows])
     try:
         CONTRACTS[kind].validate(frame, lazy=True)
     except pa.errors.SchemaErrors as e:
@@ -138,11 +151,6 @@ def load_validated(
     frame["prompt"] = [render_prompt(json.loads(m), tokenizer) for m in frame["prompt_messages"]]
     if tokenizer is not None and budget is not None:
         problems += _length_problems(frame, kind, tokenizer, budget)
-    duplicate_rows = _duplicate_problems(frame, kind)
-    if duplicates == "error":
-        problems += duplicate_rows
-    else:
-        frame = frame.drop(index=[p.row for p in duplicate_rows])
     if problems:
         raise DataContractError(source, problems, unit)
 
@@ -150,4 +158,5 @@ def load_validated(
     if kind == "preference" and "margin" in frame.columns:
         columns.append("margin")
     canonical = frame[columns].astype({c: "float64" if c == "margin" else object for c in columns})
-    return ValidatedData(frame=canonical, source=source, kind=kind, format=fmt, digest=data_digest(canonical))
+    return ValidatedData(frame=canonical, source=source, kind=kind, format=fmt, digest=data_digest(canonical),
+                         dropped_duplicates=0 if duplicates == "error" else len(duplicate_rows))

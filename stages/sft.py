@@ -35,6 +35,9 @@ class SFTResult:
     """Greedy answers to held-out prompts: {prompt, response, reference}."""
 
 
+_UNLOGGED = ("epoch", "total_flos", "runtime", "per_second", "preparation_time")
+
+
 class _ForwardLogs(TrainerCallback):
     """Sends the Trainer's logs to a sink, named as the pipeline names them (`train/loss`, `eval/loss`)."""
 
@@ -44,7 +47,7 @@ class _ForwardLogs(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         metrics = {}
         for key, value in (logs or {}).items():
-            if not isinstance(value, (int, float)) or key in ("epoch", "total_flos"):
+            if not isinstance(value, (int, float)) or key.endswith(_UNLOGGED):
                 continue
             if key.startswith("eval_"):
                 metrics[f"eval/{key[5:]}"] = float(value)

@@ -1,0 +1,37 @@
+# The two commands at the top of the README: `make demo` and `make test`.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test up down status install clean-state
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)  ## create the virtual environment and install the project
+
+up: $(STAMP)  ## start Prefect + MLflow servers, the worker, and deploy
+	scripts/stack.sh up
+
+down:  ## stop exactly the processes `make up` started
+	scripts/stack.sh down
+
+status:
+	scripts/stack.sh status
+
+demo: up  ## run the whole pipeline on the embedded demo world through Prefect
+	eval "$$(scripts/stack.sh env)" && \
+	prefect deployment run rlhf/full --watch && \
+	echo && rlhf summary && \
+	echo && echo "Prefect UI: $$PREFECT_UI_URL" && echo "MLflow UI:  $$MLFLOW_TRACKING_URI" && \
+	echo "The stack stays up for browsing; stop it with: make down"
+
+test: $(STAMP)  ## run the whole test suite
+	$(PY) -m pytest
+
+clean-state: down  ## delete all local run state (.rlhf/)
+	rm -rf $${RLHF_HOME:-.rlhf}

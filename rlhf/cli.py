@@ -1,0 +1,110 @@
+"""`rlhf`: the shell entry point.
+
+    rlhf validate --kind {sft,preference,prompt} PATH [--format F] [--tokenizer T --max-prompt-length N --max-length N]
+    rlhf summary [--experiment rlhf]      the latest pipeline run and its stage runs, with links
+    rlhf config-reference                 every config field with its default and meaning (Markdown)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from schemas.errors import DataContractError
+    from schemas.validate import LengthBudget, load_validated
+
+    tokenizer = budget = None
+    if args.tokenizer:
+        from stages.models import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+        budget = LengthBudget(args.max_prompt_length, args.max_length)
+    try:
+        data = load_validated(args.path, args.kind, format=args.format, split=args.split, tokenizer=tokenizer,
+                              budget=budget, duplicates=args.duplicates)
+    except DataContractError as e:
+        print(e.report(limit=args.limit), file=sys.stderr)
+        return 1
+    print(data.summary())
+    return 0
+
+
+def _summary(args: argparse.Namespace) -> int:
+    from mlflow.tracking import MlflowClient
+
+    from rlhf import tracking
+
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(args.experiment)
+    parents = [] if experiment is None else client.search_runs(
+        [experiment.experiment_id], filter_string="tags.`rlhf.stages` != ''",
+        order_by=["attributes.start_time DESC"], max_results=1)
+    if not parents:
+        print(f"no pipeline runs in experiment {args.experiment!r}", file=sys.stderr)
+        return 1
+    parent = parents[0]
+    print(f"pipeline run {parent.info.run_id} ({parent.info.status}): {tracking.run_url(parent.info.run_id) or ''}")
+    children = client.search_runs([experiment.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+                                  order_by=["attributes.start_time ASC"])
+    for run in children:
+        stage = run.data.tags.get(tracking.TAG_STAGE, "?")
+        figures = ", ".join(f"{k}={run.data.metrics[k]:.4g}" for k in sorted(run.data.metrics) if k.startswith("eval/"))
+        print(f"  {stage:7s} run {run.info.run_id} ({run.info.status}) {figures}")
+        print(f"          {tracking.run_url(run.info.run_id) or ''}")
+    return 0 if parent.info.status == "FINISHED" else 1
+
+
+def _config_reference(args: argparse.Namespace) -> int:
+    from pydantic import BaseModel
+
+    from rlhf.config import PipelineConfig
+
+    def rows(model: type[BaseModel], prefix: str):
+        for name, field in model.model_fields.items():
+            annotation = field.annotation
+            nested = next((a for a in getattr(annotation, "__args__", (annotation,))
+                           if isinstance(a, type) and issubclass(a, BaseModel)), None)
+            key = f"{prefix}{name}"
+            if nested is not None and name not in ("train_data", "eval_data"):
+                yield from rows(nested, key + ".")
+            else:
+                default = field.default.model_dump() if isinstance(field.default, BaseModel) else field.default
+                yield f"| `{key}` | `{default!r}` | {field.description or ''} |"
+
+    print("| field | default | meaning |\n|---|---|---|")
+    print("\n".join(rows(PipelineConfig, "")))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlhf", description="RLHF pipeline tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    validate = commands.add_parser("validate", help="check a data file against its contract")
+    validate.add_argument("path", help="local .jsonl/.json/.parquet/.csv file or a datasets name")
+    validate.add_argument("--kind", required=True, choices=["sft", "preference", "prompt"])
+    validate.add_argument("--format", default="auto", choices=["auto", "plain", "hh", "chat"])
+    validate.add_argument("--split", default="train", help="split, for a datasets name")
+    validate.add_argument("--tokenizer", help="tokenizer (hub id or folder) for chat templates and length checks")
+    validate.add_argument("--max-prompt-length", type=int, default=64)
+    validate.add_argument("--max-length", type=int, default=128)
+    validate.add_argument("--duplicates", default="error", choices=["error", "drop"])
+    validate.add_argument("--limit", type=int, default=50, help="problems to print at most")
+    validate.set_defaults(run=_validate)
+
+    summary = commands.add_parser("summary", help="the latest pipeline run and its stages in MLflow")
+    summary.add_argument("--experiment", default="rlhf")
+    summary.set_defaults(run=_summary)
+
+    reference = commands.add_parser("config-reference", help="print the configuration reference")
+    reference.set_defaults(run=_config_reference)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

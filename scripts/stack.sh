@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The local stack: a Prefect server, an MLflow tracking server, a process work pool and its
+# worker, and the deployments in prefect.yaml. `up` records the PIDs it started; `down` stops
+# exactly those. All state lives in $RLHF_HOME (default: .rlhf/ in the repository).
+#
+#   scripts/stack.sh up | down | status | env
+#
+# Settings (environment): RLHF_HOME, RLHF_HOST (127.0.0.1), RLHF_PREFECT_PORT (4200),
+# RLHF_MLFLOW_PORT (5000), RLHF_POOL (rlhf-local), RLHF_PYTHON (.venv/bin/python).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RLHF_HOME="${RLHF_HOME:-$REPO/.rlhf}"
+HOST="${RLHF_HOST:-127.0.0.1}"
+PREFECT_PORT="${RLHF_PREFECT_PORT:-4200}"
+MLFLOW_PORT="${RLHF_MLFLOW_PORT:-5000}"
+POOL="${RLHF_POOL:-rlhf-local}"
+VENV_BIN="$(dirname "${RLHF_PYTHON:-$REPO/.venv/bin/python}")"
+PIDS="$RLHF_HOME/pids"
+LOGS="$RLHF_HOME/logs"
+
+stack_env() {
+  # Everything a client of this stack needs; `eval "$(scripts/stack.sh env)"` loads it.
+  mkdir -p "$RLHF_HOME"
+  RLHF_HOME="$(cd "$RLHF_HOME" && pwd)"
+  cat <<ENV
+export RLHF_HOME="$RLHF_HOME"
+export RLHF_REPO="$REPO"
+export RLHF_POOL="$POOL"
+export PREFECT_HOME="$RLHF_HOME/prefect"
+export PREFECT_API_URL="http://$HOST:$PREFECT_PORT/api"
+export PREFECT_UI_URL="http://$HOST:$PREFECT_PORT"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+export PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///$RLHF_HOME/prefect/prefect.db"
+export MLFLOW_TRACKING_URI="http://$HOST:$MLFLOW_PORT"
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
+export TOKENIZERS_PARALLELISM=false
+export PATH="$VENV_BIN:\$PATH"
+ENV
+}
+
+wait_http() {  # url seconds name
+  local deadline=$((SECONDS + $2))
+  until curl -fsS -o /dev/null "$1" 2>/dev/null; do
+    if (( SECONDS > deadline )); then
+      echo "error: $3 did not answer at $1 within $2 s; see $LOGS/" >&2
+      return 1
+    fi
+    sleep 1
+  done
+}
+
+start() {  # name command...
+  local name="$1"; shift
+  if [[ -f "$PIDS/$name" ]] && kill -0 "$(cat "$PIDS/$name")" 2>/dev/null; then
+    echo "$name already running (pid $(cat "$PIDS/$name"))"
+    return
+  fi
+  # Job control puts each service in its own process group, so `down` can stop it with its children.
+  set -m
+  nohup "$@" >"$LOGS/$name.log" 2>&1 &
+  echo $! >"$PIDS/$name"
+  set +m
+}
+
+up() {
+  eval "$(stack_env)"
+  mkdir -p "$PIDS" "$LOGS" "$PREFECT_HOME" "$RLHF_HOME/mlartifacts"
+  start mlflow mlflow server --host "$HOST" --port "$MLFLOW_PORT" \
+    --backend-store-uri "sqlite:///$RLHF_HOME/mlflow.db" \
+    --artifacts-destination "$RLHF_HOME/mlartifacts" --serve-artifacts --workers 1
+  start prefect prefect server start --host "$HOST" --port "$PREFECT_PORT"
+  wait_http "$PREFECT_UI_URL/api/health" 120 "Prefect server"
+  wait_http "$MLFLOW_TRACKING_URI/health" 120 "MLflow server"
+  prefect work-pool inspect "$POOL" >/dev/null 2>&1 || prefect work-pool create "$POOL" --type process >/dev/null
+  start worker prefect worker start --pool "$POOL" --type process
+  (cd "$REPO" && prefect --no-prompt deploy --all >"$LOGS/deploy.log" 2>&1) || {
+    echo "error: prefect deploy failed; see $LOGS/deploy.log" >&2; return 1; }
+  echo "Prefect UI: $PREFECT_UI_URL"
+  echo "MLflow UI:  $MLFLOW_TRACKING_URI"
+}
+
+down() {
+  local name pid
+  for name in worker prefect mlflow; do
+    [[ -f "$PIDS/$name" ]] || continue
+    pid="$(cat "$PIDS/$name")"
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+      for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+      kill -KILL -- "-$pid" 2>/dev/null || true
+      echo "stopped $name (pid $pid)"
+    fi
+    rm -f "$PIDS/$name"
+  done
+}
+
+status() {
+  local name
+  for name in mlflow prefect worker; do
+    if [[ -f "$PIDS/$name" ]] && kill -0 "$(cat "$PIDS/$name")" 2>/dev/null; then
+      echo "$name: running (pid $(cat "$PIDS/$name"))"
+    else
+      echo "$name: stopped"
+    fi
+  done
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  status) status ;;
+  env) stack_env ;;
+  *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
+esac
