@@ -16,12 +16,14 @@ import pandas as pd
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.context import get_run_context
+from prefect.states import Failed, State
 from pydantic import BaseModel, Field
 
 from rlhf import tracking
-from rlhf.config import PipelineConfig, config_hash, flatten, load_config
+from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
 from rlhf.demo_world import DemoWorldConfig, build_world, resolve_location
-from schemas.validate import LengthBudget, ValidatedData, load_validated
+from schemas.errors import DataContractError
+from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.models import load_tokenizer
 
 StageName = Literal["sft", "reward", "ppo"]
@@ -67,12 +69,17 @@ def _validated_pair(cfg, world: str | None, kind: str, tokenizer, budget: Length
         return train, load(cfg.eval_data)
     held_out = train.frame.sample(frac=cfg.eval_fraction, random_state=cfg.seed)
     kept = train.frame.drop(index=held_out.index)
-    from schemas.validate import data_digest
 
     def part(frame: pd.DataFrame, name: str) -> ValidatedData:
         return ValidatedData(frame, f"{train.source} ({name})", kind, train.format, data_digest(frame))
 
     return part(kept, "train split"), part(held_out, "eval split")
+
+
+def refuse(message: str) -> State:
+    """A user error (bad data or config): logged as the message alone, without a traceback."""
+    get_run_logger().error(message)
+    return Failed(message=message)
 
 
 def _publish_summary(stage: str, run_id: str, metrics: dict[str, float], samples: list[dict[str, str]]) -> None:
@@ -88,7 +95,7 @@ def _publish_summary(stage: str, run_id: str, metrics: dict[str, float], samples
 
 
 @task
-def sft(cfg: PipelineConfig, world: str | None, experiment_id: str, parent_run_id: str) -> StageRecord:
+def sft(cfg: PipelineConfig, world: str | None, experiment_id: str, parent_run_id: str) -> StageRecord | State:
     """Validate demonstrations, fine-tune the base model, log everything to a child run."""
     from stages.sft import train_sft
 
@@ -117,6 +124,8 @@ def sft(cfg: PipelineConfig, world: str | None, experiment_id: str, parent_run_i
         _publish_summary("sft", run_id, result.metrics, result.samples)
         return StageRecord(stage="sft", run_id=run_id, checkpoint_uri=f"runs:/{run_id}/{tracking.CHECKPOINT_PATH}",
                            config_hash=tags[tracking.TAG_CONFIG_HASH], data_digest=train.digest, metrics=result.metrics)
+    except DataContractError as e:  # the run is already marked FAILED by the `with` block
+        return refuse(e.report())
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -130,7 +139,7 @@ def rlhf(
     config_file: str = "configs/demo.yaml",
     overrides: dict[str, Any] = {},
     upstream: UpstreamRuns = UpstreamRuns(),
-) -> list[StageRecord]:
+) -> list[StageRecord] | State:
     """Run the named RLHF stages in order, as children of one MLflow pipeline run.
 
     `config_file` is a YAML config (relative to the repository); `overrides` sets single
@@ -139,8 +148,11 @@ def rlhf(
     logger = get_run_logger()
     missing = [s for s in stages if s not in AVAILABLE_STAGES]
     if missing:
-        raise ValueError(f"stage(s) {', '.join(missing)} not available in this version; available: {', '.join(AVAILABLE_STAGES)}")
-    cfg = load_config(config_file, overrides)
+        return refuse(f"stage(s) {', '.join(missing)} not available in this version; available: {', '.join(AVAILABLE_STAGES)}")
+    try:
+        cfg = load_config(config_file, overrides)
+    except ConfigError as e:
+        return refuse(str(e))
     experiment_id = tracking.ensure_experiment(cfg.experiment)
     version, commit = tracking.code_version()
     flow_run_id = str(get_run_context().flow_run.id)
@@ -153,10 +165,15 @@ def rlhf(
     ok = False
     try:
         world = build_demo_world(cfg.demo) if cfg.demo is not None else None
-        records = [STAGE_TASKS[name](cfg, world, experiment_id, parent_run_id) for name in stages]
-        for record in records:
+        records = []
+        for name in stages:
+            state = STAGE_TASKS[name](cfg, world, experiment_id, parent_run_id, return_state=True)
+            if not state.is_completed():
+                return Failed(message=f"stage {name} failed: {state.message}")
+            record = state.result()
             logger.info("%s run %s: %s", record.stage, record.run_id,
                         ", ".join(f"{k}={v:.4g}" for k, v in sorted(record.metrics.items())))
+            records.append(record)
         ok = True
         return records
     finally:

@@ -64,15 +64,15 @@ def _as_prompt_completion(frame: pd.DataFrame, eos_token: str) -> datasets.Datas
     })
 
 
-def train_sft(
+def build_trainer(
     cfg: SFTConfig,
     model_location: str,
     train: pd.DataFrame,
     evaluation: pd.DataFrame,
     output_dir: Path,
     sink: MetricsSink | None = None,
-) -> SFTResult:
-    """Fine-tune the causal LM at `model_location` on validated (prompt, response) records."""
+) -> SFTTrainer:
+    """TRL's SFTTrainer set up from our config: completion-only loss, no checkpoints of its own."""
     set_seed(cfg.seed)
     tokenizer = load_tokenizer(model_location, trust_remote_code=cfg.trust_remote_code)
     model = load_causal_lm(model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
@@ -90,7 +90,7 @@ def train_sft(
         lr_scheduler_type=cfg.lr_scheduler_type,
         weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,
-        gradient_checkpointing=cfg.gradient_checkpointing,
+        activation_checkpointing=cfg.gradient_checkpointing,
         max_length=cfg.max_length,
         completion_only_loss=True,
         packing=False,
@@ -114,6 +114,20 @@ def train_sft(
         callbacks=[_ForwardLogs(sink)] if sink else None,
     )
     trainer.remove_callback(PrinterCallback)  # the sink, not stdout, receives the logs
+    return trainer
+
+
+def train_sft(
+    cfg: SFTConfig,
+    model_location: str,
+    train: pd.DataFrame,
+    evaluation: pd.DataFrame,
+    output_dir: Path,
+    sink: MetricsSink | None = None,
+) -> SFTResult:
+    """Fine-tune the causal LM at `model_location` on validated (prompt, response) records."""
+    trainer = build_trainer(cfg, model_location, train, evaluation, output_dir, sink)
+    tokenizer = trainer.processing_class
     untrained_loss = trainer.evaluate()["eval_loss"]
     if sink:
         sink({"eval/loss_untrained": untrained_loss}, 0)

@@ -1,0 +1,34 @@
+"""Shared fixtures: a tiny demo world built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from rlhf.config import load_config  # noqa: E402
+from rlhf.demo_world import build_world  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    return load_config("configs/tiny.yaml")
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory, tiny_config) -> Path:
+    return build_world(tmp_path_factory.mktemp("worlds"), tiny_config.demo)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(world):
+    from stages.models import load_tokenizer
+
+    return load_tokenizer(str(world / "model"))

@@ -1,0 +1,78 @@
+"""The SFT stage: completion-only loss, real learning on a tiny config, a hub-shaped checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+from schemas.validate import LengthBudget, load_validated
+from stages.sft import build_trainer, train_sft
+
+
+def _data(world, cfg, tokenizer, name):
+    budget = LengthBudget(cfg.max_prompt_length, cfg.max_length)
+    return load_validated(str(world / f"{name}.jsonl"), "sft", tokenizer=tokenizer, budget=budget).frame
+
+
+def test_loss_covers_the_response_and_eos_only(world, tiny_config, tokenizer, tmp_path):
+    cfg = tiny_config.sft
+    train = _data(world, cfg, tokenizer, "sft")
+    trainer = build_trainer(cfg, str(world / "model"), train, train.head(4), tmp_path)
+    example = trainer.train_dataset[0]
+    n_prompt = len(tokenizer(train.iloc[0]["prompt"], add_special_tokens=False)["input_ids"])
+    n_reply = len(tokenizer(train.iloc[0]["response"], add_special_tokens=False)["input_ids"]) + 1  # + EOS
+    assert len(example["input_ids"]) == n_prompt + n_reply
+    assert example["labels"] == [-100] * n_prompt + example["input_ids"][n_prompt:]
+    assert example["input_ids"][-1] == tokenizer.eos_token_id
+
+
+def test_sft_learns_the_demo_task_and_saves_a_loadable_checkpoint(world, tiny_config, tokenizer, tmp_path):
+    cfg = tiny_config.sft.model_copy(update={"max_steps": 30, "learning_rate": 3e-3})
+    logged = []
+    result = train_sft(cfg, str(world / "model"), _data(world, cfg, tokenizer, "sft"),
+                       _data(world, cfg, tokenizer, "sft_eval"), tmp_path, sink=lambda m, s: logged.append((s, m)))
+    assert result.metrics["eval/loss"] < 0.6 * result.metrics["eval/loss_untrained"]
+    assert result.metrics["train/steps"] == 30
+    assert any("train/loss" in m for _, m in logged) and any("eval/loss" in m for _, m in logged)
+    assert len(result.samples) == cfg.num_samples and all(s["response"] for s in result.samples)
+
+    files = {p.name for p in result.checkpoint.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= files
+    model = AutoModelForCausalLM.from_pretrained(result.checkpoint, use_safetensors=True)
+    reloaded = AutoTokenizer.from_pretrained(result.checkpoint)
+    assert reloaded.chat_template == tokenizer.chat_template
+    assert json.loads((result.checkpoint / "generation_config.json").read_text())["eos_token_id"] == tokenizer.eos_token_id
+    assert model.config.pad_token_id == tokenizer.pad_token_id
+
+
+@pytest.fixture
+def foreign_model(tmp_path, world):
+    """A local GPT-2-style model whose tokenizer has no pad token and no chat template:
+    the shape of many hub checkpoints, standing in for one here (no network)."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(world / "model" / "tokenizer.json"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>")
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=1, n_head=2,
+                                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    folder = tmp_path / "gpt2-tiny"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_any_local_causal_lm_works_in_place_of_the_demo_model(foreign_model, world, tiny_config, tmp_path):
+    from stages.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(foreign_model))
+    assert tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
+    cfg = tiny_config.sft.model_copy(update={"max_steps": 2, "model": str(foreign_model)})
+    train = _data(world, cfg, tokenizer, "sft")
+    assert train.iloc[0]["prompt"] == json.loads(train.iloc[0]["prompt_messages"])[0]["content"]  # no template
+    result = train_sft(cfg, str(foreign_model), train, train.head(4), tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(result.checkpoint)
+    assert model.get_input_embeddings().num_embeddings == len(tokenizer)  # grew by the added pad token
+    assert torch.isfinite(torch.tensor(result.metrics["eval/loss"]))
