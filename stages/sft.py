@@ -104,6 +104,7 @@ def build_trainer(
         seed=cfg.seed,
         data_seed=cfg.seed,
         dataset_num_proc=None,
+        dataloader_pin_memory=torch.cuda.is_available(),
     )
     trainer = SFTTrainer(
         model=model,

@@ -1,0 +1,107 @@
+"""The `rlhf` flow in-process: MLflow run hierarchy, lineage, artifacts, and clean refusals."""
+
+from __future__ import annotations
+
+import os
+
+import mlflow
+import pandas as pd
+import pytest
+from mlflow.tracking import MlflowClient
+from prefect.testing.utilities import prefect_test_harness
+from transformers import AutoModelForCausalLM
+
+from rlhf import tracking
+from tests.conftest import DATA
+
+
+@pytest.fixture(scope="module")
+def tracking_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flow")
+    previous = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "RLHF_HOME")}
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{root}/mlflow.db"
+    os.environ["RLHF_HOME"] = str(root / "home")
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    with prefect_test_harness(server_startup_timeout=120):
+        yield root
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    mlflow.set_tracking_uri(None)
+
+
+@pytest.fixture(scope="module")
+def finished(tracking_store):
+    from flows.pipeline import rlhf
+
+    state = rlhf(config_file="configs/tiny.yaml", return_state=True)
+    assert state.is_completed(), state.message
+    return state.result()
+
+
+def _runs(filter_string: str):
+    experiment = MlflowClient().get_experiment_by_name("rlhf")
+    return MlflowClient().search_runs([experiment.experiment_id], filter_string=filter_string)
+
+
+def test_stage_run_is_a_tagged_child_of_the_pipeline_run(finished):
+    (record,) = finished
+    run = MlflowClient().get_run(record.run_id)
+    tags = run.data.tags
+    assert run.info.status == "FINISHED"
+    assert tags[tracking.TAG_STAGE] == "sft"
+    parent = MlflowClient().get_run(tags["mlflow.parentRunId"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["rlhf.stages"] == "sft"
+    assert tags[tracking.TAG_CONFIG_HASH] == record.config_hash
+    assert tags[tracking.TAG_DATA_DIGEST] == record.data_digest
+    assert tags[tracking.TAG_CODE_VERSION] == "0.1.0" and tags[tracking.TAG_GIT_COMMIT]
+    assert run.data.params["learning_rate"] == "0.003" and run.data.params["train_data.path"] == "demo:sft"
+    assert "eval/loss" in run.data.metrics and "eval/loss_untrained" in run.data.metrics
+    history = MlflowClient().get_metric_history(record.run_id, "train/loss")
+    assert len(history) >= 2  # a curve, not one point
+
+
+def test_validated_data_is_an_artifact_and_a_run_input(finished):
+    (record,) = finished
+    run = MlflowClient().get_run(record.run_id)
+    inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
+    assert set(inputs) == {"sft-train", "sft-eval"}
+    assert inputs["sft-train"].dataset.digest == record.data_digest[:32]
+    local = mlflow.artifacts.download_artifacts(f"runs:/{record.run_id}/data/sft-train.parquet")
+    frame = pd.read_parquet(local)
+    assert list(frame.columns) == ["prompt", "prompt_messages", "response"] and len(frame) == 64
+
+
+def test_checkpoint_downloads_through_mlflow_and_loads(finished, tmp_path):
+    (record,) = finished
+    folder = tracking.download_checkpoint(record.run_id, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True)
+    assert model.config.model_type == "llama"
+    assert tracking.latest_finished_run("rlhf", "sft") == record.run_id
+
+
+def test_bad_data_fails_the_run_with_the_row_level_report(finished):
+    from flows.pipeline import rlhf
+
+    bad = str(DATA / "bad" / "sft_null.jsonl")
+    state = rlhf(config_file="configs/tiny.yaml", overrides={"sft.train_data.path": bad}, return_state=True)
+    assert state.is_failed()
+    assert "line 2, column 'prompt': missing value (null)" in state.message
+    assert "Traceback" not in state.message
+    failed = _runs(f"tags.`{tracking.TAG_STAGE}` = 'sft' and attributes.status = 'FAILED'")
+    assert len(failed) == 1 and failed[0].data.params["train_data.path"] == bad
+    assert not _runs("attributes.status = 'FINISHED' and params.`train_data.path` = '" + bad + "'")
+    assert tracking.latest_finished_run("rlhf", "sft") == finished[0].run_id  # bad input left no finished run
+
+
+def test_bad_config_and_unavailable_stage_are_refused_before_any_run(finished):
+    from flows.pipeline import rlhf
+
+    before = len(_runs(""))
+    state = rlhf(config_file="configs/tiny.yaml", overrides={"sft.learning_rate": -1}, return_state=True)
+    assert state.is_failed() and "sft.learning_rate" in state.message
+    state = rlhf(stages=["reward"], config_file="configs/tiny.yaml", return_state=True)
+    assert state.is_failed() and "not available in this version" in state.message
+    assert len(_runs("")) == before
