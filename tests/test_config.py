@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rlhf.cli import main as cli
@@ -53,3 +55,10 @@ def test_config_reference_documents_every_field(capsys):
     for key in ("`sft.learning_rate`", "`demo.seed`", "`experiment`", "`sft.train_data`"):
         assert key in table
     assert not [line for line in table.splitlines() if line.endswith("|  |")]  # every field described
+
+
+def test_readme_reference_matches_the_code(capsys):
+    cli(["config-reference"])
+    table = capsys.readouterr().out
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert table.strip() in readme, "README's configuration reference is stale: regenerate with `rlhf config-reference`"
