@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 from typing import Any, Literal
 
 import mlflow
@@ -48,14 +47,10 @@ class StageRecord(BaseModel):
     metrics: dict[str, float]
 
 
-def _state_dir() -> Path:
-    return tracking.workdir().parent.parent
-
-
 @task(retries=1, retry_delay_seconds=5)
 def build_demo_world(demo: DemoWorldConfig) -> str:
     """Build (or reuse) the embedded demo world; returns its folder."""
-    return str(build_world(_state_dir() / "worlds", demo))
+    return str(build_world(tracking.state_dir() / "worlds", demo))
 
 
 def _validated_pair(cfg, world: str | None, kind: str, tokenizer, budget: LengthBudget) -> tuple[ValidatedData, ValidatedData]:

@@ -44,7 +44,9 @@ def ensure_experiment(name: str) -> str:
     if uri.startswith("sqlite:"):
         location = (Path(uri.split(":///", 1)[1]).parent / "mlartifacts").as_uri()
     try:
-        return client.create_experiment(name, artifact_location=location)
+        # The experiment kind makes the MLflow 3 UI open on runs and their curves, not on GenAI traces.
+        return client.create_experiment(name, artifact_location=location,
+                                        tags={"mlflow.experimentKind": "custom_model_development"})
     except mlflow.exceptions.MlflowException:  # created concurrently by another run
         return client.get_experiment_by_name(name).experiment_id
 
@@ -119,8 +121,13 @@ def run_url(run_id: str) -> str | None:
     return f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
 
 
+def state_dir() -> Path:
+    """The folder that holds all local state: `$RLHF_HOME`, by default `.rlhf/` in the repository."""
+    return Path(os.environ.get("RLHF_HOME", REPO_ROOT / ".rlhf"))
+
+
 def workdir() -> Path:
-    """Local scratch space for stage outputs before upload: under the state folder."""
-    root = Path(os.environ.get("RLHF_HOME", REPO_ROOT / ".rlhf")) / "work"
+    """A fresh scratch folder for one stage's outputs before upload."""
+    root = state_dir() / "work"
     root.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(dir=root))
