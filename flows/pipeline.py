@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import mlflow
@@ -19,21 +23,23 @@ from prefect.states import Failed, State
 from pydantic import BaseModel, Field
 
 from rlhf import tracking
-from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
-from rlhf.demo_world import DemoWorldConfig, build_world, resolve_location
+from rlhf.config import ConfigError, DataSource, PipelineConfig, TrainingConfig, config_hash, flatten, load_config
+from rlhf.demo_world import DEMO_SCHEME, DemoWorldConfig, build_world, gold_accuracy, resolve_location
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.models import load_tokenizer
 
 StageName = Literal["sft", "reward", "ppo"]
-AVAILABLE_STAGES: tuple[StageName, ...] = ("sft",)
-"""Stages this version can run; reward and PPO arrive with their own issues."""
+AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward")
+"""Stages this version can run, in pipeline order; PPO arrives with its own issue."""
+UPSTREAM: dict[str, tuple[str, ...]] = {"sft": (), "reward": ("sft",), "ppo": ("sft", "reward")}
 
 
 class UpstreamRuns(BaseModel):
     """MLflow run ids of upstream stages for single-stage reruns; empty means the latest finished run."""
 
     sft_run_id: str | None = Field(None, description="SFT run whose checkpoint later stages start from.")
+    reward_run_id: str | None = Field(None, description="Reward run whose model PPO optimises against.")
 
 
 class StageRecord(BaseModel):
@@ -47,37 +53,78 @@ class StageRecord(BaseModel):
     metrics: dict[str, float]
 
 
+@dataclass(frozen=True)
+class StageContext:
+    """What a stage task gets from the flow."""
+
+    config: PipelineConfig
+    world: str | None
+    experiment_id: str
+    parent_run_id: str
+    upstream: dict[str, str]
+    """Run id of each upstream stage, by stage name."""
+
+
+def refuse(message: str) -> State:
+    """A user error (bad data, bad config, a failed gate): logged as the message alone, without a traceback."""
+    get_run_logger().error(message)
+    return Failed(message=message)
+
+
 @task(retries=1, retry_delay_seconds=5)
 def build_demo_world(demo: DemoWorldConfig) -> str:
     """Build (or reuse) the embedded demo world; returns its folder."""
     return str(build_world(tracking.state_dir() / "worlds", demo))
 
 
-def _validated_pair(cfg, world: str | None, kind: str, tokenizer, budget: LengthBudget) -> tuple[ValidatedData, ValidatedData]:
-    """Train and eval data for a stage; eval is split off train when the config names none."""
-    def load(source) -> ValidatedData:
-        return load_validated(resolve_location(source.path, world), kind, format=source.format, split=source.split,
-                              tokenizer=tokenizer, budget=budget, duplicates=cfg.duplicates)
-
-    train = load(cfg.train_data)
-    if cfg.eval_data is not None:
-        return train, load(cfg.eval_data)
-    held_out = train.frame.sample(frac=cfg.eval_fraction, random_state=cfg.seed)
-    kept = train.frame.drop(index=held_out.index)
-
-    def part(frame: pd.DataFrame, name: str) -> ValidatedData:
-        return ValidatedData(frame, f"{train.source} ({name})", kind, train.format, data_digest(frame))
-
-    return part(kept, "train split"), part(held_out, "eval split")
+# --- the skeleton every stage task shares ---------------------------------------------------
 
 
-def refuse(message: str) -> State:
-    """A user error (bad data or config): logged as the message alone, without a traceback."""
-    get_run_logger().error(message)
-    return Failed(message=message)
+@contextmanager
+def stage_run(stage: str, section: BaseModel, ctx: StageContext) -> Iterator[tuple[str, Path]]:
+    """A child MLflow run with the stage's config as params and lineage tags, active inside the
+    block, plus a scratch folder removed afterwards. An exception leaves the run FAILED."""
+    version, commit = tracking.code_version()
+    tags = {tracking.TAG_CONFIG_HASH: config_hash(section), tracking.TAG_CODE_VERSION: version,
+            tracking.TAG_GIT_COMMIT: commit}
+    tags |= {tracking.TAG_UPSTREAM + name: run_id for name, run_id in ctx.upstream.items()}
+    run_id = tracking.create_stage_run(ctx.experiment_id, ctx.parent_run_id, stage, tags)
+    scratch = tracking.workdir()
+    try:
+        with mlflow.start_run(run_id=run_id):
+            mlflow.log_params(flatten(section))
+            yield run_id, scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _publish_summary(stage: str, run_id: str, metrics: dict[str, float], samples: list[dict[str, str]]) -> None:
+def validated(source: DataSource, kind: str, section: TrainingConfig, world: str | None, tokenizer) -> ValidatedData:
+    return load_validated(resolve_location(source.path, world), kind, format=source.format, split=source.split,
+                          tokenizer=tokenizer, budget=LengthBudget(section.max_prompt_length, section.max_length),
+                          duplicates=section.duplicates)
+
+
+def train_and_eval_data(section, kind: str, world: str | None, tokenizer) -> tuple[ValidatedData, ValidatedData]:
+    """Validated train and eval data, logged to the active run; eval is split off train when the config names none."""
+    train = validated(section.train_data, kind, section, world, tokenizer)
+    if section.eval_data is not None:
+        evaluation = validated(section.eval_data, kind, section, world, tokenizer)
+    else:
+        held_out = train.frame.sample(frac=section.eval_fraction, random_state=section.seed)
+        kept = train.frame.drop(index=held_out.index)
+        evaluation = ValidatedData(held_out, f"{train.source} (eval split)", kind, train.format, data_digest(held_out))
+        train = ValidatedData(kept, f"{train.source} (train split)", kind, train.format, data_digest(kept))
+    mlflow.set_tag(tracking.TAG_DATA_DIGEST, train.digest)
+    for name, data in (("train", train), ("eval", evaluation)):
+        tracking.log_data(data.frame, f"{kind}-{name}", data.source, data.digest, name)
+    return train, evaluation
+
+
+def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedData, metrics: dict[str, float],
+           checkpoint: Path, samples: list[dict[str, str]]) -> StageRecord:
+    """Log final metrics and the checkpoint (inside the active run), publish the Prefect summary."""
+    mlflow.log_metrics(metrics)
+    mlflow.log_artifacts(str(checkpoint), tracking.CHECKPOINT_PATH)
     url = tracking.run_url(run_id)
     link = f"[{run_id}]({url})" if url else f"`{run_id}`"
     rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()))
@@ -87,45 +134,93 @@ def _publish_summary(stage: str, run_id: str, metrics: dict[str, float], samples
         markdown=f"# {stage} stage\n\nMLflow run: {link}\n\n| metric | value |\n|---|---|\n{rows}\n\n## Samples\n{shown}\n",
         description=f"{stage} stage results",
     )
+    return StageRecord(stage=stage, run_id=run_id, checkpoint_uri=f"runs:/{run_id}/{tracking.CHECKPOINT_PATH}",
+                       config_hash=config_hash(section), data_digest=data.digest, metrics=metrics)
+
+
+def _is_demo(source: DataSource | None) -> bool:
+    return source is not None and source.path.startswith(DEMO_SCHEME)
+
+
+# --- stage tasks ----------------------------------------------------------------------------
 
 
 @task
-def sft(cfg: PipelineConfig, world: str | None, experiment_id: str, parent_run_id: str) -> StageRecord | State:
+def sft(ctx: StageContext) -> StageRecord | State:
     """Validate demonstrations, fine-tune the base model, log everything to a child run."""
     from stages.sft import train_sft
 
-    stage = cfg.sft
-    model_location = resolve_location(stage.model, world)
-    version, commit = tracking.code_version()
-    tags = {tracking.TAG_CONFIG_HASH: config_hash(stage), tracking.TAG_CODE_VERSION: version,
-            tracking.TAG_GIT_COMMIT: commit, "rlhf.base_model": stage.model}
-    run_id = tracking.create_stage_run(experiment_id, parent_run_id, "sft", tags)
-    out = tracking.workdir()
+    section = ctx.config.sft
+    model_location = resolve_location(section.model, ctx.world)
     try:
-        with mlflow.start_run(run_id=run_id):
-            mlflow.log_params(flatten(stage))
-            tokenizer = load_tokenizer(model_location, trust_remote_code=stage.trust_remote_code)
-            budget = LengthBudget(stage.max_prompt_length, stage.max_length)
-            train, evaluation = _validated_pair(stage, world, "sft", tokenizer, budget)
-            mlflow.set_tag(tracking.TAG_DATA_DIGEST, train.digest)
-            tracking.log_data(train.frame, "sft-train", train.source, train.digest, "train")
-            tracking.log_data(evaluation.frame, "sft-eval", evaluation.source, evaluation.digest, "eval")
-
-            result = train_sft(stage, model_location, train.frame, evaluation.frame, out,
+        with stage_run("sft", section, ctx) as (run_id, scratch):
+            mlflow.set_tag("rlhf.base_model", section.model)
+            tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code)
+            train, evaluation = train_and_eval_data(section, "sft", ctx.world, tokenizer)
+            result = train_sft(section, model_location, train.frame, evaluation.frame, scratch,
                                sink=lambda metrics, step: mlflow.log_metrics(metrics, step=step))
-            mlflow.log_metrics(result.metrics)
             mlflow.log_table(pd.DataFrame(result.samples), "samples.json")
-            mlflow.log_artifacts(str(result.checkpoint), tracking.CHECKPOINT_PATH)
-        _publish_summary("sft", run_id, result.metrics, result.samples)
-        return StageRecord(stage="sft", run_id=run_id, checkpoint_uri=f"runs:/{run_id}/{tracking.CHECKPOINT_PATH}",
-                           config_hash=tags[tracking.TAG_CONFIG_HASH], data_digest=train.digest, metrics=result.metrics)
-    except DataContractError as e:  # the run is already marked FAILED by the `with` block
+            return finish("sft", run_id, section, train, result.metrics, result.checkpoint, result.samples)
+    except DataContractError as e:
         return refuse(e.report())
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
 
 
-STAGE_TASKS = {"sft": sft}
+@task
+def reward(ctx: StageContext) -> StageRecord | State:
+    """Train the reward model from the upstream SFT checkpoint (downloaded through MLflow)."""
+    from stages.reward import RewardGateError, train_reward
+
+    section = ctx.config.reward
+    try:
+        with stage_run("reward", section, ctx) as (run_id, scratch):
+            policy_location = str(tracking.download_checkpoint(ctx.upstream["sft"], scratch / "sft"))
+            model_location = resolve_location(section.model, ctx.world) if section.model else policy_location
+            mlflow.set_tag("rlhf.base_model", section.model or f"runs:/{ctx.upstream['sft']}/checkpoint")
+            tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code)
+            train, evaluation = train_and_eval_data(section, "preference", ctx.world, tokenizer)
+            prompts = validated(section.normalization_prompts, "prompt", section, ctx.world, load_tokenizer(policy_location))
+            tracking.log_data(prompts.frame, "normalization-prompts", prompts.source, prompts.digest, "normalization")
+            try:
+                result = train_reward(section, model_location, policy_location, train.frame, evaluation.frame,
+                                      prompts.frame, scratch, sink=lambda metrics, step: mlflow.log_metrics(metrics, step=step))
+            except RewardGateError as gate:
+                mlflow.log_metrics(gate.metrics)
+                raise
+            scores = result.eval_scores
+            if _is_demo(section.eval_data) or (section.eval_data is None and _is_demo(section.train_data)):
+                last_user = [json.loads(m)[-1]["content"] for m in scores["prompt_messages"]]
+                result.metrics["eval/gold_accuracy"] = gold_accuracy(
+                    last_user, list(scores["chosen"]), list(scores["rejected"]),
+                    list(scores["score_chosen"]), list(scores["score_rejected"]))
+            mlflow.log_table(result.calibration, "calibration.json")
+            responses = pd.concat([
+                scores[["prompt", "chosen", "score_chosen"]].set_axis(["prompt", "response", "score"], axis=1),
+                scores[["prompt", "rejected", "score_rejected"]].set_axis(["prompt", "response", "score"], axis=1),
+            ]).sort_values("score", ascending=False)
+            n = section.num_table_rows
+            extremes = pd.concat([responses.head(n).assign(rank="highest"), responses.tail(n).assign(rank="lowest")])
+            mlflow.log_table(extremes, "extremes.json")
+            samples = [{"prompt": p, "response": f"{r}  (score {s:+.2f})"} for p, r, s in
+                       extremes[["prompt", "response", "score"]].head(3).itertuples(index=False)]
+            return finish("reward", run_id, section, train, result.metrics, result.checkpoint, samples)
+    except (DataContractError, RewardGateError) as e:
+        return refuse(e.report() if isinstance(e, DataContractError) else str(e))
+
+
+STAGE_TASKS = {"sft": sft, "reward": reward}
+
+
+def _resolve_upstream(stage: str, records: dict[str, StageRecord], given: UpstreamRuns, experiment: str) -> dict[str, str]:
+    """Run ids of `stage`'s upstream stages: from this pipeline run, else as given, else the latest finished."""
+    resolved = {}
+    for name in UPSTREAM[stage]:
+        run_id = records[name].run_id if name in records else getattr(given, f"{name}_run_id")
+        run_id = run_id or tracking.latest_finished_run(experiment, name)
+        if run_id is None:
+            raise LookupError(f"stage {stage} needs a finished {name} run; none is in experiment {experiment!r}. "
+                              f"Run rlhf/{name} first or pass upstream.{name}_run_id")
+        resolved[name] = run_id
+    return resolved
 
 
 @flow(name="rlhf")
@@ -135,10 +230,11 @@ def rlhf(
     overrides: dict[str, Any] = {},
     upstream: UpstreamRuns = UpstreamRuns(),
 ) -> list[StageRecord] | State:
-    """Run the named RLHF stages in order, as children of one MLflow pipeline run.
+    """Run the named RLHF stages in pipeline order, as children of one MLflow pipeline run.
 
     `config_file` is a YAML config (relative to the repository); `overrides` sets single
-    fields by dotted name, e.g. {"sft.learning_rate": 3e-4}.
+    fields by dotted name, e.g. {"sft.learning_rate": 3e-4}. A stage run alone starts from
+    `upstream` run ids, or from the latest finished run of each upstream stage.
     """
     logger = get_run_logger()
     missing = [s for s in stages if s not in AVAILABLE_STAGES]
@@ -148,28 +244,33 @@ def rlhf(
         cfg = load_config(config_file, overrides)
     except ConfigError as e:
         return refuse(str(e))
+    ordered = [s for s in AVAILABLE_STAGES if s in stages]
     experiment_id = tracking.ensure_experiment(cfg.experiment)
     version, commit = tracking.code_version()
-    flow_run_id = str(get_run_context().flow_run.id)
     parent_run_id = tracking.start_pipeline_run(experiment_id, {
-        "rlhf.stages": ",".join(stages), "rlhf.config_file": config_file, "rlhf.overrides": json.dumps(overrides),
+        "rlhf.stages": ",".join(ordered), "rlhf.config_file": config_file, "rlhf.overrides": json.dumps(overrides),
         tracking.TAG_CONFIG_HASH: config_hash(cfg), tracking.TAG_CODE_VERSION: version,
-        tracking.TAG_GIT_COMMIT: commit, tracking.TAG_PREFECT_FLOW_RUN: flow_run_id,
+        tracking.TAG_GIT_COMMIT: commit, tracking.TAG_PREFECT_FLOW_RUN: str(get_run_context().flow_run.id),
     })
     logger.info("MLflow pipeline run %s", tracking.run_url(parent_run_id) or parent_run_id)
     ok = False
     try:
         world = build_demo_world(cfg.demo) if cfg.demo is not None else None
-        records = []
-        for name in stages:
-            state = STAGE_TASKS[name](cfg, world, experiment_id, parent_run_id, return_state=True)
+        records: dict[str, StageRecord] = {}
+        for name in ordered:
+            try:
+                upstream_ids = _resolve_upstream(name, records, upstream, cfg.experiment)
+            except LookupError as e:
+                return refuse(str(e))
+            ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids)
+            state = STAGE_TASKS[name](ctx, return_state=True)
             if not state.is_completed():
                 return Failed(message=f"stage {name} failed: {state.message}")
             record = state.result()
-            logger.info("%s run %s: %s", record.stage, record.run_id,
+            logger.info("%s run %s: %s", name, record.run_id,
                         ", ".join(f"{k}={v:.4g}" for k, v in sorted(record.metrics.items())))
-            records.append(record)
+            records[name] = record
         ok = True
-        return records
+        return list(records.values())
     finally:
         tracking.end_run(parent_run_id, ok)

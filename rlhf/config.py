@@ -35,15 +35,9 @@ class DataSource(_Frozen):
     """Input format: plain columns, Anthropic HH transcripts, or chat message lists; `auto` guesses."""
 
 
-class SFTConfig(_Frozen):
-    """Supervised fine-tuning of the base model on demonstrations (TRL `SFTTrainer`)."""
+class TrainingConfig(_Frozen):
+    """Settings every trainer-based stage shares."""
 
-    model: str = "demo:model"
-    """Base causal LM: a Hugging Face hub id, a local folder, or `demo:model`."""
-    train_data: DataSource = DataSource(path="demo:sft")
-    """Demonstrations to train on."""
-    eval_data: DataSource | None = DataSource(path="demo:sft_eval")
-    """Held-out demonstrations; when unset, `eval_fraction` of `train_data` is held out."""
     eval_fraction: float = Field(0.1, gt=0, lt=1)
     """Share of `train_data` held out for evaluation when `eval_data` is unset."""
     duplicates: Literal["error", "drop"] = "error"
@@ -51,7 +45,7 @@ class SFTConfig(_Frozen):
     max_prompt_length: PositiveInt = 64
     """Token budget of a rendered prompt; longer records are refused."""
     max_length: PositiveInt = 128
-    """Token budget of prompt + response + EOS; longer records are refused."""
+    """Token budget of prompt + reply + EOS; longer records are refused."""
     learning_rate: PositiveFloat = 2e-5
     """Peak AdamW learning rate."""
     num_train_epochs: PositiveFloat = 1.0
@@ -59,7 +53,7 @@ class SFTConfig(_Frozen):
     max_steps: PositiveInt | None = None
     """Stop after this many optimizer steps."""
     batch_size: PositiveInt = 8
-    """Examples per device per step."""
+    """Examples (pairs, for the reward model) per device per step."""
     gradient_accumulation_steps: PositiveInt = 1
     """Micro-batches accumulated per optimizer step."""
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
@@ -75,19 +69,53 @@ class SFTConfig(_Frozen):
     eval_steps: PositiveInt = 20
     """Evaluate on held-out data every this many steps."""
     logging_steps: PositiveInt = 10
-    """Log training loss every this many steps."""
-    num_samples: int = Field(4, ge=0)
-    """Held-out prompts answered greedily after training, shown as samples."""
+    """Log training figures every this many steps."""
     seed: int = 0
     """Seeds data order and initialisation."""
     trust_remote_code: bool = False
     """Allow model repositories to run their own Python code when loading."""
 
     @model_validator(mode="after")
-    def _budgets_fit(self) -> SFTConfig:
+    def _budgets_fit(self):
         if self.max_prompt_length >= self.max_length:
             raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be below max_length ({self.max_length})")
         return self
+
+
+class SFTConfig(TrainingConfig):
+    """Supervised fine-tuning of the base model on demonstrations (TRL `SFTTrainer`)."""
+
+    model: str = "demo:model"
+    """Base causal LM: a Hugging Face hub id, a local folder, or `demo:model`."""
+    train_data: DataSource = DataSource(path="demo:sft")
+    """Demonstrations to train on."""
+    eval_data: DataSource | None = DataSource(path="demo:sft_eval")
+    """Held-out demonstrations; when unset, `eval_fraction` of `train_data` is held out."""
+    num_samples: int = Field(4, ge=0)
+    """Held-out prompts answered greedily after training, shown as samples."""
+
+
+class RewardConfig(TrainingConfig):
+    """Bradley-Terry reward model on preference pairs (TRL `RewardTrainer`)."""
+
+    model: str | None = None
+    """Initial weights: unset means the upstream SFT run's checkpoint; else a hub id or local folder."""
+    train_data: DataSource = DataSource(path="demo:preferences")
+    """Preference pairs to train on."""
+    eval_data: DataSource | None = DataSource(path="demo:preferences_eval")
+    """Held-out pairs; when unset, `eval_fraction` of `train_data` is held out."""
+    center_rewards_coefficient: float | None = Field(None, ge=0)
+    """Weight of the reward-centering term mean((r_chosen + r_rejected)^2); unset disables it."""
+    normalization_prompts: DataSource = DataSource(path="demo:prompts_eval")
+    """Held-out prompts whose SFT responses define the normalised scale (mean 0, std 1)."""
+    normalization_samples: PositiveInt = 4
+    """Responses sampled from the SFT policy per normalisation prompt."""
+    min_eval_accuracy: float = Field(0.6, ge=0, le=1)
+    """Quality gate: below this held-out accuracy the stage fails and the pipeline stops."""
+    calibration_buckets: PositiveInt = 5
+    """Margin buckets (equal counts) in the calibration view."""
+    num_table_rows: PositiveInt = 10
+    """Highest- and lowest-scored held-out responses logged as a table."""
 
 
 class PipelineConfig(_Frozen):
@@ -99,6 +127,8 @@ class PipelineConfig(_Frozen):
     """MLflow experiment that holds the pipeline's runs."""
     sft: SFTConfig = SFTConfig()
     """Supervised fine-tuning stage."""
+    reward: RewardConfig = RewardConfig()
+    """Reward-model stage."""
 
     @model_validator(mode="after")
     def _demo_locations_need_demo(self) -> PipelineConfig:
@@ -110,8 +140,9 @@ class PipelineConfig(_Frozen):
 
 
 def _locations(cfg: PipelineConfig) -> list[str]:
-    sft = cfg.sft
-    return [sft.model, sft.train_data.path] + ([sft.eval_data.path] if sft.eval_data else [])
+    sft, reward = cfg.sft, cfg.reward
+    sources = [sft.train_data, sft.eval_data, reward.train_data, reward.eval_data, reward.normalization_prompts]
+    return [sft.model, reward.model or ""] + [s.path for s in sources if s is not None]
 
 
 class ConfigError(ValueError):

@@ -310,3 +310,17 @@ def resolve_location(location: str, world_dir: Path | None) -> str:
     if world_dir is None:
         raise ValueError(f"{location!r} needs the demo world, which this config does not build")
     return str(Path(world_dir) / (name if name == "model" else f"{name}.jsonl"))
+
+
+def gold_accuracy(prompts: list[str], chosen: list[str], rejected: list[str],
+                  score_chosen: list[float], score_rejected: list[float]) -> float:
+    """Share of pairs, among those the gold function does not tie, where the higher-scored
+    response is the one the noise-free gold function prefers."""
+    hits, counted = 0, 0
+    for prompt, a, b, sa, sb in zip(prompts, chosen, rejected, score_chosen, score_rejected, strict=True):
+        preference = gold_prefers(prompt, a, b)
+        if preference == 0.5:
+            continue
+        counted += 1
+        hits += (sa > sb) == (preference == 1.0)
+    return hits / counted if counted else float("nan")

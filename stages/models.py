@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 
 def load_tokenizer(location: str, *, padding_side: str = "left", trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -39,7 +39,8 @@ def load_causal_lm(location: str, tokenizer: PreTrainedTokenizerBase, *, trust_r
 
 def align_special_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
     """Write the tokenizer's pad/bos/eos ids into the model and generation configs."""
-    for config in (model.config, model.generation_config or GenerationConfig()):
+    configs = [model.config] + ([model.generation_config] if getattr(model, "generation_config", None) else [])
+    for config in configs:
         config.pad_token_id = tokenizer.pad_token_id
         config.bos_token_id = tokenizer.bos_token_id
         config.eos_token_id = tokenizer.eos_token_id
@@ -69,3 +70,14 @@ def generate_greedy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # (B, T + new)
     model.train(was_training)
     return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def encode_reply(tokenizer: PreTrainedTokenizerBase, prompt: str, reply: str) -> tuple[list[int], list[int]]:
+    """Token ids of a rendered prompt and of a reply closed by EOS, the way every stage sees them.
+
+    No special tokens are added implicitly: the chat template already placed BOS and the role
+    markers. The prompt is encoded on its own, so its ids are exactly what generation starts from.
+    """
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids, reply_ids

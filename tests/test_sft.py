@@ -21,12 +21,14 @@ def test_loss_covers_the_response_and_eos_only(world, tiny_config, tokenizer, tm
     cfg = tiny_config.sft
     train = _data(world, cfg, tokenizer, "sft")
     trainer = build_trainer(cfg, str(world / "model"), train, train.head(4), tmp_path)
-    example = trainer.train_dataset[0]
+    batch = trainer.data_collator([trainer.train_dataset[0], trainer.train_dataset[1]])
     n_prompt = len(tokenizer(train.iloc[0]["prompt"], add_special_tokens=False)["input_ids"])
     n_reply = len(tokenizer(train.iloc[0]["response"], add_special_tokens=False)["input_ids"]) + 1  # + EOS
-    assert len(example["input_ids"]) == n_prompt + n_reply
-    assert example["labels"] == [-100] * n_prompt + example["input_ids"][n_prompt:]
-    assert example["input_ids"][-1] == tokenizer.eos_token_id
+    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    assert ids[n_prompt + n_reply - 1] == tokenizer.eos_token_id
+    assert labels[:n_prompt] == [-100] * n_prompt  # prompt masked
+    assert labels[n_prompt:n_prompt + n_reply] == ids[n_prompt:n_prompt + n_reply]  # response and EOS learned
+    assert all(label == -100 for label in labels[n_prompt + n_reply:])  # padding masked
 
 
 def test_sft_learns_the_demo_task_and_saves_a_loadable_checkpoint(world, tiny_config, tokenizer, tmp_path):

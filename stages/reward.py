@@ -1,0 +1,251 @@
+"""Stage 2: a Bradley-Terry reward model on preference pairs, with TRL's `RewardTrainer`.
+
+    loss = -log sigmoid(r(x, y_chosen) - r(x, y_rejected) - margin)  [+ c * mean((r_c + r_r)^2)]
+
+r is a sequence-classification model with one output, read at the last real token of
+prompt + reply + EOS. After training, a gain and bias are fitted so that the SFT policy's own
+responses to held-out prompts score mean 0 and standard deviation 1; they travel in the
+checkpoint's config and `RewardScorer` applies them wherever the model scores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pandas as pd
+import torch
+from transformers import (AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase,
+                          PrinterCallback, set_seed)
+from trl import RewardConfig as TRLRewardConfig
+from trl import RewardTrainer
+
+from rlhf.config import RewardConfig
+from schemas.validate import render_prompt
+from stages.models import align_special_tokens, device, encode_reply, load_causal_lm, load_tokenizer, save_checkpoint
+from stages.training import ForwardLogs, MetricsSink, trainer_arguments
+
+NORMALIZATION_KEY = "rlhf_reward_normalization"
+"""Model-config entry holding {"gain": g, "bias": b}: normalised score = g * raw + b."""
+
+
+class RewardGateError(RuntimeError):
+    """The trained model is not good enough to optimise against; `metrics` holds what was measured."""
+
+    def __init__(self, message: str, metrics: dict[str, float]):
+        super().__init__(message)
+        self.metrics = metrics
+
+
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """-log sigmoid(r_c - r_r - m), averaged over pairs. # (B,), (B,), (B,) or scalar -> ()"""
+    return -torch.nn.functional.logsigmoid(r_chosen - r_rejected - margin).mean()
+
+
+def init_reward_head(model: PreTrainedModel) -> None:
+    """Score head ~ N(0, 1/sqrt(d + 1)) with zero bias, so initial rewards have unit scale."""
+    head = model.score
+    torch.nn.init.normal_(head.weight, mean=0.0, std=1.0 / math.sqrt(model.config.hidden_size + 1))
+    if head.bias is not None:
+        torch.nn.init.zeros_(head.bias)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def load_reward_model(location: str, tokenizer: PreTrainedTokenizerBase, *, trust_remote_code: bool = False,
+                      fresh_head: bool = True) -> PreTrainedModel:
+    """A one-output sequence classifier from a causal-LM (or reward) checkpoint, dropout off."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        location, num_labels=1, use_safetensors=True, trust_remote_code=trust_remote_code)
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        model.resize_token_embeddings(len(tokenizer))
+    align_special_tokens(model, tokenizer)
+    if fresh_head:
+        init_reward_head(model)
+    disable_dropout(model)
+    return model
+
+
+def _pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
+    columns: dict[str, list] = {"chosen_ids": [], "rejected_ids": []}
+    for prompt, chosen, rejected in zip(frame["prompt"], frame["chosen"], frame["rejected"]):
+        prompt_ids, chosen_ids = encode_reply(tokenizer, prompt, chosen)
+        _, rejected_ids = encode_reply(tokenizer, prompt, rejected)
+        columns["chosen_ids"].append(prompt_ids + chosen_ids)
+        columns["rejected_ids"].append(prompt_ids + rejected_ids)
+    if "margin" in frame.columns:
+        columns["margin"] = [float(m) for m in frame["margin"]]
+    return datasets.Dataset.from_dict(columns)
+
+
+class RewardScorer:
+    """Scores (prompt, response) texts with a reward checkpoint, on the normalised scale.
+
+    Prompts are conversations ([{role, content}, ...]) or plain user texts; they are rendered
+    with this model's own chat template, so the policy may use a different tokenizer.
+
+        scorer = RewardScorer.from_pretrained("path/to/checkpoint")
+        scorer.score([[{"role": "user", "content": "Describe the cat."}]], ["The cat is warm."])
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, gain: float = 1.0, bias: float = 0.0):
+        self.model, self.tokenizer, self.gain, self.bias = model.eval(), tokenizer, gain, bias
+
+    @classmethod
+    def from_pretrained(cls, location: str | Path, *, trust_remote_code: bool = False) -> RewardScorer:
+        tokenizer = load_tokenizer(str(location), trust_remote_code=trust_remote_code)
+        model = load_reward_model(str(location), tokenizer, trust_remote_code=trust_remote_code, fresh_head=False)
+        norm = getattr(model.config, NORMALIZATION_KEY, None) or {"gain": 1.0, "bias": 0.0}
+        return cls(model.to(device()), tokenizer, norm["gain"], norm["bias"])
+
+    def encode(self, prompts: list, responses: list[str]) -> list[list[int]]:
+        ids = []
+        for prompt, response in zip(prompts, responses, strict=True):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            prompt_ids, reply_ids = encode_reply(self.tokenizer, render_prompt(messages, self.tokenizer), response)
+            ids.append(prompt_ids + reply_ids)
+        return ids
+
+    @torch.inference_mode()
+    def raw_scores(self, sequences: list[list[int]], batch_size: int = 64) -> torch.Tensor:
+        """Model outputs at the last real token of each id sequence. # -> (N,)"""
+        scores = []
+        for start in range(0, len(sequences), batch_size):
+            chunk = sequences[start:start + batch_size]
+            batch = self.tokenizer.pad({"input_ids": chunk}, return_tensors="pt").to(self.model.device)
+            scores.append(last_token_scores(self.model, batch["input_ids"], batch["attention_mask"]).float().cpu())
+        return torch.cat(scores) if scores else torch.empty(0)
+
+    def score(self, prompts: list, responses: list[str], normalized: bool = True) -> torch.Tensor:
+        raw = self.raw_scores(self.encode(prompts, responses))
+        return self.gain * raw + self.bias if normalized else raw
+
+
+def last_token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The score head read at each row's last attended token, for left or right padding.
+
+    Position ids count real tokens only, so a left-padded row gets the same positions as the
+    unpadded sequence. # (B, T), (B, T) -> (B,)
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (positions * attention_mask).argmax(-1)  # (B,) index of the rightmost real token
+    return model.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)
+
+
+def fit_normalization(reference_scores: torch.Tensor) -> tuple[float, float]:
+    """Gain and bias that map the reference scores to mean 0 and standard deviation 1."""
+    mean, std = reference_scores.mean().item(), reference_scores.std().item()
+    gain = 1.0 / max(std, 1e-6)
+    return gain, -mean * gain
+
+
+def calibration(margins: np.ndarray, correct: np.ndarray, buckets: int) -> pd.DataFrame:
+    """Accuracy by |score margin| bucket (equal counts): a calibrated model is surer where it is right."""
+    order = np.argsort(np.abs(margins), kind="stable")
+    rows = []
+    for i, idx in enumerate(np.array_split(order, buckets)):
+        if len(idx):
+            rows.append({"bucket": i, "margin_low": float(np.abs(margins[idx]).min()),
+                         "margin_high": float(np.abs(margins[idx]).max()), "pairs": len(idx),
+                         "accuracy": float(correct[idx].mean())})
+    return pd.DataFrame(rows)
+
+
+@torch.inference_mode()
+def sample_references(policy_location: str, prompts: list[str], samples_per_prompt: int, max_new_tokens: int,
+                      seed: int, trust_remote_code: bool = False) -> list[tuple[int, str]]:
+    """(prompt index, response) pairs sampled at temperature 1 from the policy at `policy_location`."""
+    tokenizer = load_tokenizer(policy_location, trust_remote_code=trust_remote_code)
+    policy = load_causal_lm(policy_location, tokenizer, trust_remote_code=trust_remote_code).to(device()).eval()
+    torch.manual_seed(seed)
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(policy.device)
+    out = policy.generate(**batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                          num_return_sequences=samples_per_prompt, pad_token_id=tokenizer.pad_token_id,
+                          eos_token_id=tokenizer.eos_token_id)  # (P * S, T + new)
+    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    return [(i // samples_per_prompt, text) for i, text in enumerate(texts)]
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    checkpoint: Path | None
+    """Hugging Face folder (safetensors, tokenizer, normalisation in config.json); None if the gate failed."""
+    metrics: dict[str, float]
+    """`eval/accuracy`, `eval/loss`, `eval/margin`, `eval/accuracy_untrained`, `normalization/*`."""
+    eval_scores: pd.DataFrame
+    """Held-out pairs with normalised `score_chosen` and `score_rejected`."""
+    calibration: pd.DataFrame
+    """Accuracy by margin bucket."""
+
+
+def train_reward(
+    cfg: RewardConfig,
+    model_location: str,
+    policy_location: str,
+    train: pd.DataFrame,
+    evaluation: pd.DataFrame,
+    normalization_prompts: pd.DataFrame,
+    output_dir: Path,
+    sink: MetricsSink | None = None,
+) -> RewardResult:
+    """Train on validated pairs, evaluate on held-out pairs, normalise against the policy at
+    `policy_location`, and save, unless held-out accuracy is below `cfg.min_eval_accuracy`
+    (then `RewardGateError`, with the figures)."""
+    set_seed(cfg.seed)
+    tokenizer = load_tokenizer(model_location, padding_side="right", trust_remote_code=cfg.trust_remote_code)
+    model = load_reward_model(model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
+    args = TRLRewardConfig(**trainer_arguments(cfg, output_dir), center_rewards_coefficient=cfg.center_rewards_coefficient,
+                           disable_dropout=True)
+    trainer = RewardTrainer(model=model, args=args, train_dataset=_pairs(train, tokenizer),
+                            eval_dataset=_pairs(evaluation, tokenizer), processing_class=tokenizer,
+                            callbacks=[ForwardLogs(sink)] if sink else None)
+    trainer.remove_callback(PrinterCallback)
+    untrained = trainer.evaluate()
+    train_output = trainer.train()
+    final = trainer.evaluate()
+
+    scorer = RewardScorer(trainer.model, tokenizer)
+    messages = [json.loads(m) for m in evaluation["prompt_messages"]]
+    chosen = scorer.score(messages, list(evaluation["chosen"]), normalized=False)
+    rejected = scorer.score(messages, list(evaluation["rejected"]), normalized=False)
+    margins = (chosen - rejected).numpy()
+    accuracy = float((margins > 0).mean())
+    metrics = {
+        "eval/accuracy": accuracy,
+        "eval/loss": float(final["eval_loss"]),
+        "eval/margin": float(margins.mean()),
+        "eval/accuracy_untrained": float(untrained["eval_accuracy"]),
+        "eval/loss_untrained": float(untrained["eval_loss"]),
+        "train/loss": float(train_output.training_loss),
+        "train/steps": float(train_output.global_step),
+    }
+    if accuracy < cfg.min_eval_accuracy:
+        raise RewardGateError(f"reward model held-out accuracy {accuracy:.3f} is below the required "
+                              f"{cfg.min_eval_accuracy:.3f} (reward.min_eval_accuracy); the pipeline stops before PPO",
+                              metrics)
+
+    prompts = list(normalization_prompts["prompt"])
+    references = sample_references(policy_location, prompts, cfg.normalization_samples,
+                                   cfg.max_length - cfg.max_prompt_length, cfg.seed, cfg.trust_remote_code)
+    reference_messages = [json.loads(normalization_prompts["prompt_messages"].iloc[i]) for i, _ in references]
+    reference_scores = scorer.score(reference_messages, [text for _, text in references], normalized=False)
+    gain, bias = fit_normalization(reference_scores)
+    metrics |= {"normalization/gain": gain, "normalization/bias": bias,
+                "normalization/reference_mean_raw": reference_scores.mean().item(),
+                "normalization/reference_std_raw": reference_scores.std().item()}
+
+    model = trainer.model
+    setattr(model.config, NORMALIZATION_KEY, {"gain": gain, "bias": bias})
+    checkpoint = save_checkpoint(model, tokenizer, output_dir / "checkpoint")
+    scores = evaluation.assign(score_chosen=(gain * chosen + bias).numpy(), score_rejected=(gain * rejected + bias).numpy())
+    return RewardResult(checkpoint, metrics, scores, calibration(margins, margins > 0, cfg.calibration_buckets))

@@ -1,0 +1,64 @@
+"""What the TRL-based stages share: Trainer arguments from our config, and metric forwarding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from rlhf.config import TrainingConfig
+
+MetricsSink = Callable[[dict[str, float], int], None]
+"""Receives (metrics, step) while training; the flow forwards them to MLflow."""
+
+_UNLOGGED = ("epoch", "total_flos", "runtime", "per_second", "preparation_time")
+
+
+class ForwardLogs(TrainerCallback):
+    """Sends the Trainer's logs to a sink, named as the pipeline names them (`train/loss`, `eval/loss`)."""
+
+    def __init__(self, sink: MetricsSink):
+        self.sink = sink
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = {}
+        for key, value in (logs or {}).items():
+            if not isinstance(value, (int, float)) or key.endswith(_UNLOGGED):
+                continue
+            if key.startswith("eval_"):
+                metrics[f"eval/{key[5:]}"] = float(value)
+            elif not key.startswith("train_"):  # the end-of-run summary repeats `train_*` aggregates
+                metrics[f"train/{key}"] = float(value)
+        if metrics:
+            self.sink(metrics, state.global_step)
+
+
+def trainer_arguments(cfg: TrainingConfig, output_dir: Path) -> dict:
+    """Keyword arguments shared by TRL's SFTConfig and RewardConfig."""
+    return dict(
+        output_dir=str(output_dir / "trainer"),
+        learning_rate=cfg.learning_rate,
+        num_train_epochs=cfg.num_train_epochs,
+        max_steps=cfg.max_steps or -1,
+        per_device_train_batch_size=cfg.batch_size,
+        per_device_eval_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        warmup_steps=cfg.warmup_ratio,  # a float below 1 is a share of the total steps
+        lr_scheduler_type=cfg.lr_scheduler_type,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
+        activation_checkpointing=cfg.gradient_checkpointing,
+        max_length=cfg.max_length,
+        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        eval_strategy="steps",
+        eval_steps=cfg.eval_steps,
+        logging_steps=cfg.logging_steps,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
