@@ -62,3 +62,13 @@ def test_readme_reference_matches_the_code(capsys):
     table = capsys.readouterr().out
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert table.strip() in readme, "README's configuration reference is stale: regenerate with `rlhf config-reference`"
+
+
+def test_prefect_yaml_defines_the_four_deployments_of_the_one_flow():
+    import yaml
+
+    spec = yaml.safe_load((Path(__file__).resolve().parent.parent / "prefect.yaml").read_text())
+    deployments = {d["name"]: d for d in spec["deployments"]}
+    assert set(deployments) == {"full", "sft", "reward", "ppo"}
+    assert {d["entrypoint"] for d in deployments.values()} == {"flows/pipeline.py:rlhf"}
+    assert deployments["full"]["parameters"]["stages"] == ["sft", "reward"]

@@ -90,3 +90,16 @@ def test_bad_input_through_a_deployment_fails_and_leaves_no_finished_run(stack):
     experiment = client.get_experiment_by_name("rlhf")
     runs = client.search_runs([experiment.experiment_id], filter_string=f"params.`train_data.path` = '{bad}'")
     assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_reward_deployment_reruns_alone_against_the_latest_sft_run(stack):
+    client = _mlflow(stack)
+    experiment = client.get_experiment_by_name("rlhf")
+    (sft,) = client.search_runs([experiment.experiment_id],
+                                filter_string="tags.`rlhf.stage` = 'sft' and attributes.status = 'FINISHED'")
+    done = _deployment_run(stack, "rlhf/reward", config_file="configs/tiny.yaml")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run,) = client.search_runs([experiment.experiment_id], filter_string="tags.`rlhf.stage` = 'reward'")
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["rlhf.upstream.sft"] == sft.info.run_id
+    assert "eval/accuracy" in run.data.metrics and "eval/gold_accuracy" in run.data.metrics

@@ -47,13 +47,13 @@ def _runs(filter_string: str):
 
 
 def test_stage_run_is_a_tagged_child_of_the_pipeline_run(finished):
-    (record,) = finished
+    record = finished[0]
     run = MlflowClient().get_run(record.run_id)
     tags = run.data.tags
     assert run.info.status == "FINISHED"
     assert tags[tracking.TAG_STAGE] == "sft"
     parent = MlflowClient().get_run(tags["mlflow.parentRunId"])
-    assert parent.info.status == "FINISHED" and parent.data.tags["rlhf.stages"] == "sft"
+    assert parent.info.status == "FINISHED" and parent.data.tags["rlhf.stages"] == "sft,reward"
     assert tags[tracking.TAG_CONFIG_HASH] == record.config_hash
     assert tags[tracking.TAG_DATA_DIGEST] == record.data_digest
     assert tags[tracking.TAG_CODE_VERSION] == "0.1.0" and tags[tracking.TAG_GIT_COMMIT]
@@ -64,7 +64,7 @@ def test_stage_run_is_a_tagged_child_of_the_pipeline_run(finished):
 
 
 def test_validated_data_is_an_artifact_and_a_run_input(finished):
-    (record,) = finished
+    record = finished[0]
     run = MlflowClient().get_run(record.run_id)
     inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
     assert set(inputs) == {"sft-train", "sft-eval"}
@@ -75,7 +75,7 @@ def test_validated_data_is_an_artifact_and_a_run_input(finished):
 
 
 def test_checkpoint_downloads_through_mlflow_and_loads(finished, tmp_path):
-    (record,) = finished
+    record = finished[0]
     folder = tracking.download_checkpoint(record.run_id, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True)
     assert model.config.model_type == "llama"
@@ -86,7 +86,8 @@ def test_bad_data_fails_the_run_with_the_row_level_report(finished):
     from flows.pipeline import rlhf
 
     bad = str(DATA / "bad" / "sft_null.jsonl")
-    state = rlhf(config_file="configs/tiny.yaml", overrides={"sft.train_data.path": bad}, return_state=True)
+    state = rlhf(stages=["sft"], config_file="configs/tiny.yaml", overrides={"sft.train_data.path": bad},
+                 return_state=True)
     assert state.is_failed()
     assert "line 2, column 'prompt': missing value (null)" in state.message
     assert "Traceback" not in state.message
@@ -102,6 +103,43 @@ def test_bad_config_and_unavailable_stage_are_refused_before_any_run(finished):
     before = len(_runs(""))
     state = rlhf(config_file="configs/tiny.yaml", overrides={"sft.learning_rate": -1}, return_state=True)
     assert state.is_failed() and "sft.learning_rate" in state.message
-    state = rlhf(stages=["reward"], config_file="configs/tiny.yaml", return_state=True)
+    state = rlhf(stages=["ppo"], config_file="configs/tiny.yaml", return_state=True)
     assert state.is_failed() and "not available in this version" in state.message
     assert len(_runs("")) == before
+
+
+def test_reward_run_carries_lineage_to_the_sft_run_of_the_same_pipeline(finished):
+    sft, reward = finished
+    run = MlflowClient().get_run(reward.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[tracking.TAG_STAGE] == "reward"
+    assert run.data.tags[tracking.TAG_UPSTREAM + "sft"] == sft.run_id
+    assert run.data.tags["mlflow.parentRunId"] == MlflowClient().get_run(sft.run_id).data.tags["mlflow.parentRunId"]
+    for metric in ("eval/accuracy", "eval/loss", "eval/margin", "eval/gold_accuracy", "normalization/gain"):
+        assert metric in run.data.metrics, metric
+    names = {a.path for a in MlflowClient().list_artifacts(reward.run_id)}
+    assert {"checkpoint", "data", "extremes.json", "calibration.json"} <= names
+    assert {i.dataset.name for i in run.inputs.dataset_inputs} == {"preference-train", "preference-eval",
+                                                                   "normalization-prompts"}
+
+
+def test_reward_alone_reruns_against_the_latest_or_a_given_sft_run(finished):
+    from flows.pipeline import UpstreamRuns, rlhf
+
+    sft = finished[0]
+    (latest,) = rlhf(stages=["reward"], config_file="configs/tiny.yaml")
+    assert MlflowClient().get_run(latest.run_id).data.tags[tracking.TAG_UPSTREAM + "sft"] == sft.run_id
+    state = rlhf(stages=["reward"], config_file="configs/tiny.yaml",
+                 upstream=UpstreamRuns(sft_run_id="0" * 32), return_state=True)
+    assert state.is_failed()  # an unknown run id is an error, not a silent fallback
+
+
+def test_reward_gate_stops_the_pipeline_and_leaves_no_finished_reward_run(finished):
+    from flows.pipeline import rlhf
+
+    before = {r.info.run_id for r in _runs(f"tags.`{tracking.TAG_STAGE}` = 'reward'")}
+    state = rlhf(stages=["reward"], config_file="configs/tiny.yaml", overrides={"reward.min_eval_accuracy": 1.0},
+                 return_state=True)
+    assert state.is_failed() and "below the required 1.000" in state.message
+    (new,) = [r for r in _runs(f"tags.`{tracking.TAG_STAGE}` = 'reward'") if r.info.run_id not in before]
+    assert new.info.status == "FAILED" and "eval/accuracy" in new.data.metrics
