@@ -123,7 +123,9 @@ def train_and_eval_data(section, kind: str, world: str | None, tokenizer) -> tup
 def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedData, metrics: dict[str, float],
            checkpoint: Path, samples: list[dict[str, str]]) -> StageRecord:
     """Log final metrics and the checkpoint (inside the active run), publish the Prefect summary."""
-    mlflow.log_metrics(metrics)
+    # At the last training step, so these (and not a trainer's running average of the same name)
+    # are what MLflow shows as each metric's latest value.
+    mlflow.log_metrics(metrics, step=int(metrics.get("train/steps", 0)))
     mlflow.log_artifacts(str(checkpoint), tracking.CHECKPOINT_PATH)
     url = tracking.run_url(run_id)
     link = f"[{run_id}]({url})" if url else f"`{run_id}`"
