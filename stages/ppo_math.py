@@ -1,0 +1,203 @@
+"""PPO for language models, one equation per function. Pure tensor code: no models, no I/O.
+
+Shapes: B sequences, T response tokens. `mask` is 1.0 on real response tokens (up to and
+including the first EOS) and 0.0 after them. Tests work each function through by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+# --- masks and statistics -------------------------------------------------------------------
+
+
+def response_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """1.0 up to and including the first EOS of each response, 0.0 after it. # (B, T) -> (B, T)"""
+    is_eos = responses == eos_token_id
+    eos_seen_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # an EOS strictly before this position
+    return (~eos_seen_before).float()
+
+
+def truncate_after_eos(responses: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """Replace every token after the first EOS with padding. # (B, T) -> (B, T)"""
+    return torch.where(response_mask(responses, eos_token_id).bool(), responses, pad_token_id)
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last masked-in token: the EOS, or the final token when none was emitted. # (B, T) -> (B,)"""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    return (positions * mask).argmax(dim=1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    n = mask.sum()
+    return var * n / (n - 1) if unbiased and n > 1 else var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / std over masked-in entries; with shift_mean=False the mean is kept (for rewards)."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    return (whitened if shift_mean else whitened + mean) * mask
+
+
+# --- log-probabilities and entropy -----------------------------------------------------------
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(token) under temperature-scaled logits, the distribution the tokens were sampled from.
+    # (B, T, V), (B, T) -> (B, T)"""
+    logps = F.log_softmax(logits.float() / temperature, dim=-1)
+    return logps.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_of(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """H = -sum_v p log p per position. # (B, T, V) -> (B, T)"""
+    logps = F.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logps.exp() * logps).sum(-1)
+
+
+# --- KL penalty and rewards ------------------------------------------------------------------
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi.
+
+    k1 = log pi - log pi_ref                       (unbiased, can be negative)
+    k3 = (r - 1) - log r,  r = pi_ref / pi         (unbiased, never negative; Schulman 2020)
+    # (B, T), (B, T) -> (B, T)"""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected k1 or k3")
+
+
+def apply_eos_penalty(scores: torch.Tensor, has_eos: torch.Tensor, penalty_score: float | None) -> torch.Tensor:
+    """Responses that never emitted EOS get `penalty_score` instead of the reward model's score. # (B,) -> (B,)"""
+    if penalty_score is None:
+        return scores
+    return torch.where(has_eos, scores, torch.full_like(scores, penalty_score))
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, beta: float, mask: torch.Tensor) -> torch.Tensor:
+    """r_t = -beta * KL_t on every response token, plus the sequence score on the last one.
+    # (B,), (B, T), (B, T) -> (B, T)"""
+    rewards = -beta * kl * mask
+    rows = torch.arange(len(scores), device=scores.device)
+    rewards[rows, last_token_index(mask)] += scores
+    return rewards
+
+
+# --- advantages ------------------------------------------------------------------------------
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over response tokens, backwards in time:
+
+        delta_t = r_t + gamma * V_{t+1} - V_t        (V after the last real token is 0)
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        returns = A + V
+
+    # (B, T), (B, T), (B, T) -> (B, T), (B, T)"""
+    values = values * mask
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantages[:, t] = (delta + gamma * lam * next_advantage) * mask[:, t]
+        next_value, next_advantage = values[:, t], advantages[:, t]
+    return advantages, advantages + values
+
+
+# --- losses ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    loss: torch.Tensor
+    """-L_clip: the quantity to minimise."""
+    clip_fraction: torch.Tensor
+    """Share of tokens where the clipped branch was taken (zero gradient there)."""
+    approx_kl: torch.Tensor
+    """0.5 * E[(log ratio)^2], the old-to-new policy KL estimate."""
+    ratio: torch.Tensor
+    """pi_new / pi_old per token. # (B, T)"""
+
+
+def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, clip_range: float) -> PolicyLoss:
+    """L_clip = E[min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)], rho = pi / pi_old.
+
+    Where A > 0 and rho > 1 + eps, or A < 0 and rho < 1 - eps, the min picks the constant
+    clipped term and the token contributes no gradient.
+    # (B, T) x 4 -> PolicyLoss"""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    return PolicyLoss(
+        loss=loss,
+        clip_fraction=masked_mean((clipped > unclipped).float(), mask),
+        approx_kl=0.5 * masked_mean(log_ratio**2, mask),
+        ratio=ratio,
+    )
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       mask: torch.Tensor, clip_range_value: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """L_V = 0.5 * E[max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)].
+    Returns the loss and the share of tokens where the clipped term was larger. # (B, T) x 4"""
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+    unclipped_error = (values - returns) ** 2
+    clipped_error = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(unclipped_error, clipped_error), mask)
+    return loss, masked_mean((clipped_error > unclipped_error).float(), mask)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var[R - V] / Var[R]: 1 is a perfect critic, 0 no better than a constant."""
+    var_returns = masked_var(returns, mask)
+    return float("nan") if var_returns == 0 else (1 - masked_var(returns - values, mask) / var_returns).item()
+
+
+# --- KL control ------------------------------------------------------------------------------
+
+
+@dataclass
+class KLController:
+    """The KL coefficient beta, fixed, or adapted towards a target as in Ziegler et al. (2019):
+
+        e    = clip(KL / target - 1, -0.2, 0.2)
+        beta = beta * (1 + e * n_steps / horizon)
+    """
+
+    value: float
+    target: float | None = None
+    """Target KL per sequence; None keeps beta fixed."""
+    horizon: float = 10000.0
+
+    def update(self, kl: float, n_steps: int) -> float:
+        if self.target is not None and math.isfinite(kl):
+            proportional_error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.value *= 1.0 + proportional_error * n_steps / self.horizon
+        return self.value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
