@@ -118,6 +118,118 @@ class RewardConfig(TrainingConfig):
     """Highest- and lowest-scored held-out responses logged as a table."""
 
 
+class LoRAConfig(_Frozen):
+    """Low-rank adapters (peft) on the policy; the reference is the same model with adapters disabled."""
+
+    r: PositiveInt = 8
+    """Adapter rank."""
+    alpha: PositiveFloat = 16.0
+    """Adapter scaling numerator (scale = alpha / r)."""
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    """Module names that get adapters."""
+
+
+class PPOConfig(_Frozen):
+    """PPO fine-tuning of the SFT policy against the frozen reward model."""
+
+    prompts: DataSource = DataSource(path="demo:prompts")
+    """Prompts for rollouts, cycled in a seeded shuffled order."""
+    eval_prompts: DataSource = DataSource(path="demo:prompts_eval")
+    """Held-out prompts for the final PPO-vs-SFT evaluation."""
+    duplicates: Literal["error", "drop"] = "error"
+    """Duplicate prompts: refuse the data set, or drop them and report how many."""
+    max_prompt_length: PositiveInt = 64
+    """Token budget of a rendered prompt; longer prompts are refused."""
+    response_length: PositiveInt = 32
+    """New tokens generated per response at most."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature; log-probabilities are taken from the same scaled logits."""
+    num_iterations: PositiveInt = 100
+    """PPO iterations (rollout, score, update)."""
+    rollout_batch_size: PositiveInt = 64
+    """Episodes (prompts) per iteration."""
+    num_ppo_epochs: PositiveInt = 4
+    """Passes over each iteration's rollouts."""
+    num_minibatches: PositiveInt = 4
+    """Optimizer steps per epoch; the rollout batch is split into this many shuffled minibatches."""
+    micro_batch_size: PositiveInt | None = None
+    """Sequences per forward pass inside a minibatch (gradients accumulate); unset means the whole minibatch."""
+    learning_rate: PositiveFloat = 1e-5
+    """Peak AdamW learning rate of policy and value head."""
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    """Share of optimizer steps with a linearly rising learning rate; then linear decay to zero."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: PositiveFloat = 1.0
+    """Gradient-norm clipping."""
+    clip_range: PositiveFloat = 0.2
+    """Policy ratio clip epsilon."""
+    clip_range_value: PositiveFloat = 0.2
+    """Value clip epsilon around the rollout values."""
+    vf_coef: float = Field(0.1, ge=0)
+    """c1: weight of the value loss."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """c2: weight of the entropy bonus."""
+    kl_loss_coef: float = Field(0.0, ge=0)
+    """c3: weight of a KL(pi || ref) term in the loss (besides the KL penalty in the reward)."""
+    gamma: float = Field(1.0, gt=0, le=1)
+    """Discount."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda."""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """Per-token KL estimator in the reward."""
+    init_kl_coef: float = Field(0.05, ge=0)
+    """Initial (or fixed) KL coefficient beta."""
+    target_kl: PositiveFloat | None = 6.0
+    """Adaptive KL control target per sequence (Ziegler et al.); unset keeps beta fixed."""
+    kl_horizon: PositiveFloat = 10000.0
+    """Adaptive KL control horizon."""
+    kl_budget: PositiveFloat = 12.0
+    """Mean KL per sequence above which a warning is raised; also the evaluation's KL limit."""
+    whiten_rewards: bool = False
+    """Whiten per-token rewards (keeping their mean) before GAE."""
+    missing_eos_score: float | None = -3.0
+    """Score given to responses that never emit EOS, instead of the reward model's; unset disables."""
+    score_clip: PositiveFloat | None = None
+    """Clip normalised scores to [-score_clip, score_clip]."""
+    ref_refresh_every: PositiveInt | None = None
+    """Copy the policy into the reference every this many iterations; unset never does."""
+    critic: Literal["shared", "reward"] = "shared"
+    """Value head on the policy's body, or a separate critic initialised from the reward model."""
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters instead of all weights."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory on large models."""
+    checkpoint_every: PositiveInt = 25
+    """Full-state checkpoint (for resuming) every this many iterations."""
+    sample_every: PositiveInt = 10
+    """Log a table of (prompt, response, score) samples every this many iterations."""
+    num_logged_samples: PositiveInt = 8
+    """Rows in each samples table."""
+    eval_samples_per_prompt: PositiveInt = 4
+    """Responses per held-out prompt in the final evaluation (sampled at `temperature`)."""
+    warn_eos_rate: float = Field(0.5, ge=0, le=1)
+    """Warn when the share of responses ending with EOS falls below this."""
+    warn_length_drift: PositiveFloat = 0.5
+    """Warn when mean response length drifts by more than this share from the first iteration's."""
+    warn_ratio_max: PositiveFloat = 10.0
+    """Warn when the largest policy ratio exceeds this."""
+    seed: int = 0
+    """Seeds prompt order, sampling and initialisation."""
+    trust_remote_code: bool = False
+    """Allow model repositories to run their own Python code when loading."""
+
+    @model_validator(mode="after")
+    def _batches_divide(self) -> PPOConfig:
+        if self.rollout_batch_size % self.num_minibatches:
+            raise ValueError(f"num_minibatches ({self.num_minibatches}) must divide rollout_batch_size "
+                             f"({self.rollout_batch_size})")
+        minibatch = self.rollout_batch_size // self.num_minibatches
+        if self.micro_batch_size is not None and minibatch % self.micro_batch_size:
+            raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must divide the minibatch ({minibatch})")
+        return self
+
+
 class PipelineConfig(_Frozen):
     """One pipeline run: the demo world (when used) and each stage's settings."""
 
@@ -129,6 +241,8 @@ class PipelineConfig(_Frozen):
     """Supervised fine-tuning stage."""
     reward: RewardConfig = RewardConfig()
     """Reward-model stage."""
+    ppo: PPOConfig = PPOConfig()
+    """PPO stage."""
 
     @model_validator(mode="after")
     def _demo_locations_need_demo(self) -> PipelineConfig:
@@ -141,7 +255,8 @@ class PipelineConfig(_Frozen):
 
 def _locations(cfg: PipelineConfig) -> list[str]:
     sft, reward = cfg.sft, cfg.reward
-    sources = [sft.train_data, sft.eval_data, reward.train_data, reward.eval_data, reward.normalization_prompts]
+    sources = [sft.train_data, sft.eval_data, reward.train_data, reward.eval_data, reward.normalization_prompts,
+               cfg.ppo.prompts, cfg.ppo.eval_prompts]
     return [sft.model, reward.model or ""] + [s.path for s in sources if s is not None]
 
 

@@ -1,0 +1,497 @@
+"""Stage 3: PPO fine-tuning of the SFT policy against the frozen, normalised reward model.
+
+One iteration reads top to bottom in `train_ppo`:
+
+    rollout   sample responses for a batch of prompts; keep log-probs, values, reference log-probs
+    score     the reward model scores prompt + response text; EOS penalty; optional clipping
+    rewards   r_t = -beta * KL_t, plus the score on the last response token
+    advantage GAE(gamma, lambda); returns = A + V; A whitened
+    update    num_ppo_epochs x shuffled minibatches (micro-batches accumulate):
+              loss = -L_clip + c1 L_V - c2 H [+ c3 KL]; grad-norm clip; AdamW, warmup + linear decay
+    control   adaptive (or fixed) KL coefficient; optional reference refresh
+
+The equations live in `stages.ppo_math`; this module holds models, batching and state.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, get_scheduler
+
+from rlhf.config import PPOConfig
+from stages.models import device, load_causal_lm, load_tokenizer, save_checkpoint
+from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss, entropy_of,
+                             explained_variance, gae, kl_estimate, logprobs_of, masked_mean, masked_whiten,
+                             response_mask, token_rewards, truncate_after_eos)
+from stages.reward import RewardScorer, disable_dropout
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the last full-state checkpoint is kept."""
+
+
+@dataclass
+class PPOHooks:
+    """How the stage reports while it runs; the flow forwards these to MLflow and Prefect logs."""
+
+    metrics: Callable[[dict[str, float], int], None] = lambda metrics, iteration: None
+    samples: Callable[[pd.DataFrame, int], None] = lambda table, iteration: None
+    warning: Callable[[str], None] = lambda message: None
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+class ValueHead(torch.nn.Module):
+    """V(s_t) = w . h_t + b on the last hidden state; small initial values so early advantages
+    come from the rewards, not from noise."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.normal_(self.linear.weight, std=1.0 / math.sqrt(hidden_size + 1))
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T)
+        return self.linear(hidden).squeeze(-1)
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count real tokens only, so left padding does not shift them. # (B, T) -> (B, T)"""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@dataclass
+class Models:
+    policy: PreTrainedModel
+    value_head: ValueHead | None
+    critic: PreTrainedModel | None
+    reference: PreTrainedModel | None
+    """None when LoRA is on: the reference is the policy with its adapters disabled."""
+    scorer: RewardScorer
+    tokenizer: object
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        modules = [self.policy, self.value_head, self.critic]
+        return [p for m in modules if m is not None for p in m.parameters() if p.requires_grad]
+
+    def train(self, mode: bool = True) -> None:
+        for module in (self.policy, self.value_head, self.critic):
+            if module is not None:
+                module.train(mode)
+
+
+def load_models(cfg: PPOConfig, sft_location: str, reward_location: str) -> Models:
+    tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
+    policy = load_causal_lm(sft_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
+    disable_dropout(policy)
+    reference = None
+    if cfg.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        policy = get_peft_model(policy, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
+                                                   target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
+    else:
+        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    value_head, critic = None, None
+    if cfg.critic == "shared":
+        value_head = ValueHead(policy.config.hidden_size)
+    else:
+        critic = AutoModelForSequenceClassification.from_pretrained(reward_location, num_labels=1, use_safetensors=True,
+                                                                    trust_remote_code=cfg.trust_remote_code)
+        disable_dropout(critic)
+    scorer = RewardScorer.from_pretrained(reward_location, trust_remote_code=cfg.trust_remote_code)
+    scorer.model.requires_grad_(False)
+    models = Models(policy, value_head, critic, reference, scorer, tokenizer)
+    run_on = device()
+    for module in (policy, value_head, critic, reference):
+        if module is not None:
+            module.to(run_on)
+    return models
+
+
+@contextmanager
+def reference_policy(models: Models) -> Iterator[PreTrainedModel]:
+    """The frozen reference: its own copy, or the LoRA policy with adapters disabled."""
+    if models.reference is not None:
+        yield models.reference
+    else:
+        with models.policy.disable_adapter():
+            yield models.policy
+
+
+def autocast():
+    on_cuda = torch.cuda.is_available()
+    return torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda and torch.cuda.is_bf16_supported() else nullcontext()
+
+
+def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
+                     mask: torch.Tensor, want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits that predict each response token, and the final hidden states at the same
+    positions, from one pass over prompt + response. # -> (B, T, V), (B, T, H) | None"""
+    input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
+    attention_mask = torch.cat([query_mask, mask.long()], dim=1)
+    with autocast():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
+                    output_hidden_states=want_hidden, use_cache=False)
+    start = queries.shape[1] - 1  # the logits at position p predict token p + 1
+    logits = out.logits[:, start:-1]
+    hidden = out.hidden_states[-1][:, start:-1] if want_hidden else None
+    return logits, hidden
+
+
+def policy_and_values(models: Models, queries, query_mask, responses, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy logits and values for the response tokens; with the shared value head, one backbone pass. # (B, T, V), (B, T)"""
+    logits, hidden = forward_response(models.policy, queries, query_mask, responses, mask, want_hidden=models.critic is None)
+    if models.critic is None:
+        return logits, models.value_head(hidden.to(models.value_head.linear.weight.dtype))
+    _, critic_hidden = forward_response(models.critic, queries, query_mask, responses, mask, want_hidden=True)
+    return logits, models.critic.score(critic_hidden).squeeze(-1).float()
+
+
+# --- rollout ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    """One iteration's episodes; every tensor is (B, T) over response tokens unless noted."""
+
+    queries: torch.Tensor  # (B, Tq) left-padded prompt ids
+    query_mask: torch.Tensor  # (B, Tq)
+    responses: torch.Tensor  # truncated after the first EOS, then padding
+    mask: torch.Tensor
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    entropy: torch.Tensor
+    scores: torch.Tensor  # (B,) used in the reward: normalised, EOS-penalised, clipped
+    normalized_scores: torch.Tensor  # (B,) the reward model's normalised scores
+    raw_scores: torch.Tensor  # (B,)
+    has_eos: torch.Tensor  # (B,)
+    texts: list[str]
+    prompts: list[str]
+
+
+@torch.inference_mode()
+def sample_responses(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig) -> tuple[torch.Tensor, ...]:
+    """Left-padded queries, their mask, and sampled responses truncated after the first EOS."""
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    with autocast():
+        out = model.generate(**batch, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
+                             max_new_tokens=cfg.response_length, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)  # (B, Tq + T)
+    responses = truncate_after_eos(out[:, batch["input_ids"].shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return batch["input_ids"], batch["attention_mask"], responses
+
+
+@torch.inference_mode()
+def rollout(models: Models, prompts: list[str], prompt_messages: list, cfg: PPOConfig, timings: dict) -> Rollout:
+    tokenizer = models.tokenizer
+    models.train(False)
+    start = time.perf_counter()
+    queries, query_mask, responses = sample_responses(models.policy, tokenizer, prompts, cfg)
+    timings["generate"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    mask = response_mask(responses, tokenizer.eos_token_id)
+    logits, values = policy_and_values(models, queries, query_mask, responses, mask)
+    logprobs = logprobs_of(logits, responses, cfg.temperature)
+    entropy = entropy_of(logits, cfg.temperature)
+    with reference_policy(models) as reference:
+        ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False)
+    ref_logprobs = logprobs_of(ref_logits, responses, cfg.temperature)
+
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    has_eos = (responses == tokenizer.eos_token_id).any(dim=1)
+    raw = models.scorer.score(prompt_messages, texts, normalized=False).to(queries.device)
+    normalized = models.scorer.gain * raw + models.scorer.bias
+    scores = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
+    if cfg.score_clip is not None:
+        scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
+    timings["score"] = time.perf_counter() - start
+    return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask, values * mask,
+                   entropy, scores, normalized, raw, has_eos, texts, prompts)
+
+
+# --- update -----------------------------------------------------------------------------------
+
+
+@dataclass
+class UpdateStats:
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, **figures: float) -> None:
+        for key, value in figures.items():
+            self.values.setdefault(key, []).append(float(value))
+
+    def means(self) -> dict[str, float]:
+        return {key: (max(v) if key == "ratio_max" else float(np.mean(v))) for key, v in self.values.items()}
+
+
+def ppo_update(models: Models, batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor, cfg: PPOConfig,
+               optimizer: torch.optim.Optimizer, scheduler, iteration: int) -> dict[str, float]:
+    """num_ppo_epochs passes of shuffled minibatches over one rollout."""
+    models.train(True)
+    n = len(batch.responses)
+    minibatch_size = n // cfg.num_minibatches
+    micro_size = cfg.micro_batch_size or minibatch_size
+    stats = UpdateStats()
+    for _ in range(cfg.num_ppo_epochs):
+        for minibatch in torch.randperm(n).split(minibatch_size):
+            for micro in minibatch.split(micro_size):
+                micro = micro.to(batch.responses.device)
+                mask = batch.mask[micro]
+                logits, values = policy_and_values(models, batch.queries[micro], batch.query_mask[micro],
+                                                   batch.responses[micro], mask)
+                logprobs = logprobs_of(logits, batch.responses[micro], cfg.temperature)
+                policy = clipped_policy_loss(logprobs, batch.logprobs[micro], advantages[micro], mask, cfg.clip_range)
+                value_loss, value_clipped = clipped_value_loss(values, batch.values[micro], returns[micro], mask,
+                                                               cfg.clip_range_value)
+                entropy = masked_mean(entropy_of(logits, cfg.temperature), mask)
+                loss = policy.loss + cfg.vf_coef * value_loss - cfg.entropy_coef * entropy
+                if cfg.kl_loss_coef > 0:
+                    loss = loss + cfg.kl_loss_coef * masked_mean(kl_estimate(logprobs, batch.ref_logprobs[micro], "k3"), mask)
+                if not torch.isfinite(loss):
+                    raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
+                                             "the last full-state checkpoint is kept")
+                (loss * len(micro) / len(minibatch)).backward()
+                stats.add(policy_loss=policy.loss.item(), value_loss=value_loss.item(), entropy=entropy.item(),
+                          clip_fraction=policy.clip_fraction.item(), value_clip_fraction=value_clipped.item(),
+                          approx_kl=policy.approx_kl.item(), ratio_mean=masked_mean(policy.ratio, mask).item(),
+                          ratio_max=(policy.ratio * mask).max().item())
+            grad_norm = torch.nn.utils.clip_grad_norm_(models.trainable(), cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            stats.add(grad_norm=grad_norm.item())
+    return stats.means()
+
+
+# --- full-state checkpoints -------------------------------------------------------------------
+
+
+@dataclass
+class LoopState:
+    """Everything besides tensors that a resumed run needs to continue exactly."""
+
+    iteration: int = 0
+    """Iterations completed."""
+    cursor: int = 0
+    """Prompts consumed so far (the order is a seeded shuffle per pass over the prompts)."""
+    kl: dict = field(default_factory=dict)
+    first_length: float | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def save_state(folder: Path, models: Models, optimizer, scheduler, loop: LoopState) -> Path:
+    """Write a full-state checkpoint atomically (staging folder, then rename); keeps only the newest."""
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_model(models.policy, str(staging / "policy.safetensors"))
+    for name in ("value_head", "critic", "reference"):
+        module = getattr(models, name)
+        if module is not None:
+            save_model(module, str(staging / f"{name}.safetensors"))
+    torch.save(optimizer.state_dict(), staging / "optimizer.pt")
+    torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    save_file(rng, str(staging / "rng.safetensors"))
+    (staging / "loop.json").write_text(json.dumps(loop.__dict__))
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+    return folder
+
+
+def load_state(folder: Path, models: Models, optimizer, scheduler) -> LoopState:
+    """Restore a full-state checkpoint. Tensors come from safetensors; optimizer and scheduler
+    state load with `weights_only=True`, which refuses arbitrary pickled objects."""
+    load_model(models.policy, str(folder / "policy.safetensors"))
+    for name in ("value_head", "critic", "reference"):
+        module = getattr(models, name)
+        if module is not None:
+            load_model(module, str(folder / f"{name}.safetensors"))
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    rng = load_file(str(folder / "rng.safetensors"))
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return LoopState(**json.loads((folder / "loop.json").read_text()))
+
+
+# --- evaluation -------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def evaluate(models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig) -> tuple[dict[str, float], pd.DataFrame]:
+    """PPO policy against the SFT reference on held-out prompts, `eval_samples_per_prompt` each:
+    reward-model scores of both, and KL(PPO || SFT) on the PPO responses."""
+    models.train(False)
+    repeat = cfg.eval_samples_per_prompt
+    prompts = [p for p in eval_prompts["prompt"] for _ in range(repeat)]
+    messages = [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)]
+    torch.manual_seed(cfg.seed + 1)  # the same sampling noise for every evaluation of this config
+    ppo = rollout(models, prompts, messages, cfg, {})
+    with reference_policy(models) as reference:
+        _, _, sft_responses = sample_responses(reference, models.tokenizer, prompts, cfg)
+    sft_texts = models.tokenizer.batch_decode(sft_responses, skip_special_tokens=True)
+    sft_scores = models.scorer.score(messages, sft_texts)
+    kl = (kl_estimate(ppo.logprobs, ppo.ref_logprobs) * ppo.mask).sum(1)
+    table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
+                          "ppo_response": ppo.texts, "sft_response": sft_texts,
+                          "ppo_score": ppo.normalized_scores.cpu().numpy(), "sft_score": sft_scores.numpy(),
+                          "kl": kl.cpu().numpy()})
+    metrics = {"eval/score": table["ppo_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
+               "eval/kl": table["kl"].mean(), "eval/response_length": ppo.mask.sum(1).float().mean().item(),
+               "eval/eos_rate": ppo.has_eos.float().mean().item(),
+               "eval/win_rate_rm": float((table["ppo_score"] > table["sft_score"]).mean()
+                                         + 0.5 * (table["ppo_score"] == table["sft_score"]).mean())}
+    return {k: float(v) for k, v in metrics.items()}, table
+
+
+# --- the stage --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PPOResult:
+    checkpoint: Path
+    """The final policy as a plain Hugging Face folder (no value head, LoRA merged)."""
+    metrics: dict[str, float]
+    history: list[dict[str, float]]
+    """Per-iteration figures, for curves and plots."""
+    evaluation: pd.DataFrame
+    """Held-out prompts with PPO and SFT responses, their scores and the KL of the PPO response."""
+
+
+def _warnings(cfg: PPOConfig, figures: dict[str, float], first_length: float, iteration: int) -> list[str]:
+    found = []
+    if figures["rollout/kl"] > cfg.kl_budget:
+        found.append(f"mean KL per sequence {figures['rollout/kl']:.2f} is over the budget of {cfg.kl_budget}")
+    drift = abs(figures["rollout/response_length"] - first_length) / max(first_length, 1e-6)
+    if drift > cfg.warn_length_drift:
+        found.append(f"mean response length {figures['rollout/response_length']:.1f} drifted {drift:.0%} "
+                     f"from {first_length:.1f}")
+    if figures["rollout/eos_rate"] < cfg.warn_eos_rate:
+        found.append(f"only {figures['rollout/eos_rate']:.0%} of responses end with EOS")
+    if figures["train/ratio_max"] > cfg.warn_ratio_max:
+        found.append(f"policy ratio reached {figures['train/ratio_max']:.1f} (threshold {cfg.warn_ratio_max})")
+    return [f"iteration {iteration}: {message}" for message in found]
+
+
+def _prompt_batch(order_seed: int, n_prompts: int, cursor: int, size: int) -> list[int]:
+    """Indices of the next `size` prompts from a seeded shuffle that is redrawn for every pass."""
+    picks = []
+    while len(picks) < size:
+        pass_number, position = divmod(cursor, n_prompts)
+        order = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(order_seed + pass_number))
+        take = min(size - len(picks), n_prompts - position)
+        picks += order[position:position + take].tolist()
+        cursor += take
+    return picks
+
+
+def train_ppo(
+    cfg: PPOConfig,
+    sft_location: str,
+    reward_location: str,
+    prompts: pd.DataFrame,
+    eval_prompts: pd.DataFrame,
+    output_dir: Path,
+    hooks: PPOHooks = PPOHooks(),
+) -> PPOResult:
+    """Run PPO and evaluate against the SFT policy. Resumes from `output_dir/state` when a
+    full-state checkpoint of an earlier, interrupted run is there."""
+    torch.manual_seed(cfg.seed)
+    models = load_models(cfg, sft_location, reward_location)
+    optimizer = torch.optim.AdamW(models.trainable(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, eps=1e-5)
+    total_steps = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
+                              num_training_steps=total_steps)
+    kl_control = KLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon)
+    state_dir = output_dir / "state"
+    loop = LoopState()
+    if (state_dir / "loop.json").exists():
+        loop = load_state(state_dir, models, optimizer, scheduler)
+        kl_control = KLController(**loop.kl)
+        hooks.warning(f"resumed from the full-state checkpoint after iteration {loop.iteration}")
+    prompt_texts = list(prompts["prompt"])
+    prompt_messages = [json.loads(m) for m in prompts["prompt_messages"]]
+
+    while loop.iteration < cfg.num_iterations:
+        iteration = loop.iteration + 1
+        started, timings = time.perf_counter(), {}
+        picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, cfg.rollout_batch_size)
+        batch = rollout(models, [prompt_texts[i] for i in picks], [prompt_messages[i] for i in picks], cfg, timings)
+
+        kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * batch.mask  # (B, T)
+        rewards = token_rewards(batch.scores, kl, kl_control.value, batch.mask)
+        if cfg.whiten_rewards:
+            rewards = masked_whiten(rewards, batch.mask, shift_mean=False)
+        advantages, returns = gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
+        advantages = masked_whiten(advantages, batch.mask)
+
+        start = time.perf_counter()
+        train = ppo_update(models, batch, advantages, returns, cfg, optimizer, scheduler, iteration)
+        timings["train"] = time.perf_counter() - start
+
+        kl_per_sequence = kl.sum(1).mean().item()
+        figures = {
+            "rollout/score": batch.normalized_scores.mean().item(),
+            "rollout/score_raw": batch.raw_scores.mean().item(),
+            "rollout/score_used": batch.scores.mean().item(),
+            "rollout/non_score_reward": (-kl_control.value * kl).sum(1).mean().item(),
+            "rollout/kl": kl_per_sequence,
+            "rollout/kl_coef": kl_control.value,
+            "rollout/entropy": masked_mean(batch.entropy, batch.mask).item(),
+            "rollout/response_length": batch.mask.sum(1).float().mean().item(),
+            "rollout/eos_rate": batch.has_eos.float().mean().item(),
+            **{f"train/{k}": v for k, v in train.items()},
+            "train/explained_variance": explained_variance(batch.values, returns, batch.mask),
+            "train/learning_rate": scheduler.get_last_lr()[0],
+            **{f"time/{k}": v for k, v in timings.items()},
+        }
+        elapsed = time.perf_counter() - started
+        figures["time/iteration"] = elapsed
+        figures["time/tokens_per_second"] = batch.mask.sum().item() / elapsed
+        kl_control.update(kl_per_sequence, cfg.rollout_batch_size)
+        if cfg.ref_refresh_every and iteration % cfg.ref_refresh_every == 0 and models.reference is not None:
+            models.reference.load_state_dict(models.policy.state_dict())
+
+        loop.first_length = loop.first_length or figures["rollout/response_length"]
+        for message in _warnings(cfg, figures, loop.first_length, iteration):
+            hooks.warning(message)
+        hooks.metrics(figures, iteration)
+        if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
+            shown = slice(0, cfg.num_logged_samples)
+            hooks.samples(pd.DataFrame({"prompt": batch.prompts[shown], "response": batch.texts[shown],
+                                        "score": batch.scores[shown].cpu().numpy()}), iteration)
+        loop.iteration, loop.cursor = iteration, loop.cursor + cfg.rollout_batch_size
+        loop.kl, loop.history = kl_control.state_dict(), loop.history + [{"iteration": iteration, **figures}]
+        if iteration % cfg.checkpoint_every == 0 and iteration < cfg.num_iterations:
+            save_state(state_dir, models, optimizer, scheduler, loop)
+
+    metrics, evaluation = evaluate(models, eval_prompts, cfg)
+    policy = models.policy.merge_and_unload() if cfg.lora is not None else models.policy
+    checkpoint = save_checkpoint(policy, models.tokenizer, output_dir / "checkpoint")
+    last = loop.history[-1] if loop.history else {}
+    metrics |= {"train/iterations": float(loop.iteration),
+                **{k: last[k] for k in ("rollout/score", "rollout/kl", "rollout/kl_coef") if k in last}}
+    return PPOResult(checkpoint, metrics, loop.history, evaluation)
