@@ -24,14 +24,16 @@ from pydantic import BaseModel, Field
 
 from rlhf import tracking
 from rlhf.config import ConfigError, DataSource, PipelineConfig, TrainingConfig, config_hash, flatten, load_config
-from rlhf.demo_world import DEMO_SCHEME, DemoWorldConfig, build_world, gold_accuracy, resolve_location
+from rlhf.demo_world import DEMO_SCHEME, DemoWorldConfig, build_world, gold_accuracy, gold_comparison, resolve_location
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.models import load_tokenizer
 
 StageName = Literal["sft", "reward", "ppo"]
-AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward")
-"""Stages this version can run, in pipeline order; PPO arrives with its own issue."""
+AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo")
+"""Stages in pipeline order."""
+POLICY_MODEL_NAME = "rlhf-policy"
+"""MLflow Model Registry name under which every PPO policy is registered."""
 UPSTREAM: dict[str, tuple[str, ...]] = {"sft": (), "reward": ("sft",), "ppo": ("sft", "reward")}
 
 
@@ -121,11 +123,11 @@ def train_and_eval_data(section, kind: str, world: str | None, tokenizer) -> tup
 
 
 def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedData, metrics: dict[str, float],
-           checkpoint: Path, samples: list[dict[str, str]]) -> StageRecord:
+           checkpoint: Path, samples: list[dict[str, str]], last_step: int) -> StageRecord:
     """Log final metrics and the checkpoint (inside the active run), publish the Prefect summary."""
     # At the last training step, so these (and not a trainer's running average of the same name)
     # are what MLflow shows as each metric's latest value.
-    mlflow.log_metrics(metrics, step=int(metrics.get("train/steps", 0)))
+    mlflow.log_metrics(metrics, step=last_step)
     mlflow.log_artifacts(str(checkpoint), tracking.CHECKPOINT_PATH)
     url = tracking.run_url(run_id)
     link = f"[{run_id}]({url})" if url else f"`{run_id}`"
@@ -162,7 +164,8 @@ def sft(ctx: StageContext) -> StageRecord | State:
             result = train_sft(section, model_location, train.frame, evaluation.frame, scratch,
                                sink=lambda metrics, step: mlflow.log_metrics(metrics, step=step))
             mlflow.log_table(pd.DataFrame(result.samples), "samples.json")
-            return finish("sft", run_id, section, train, result.metrics, result.checkpoint, result.samples)
+            return finish("sft", run_id, section, train, result.metrics, result.checkpoint, result.samples,
+                          int(result.metrics["train/steps"]))
     except DataContractError as e:
         return refuse(e.report())
 
@@ -188,10 +191,10 @@ def reward(ctx: StageContext) -> StageRecord | State:
             except RewardGateError as gate:
                 mlflow.log_metrics(gate.metrics)
                 raise
-            scores = result.eval_scores
+            scores, metrics = result.eval_scores, dict(result.metrics)
             if _is_demo(section.eval_data) or (section.eval_data is None and _is_demo(section.train_data)):
                 last_user = [json.loads(m)[-1]["content"] for m in scores["prompt_messages"]]
-                result.metrics["eval/gold_accuracy"] = gold_accuracy(
+                metrics["eval/gold_accuracy"] = gold_accuracy(
                     last_user, list(scores["chosen"]), list(scores["rejected"]),
                     list(scores["score_chosen"]), list(scores["score_rejected"]))
             mlflow.log_table(result.calibration, "calibration.json")
@@ -204,12 +207,66 @@ def reward(ctx: StageContext) -> StageRecord | State:
             mlflow.log_table(extremes, "extremes.json")
             samples = [{"prompt": p, "response": f"{r}  (score {s:+.2f})"} for p, r, s in
                        extremes[["prompt", "response", "score"]].head(3).itertuples(index=False)]
-            return finish("reward", run_id, section, train, result.metrics, result.checkpoint, samples)
+            return finish("reward", run_id, section, train, metrics, result.checkpoint, samples,
+                          int(metrics["train/steps"]))
     except (DataContractError, RewardGateError) as e:
         return refuse(e.report() if isinstance(e, DataContractError) else str(e))
 
 
-STAGE_TASKS = {"sft": sft, "reward": reward}
+@task
+def ppo(ctx: StageContext) -> StageRecord | State:
+    """PPO from the upstream SFT policy against the upstream reward model, both fetched through MLflow."""
+    from rlhf.plots import curves
+    from stages.ppo import NonFiniteLossError, PPOHooks, train_ppo
+
+    section = ctx.config.ppo
+    logger = get_run_logger()
+    try:
+        with stage_run("ppo", section, ctx) as (run_id, scratch):
+            sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], scratch / "sft"))
+            reward_location = str(tracking.download_checkpoint(ctx.upstream["reward"], scratch / "reward"))
+            tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
+            budget = LengthBudget(section.max_prompt_length, section.max_prompt_length + section.response_length)
+
+            def prompts(source: DataSource, name: str) -> ValidatedData:
+                data = load_validated(resolve_location(source.path, ctx.world), "prompt", format=source.format,
+                                      split=source.split, tokenizer=tokenizer, budget=budget, duplicates=section.duplicates)
+                tracking.log_data(data.frame, name, data.source, data.digest, name)
+                return data
+
+            train, evaluation = prompts(section.prompts, "prompts"), prompts(section.eval_prompts, "eval-prompts")
+            mlflow.set_tag(tracking.TAG_DATA_DIGEST, train.digest)
+            warnings: list[str] = []
+
+            def warn(message: str) -> None:
+                warnings.append(message)
+                logger.warning(message)
+
+            hooks = PPOHooks(metrics=lambda figures, i: mlflow.log_metrics(figures, step=i),
+                             samples=lambda table, i: mlflow.log_table(table, f"samples/iteration_{i:05d}.json"),
+                             warning=warn)
+            result = train_ppo(section, sft_location, reward_location, train.frame, evaluation.frame, scratch, hooks)
+            table, metrics = result.evaluation, dict(result.metrics)
+            if _is_demo(section.eval_prompts):
+                last_user = [json.loads(m)[-1]["content"] for m in table["prompt_messages"]]
+                metrics |= gold_comparison(last_user, list(table["ppo_response"]), list(table["sft_response"]))
+            mlflow.log_table(table.drop(columns=["prompt_messages"]), "evaluation.json")
+            mlflow.log_text("\n".join(warnings) or "no warnings", "warnings.txt")
+            for keys, name in ((["rollout/score", "rollout/score_raw"], "score"), (["rollout/kl", "rollout/kl_coef"], "kl"),
+                               (["rollout/response_length", "rollout/eos_rate"], "length")):
+                mlflow.log_figure(curves(result.history, keys, f"PPO {name}"), f"plots/{name}.png")
+            samples = [{"prompt": p, "response": f"{r}  (SFT: {s})"} for p, r, s in
+                       table[["prompt", "ppo_response", "sft_response"]].head(4).itertuples(index=False)]
+            record = finish("ppo", run_id, section, train, metrics, result.checkpoint, samples,
+                            int(metrics["train/iterations"]))
+            version = tracking.register_checkpoint(run_id, POLICY_MODEL_NAME)
+            mlflow.set_tag("rlhf.registered_model", f"{POLICY_MODEL_NAME}/{version}")
+            return record
+    except (DataContractError, NonFiniteLossError) as e:
+        return refuse(e.report() if isinstance(e, DataContractError) else str(e))
+
+
+STAGE_TASKS = {"sft": sft, "reward": reward, "ppo": ppo}
 
 
 def _resolve_upstream(stage: str, records: dict[str, StageRecord], given: UpstreamRuns, experiment: str) -> dict[str, str]:

@@ -324,3 +324,13 @@ def gold_accuracy(prompts: list[str], chosen: list[str], rejected: list[str],
         counted += 1
         hits += (sa > sb) == (preference == 1.0)
     return hits / counted if counted else float("nan")
+
+
+def gold_comparison(prompts: list[str], responses: list[str], baseline: list[str]) -> dict[str, float]:
+    """Gold reward of `responses` and of `baseline`, and the share of prompts where the response
+    beats the baseline under the gold function (ties count half)."""
+    ours = [gold_score(p, r) for p, r in zip(prompts, responses, strict=True)]
+    theirs = [gold_score(p, r) for p, r in zip(prompts, baseline, strict=True)]
+    wins = [1.0 if a > b else 0.0 if a < b else 0.5 for a, b in zip(ours, theirs)]
+    n = max(len(wins), 1)
+    return {"eval/gold_reward": sum(ours) / n, "eval/gold_reward_sft": sum(theirs) / n, "eval/gold_win_rate": sum(wins) / n}

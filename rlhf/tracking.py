@@ -131,3 +131,14 @@ def workdir() -> Path:
     root = state_dir() / "work"
     root.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(dir=root))
+
+
+def register_checkpoint(run_id: str, model_name: str) -> str:
+    """Register the run's `checkpoint/` as a new version of `model_name`; returns the version."""
+    client = MlflowClient()
+    try:
+        client.create_registered_model(model_name)
+    except mlflow.exceptions.MlflowException:  # already registered
+        pass
+    source = f"{client.get_run(run_id).info.artifact_uri}/{CHECKPOINT_PATH}"
+    return client.create_model_version(model_name, source=source, run_id=run_id).version

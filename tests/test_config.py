@@ -71,4 +71,4 @@ def test_prefect_yaml_defines_the_four_deployments_of_the_one_flow():
     deployments = {d["name"]: d for d in spec["deployments"]}
     assert set(deployments) == {"full", "sft", "reward", "ppo"}
     assert {d["entrypoint"] for d in deployments.values()} == {"flows/pipeline.py:rlhf"}
-    assert deployments["full"]["parameters"]["stages"] == ["sft", "reward"]
+    assert deployments["full"]["parameters"]["stages"] == ["sft", "reward", "ppo"]
