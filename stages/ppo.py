@@ -491,7 +491,5 @@ def train_ppo(
     metrics, evaluation = evaluate(models, eval_prompts, cfg)
     policy = models.policy.merge_and_unload() if cfg.lora is not None else models.policy
     checkpoint = save_checkpoint(policy, models.tokenizer, output_dir / "checkpoint")
-    last = loop.history[-1] if loop.history else {}
-    metrics |= {"train/iterations": float(loop.iteration),
-                **{k: last[k] for k in ("rollout/score", "rollout/kl", "rollout/kl_coef") if k in last}}
+    metrics["train/iterations"] = float(loop.iteration)
     return PPOResult(checkpoint, metrics, loop.history, evaluation)

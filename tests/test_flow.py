@@ -53,7 +53,7 @@ def test_stage_run_is_a_tagged_child_of_the_pipeline_run(finished):
     assert run.info.status == "FINISHED"
     assert tags[tracking.TAG_STAGE] == "sft"
     parent = MlflowClient().get_run(tags["mlflow.parentRunId"])
-    assert parent.info.status == "FINISHED" and parent.data.tags["rlhf.stages"] == "sft,reward"
+    assert parent.info.status == "FINISHED" and parent.data.tags["rlhf.stages"] == "sft,reward,ppo"
     assert tags[tracking.TAG_CONFIG_HASH] == record.config_hash
     assert tags[tracking.TAG_DATA_DIGEST] == record.data_digest
     assert tags[tracking.TAG_CODE_VERSION] == "0.1.0" and tags[tracking.TAG_GIT_COMMIT]
@@ -103,13 +103,13 @@ def test_bad_config_and_unavailable_stage_are_refused_before_any_run(finished):
     before = len(_runs(""))
     state = rlhf(config_file="configs/tiny.yaml", overrides={"sft.learning_rate": -1}, return_state=True)
     assert state.is_failed() and "sft.learning_rate" in state.message
-    state = rlhf(stages=["ppo"], config_file="configs/tiny.yaml", return_state=True)
-    assert state.is_failed() and "not available in this version" in state.message
+    state = rlhf(stages=["dpo"], config_file="configs/tiny.yaml", return_state=True)
+    assert state.is_failed()
     assert len(_runs("")) == before
 
 
 def test_reward_run_carries_lineage_to_the_sft_run_of_the_same_pipeline(finished):
-    sft, reward = finished
+    sft, reward, _ = finished
     run = MlflowClient().get_run(reward.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags[tracking.TAG_STAGE] == "reward"
@@ -143,3 +143,33 @@ def test_reward_gate_stops_the_pipeline_and_leaves_no_finished_reward_run(finish
     assert state.is_failed() and "below the required 1.000" in state.message
     (new,) = [r for r in _runs(f"tags.`{tracking.TAG_STAGE}` = 'reward'") if r.info.run_id not in before]
     assert new.info.status == "FAILED" and "eval/accuracy" in new.data.metrics
+
+
+def test_ppo_run_has_lineage_curves_samples_plots_and_a_registered_policy(finished):
+    sft, reward, ppo = finished
+    client = MlflowClient()
+    run = client.get_run(ppo.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags[tracking.TAG_UPSTREAM + "sft"] == sft.run_id
+    assert run.data.tags[tracking.TAG_UPSTREAM + "reward"] == reward.run_id
+    for metric in ("eval/score", "eval/score_sft", "eval/kl", "eval/gold_reward", "eval/gold_win_rate"):
+        assert metric in run.data.metrics, metric
+    assert len(client.get_metric_history(ppo.run_id, "rollout/score")) == 3  # one point per iteration
+    artifacts = {a.path for a in client.list_artifacts(ppo.run_id)}
+    assert {"checkpoint", "data", "plots", "samples", "evaluation.json", "warnings.txt"} <= artifacts
+    assert {a.path for a in client.list_artifacts(ppo.run_id, "plots")} == {"plots/kl.png", "plots/length.png",
+                                                                            "plots/score.png"}
+    versions = client.search_model_versions("name = 'rlhf-policy'")
+    assert ppo.run_id in {v.run_id for v in versions}
+    assert run.data.tags["rlhf.registered_model"].startswith("rlhf-policy/")
+
+
+def test_ppo_alone_reruns_against_the_latest_sft_and_reward_runs(finished):
+    from flows.pipeline import rlhf
+
+    sft, reward, _ = finished
+    (ppo,) = rlhf(stages=["ppo"], config_file="configs/tiny.yaml")
+    tags = MlflowClient().get_run(ppo.run_id).data.tags
+    latest_reward = tracking.latest_finished_run("rlhf", "reward")
+    assert tags[tracking.TAG_UPSTREAM + "reward"] == latest_reward
+    assert tags[tracking.TAG_UPSTREAM + "sft"] == sft.run_id

@@ -1,0 +1,140 @@
+"""The PPO stage on a tiny world: the score rises, a killed run resumes to the same end,
+LoRA uses the adapter-disabled reference, and a non-finite loss stops with a clear message."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf.config import LoRAConfig
+from stages.models import load_tokenizer
+from stages.ppo import (NonFiniteLossError, PPOHooks, forward_response, load_models, position_ids_for, reference_policy,
+                        train_ppo)
+
+
+def _cfg(tiny_config, **changes):
+    return tiny_config.ppo.model_copy(update=changes)
+
+
+def _run(cfg, trained, out, hooks=PPOHooks()):
+    return train_ppo(cfg, trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"], out, hooks)
+
+
+def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
+    cfg = _cfg(tiny_config, num_iterations=24, rollout_batch_size=16, num_minibatches=2, learning_rate=1e-3,
+               checkpoint_every=100, target_kl=None, init_kl_coef=0.01)
+    samples, warnings = [], []
+    result = _run(cfg, trained, tmp_path, PPOHooks(samples=lambda t, i: samples.append(i), warning=warnings.append))
+    scores = [row["rollout/score"] for row in result.history]
+    assert np.mean(scores[-6:]) > np.mean(scores[:6]) + 0.3, scores
+    assert len(result.history) == 24 and samples == [2 * k for k in range(1, 13)]
+    for key in ("rollout/kl", "rollout/kl_coef", "rollout/entropy", "train/policy_loss", "train/value_loss",
+                "train/clip_fraction", "train/approx_kl", "train/explained_variance", "train/ratio_mean",
+                "train/ratio_max", "rollout/response_length", "rollout/eos_rate", "train/learning_rate",
+                "time/generate", "time/score", "time/train", "time/tokens_per_second", "rollout/non_score_reward"):
+        assert key in result.history[-1], key
+    assert result.history[-1]["train/learning_rate"] < result.history[0]["train/learning_rate"]  # linear decay
+    files = {p.name for p in result.checkpoint.iterdir()}
+    assert "model.safetensors" in files and not any("value" in name for name in files)
+    assert AutoModelForCausalLM.from_pretrained(result.checkpoint).config.model_type == "llama"
+    assert {"eval/score", "eval/score_sft", "eval/kl", "eval/win_rate_rm"} <= set(result.metrics)
+    assert len(result.evaluation) == len(trained["eval_prompts"]) * cfg.eval_samples_per_prompt
+
+
+def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, trained, tmp_path):
+    cfg = _cfg(tiny_config, num_iterations=6, checkpoint_every=3)
+    reference = _run(cfg, trained, tmp_path / "whole")
+
+    class Killed(Exception):
+        pass
+
+    def die_after_four(figures, iteration):
+        if iteration == 4:
+            raise Killed
+
+    with pytest.raises(Killed):
+        _run(cfg, trained, tmp_path / "interrupted", PPOHooks(metrics=die_after_four))
+    assert json.loads((tmp_path / "interrupted" / "state" / "loop.json").read_text())["iteration"] == 3
+    messages = []
+    resumed = _run(cfg, trained, tmp_path / "interrupted", PPOHooks(warning=messages.append))
+    assert "resumed from the full-state checkpoint after iteration 3" in messages[0]
+    assert [row["rollout/score"] for row in resumed.history] == [row["rollout/score"] for row in reference.history]
+    assert resumed.metrics == reference.metrics
+    a = (tmp_path / "whole" / "checkpoint" / "model.safetensors").read_bytes()
+    b = (tmp_path / "interrupted" / "checkpoint" / "model.safetensors").read_bytes()
+    assert a == b
+
+
+def test_left_padding_does_not_change_log_probs(tiny_config, trained):
+    models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
+    tokenizer = models.tokenizer
+    prompts = ["<s><|user|>Describe the cat.<|assistant|>", "<s><|user|>What do you think of our river? Please.<|assistant|>"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert batch["attention_mask"][0, 0] == 0  # the shorter prompt is left-padded
+    assert position_ids_for(batch["attention_mask"])[0].tolist()[-1] == batch["attention_mask"][0].sum() - 1
+    responses = tokenizer(["The cat is warm.</s>", "The river is calm.</s>"], return_tensors="pt", padding=True,
+                          padding_side="right", add_special_tokens=False)
+    with torch.no_grad():
+        padded, _ = forward_response(models.policy, batch["input_ids"], batch["attention_mask"], responses["input_ids"],
+                                     responses["attention_mask"], want_hidden=False)
+        alone = tokenizer([prompts[0]], return_tensors="pt", add_special_tokens=False)
+        single, _ = forward_response(models.policy, alone["input_ids"], alone["attention_mask"],
+                                     responses["input_ids"][:1], responses["attention_mask"][:1], want_hidden=False)
+    n = int(responses["attention_mask"][0].sum())
+    assert torch.allclose(padded[0, :n], single[0, :n], atol=1e-4)
+
+
+def test_lora_reference_is_the_policy_with_adapters_disabled(tiny_config, trained, tmp_path):
+    from stages.ppo import rollout
+
+    cfg = _cfg(tiny_config, lora=LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"]), num_iterations=2)
+    models = load_models(cfg, trained["sft"], trained["reward"])
+    assert models.reference is None
+    frame = trained["prompts"].head(4)
+    batch = rollout(models, list(frame["prompt"]), [json.loads(m) for m in frame["prompt_messages"]], cfg, {})
+    assert torch.allclose(batch.logprobs, batch.ref_logprobs, atol=1e-5)  # LoRA starts as a no-op
+    trainable = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
+    assert trainable < 0.2 * sum(p.numel() for p in models.policy.parameters())
+    with reference_policy(models) as reference:
+        assert reference is models.policy
+    result = _run(cfg, trained, tmp_path)
+    assert not any("lora" in key for key in json.loads((result.checkpoint / "config.json").read_text()))
+    assert AutoModelForCausalLM.from_pretrained(result.checkpoint, use_safetensors=True) is not None
+
+
+def test_separate_critic_from_the_reward_model(tiny_config, trained, tmp_path):
+    result = _run(_cfg(tiny_config, critic="reward", num_iterations=2), trained, tmp_path)
+    assert np.isfinite(result.history[-1]["train/value_loss"])
+
+
+def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_checkpoint(tiny_config, trained, tmp_path,
+                                                                                  monkeypatch):
+    from stages.reward import RewardScorer
+
+    calls = {"n": 0}
+    original = RewardScorer.raw_scores
+
+    def poisoned(self, sequences, batch_size=64):
+        calls["n"] += 1
+        scores = original(self, sequences, batch_size)
+        return scores * float("nan") if calls["n"] == 3 else scores
+
+    monkeypatch.setattr(RewardScorer, "raw_scores", poisoned)
+    with pytest.raises(NonFiniteLossError, match="at iteration 3"):
+        _run(_cfg(tiny_config, num_iterations=4, checkpoint_every=2), trained, tmp_path)
+    assert json.loads((tmp_path / "state" / "loop.json").read_text())["iteration"] == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ppo_runs_on_cuda_with_bf16(tiny_config, trained, tmp_path):
+    result = _run(_cfg(tiny_config, num_iterations=3), trained, tmp_path)
+    assert np.isfinite(result.history[-1]["train/policy_loss"])
+
+
+def test_tokenizer_padding_sides_are_what_each_stage_needs(trained):
+    assert load_tokenizer(trained["sft"]).padding_side == "left"  # generation
+    assert load_tokenizer(trained["reward"], padding_side="right").padding_side == "right"
