@@ -103,3 +103,15 @@ def test_reward_deployment_reruns_alone_against_the_latest_sft_run(stack):
     assert run.info.status == "FINISHED"
     assert run.data.tags["rlhf.upstream.sft"] == sft.info.run_id
     assert "eval/accuracy" in run.data.metrics and "eval/gold_accuracy" in run.data.metrics
+
+
+def test_ppo_deployment_reruns_alone_and_registers_the_policy(stack):
+    client = _mlflow(stack)
+    experiment = client.get_experiment_by_name("rlhf")
+    done = _deployment_run(stack, "rlhf/ppo", config_file="configs/tiny.yaml")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run,) = client.search_runs([experiment.experiment_id], filter_string="tags.`rlhf.stage` = 'ppo'")
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["rlhf.upstream.sft"] and run.data.tags["rlhf.upstream.reward"]
+    assert "eval/gold_win_rate" in run.data.metrics
+    assert [v.run_id for v in client.search_model_versions("name = 'rlhf-policy'")] == [run.info.run_id]
