@@ -100,17 +100,18 @@ def stage_run(stage: str, section: BaseModel, ctx: StageContext) -> Iterator[tup
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def validated(source: DataSource, kind: str, section: TrainingConfig, world: str | None, tokenizer) -> ValidatedData:
+def validated(source: DataSource, kind: str, world: str | None, tokenizer, budget: LengthBudget,
+              duplicates: str) -> ValidatedData:
     return load_validated(resolve_location(source.path, world), kind, format=source.format, split=source.split,
-                          tokenizer=tokenizer, budget=LengthBudget(section.max_prompt_length, section.max_length),
-                          duplicates=section.duplicates)
+                          tokenizer=tokenizer, budget=budget, duplicates=duplicates)
 
 
-def train_and_eval_data(section, kind: str, world: str | None, tokenizer) -> tuple[ValidatedData, ValidatedData]:
+def train_and_eval_data(section: TrainingConfig, kind: str, world: str | None, tokenizer) -> tuple[ValidatedData, ValidatedData]:
     """Validated train and eval data, logged to the active run; eval is split off train when the config names none."""
-    train = validated(section.train_data, kind, section, world, tokenizer)
+    budget = LengthBudget(section.max_prompt_length, section.max_length)
+    train = validated(section.train_data, kind, world, tokenizer, budget, section.duplicates)
     if section.eval_data is not None:
-        evaluation = validated(section.eval_data, kind, section, world, tokenizer)
+        evaluation = validated(section.eval_data, kind, world, tokenizer, budget, section.duplicates)
     else:
         held_out = train.frame.sample(frac=section.eval_fraction, random_state=section.seed)
         kept = train.frame.drop(index=held_out.index)
@@ -183,7 +184,8 @@ def reward(ctx: StageContext) -> StageRecord | State:
             mlflow.set_tag("rlhf.base_model", section.model or f"runs:/{ctx.upstream['sft']}/checkpoint")
             tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code)
             train, evaluation = train_and_eval_data(section, "preference", ctx.world, tokenizer)
-            prompts = validated(section.normalization_prompts, "prompt", section, ctx.world, load_tokenizer(policy_location))
+            prompts = validated(section.normalization_prompts, "prompt", ctx.world, load_tokenizer(policy_location),
+                                LengthBudget(section.max_prompt_length, section.max_length), section.duplicates)
             tracking.log_data(prompts.frame, "normalization-prompts", prompts.source, prompts.digest, "normalization")
             try:
                 result = train_reward(section, model_location, policy_location, train.frame, evaluation.frame,
@@ -229,8 +231,7 @@ def ppo(ctx: StageContext) -> StageRecord | State:
             budget = LengthBudget(section.max_prompt_length, section.max_prompt_length + section.response_length)
 
             def prompts(source: DataSource, name: str) -> ValidatedData:
-                data = load_validated(resolve_location(source.path, ctx.world), "prompt", format=source.format,
-                                      split=source.split, tokenizer=tokenizer, budget=budget, duplicates=section.duplicates)
+                data = validated(source, "prompt", ctx.world, tokenizer, budget, section.duplicates)
                 tracking.log_data(data.frame, name, data.source, data.digest, name)
                 return data
 
