@@ -6,8 +6,8 @@ artifacts), calls the stage, logs what it produced, and returns a small `StageRe
 
 from __future__ import annotations
 
+import hashlib
 import json
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import mlflow
 import pandas as pd
+from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.context import get_run_context
@@ -27,7 +28,7 @@ from rlhf.config import ConfigError, DataSource, PipelineConfig, TrainingConfig,
 from rlhf.demo_world import DEMO_SCHEME, DemoWorldConfig, build_world, gold_accuracy, gold_comparison, resolve_location
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
-from stages.models import load_tokenizer
+from stages.models import folder_digest, load_tokenizer, set_determinism
 
 StageName = Literal["sft", "reward", "ppo"]
 AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo")
@@ -52,7 +53,10 @@ class StageRecord(BaseModel):
     checkpoint_uri: str
     config_hash: str
     data_digest: str
+    checkpoint_digest: str
     metrics: dict[str, float]
+    reused: bool = False
+    """True when an earlier finished run with the same cache key stood in for this stage."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class StageContext:
     parent_run_id: str
     upstream: dict[str, str]
     """Run id of each upstream stage, by stage name."""
+    cache_key: str
+    """Identity of the stage's work: see `cache_key`."""
 
 
 def refuse(message: str) -> State:
@@ -88,16 +94,12 @@ def stage_run(stage: str, section: BaseModel, ctx: StageContext) -> Iterator[tup
     block, plus a scratch folder removed afterwards. An exception leaves the run FAILED."""
     version, commit = tracking.code_version()
     tags = {tracking.TAG_CONFIG_HASH: config_hash(section), tracking.TAG_CODE_VERSION: version,
-            tracking.TAG_GIT_COMMIT: commit}
+            tracking.TAG_GIT_COMMIT: commit, tracking.TAG_CACHE_KEY: ctx.cache_key}
     tags |= {tracking.TAG_UPSTREAM + name: run_id for name, run_id in ctx.upstream.items()}
     run_id = tracking.create_stage_run(ctx.experiment_id, ctx.parent_run_id, stage, tags)
-    scratch = tracking.workdir()
-    try:
-        with mlflow.start_run(run_id=run_id):
-            mlflow.log_params(flatten(section))
-            yield run_id, scratch
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with tracking.claimed_workdir(f"{stage}-{ctx.cache_key[:16]}") as workdir, mlflow.start_run(run_id=run_id):
+        mlflow.log_params(flatten(section))
+        yield run_id, workdir
 
 
 def validated(source: DataSource, kind: str, world: str | None, tokenizer, budget: LengthBudget,
@@ -129,6 +131,8 @@ def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedDat
     # At the last training step, so these (and not a trainer's running average of the same name)
     # are what MLflow shows as each metric's latest value.
     mlflow.log_metrics(metrics, step=last_step)
+    checkpoint_digest = folder_digest(checkpoint)
+    mlflow.set_tag(tracking.TAG_CHECKPOINT_DIGEST, checkpoint_digest)
     mlflow.log_artifacts(str(checkpoint), tracking.CHECKPOINT_PATH)
     url = tracking.run_url(run_id)
     link = f"[{run_id}]({url})" if url else f"`{run_id}`"
@@ -140,7 +144,8 @@ def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedDat
         description=f"{stage} stage results",
     )
     return StageRecord(stage=stage, run_id=run_id, checkpoint_uri=f"runs:/{run_id}/{tracking.CHECKPOINT_PATH}",
-                       config_hash=config_hash(section), data_digest=data.digest, metrics=metrics)
+                       config_hash=config_hash(section), data_digest=data.digest,
+                       checkpoint_digest=checkpoint_digest, metrics=metrics)
 
 
 def _is_demo(source: DataSource | None) -> bool:
@@ -270,12 +275,45 @@ def ppo(ctx: StageContext) -> StageRecord | State:
 STAGE_TASKS = {"sft": sft, "reward": reward, "ppo": ppo}
 
 
+def _source_fingerprint(location: str) -> str:
+    """Content digest of a local file or folder; a hub name stands for itself."""
+    path = Path(location)
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    if path.is_dir():
+        return folder_digest(path)
+    return f"name:{location}"
+
+
+def cache_key(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str]) -> str:
+    """What a stage's result depends on: its resolved config, the content of every input it reads,
+    the code version, the upstream runs it starts from, and the pipeline's determinism settings."""
+    section = getattr(cfg, stage)
+    inputs = {}
+    for name, value in section:
+        if isinstance(value, DataSource):
+            inputs[name] = _source_fingerprint(resolve_location(value.path, world)) + f":{value.split}:{value.format}"
+        elif name == "model" and isinstance(value, str):
+            inputs[name] = _source_fingerprint(resolve_location(value, world))
+    parts = {"stage": stage, "config": config_hash(section), "inputs": inputs, "code": tracking.code_version(),
+             "upstream": upstream, "determinism": [cfg.deterministic, cfg.num_threads]}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def reused_record(stage: StageName, run) -> StageRecord:
+    tags = run.data.tags
+    return StageRecord(stage=stage, run_id=run.info.run_id, checkpoint_uri=f"runs:/{run.info.run_id}/{tracking.CHECKPOINT_PATH}",
+                       config_hash=tags[tracking.TAG_CONFIG_HASH], data_digest=tags.get(tracking.TAG_DATA_DIGEST, ""),
+                       checkpoint_digest=tags.get(tracking.TAG_CHECKPOINT_DIGEST, ""), metrics=run.data.metrics,
+                       reused=True)
+
+
 def _resolve_upstream(stage: str, records: dict[str, StageRecord], given: UpstreamRuns, experiment: str) -> dict[str, str]:
     """Run ids of `stage`'s upstream stages: from this pipeline run, else as given, else the latest finished."""
     resolved = {}
     for name in UPSTREAM[stage]:
         run_id = records[name].run_id if name in records else getattr(given, f"{name}_run_id")
-        run_id = run_id or tracking.latest_finished_run(experiment, name)
+        run_id = run_id or tracking.latest_finished_run_id(experiment, name)
         if run_id is None:
             raise LookupError(f"stage {stage} needs a finished {name} run; none is in experiment {experiment!r}. "
                               f"Run rlhf/{name} first or pass upstream.{name}_run_id")
@@ -289,12 +327,14 @@ def rlhf(
     config_file: str = "configs/demo.yaml",
     overrides: dict[str, Any] = {},
     upstream: UpstreamRuns = UpstreamRuns(),
+    use_cache: bool = True,
 ) -> list[StageRecord] | State:
     """Run the named RLHF stages in pipeline order, as children of one MLflow pipeline run.
 
     `config_file` is a YAML config (relative to the repository); `overrides` sets single
     fields by dotted name, e.g. {"sft.learning_rate": 3e-4}. A stage run alone starts from
-    `upstream` run ids, or from the latest finished run of each upstream stage.
+    `upstream` run ids, or from the latest finished run of each upstream stage. With
+    `use_cache`, a stage whose cache key matches a finished run is not run again: that run is reused.
     """
     logger = get_run_logger()
     missing = [s for s in stages if s not in AVAILABLE_STAGES]
@@ -305,6 +345,7 @@ def rlhf(
     except ConfigError as e:
         return refuse(str(e))
     ordered = [s for s in AVAILABLE_STAGES if s in stages]
+    set_determinism(cfg.deterministic, cfg.num_threads)
     experiment_id = tracking.ensure_experiment(cfg.experiment)
     version, commit = tracking.code_version()
     parent_run_id = tracking.start_pipeline_run(experiment_id, {
@@ -322,15 +363,26 @@ def rlhf(
                 upstream_ids = _resolve_upstream(name, records, upstream, cfg.experiment)
             except LookupError as e:
                 return refuse(str(e))
-            ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids)
-            state = STAGE_TASKS[name](ctx, return_state=True)
-            if not state.is_completed():
-                return Failed(message=f"stage {name} failed: {state.message}")
-            record = state.result()
-            logger.info("%s run %s: %s", name, record.run_id,
-                        ", ".join(f"{k}={v:.4g}" for k, v in sorted(record.metrics.items())))
+            key = cache_key(name, cfg, world, upstream_ids)
+            cached = tracking.latest_finished_run(cfg.experiment, name, key) if use_cache else None
+            if cached is not None:
+                record = reused_record(name, cached)
+                MlflowClient().set_tag(parent_run_id, tracking.TAG_REUSED + name, record.run_id)
+                logger.info("%s: reusing finished run %s (same config, data, code and upstream runs)", name, record.run_id)
+            else:
+                state = STAGE_TASKS[name](StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key),
+                                          return_state=True)
+                if not state.is_completed():
+                    return Failed(message=f"stage {name} failed: {state.message}")
+                record = state.result()
+                logger.info("%s run %s: %s", name, record.run_id,
+                            ", ".join(f"{k}={v:.4g}" for k, v in sorted(record.metrics.items())))
             records[name] = record
         ok = True
+        create_markdown_artifact(key="pipeline-summary", description="which stage runs ran and which were reused",
+                                 markdown="# Pipeline\n\n| stage | MLflow run | |\n|---|---|---|\n" + "\n".join(
+                                     f"| {r.stage} | `{r.run_id}` | {'reused' if r.reused else 'ran'} |"
+                                     for r in records.values()))
         return list(records.values())
     finally:
         tracking.end_run(parent_run_id, ok)

@@ -237,6 +237,10 @@ class PipelineConfig(_Frozen):
     """The embedded demo world, built locally from its seed; needed by any `demo:` location."""
     experiment: str = "rlhf"
     """MLflow experiment that holds the pipeline's runs."""
+    deterministic: bool = True
+    """Deterministic torch kernels: the same config, seed and data give identical results on CPU."""
+    num_threads: PositiveInt | None = None
+    """CPU threads for torch; fix it where runs must match across machines (unset: torch's default)."""
     sft: SFTConfig = SFTConfig()
     """Supervised fine-tuning stage."""
     reward: RewardConfig = RewardConfig()

@@ -6,9 +6,14 @@ and is found again through its tags (`rlhf.stage`, `rlhf.upstream.*`).
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -23,10 +28,13 @@ TAG_STAGE = "rlhf.stage"
 TAG_PIPELINE = "rlhf.pipeline_run_id"
 TAG_CONFIG_HASH = "rlhf.config_hash"
 TAG_DATA_DIGEST = "rlhf.data_digest"
+TAG_CHECKPOINT_DIGEST = "rlhf.checkpoint_digest"
 TAG_CODE_VERSION = "rlhf.code_version"
 TAG_GIT_COMMIT = "rlhf.git_commit"
 TAG_UPSTREAM = "rlhf.upstream."  # + stage name, e.g. rlhf.upstream.sft -> that stage's run id
 TAG_PREFECT_FLOW_RUN = "rlhf.prefect_flow_run_id"
+TAG_CACHE_KEY = "rlhf.cache_key"
+TAG_REUSED = "rlhf.reused."  # + stage name, on the pipeline run -> the reused stage run id
 CHECKPOINT_PATH = "checkpoint"
 DATA_PATH = "data"
 
@@ -52,7 +60,8 @@ def ensure_experiment(name: str) -> str:
 
 
 def code_version() -> tuple[str, str]:
-    """(package version, git commit with '+dirty' when the work tree has uncommitted changes)."""
+    """(package version, git commit); an uncommitted change adds '+dirty.<digest of the diff>', so
+    the cache never mistakes edited code for the commit it started from."""
     try:
         version = metadata.version("rlhf-pipeline")
     except metadata.PackageNotFoundError:
@@ -60,9 +69,8 @@ def code_version() -> tuple[str, str]:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
                                 check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        commit += "+dirty" if dirty else ""
+        diff = subprocess.run(["git", "diff", "HEAD"], cwd=REPO_ROOT, capture_output=True, timeout=30).stdout
+        commit += f"+dirty.{hashlib.sha256(diff).hexdigest()[:12]}" if diff.strip() else ""
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     return version, commit
@@ -98,18 +106,22 @@ def download_checkpoint(run_id: str, dst: Path) -> Path:
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=f"runs:/{run_id}/{CHECKPOINT_PATH}", dst_path=str(dst)))
 
 
-def latest_finished_run(experiment_name: str, stage: str) -> str | None:
-    """The most recent FINISHED run of `stage`, or None."""
+def latest_finished_run(experiment_name: str, stage: str, cache_key: str | None = None):
+    """The most recent FINISHED run of `stage` (with `cache_key`, when given), or None."""
     experiment = MlflowClient().get_experiment_by_name(experiment_name)
     if experiment is None:
         return None
-    runs = MlflowClient().search_runs(
-        [experiment.experiment_id],
-        filter_string=f"tags.`{TAG_STAGE}` = '{stage}' and attributes.status = 'FINISHED'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1,
-    )
-    return runs[0].info.run_id if runs else None
+    wanted = f"tags.`{TAG_STAGE}` = '{stage}' and attributes.status = 'FINISHED'"
+    if cache_key is not None:
+        wanted += f" and tags.`{TAG_CACHE_KEY}` = '{cache_key}'"
+    runs = MlflowClient().search_runs([experiment.experiment_id], filter_string=wanted,
+                                      order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0] if runs else None
+
+
+def latest_finished_run_id(experiment_name: str, stage: str) -> str | None:
+    run = latest_finished_run(experiment_name, stage)
+    return run.info.run_id if run else None
 
 
 def run_url(run_id: str) -> str | None:
@@ -126,11 +138,26 @@ def state_dir() -> Path:
     return Path(os.environ.get("RLHF_HOME", REPO_ROOT / ".rlhf"))
 
 
-def workdir() -> Path:
-    """A fresh scratch folder for one stage's outputs before upload."""
+@contextmanager
+def claimed_workdir(name: str) -> Iterator[Path]:
+    """The local folder for one stage attempt, named by its cache key, so that a rerun of the same
+    work (after a kill, or on a Prefect retry) finds the checkpoints an earlier attempt left.
+
+    An exclusive lock for the attempt's lifetime keeps two live runs of the same work apart: the
+    second gets a fresh private folder instead of sharing (and clobbering) the first's. The
+    folder is removed only when the attempt succeeds; the lock dies with the process.
+    """
     root = state_dir() / "work"
     root.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=root))
+    with open(root / f"{name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            folder = root / name
+            folder.mkdir(exist_ok=True)
+        except BlockingIOError:
+            folder = Path(tempfile.mkdtemp(dir=root, prefix=f"{name}."))
+        yield folder
+        shutil.rmtree(folder, ignore_errors=True)  # reached only when the block succeeded
 
 
 def register_checkpoint(run_id: str, model_name: str) -> str:

@@ -81,3 +81,26 @@ def encode_reply(tokenizer: PreTrainedTokenizerBase, prompt: str, reply: str) ->
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt_ids, reply_ids
+
+
+def set_determinism(deterministic: bool, num_threads: int | None) -> None:
+    """Deterministic kernels and a fixed CPU thread count: the conditions under which the same
+    config, seed and data give identical results (on CPU; see README, Guarantees)."""
+    import os
+
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for determinism
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+
+
+def folder_digest(folder: Path) -> str:
+    """sha256 over a folder's relative file names and bytes: the identity of a checkpoint."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()

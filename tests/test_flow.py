@@ -79,7 +79,7 @@ def test_checkpoint_downloads_through_mlflow_and_loads(finished, tmp_path):
     folder = tracking.download_checkpoint(record.run_id, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True)
     assert model.config.model_type == "llama"
-    assert tracking.latest_finished_run("rlhf", "sft") == record.run_id
+    assert tracking.latest_finished_run_id("rlhf", "sft") == record.run_id
 
 
 def test_bad_data_fails_the_run_with_the_row_level_report(finished):
@@ -94,7 +94,7 @@ def test_bad_data_fails_the_run_with_the_row_level_report(finished):
     failed = _runs(f"tags.`{tracking.TAG_STAGE}` = 'sft' and attributes.status = 'FAILED'")
     assert len(failed) == 1 and failed[0].data.params["train_data.path"] == bad
     assert not _runs("attributes.status = 'FINISHED' and params.`train_data.path` = '" + bad + "'")
-    assert tracking.latest_finished_run("rlhf", "sft") == finished[0].run_id  # bad input left no finished run
+    assert tracking.latest_finished_run_id("rlhf", "sft") == finished[0].run_id  # bad input left no finished run
 
 
 def test_bad_config_and_unavailable_stage_are_refused_before_any_run(finished):
@@ -127,7 +127,8 @@ def test_reward_alone_reruns_against_the_latest_or_a_given_sft_run(finished):
     from flows.pipeline import UpstreamRuns, rlhf
 
     sft = finished[0]
-    (latest,) = rlhf(stages=["reward"], config_file="configs/tiny.yaml")
+    (latest,) = rlhf(stages=["reward"], config_file="configs/tiny.yaml", use_cache=False)
+    assert not latest.reused and latest.run_id != finished[1].run_id
     assert MlflowClient().get_run(latest.run_id).data.tags[tracking.TAG_UPSTREAM + "sft"] == sft.run_id
     state = rlhf(stages=["reward"], config_file="configs/tiny.yaml",
                  upstream=UpstreamRuns(sft_run_id="0" * 32), return_state=True)
@@ -168,8 +169,45 @@ def test_ppo_alone_reruns_against_the_latest_sft_and_reward_runs(finished):
     from flows.pipeline import rlhf
 
     sft, reward, _ = finished
-    (ppo,) = rlhf(stages=["ppo"], config_file="configs/tiny.yaml")
+    (ppo,) = rlhf(stages=["ppo"], config_file="configs/tiny.yaml", use_cache=False)
+    assert not ppo.reused
     tags = MlflowClient().get_run(ppo.run_id).data.tags
-    latest_reward = tracking.latest_finished_run("rlhf", "reward")
+    latest_reward = tracking.latest_finished_run_id("rlhf", "reward")
     assert tags[tracking.TAG_UPSTREAM + "reward"] == latest_reward
     assert tags[tracking.TAG_UPSTREAM + "sft"] == sft.run_id
+
+
+def test_unchanged_rerun_reuses_every_stage_and_changing_ppo_reruns_only_ppo(tracking_store):
+    from flows.pipeline import rlhf
+
+    own = {"experiment": "rlhf-cache"}  # an experiment of its own, so other tests' runs do not interfere
+    first = rlhf(config_file="configs/tiny.yaml", overrides=own)
+    assert [r.reused for r in first] == [False, False, False]
+    again = rlhf(config_file="configs/tiny.yaml", overrides=own)
+    assert [r.reused for r in again] == [True, True, True]
+    assert [r.run_id for r in again] == [r.run_id for r in first]
+    assert again[1].metrics["eval/accuracy"] == first[1].metrics["eval/accuracy"]
+    experiment = MlflowClient().get_experiment_by_name("rlhf-cache").experiment_id
+    parents = MlflowClient().search_runs([experiment], "tags.`rlhf.stages` = 'sft,reward,ppo'",
+                                         order_by=["attributes.start_time DESC"])
+    assert {k: v for k, v in parents[0].data.tags.items() if k.startswith(tracking.TAG_REUSED)} == {
+        tracking.TAG_REUSED + r.stage: r.run_id for r in first}
+
+    changed = rlhf(config_file="configs/tiny.yaml", overrides={**own, "ppo.learning_rate": 1e-4})
+    assert [r.reused for r in changed] == [True, True, False]
+    tags = MlflowClient().get_run(changed[2].run_id).data.tags
+    assert tags[tracking.TAG_UPSTREAM + "reward"] == first[1].run_id
+    assert tags[tracking.TAG_CACHE_KEY] != MlflowClient().get_run(first[2].run_id).data.tags[tracking.TAG_CACHE_KEY]
+
+
+def test_cache_key_follows_data_content_not_just_its_name(tmp_path, tiny_config, world):
+    from flows.pipeline import cache_key
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n')
+    cfg = tiny_config.model_copy(update={"sft": tiny_config.sft.model_copy(
+        update={"train_data": tiny_config.sft.train_data.model_copy(update={"path": str(data)})})})
+    before = cache_key("sft", cfg, str(world), {})
+    data.write_text('{"prompt": "a", "response": "c"}\n')
+    assert cache_key("sft", cfg, str(world), {}) != before
+    assert cache_key("sft", cfg, str(world), {"x": "1"}) != cache_key("sft", cfg, str(world), {})
