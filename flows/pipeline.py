@@ -98,7 +98,7 @@ def stage_run(stage: str, section: BaseModel, ctx: StageContext) -> Iterator[tup
     tags |= {tracking.TAG_UPSTREAM + name: run_id for name, run_id in ctx.upstream.items()}
     run_id = tracking.create_stage_run(ctx.experiment_id, ctx.parent_run_id, stage, tags)
     with tracking.claimed_workdir(f"{stage}-{ctx.cache_key[:16]}") as workdir, mlflow.start_run(run_id=run_id):
-        mlflow.log_params(flatten(section))
+        mlflow.log_params(tracking.redacted(flatten(section)))
         yield run_id, workdir
 
 
@@ -164,7 +164,7 @@ def sft(ctx: StageContext) -> StageRecord | State:
     model_location = resolve_location(section.model, ctx.world)
     try:
         with stage_run("sft", section, ctx) as (run_id, scratch):
-            mlflow.set_tag("rlhf.base_model", section.model)
+            mlflow.set_tag("rlhf.base_model", tracking.redact(section.model))
             tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code)
             train, evaluation = train_and_eval_data(section, "sft", ctx.world, tokenizer)
             result = train_sft(section, model_location, train.frame, evaluation.frame, scratch,
@@ -186,7 +186,7 @@ def reward(ctx: StageContext) -> StageRecord | State:
         with stage_run("reward", section, ctx) as (run_id, scratch):
             policy_location = str(tracking.download_checkpoint(ctx.upstream["sft"], scratch / "sft"))
             model_location = resolve_location(section.model, ctx.world) if section.model else policy_location
-            mlflow.set_tag("rlhf.base_model", section.model or f"runs:/{ctx.upstream['sft']}/checkpoint")
+            mlflow.set_tag("rlhf.base_model", tracking.redact(section.model or f"runs:/{ctx.upstream['sft']}/checkpoint"))
             tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code)
             train, evaluation = train_and_eval_data(section, "preference", ctx.world, tokenizer)
             prompts = validated(section.normalization_prompts, "prompt", ctx.world, load_tokenizer(policy_location),
@@ -308,6 +308,31 @@ def reused_record(stage: StageName, run) -> StageRecord:
                        reused=True)
 
 
+def context_problems(cfg: PipelineConfig, stages: list[str], world: str | None) -> list[str]:
+    """Token budgets that do not fit the model's context, as 'field: reason' lines.
+
+    The base model's config stands for the checkpoints derived from it (SFT, the reward model
+    started from SFT, the PPO policy); a reward model named in the config is checked itself.
+    """
+    from transformers import AutoConfig
+
+    def context(location: str, trust_remote_code: bool) -> int | None:
+        config = AutoConfig.from_pretrained(resolve_location(location, world), trust_remote_code=trust_remote_code)
+        return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+    base = context(cfg.sft.model, cfg.sft.trust_remote_code)
+    needs = {"sft": ("sft.max_length", cfg.sft.max_length, cfg.sft.model, base),
+             "reward": ("reward.max_length", cfg.reward.max_length, cfg.reward.model or cfg.sft.model,
+                        context(cfg.reward.model, cfg.reward.trust_remote_code) if cfg.reward.model else base),
+             "ppo": ("ppo.response_length", cfg.ppo.max_prompt_length + cfg.ppo.response_length, cfg.sft.model, base)}
+    problems = []
+    for stage in stages:
+        field, tokens, model, limit = needs[stage]
+        if limit is not None and tokens > limit:
+            problems.append(f"{field}: {tokens} tokens do not fit the {limit}-token context of {model}")
+    return problems
+
+
 def _resolve_upstream(stage: str, records: dict[str, StageRecord], given: UpstreamRuns, experiment: str) -> dict[str, str]:
     """Run ids of `stage`'s upstream stages: from this pipeline run, else as given, else the latest finished."""
     resolved = {}
@@ -346,6 +371,10 @@ def rlhf(
         return refuse(str(e))
     ordered = [s for s in AVAILABLE_STAGES if s in stages]
     set_determinism(cfg.deterministic, cfg.num_threads)
+    world = build_demo_world(cfg.demo) if cfg.demo is not None else None
+    too_long = context_problems(cfg, ordered, world)
+    if too_long:
+        return refuse("invalid config:\n" + "\n".join(f"  {problem}" for problem in too_long))
     experiment_id = tracking.ensure_experiment(cfg.experiment)
     version, commit = tracking.code_version()
     parent_run_id = tracking.start_pipeline_run(experiment_id, {
@@ -356,7 +385,6 @@ def rlhf(
     logger.info("MLflow pipeline run %s", tracking.run_url(parent_run_id) or parent_run_id)
     ok = False
     try:
-        world = build_demo_world(cfg.demo) if cfg.demo is not None else None
         records: dict[str, StageRecord] = {}
         for name in ordered:
             try:

@@ -70,6 +70,8 @@ class TrainingConfig(_Frozen):
     """Evaluate on held-out data every this many steps."""
     logging_steps: PositiveInt = 10
     """Log training figures every this many steps."""
+    checkpoint_every: PositiveInt = 200
+    """Trainer checkpoint every this many steps; a rerun of the same work resumes from the last one."""
     seed: int = 0
     """Seeds data order and initialisation."""
     trust_remote_code: bool = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -77,13 +78,13 @@ def code_version() -> tuple[str, str]:
 
 
 def start_pipeline_run(experiment_id: str, tags: dict[str, str]) -> str:
-    run = MlflowClient().create_run(experiment_id, run_name="pipeline", tags=tags)
+    run = MlflowClient().create_run(experiment_id, run_name="pipeline", tags=redacted(tags))
     return run.info.run_id
 
 
 def create_stage_run(experiment_id: str, parent_run_id: str, stage: str, tags: dict[str, str]) -> str:
     tags = {"mlflow.parentRunId": parent_run_id, TAG_PIPELINE: parent_run_id, TAG_STAGE: stage, **tags}
-    return MlflowClient().create_run(experiment_id, run_name=stage, tags=tags).info.run_id
+    return MlflowClient().create_run(experiment_id, run_name=stage, tags=redacted(tags)).info.run_id
 
 
 def end_run(run_id: str, ok: bool) -> None:
@@ -96,7 +97,7 @@ def log_data(frame: pd.DataFrame, name: str, source: str, digest: str, context: 
         path = Path(tmp) / f"{name}.parquet"
         frame.to_parquet(path)
         mlflow.log_artifact(str(path), DATA_PATH)
-    dataset = mlflow.data.from_pandas(frame.reset_index(drop=True), source=source, name=name, digest=digest[:32])
+    dataset = mlflow.data.from_pandas(frame.reset_index(drop=True), source=redact(source), name=name, digest=digest[:32])
     mlflow.log_input(dataset, context=context)
 
 
@@ -169,3 +170,21 @@ def register_checkpoint(run_id: str, model_name: str) -> str:
         pass
     source = f"{client.get_run(run_id).info.artifact_uri}/{CHECKPOINT_PATH}"
     return client.create_model_version(model_name, source=source, run_id=run_id).version
+
+
+_SECRETS = [
+    (re.compile(r"(?P<keep>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)[^@\s/]+@"), r"\g<keep>***@"),  # user:password@
+    (re.compile(r"(?P<keep>(?:token|key|secret|password|passwd|sig|signature|credential)s?=)[^&\s\"']+", re.I), r"\g<keep>***"),
+    (re.compile(r"\bhf_[A-Za-z0-9]{20,}\b"), "hf_***"),  # Hugging Face access tokens
+]
+
+
+def redact(text: str) -> str:
+    """The text with passwords in URIs and token-like values replaced by ***, for params and tags."""
+    for pattern, replacement in _SECRETS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def redacted(values: dict[str, str]) -> dict[str, str]:
+    return {key: redact(str(value)) for key, value in values.items()}

@@ -27,7 +27,7 @@ from trl import RewardTrainer
 from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
 from stages.models import align_special_tokens, device, encode_reply, load_causal_lm, load_tokenizer, save_checkpoint
-from stages.training import ForwardLogs, MetricsSink, trainer_arguments
+from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments
 
 NORMALIZATION_KEY = "rlhf_reward_normalization"
 """Model-config entry holding {"gain": g, "bias": b}: normalised score = g * raw + b."""
@@ -211,7 +211,7 @@ def train_reward(
                             callbacks=[ForwardLogs(sink)] if sink else None)
     trainer.remove_callback(PrinterCallback)
     untrained = trainer.evaluate()
-    train_output = trainer.train()
+    train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     final = trainer.evaluate()
 
     scorer = RewardScorer(trainer.model, tokenizer)

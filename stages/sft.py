@@ -18,7 +18,7 @@ from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
 from stages.models import encode_reply, generate_greedy, load_causal_lm, load_tokenizer, save_checkpoint
-from stages.training import ForwardLogs, MetricsSink, trainer_arguments
+from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def train_sft(
     untrained_loss = trainer.evaluate()["eval_loss"]
     if sink:
         sink({"eval/loss_untrained": untrained_loss}, 0)
-    train_output = trainer.train()
+    train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     eval_loss = trainer.evaluate()["eval_loss"]
 
     model = trainer.model

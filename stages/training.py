@@ -35,6 +35,14 @@ class ForwardLogs(TrainerCallback):
             self.sink(metrics, state.global_step)
 
 
+def last_trainer_checkpoint(output_dir: Path) -> str | None:
+    """The newest `checkpoint-N` folder an interrupted earlier attempt left, if any."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    folder = output_dir / "trainer"
+    return get_last_checkpoint(str(folder)) if folder.is_dir() else None
+
+
 def trainer_arguments(cfg: TrainingConfig, output_dir: Path) -> dict:
     """Keyword arguments shared by TRL's SFTConfig and RewardConfig."""
     return dict(
@@ -55,7 +63,9 @@ def trainer_arguments(cfg: TrainingConfig, output_dir: Path) -> dict:
         eval_strategy="steps",
         eval_steps=cfg.eval_steps,
         logging_steps=cfg.logging_steps,
-        save_strategy="no",
+        save_strategy="steps",
+        save_steps=cfg.checkpoint_every,
+        save_total_limit=1,
         report_to="none",
         disable_tqdm=True,
         seed=cfg.seed,

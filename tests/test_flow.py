@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import mlflow
@@ -211,3 +212,35 @@ def test_cache_key_follows_data_content_not_just_its_name(tmp_path, tiny_config,
     data.write_text('{"prompt": "a", "response": "c"}\n')
     assert cache_key("sft", cfg, str(world), {}) != before
     assert cache_key("sft", cfg, str(world), {"x": "1"}) != cache_key("sft", cfg, str(world), {})
+
+
+def test_budget_beyond_the_model_context_is_refused_before_any_run(finished):
+    from flows.pipeline import rlhf
+
+    before = len(_runs(""))
+    state = rlhf(config_file="configs/tiny.yaml", overrides={"ppo.response_length": 500}, return_state=True)
+    assert state.is_failed()
+    assert "ppo.response_length: 532 tokens do not fit the 128-token context of demo:model" in state.message
+    assert len(_runs("")) == before
+
+
+def test_secrets_in_locations_never_reach_params_or_tags(finished):
+    from flows.pipeline import rlhf
+
+    secret = "https://alice:s3cret@data.example/sft.jsonl?token=abc123"
+    state = rlhf(stages=["sft"], config_file="configs/tiny.yaml", overrides={"sft.train_data.path": secret},
+                 return_state=True)
+    assert state.is_failed()  # nothing can be fetched here; what matters is what was logged
+    run = max(_runs(f"tags.`{tracking.TAG_STAGE}` = 'sft'"), key=lambda r: r.info.start_time)
+    logged = json.dumps(run.data.params) + json.dumps(run.data.tags)
+    parent = MlflowClient().get_run(run.data.tags["mlflow.parentRunId"])
+    logged += json.dumps(parent.data.tags)
+    assert "s3cret" not in logged and "abc123" not in logged
+    assert run.data.params["train_data.path"] == "https://alice:***@data.example/sft.jsonl?token=***"
+
+
+def test_redaction_patterns():
+    assert tracking.redact("postgresql://bob:pa55@db:5432/x") == "postgresql://bob:***@db:5432/x"
+    assert tracking.redact("model hf_abcdefghijklmnopqrstuvwx") == "model hf_***"
+    assert tracking.redact("s3://bucket/key?X-Amz-Signature=deadbeef&x=1") == "s3://bucket/key?X-Amz-Signature=***&x=1"
+    assert tracking.redact("configs/demo.yaml") == "configs/demo.yaml"

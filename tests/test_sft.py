@@ -78,3 +78,22 @@ def test_any_local_causal_lm_works_in_place_of_the_demo_model(foreign_model, wor
     model = AutoModelForCausalLM.from_pretrained(result.checkpoint)
     assert model.get_input_embeddings().num_embeddings == len(tokenizer)  # grew by the added pad token
     assert torch.isfinite(torch.tensor(result.metrics["eval/loss"]))
+
+
+def test_interrupted_sft_resumes_from_its_trainer_checkpoint(world, tiny_config, tokenizer, tmp_path):
+    cfg = tiny_config.sft.model_copy(update={"max_steps": 8, "checkpoint_every": 4, "logging_steps": 2})
+    train, evaluation = _data(world, cfg, tokenizer, "sft"), _data(world, cfg, tokenizer, "sft_eval")
+    whole = train_sft(cfg, str(world / "model"), train, evaluation, tmp_path / "whole")
+
+    def crash_at_step_6(metrics, step):
+        if step == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_sft(cfg, str(world / "model"), train, evaluation, tmp_path / "cut", sink=crash_at_step_6)
+    assert (tmp_path / "cut" / "trainer" / "checkpoint-4").is_dir()
+    steps = []
+    resumed = train_sft(cfg, str(world / "model"), train, evaluation, tmp_path / "cut",
+                        sink=lambda metrics, step: steps.append(step))
+    assert min(s for s in steps if s > 0) > 4  # training picked up after step 4
+    assert resumed.metrics["eval/loss"] == pytest.approx(whole.metrics["eval/loss"], rel=1e-5)
