@@ -49,10 +49,12 @@ def _summary(args: argparse.Namespace) -> int:
     children = client.search_runs([experiment.experiment_id],
                                   filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
                                   order_by=["attributes.start_time ASC"])
-    for run in children:
+    reused = [client.get_run(run_id) for key, run_id in parent.data.tags.items() if key.startswith(tracking.TAG_REUSED)]
+    for run in sorted(children + reused, key=lambda r: r.info.start_time):
         stage = run.data.tags.get(tracking.TAG_STAGE, "?")
         figures = ", ".join(f"{k}={run.data.metrics[k]:.4g}" for k in sorted(run.data.metrics) if k.startswith("eval/"))
-        print(f"  {stage:7s} run {run.info.run_id} ({run.info.status}) {figures}")
+        origin = " reused" if run.data.tags.get("mlflow.parentRunId") != parent.info.run_id else ""
+        print(f"  {stage:7s} run {run.info.run_id} ({run.info.status}{origin}) {figures}")
         print(f"          {tracking.run_url(run.info.run_id) or ''}")
     return 0 if parent.info.status == "FINISHED" else 1
 

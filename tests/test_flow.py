@@ -244,3 +244,13 @@ def test_redaction_patterns():
     assert tracking.redact("model hf_abcdefghijklmnopqrstuvwx") == "model hf_***"
     assert tracking.redact("s3://bucket/key?X-Amz-Signature=deadbeef&x=1") == "s3://bucket/key?X-Amz-Signature=***&x=1"
     assert tracking.redact("configs/demo.yaml") == "configs/demo.yaml"
+
+
+def test_summary_lists_ran_and_reused_stage_runs(finished, capsys):
+    from flows.pipeline import rlhf
+    from rlhf.cli import main as cli
+
+    rlhf(config_file="configs/tiny.yaml")  # everything reused
+    assert cli(["summary"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum("(FINISHED reused)" in line for line in lines) == 3
