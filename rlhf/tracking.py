@@ -7,6 +7,7 @@ and is found again through its tags (`rlhf.stage`, `rlhf.upstream.*`).
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -60,9 +61,11 @@ def ensure_experiment(name: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
+@functools.cache
 def code_version() -> tuple[str, str]:
     """(package version, git commit); an uncommitted change adds '+dirty.<digest of the diff>', so
-    the cache never mistakes edited code for the commit it started from."""
+    the cache never mistakes edited code for the commit it started from. Read once per process:
+    a flow run executes the code it imported at start."""
     try:
         version = metadata.version("rlhf-pipeline")
     except metadata.PackageNotFoundError:

@@ -31,14 +31,15 @@ def load_tokenizer(location: str, *, padding_side: str = "left", trust_remote_co
 def load_causal_lm(location: str, tokenizer: PreTrainedTokenizerBase, *, trust_remote_code: bool = False) -> PreTrainedModel:
     """A causal LM from safetensors weights, its embeddings and special-token ids matching `tokenizer`."""
     model = AutoModelForCausalLM.from_pretrained(location, use_safetensors=True, trust_remote_code=trust_remote_code)
-    if model.get_input_embeddings().num_embeddings < len(tokenizer):
-        model.resize_token_embeddings(len(tokenizer))
-    align_special_tokens(model, tokenizer)
+    fit_to_tokenizer(model, tokenizer)
     return model
 
 
-def align_special_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Write the tokenizer's pad/bos/eos ids into the model and generation configs."""
+def fit_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Grow the embeddings to cover tokens the tokenizer added (e.g. `<pad>`) and write the
+    tokenizer's pad/bos/eos ids into the model and generation configs."""
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        model.resize_token_embeddings(len(tokenizer))
     configs = [model.config] + ([model.generation_config] if getattr(model, "generation_config", None) else [])
     for config in configs:
         config.pad_token_id = tokenizer.pad_token_id
@@ -58,18 +59,35 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count real tokens only, so left padding does not shift them. # (B, T) -> (B, T)"""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 @torch.inference_mode()
+def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int,
+             temperature: float | None = None, num_return_sequences: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids, their attention mask, and the new tokens: greedy when `temperature`
+    is None, else sampled from the full temperature-scaled distribution (no top-k or top-p).
+    # -> (B, Tq), (B, Tq), (B * num_return_sequences, T)"""
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                      padding_side="left").to(model.device)
+    sampling = {"do_sample": False} if temperature is None else {
+        "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    out = model.generate(**batch, **sampling, max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # (B, Tq + T)
+    return batch["input_ids"], batch["attention_mask"], out[:, batch["input_ids"].shape[1]:]
+
+
 def generate_greedy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int) -> list[str]:
     """Greedy completions of rendered prompts, decoded without special tokens."""
     if not prompts:
         return []
     was_training = model.training
     model.eval()
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="left").to(model.device)
-    out = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # (B, T + new)
+    _, _, new_tokens = generate(model, tokenizer, prompts, max_new_tokens)
     model.train(was_training)
-    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
 
 
 def encode_reply(tokenizer: PreTrainedTokenizerBase, prompt: str, reply: str) -> tuple[list[int], list[int]]:

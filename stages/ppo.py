@@ -29,14 +29,14 @@ import numpy as np
 import pandas as pd
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
-from transformers import AutoModelForSequenceClassification, PreTrainedModel, get_scheduler
+from transformers import PreTrainedModel, get_scheduler
 
 from rlhf.config import PPOConfig
-from stages.models import device, load_causal_lm, load_tokenizer, save_checkpoint
+from stages.models import device, generate, load_causal_lm, load_tokenizer, position_ids_for, save_checkpoint
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss, entropy_of,
                              explained_variance, gae, kl_estimate, logprobs_of, masked_mean, masked_whiten,
                              response_mask, token_rewards, truncate_after_eos)
-from stages.reward import RewardScorer, disable_dropout
+from stages.reward import RewardScorer, disable_dropout, load_reward_model
 
 
 class NonFiniteLossError(RuntimeError):
@@ -67,11 +67,6 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T)
         return self.linear(hidden).squeeze(-1)
-
-
-def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that count real tokens only, so left padding does not shift them. # (B, T) -> (B, T)"""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
 @dataclass
@@ -112,9 +107,11 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str) -> Mode
     if cfg.critic == "shared":
         value_head = ValueHead(policy.config.hidden_size)
     else:
-        critic = AutoModelForSequenceClassification.from_pretrained(reward_location, num_labels=1, use_safetensors=True,
-                                                                    trust_remote_code=cfg.trust_remote_code)
-        disable_dropout(critic)
+        reward_tokenizer = load_tokenizer(reward_location, trust_remote_code=cfg.trust_remote_code)
+        if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"ppo.critic = 'reward' needs the reward model at {reward_location} to share the policy's "
+                             "tokenizer (the critic reads the policy's token ids); use ppo.critic = 'shared'")
+        critic = load_reward_model(reward_location, tokenizer, trust_remote_code=cfg.trust_remote_code, fresh_head=False)
     scorer = RewardScorer.from_pretrained(reward_location, trust_remote_code=cfg.trust_remote_code)
     scorer.model.requires_grad_(False)
     models = Models(policy, value_head, critic, reference, scorer, tokenizer)
@@ -190,13 +187,9 @@ class Rollout:
 @torch.inference_mode()
 def sample_responses(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig) -> tuple[torch.Tensor, ...]:
     """Left-padded queries, their mask, and sampled responses truncated after the first EOS."""
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     with autocast():
-        out = model.generate(**batch, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
-                             max_new_tokens=cfg.response_length, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)  # (B, Tq + T)
-    responses = truncate_after_eos(out[:, batch["input_ids"].shape[1]:], tokenizer.eos_token_id, tokenizer.pad_token_id)
-    return batch["input_ids"], batch["attention_mask"], responses
+        queries, query_mask, new_tokens = generate(model, tokenizer, prompts, cfg.response_length, cfg.temperature)
+    return queries, query_mask, truncate_after_eos(new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
 @torch.inference_mode()

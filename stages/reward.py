@@ -26,7 +26,8 @@ from trl import RewardTrainer
 
 from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
-from stages.models import align_special_tokens, device, encode_reply, load_causal_lm, load_tokenizer, save_checkpoint
+from stages.models import (device, encode_reply, fit_to_tokenizer, generate, load_causal_lm, load_tokenizer,
+                           position_ids_for, save_checkpoint)
 from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments
 
 NORMALIZATION_KEY = "rlhf_reward_normalization"
@@ -65,9 +66,7 @@ def load_reward_model(location: str, tokenizer: PreTrainedTokenizerBase, *, trus
     """A one-output sequence classifier from a causal-LM (or reward) checkpoint, dropout off."""
     model = AutoModelForSequenceClassification.from_pretrained(
         location, num_labels=1, use_safetensors=True, trust_remote_code=trust_remote_code)
-    if model.get_input_embeddings().num_embeddings < len(tokenizer):
-        model.resize_token_embeddings(len(tokenizer))
-    align_special_tokens(model, tokenizer)
+    fit_to_tokenizer(model, tokenizer)
     if fresh_head:
         init_reward_head(model)
     disable_dropout(model)
@@ -135,8 +134,8 @@ def last_token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention
     Position ids count real tokens only, so a left-padded row gets the same positions as the
     unpadded sequence. # (B, T), (B, T) -> (B,)
     """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids_for(attention_mask)).last_hidden_state
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * attention_mask).argmax(-1)  # (B,) index of the rightmost real token
     return model.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)
@@ -168,11 +167,9 @@ def sample_references(policy_location: str, prompts: list[str], samples_per_prom
     tokenizer = load_tokenizer(policy_location, trust_remote_code=trust_remote_code)
     policy = load_causal_lm(policy_location, tokenizer, trust_remote_code=trust_remote_code).to(device()).eval()
     torch.manual_seed(seed)
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(policy.device)
-    out = policy.generate(**batch, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                          num_return_sequences=samples_per_prompt, pad_token_id=tokenizer.pad_token_id,
-                          eos_token_id=tokenizer.eos_token_id)  # (P * S, T + new)
-    texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    _, _, new_tokens = generate(policy, tokenizer, prompts, max_new_tokens, temperature=1.0,
+                                num_return_sequences=samples_per_prompt)  # (P * S, T)
+    texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     return [(i // samples_per_prompt, text) for i, text in enumerate(texts)]
 
 

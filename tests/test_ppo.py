@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import LoRAConfig
-from stages.models import load_tokenizer
-from stages.ppo import (NonFiniteLossError, PPOHooks, forward_response, load_models, position_ids_for, reference_policy,
+from stages.models import load_tokenizer, position_ids_for
+from stages.ppo import (NonFiniteLossError, PPOHooks, forward_response, load_models, reference_policy,
                         train_ppo)
 
 
@@ -138,3 +138,16 @@ def test_ppo_runs_on_cuda_with_bf16(tiny_config, trained, tmp_path):
 def test_tokenizer_padding_sides_are_what_each_stage_needs(trained):
     assert load_tokenizer(trained["sft"]).padding_side == "left"  # generation
     assert load_tokenizer(trained["reward"], padding_side="right").padding_side == "right"
+
+
+def test_critic_from_a_reward_model_with_another_tokenizer_is_refused(tiny_config, trained, tmp_path):
+    import shutil
+
+    folder = tmp_path / "reward-other-tokenizer"
+    shutil.copytree(trained["reward"], folder)
+    other = load_tokenizer(str(folder))
+    other.add_special_tokens({"additional_special_tokens": ["<extra>"]})
+    other.save_pretrained(folder)
+    with pytest.raises(ValueError, match="share the policy's tokenizer"):
+        load_models(_cfg(tiny_config, critic="reward"), trained["sft"], str(folder))
+    load_models(_cfg(tiny_config, critic="reward"), trained["sft"], trained["reward"])  # same tokenizer: fine
