@@ -102,8 +102,15 @@ def test_lora_reference_is_the_policy_with_adapters_disabled(tiny_config, traine
     with reference_policy(models) as reference:
         assert reference is models.policy
     result = _run(cfg, trained, tmp_path)
-    assert not any("lora" in key for key in json.loads((result.checkpoint / "config.json").read_text()))
-    assert AutoModelForCausalLM.from_pretrained(result.checkpoint, use_safetensors=True) is not None
+    from safetensors import safe_open
+
+    with safe_open(str(result.checkpoint / "model.safetensors"), "pt") as weights:
+        names = list(weights.keys())
+    assert names and not any("lora" in name for name in names)  # adapters merged into plain weights
+    merged = AutoModelForCausalLM.from_pretrained(result.checkpoint, use_safetensors=True)
+    sft = AutoModelForCausalLM.from_pretrained(trained["sft"], use_safetensors=True)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged.state_dict()[q], sft.state_dict()[q])  # the trained adapter is in them
 
 
 def test_separate_critic_from_the_reward_model(tiny_config, trained, tmp_path):
