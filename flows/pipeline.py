@@ -74,7 +74,9 @@ class StageContext:
 
 
 def refuse(message: str) -> State:
-    """A user error (bad data, bad config, a failed gate): logged as the message alone, without a traceback."""
+    """A user error (bad data, bad config, a failed gate): logged as the message alone, without a
+    traceback, and with any secret in it (a password in a URI, a token) redacted."""
+    message = tracking.redact(message)
     get_run_logger().error(message)
     return Failed(message=message)
 
@@ -91,15 +93,35 @@ def build_demo_world(demo: DemoWorldConfig) -> str:
 @contextmanager
 def stage_run(stage: str, section: BaseModel, ctx: StageContext) -> Iterator[tuple[str, Path]]:
     """A child MLflow run with the stage's config as params and lineage tags, active inside the
-    block, plus a scratch folder removed afterwards. An exception leaves the run FAILED."""
+    block, and the work folder keyed by the cache key (removed only when the block succeeds).
+
+    An exception leaves the run FAILED and the folder with whatever the stage wrote, so a rerun
+    resumes from it. When the tracking server stopped answering, the error says so and where the
+    work is kept; the run then stays unfinished, never FINISHED.
+    """
     version, commit = tracking.code_version()
     tags = {tracking.TAG_CONFIG_HASH: config_hash(section), tracking.TAG_CODE_VERSION: version,
             tracking.TAG_GIT_COMMIT: commit, tracking.TAG_CACHE_KEY: ctx.cache_key}
     tags |= {tracking.TAG_UPSTREAM + name: run_id for name, run_id in ctx.upstream.items()}
-    run_id = tracking.create_stage_run(ctx.experiment_id, ctx.parent_run_id, stage, tags)
-    with tracking.claimed_workdir(f"{stage}-{ctx.cache_key[:16]}") as workdir, mlflow.start_run(run_id=run_id):
-        mlflow.log_params(tracking.redacted(flatten(section)))
-        yield run_id, workdir
+    with tracking.claimed_workdir(f"{stage}-{ctx.cache_key[:16]}") as workdir:
+        try:
+            run_id = tracking.create_stage_run(ctx.experiment_id, ctx.parent_run_id, stage, tags)
+            if workdir.owned:
+                for abandoned in tracking.close_abandoned_runs(ctx.experiment_id, stage, ctx.cache_key, run_id):
+                    get_run_logger().warning("%s: run %s of an interrupted attempt marked KILLED; this run "
+                                             "continues its work from %s", stage, abandoned, workdir.path)
+            with mlflow.start_run(run_id=run_id):
+                mlflow.log_params(tracking.redacted(flatten(section)))
+                yield run_id, workdir.path
+        except (DataContractError, tracking.TrackingError):
+            raise
+        except Exception as e:
+            if tracking.server_answers():
+                raise
+            raise tracking.TrackingError(
+                f"stage {stage}: the MLflow tracking server {mlflow.get_tracking_uri()} stopped answering "
+                f"({type(e).__name__}); the stage's local work is kept in {workdir.path} and a rerun "
+                f"resumes from it") from e
 
 
 def validated(source: DataSource, kind: str, world: str | None, tokenizer, budget: LengthBudget,
@@ -133,7 +155,13 @@ def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedDat
     mlflow.log_metrics(metrics, step=last_step)
     checkpoint_digest = folder_digest(checkpoint)
     mlflow.set_tag(tracking.TAG_CHECKPOINT_DIGEST, checkpoint_digest)
-    mlflow.log_artifacts(str(checkpoint), tracking.CHECKPOINT_PATH)
+    try:
+        mlflow.log_artifacts(str(checkpoint), tracking.CHECKPOINT_PATH)
+    except Exception as e:
+        raise tracking.TrackingError(
+            f"stage {stage}: uploading the checkpoint to {mlflow.get_artifact_uri(tracking.CHECKPOINT_PATH)} failed "
+            f"after retries ({type(e).__name__}: {str(e)[:300]}); the run is not marked finished and the checkpoint "
+            f"is kept in {checkpoint} until a rerun uploads it") from e
     url = tracking.run_url(run_id)
     link = f"[{run_id}]({url})" if url else f"`{run_id}`"
     rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()))
@@ -174,6 +202,8 @@ def sft(ctx: StageContext) -> StageRecord | State:
                           int(result.metrics["train/steps"]))
     except DataContractError as e:
         return refuse(e.report())
+    except tracking.TrackingError as e:
+        return refuse(str(e))
 
 
 @task
@@ -216,8 +246,10 @@ def reward(ctx: StageContext) -> StageRecord | State:
                        extremes[["prompt", "response", "score"]].head(3).itertuples(index=False)]
             return finish("reward", run_id, section, train, metrics, result.checkpoint, samples,
                           int(metrics["train/steps"]))
-    except (DataContractError, RewardGateError) as e:
-        return refuse(e.report() if isinstance(e, DataContractError) else str(e))
+    except DataContractError as e:
+        return refuse(e.report())
+    except (RewardGateError, tracking.TrackingError) as e:
+        return refuse(str(e))
 
 
 @task
@@ -268,8 +300,10 @@ def ppo(ctx: StageContext) -> StageRecord | State:
             version = tracking.register_checkpoint(run_id, POLICY_MODEL_NAME)
             mlflow.set_tag("rlhf.registered_model", f"{POLICY_MODEL_NAME}/{version}")
             return record
-    except (DataContractError, NonFiniteLossError) as e:
-        return refuse(e.report() if isinstance(e, DataContractError) else str(e))
+    except DataContractError as e:
+        return refuse(e.report())
+    except (NonFiniteLossError, tracking.TrackingError) as e:
+        return refuse(str(e))
 
 
 STAGE_TASKS = {"sft": sft, "reward": reward, "ppo": ppo}
@@ -333,6 +367,41 @@ def context_problems(cfg: PipelineConfig, stages: list[str], world: str | None) 
     return problems
 
 
+def _inputs(cfg: PipelineConfig, stage: str) -> list[tuple[DataSource, str, str, LengthBudget, bool]]:
+    """Every data source `stage` reads: (source, contract kind, model whose tokenizer measures it, budget, remote code)."""
+    sft, reward, ppo = cfg.sft, cfg.reward, cfg.ppo
+    if stage == "sft":
+        budget = LengthBudget(sft.max_prompt_length, sft.max_length)
+        return [(s, "sft", sft.model, budget, sft.trust_remote_code) for s in (sft.train_data, sft.eval_data) if s]
+    if stage == "reward":
+        budget = LengthBudget(reward.max_prompt_length, reward.max_length)
+        model, remote = (reward.model, reward.trust_remote_code) if reward.model else (sft.model, sft.trust_remote_code)
+        pairs = [(s, "preference", model, budget, remote) for s in (reward.train_data, reward.eval_data) if s]
+        return pairs + [(reward.normalization_prompts, "prompt", sft.model, budget, sft.trust_remote_code)]
+    budget = LengthBudget(ppo.max_prompt_length, ppo.max_prompt_length + ppo.response_length)
+    return [(s, "prompt", sft.model, budget, sft.trust_remote_code) for s in (ppo.prompts, ppo.eval_prompts)]
+
+
+@task
+def check_inputs(cfg: PipelineConfig, stages: list[str], world: str | None) -> list[str]:
+    """Validate every data source the run's stages will read, before any stage trains: a bad file
+    for PPO is refused before SFT and reward spend their compute. Lengths are measured with the
+    configured base model's tokenizer (the checkpoints derived from it share it); each stage
+    validates its data again with the tokenizer it actually loads. Returns one report per bad source."""
+    tokenizers: dict[str, Any] = {}
+    reports = []
+    for stage in stages:
+        for source, kind, model, budget, remote in _inputs(cfg, stage):
+            if model not in tokenizers:
+                tokenizers[model] = load_tokenizer(resolve_location(model, world), trust_remote_code=remote)
+            section = getattr(cfg, stage)
+            try:
+                validated(source, kind, world, tokenizers[model], budget, section.duplicates)
+            except DataContractError as e:
+                reports.append(f"{stage} stage: {e.report()}")
+    return reports
+
+
 def _resolve_upstream(stage: str, records: dict[str, StageRecord], given: UpstreamRuns, experiment: str) -> dict[str, str]:
     """Run ids of `stage`'s upstream stages: from this pipeline run, else as given, else the latest finished."""
     resolved = {}
@@ -375,6 +444,25 @@ def rlhf(
     too_long = context_problems(cfg, ordered, world)
     if too_long:
         return refuse("invalid config:\n" + "\n".join(f"  {problem}" for problem in too_long))
+    bad_inputs = check_inputs(cfg, ordered, world)
+    if bad_inputs:
+        return refuse("\n\n".join(bad_inputs))
+    try:
+        tracking.wait_for_server(log=logger.warning)
+        return _run_stages(cfg, ordered, config_file, overrides, upstream, use_cache, world)
+    except tracking.TrackingError as e:
+        return refuse(str(e))
+    except Exception as e:
+        if tracking.server_answers():
+            raise
+        return refuse(f"the MLflow tracking server {mlflow.get_tracking_uri()} stopped answering "
+                      f"({type(e).__name__}: {str(e)[:300]}); rerun when it is back: finished stages are reused")
+
+
+def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str, overrides: dict[str, Any],
+                upstream: UpstreamRuns, use_cache: bool, world: str | None) -> list[StageRecord] | State:
+    """The stages in order under one MLflow pipeline run, each reused from cache or run as a task."""
+    logger = get_run_logger()
     experiment_id = tracking.ensure_experiment(cfg.experiment)
     version, commit = tracking.code_version()
     parent_run_id = tracking.start_pipeline_run(experiment_id, {
@@ -413,4 +501,8 @@ def rlhf(
                                      for r in records.values()))
         return list(records.values())
     finally:
-        tracking.end_run(parent_run_id, ok)
+        try:
+            tracking.end_run(parent_run_id, ok)
+        except Exception as e:  # the server is gone; the error that brought us here is the one to report
+            logger.warning("could not mark pipeline run %s %s: %s", parent_run_id, "FINISHED" if ok else "FAILED",
+                           type(e).__name__)

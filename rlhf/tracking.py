@@ -14,13 +14,16 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import mlflow
 import pandas as pd
+import requests
 from mlflow.entities import RunStatus
 from mlflow.tracking import MlflowClient
 
@@ -37,8 +40,40 @@ TAG_UPSTREAM = "rlhf.upstream."  # + stage name, e.g. rlhf.upstream.sft -> that 
 TAG_PREFECT_FLOW_RUN = "rlhf.prefect_flow_run_id"
 TAG_CACHE_KEY = "rlhf.cache_key"
 TAG_REUSED = "rlhf.reused."  # + stage name, on the pipeline run -> the reused stage run id
+TAG_ABANDONED_BY = "rlhf.abandoned_by"  # on a killed attempt's runs -> the stage run that took over its work
 CHECKPOINT_PATH = "checkpoint"
 DATA_PATH = "data"
+
+
+class TrackingError(RuntimeError):
+    """The tracking server could not be reached, or refused to store a stage's results."""
+
+
+def server_answers(timeout: float = 5.0) -> bool:
+    """True when tracking is local (a database path) or the tracking server answers its health check."""
+    uri = mlflow.get_tracking_uri()
+    if not uri.startswith("http"):
+        return True
+    try:
+        return requests.get(f"{uri.rstrip('/')}/health", timeout=timeout).ok
+    except requests.RequestException:
+        return False
+
+
+def wait_for_server(attempts: int = 5, first_delay_s: float = 1.0, log: Callable[[str], None] = print) -> None:
+    """Return once the tracking server answers, retrying with exponential backoff (1, 2, 4, ... s);
+    raise `TrackingError` naming the server after the last attempt."""
+    delay, waited = first_delay_s, 0.0
+    for attempt in range(1, attempts + 1):
+        if server_answers():
+            return
+        if attempt < attempts:
+            log(f"MLflow tracking server {mlflow.get_tracking_uri()} does not answer "
+                f"(attempt {attempt} of {attempts}); retrying in {delay:g} s")
+            time.sleep(delay)
+            waited, delay = waited + delay, delay * 2
+    raise TrackingError(f"MLflow tracking server {mlflow.get_tracking_uri()} did not answer after {attempts} attempts "
+                        f"over {waited:g} s; start it (`make up`) or point MLFLOW_TRACKING_URI at a running server")
 
 
 def ensure_experiment(name: str) -> str:
@@ -94,6 +129,25 @@ def end_run(run_id: str, ok: bool) -> None:
     MlflowClient().set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED))
 
 
+def close_abandoned_runs(experiment_id: str, stage: str, cache_key: str, by_run_id: str) -> list[str]:
+    """Mark KILLED the runs of an earlier attempt at the same work that died without ending its
+    runs (a SIGKILL, a lost machine): their stage run and its pipeline run. Called only by the
+    holder of the work folder's lock, which proves no live process on this machine owns them."""
+    client = MlflowClient()
+    wanted = (f"tags.`{TAG_STAGE}` = '{stage}' and tags.`{TAG_CACHE_KEY}` = '{cache_key}' "
+              f"and attributes.status = 'RUNNING'")
+    closed = []
+    for run in client.search_runs([experiment_id], filter_string=wanted):
+        if run.info.run_id == by_run_id:
+            continue
+        for run_id in (run.info.run_id, run.data.tags.get(TAG_PIPELINE)):
+            if run_id and client.get_run(run_id).info.status == "RUNNING":
+                client.set_tag(run_id, TAG_ABANDONED_BY, by_run_id)
+                client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED))
+        closed.append(run.info.run_id)
+    return closed
+
+
 def log_data(frame: pd.DataFrame, name: str, source: str, digest: str, context: str) -> None:
     """The validated records as a Parquet artifact under `data/` and as a run input."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,8 +196,15 @@ def state_dir() -> Path:
     return Path(os.environ.get("RLHF_HOME", REPO_ROOT / ".rlhf"))
 
 
+@dataclass(frozen=True)
+class Workdir:
+    path: Path
+    owned: bool
+    """True for the work's own keyed folder; False for a private folder, when another live process holds it."""
+
+
 @contextmanager
-def claimed_workdir(name: str) -> Iterator[Path]:
+def claimed_workdir(name: str) -> Iterator[Workdir]:
     """The local folder for one stage attempt, named by its cache key, so that a rerun of the same
     work (after a kill, or on a Prefect retry) finds the checkpoints an earlier attempt left.
 
@@ -156,12 +217,12 @@ def claimed_workdir(name: str) -> Iterator[Path]:
     with open(root / f"{name}.lock", "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            folder = root / name
-            folder.mkdir(exist_ok=True)
+            workdir = Workdir(root / name, owned=True)
+            workdir.path.mkdir(exist_ok=True)
         except BlockingIOError:
-            folder = Path(tempfile.mkdtemp(dir=root, prefix=f"{name}."))
-        yield folder
-        shutil.rmtree(folder, ignore_errors=True)  # reached only when the block succeeded
+            workdir = Workdir(Path(tempfile.mkdtemp(dir=root, prefix=f"{name}.")), owned=False)
+        yield workdir
+        shutil.rmtree(workdir.path, ignore_errors=True)  # reached only when the block succeeded
 
 
 def register_checkpoint(run_id: str, model_name: str) -> str:
@@ -176,7 +237,8 @@ def register_checkpoint(run_id: str, model_name: str) -> str:
 
 
 _SECRETS = [
-    (re.compile(r"(?P<keep>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:)[^@\s/]+@"), r"\g<keep>***@"),  # user:password@
+    # user:password@, also after a path library collapsed the URI's "//"
+    (re.compile(r"(?P<keep>[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2}[^/\s:@]+:)[^@\s/]+@"), r"\g<keep>***@"),
     (re.compile(r"(?P<keep>(?:token|key|secret|password|passwd|sig|signature|credential)s?=)[^&\s\"']+", re.I), r"\g<keep>***"),
     (re.compile(r"\bhf_[A-Za-z0-9]{20,}\b"), "hf_***"),  # Hugging Face access tokens
 ]

@@ -7,6 +7,9 @@
 #
 # Settings (environment): RLHF_HOME, RLHF_HOST (127.0.0.1), RLHF_PREFECT_PORT (4200),
 # RLHF_MLFLOW_PORT (5000), RLHF_POOL (rlhf-local), RLHF_PYTHON (.venv/bin/python).
+# Every MLflow call from a flow run retries with exponential backoff (MLflow's own HTTP retry,
+# MLFLOW_HTTP_REQUEST_MAX_RETRIES=5, BACKOFF_FACTOR=1: about 30 s) before the stage fails; a
+# flow also waits for the server at start (1, 2, 4, 8 s) before it refuses to run.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,6 +37,9 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///$RLHF_HOME/prefect/prefect.db"
 export MLFLOW_TRACKING_URI="http://$HOST:$MLFLOW_PORT"
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
+export MLFLOW_HTTP_REQUEST_MAX_RETRIES="${MLFLOW_HTTP_REQUEST_MAX_RETRIES:-5}"
+export MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="${MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR:-1}"
+export MLFLOW_HTTP_REQUEST_TIMEOUT="${MLFLOW_HTTP_REQUEST_TIMEOUT:-60}"
 export TOKENIZERS_PARALLELISM=false
 export PATH="$VENV_BIN:\$PATH"
 ENV

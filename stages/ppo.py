@@ -425,6 +425,8 @@ def train_ppo(
         loop = load_state(state_dir, models, optimizer, scheduler)
         kl_control = KLController(**loop.kl)
         hooks.warning(f"resumed from the full-state checkpoint after iteration {loop.iteration}")
+        for past in loop.history:  # so this run's curves start at iteration 1, not at the resume point
+            hooks.metrics({k: v for k, v in past.items() if k != "iteration"}, int(past["iteration"]))
     prompt_texts = list(prompts["prompt"])
     prompt_messages = [json.loads(m) for m in prompts["prompt_messages"]]
 
@@ -478,7 +480,8 @@ def train_ppo(
                                         "score": batch.scores[shown].cpu().numpy()}), iteration)
         loop.iteration, loop.cursor = iteration, loop.cursor + cfg.rollout_batch_size
         loop.kl, loop.history = kl_control.state_dict(), loop.history + [{"iteration": iteration, **figures}]
-        if iteration % cfg.checkpoint_every == 0 and iteration < cfg.num_iterations:
+        if iteration % cfg.checkpoint_every == 0 or iteration == cfg.num_iterations:
+            # The last one too: if the upload fails, a rerun goes straight to evaluation.
             save_state(state_dir, models, optimizer, scheduler, loop)
 
     metrics, evaluation = evaluate(models, eval_prompts, cfg)

@@ -83,19 +83,31 @@ def test_checkpoint_downloads_through_mlflow_and_loads(finished, tmp_path):
     assert tracking.latest_finished_run_id("rlhf", "sft") == record.run_id
 
 
-def test_bad_data_fails_the_run_with_the_row_level_report(finished):
+def test_bad_data_fails_the_run_with_the_row_level_report_before_any_run(finished):
     from flows.pipeline import rlhf
 
+    before = len(_runs(""))
     bad = str(DATA / "bad" / "sft_null.jsonl")
     state = rlhf(stages=["sft"], config_file="configs/tiny.yaml", overrides={"sft.train_data.path": bad},
                  return_state=True)
     assert state.is_failed()
     assert "line 2, column 'prompt': missing value (null)" in state.message
     assert "Traceback" not in state.message
-    failed = _runs(f"tags.`{tracking.TAG_STAGE}` = 'sft' and attributes.status = 'FAILED'")
-    assert len(failed) == 1 and failed[0].data.params["train_data.path"] == bad
-    assert not _runs("attributes.status = 'FINISHED' and params.`train_data.path` = '" + bad + "'")
-    assert tracking.latest_finished_run_id("rlhf", "sft") == finished[0].run_id  # bad input left no finished run
+    assert len(_runs("")) == before  # refused before any MLflow run, let alone training
+    assert tracking.latest_finished_run_id("rlhf", "sft") == finished[0].run_id
+
+
+def test_bad_ppo_prompts_are_refused_before_sft_and_reward_spend_compute(finished):
+    from flows.pipeline import rlhf
+
+    before = len(_runs(""))
+    bad = str(DATA / "bad" / "prompts_blank.jsonl")
+    state = rlhf(config_file="configs/tiny.yaml", overrides={"ppo.prompts.path": bad, "sft.max_steps": 5},
+                 return_state=True)
+    assert state.is_failed()
+    assert state.message.startswith(f"ppo stage: {bad}:")
+    assert "line 2, column 'prompt': must not be blank" in state.message
+    assert len(_runs("")) == before
 
 
 def test_bad_config_and_unavailable_stage_are_refused_before_any_run(finished):
@@ -224,19 +236,30 @@ def test_budget_beyond_the_model_context_is_refused_before_any_run(finished):
     assert len(_runs("")) == before
 
 
-def test_secrets_in_locations_never_reach_params_or_tags(finished):
+def test_secrets_in_locations_never_reach_params_tags_or_messages(finished, tmp_path):
+    import shutil
+
     from flows.pipeline import rlhf
 
     secret = "https://alice:s3cret@data.example/sft.jsonl?token=abc123"
     state = rlhf(stages=["sft"], config_file="configs/tiny.yaml", overrides={"sft.train_data.path": secret},
                  return_state=True)
-    assert state.is_failed()  # nothing can be fetched here; what matters is what was logged
+    assert state.is_failed()  # nothing can be fetched here
+    assert "s3cret" not in state.message and "abc123" not in state.message
+
+    (world,) = (tracking.state_dir() / "worlds").iterdir()
+    readable = tmp_path / "token=abc123" / "sft.jsonl"  # a token in a path that does load
+    readable.parent.mkdir()
+    shutil.copy(world / "sft.jsonl", readable)
+    state = rlhf(stages=["sft"], config_file="configs/tiny.yaml", return_state=True,
+                 overrides={"sft.train_data.path": str(readable), "sft.max_steps": 1})
+    assert state.is_completed(), state.message
     run = max(_runs(f"tags.`{tracking.TAG_STAGE}` = 'sft'"), key=lambda r: r.info.start_time)
     logged = json.dumps(run.data.params) + json.dumps(run.data.tags)
     parent = MlflowClient().get_run(run.data.tags["mlflow.parentRunId"])
-    logged += json.dumps(parent.data.tags)
-    assert "s3cret" not in logged and "abc123" not in logged
-    assert run.data.params["train_data.path"] == "https://alice:***@data.example/sft.jsonl?token=***"
+    logged += json.dumps(parent.data.tags) + json.dumps([i.dataset.source for i in run.inputs.dataset_inputs])
+    assert "abc123" not in logged
+    assert run.data.params["train_data.path"] == str(tmp_path / "token=***")
 
 
 def test_redaction_patterns():
