@@ -1,0 +1,118 @@
+"""The real local stack for end-to-end tests: servers on free ports in a temporary state folder.
+
+`running_stack` starts a Prefect server, an MLflow server, a process worker and the deployments
+exactly as `make up` does, and stops exactly what it started. The helpers submit deployment runs
+through Prefect's API and read their final states.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STACK = REPO / "scripts" / "stack.sh"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_stack(home: Path, **settings: str) -> Iterator[dict[str, str]]:
+    """The stack's environment (what `scripts/stack.sh env` exports, plus `settings`) while it runs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(RLHF_HOME=str(home), RLHF_PREFECT_PORT=str(_free_port()), RLHF_MLFLOW_PORT=str(_free_port()),
+               RLHF_POOL=f"rlhf-test-{os.getpid()}-{home.name}", RLHF_PYTHON=sys.executable, **settings)
+    exported = subprocess.run([str(STACK), "env"], env=env, capture_output=True, text=True, check=True).stdout
+    for line in exported.splitlines():
+        key, value = line.removeprefix("export ").split("=", 1)
+        env[key] = value.strip('"').replace("$PATH", env.get("PATH", ""))
+    try:
+        start(env)
+        yield env
+    finally:
+        subprocess.run([str(STACK), "down"], env=env, capture_output=True, text=True, timeout=120)
+        pids = home / "pids"
+        assert not list(pids.iterdir()) if pids.exists() else True
+
+
+def start(env: dict[str, str]) -> None:
+    """`stack.sh up`: starts whatever of the stack is not running."""
+    up = subprocess.run([str(STACK), "up"], env=env, capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+
+
+def kill_service(env: dict[str, str], name: str) -> None:
+    """SIGKILL one service of the stack (mlflow, prefect or worker) and its children, as a crash would."""
+    pid_file = Path(env["RLHF_HOME"]) / "pids" / name
+    pid = int(pid_file.read_text())
+    os.killpg(pid, signal.SIGKILL)
+    pid_file.unlink()
+    deadline = time.monotonic() + 30
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"{name} (pid {pid}) survived SIGKILL"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie awaiting its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def deployment_run(env: dict[str, str], deployment: str, **params) -> subprocess.CompletedProcess:
+    """`prefect deployment run NAME --param ... --watch`, as a user types it."""
+    args = [sys.executable, "-m", "prefect", "deployment", "run", deployment, "--watch"]
+    for key, value in params.items():
+        args += ["--param", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+
+
+_SUBMIT_AND_WAIT = """
+import asyncio, json, sys
+from prefect import get_client
+from prefect.deployments import run_deployment
+
+async def main(requests):
+    runs = [await run_deployment(name, parameters=params, timeout=0) for name, params in requests]
+    async with get_client() as client:
+        while True:
+            states = [(await client.read_flow_run(run.id)).state for run in runs]
+            if all(state.is_final() for state in states):
+                break
+            await asyncio.sleep(1)
+    print("STATES=" + json.dumps([[state.type.value, state.message or "", str(run.id)]
+                                  for state, run in zip(states, runs)]))
+
+asyncio.run(main(json.loads(sys.argv[1])))
+"""
+
+
+def submit_and_wait(env: dict[str, str], requests: list[tuple[str, dict]], timeout: int = 900) -> list[tuple[str, str, str]]:
+    """Submit deployment runs all at once; (final state type, state message, flow run id) of each, in order."""
+    done = subprocess.run([sys.executable, "-c", _SUBMIT_AND_WAIT, json.dumps(requests)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("STATES="))
+    return [tuple(state) for state in json.loads(line.removeprefix("STATES="))]
+
+
+def mlflow_client(env: dict[str, str]):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    return MlflowClient(env["MLFLOW_TRACKING_URI"])
