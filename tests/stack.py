@@ -101,13 +101,22 @@ asyncio.run(main(json.loads(sys.argv[1])))
 """
 
 
-def submit_and_wait(env: dict[str, str], requests: list[tuple[str, dict]], timeout: int = 900) -> list[tuple[str, str, str]]:
-    """Submit deployment runs all at once; (final state type, state message, flow run id) of each, in order."""
-    done = subprocess.run([sys.executable, "-c", _SUBMIT_AND_WAIT, json.dumps(requests)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith("STATES="))
+def submit(env: dict[str, str], requests: list[tuple[str, dict]]) -> subprocess.Popen:
+    """Submit deployment runs all at once, from a process that waits for them; see `final_states`."""
+    return subprocess.Popen([sys.executable, "-c", _SUBMIT_AND_WAIT, json.dumps(requests)], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def final_states(submitted: subprocess.Popen, timeout: int = 900) -> list[tuple[str, str, str]]:
+    """(final state type, state message, flow run id) of each submitted run, in order."""
+    out, err = submitted.communicate(timeout=timeout)
+    assert submitted.returncode == 0, out[-3000:] + err[-3000:]
+    line = next(line for line in out.splitlines() if line.startswith("STATES="))
     return [tuple(state) for state in json.loads(line.removeprefix("STATES="))]
+
+
+def submit_and_wait(env: dict[str, str], requests: list[tuple[str, dict]], timeout: int = 900) -> list[tuple[str, str, str]]:
+    return final_states(submit(env, requests), timeout)
 
 
 def mlflow_client(env: dict[str, str]):

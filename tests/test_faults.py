@@ -1,0 +1,137 @@
+"""Faults, each against the real servers: MLflow down at start, MLflow killed mid-run, an artifact
+upload the server refuses, and two pipeline runs at once.
+
+MLflow's client retries are shortened here (2 retries, backoff factor 1) so that each fault
+ends in seconds; the stack's defaults are in scripts/stack.sh.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf import tracking
+from stages.models import folder_digest
+from tests.stack import final_states, kill_service, mlflow_client, running_stack, start, submit, submit_and_wait
+
+pytestmark = pytest.mark.e2e
+TINY = "configs/tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with running_stack(tmp_path_factory.mktemp("faults"), MLFLOW_HTTP_REQUEST_MAX_RETRIES="2",
+                       MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="1") as env:
+        yield env
+
+
+def _runs(env, filter_string: str = ""):
+    client = mlflow_client(env)
+    experiment = client.get_experiment_by_name("rlhf")
+    return client.search_runs([experiment.experiment_id], filter_string=filter_string) if experiment else []
+
+
+def _wait_for(condition, what: str, submitted, timeout: float = 300):
+    """Poll `condition` while the submitted deployment runs are under way."""
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert submitted.poll() is None, f"the runs ended before {what}: {final_states(submitted)}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.1)
+    return found
+
+
+def test_mlflow_down_at_start_retries_with_backoff_then_fails_clearly(stack):
+    kill_service(stack, "mlflow")
+    try:
+        ((state, message, _),) = submit_and_wait(stack, [("rlhf/sft", {"config_file": TINY})])
+    finally:
+        start(stack)
+    assert state == "FAILED"
+    assert f"MLflow tracking server {stack['MLFLOW_TRACKING_URI']} did not answer after 5 attempts over 15 s" in message
+    assert not _runs(stack)
+
+
+def test_refused_checkpoint_upload_leaves_the_run_unfinished_and_the_checkpoint_on_disk(stack):
+    overrides = {"sft.max_steps": 40, "sft.seed": 11}
+    submitted = submit(stack, [("rlhf/sft", {"config_file": TINY, "overrides": overrides})])
+    (run,) = _wait_for(lambda: _runs(stack, "tags.`rlhf.stage` = 'sft' and params.seed = '11'"), "sft run", submitted)
+    # The server stores artifacts under mlartifacts/<experiment>/<run>/artifacts; a file where the
+    # checkpoint folder must go makes the server refuse every checkpoint upload (HTTP 500).
+    stored = Path(stack["RLHF_HOME"]) / "mlartifacts" / run.info.artifact_uri.split(":/", 1)[1]
+    stored.mkdir(parents=True, exist_ok=True)
+    (stored / tracking.CHECKPOINT_PATH).write_text("in the way")
+    ((state, message, _),) = final_states(submitted)
+
+    assert state == "FAILED"
+    assert "stage sft: uploading the checkpoint" in message and "failed after retries" in message
+    kept = Path(message.split("the checkpoint is kept in ", 1)[1].split(" until", 1)[0])
+    assert (kept / "model.safetensors").is_file()
+    assert mlflow_client(stack).get_run(run.info.run_id).info.status == "FAILED"
+
+    (stored / tracking.CHECKPOINT_PATH).unlink()  # the store is fixed; the rerun uploads
+    ((state, message, _),) = submit_and_wait(stack, [("rlhf/sft", {"config_file": TINY, "overrides": overrides})])
+    assert state == "COMPLETED", message
+    (rerun,) = _runs(stack, "tags.`rlhf.stage` = 'sft' and params.seed = '11' and attributes.status = 'FINISHED'")
+    assert {a.path for a in mlflow_client(stack).list_artifacts(rerun.info.run_id, tracking.CHECKPOINT_PATH)} >= {
+        f"{tracking.CHECKPOINT_PATH}/model.safetensors"}
+    assert not kept.exists()  # the local copy goes once the upload is confirmed
+
+
+def test_mlflow_killed_mid_ppo_fails_clearly_and_the_rerun_resumes_the_kept_state(stack):
+    params = {"config_file": TINY, "overrides": {"ppo.num_iterations": 60, "ppo.checkpoint_every": 2}}
+    submitted = submit(stack, [("rlhf/full", params)])
+    work = Path(stack["RLHF_HOME"]) / "work"
+    _wait_for(lambda: list(work.glob("ppo-*/state/loop.json")), "PPO full-state checkpoint", submitted)
+    kill_service(stack, "mlflow")
+    try:
+        ((state, message, _),) = final_states(submitted)
+    finally:
+        start(stack)
+    assert state == "FAILED"
+    assert "stopped answering" in message and "kept in" in message, message
+    (state_file,) = work.glob("ppo-*/state/loop.json")
+    interrupted_at = json.loads(state_file.read_text())["iteration"]
+    (interrupted,) = _runs(stack, "tags.`rlhf.stage` = 'ppo'")
+    assert interrupted.info.status == "RUNNING"  # could not be ended; certainly not FINISHED
+
+    ((state, message, _),) = submit_and_wait(stack, [("rlhf/full", params)])
+    assert state == "COMPLETED", message
+    client = mlflow_client(stack)
+    (resumed,) = _runs(stack, "tags.`rlhf.stage` = 'ppo' and attributes.status = 'FINISHED'")
+    interrupted = client.get_run(interrupted.info.run_id)
+    assert interrupted.info.status == "KILLED"
+    assert interrupted.data.tags[tracking.TAG_ABANDONED_BY] == resumed.info.run_id
+    assert client.get_run(interrupted.data.tags[tracking.TAG_PIPELINE]).info.status == "KILLED"
+    warnings = client.download_artifacts(resumed.info.run_id, "warnings.txt")
+    assert f"resumed from the full-state checkpoint after iteration {interrupted_at}" in Path(warnings).read_text()
+    steps = [m.step for m in client.get_metric_history(resumed.info.run_id, "rollout/kl")]
+    assert sorted(steps) == list(range(1, 61))  # the whole curve, not only from the resume point
+
+
+def test_two_pipeline_runs_at_once_keep_their_files_and_runs_apart(stack):
+    params = {"config_file": TINY, "overrides": {"sft.max_steps": 30, "sft.seed": 5}, "use_cache": False}
+    states = submit_and_wait(stack, [("rlhf/full", params), ("rlhf/full", params)])
+    assert [s[0] for s in states] == ["COMPLETED", "COMPLETED"], states
+
+    client = mlflow_client(stack)
+    digests, sft_spans = [], []
+    for _, _, flow_run_id in states:
+        (pipeline,) = _runs(stack, f"tags.`{tracking.TAG_PREFECT_FLOW_RUN}` = '{flow_run_id}'")
+        stage_runs = {r.data.tags[tracking.TAG_STAGE]: r for r in
+                      _runs(stack, f"tags.`{tracking.TAG_PIPELINE}` = '{pipeline.info.run_id}'")}
+        assert sorted(stage_runs) == ["ppo", "reward", "sft"]
+        assert all(r.info.status == "FINISHED" for r in stage_runs.values())
+        for run in stage_runs.values():  # what was uploaded is what was trained, byte for byte
+            folder = client.download_artifacts(run.info.run_id, tracking.CHECKPOINT_PATH)
+            assert folder_digest(Path(folder)) == run.data.tags[tracking.TAG_CHECKPOINT_DIGEST]
+        digests.append({stage: r.data.tags[tracking.TAG_CHECKPOINT_DIGEST] for stage, r in stage_runs.items()})
+        sft_spans.append((stage_runs["sft"].info.start_time, stage_runs["sft"].info.end_time))
+    (a_start, a_end), (b_start, b_end) = sft_spans
+    assert a_start < b_end and b_start < a_end  # the same SFT work really ran side by side
+    assert digests[0] == digests[1]  # same work, same result, although it ran side by side
+    work = Path(stack["RLHF_HOME"]) / "work"
+    assert not [p for p in work.iterdir() if p.is_dir()]  # both attempts cleaned up after themselves
