@@ -25,6 +25,8 @@ def test_demo_config_loads_and_overrides_apply():
     ({"sft.max_prompt_length": 200}, "max_prompt_length (200) must be below max_length"),
     ({"demo": None}, "refers to the demo world"),
     ({"sft.train_data.format": "xml"}, "sft.train_data.format"),
+    ({"ppo.num_minibatches": 3}, "num_minibatches (3) must divide rollout_batch_size"),
+    ({"ppo.learning_rate": -1e-5}, "ppo.learning_rate"),
 ])
 def test_bad_configs_are_refused_naming_the_field(overrides, field):
     with pytest.raises(ConfigError, match="invalid config") as caught:

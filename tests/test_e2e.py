@@ -6,6 +6,8 @@ Starts a Prefect server, an MLflow server, a process worker and the deployments 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.stack import deployment_run, mlflow_client, running_stack, submit_and_wait
@@ -90,3 +92,17 @@ def test_every_bad_input_fails_its_deployment_run_with_one_clear_error_and_no_ru
             assert line in message, (name, message)
         assert "Traceback" not in message, name
     assert len(client.search_runs([experiment.experiment_id])) == runs_before  # refused before any run
+
+
+def test_servers_listen_on_localhost_only(stack):
+    """Every listening socket on the stack's ports is bound to 127.0.0.1 (from /proc/net/tcp{,6})."""
+    ports = {int(stack["RLHF_PREFECT_PORT"]), int(stack["RLHF_MLFLOW_PORT"])}
+    bound = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, port = local.split(":")
+            if state == "0A" and int(port, 16) in ports:  # 0A: LISTEN
+                bound.add((int(port, 16), address))
+    assert {port for port, _ in bound} == ports
+    assert {address for _, address in bound} == {"0100007F"}  # 127.0.0.1, little-endian hex
