@@ -146,6 +146,8 @@ class PPOConfig(_Frozen):
     """New tokens generated per response at most."""
     temperature: PositiveFloat = 1.0
     """Sampling temperature; log-probabilities are taken from the same scaled logits."""
+    old_logprobs: Literal["auto", "sampling", "recompute"] = "auto"
+    """Where rollout log-probs and values come from: the sampling pass, a second forward, or auto (sampling in fp32, recompute under bf16)."""
     num_iterations: PositiveInt = 100
     """PPO iterations (rollout, score, update)."""
     rollout_batch_size: PositiveInt = 64

@@ -29,10 +29,10 @@ import numpy as np
 import pandas as pd
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
-from transformers import PreTrainedModel, get_scheduler
+from transformers import DynamicCache, PreTrainedModel, get_scheduler
 
 from rlhf.config import PPOConfig
-from stages.models import device, generate, load_causal_lm, load_tokenizer, position_ids_for, save_checkpoint
+from stages.models import device, load_causal_lm, load_tokenizer, position_ids_for, save_checkpoint
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss, entropy_of,
                              explained_variance, gae, kl_estimate, logprobs_of, masked_mean, masked_whiten,
                              response_mask, token_rewards, truncate_after_eos)
@@ -144,11 +144,11 @@ def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: 
     input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
     attention_mask = torch.cat([query_mask, mask.long()], dim=1)
     with autocast():
+        # Only the last T + 1 positions need the vocabulary projection: the logits at position p predict token p + 1.
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
-                    output_hidden_states=want_hidden, use_cache=False)
-    start = queries.shape[1] - 1  # the logits at position p predict token p + 1
-    logits = out.logits[:, start:-1]
-    hidden = out.hidden_states[-1][:, start:-1] if want_hidden else None
+                    output_hidden_states=want_hidden, use_cache=False, logits_to_keep=responses.shape[1] + 1)
+    logits = out.logits[:, :-1]
+    hidden = out.hidden_states[-1][:, queries.shape[1] - 1:-1] if want_hidden else None
     return logits, hidden
 
 
@@ -184,12 +184,66 @@ class Rollout:
     prompts: list[str]
 
 
+@dataclass
+class Samples:
+    """Sampled responses with what the sampling pass saw; (B, T) over response tokens unless noted."""
+
+    queries: torch.Tensor  # (B, Tq) left-padded prompt ids
+    query_mask: torch.Tensor  # (B, Tq)
+    responses: torch.Tensor  # truncated after the first EOS, then padding
+    logprobs: torch.Tensor  # log pi(token) under the temperature-scaled logits it was drawn from
+    entropy: torch.Tensor
+    hidden: torch.Tensor  # (B, T, H) final hidden states at the positions that predicted each token
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row from categorical `probs` by inverse-CDF sampling: one uniform number per
+    row, where torch.multinomial draws one per vocabulary entry. # (B, V) -> (B, 1)"""
+    cdf = probs.cumsum(dim=-1)  # (B, V)
+    u = torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]  # scaled: cdf[-1] may round below 1
+    return torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)
+
+
 @torch.inference_mode()
-def sample_responses(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig) -> tuple[torch.Tensor, ...]:
-    """Left-padded queries, their mask, and sampled responses truncated after the first EOS."""
+def sample(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig) -> Samples:
+    """Sample up to `response_length` tokens per prompt from the full temperature-scaled
+    distribution, one KV-cached step at a time, keeping each token's log-prob, the entropy and
+    the final hidden state of the step that produced it: the rollout then needs no second
+    policy pass for old log-probs and (shared-body) values. Stops early once every row has an EOS."""
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                      padding_side="left").to(model.device)
+    queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
+    attention_mask, positions = query_mask, position_ids_for(query_mask)
+    step_ids, cache = queries, DynamicCache()
+    tokens, logprobs, entropy, hidden = [], [], [], []
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device=model.device)
     with autocast():
-        queries, query_mask, new_tokens = generate(model, tokenizer, prompts, cfg.response_length, cfg.temperature)
-    return queries, query_mask, truncate_after_eos(new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        for _ in range(cfg.response_length):
+            out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
+                        past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+            logits = out.logits[:, -1:].float()  # (B, 1, V)
+            token = draw(torch.softmax(logits[:, -1] / cfg.temperature, dim=-1))  # (B, 1)
+            tokens.append(token)
+            logprobs.append(logprobs_of(logits, token, cfg.temperature))
+            entropy.append(entropy_of(logits, cfg.temperature))
+            hidden.append(out.hidden_states[-1][:, -1:])
+            finished |= token.squeeze(1) == tokenizer.eos_token_id
+            if finished.all():
+                break
+            step_ids, positions = token, positions[:, -1:] + 1
+            attention_mask = torch.cat([attention_mask, torch.ones_like(token)], dim=1)
+    responses = truncate_after_eos(torch.cat(tokens, dim=1), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return Samples(queries, query_mask, responses, torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1),
+                   torch.cat(hidden, dim=1))
+
+
+def reuse_sampling_pass(cfg: PPOConfig) -> bool:
+    """Whether old log-probs (and shared-body values) come from the sampling pass: in fp32 they
+    equal a fresh forward up to float rounding; under bf16 autocast the KV-cached steps drift
+    further from the full-sequence pass the update uses, so a second forward is taken."""
+    if cfg.old_logprobs == "auto":
+        return isinstance(autocast(), nullcontext)
+    return cfg.old_logprobs == "sampling"
 
 
 @torch.inference_mode()
@@ -197,14 +251,21 @@ def rollout(models: Models, prompts: list[str], prompt_messages: list, cfg: PPOC
     tokenizer = models.tokenizer
     models.train(False)
     start = time.perf_counter()
-    queries, query_mask, responses = sample_responses(models.policy, tokenizer, prompts, cfg)
+    sampled = sample(models.policy, tokenizer, prompts, cfg)
+    queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
     timings["generate"] = time.perf_counter() - start
 
     start = time.perf_counter()
     mask = response_mask(responses, tokenizer.eos_token_id)
-    logits, values = policy_and_values(models, queries, query_mask, responses, mask)
-    logprobs = logprobs_of(logits, responses, cfg.temperature)
-    entropy = entropy_of(logits, cfg.temperature)
+    if reuse_sampling_pass(cfg):
+        logprobs, entropy = sampled.logprobs, sampled.entropy
+        if models.critic is None:
+            values = models.value_head(sampled.hidden.to(models.value_head.linear.weight.dtype))
+        else:
+            _, values = policy_and_values(models, queries, query_mask, responses, mask)
+    else:
+        logits, values = policy_and_values(models, queries, query_mask, responses, mask)
+        logprobs, entropy = logprobs_of(logits, responses, cfg.temperature), entropy_of(logits, cfg.temperature)
     with reference_policy(models) as reference:
         ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False)
     ref_logprobs = logprobs_of(ref_logits, responses, cfg.temperature)
@@ -255,7 +316,8 @@ def ppo_update(models: Models, batch: Rollout, advantages: torch.Tensor, returns
                 policy = clipped_policy_loss(logprobs, batch.logprobs[micro], advantages[micro], mask, cfg.clip_range)
                 value_loss, value_clipped = clipped_value_loss(values, batch.values[micro], returns[micro], mask,
                                                                cfg.clip_range_value)
-                entropy = masked_mean(entropy_of(logits, cfg.temperature), mask)
+                # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
+                entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.temperature), mask)
                 loss = policy.loss + cfg.vf_coef * value_loss - cfg.entropy_coef * entropy
                 if cfg.kl_loss_coef > 0:
                     loss = loss + cfg.kl_loss_coef * masked_mean(kl_estimate(logprobs, batch.ref_logprobs[micro], "k3"), mask)
@@ -344,7 +406,7 @@ def evaluate(models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig) -> tupl
     torch.manual_seed(cfg.seed + 1)  # the same sampling noise for every evaluation of this config
     ppo = rollout(models, prompts, messages, cfg, {})
     with reference_policy(models) as reference:
-        _, _, sft_responses = sample_responses(reference, models.tokenizer, prompts, cfg)
+        sft_responses = sample(reference, models.tokenizer, prompts, cfg).responses
     sft_texts = models.tokenizer.batch_decode(sft_responses, skip_special_tokens=True)
     sft_scores = models.scorer.score(messages, sft_texts)
     kl = (kl_estimate(ppo.logprobs, ppo.ref_logprobs) * ppo.mask).sum(1)
@@ -414,7 +476,8 @@ def train_ppo(
     full-state checkpoint of an earlier, interrupted run is there."""
     torch.manual_seed(cfg.seed)
     models = load_models(cfg, sft_location, reward_location)
-    optimizer = torch.optim.AdamW(models.trainable(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, eps=1e-5)
+    optimizer = torch.optim.AdamW(models.trainable(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, eps=1e-5,
+                                  fused=True)  # one kernel per step instead of several per parameter
     total_steps = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)

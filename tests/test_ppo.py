@@ -158,3 +158,35 @@ def test_critic_from_a_reward_model_with_another_tokenizer_is_refused(tiny_confi
     with pytest.raises(ValueError, match="share the policy's tokenizer"):
         load_models(_cfg(tiny_config, critic="reward"), trained["sft"], str(folder))
     load_models(_cfg(tiny_config, critic="reward"), trained["sft"], trained["reward"])  # same tokenizer: fine
+
+
+def test_draw_samples_the_categorical_it_is_given():
+    from stages.ppo import draw
+
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(20000, 4)
+    counts = torch.bincount(draw(probs).squeeze(1), minlength=4).float() / 20000
+    assert counts[1] == 0  # a zero-probability token is never drawn
+    assert torch.allclose(counts, probs[0], atol=0.01), counts
+
+
+def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, trained):
+    """What the rollout reuses from the KV-cached sampling steps is what a full forward computes."""
+    from stages.ppo import load_models, policy_and_values, sample
+    from stages.ppo_math import entropy_of, logprobs_of, response_mask
+
+    cfg = _cfg(tiny_config, temperature=0.7)
+    models = load_models(cfg, trained["sft"], trained["reward"])
+    models.train(False)
+    torch.manual_seed(0)
+    prompts = list(trained["prompts"]["prompt"][:8])  # prompts of different lengths: left padding
+    sampled = sample(models.policy, models.tokenizer, prompts, cfg)
+    mask = response_mask(sampled.responses, models.tokenizer.eos_token_id)
+    assert (mask.sum(1) < sampled.responses.shape[1]).any()  # some responses ended early: truncation is covered
+    with torch.inference_mode():
+        logits, values = policy_and_values(models, sampled.queries, sampled.query_mask, sampled.responses, mask)
+        sampled_values = models.value_head(sampled.hidden)
+    torch.testing.assert_close(sampled.logprobs * mask, logprobs_of(logits, sampled.responses, 0.7) * mask,
+                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(sampled.entropy * mask, entropy_of(logits, 0.7) * mask, atol=1e-4, rtol=0)
+    torch.testing.assert_close(sampled_values * mask, values * mask, atol=1e-4, rtol=0)
