@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test up down status install clean-state
+.PHONY: demo test bench up down status install clean-state
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -13,6 +13,19 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)  ## create the virtual environment and install the project
+
+# The benchmark's reference implementation (TRL 1.12.0, the last release with PPO) lives in its
+# own environment, so the project's TRL stays current.
+BENCH_VENV := .bench-venv
+BENCH_STAMP := $(BENCH_VENV)/.installed
+$(BENCH_STAMP): bench/requirements-trl.txt constraints.txt
+	test -x $(BENCH_VENV)/bin/python || python3.11 -m venv $(BENCH_VENV) || python3 -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt -r bench/requirements-trl.txt
+	touch $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP)  ## PPO benchmark: ours against TRL 1.12's PPOTrainer on the same work
+	$(PY) -m bench.ppo --config $${BENCH_CONFIG:-configs/bench.yaml} --reference $(BENCH_VENV)/bin/python
 
 up: $(STAMP)  ## start Prefect + MLflow servers, the worker, and deploy
 	scripts/stack.sh up

@@ -5,8 +5,8 @@
 Both run on the same Llama-shaped model built here from a config (no download), the same
 prompts, episodes per iteration, response length, PPO epochs and minibatches, each in a fresh
 process with the same thread count. Each runs `warmup` untimed iterations, then `iterations`
-timed ones; the figure is the median iteration. The last line is `PPO speedup_vs_trl=<ratio>`.
-This is a benchmark, not a test: nothing here asserts a speed.
+timed ones per round; the figure is the median timed iteration. The last line is `PPO speedup_vs_trl=<ratio>`.
+The two sides alternate for `rounds` rounds. This is a benchmark, not a test: nothing here asserts a speed.
 """
 
 from __future__ import annotations
@@ -93,14 +93,14 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def summarize(iterations: list[dict[str, float]], work: Work, name: str) -> dict:
-    """Median figures over the timed iterations."""
-    median = {key: statistics.median(row[key] for row in iterations) for key in iterations[0]}
-    return {"name": name, "iterations": len(iterations), "seconds_per_iteration": median["seconds"],
+def summarize(rows: list[dict[str, float]], work: Work, name: str, peak_memory_mb: float) -> dict:
+    """Median figures over the timed iterations of every round."""
+    median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    return {"name": name, "iterations": len(rows), "seconds_per_iteration": median["seconds"],
             "episodes_per_second": work.episodes / median["seconds"],
             "generated_tokens_per_second": median["generated_tokens"] / median["seconds"],
             "split": {k: median[k] for k in ("generate", "score", "train") if k in median},
-            "peak_memory_mb": peak_memory_mb()}
+            "peak_memory_mb": peak_memory_mb}
 
 
 # --- ours -------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def run_ours(config_file: str, assets: Path, work: Work, warmup: int, iterations
         train_ppo(cfg, str(assets / "policy"), str(assets / "reward"), prompts, eval_prompts, Path(out),
                   PPOHooks(metrics=record))
     assert torch.get_num_threads() == threads
-    return summarize(rows, work, "ours")
+    return {"rows": rows, "peak_memory_mb": peak_memory_mb()}
 
 
 # --- the orchestration ------------------------------------------------------------------------
@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", default=str(REPO / ".bench-venv" / "bin" / "python"),
                         help="python of the environment with TRL 1.12.0; 'none' skips the reference")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=4, help="timed iterations per round")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of ours and the reference")
     parser.add_argument("--state", default=str(REPO / ".rlhf" / "bench"), help="where the built model and prompts go")
     for name, value in asdict(ModelShape()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
@@ -175,18 +176,28 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"PPO benchmark: {args.config}; model {asdict(shape)}; {work.episodes} episodes x {work.response_length} "
           f"tokens per iteration, {work.ppo_epochs} epochs x {work.minibatches} minibatches; {threads} threads; "
-          f"median of {args.iterations} iterations after {args.warmup} warm-up", flush=True)
+          f"{args.rounds} alternating rounds of {args.warmup} warm-up + {args.iterations} timed iterations each, "
+          f"median over all timed iterations", flush=True)
     common = ["--config", args.config, "--warmup", str(args.warmup), "--iterations", str(args.iterations),
               "--state", args.state] + [f"--{k.replace('_', '-')}={v}" for k, v in asdict(shape).items()]
-    ours = _child([sys.executable, "-m", "bench.ppo", "--role", "ours", *common])
-    _report(ours)
-    if args.reference == "none":
-        return 0
-    trl = _child([args.reference, str(REPO / "bench" / "trl_reference.py"), "--assets", str(assets),
-                  "--work", json.dumps(asdict(work)), "--threads", str(threads),
-                  "--warmup", str(args.warmup), "--iterations", str(args.iterations)])
-    _report(trl)
-    print(f"PPO speedup_vs_trl={ours['episodes_per_second'] / trl['episodes_per_second']:.2f}")
+    commands = {"ours": [sys.executable, "-m", "bench.ppo", "--role", "ours", *common]}
+    if args.reference != "none":
+        commands["trl"] = [args.reference, str(REPO / "bench" / "trl_reference.py"), "--assets", str(assets),
+                           "--work", json.dumps(asdict(work)), "--threads", str(threads),
+                           "--warmup", str(args.warmup), "--iterations", str(args.iterations)]
+    # Alternating rounds, so that a slow spell of a shared machine falls on both sides.
+    rows = {name: [] for name in commands}
+    peaks = {name: 0.0 for name in commands}
+    for _ in range(args.rounds):
+        for name, command in commands.items():
+            result = _child(command)
+            rows[name] += result["rows"]
+            peaks[name] = max(peaks[name], result["peak_memory_mb"])
+    results = {name: summarize(rows[name], work, name, peaks[name]) for name in commands}
+    for result in results.values():
+        _report(result)
+    if "trl" in results:
+        print(f"PPO speedup_vs_trl={results['ours']['episodes_per_second'] / results['trl']['episodes_per_second']:.2f}")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Runs in the benchmark's own environment (.bench-venv, bench/requirements-trl.txt), which has
 TRL 1.12.0 but not this project; it reads the folders `bench/ppo.py` built and prints one
-`RESULT=` line in the same format as our side.
+`RESULT=` line (per-iteration rows and peak memory) in the same format as our side.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-from bench.ppo import Work, summarize  # noqa: E402  (standard library only)
+from bench.ppo import Work, peak_memory_mb  # noqa: E402  (standard library only)
 
 
 def main() -> int:
@@ -80,7 +80,7 @@ def main() -> int:
     assert len(seconds) == args.iterations, clock.marks
     # TRL does not report how many tokens it generated; every response counts in full (an upper bound).
     rows = [{"seconds": s, "generated_tokens": work.episodes * work.response_length} for s in seconds]
-    print("RESULT=" + json.dumps(summarize(rows, work, "trl")))
+    print("RESULT=" + json.dumps({"rows": rows, "peak_memory_mb": peak_memory_mb()}))
     return 0
 
 

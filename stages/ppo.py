@@ -297,6 +297,37 @@ class UpdateStats:
         return {key: (max(v) if key == "ratio_max" else float(np.mean(v))) for key, v in self.values.items()}
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """Some rows of a rollout, without the columns that are padding in all of them."""
+
+    queries: torch.Tensor  # (b, tq)
+    query_mask: torch.Tensor
+    responses: torch.Tensor  # (b, t)
+    mask: torch.Tensor
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
+def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor, rows: torch.Tensor) -> MicroBatch:
+    """The rows' tensors, dropping leading prompt columns and trailing response columns that no
+    row uses: the rollout is padded for its longest prompt and response, a micro-batch need not be.
+    Position ids count real tokens, so dropping all-padding columns changes no position."""
+    query_mask, mask = batch.query_mask[rows], batch.mask[rows]
+    first = int(query_mask.any(dim=0).long().argmax())  # first prompt column with a real token
+    end = int(mask.any(dim=0).nonzero().max()) + 1  # past the last response column with a real token
+
+    def responses_of(x: torch.Tensor) -> torch.Tensor:
+        return x[rows][:, :end]
+
+    return MicroBatch(batch.queries[rows][:, first:], query_mask[:, first:], responses_of(batch.responses),
+                      mask[:, :end], responses_of(batch.logprobs), responses_of(batch.ref_logprobs),
+                      responses_of(batch.values), responses_of(advantages), responses_of(returns))
+
+
 def ppo_update(models: Models, batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor, cfg: PPOConfig,
                optimizer: torch.optim.Optimizer, scheduler, iteration: int) -> dict[str, float]:
     """num_ppo_epochs passes of shuffled minibatches over one rollout."""
@@ -307,24 +338,23 @@ def ppo_update(models: Models, batch: Rollout, advantages: torch.Tensor, returns
     stats = UpdateStats()
     for _ in range(cfg.num_ppo_epochs):
         for minibatch in torch.randperm(n).split(minibatch_size):
-            for micro in minibatch.split(micro_size):
-                micro = micro.to(batch.responses.device)
-                mask = batch.mask[micro]
-                logits, values = policy_and_values(models, batch.queries[micro], batch.query_mask[micro],
-                                                   batch.responses[micro], mask)
-                logprobs = logprobs_of(logits, batch.responses[micro], cfg.temperature)
-                policy = clipped_policy_loss(logprobs, batch.logprobs[micro], advantages[micro], mask, cfg.clip_range)
-                value_loss, value_clipped = clipped_value_loss(values, batch.values[micro], returns[micro], mask,
+            for rows in minibatch.split(micro_size):
+                micro = micro_batch(batch, advantages, returns, rows.to(batch.responses.device))
+                mask = micro.mask
+                logits, values = policy_and_values(models, micro.queries, micro.query_mask, micro.responses, mask)
+                logprobs = logprobs_of(logits, micro.responses, cfg.temperature)
+                policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range)
+                value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask,
                                                                cfg.clip_range_value)
                 # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
                 entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.temperature), mask)
                 loss = policy.loss + cfg.vf_coef * value_loss - cfg.entropy_coef * entropy
                 if cfg.kl_loss_coef > 0:
-                    loss = loss + cfg.kl_loss_coef * masked_mean(kl_estimate(logprobs, batch.ref_logprobs[micro], "k3"), mask)
+                    loss = loss + cfg.kl_loss_coef * masked_mean(kl_estimate(logprobs, micro.ref_logprobs, "k3"), mask)
                 if not torch.isfinite(loss):
                     raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
                                              "the last full-state checkpoint is kept")
-                (loss * len(micro) / len(minibatch)).backward()
+                (loss * len(rows) / len(minibatch)).backward()
                 stats.add(policy_loss=policy.loss.item(), value_loss=value_loss.item(), entropy=entropy.item(),
                           clip_fraction=policy.clip_fraction.item(), value_clip_fraction=value_clipped.item(),
                           approx_kl=policy.approx_kl.item(), ratio_mean=masked_mean(policy.ratio, mask).item(),

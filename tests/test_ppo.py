@@ -190,3 +190,25 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
                                atol=1e-4, rtol=0)
     torch.testing.assert_close(sampled.entropy * mask, entropy_of(logits, 0.7) * mask, atol=1e-4, rtol=0)
     torch.testing.assert_close(sampled_values * mask, values * mask, atol=1e-4, rtol=0)
+
+
+def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_config, trained):
+    from stages.ppo import Rollout, micro_batch
+
+    models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
+    pad, eos = models.tokenizer.pad_token_id, models.tokenizer.eos_token_id
+    queries = torch.tensor([[pad, pad, 5, 6], [pad, pad, pad, 7], [1, 2, 3, 4]])
+    query_mask = (queries != pad).long()
+    responses = torch.tensor([[8, eos, pad, pad], [9, pad, pad, pad], [10, 11, 12, eos]])
+    mask = torch.tensor([[1.0, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    per_token = torch.arange(12.0).view(3, 4)
+    batch = Rollout(queries, query_mask, responses, mask, per_token, per_token, per_token, per_token,
+                    *[torch.zeros(3)] * 3, torch.ones(3, dtype=torch.bool), [], [])
+    micro = micro_batch(batch, per_token, per_token, torch.tensor([1, 0]))
+    assert micro.queries.tolist() == [[pad, 7], [5, 6]] and micro.query_mask.tolist() == [[0, 1], [1, 1]]
+    assert micro.responses.tolist() == [[9, pad], [8, eos]] and micro.values.tolist() == [[4.0, 5.0], [0.0, 1.0]]
+    # The trimmed rows give the model the same inputs at the same positions.
+    with torch.inference_mode():
+        full, _ = forward_response(models.policy, queries[[1, 0]], query_mask[[1, 0]], responses[[1, 0]], mask[[1, 0]], False)
+        trimmed, _ = forward_response(models.policy, micro.queries, micro.query_mask, micro.responses, micro.mask, False)
+    torch.testing.assert_close(trimmed * micro.mask[..., None], full[:, :2] * micro.mask[..., None], atol=1e-5, rtol=0)
