@@ -49,7 +49,7 @@ class Work:
     seed: int
 
 
-def build_assets(config_file: str, shape: ModelShape, root: Path) -> tuple[Path, Work, int]:
+def build_assets(config_file: str, overrides: dict, shape: ModelShape, root: Path) -> tuple[Path, Work, int]:
     """Policy and reward folders plus rendered prompts for the benchmark, in `root`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -60,7 +60,7 @@ def build_assets(config_file: str, shape: ModelShape, root: Path) -> tuple[Path,
     from stages.models import load_tokenizer, save_checkpoint
     from stages.reward import load_reward_model
 
-    cfg = load_config(config_file)
+    cfg = load_config(config_file, overrides)
     ppo = cfg.ppo
     world = build_world(root / "worlds", cfg.demo)
     tokenizer = load_tokenizer(str(world / "model"))
@@ -93,6 +93,11 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def resident_memory_mb() -> float:
+    """Current resident memory of this process (not the peak): flat across iterations when nothing leaks."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 2**20
+
+
 def summarize(rows: list[dict[str, float]], work: Work, name: str, peak_memory_mb: float) -> dict:
     """Median figures over the timed iterations of every round."""
     median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
@@ -106,7 +111,8 @@ def summarize(rows: list[dict[str, float]], work: Work, name: str, peak_memory_m
 # --- ours -------------------------------------------------------------------------------------
 
 
-def run_ours(config_file: str, assets: Path, work: Work, warmup: int, iterations: int, threads: int) -> dict:
+def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup: int, iterations: int,
+             threads: int) -> dict:
     import pandas as pd
     import torch
 
@@ -115,14 +121,15 @@ def run_ours(config_file: str, assets: Path, work: Work, warmup: int, iterations
     from stages.ppo import PPOHooks, train_ppo
 
     set_determinism(False, threads)
-    cfg = load_config(config_file, {"ppo.num_iterations": warmup + iterations}).ppo
+    cfg = load_config(config_file, overrides | {"ppo.num_iterations": warmup + iterations}).ppo
     rows = []
 
     def record(figures: dict[str, float], iteration: int) -> None:
         if iteration > warmup:
             rows.append({"seconds": figures["time/iteration"], "generate": figures["time/generate"],
                          "score": figures["time/score"], "train": figures["time/train"],
-                         "generated_tokens": figures["rollout/response_length"] * work.episodes})
+                         "generated_tokens": figures["rollout/response_length"] * work.episodes,
+                         "rss_mb": resident_memory_mb()})
 
     prompts = pd.read_json(assets / "prompts.jsonl", lines=True)
     eval_prompts = pd.read_json(assets / "eval_prompts.jsonl", lines=True).head(8)
@@ -157,6 +164,9 @@ def _report(result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/bench.yaml", help="pipeline config whose ppo section is the work")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, e.g. ppo.rollout_batch_size=32 (YAML value); repeatable")
+    parser.add_argument("--rows", help="also write every timed iteration of our side to this JSON file")
     parser.add_argument("--reference", default=str(REPO / ".bench-venv" / "bin" / "python"),
                         help="python of the environment with TRL 1.12.0; 'none' skips the reference")
     parser.add_argument("--warmup", type=int, default=1)
@@ -168,17 +178,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", choices=["orchestrate", "ours"], default="orchestrate", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shape = ModelShape(**{name: getattr(args, name) for name in asdict(ModelShape())})
-    assets, work, threads = build_assets(args.config, shape, Path(args.state))
+    import yaml
+
+    overrides = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
+    assets, work, threads = build_assets(args.config, overrides, shape, Path(args.state))
 
     if args.role == "ours":
-        print("RESULT=" + json.dumps(run_ours(args.config, assets, work, args.warmup, args.iterations, threads)))
+        print("RESULT=" + json.dumps(run_ours(args.config, overrides, assets, work, args.warmup, args.iterations, threads)))
         return 0
 
     print(f"PPO benchmark: {args.config}; model {asdict(shape)}; {work.episodes} episodes x {work.response_length} "
           f"tokens per iteration, {work.ppo_epochs} epochs x {work.minibatches} minibatches; {threads} threads; "
           f"{args.rounds} alternating rounds of {args.warmup} warm-up + {args.iterations} timed iterations each, "
           f"median over all timed iterations", flush=True)
-    common = ["--config", args.config, "--warmup", str(args.warmup), "--iterations", str(args.iterations),
+    common = [*(f"--set={item}" for item in args.set), "--config", args.config, "--warmup", str(args.warmup), "--iterations", str(args.iterations),
               "--state", args.state] + [f"--{k.replace('_', '-')}={v}" for k, v in asdict(shape).items()]
     commands = {"ours": [sys.executable, "-m", "bench.ppo", "--role", "ours", *common]}
     if args.reference != "none":
@@ -194,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] += result["rows"]
             peaks[name] = max(peaks[name], result["peak_memory_mb"])
     results = {name: summarize(rows[name], work, name, peaks[name]) for name in commands}
+    if args.rows:
+        Path(args.rows).write_text(json.dumps(rows["ours"]))
     for result in results.values():
         _report(result)
     if "trl" in results:

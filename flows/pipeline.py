@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
 import mlflow
 import pandas as pd
+from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -36,6 +39,8 @@ AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo")
 POLICY_MODEL_NAME = "rlhf-policy"
 """MLflow Model Registry name under which every PPO policy is registered."""
 UPSTREAM: dict[str, tuple[str, ...]] = {"sft": (), "reward": ("sft",), "ppo": ("sft", "reward")}
+STAGE_SECONDS = "time/stage_seconds"
+"""Metric: wall time of the stage's own work (training, evaluation, samples), without the wiring around it."""
 
 
 class UpstreamRuns(BaseModel):
@@ -195,10 +200,12 @@ def sft(ctx: StageContext) -> StageRecord | State:
             mlflow.set_tag("rlhf.base_model", tracking.redact(section.model))
             tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code)
             train, evaluation = train_and_eval_data(section, "sft", ctx.world, tokenizer)
+            started = time.perf_counter()
             result = train_sft(section, model_location, train.frame, evaluation.frame, scratch,
                                sink=lambda metrics, step: mlflow.log_metrics(metrics, step=step))
+            metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
             mlflow.log_table(pd.DataFrame(result.samples), "samples.json")
-            return finish("sft", run_id, section, train, result.metrics, result.checkpoint, result.samples,
+            return finish("sft", run_id, section, train, metrics, result.checkpoint, result.samples,
                           int(result.metrics["train/steps"]))
     except DataContractError as e:
         return refuse(e.report())
@@ -222,13 +229,14 @@ def reward(ctx: StageContext) -> StageRecord | State:
             prompts = validated(section.normalization_prompts, "prompt", ctx.world, load_tokenizer(policy_location),
                                 LengthBudget(section.max_prompt_length, section.max_length), section.duplicates)
             tracking.log_data(prompts.frame, "normalization-prompts", prompts.source, prompts.digest, "normalization")
+            started = time.perf_counter()
             try:
                 result = train_reward(section, model_location, policy_location, train.frame, evaluation.frame,
                                       prompts.frame, scratch, sink=lambda metrics, step: mlflow.log_metrics(metrics, step=step))
             except RewardGateError as gate:
                 mlflow.log_metrics(gate.metrics)
                 raise
-            scores, metrics = result.eval_scores, dict(result.metrics)
+            scores, metrics = result.eval_scores, result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
             if _is_demo(section.eval_data) or (section.eval_data is None and _is_demo(section.train_data)):
                 last_user = [json.loads(m)[-1]["content"] for m in scores["prompt_messages"]]
                 metrics["eval/gold_accuracy"] = gold_accuracy(
@@ -283,8 +291,9 @@ def ppo(ctx: StageContext) -> StageRecord | State:
             hooks = PPOHooks(metrics=lambda figures, i: mlflow.log_metrics(figures, step=i),
                              samples=lambda table, i: mlflow.log_table(table, f"samples/iteration_{i:05d}.json"),
                              warning=warn)
+            started = time.perf_counter()
             result = train_ppo(section, sft_location, reward_location, train.frame, evaluation.frame, scratch, hooks)
-            table, metrics = result.evaluation, dict(result.metrics)
+            table, metrics = result.evaluation, result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
             if _is_demo(section.eval_prompts):
                 last_user = [json.loads(m)[-1]["content"] for m in table["prompt_messages"]]
                 metrics |= gold_comparison(last_user, list(table["ppo_response"]), list(table["sft_response"]))
@@ -459,6 +468,18 @@ def rlhf(
                       f"({type(e).__name__}: {str(e)[:300]}); rerun when it is back: finished stages are reused")
 
 
+def _log_overhead(parent_run_id: str, ran: list[StageRecord]) -> None:
+    """Wall time since the flow run was requested against the stages' own work: what Prefect,
+    MLflow, data validation, artifact transfer and process start-up cost, on the pipeline run."""
+    wall = (datetime.now(timezone.utc) - get_run_context().flow_run.created).total_seconds()
+    work = sum(r.metrics.get(STAGE_SECONDS, 0.0) for r in ran)
+    figures = {"time/wall_seconds": wall, "time/stage_work_seconds": work,
+               "time/orchestration_seconds": wall - work, "time/orchestration_share": (wall - work) / wall}
+    MlflowClient().log_batch(parent_run_id, metrics=[Metric(k, v, int(time.time() * 1000), 0) for k, v in figures.items()])
+    get_run_logger().info("orchestration: %.1f s of %.1f s since the run was requested (%.0f%%); stages' own work %.1f s",
+                          wall - work, wall, 100 * (wall - work) / wall, work)
+
+
 def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str, overrides: dict[str, Any],
                 upstream: UpstreamRuns, use_cache: bool, world: str | None) -> list[StageRecord] | State:
     """The stages in order under one MLflow pipeline run, each reused from cache or run as a task."""
@@ -495,6 +516,7 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
                             ", ".join(f"{k}={v:.4g}" for k, v in sorted(record.metrics.items())))
             records[name] = record
         ok = True
+        _log_overhead(parent_run_id, [r for r in records.values() if not r.reused])
         create_markdown_artifact(key="pipeline-summary", description="which stage runs ran and which were reused",
                                  markdown="# Pipeline\n\n| stage | MLflow run | |\n|---|---|---|\n" + "\n".join(
                                      f"| {r.stage} | `{r.run_id}` | {'reused' if r.reused else 'ran'} |"

@@ -55,6 +55,9 @@ def test_stage_run_is_a_tagged_child_of_the_pipeline_run(finished):
     assert tags[tracking.TAG_STAGE] == "sft"
     parent = MlflowClient().get_run(tags["mlflow.parentRunId"])
     assert parent.info.status == "FINISHED" and parent.data.tags["rlhf.stages"] == "sft,reward,ppo"
+    timing = parent.data.metrics  # the orchestration overhead is measured on every pipeline run
+    assert timing["time/wall_seconds"] > timing["time/stage_work_seconds"] > 0
+    assert timing["time/stage_work_seconds"] == pytest.approx(sum(r.metrics["time/stage_seconds"] for r in finished))
     assert tags[tracking.TAG_CONFIG_HASH] == record.config_hash
     assert tags[tracking.TAG_DATA_DIGEST] == record.data_digest
     assert tags[tracking.TAG_CODE_VERSION] == "0.1.0" and tags[tracking.TAG_GIT_COMMIT]
