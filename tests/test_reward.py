@@ -143,3 +143,25 @@ def test_scorer_retokenises_decoded_text_with_its_own_tokenizer(world, tmp_path)
     assert scorer.tokenizer.decode(encoded) == "[user] Describe the cat.\n[assistant] The cat is warm.</s>"
     direct = scorer.score(["Describe the cat."], [decoded])
     assert torch.allclose(direct, scorer.raw_scores([encoded]))
+
+
+def test_interrupted_reward_training_resumes_from_its_trainer_checkpoint(world, tiny_config, tmp_path):
+    cfg = tiny_config.reward.model_copy(update={"max_steps": 8, "checkpoint_every": 4, "logging_steps": 2,
+                                                "eval_steps": 100})
+    location = str(world / "model")
+    tokenizer = load_tokenizer(location)
+    prompts = load_validated(str(world / "prompts_eval.jsonl"), "prompt", tokenizer=tokenizer).frame
+    data = (_pairs(world, "preferences", tokenizer), _pairs(world, "preferences_eval", tokenizer), prompts)
+    whole = train_reward(cfg, location, location, *data, tmp_path / "whole")
+
+    def crash_at_step_6(metrics, step):
+        if step == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_reward(cfg, location, location, *data, tmp_path / "cut", sink=crash_at_step_6)
+    assert (tmp_path / "cut" / "trainer" / "checkpoint-4").is_dir()
+    steps = []
+    resumed = train_reward(cfg, location, location, *data, tmp_path / "cut", sink=lambda metrics, step: steps.append(step))
+    assert min(s for s in steps if s > 0) > 4  # training picked up after step 4
+    assert resumed.metrics["eval/loss"] == pytest.approx(whole.metrics["eval/loss"], rel=1e-5)
