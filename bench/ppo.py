@@ -17,6 +17,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -133,8 +134,6 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
 
     prompts = pd.read_json(assets / "prompts.jsonl", lines=True)
     eval_prompts = pd.read_json(assets / "eval_prompts.jsonl", lines=True).head(8)
-    import tempfile
-
     with tempfile.TemporaryDirectory() as out:
         train_ppo(cfg, str(assets / "policy"), str(assets / "reward"), prompts, eval_prompts, Path(out),
                   PPOHooks(metrics=record))

@@ -132,9 +132,13 @@ def reference_policy(models: Models) -> Iterator[PreTrainedModel]:
             yield models.policy
 
 
+def mixed_precision() -> bool:
+    """bf16 autocast on a GPU that supports it; fp32 otherwise."""
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
 def autocast():
-    on_cuda = torch.cuda.is_available()
-    return torch.autocast("cuda", dtype=torch.bfloat16) if on_cuda and torch.cuda.is_bf16_supported() else nullcontext()
+    return torch.autocast("cuda", dtype=torch.bfloat16) if mixed_precision() else nullcontext()
 
 
 def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
@@ -152,13 +156,23 @@ def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: 
     return logits, hidden
 
 
+def shared_values(models: Models, hidden: torch.Tensor) -> torch.Tensor:
+    """Values from the policy's own final hidden states. # (B, T, H) -> (B, T)"""
+    return models.value_head(hidden.to(models.value_head.linear.weight.dtype))
+
+
+def critic_values(models: Models, queries, query_mask, responses, mask) -> torch.Tensor:
+    """Values from the separate critic's pass over prompt + response. # -> (B, T)"""
+    _, hidden = forward_response(models.critic, queries, query_mask, responses, mask, want_hidden=True)
+    return models.critic.score(hidden).squeeze(-1).float()
+
+
 def policy_and_values(models: Models, queries, query_mask, responses, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy logits and values for the response tokens; with the shared value head, one backbone pass. # (B, T, V), (B, T)"""
     logits, hidden = forward_response(models.policy, queries, query_mask, responses, mask, want_hidden=models.critic is None)
     if models.critic is None:
-        return logits, models.value_head(hidden.to(models.value_head.linear.weight.dtype))
-    _, critic_hidden = forward_response(models.critic, queries, query_mask, responses, mask, want_hidden=True)
-    return logits, models.critic.score(critic_hidden).squeeze(-1).float()
+        return logits, shared_values(models, hidden)
+    return logits, critic_values(models, queries, query_mask, responses, mask)
 
 
 # --- rollout ----------------------------------------------------------------------------------
@@ -242,7 +256,7 @@ def reuse_sampling_pass(cfg: PPOConfig) -> bool:
     equal a fresh forward up to float rounding; under bf16 autocast the KV-cached steps drift
     further from the full-sequence pass the update uses, so a second forward is taken."""
     if cfg.old_logprobs == "auto":
-        return isinstance(autocast(), nullcontext)
+        return not mixed_precision()
     return cfg.old_logprobs == "sampling"
 
 
@@ -260,9 +274,9 @@ def rollout(models: Models, prompts: list[str], prompt_messages: list, cfg: PPOC
     if reuse_sampling_pass(cfg):
         logprobs, entropy = sampled.logprobs, sampled.entropy
         if models.critic is None:
-            values = models.value_head(sampled.hidden.to(models.value_head.linear.weight.dtype))
-        else:
-            _, values = policy_and_values(models, queries, query_mask, responses, mask)
+            values = shared_values(models, sampled.hidden)
+        else:  # only the critic needs a pass; the policy's figures are the sampling pass's
+            values = critic_values(models, queries, query_mask, responses, mask)
     else:
         logits, values = policy_and_values(models, queries, query_mask, responses, mask)
         logprobs, entropy = logprobs_of(logits, responses, cfg.temperature), entropy_of(logits, cfg.temperature)

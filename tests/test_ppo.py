@@ -172,7 +172,7 @@ def test_draw_samples_the_categorical_it_is_given():
 
 def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, trained):
     """What the rollout reuses from the KV-cached sampling steps is what a full forward computes."""
-    from stages.ppo import load_models, policy_and_values, sample
+    from stages.ppo import load_models, policy_and_values, sample, shared_values
     from stages.ppo_math import entropy_of, logprobs_of, response_mask
 
     cfg = _cfg(tiny_config, temperature=0.7)
@@ -185,7 +185,7 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
     assert (mask.sum(1) < sampled.responses.shape[1]).any()  # some responses ended early: truncation is covered
     with torch.inference_mode():
         logits, values = policy_and_values(models, sampled.queries, sampled.query_mask, sampled.responses, mask)
-        sampled_values = models.value_head(sampled.hidden)
+        sampled_values = shared_values(models, sampled.hidden)
     torch.testing.assert_close(sampled.logprobs * mask, logprobs_of(logits, sampled.responses, 0.7) * mask,
                                atol=1e-4, rtol=0)
     torch.testing.assert_close(sampled.entropy * mask, entropy_of(logits, 0.7) * mask, atol=1e-4, rtol=0)
