@@ -31,6 +31,7 @@ from rlhf.config import ConfigError, DataSource, PipelineConfig, TrainingConfig,
 from rlhf.demo_world import DEMO_SCHEME, DemoWorldConfig, build_world, gold_accuracy, gold_comparison, resolve_location
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
+from stages.distributed import LaunchError, Reporting, call_stage
 from stages.models import folder_digest, load_tokenizer, set_determinism
 
 StageName = Literal["sft", "reward", "ppo"]
@@ -76,6 +77,15 @@ class StageContext:
     """Run id of each upstream stage, by stage name."""
     cache_key: str
     """Identity of the stage's work: see `cache_key`."""
+
+    @property
+    def determinism(self) -> dict[str, Any]:
+        """What a stage launched on several processes needs to set up as this process did."""
+        return {"deterministic": self.config.deterministic, "num_threads": self.config.num_threads}
+
+
+def log_metrics(metrics: dict[str, float], step: int) -> None:
+    mlflow.log_metrics(metrics, step=step)
 
 
 def refuse(message: str) -> State:
@@ -191,8 +201,6 @@ def _is_demo(source: DataSource | None) -> bool:
 @task
 def sft(ctx: StageContext) -> StageRecord | State:
     """Validate demonstrations, fine-tune the base model, log everything to a child run."""
-    from stages.sft import train_sft
-
     section = ctx.config.sft
     model_location = resolve_location(section.model, ctx.world)
     try:
@@ -201,22 +209,22 @@ def sft(ctx: StageContext) -> StageRecord | State:
             tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code)
             train, evaluation = train_and_eval_data(section, "sft", ctx.world, tokenizer)
             started = time.perf_counter()
-            result = train_sft(section, model_location, train.frame, evaluation.frame, scratch,
-                               sink=lambda metrics, step: mlflow.log_metrics(metrics, step=step))
+            result = call_stage("sft", section, scratch, Reporting(metrics=log_metrics), **ctx.determinism,
+                                model_location=model_location, train=train.frame, evaluation=evaluation.frame)
             metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
             mlflow.log_table(pd.DataFrame(result.samples), "samples.json")
             return finish("sft", run_id, section, train, metrics, result.checkpoint, result.samples,
                           int(result.metrics["train/steps"]))
     except DataContractError as e:
         return refuse(e.report())
-    except tracking.TrackingError as e:
+    except (LaunchError, tracking.TrackingError) as e:
         return refuse(str(e))
 
 
 @task
 def reward(ctx: StageContext) -> StageRecord | State:
     """Train the reward model from the upstream SFT checkpoint (downloaded through MLflow)."""
-    from stages.reward import RewardGateError, train_reward
+    from stages.reward import RewardGateError
 
     section = ctx.config.reward
     try:
@@ -231,8 +239,9 @@ def reward(ctx: StageContext) -> StageRecord | State:
             tracking.log_data(prompts.frame, "normalization-prompts", prompts.source, prompts.digest, "normalization")
             started = time.perf_counter()
             try:
-                result = train_reward(section, model_location, policy_location, train.frame, evaluation.frame,
-                                      prompts.frame, scratch, sink=lambda metrics, step: mlflow.log_metrics(metrics, step=step))
+                result = call_stage("reward", section, scratch, Reporting(metrics=log_metrics), **ctx.determinism,
+                                    model_location=model_location, policy_location=policy_location, train=train.frame,
+                                    evaluation=evaluation.frame, normalization_prompts=prompts.frame)
             except RewardGateError as gate:
                 mlflow.log_metrics(gate.metrics)
                 raise
@@ -256,7 +265,7 @@ def reward(ctx: StageContext) -> StageRecord | State:
                           int(metrics["train/steps"]))
     except DataContractError as e:
         return refuse(e.report())
-    except (RewardGateError, tracking.TrackingError) as e:
+    except (RewardGateError, LaunchError, tracking.TrackingError) as e:
         return refuse(str(e))
 
 
@@ -264,7 +273,7 @@ def reward(ctx: StageContext) -> StageRecord | State:
 def ppo(ctx: StageContext) -> StageRecord | State:
     """PPO from the upstream SFT policy against the upstream reward model, both fetched through MLflow."""
     from rlhf.plots import curves
-    from stages.ppo import NonFiniteLossError, PPOHooks, train_ppo
+    from stages.ppo import NonFiniteLossError
 
     section = ctx.config.ppo
     logger = get_run_logger()
@@ -288,11 +297,11 @@ def ppo(ctx: StageContext) -> StageRecord | State:
                 warnings.append(message)
                 logger.warning(message)
 
-            hooks = PPOHooks(metrics=lambda figures, i: mlflow.log_metrics(figures, step=i),
-                             samples=lambda table, i: mlflow.log_table(table, f"samples/iteration_{i:05d}.json"),
-                             warning=warn)
+            reporting = Reporting(metrics=log_metrics, warning=warn,
+                                  samples=lambda table, i: mlflow.log_table(table, f"samples/iteration_{i:05d}.json"))
             started = time.perf_counter()
-            result = train_ppo(section, sft_location, reward_location, train.frame, evaluation.frame, scratch, hooks)
+            result = call_stage("ppo", section, scratch, reporting, **ctx.determinism, sft_location=sft_location,
+                                reward_location=reward_location, prompts=train.frame, eval_prompts=evaluation.frame)
             table, metrics = result.evaluation, result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
             if _is_demo(section.eval_prompts):
                 last_user = [json.loads(m)[-1]["content"] for m in table["prompt_messages"]]
@@ -311,7 +320,7 @@ def ppo(ctx: StageContext) -> StageRecord | State:
             return record
     except DataContractError as e:
         return refuse(e.report())
-    except (NonFiniteLossError, tracking.TrackingError) as e:
+    except (NonFiniteLossError, LaunchError, tracking.TrackingError) as e:
         return refuse(str(e))
 
 

@@ -35,6 +35,35 @@ class DataSource(_Frozen):
     """Input format: plain columns, Anthropic HH transcripts, or chat message lists; `auto` guesses."""
 
 
+class LaunchConfig(_Frozen):
+    """How many processes a stage runs on; above one, the flow starts it with `accelerate launch`."""
+
+    num_processes: PositiveInt = 1
+    """Processes (one per GPU; on CPU, gloo) that train the stage together; 1 runs it inside the flow's process."""
+    accelerate_config: str | None = None
+    """An `accelerate` config file (DDP, DeepSpeed ZeRO or FSDP; see configs/accelerate/); unset: plain DDP."""
+
+    @model_validator(mode="after")
+    def _config_file_exists(self) -> LaunchConfig:
+        if self.accelerate_config is not None and accelerate_config_path(self.accelerate_config) is None:
+            raise ValueError(f"accelerate_config {self.accelerate_config!r} not found")
+        return self
+
+    def engine(self) -> dict[str, Any]:
+        """The accelerate config file's contents ({} when unset)."""
+        if self.accelerate_config is None:
+            return {}
+        return yaml.safe_load(accelerate_config_path(self.accelerate_config).read_text()) or {}
+
+
+def accelerate_config_path(location: str) -> Path | None:
+    """An accelerate config file, absolute or relative to the working directory or the repository."""
+    for path in (Path(location), REPO_ROOT / location):
+        if path.is_file():
+            return path.resolve()
+    return None
+
+
 class TrainingConfig(_Frozen):
     """Settings every trainer-based stage shares."""
 
@@ -53,7 +82,7 @@ class TrainingConfig(_Frozen):
     max_steps: PositiveInt | None = None
     """Stop after this many optimizer steps."""
     batch_size: PositiveInt = 8
-    """Examples (pairs, for the reward model) per device per step."""
+    """Examples (pairs, for the reward model) per process per step: the global batch is this x processes x accumulation."""
     gradient_accumulation_steps: PositiveInt = 1
     """Micro-batches accumulated per optimizer step."""
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
@@ -76,6 +105,8 @@ class TrainingConfig(_Frozen):
     """Seeds data order and initialisation."""
     trust_remote_code: bool = False
     """Allow model repositories to run their own Python code when loading."""
+    launch: LaunchConfig = LaunchConfig()
+    """Processes the stage runs on."""
 
     @model_validator(mode="after")
     def _budgets_fit(self):
@@ -151,13 +182,13 @@ class PPOConfig(_Frozen):
     num_iterations: PositiveInt = 100
     """PPO iterations (rollout, score, update)."""
     rollout_batch_size: PositiveInt = 64
-    """Episodes (prompts) per iteration."""
+    """Episodes (prompts) per iteration, over all processes together."""
     num_ppo_epochs: PositiveInt = 4
     """Passes over each iteration's rollouts."""
     num_minibatches: PositiveInt = 4
     """Optimizer steps per epoch; the rollout batch is split into this many shuffled minibatches."""
     micro_batch_size: PositiveInt | None = None
-    """Sequences per forward pass inside a minibatch (gradients accumulate); unset means the whole minibatch."""
+    """Sequences per forward pass inside a process's minibatch (gradients accumulate); unset means all of it."""
     learning_rate: PositiveFloat = 1e-5
     """Peak AdamW learning rate of policy and value head."""
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
@@ -222,13 +253,22 @@ class PPOConfig(_Frozen):
     """Seeds prompt order, sampling and initialisation."""
     trust_remote_code: bool = False
     """Allow model repositories to run their own Python code when loading."""
+    launch: LaunchConfig = LaunchConfig()
+    """Processes the stage runs on."""
 
     @model_validator(mode="after")
     def _batches_divide(self) -> PPOConfig:
-        if self.rollout_batch_size % self.num_minibatches:
-            raise ValueError(f"num_minibatches ({self.num_minibatches}) must divide rollout_batch_size "
-                             f"({self.rollout_batch_size})")
-        minibatch = self.rollout_batch_size // self.num_minibatches
+        processes = self.launch.num_processes
+        if self.rollout_batch_size % (self.num_minibatches * processes):
+            factors = f"num_minibatches ({self.num_minibatches})"
+            if processes > 1:
+                factors += f" x launch.num_processes ({processes})"
+            raise ValueError(f"{factors} must divide rollout_batch_size ({self.rollout_batch_size})")
+        engine = self.launch.engine()
+        if engine.get("distributed_type") == "FSDP" or (engine.get("deepspeed_config") or {}).get("zero_stage") == 3:
+            raise ValueError("launch.accelerate_config shards the parameters (FSDP or ZeRO-3), but PPO samples from "
+                             "the whole policy on every process; use DDP or ZeRO-1/2 for PPO")
+        minibatch = self.rollout_batch_size // (self.num_minibatches * processes)
         if self.micro_batch_size is not None and minibatch % self.micro_batch_size:
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must divide the minibatch ({minibatch})")
         return self

@@ -6,11 +6,15 @@
 #   scripts/stack.sh up | down | status | env
 #
 # Settings (environment): RLHF_HOME, RLHF_HOST (127.0.0.1), RLHF_PREFECT_PORT (4200),
-# RLHF_MLFLOW_PORT (5000), RLHF_POOL (rlhf-local), RLHF_PYTHON (.venv/bin/python).
+# RLHF_MLFLOW_PORT (5000), RLHF_POOL (rlhf-local), RLHF_WORKER_LIMIT (4), RLHF_PYTHON (.venv/bin/python).
 # Every MLflow call from a flow run retries with exponential backoff (MLflow's own HTTP retry,
 # MLFLOW_HTTP_REQUEST_MAX_RETRIES=5, BACKOFF_FACTOR=1: about 30 s) before the stage fails; a
 # flow also waits for the server at start (1, 2, 4, 8 s) before it refuses to run. The worker
-# asks for new flow runs every 2 s (Prefect's default, 10 s, is a quarter of a demo stage).
+# asks for new flow runs every 2 s (Prefect's default, 10 s, is a quarter of a demo stage) and
+# runs at most RLHF_WORKER_LIMIT (4) flow runs at once; further runs wait their turn. Training
+# runs on one machine share its cores, and a burst of flow-run processes starved the Prefect
+# server's SQLite writes (HTTP 503) on a 2-core machine. The server's database statements may
+# take up to 30 s (Prefect's default, 10 s, is too short under that load).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,6 +23,7 @@ HOST="${RLHF_HOST:-127.0.0.1}"
 PREFECT_PORT="${RLHF_PREFECT_PORT:-4200}"
 MLFLOW_PORT="${RLHF_MLFLOW_PORT:-5000}"
 POOL="${RLHF_POOL:-rlhf-local}"
+WORKER_LIMIT="${RLHF_WORKER_LIMIT:-4}"
 VENV_BIN="$(dirname "${RLHF_PYTHON:-$REPO/.venv/bin/python}")"
 PIDS="$RLHF_HOME/pids"
 LOGS="$RLHF_HOME/logs"
@@ -37,6 +42,8 @@ export PREFECT_UI_URL="http://$HOST:$PREFECT_PORT"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_WORKER_QUERY_SECONDS="${PREFECT_WORKER_QUERY_SECONDS:-2}"
 export PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///$RLHF_HOME/prefect/prefect.db"
+export PREFECT_SERVER_DATABASE_TIMEOUT="${PREFECT_SERVER_DATABASE_TIMEOUT:-30}"
+export PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT="${PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT:-30}"
 export MLFLOW_TRACKING_URI="http://$HOST:$MLFLOW_PORT"
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
 export MLFLOW_HTTP_REQUEST_MAX_RETRIES="${MLFLOW_HTTP_REQUEST_MAX_RETRIES:-5}"
@@ -81,7 +88,7 @@ up() {
   wait_http "$PREFECT_UI_URL/api/health" 120 "Prefect server"
   wait_http "$MLFLOW_TRACKING_URI/health" 120 "MLflow server"
   prefect work-pool inspect "$POOL" >/dev/null 2>&1 || prefect work-pool create "$POOL" --type process >/dev/null
-  start worker prefect worker start --pool "$POOL" --type process
+  start worker prefect worker start --pool "$POOL" --type process --limit "$WORKER_LIMIT"
   (cd "$REPO" && prefect --no-prompt deploy --all >"$LOGS/deploy.log" 2>&1) || {
     echo "error: prefect deploy failed; see $LOGS/deploy.log" >&2; return 1; }
   echo "Prefect UI: $PREFECT_UI_URL"

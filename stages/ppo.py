@@ -10,6 +10,11 @@ One iteration reads top to bottom in `train_ppo`:
               loss = -L_clip + c1 L_V - c2 H [+ c3 KL]; grad-norm clip; AdamW, warmup + linear decay
     control   adaptive (or fixed) KL coefficient; optional reference refresh
 
+On several processes (`accelerate launch`, DDP) each samples and scores its share of the
+rollout batch with its own seed; advantage whitening, the KL controller and the logged figures
+use statistics over all processes, and DDP averages the gradients, so one iteration does the
+work of the single-process iteration with the same `rollout_batch_size`.
+
 The equations live in `stages.ppo_math`; this module holds models, batching and state.
 """
 
@@ -28,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from accelerate import Accelerator
 from safetensors.torch import load_file, load_model, save_file, save_model
 from transformers import DynamicCache, PreTrainedModel, get_scheduler
 
@@ -173,6 +179,19 @@ def policy_and_values(models: Models, queries, query_mask, responses, mask) -> t
     if models.critic is None:
         return logits, shared_values(models, hidden)
     return logits, critic_values(models, queries, query_mask, responses, mask)
+
+
+class ActorCritic(torch.nn.Module):
+    """The trained modules (policy and value head, or policy and critic) as one module whose
+    forward is `policy_and_values`, so a distributed engine wraps and synchronises them together."""
+
+    def __init__(self, models: Models):
+        super().__init__()
+        self.policy, self.value_head, self.critic = models.policy, models.value_head, models.critic
+        self.models = models
+
+    def forward(self, queries, query_mask, responses, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        return policy_and_values(self.models, queries, query_mask, responses, mask)
 
 
 # --- rollout ----------------------------------------------------------------------------------
@@ -342,43 +361,56 @@ def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor,
                       responses_of(batch.values), responses_of(advantages), responses_of(returns))
 
 
-def ppo_update(models: Models, batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor, cfg: PPOConfig,
-               optimizer: torch.optim.Optimizer, scheduler, iteration: int) -> dict[str, float]:
-    """num_ppo_epochs passes of shuffled minibatches over one rollout."""
-    models.train(True)
+def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: Rollout, advantages: torch.Tensor,
+               returns: torch.Tensor, cfg: PPOConfig, optimizer: torch.optim.Optimizer, scheduler,
+               iteration: int) -> dict[str, float]:
+    """num_ppo_epochs passes of shuffled minibatches over this process's rollout; gradients are
+    averaged over processes once per minibatch, at its last micro-batch."""
+    actor_critic.train(True)
+    trained = [p for p in actor_critic.parameters() if p.requires_grad]
     n = len(batch.responses)
     minibatch_size = n // cfg.num_minibatches
     micro_size = cfg.micro_batch_size or minibatch_size
     stats = UpdateStats()
     for _ in range(cfg.num_ppo_epochs):
         for minibatch in torch.randperm(n).split(minibatch_size):
-            for rows in minibatch.split(micro_size):
-                micro = micro_batch(batch, advantages, returns, rows.to(batch.responses.device))
-                mask = micro.mask
-                logits, values = policy_and_values(models, micro.queries, micro.query_mask, micro.responses, mask)
-                logprobs = logprobs_of(logits, micro.responses, cfg.temperature)
-                policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range)
-                value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask,
-                                                               cfg.clip_range_value)
-                # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
-                entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.temperature), mask)
-                loss = policy.loss + cfg.vf_coef * value_loss - cfg.entropy_coef * entropy
-                if cfg.kl_loss_coef > 0:
-                    loss = loss + cfg.kl_loss_coef * masked_mean(kl_estimate(logprobs, micro.ref_logprobs, "k3"), mask)
-                if not torch.isfinite(loss):
-                    raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
-                                             "the last full-state checkpoint is kept")
-                (loss * len(rows) / len(minibatch)).backward()
-                stats.add(policy_loss=policy.loss.item(), value_loss=value_loss.item(), entropy=entropy.item(),
-                          clip_fraction=policy.clip_fraction.item(), value_clip_fraction=value_clipped.item(),
-                          approx_kl=policy.approx_kl.item(), ratio_mean=masked_mean(policy.ratio, mask).item(),
-                          ratio_max=(policy.ratio * mask).max().item())
-            grad_norm = torch.nn.utils.clip_grad_norm_(models.trainable(), cfg.max_grad_norm)
+            micro_batches = minibatch.split(micro_size)
+            for position, rows in enumerate(micro_batches):
+                last = position == len(micro_batches) - 1
+                with nullcontext() if last else accelerator.no_sync(actor_critic):
+                    figures = _micro_batch_step(actor_critic, micro_batch(batch, advantages, returns,
+                                                                          rows.to(batch.responses.device)),
+                                                cfg, len(rows) / len(minibatch), iteration)
+                stats.add(**figures)
+            grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             stats.add(grad_norm=grad_norm.item())
     return stats.means()
+
+
+def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPOConfig, share: float,
+                      iteration: int) -> dict[str, float]:
+    """Forward and backward of one micro-batch, its loss weighted by its share of the minibatch."""
+    mask = micro.mask
+    logits, values = actor_critic(micro.queries, micro.query_mask, micro.responses, mask)
+    logprobs = logprobs_of(logits, micro.responses, cfg.temperature)
+    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range)
+    value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask, cfg.clip_range_value)
+    # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
+    entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.temperature), mask)
+    loss = policy.loss + cfg.vf_coef * value_loss - cfg.entropy_coef * entropy
+    if cfg.kl_loss_coef > 0:
+        loss = loss + cfg.kl_loss_coef * masked_mean(kl_estimate(logprobs, micro.ref_logprobs, "k3"), mask)
+    if not torch.isfinite(loss):
+        raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
+                                 "the last full-state checkpoint is kept")
+    (loss * share).backward()
+    return dict(policy_loss=policy.loss.item(), value_loss=value_loss.item(), entropy=entropy.item(),
+                clip_fraction=policy.clip_fraction.item(), value_clip_fraction=value_clipped.item(),
+                approx_kl=policy.approx_kl.item(), ratio_mean=masked_mean(policy.ratio, mask).item(),
+                ratio_max=(policy.ratio * mask).max().item())
 
 
 # --- full-state checkpoints -------------------------------------------------------------------
@@ -397,8 +429,27 @@ class LoopState:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-def save_state(folder: Path, models: Models, optimizer, scheduler, loop: LoopState) -> Path:
-    """Write a full-state checkpoint atomically (staging folder, then rename); keeps only the newest."""
+def _rng_key(name: str, rank: int) -> str:
+    return name if rank == 0 else f"{name}_rank{rank}"
+
+
+def rng_states(accelerator: Accelerator) -> dict[str, torch.Tensor]:
+    """Every process's random-number generator states, collected on all of them (collective)."""
+    own = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        own["cuda"] = torch.cuda.get_rng_state()
+    everyone = [own]
+    if accelerator.num_processes > 1:
+        everyone = [None] * accelerator.num_processes
+        torch.distributed.all_gather_object(everyone, own)
+    return {_rng_key(name, rank): state for rank, states in enumerate(everyone) for name, state in states.items()}
+
+
+def save_state(folder: Path, models: Models, optimizer, scheduler, loop: LoopState,
+               rng: dict[str, torch.Tensor]) -> Path:
+    """Write a full-state checkpoint atomically (staging folder, then rename); keeps only the newest.
+    On several processes the main one writes it: weights and optimizer state are the same on all,
+    `rng` holds each process's generators."""
     staging = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -409,9 +460,6 @@ def save_state(folder: Path, models: Models, optimizer, scheduler, loop: LoopSta
             save_model(module, str(staging / f"{name}.safetensors"))
     torch.save(optimizer.state_dict(), staging / "optimizer.pt")
     torch.save(scheduler.state_dict(), staging / "scheduler.pt")
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
     save_file(rng, str(staging / "rng.safetensors"))
     (staging / "loop.json").write_text(json.dumps(loop.__dict__))
     shutil.rmtree(folder, ignore_errors=True)
@@ -419,9 +467,10 @@ def save_state(folder: Path, models: Models, optimizer, scheduler, loop: LoopSta
     return folder
 
 
-def load_state(folder: Path, models: Models, optimizer, scheduler) -> LoopState:
-    """Restore a full-state checkpoint. Tensors come from safetensors; optimizer and scheduler
-    state load with `weights_only=True`, which refuses arbitrary pickled objects."""
+def load_state(folder: Path, models: Models, optimizer, scheduler, rank: int = 0) -> LoopState:
+    """Restore a full-state checkpoint, with process `rank`'s random generators. Tensors come from
+    safetensors; optimizer and scheduler state load with `weights_only=True`, which refuses
+    arbitrary pickled objects."""
     load_model(models.policy, str(folder / "policy.safetensors"))
     for name in ("value_head", "critic", "reference"):
         module = getattr(models, name)
@@ -430,9 +479,12 @@ def load_state(folder: Path, models: Models, optimizer, scheduler) -> LoopState:
     optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
     rng = load_file(str(folder / "rng.safetensors"))
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
+    if _rng_key("torch", rank) not in rng:
+        raise ValueError(f"the full-state checkpoint in {folder} was written by fewer processes than this run has; "
+                         "resume with the same launch.num_processes")
+    torch.set_rng_state(rng[_rng_key("torch", rank)])
+    if _rng_key("cuda", rank) in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng[_rng_key("cuda", rank)])
     return LoopState(**json.loads((folder / "loop.json").read_text()))
 
 
@@ -495,6 +547,33 @@ def _warnings(cfg: PPOConfig, figures: dict[str, float], first_length: float, it
     return [f"iteration {iteration}: {message}" for message in found]
 
 
+def over_processes(accelerator: Accelerator, figures: dict[str, float]) -> dict[str, float]:
+    """Each figure averaged over processes; `*_max` figures take the largest (collective)."""
+    if accelerator.num_processes == 1:
+        return figures
+    keys = sorted(figures)
+    values = torch.tensor([figures[k] for k in keys], dtype=torch.float64, device=accelerator.device)
+    summed, largest = values.clone(), values.clone()
+    torch.distributed.all_reduce(summed)
+    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+    return {k: (largest[i] if k.endswith("_max") else summed[i] / accelerator.num_processes).item()
+            for i, k in enumerate(keys)}
+
+
+def whiten_over_processes(accelerator: Accelerator, x: torch.Tensor, mask: torch.Tensor,
+                          shift_mean: bool = True) -> torch.Tensor:
+    """`masked_whiten` with mean and variance over every process's entries, as one process holding
+    the whole rollout batch would take them (collective). # (B, T) -> (B, T)"""
+    if accelerator.num_processes == 1:
+        return masked_whiten(x, mask, shift_mean)
+    sums = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double()  # (3,)
+    torch.distributed.all_reduce(sums)
+    total, squares, n = sums
+    mean = total / n
+    var = (squares / n - mean ** 2) * n / (n - 1).clamp(min=1.0)
+    return masked_whiten(x, mask, shift_mean, moments=(mean.to(x.dtype), var.to(x.dtype)))
+
+
 def _prompt_batch(order_seed: int, n_prompts: int, cursor: int, size: int) -> list[int]:
     """Indices of the next `size` prompts from a seeded shuffle that is redrawn for every pass."""
     picks = []
@@ -515,13 +594,19 @@ def train_ppo(
     eval_prompts: pd.DataFrame,
     output_dir: Path,
     hooks: PPOHooks = PPOHooks(),
-) -> PPOResult:
+) -> PPOResult | None:
     """Run PPO and evaluate against the SFT policy. Resumes from `output_dir/state` when a
-    full-state checkpoint of an earlier, interrupted run is there."""
+    full-state checkpoint of an earlier, interrupted run is there. On several processes every
+    one trains; only the main one reports, evaluates, saves and returns."""
+    accelerator = Accelerator()
+    rank = accelerator.process_index
     torch.manual_seed(cfg.seed)
     models = load_models(cfg, sft_location, reward_location)
+    if rank > 0:  # its own sampling noise; rank 0 keeps the single-process stream
+        torch.manual_seed(cfg.seed + rank)
     optimizer = torch.optim.AdamW(models.trainable(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, eps=1e-5,
                                   fused=True)  # one kernel per step instead of several per parameter
+    actor_critic = accelerator.prepare(ActorCritic(models))  # DDP on several processes; as is on one
     total_steps = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
@@ -529,7 +614,7 @@ def train_ppo(
     state_dir = output_dir / "state"
     loop = LoopState()
     if (state_dir / "loop.json").exists():
-        loop = load_state(state_dir, models, optimizer, scheduler)
+        loop = load_state(state_dir, models, optimizer, scheduler, rank)
         kl_control = KLController(**loop.kl)
         hooks.warning(f"resumed from the full-state checkpoint after iteration {loop.iteration}")
         for past in loop.history:  # so this run's curves start at iteration 1, not at the resume point
@@ -540,18 +625,19 @@ def train_ppo(
     while loop.iteration < cfg.num_iterations:
         iteration = loop.iteration + 1
         started, timings = time.perf_counter(), {}
-        picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, cfg.rollout_batch_size)
+        local = cfg.rollout_batch_size // accelerator.num_processes
+        picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, cfg.rollout_batch_size)[rank * local:][:local]
         batch = rollout(models, [prompt_texts[i] for i in picks], [prompt_messages[i] for i in picks], cfg, timings)
 
         kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * batch.mask  # (B, T)
         rewards = token_rewards(batch.scores, kl, kl_control.value, batch.mask)
         if cfg.whiten_rewards:
-            rewards = masked_whiten(rewards, batch.mask, shift_mean=False)
+            rewards = whiten_over_processes(accelerator, rewards, batch.mask, shift_mean=False)
         advantages, returns = gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
-        advantages = masked_whiten(advantages, batch.mask)
+        advantages = whiten_over_processes(accelerator, advantages, batch.mask)
 
         start = time.perf_counter()
-        train = ppo_update(models, batch, advantages, returns, cfg, optimizer, scheduler, iteration)
+        train = ppo_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, scheduler, iteration)
         timings["train"] = time.perf_counter() - start
 
         kl_per_sequence = kl.sum(1).mean().item()
@@ -572,8 +658,9 @@ def train_ppo(
         }
         elapsed = time.perf_counter() - started
         figures["time/iteration"] = elapsed
-        figures["time/tokens_per_second"] = batch.mask.sum().item() / elapsed
-        kl_control.update(kl_per_sequence, cfg.rollout_batch_size)
+        figures["time/tokens_per_second"] = batch.mask.sum().item() * accelerator.num_processes / elapsed
+        figures = over_processes(accelerator, figures)
+        kl_control.update(figures["rollout/kl"], cfg.rollout_batch_size)
         if cfg.ref_refresh_every and iteration % cfg.ref_refresh_every == 0 and models.reference is not None:
             models.reference.load_state_dict(models.policy.state_dict())
 
@@ -589,8 +676,13 @@ def train_ppo(
         loop.kl, loop.history = kl_control.state_dict(), loop.history + [{"iteration": iteration, **figures}]
         if iteration % cfg.checkpoint_every == 0 or iteration == cfg.num_iterations:
             # The last one too: if the upload fails, a rerun goes straight to evaluation.
-            save_state(state_dir, models, optimizer, scheduler, loop)
+            rng = rng_states(accelerator)
+            if accelerator.is_main_process:
+                save_state(state_dir, models, optimizer, scheduler, loop, rng)
+            accelerator.wait_for_everyone()  # no process runs on (or stops) before the state is written
 
+    if not accelerator.is_main_process:
+        return None
     metrics, evaluation = evaluate(models, eval_prompts, cfg)
     policy = models.policy.merge_and_unload() if cfg.lora is not None else models.policy
     checkpoint = save_checkpoint(policy, models.tokenizer, output_dir / "checkpoint")

@@ -47,9 +47,11 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var * n / (n - 1) if unbiased and n > 1 else var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over masked-in entries; with shift_mean=False the mean is kept (for rewards)."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """(x - mean) / std over masked-in entries; with shift_mean=False the mean is kept (for rewards).
+    `moments` = (mean, unbiased variance) taken elsewhere, e.g. over several processes' entries."""
+    mean, var = moments if moments is not None else (masked_mean(x, mask), masked_var(x, mask))
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     return (whitened if shift_mean else whitened + mean) * mask
 

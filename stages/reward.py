@@ -19,6 +19,7 @@ import datasets
 import numpy as np
 import pandas as pd
 import torch
+from accelerate import PartialState
 from transformers import (AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase,
                           PrinterCallback, set_seed)
 from trl import RewardConfig as TRLRewardConfig
@@ -28,7 +29,7 @@ from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
 from stages.models import (device, encode_reply, fit_to_tokenizer, generate, load_causal_lm, load_tokenizer,
                            position_ids_for, save_checkpoint)
-from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments
+from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
 
 NORMALIZATION_KEY = "rlhf_reward_normalization"
 """Model-config entry holding {"gain": g, "bias": b}: normalised score = g * raw + b."""
@@ -194,10 +195,11 @@ def train_reward(
     normalization_prompts: pd.DataFrame,
     output_dir: Path,
     sink: MetricsSink | None = None,
-) -> RewardResult:
+) -> RewardResult | None:
     """Train on validated pairs, evaluate on held-out pairs, normalise against the policy at
     `policy_location`, and save, unless held-out accuracy is below `cfg.min_eval_accuracy`
-    (then `RewardGateError`, with the figures)."""
+    (then `RewardGateError`, with the figures). On several processes every one trains; only the
+    main one scores, normalises, saves and returns."""
     set_seed(cfg.seed)
     tokenizer = load_tokenizer(model_location, padding_side="right", trust_remote_code=cfg.trust_remote_code)
     model = load_reward_model(model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
@@ -207,9 +209,10 @@ def train_reward(
                             eval_dataset=_pairs(evaluation, tokenizer), processing_class=tokenizer,
                             callbacks=[ForwardLogs(sink)] if sink else None)
     trainer.remove_callback(PrinterCallback)
-    untrained = trainer.evaluate()
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
-    final = trainer.evaluate()
+    untrained, final = untrained_evaluation(trainer), trainer.evaluate()
+    if not PartialState().is_main_process:
+        return None
 
     scorer = RewardScorer(trainer.model, tokenizer)
     messages = [json.loads(m) for m in evaluation["prompt_messages"]]

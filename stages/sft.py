@@ -12,13 +12,14 @@ from pathlib import Path
 
 import datasets
 import pandas as pd
+from accelerate import PartialState
 from transformers import PrinterCallback, PreTrainedTokenizerBase, set_seed
 from trl import SFTConfig as TRLSFTConfig
 from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
 from stages.models import encode_reply, generate_greedy, load_causal_lm, load_tokenizer, save_checkpoint
-from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments
+from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
 
 
 @dataclass(frozen=True)
@@ -72,15 +73,18 @@ def train_sft(
     evaluation: pd.DataFrame,
     output_dir: Path,
     sink: MetricsSink | None = None,
-) -> SFTResult:
-    """Fine-tune the causal LM at `model_location` on validated (prompt, response) records."""
+) -> SFTResult | None:
+    """Fine-tune the causal LM at `model_location` on validated (prompt, response) records.
+    On several processes every one trains; only the main one samples, saves and returns."""
     trainer = build_trainer(cfg, model_location, train, evaluation, output_dir, sink)
     tokenizer = trainer.processing_class
-    untrained_loss = trainer.evaluate()["eval_loss"]
+    train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
+    untrained_loss = untrained_evaluation(trainer)["eval_loss"]
     if sink:
         sink({"eval/loss_untrained": untrained_loss}, 0)
-    train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     eval_loss = trainer.evaluate()["eval_loss"]
+    if not PartialState().is_main_process:
+        return None
 
     model = trainer.model
     picks = evaluation.head(cfg.num_samples)

@@ -35,6 +35,11 @@ class ForwardLogs(TrainerCallback):
             self.sink(metrics, state.global_step)
 
 
+def untrained_evaluation(trainer) -> dict[str, float]:
+    """The evaluation `eval_on_start` ran before the first step (the trainer state keeps it across resumes)."""
+    return next(entry for entry in trainer.state.log_history if entry.get("step") == 0 and "eval_loss" in entry)
+
+
 def last_trainer_checkpoint(output_dir: Path) -> str | None:
     """The newest `checkpoint-N` folder an interrupted earlier attempt left, if any."""
     from transformers.trainer_utils import get_last_checkpoint
@@ -62,6 +67,9 @@ def trainer_arguments(cfg: TrainingConfig, output_dir: Path) -> dict:
         bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
         eval_strategy="steps",
         eval_steps=cfg.eval_steps,
+        # The untrained model's figures, taken inside `train()`: a `trainer.evaluate()` before it
+        # leaves the model unwrapped, so on several processes DDP never synchronises the gradients.
+        eval_on_start=True,
         logging_steps=cfg.logging_steps,
         save_strategy="steps",
         save_steps=cfg.checkpoint_every,
@@ -71,4 +79,5 @@ def trainer_arguments(cfg: TrainingConfig, output_dir: Path) -> dict:
         seed=cfg.seed,
         data_seed=cfg.seed,
         dataloader_pin_memory=torch.cuda.is_available(),
+        ddp_find_unused_parameters=False,  # every parameter takes part in each step; saves a graph walk
     )

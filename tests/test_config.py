@@ -48,7 +48,9 @@ def test_hash_and_params_cover_every_field():
     assert config_hash(a) != config_hash(b)
     params = flatten(a)
     assert params["train_data.path"] == "demo:sft" and params["max_steps"] == "null"
-    assert len(params) == len(a.model_fields) + 4  # two DataSource sections of three fields each replace two keys
+    # two DataSource sections of three fields each and the launch section's two replace three keys
+    assert len(params) == len(a.model_fields) + 5
+    assert params["launch.num_processes"] == "1"
 
 
 def test_config_reference_documents_every_field(capsys):

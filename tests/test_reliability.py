@@ -14,8 +14,25 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = """
-import json, sys
+import json, os, pathlib, sys, time
 from flows.pipeline import rlhf
+import stages.ppo
+
+if os.environ.get("HOLD_MARKER"):
+    # Park the run inside the PPO iteration after its first full-state checkpoint, so the test's
+    # SIGKILL lands mid-iteration whatever the machine's speed (polling for the checkpoint raced
+    # with the run finishing on fast machines).
+    saved, real_save_state, real_rollout = [], stages.ppo.save_state, stages.ppo.rollout
+    def save_state(*args, **kwargs):
+        saved.append(True)
+        return real_save_state(*args, **kwargs)
+    def rollout(*args, **kwargs):
+        if saved:
+            pathlib.Path(os.environ["HOLD_MARKER"]).touch()
+            time.sleep(3600)
+        return real_rollout(*args, **kwargs)
+    stages.ppo.save_state, stages.ppo.rollout = save_state, rollout
+
 state = rlhf(config_file="configs/smoke.yaml", overrides=json.loads(sys.argv[1]), return_state=True)
 assert state.is_completed(), state.message
 print("RECORDS=" + json.dumps([r.model_dump() for r in state.result()]))
@@ -29,9 +46,10 @@ def _env(home: Path) -> dict:
     return env
 
 
-def _start(home: Path, overrides: dict) -> subprocess.Popen:
+def _start(home: Path, overrides: dict, hold_marker: Path | None = None) -> subprocess.Popen:
     home.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, "-c", RUN, json.dumps(overrides)], cwd=REPO, env=_env(home),
+    env = _env(home) | ({"HOLD_MARKER": str(hold_marker)} if hold_marker else {})
+    return subprocess.Popen([sys.executable, "-c", RUN, json.dumps(overrides)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -61,19 +79,18 @@ def test_same_config_seed_and_data_give_identical_metrics_and_checkpoints(first_
 
 
 def test_ppo_killed_with_sigkill_resumes_and_ends_as_an_uninterrupted_run(first_run, tmp_path):
-    home = tmp_path / "killed"
-    process = _start(home, {})
+    home, marker = tmp_path / "killed", tmp_path / "in-iteration-3"
+    process = _start(home, {}, hold_marker=marker)
     deadline = time.monotonic() + 300
-    state_files = []
-    while not state_files:
-        assert process.poll() is None, "the run ended before PPO wrote a checkpoint"
-        assert time.monotonic() < deadline, "no PPO checkpoint within 300 s"
-        state_files = list((home / "work").glob("ppo-*/state/loop.json"))
+    while not marker.exists():
+        assert process.poll() is None, "the run ended before PPO reached its third iteration"
+        assert time.monotonic() < deadline, "PPO did not reach its third iteration within 300 s"
         time.sleep(0.2)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    killed_at = json.loads(state_files[0].read_text())["iteration"]
-    assert 0 < killed_at < 6
+    state_files = list((home / "work").glob("ppo-*/state/loop.json"))
+    assert len(state_files) == 1
+    assert json.loads(state_files[0].read_text())["iteration"] == 2  # smoke.yaml: checkpoint_every 2
 
     resumed = _records(_start(home, {}))
     assert resumed["sft"]["reused"] and resumed["reward"]["reused"]  # finished before the kill
