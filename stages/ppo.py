@@ -560,6 +560,19 @@ def over_processes(accelerator: Accelerator, figures: dict[str, float]) -> dict[
             for i, k in enumerate(keys)}
 
 
+def check_in_step(accelerator: Accelerator, module: torch.nn.Module) -> None:
+    """Fail loudly if the processes' trained weights differ: gradients were not synchronised (collective)."""
+    if accelerator.num_processes == 1:
+        return
+    total = torch.stack([p.detach().double().sum() for p in module.parameters() if p.requires_grad]).sum()
+    low, high = total.clone(), total.clone()
+    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
+    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
+    if (high - low).abs() > 1e-6 * high.abs().clamp(min=1.0):
+        raise RuntimeError(f"the {accelerator.num_processes} processes ended with different weights "
+                           f"(parameter sums {low.item():.9g} .. {high.item():.9g}): gradients were not synchronised")
+
+
 def whiten_over_processes(accelerator: Accelerator, x: torch.Tensor, mask: torch.Tensor,
                           shift_mean: bool = True) -> torch.Tensor:
     """`masked_whiten` with mean and variance over every process's entries, as one process holding
@@ -681,6 +694,7 @@ def train_ppo(
                 save_state(state_dir, models, optimizer, scheduler, loop, rng)
             accelerator.wait_for_everyone()  # no process runs on (or stops) before the state is written
 
+    check_in_step(accelerator, actor_critic)
     if not accelerator.is_main_process:
         return None
     metrics, evaluation = evaluate(models, eval_prompts, cfg)

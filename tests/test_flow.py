@@ -280,3 +280,25 @@ def test_summary_lists_ran_and_reused_stage_runs(finished, capsys):
     assert cli(["summary"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert sum("(FINISHED reused)" in line for line in lines) == 3
+
+
+def test_every_stage_on_two_processes_logs_to_its_run_like_one_process(finished):
+    """The task launches `accelerate launch` for launch.num_processes = 2 and forwards rank 0's
+    curves, samples and result to the same MLflow run shape a one-process stage gets."""
+    from flows.pipeline import rlhf
+
+    two = {f"{stage}.launch.num_processes": 2 for stage in ("sft", "reward", "ppo")}
+    sft, reward, ppo = rlhf(config_file="configs/tiny.yaml", overrides={"experiment": "rlhf-two", **two})
+    client = MlflowClient()
+    for record, one in zip((sft, reward, ppo), finished):
+        run = client.get_run(record.run_id)
+        assert run.info.status == "FINISHED" and run.data.params["launch.num_processes"] == "2"
+        assert set(one.metrics) <= set(record.metrics), record.stage
+        assert {a.path for a in client.list_artifacts(one.run_id)} == {a.path for a in client.list_artifacts(record.run_id)}
+    assert len(client.get_metric_history(sft.run_id, "train/loss")) == len(client.get_metric_history(finished[0].run_id, "train/loss"))
+    assert len(client.get_metric_history(ppo.run_id, "rollout/score")) == 3
+    assert abs(sft.metrics["eval/loss"] - finished[0].metrics["eval/loss"]) < 0.02 * finished[0].metrics["eval/loss"]
+
+    state = rlhf(stages=["reward"], config_file="configs/tiny.yaml", return_state=True,
+                 overrides={"experiment": "rlhf-two", "reward.min_eval_accuracy": 1.0, **two})
+    assert state.is_failed() and "below the required 1.000" in state.message  # the gate, raised on rank 0
