@@ -41,12 +41,17 @@ class LaunchConfig(_Frozen):
     num_processes: PositiveInt = 1
     """Processes (one per GPU; on CPU, gloo) that train the stage together; 1 runs it inside the flow's process."""
     accelerate_config: str | None = None
-    """An `accelerate` config file (DDP, DeepSpeed ZeRO or FSDP; see configs/accelerate/); unset: plain DDP."""
+    """An `accelerate` config file (DDP, or DeepSpeed ZeRO-1/2 for SFT and reward; see docs/scaling.md); unset: plain DDP."""
 
     @model_validator(mode="after")
     def _config_file_exists(self) -> LaunchConfig:
         if self.accelerate_config is not None and accelerate_config_path(self.accelerate_config) is None:
             raise ValueError(f"accelerate_config {self.accelerate_config!r} not found")
+        engine = self.engine()
+        if engine.get("distributed_type") == "FSDP" or (engine.get("deepspeed_config") or {}).get("zero_stage") == 3:
+            raise ValueError(f"accelerate_config {self.accelerate_config!r} shards the parameters (FSDP or ZeRO-3): not "
+                             "supported yet (the main process saves the checkpoint and PPO samples from its own whole "
+                             "copy of the model); use DDP or DeepSpeed ZeRO-1/2")
         return self
 
     def engine(self) -> dict[str, Any]:
@@ -264,10 +269,9 @@ class PPOConfig(_Frozen):
             if processes > 1:
                 factors += f" x launch.num_processes ({processes})"
             raise ValueError(f"{factors} must divide rollout_batch_size ({self.rollout_batch_size})")
-        engine = self.launch.engine()
-        if engine.get("distributed_type") == "FSDP" or (engine.get("deepspeed_config") or {}).get("zero_stage") == 3:
-            raise ValueError("launch.accelerate_config shards the parameters (FSDP or ZeRO-3), but PPO samples from "
-                             "the whole policy on every process; use DDP or ZeRO-1/2 for PPO")
+        if self.launch.engine().get("distributed_type", "MULTI_GPU") not in ("MULTI_GPU", "NO"):
+            raise ValueError("ppo.launch.accelerate_config: PPO runs on DDP (distributed_type MULTI_GPU); DeepSpeed "
+                             "and FSDP are for the SFT and reward stages")
         minibatch = self.rollout_batch_size // (self.num_minibatches * processes)
         if self.micro_batch_size is not None and minibatch % self.micro_batch_size:
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must divide the minibatch ({minibatch})")

@@ -115,9 +115,10 @@ def _free_port() -> int:
 
 def launch_command(spec: Path, launch) -> list[str]:
     """`accelerate launch` for the stage: the given accelerate config, or DDP on this machine's
-    GPUs (gloo on CPU). A free port each time, so two pipelines can launch side by side."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(launch.num_processes),
-               "--main_process_port", str(_free_port())]
+    GPUs (gloo on CPU). On one machine a free port each time, so two pipelines can launch side by side."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(launch.num_processes)]
+    if launch.engine().get("num_machines", 1) == 1:  # several machines must agree on the port in their config
+        command += ["--main_process_port", str(_free_port())]
     if launch.accelerate_config:
         command += ["--config_file", str(accelerate_config_path(launch.accelerate_config))]
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,27 @@ def test_prefect_yaml_defines_the_four_deployments_of_the_one_flow():
     assert set(deployments) == {"full", "sft", "reward", "ppo"}
     assert {d["entrypoint"] for d in deployments.values()} == {"flows/pipeline.py:rlhf"}
     assert deployments["full"]["parameters"]["stages"] == ["sft", "reward", "ppo"]
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2", "two-nodes"])
+def test_shipped_accelerate_configs_load_in_accelerate(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from stages.distributed import launch_command
+
+    path = f"configs/accelerate/{name}.yaml"
+    assert load_config_from_file(path).num_processes > 1
+    cfg = load_config("configs/tiny.yaml", {"sft.launch": {"num_processes": 2, "accelerate_config": path}})
+    command = launch_command(Path("spec"), cfg.sft.launch)
+    assert command[command.index("--config_file") + 1].endswith(path)
+    assert ("--main_process_port" in command) == (name != "two-nodes")  # nodes share the configured port
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"sft.launch.accelerate_config": "configs/accelerate/nope.yaml"}, "not found"),
+    ({"ppo.launch.accelerate_config": "configs/accelerate/zero2.yaml"}, "PPO runs on DDP"),
+    ({"ppo.launch.num_processes": 3}, "x launch.num_processes (3) must divide rollout_batch_size"),
+])
+def test_launch_settings_that_cannot_run_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("configs/tiny.yaml", overrides)
