@@ -94,6 +94,6 @@ def test_interrupted_sft_resumes_from_its_trainer_checkpoint(world, tiny_config,
     assert (tmp_path / "cut" / "trainer" / "checkpoint-4").is_dir()
     steps = []
     resumed = train_sft(cfg, str(world / "model"), train, evaluation, tmp_path / "cut",
-                        sink=lambda metrics, step: steps.append(step))
-    assert min(s for s in steps if s > 0) > 4  # training picked up after step 4
+                        sink=lambda metrics, step: steps.append((step, metrics)))
+    assert min(s for s, m in steps if "train/loss" in m) > 4  # training picked up after step 4
     assert resumed.metrics["eval/loss"] == pytest.approx(whole.metrics["eval/loss"], rel=1e-5)
