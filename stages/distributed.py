@@ -27,11 +27,13 @@ from typing import Any
 
 import pandas as pd
 
-from rlhf.config import accelerate_config_path
+from rlhf.config import PPOConfig, RewardConfig, SFTConfig, accelerate_config_path
 from stages.models import set_determinism
 
 STAGE_FUNCTIONS = {"sft": "stages.sft:train_sft", "reward": "stages.reward:train_reward", "ppo": "stages.ppo:train_ppo"}
 """The function each stage's processes run."""
+SECTION_TYPES = {"sft": SFTConfig, "reward": RewardConfig, "ppo": PPOConfig}
+"""Each stage's config section."""
 RESULT_TYPES = {"sft": "stages.sft:SFTResult", "reward": "stages.reward:RewardResult", "ppo": "stages.ppo:PPOResult"}
 """What each stage function returns (on rank 0)."""
 USER_ERRORS = {"RewardGateError": "stages.reward:RewardGateError", "NonFiniteLossError": "stages.ppo:NonFiniteLossError"}
@@ -45,12 +47,6 @@ class LaunchError(RuntimeError):
 def _import(dotted: str) -> Any:
     module, name = dotted.split(":")
     return getattr(importlib.import_module(module), name)
-
-
-def _section_type(stage: str) -> type:
-    import rlhf.config as config
-
-    return {"sft": config.SFTConfig, "reward": config.RewardConfig, "ppo": config.PPOConfig}[stage]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +87,7 @@ def _write_spec(stage: str, section, output_dir: Path, inputs: dict[str, Any], d
     spec.mkdir(parents=True, exist_ok=True)
     for stale in ("events.jsonl", "result.json", "error.json"):
         (spec / stale).unlink(missing_ok=True)
-    arguments: dict[str, Any] = {}
-    for name, value in inputs.items():
-        if isinstance(value, pd.DataFrame):
-            value.to_parquet(spec / f"{name}.parquet")
-            arguments[name] = {"frame": f"{name}.parquet"}
-        else:
-            arguments[name] = {"value": str(value)}
+    arguments = {name: _store(value, f"input-{name}", spec) for name, value in inputs.items()}
     # Each process gets its share of the CPU threads the pipeline may use.
     threads = max(1, (num_threads or os.cpu_count() or 1) // section.launch.num_processes)
     (spec / "spec.json").write_text(json.dumps({
@@ -181,35 +171,36 @@ def _forward_events(events: Path, read: int, reporting: Reporting) -> int:
 
 
 def _read_result(stage: str, spec: Path):
-    result_type = _import(RESULT_TYPES[stage])
     stored = json.loads((spec / "result.json").read_text())
-    fields = {}
-    for field in dataclasses.fields(result_type):
-        value = stored[field.name]
-        if isinstance(value, dict) and "frame" in value:
-            fields[field.name] = pd.read_parquet(spec / value["frame"])
-        elif isinstance(value, dict) and "path" in value:
-            fields[field.name] = Path(value["path"])
-        else:
-            fields[field.name] = value
-    return result_type(**fields)
+    return _import(RESULT_TYPES[stage])(**{name: _restore(value, spec) for name, value in stored.items()})
 
+
+# --- what crosses between the processes -------------------------------------------------------
+
+
+def _store(value: Any, name: str, folder: Path) -> dict[str, Any]:
+    """A stage argument or result field as JSON: DataFrames go to a parquet file beside it."""
+    if isinstance(value, pd.DataFrame):
+        value.to_parquet(folder / f"{name}.parquet")
+        return {"frame": f"{name}.parquet"}
+    if isinstance(value, Path):
+        return {"path": str(value)}
+    return {"value": value}
+
+
+def _restore(stored: dict[str, Any], folder: Path) -> Any:
+    if "frame" in stored:
+        return pd.read_parquet(folder / stored["frame"])
+    if "path" in stored:
+        return Path(stored["path"])
+    return stored["value"]
 
 
 # --- each process's side ----------------------------------------------------------------------
 
 
 def _write_result(result, spec: Path) -> None:
-    stored = {}
-    for field in dataclasses.fields(result):
-        value = getattr(result, field.name)
-        if isinstance(value, pd.DataFrame):
-            value.to_parquet(spec / f"result-{field.name}.parquet")
-            stored[field.name] = {"frame": f"result-{field.name}.parquet"}
-        elif isinstance(value, Path):
-            stored[field.name] = {"path": str(value)}
-        else:
-            stored[field.name] = value
+    stored = {f.name: _store(getattr(result, f.name), f"result-{f.name}", spec) for f in dataclasses.fields(result)}
     staging = spec / "result.json.tmp"
     staging.write_text(json.dumps(stored))
     staging.rename(spec / "result.json")
@@ -236,9 +227,8 @@ def main(spec: Path) -> None:
     # PartialState reads the CPU switch only from its argument.
     state = PartialState(cpu=os.environ.get("ACCELERATE_USE_CPU") == "true")
     stage = described["stage"]
-    section = _section_type(stage).model_validate(described["section"])
-    inputs = {name: pd.read_parquet(spec / given["frame"]) if "frame" in given else given["value"]
-              for name, given in described["arguments"].items()}
+    section = SECTION_TYPES[stage].model_validate(described["section"])
+    inputs = {name: _restore(given, spec) for name, given in described["arguments"].items()}
     reporting = _event_writer(spec / "events.jsonl") if state.is_main_process else Reporting()
     try:
         result = _import(STAGE_FUNCTIONS[stage])(section, **inputs, output_dir=Path(described["output_dir"]),

@@ -367,7 +367,7 @@ def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: R
     """num_ppo_epochs passes of shuffled minibatches over this process's rollout; gradients are
     averaged over processes once per minibatch, at its last micro-batch."""
     actor_critic.train(True)
-    trained = [p for p in actor_critic.parameters() if p.requires_grad]
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
     n = len(batch.responses)
     minibatch_size = n // cfg.num_minibatches
     micro_size = cfg.micro_batch_size or minibatch_size
@@ -560,7 +560,7 @@ def over_processes(accelerator: Accelerator, figures: dict[str, float]) -> dict[
             for i, k in enumerate(keys)}
 
 
-def check_in_step(accelerator: Accelerator, module: torch.nn.Module) -> None:
+def check_weights_agree(accelerator: Accelerator, module: torch.nn.Module) -> None:
     """Fail loudly if the processes' trained weights differ: gradients were not synchronised (collective)."""
     if accelerator.num_processes == 1:
         return
@@ -694,7 +694,7 @@ def train_ppo(
                 save_state(state_dir, models, optimizer, scheduler, loop, rng)
             accelerator.wait_for_everyone()  # no process runs on (or stops) before the state is written
 
-    check_in_step(accelerator, actor_critic)
+    check_weights_agree(accelerator, actor_critic)
     if not accelerator.is_main_process:
         return None
     metrics, evaluation = evaluate(models, eval_prompts, cfg)

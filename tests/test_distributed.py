@@ -3,7 +3,9 @@ the same global batch.
 
 Tolerances: SFT and reward training see the same examples in the same global batches either
 way (the distributed sampler splits each global batch), so their figures agree up to float
-reduction order: 2% relative. PPO processes sample with different seeds, so the two runs see
+reduction order: 0.5% relative (measured: SFT train loss equal to 7 digits, eval loss 0.08%
+apart; reward equal to 6 digits). Processes that train apart instead of in step (as when
+`evaluate()` ran before `train()` left the model outside DDP) were 1% apart on SFT's train loss. PPO processes sample with different seeds, so the two runs see
 different responses; they must agree in kind: both beat the SFT policy on the reward model,
 stay within the KL budget, and land within 1.0 (normalised reward units; 0.41 measured) of each other.
 """
@@ -31,7 +33,7 @@ def _run(stage, section, folder, **inputs):
     return result, logged
 
 
-def _close(a: float, b: float, rel: float = 0.02) -> bool:
+def _close(a: float, b: float, rel: float = 0.005) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-3)
 
 
