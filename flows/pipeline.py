@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +32,8 @@ from rlhf.demo_world import DEMO_SCHEME, DemoWorldConfig, build_world, gold_accu
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.distributed import LaunchError, Reporting, call_stage
-from stages.models import folder_digest, load_tokenizer, set_determinism
+from stages.errors import NonFiniteLossError, RewardGateError
+from stages.models import folder_digest, load_tokenizer, set_determinism, tokenizer_digest
 
 StageName = Literal["sft", "reward", "ppo"]
 AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo")
@@ -84,10 +85,6 @@ class StageContext:
         return {"deterministic": self.config.deterministic, "num_threads": self.config.num_threads}
 
 
-def log_metrics(metrics: dict[str, float], step: int) -> None:
-    mlflow.log_metrics(metrics, step=step)
-
-
 def refuse(message: str) -> State:
     """A user error (bad data, bad config, a failed gate): logged as the message alone, without a
     traceback, and with any secret in it (a password in a URI, a token) redacted."""
@@ -106,9 +103,10 @@ def build_demo_world(demo: DemoWorldConfig) -> str:
 
 
 @contextmanager
-def stage_run(stage: str, section: BaseModel, ctx: StageContext) -> Iterator[tuple[str, Path]]:
+def stage_run(stage: str, section: BaseModel, ctx: StageContext) -> Iterator[tuple[str, Path, tracking.MetricWriter]]:
     """A child MLflow run with the stage's config as params and lineage tags, active inside the
-    block, and the work folder keyed by the cache key (removed only when the block succeeds).
+    block, the work folder keyed by the cache key (removed only when the block succeeds), and the
+    run's background metric writer (drained before the run can end FINISHED).
 
     An exception leaves the run FAILED and the folder with whatever the stage wrote, so a rerun
     resumes from it. When the tracking server stopped answering, the error says so and where the
@@ -127,7 +125,13 @@ def stage_run(stage: str, section: BaseModel, ctx: StageContext) -> Iterator[tup
                                              "continues its work from %s", stage, abandoned, workdir.path)
             with mlflow.start_run(run_id=run_id):
                 mlflow.log_params(tracking.redacted(flatten(section)))
-                yield run_id, workdir.path
+                metrics = tracking.MetricWriter(run_id)
+                try:
+                    yield run_id, workdir.path, metrics
+                except BaseException:
+                    metrics.close_after_failure()
+                    raise
+                metrics.close()
         except (DataContractError, tracking.TrackingError):
             raise
         except Exception as e:
@@ -139,10 +143,28 @@ def stage_run(stage: str, section: BaseModel, ctx: StageContext) -> Iterator[tup
                 f"resumes from it") from e
 
 
+_VALIDATED: dict[str, ValidatedData] = {}
+"""Validation results of this process by what decides them, so the stage's own check of a file
+the pre-flight check already passed with the same tokenizer costs nothing."""
+
+
 def validated(source: DataSource, kind: str, world: str | None, tokenizer, budget: LengthBudget,
               duplicates: str) -> ValidatedData:
-    return load_validated(resolve_location(source.path, world), kind, format=source.format, split=source.split,
-                          tokenizer=tokenizer, budget=budget, duplicates=duplicates)
+    """`load_validated` of a configured source, answered from `_VALIDATED` (as a copy) when the
+    same file content, tokenizer content and rules were validated before in this process."""
+    location = resolve_location(source.path, world)
+    content, rendering = _source_fingerprint(location), tokenizer_digest(tokenizer)
+    if content.startswith("name:") or rendering is None:  # a hub dataset or a slow tokenizer: not identifiable
+        return load_validated(location, kind, format=source.format, split=source.split, tokenizer=tokenizer,
+                              budget=budget, duplicates=duplicates)
+    key = json.dumps([location, content, kind, source.format, source.split, rendering, astuple(budget), duplicates])
+    if key not in _VALIDATED:
+        _VALIDATED[key] = load_validated(location, kind, format=source.format, split=source.split,
+                                         tokenizer=tokenizer, budget=budget, duplicates=duplicates)
+        while len(_VALIDATED) > 32:
+            _VALIDATED.pop(next(iter(_VALIDATED)))
+    data = _VALIDATED[key]
+    return replace(data, frame=data.frame.copy())
 
 
 def train_and_eval_data(section: TrainingConfig, kind: str, world: str | None, tokenizer) -> tuple[ValidatedData, ValidatedData]:
@@ -204,12 +226,12 @@ def sft(ctx: StageContext) -> StageRecord | State:
     section = ctx.config.sft
     model_location = resolve_location(section.model, ctx.world)
     try:
-        with stage_run("sft", section, ctx) as (run_id, scratch):
+        with stage_run("sft", section, ctx) as (run_id, scratch, metrics_writer):
             mlflow.set_tag("rlhf.base_model", tracking.redact(section.model))
             tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code)
             train, evaluation = train_and_eval_data(section, "sft", ctx.world, tokenizer)
             started = time.perf_counter()
-            result = call_stage("sft", section, scratch, Reporting(metrics=log_metrics), **ctx.determinism,
+            result = call_stage("sft", section, scratch, Reporting(metrics=metrics_writer.log), **ctx.determinism,
                                 model_location=model_location, train=train.frame, evaluation=evaluation.frame)
             metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
             mlflow.log_table(pd.DataFrame(result.samples), "samples.json")
@@ -224,11 +246,9 @@ def sft(ctx: StageContext) -> StageRecord | State:
 @task
 def reward(ctx: StageContext) -> StageRecord | State:
     """Train the reward model from the upstream SFT checkpoint (downloaded through MLflow)."""
-    from stages.reward import RewardGateError
-
     section = ctx.config.reward
     try:
-        with stage_run("reward", section, ctx) as (run_id, scratch):
+        with stage_run("reward", section, ctx) as (run_id, scratch, metrics_writer):
             policy_location = str(tracking.download_checkpoint(ctx.upstream["sft"], scratch / "sft"))
             model_location = resolve_location(section.model, ctx.world) if section.model else policy_location
             mlflow.set_tag("rlhf.base_model", tracking.redact(section.model or f"runs:/{ctx.upstream['sft']}/checkpoint"))
@@ -239,7 +259,7 @@ def reward(ctx: StageContext) -> StageRecord | State:
             tracking.log_data(prompts.frame, "normalization-prompts", prompts.source, prompts.digest, "normalization")
             started = time.perf_counter()
             try:
-                result = call_stage("reward", section, scratch, Reporting(metrics=log_metrics), **ctx.determinism,
+                result = call_stage("reward", section, scratch, Reporting(metrics=metrics_writer.log), **ctx.determinism,
                                     model_location=model_location, policy_location=policy_location, train=train.frame,
                                     evaluation=evaluation.frame, normalization_prompts=prompts.frame)
             except RewardGateError as gate:
@@ -273,12 +293,11 @@ def reward(ctx: StageContext) -> StageRecord | State:
 def ppo(ctx: StageContext) -> StageRecord | State:
     """PPO from the upstream SFT policy against the upstream reward model, both fetched through MLflow."""
     from rlhf.plots import curves
-    from stages.ppo import NonFiniteLossError
 
     section = ctx.config.ppo
     logger = get_run_logger()
     try:
-        with stage_run("ppo", section, ctx) as (run_id, scratch):
+        with stage_run("ppo", section, ctx) as (run_id, scratch, metrics_writer):
             sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], scratch / "sft"))
             reward_location = str(tracking.download_checkpoint(ctx.upstream["reward"], scratch / "reward"))
             tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
@@ -297,7 +316,7 @@ def ppo(ctx: StageContext) -> StageRecord | State:
                 warnings.append(message)
                 logger.warning(message)
 
-            reporting = Reporting(metrics=log_metrics, warning=warn,
+            reporting = Reporting(metrics=metrics_writer.log, warning=warn,
                                   samples=lambda table, i: mlflow.log_table(table, f"samples/iteration_{i:05d}.json"))
             started = time.perf_counter()
             result = call_stage("ppo", section, scratch, reporting, **ctx.determinism, sft_location=sft_location,

@@ -103,15 +103,19 @@ def _length_problems(frame: pd.DataFrame, kind: str, tokenizer, budget: LengthBu
 
 def _duplicate_rows(frame: pd.DataFrame, kind: str, unit: str) -> list[Problem]:
     """Records whose prompt conversation and replies repeat an earlier record's."""
-    key = frame[["prompt_messages", *REPLY_COLUMNS[kind]]].astype(str).apply(tuple, axis=1)
-    first_seen: dict[tuple, int] = {}
-    problems = []
-    for row, value in key.items():
-        if value in first_seen:
-            problems.append(Problem(int(row), None, f"duplicate of {unit} {first_seen[value]}"))
-        else:
-            first_seen[value] = int(row)
-    return problems
+    key = frame[["prompt_messages", *REPLY_COLUMNS[kind]]].astype(str)
+    repeated = key.duplicated(keep="first")
+    if not repeated.any():
+        return []
+    first_seen = frame.index.to_series(index=frame.index).groupby([key[c] for c in key.columns], sort=False).transform("first")
+    return [Problem(int(row), None, f"duplicate of {unit} {int(first_seen[row])}") for row in frame.index[repeated]]
+
+
+def _rendered_prompts(conversations: pd.Series, tokenizer) -> list[str]:
+    """Each JSON conversation rendered for the model; a conversation repeated across records
+    (one prompt, several preference pairs) is rendered once."""
+    rendered = {m: render_prompt(json.loads(m), tokenizer) for m in dict.fromkeys(conversations)}
+    return [rendered[m] for m in conversations]
 
 
 def load_validated(
@@ -148,7 +152,7 @@ def load_validated(
     if problems:
         raise DataContractError(source, problems, unit)
 
-    frame["prompt"] = [render_prompt(json.loads(m), tokenizer) for m in frame["prompt_messages"]]
+    frame["prompt"] = _rendered_prompts(frame["prompt_messages"], tokenizer)
     if tokenizer is not None and budget is not None:
         problems += _length_problems(frame, kind, tokenizer, budget)
     if problems:

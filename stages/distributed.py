@@ -36,7 +36,7 @@ SECTION_TYPES = {"sft": SFTConfig, "reward": RewardConfig, "ppo": PPOConfig}
 """Each stage's config section."""
 RESULT_TYPES = {"sft": "stages.sft:SFTResult", "reward": "stages.reward:RewardResult", "ppo": "stages.ppo:PPOResult"}
 """What each stage function returns (on rank 0)."""
-USER_ERRORS = {"RewardGateError": "stages.reward:RewardGateError", "NonFiniteLossError": "stages.ppo:NonFiniteLossError"}
+USER_ERRORS = {"RewardGateError": "stages.errors:RewardGateError", "NonFiniteLossError": "stages.errors:NonFiniteLossError"}
 """Exceptions a stage raises for its user (not bugs): re-raised in the caller with their message."""
 
 
@@ -61,7 +61,7 @@ class Reporting:
         if stage == "ppo":
             from stages.ppo import PPOHooks
 
-            given = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+            given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
             return {"hooks": PPOHooks(**given)}
         return {"sink": self.metrics}
 

@@ -7,10 +7,17 @@ stages can disagree about them silently.
 
 from __future__ import annotations
 
+import hashlib
+import weakref
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # the modelling half of transformers takes seconds to import; a flow that only validates data never needs it
+    from transformers import PreTrainedModel
 
 
 def load_tokenizer(location: str, *, padding_side: str = "left", trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -30,6 +37,8 @@ def load_tokenizer(location: str, *, padding_side: str = "left", trust_remote_co
 
 def load_causal_lm(location: str, tokenizer: PreTrainedTokenizerBase, *, trust_remote_code: bool = False) -> PreTrainedModel:
     """A causal LM from safetensors weights, its embeddings and special-token ids matching `tokenizer`."""
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(location, use_safetensors=True, trust_remote_code=trust_remote_code)
     fit_to_tokenizer(model, tokenizer)
     return model
@@ -90,14 +99,20 @@ def generate_greedy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
 
 
-def encode_reply(tokenizer: PreTrainedTokenizerBase, prompt: str, reply: str) -> tuple[list[int], list[int]]:
-    """Token ids of a rendered prompt and of a reply closed by EOS, the way every stage sees them.
+def encode_replies(tokenizer: PreTrainedTokenizerBase, prompts: list[str], replies: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of rendered prompts and of replies closed by EOS, the way every stage sees them.
 
     No special tokens are added implicitly: the chat template already placed BOS and the role
-    markers. The prompt is encoded on its own, so its ids are exactly what generation starts from.
+    markers. A prompt is encoded on its own, so its ids are exactly what generation starts from.
     """
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    reply_ids = [ids + [tokenizer.eos_token_id] for ids in tokenizer(list(replies), add_special_tokens=False)["input_ids"]]
+    return prompt_ids, reply_ids
+
+
+def encode_reply(tokenizer: PreTrainedTokenizerBase, prompt: str, reply: str) -> tuple[list[int], list[int]]:
+    """`encode_replies` of one record."""
+    (prompt_ids,), (reply_ids,) = encode_replies(tokenizer, [prompt], [reply])
     return prompt_ids, reply_ids
 
 
@@ -113,10 +128,22 @@ def set_determinism(deterministic: bool, num_threads: int | None) -> None:
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
 
 
+_TOKENIZER_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """sha256 of what decides how a fast tokenizer renders and splits text (its full backend
+    definition, added tokens included, and its chat template); None for a slow tokenizer.
+    Two tokenizers loaded from different folders with the same content share it."""
+    if tokenizer not in _TOKENIZER_DIGESTS:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        _TOKENIZER_DIGESTS[tokenizer] = None if backend is None else hashlib.sha256(
+            (backend.to_str() + "\0" + str(tokenizer.chat_template)).encode()).hexdigest()
+    return _TOKENIZER_DIGESTS[tokenizer]
+
+
 def folder_digest(folder: Path) -> str:
     """sha256 over a folder's relative file names and bytes: the identity of a checkpoint."""
-    import hashlib
-
     digest = hashlib.sha256()
     for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
         digest.update(path.relative_to(folder).as_posix().encode() + b"\0")

@@ -38,15 +38,12 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from transformers import DynamicCache, PreTrainedModel, get_scheduler
 
 from rlhf.config import PPOConfig
+from stages.errors import NonFiniteLossError
 from stages.models import device, load_causal_lm, load_tokenizer, position_ids_for, save_checkpoint
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss, entropy_of,
                              explained_variance, gae, kl_estimate, logprobs_of, masked_mean, masked_whiten,
                              response_mask, token_rewards, truncate_after_eos)
 from stages.reward import RewardScorer, disable_dropout, load_reward_model
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite; the last full-state checkpoint is kept."""
 
 
 @dataclass

@@ -27,20 +27,13 @@ from trl import RewardTrainer
 
 from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
-from stages.models import (device, encode_reply, fit_to_tokenizer, generate, load_causal_lm, load_tokenizer,
+from stages.errors import RewardGateError
+from stages.models import (device, encode_replies, encode_reply, fit_to_tokenizer, generate, load_causal_lm, load_tokenizer,
                            position_ids_for, save_checkpoint)
 from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
 
 NORMALIZATION_KEY = "rlhf_reward_normalization"
 """Model-config entry holding {"gain": g, "bias": b}: normalised score = g * raw + b."""
-
-
-class RewardGateError(RuntimeError):
-    """The trained model is not good enough to optimise against; `metrics` holds what was measured."""
-
-    def __init__(self, message: str, metrics: dict[str, float]):
-        super().__init__(message)
-        self.metrics = metrics
 
 
 def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: torch.Tensor | float = 0.0) -> torch.Tensor:
@@ -107,12 +100,10 @@ class RewardScorer:
         return cls(model.to(device()), tokenizer, norm["gain"], norm["bias"])
 
     def encode(self, prompts: list, responses: list[str]) -> list[list[int]]:
-        ids = []
-        for prompt, response in zip(prompts, responses, strict=True):
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            prompt_ids, reply_ids = encode_reply(self.tokenizer, render_prompt(messages, self.tokenizer), response)
-            ids.append(prompt_ids + reply_ids)
-        return ids
+        conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+        rendered = [render_prompt(messages, self.tokenizer) for messages in conversations]
+        prompt_ids, reply_ids = encode_replies(self.tokenizer, rendered, list(responses))
+        return [p + r for p, r in zip(prompt_ids, reply_ids, strict=True)]
 
     @torch.inference_mode()
     def raw_scores(self, sequences: list[list[int]], batch_size: int = 64) -> torch.Tensor:

@@ -1,0 +1,17 @@
+"""The errors a stage raises for its user rather than for a developer: the flow refuses the run
+with their message alone. They live apart from the stages so that catching them does not
+import the stages' training libraries."""
+
+from __future__ import annotations
+
+
+class RewardGateError(RuntimeError):
+    """The trained model is not good enough to optimise against; `metrics` holds what was measured."""
+
+    def __init__(self, message: str, metrics: dict[str, float]):
+        super().__init__(message)
+        self.metrics = metrics
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the last full-state checkpoint is kept."""
