@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import mlflow
 import pandas as pd
@@ -302,3 +303,50 @@ def test_every_stage_on_two_processes_logs_to_its_run_like_one_process(finished)
     state = rlhf(stages=["reward"], config_file="configs/tiny.yaml", return_state=True,
                  overrides={"experiment": "rlhf-two", "reward.min_eval_accuracy": 1.0, **two})
     assert state.is_failed() and "below the required 1.000" in state.message  # the gate, raised on rank 0
+
+
+def test_validation_is_reused_for_the_same_content_and_tokenizer_only(tmp_path, world, tokenizer, monkeypatch):
+    from flows import pipeline
+    from rlhf.config import DataSource
+    from schemas.validate import LengthBudget
+    from stages.models import load_tokenizer
+
+    calls = []
+    real = pipeline.load_validated
+    monkeypatch.setattr(pipeline, "load_validated", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n')
+    source, budget = DataSource(path=str(data)), LengthBudget(64, 128)
+    first = pipeline.validated(source, "sft", str(world), tokenizer, budget, "error")
+    first.frame.loc[:, "response"] = "changed by a caller"
+    # another tokenizer object with the same content (as a checkpoint's copy of the base tokenizer)
+    again = pipeline.validated(source, "sft", str(world), load_tokenizer(str(world / "model")), budget, "error")
+    assert len(calls) == 1 and list(again.frame["response"]) == ["b", "d"]  # reused, and a caller's edit did not leak
+    pipeline.validated(source, "sft", str(world), tokenizer, LengthBudget(64, 96), "error")
+    data.write_text('{"prompt": "a", "response": "e"}\n')
+    changed = pipeline.validated(source, "sft", str(world), tokenizer, budget, "error")
+    assert len(calls) == 3 and list(changed.frame["response"]) == ["e"]  # other rules, other content: validated anew
+
+
+def test_metric_writer_keeps_order_and_a_refused_batch_fails_the_stage(tracking_store):
+    import math
+
+    from mlflow.exceptions import MlflowException
+
+    experiment_id = tracking.ensure_experiment("writer")
+    run_id = MlflowClient().create_run(experiment_id).info.run_id
+    writer = tracking.MetricWriter(run_id)
+    for step in range(1, 31):
+        writer.log({"loss": 1.0 / step, "lr": 0.1}, step)
+    writer.close()
+    history = MlflowClient().get_metric_history(run_id, "loss")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(s, 1.0 / s) for s in range(1, 31)]
+    assert math.isclose(MlflowClient().get_run(run_id).data.metrics["loss"], 1 / 30)
+
+    refusing = tracking.MetricWriter(run_id)
+    refusing.log({"bad key\x00": 1.0}, 1)  # a name the server refuses
+    with pytest.raises(MlflowException):
+        for step in range(2, 200):  # the refusal surfaces at a later log call (or at close), not never
+            refusing.log({"loss": 0.5}, step)
+            time.sleep(0.01)
+        refusing.close()
