@@ -10,7 +10,7 @@
 # Every MLflow call from a flow run retries with exponential backoff (MLflow's own HTTP retry,
 # MLFLOW_HTTP_REQUEST_MAX_RETRIES=5, BACKOFF_FACTOR=1: about 30 s) before the stage fails; a
 # flow also waits for the server at start (1, 2, 4, 8 s) before it refuses to run. The worker
-# asks for new flow runs every 2 s (Prefect's default, 10 s, is a quarter of a demo stage) and
+# asks for new flow runs every second (Prefect's default, 10 s, is a quarter of a demo stage) and
 # runs at most RLHF_WORKER_LIMIT (4) flow runs at once; further runs wait their turn. Training
 # runs on one machine share its cores, and a burst of flow-run processes starved the Prefect
 # server's SQLite writes (HTTP 503) on a 2-core machine. The server's database statements may
