@@ -240,6 +240,11 @@ def main(spec: Path) -> None:
         raise
     if state.is_main_process:
         _write_result(result, spec)
+    # The ranks leave together, once rank 0 has saved and written its result, and the process group
+    # is torn down first: a rank that exited while it was alive could abort in gloo's threads
+    # ("terminate called without an active exception"), and the launcher then killed rank 0 mid-save.
+    state.wait_for_everyone()
+    state.destroy_process_group()
 
 
 if __name__ == "__main__":
