@@ -153,14 +153,17 @@ def validated(source: DataSource, kind: str, world: str | None, tokenizer, budge
     """`load_validated` of a configured source, answered from `_VALIDATED` (as a copy) when the
     same file content, tokenizer content and rules were validated before in this process."""
     location = resolve_location(source.path, world)
-    content, rendering = _source_fingerprint(location), tokenizer_digest(tokenizer)
-    if content.startswith("name:") or rendering is None:  # a hub dataset or a slow tokenizer: not identifiable
+
+    def validate() -> ValidatedData:
         return load_validated(location, kind, format=source.format, split=source.split, tokenizer=tokenizer,
                               budget=budget, duplicates=duplicates)
+
+    content, rendering = _source_fingerprint(location), tokenizer_digest(tokenizer)
+    if content.startswith("name:") or rendering is None:  # a hub dataset or a slow tokenizer: not identifiable
+        return validate()
     key = json.dumps([location, content, kind, source.format, source.split, rendering, astuple(budget), duplicates])
     if key not in _VALIDATED:
-        _VALIDATED[key] = load_validated(location, kind, format=source.format, split=source.split,
-                                         tokenizer=tokenizer, budget=budget, duplicates=duplicates)
+        _VALIDATED[key] = validate()
         while len(_VALIDATED) > 32:
             _VALIDATED.pop(next(iter(_VALIDATED)))
     data = _VALIDATED[key]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import weakref
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -107,12 +106,6 @@ def encode_replies(tokenizer: PreTrainedTokenizerBase, prompts: list[str], repli
     """
     prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     reply_ids = [ids + [tokenizer.eos_token_id] for ids in tokenizer(list(replies), add_special_tokens=False)["input_ids"]]
-    return prompt_ids, reply_ids
-
-
-def encode_reply(tokenizer: PreTrainedTokenizerBase, prompt: str, reply: str) -> tuple[list[int], list[int]]:
-    """`encode_replies` of one record."""
-    (prompt_ids,), (reply_ids,) = encode_replies(tokenizer, [prompt], [reply])
     return prompt_ids, reply_ids
 
 

@@ -28,7 +28,7 @@ from trl import RewardTrainer
 from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
 from stages.errors import RewardGateError
-from stages.models import (device, encode_replies, encode_reply, fit_to_tokenizer, generate, load_causal_lm, load_tokenizer,
+from stages.models import (device, encode_replies, fit_to_tokenizer, generate, load_causal_lm, load_tokenizer,
                            position_ids_for, save_checkpoint)
 from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
 
@@ -68,12 +68,10 @@ def load_reward_model(location: str, tokenizer: PreTrainedTokenizerBase, *, trus
 
 
 def _pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
-    columns: dict[str, list] = {"chosen_ids": [], "rejected_ids": []}
-    for prompt, chosen, rejected in zip(frame["prompt"], frame["chosen"], frame["rejected"]):
-        prompt_ids, chosen_ids = encode_reply(tokenizer, prompt, chosen)
-        _, rejected_ids = encode_reply(tokenizer, prompt, rejected)
-        columns["chosen_ids"].append(prompt_ids + chosen_ids)
-        columns["rejected_ids"].append(prompt_ids + rejected_ids)
+    prompt_ids, chosen_ids = encode_replies(tokenizer, list(frame["prompt"]), list(frame["chosen"]))
+    _, rejected_ids = encode_replies(tokenizer, list(frame["prompt"]), list(frame["rejected"]))
+    columns: dict[str, list] = {"chosen_ids": [p + c for p, c in zip(prompt_ids, chosen_ids)],
+                                "rejected_ids": [p + r for p, r in zip(prompt_ids, rejected_ids)]}
     if "margin" in frame.columns:
         columns["margin"] = [float(m) for m in frame["margin"]]
     return datasets.Dataset.from_dict(columns)

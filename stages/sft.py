@@ -2,7 +2,7 @@
 
 Plain Python: a frozen config, a base model location and validated data in; a checkpoint
 folder and metrics out. The loss covers only the response tokens and the EOS that ends them:
-records are encoded with `encode_reply` and handed to TRL with a completion mask.
+records are encoded with `encode_replies` and handed to TRL with a completion mask.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from trl import SFTConfig as TRLSFTConfig
 from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
-from stages.models import encode_reply, generate_greedy, load_causal_lm, load_tokenizer, save_checkpoint
+from stages.models import encode_replies, generate_greedy, load_causal_lm, load_tokenizer, save_checkpoint
 from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
 
 
@@ -33,12 +33,11 @@ class SFTResult:
 
 
 def _encoded(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
-    input_ids, completion_mask = [], []
-    for prompt, response in zip(frame["prompt"], frame["response"]):
-        prompt_ids, reply_ids = encode_reply(tokenizer, prompt, response)
-        input_ids.append(prompt_ids + reply_ids)
-        completion_mask.append([0] * len(prompt_ids) + [1] * len(reply_ids))
-    return datasets.Dataset.from_dict({"input_ids": input_ids, "completion_mask": completion_mask})
+    prompt_ids, reply_ids = encode_replies(tokenizer, list(frame["prompt"]), list(frame["response"]))
+    return datasets.Dataset.from_dict({
+        "input_ids": [p + r for p, r in zip(prompt_ids, reply_ids)],
+        "completion_mask": [[0] * len(p) + [1] * len(r) for p, r in zip(prompt_ids, reply_ids)],
+    })
 
 
 def build_trainer(
