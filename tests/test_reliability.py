@@ -41,8 +41,11 @@ print("RECORDS=" + json.dumps([r.model_dump() for r in state.result()]))
 
 def _env(home: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_"))}
+    # Each run starts Prefect's temporary server on a fresh database; migrating it took longer than
+    # Prefect's 20 s default on a loaded 2-core CI machine, so allow the same 120 s as the harness.
     env.update(RLHF_HOME=str(home), MLFLOW_TRACKING_URI=f"sqlite:///{home}/mlflow.db",
-               PREFECT_HOME=str(home / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+               PREFECT_HOME=str(home / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120")
     return env
 
 
