@@ -42,6 +42,8 @@ class LaunchConfig(_Frozen):
     """Processes (one per GPU; on CPU, gloo) that train the stage together; 1 runs it inside the flow's process."""
     accelerate_config: str | None = None
     """An `accelerate` config file (DDP, or DeepSpeed ZeRO-1/2 for SFT and reward; see docs/scaling.md); unset: plain DDP."""
+    timeout_seconds: PositiveInt = 1800
+    """Seconds a process waits for the others (the end of the stage included, where the main one evaluates and saves alone) before the job fails."""
 
     @model_validator(mode="after")
     def _config_file_exists(self) -> LaunchConfig:
@@ -352,9 +354,15 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n" + "\n".join(lines)) from None
 
 
+OUTSIDE_THE_HASH = {"launch": {"timeout_seconds"}}
+"""Stage settings that cannot change its result, left out of its hash and so of its cache key: a run
+that timed out and is rerun with a longer timeout resumes the stage's work instead of starting over."""
+
+
 def config_hash(section: BaseModel) -> str:
     """Stable digest of a resolved config section."""
-    return hashlib.sha256(json.dumps(section.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    dumped = section.model_dump(mode="json", exclude=OUTSIDE_THE_HASH if "launch" in type(section).model_fields else None)
+    return hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()
 
 
 def flatten(section: BaseModel, prefix: str = "") -> dict[str, str]:

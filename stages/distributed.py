@@ -17,11 +17,13 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -146,9 +148,20 @@ def _launch(spec: Path, launch, reporting: Reporting) -> None:
             raise (exception(raised["message"], raised["metrics"]) if raised.get("metrics") is not None
                    else exception(raised["message"]))
     if process.returncode != 0 or not (spec / "result.json").exists():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        lines = log.read_text(errors="replace").splitlines()
+        tail = "\n".join(lines[-30:])
         raise LaunchError(f"the {launch.num_processes}-process job (accelerate launch) exited with code "
-                          f"{process.returncode}; its log is {log}; last lines:\n{tail}")
+                          f"{process.returncode}{_failed_ranks(lines)}; its log is {log}; last lines:\n{tail}")
+
+
+def _failed_ranks(lines: list[str]) -> str:
+    """Each failed process's exception, as torch.distributed prefixes its traceback lines ("[rank1]: RuntimeError: ..."):
+    the launcher's own report, which ends the log, leaves the cause out."""
+    raised = {}
+    for line in lines:
+        if found := re.match(r"\[rank(\d+)\]: ((?:\w+\.)*\w*(?:Error|Exception|Exit|Interrupt)\b.*)", line):
+            raised[int(found[1])] = found[2]  # the last one: with chained exceptions, the one the process died of
+    return "".join(f"; rank {rank}: {message}" for rank, message in sorted(raised.items()))
 
 
 def _forward_events(events: Path, read: int, reporting: Reporting) -> int:
@@ -222,12 +235,13 @@ def main(spec: Path) -> None:
     from accelerate import PartialState
 
     described = json.loads((spec / "spec.json").read_text())
-    set_determinism(described["deterministic"], described["num_threads"])
-    # First to set up the process group, so the trainers and our PPO loop find it as is:
-    # PartialState reads the CPU switch only from its argument.
-    state = PartialState(cpu=os.environ.get("ACCELERATE_USE_CPU") == "true")
     stage = described["stage"]
     section = SECTION_TYPES[stage].model_validate(described["section"])
+    set_determinism(described["deterministic"], described["num_threads"])
+    # First to set up the process group, so the trainers and our PPO loop find it as is (the
+    # trainers' own `ddp_timeout` then goes unused): PartialState reads the CPU switch only from its argument.
+    state = PartialState(cpu=os.environ.get("ACCELERATE_USE_CPU") == "true",
+                         timeout=timedelta(seconds=section.launch.timeout_seconds))
     inputs = {name: _restore(given, spec) for name, given in described["arguments"].items()}
     reporting = _event_writer(spec / "events.jsonl") if state.is_main_process else Reporting()
     try:
@@ -240,9 +254,10 @@ def main(spec: Path) -> None:
         raise
     if state.is_main_process:
         _write_result(result, spec)
-    # The ranks leave together, once rank 0 has saved and written its result, and the process group
-    # is torn down first: a rank that exited while it was alive could abort in gloo's threads
-    # ("terminate called without an active exception"), and the launcher then killed rank 0 mid-save.
+    # The ranks leave together, once rank 0 has saved and written its result (the others wait up to
+    # `launch.timeout_seconds`), and the process group is torn down first: a rank that exited while it
+    # was alive could abort in gloo's threads ("terminate called without an active exception"), and
+    # the launcher then killed rank 0 mid-save.
     state.wait_for_everyone()
     state.destroy_process_group()
 

@@ -47,10 +47,12 @@ def test_hash_and_params_cover_every_field():
     a = load_config("configs/demo.yaml").sft
     b = load_config("configs/demo.yaml", {"sft.seed": 1}).sft
     assert config_hash(a) != config_hash(b)
+    longer_wait = a.model_copy(update={"launch": a.launch.model_copy(update={"timeout_seconds": 7200})})
+    assert config_hash(longer_wait) == config_hash(a)  # cannot change the result: the stage's work is resumed
     params = flatten(a)
     assert params["train_data.path"] == "demo:sft" and params["max_steps"] == "null"
-    # two DataSource sections of three fields each and the launch section's two replace three keys
-    assert len(params) == len(a.model_fields) + 5
+    # three nested sections (two DataSources and launch, three fields each) flatten to nine keys
+    assert len(params) == len(a.model_fields) + 6
     assert params["launch.num_processes"] == "1"
 
 

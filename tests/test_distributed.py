@@ -12,6 +12,9 @@ stay within the KL budget, and land within 1.0 (normalised reward units; 0.41 me
 
 from __future__ import annotations
 
+import re
+import textwrap
+
 import pytest
 from transformers import AutoModelForCausalLM
 
@@ -92,7 +95,55 @@ def test_a_crashed_process_fails_the_stage_with_its_log(world, tiny_config, toke
     from stages.distributed import LaunchError
 
     cfg = tiny_config.sft.model_copy(update={"launch": TWO})
-    with pytest.raises(LaunchError, match="accelerate launch.*exited with code"):
+    with pytest.raises(LaunchError, match="accelerate launch.*exited with code") as raised:
         call_stage("sft", cfg, tmp_path, Reporting(), deterministic=True, num_threads=2,
                    model_location=str(tmp_path / "no-such-model"), train=_data(world, tokenizer, "sft", "sft"),
                    evaluation=_data(world, tokenizer, "sft_eval", "sft"))
+    assert re.search(r"; rank 0: OSError: .*no-such-model", str(raised.value))  # the cause, not only the launcher's report
+
+
+SLOW_MAIN_PROCESS = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from accelerate import PartialState
+    import stages.distributed
+    from stages.sft import SFTResult
+
+    def train(cfg, output_dir, pause, sink=None):
+        \"\"\"A stage whose main process evaluates and saves for `pause` seconds after training, alone.\"\"\"
+        if not PartialState().is_main_process:
+            return None
+        time.sleep(pause)
+        return SFTResult(checkpoint=output_dir, metrics={"paused": pause})
+
+    stages.distributed.STAGE_FUNCTIONS["sft"] = "__main__:train"
+    stages.distributed.main(Path(sys.argv[1]))
+""")
+
+
+@pytest.fixture
+def slow_main_process(tmp_path, monkeypatch):
+    """`call_stage` launches SLOW_MAIN_PROCESS (the real `stages.distributed.main` around a stand-in stage)."""
+    import stages.distributed
+
+    script = tmp_path / "slow_main_process.py"
+    script.write_text(SLOW_MAIN_PROCESS)
+    real = stages.distributed.launch_command
+    monkeypatch.setattr(stages.distributed, "launch_command",
+                        lambda spec, launch: real(spec, launch)[:-3] + [str(script), str(spec)])
+
+
+def test_the_other_processes_wait_for_the_main_one_to_finish_alone(tiny_config, slow_main_process, tmp_path):
+    cfg = tiny_config.sft.model_copy(update={"launch": TWO})
+    result = call_stage("sft", cfg, tmp_path / "run", Reporting(), deterministic=True, num_threads=2, pause=8.0)
+    assert result.metrics == {"paused": 8.0}  # rank 1 left after rank 0 had written its result, not before
+
+
+def test_a_main_process_slower_than_the_process_group_timeout_fails_the_stage(tiny_config, slow_main_process, tmp_path):
+    from stages.distributed import LaunchError
+
+    # 15 s leaves room for the processes' start to differ at the first rendezvous on a loaded machine.
+    cfg = tiny_config.sft.model_copy(update={"launch": TWO.model_copy(update={"timeout_seconds": 15})})
+    with pytest.raises(LaunchError, match="exited with code") as raised:
+        call_stage("sft", cfg, tmp_path / "run", Reporting(), deterministic=True, num_threads=2, pause=600.0)
+    assert re.search(r"rank 1: RuntimeError: .*Timed out waiting 15000ms", str(raised.value))  # at the final wait
