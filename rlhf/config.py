@@ -361,7 +361,7 @@ that timed out and is rerun with a longer timeout resumes the stage's work inste
 
 def config_hash(section: BaseModel) -> str:
     """Stable digest of a resolved config section."""
-    dumped = section.model_dump(mode="json", exclude=OUTSIDE_THE_HASH if "launch" in type(section).model_fields else None)
+    dumped = section.model_dump(mode="json", exclude=OUTSIDE_THE_HASH)  # a section without `launch` ignores it
     return hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()
 
 

@@ -80,8 +80,6 @@ class MetricWriter:
             self._sender.shutdown(wait=False, cancel_futures=True)
             return
         self._sender.shutdown(wait=True)
-        for future in self._pending:
-            future.exception()
 
     def _raise_failures(self, wait: bool) -> None:
         finished = self._pending if wait else [f for f in self._pending if f.done()]

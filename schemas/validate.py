@@ -107,7 +107,7 @@ def _duplicate_rows(frame: pd.DataFrame, kind: str, unit: str) -> list[Problem]:
     repeated = key.duplicated(keep="first")
     if not repeated.any():
         return []
-    first_seen = frame.index.to_series(index=frame.index).groupby([key[c] for c in key.columns], sort=False).transform("first")
+    first_seen = frame.index.to_series().groupby([key[c] for c in key.columns], sort=False).transform("first")
     return [Problem(int(row), None, f"duplicate of {unit} {int(first_seen[row])}") for row in frame.index[repeated]]
 
 
