@@ -103,7 +103,7 @@ def test_a_crashed_process_fails_the_stage_with_its_log(world, tiny_config, toke
 
 
 SLOW_MAIN_PROCESS = textwrap.dedent("""
-    import sys, time
+    import atexit, sys, time
     from pathlib import Path
     from accelerate import PartialState
     import stages.distributed
@@ -112,6 +112,7 @@ SLOW_MAIN_PROCESS = textwrap.dedent("""
     def train(cfg, output_dir, pause, sink=None):
         \"\"\"A stage whose main process evaluates and saves for `pause` seconds after training, alone.\"\"\"
         if not PartialState().is_main_process:
+            atexit.register(lambda: (output_dir / "rank-1-left").write_text(repr(time.time())))
             return None
         time.sleep(pause)
         return SFTResult(checkpoint=output_dir, metrics={"paused": pause})
@@ -136,7 +137,9 @@ def slow_main_process(tmp_path, monkeypatch):
 def test_the_other_processes_wait_for_the_main_one_to_finish_alone(tiny_config, slow_main_process, tmp_path):
     cfg = tiny_config.sft.model_copy(update={"launch": TWO})
     result = call_stage("sft", cfg, tmp_path / "run", Reporting(), deterministic=True, num_threads=2, pause=8.0)
-    assert result.metrics == {"paused": 8.0}  # rank 1 left after rank 0 had written its result, not before
+    assert result.metrics == {"paused": 8.0}
+    left = float((tmp_path / "run" / "rank-1-left").read_text())
+    assert left >= (tmp_path / "run" / "launch" / "result.json").stat().st_mtime  # rank 1 left after rank 0's result
 
 
 def test_a_main_process_slower_than_the_process_group_timeout_fails_the_stage(tiny_config, slow_main_process, tmp_path):
@@ -145,5 +148,5 @@ def test_a_main_process_slower_than_the_process_group_timeout_fails_the_stage(ti
     # 15 s leaves room for the processes' start to differ at the first rendezvous on a loaded machine.
     cfg = tiny_config.sft.model_copy(update={"launch": TWO.model_copy(update={"timeout_seconds": 15})})
     with pytest.raises(LaunchError, match="exited with code") as raised:
-        call_stage("sft", cfg, tmp_path / "run", Reporting(), deterministic=True, num_threads=2, pause=600.0)
+        call_stage("sft", cfg, tmp_path / "run", Reporting(), deterministic=True, num_threads=2, pause=60.0)
     assert re.search(r"rank 1: RuntimeError: .*Timed out waiting 15000ms", str(raised.value))  # at the final wait
