@@ -32,7 +32,7 @@ from rlhf.demo_world import DEMO_SCHEME, DemoWorldConfig, build_world, gold_accu
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.distributed import LaunchError, Reporting, call_stage
-from stages.errors import NonFiniteLossError, RewardGateError
+from stages.errors import ChatTemplateError, NonFiniteLossError, RewardGateError
 from stages.models import folder_digest, load_tokenizer, set_determinism, tokenizer_digest
 
 StageName = Literal["sft", "reward", "ppo"]
@@ -231,12 +231,14 @@ def sft(ctx: StageContext) -> StageRecord | State:
     try:
         with stage_run("sft", section, ctx) as (run_id, scratch, metrics_writer):
             mlflow.set_tag("rlhf.base_model", tracking.redact(section.model))
-            tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code)
+            tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code,
+                                       chat_template=section.chat_template)
             train, evaluation = train_and_eval_data(section, "sft", ctx.world, tokenizer)
             started = time.perf_counter()
             result = call_stage("sft", section, scratch, Reporting(metrics=metrics_writer.log), **ctx.determinism,
                                 model_location=model_location, train=train.frame, evaluation=evaluation.frame)
             metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
+            mlflow.set_tags(result.tags)
             mlflow.log_table(pd.DataFrame(result.samples), "samples.json")
             return finish("sft", run_id, section, train, metrics, result.checkpoint, result.samples,
                           int(result.metrics["train/steps"]))
@@ -255,7 +257,8 @@ def reward(ctx: StageContext) -> StageRecord | State:
             policy_location = str(tracking.download_checkpoint(ctx.upstream["sft"], scratch / "sft"))
             model_location = resolve_location(section.model, ctx.world) if section.model else policy_location
             mlflow.set_tag("rlhf.base_model", tracking.redact(section.model or f"runs:/{ctx.upstream['sft']}/checkpoint"))
-            tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code)
+            tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code,
+                                       chat_template=section.chat_template)
             train, evaluation = train_and_eval_data(section, "preference", ctx.world, tokenizer)
             prompts = validated(section.normalization_prompts, "prompt", ctx.world, load_tokenizer(policy_location),
                                 LengthBudget(section.max_prompt_length, section.max_length), section.duplicates)
@@ -269,6 +272,7 @@ def reward(ctx: StageContext) -> StageRecord | State:
                 mlflow.log_metrics(gate.metrics)
                 raise
             scores, metrics = result.eval_scores, result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
+            mlflow.set_tags(result.tags)
             if _is_demo(section.eval_data) or (section.eval_data is None and _is_demo(section.train_data)):
                 last_user = [json.loads(m)[-1]["content"] for m in scores["prompt_messages"]]
                 metrics["eval/gold_accuracy"] = gold_accuracy(
@@ -325,6 +329,7 @@ def ppo(ctx: StageContext) -> StageRecord | State:
             result = call_stage("ppo", section, scratch, reporting, **ctx.determinism, sft_location=sft_location,
                                 reward_location=reward_location, prompts=train.frame, eval_prompts=evaluation.frame)
             table, metrics = result.evaluation, result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
+            mlflow.set_tags(result.tags)
             if _is_demo(section.eval_prompts):
                 last_user = [json.loads(m)[-1]["content"] for m in table["prompt_messages"]]
                 metrics |= gold_comparison(last_user, list(table["ppo_response"]), list(table["sft_response"]))
@@ -407,19 +412,31 @@ def context_problems(cfg: PipelineConfig, stages: list[str], world: str | None) 
     return problems
 
 
-def _inputs(cfg: PipelineConfig, stage: str) -> list[tuple[DataSource, str, str, LengthBudget, bool]]:
-    """Every data source `stage` reads: (source, contract kind, model whose tokenizer measures it, budget, remote code)."""
+@dataclass(frozen=True)
+class TokenizerSource:
+    """A tokenizer the way a stage loads it: the model location, remote code, and the chat template given in the config."""
+
+    model: str
+    trust_remote_code: bool
+    chat_template: str | None
+
+
+def _inputs(cfg: PipelineConfig, stage: str) -> list[tuple[DataSource, str, TokenizerSource, LengthBudget]]:
+    """Every data source `stage` reads: (source, contract kind, tokenizer that measures it, budget).
+    The SFT checkpoint carries the SFT tokenizer (and its template) to the later stages."""
     sft, reward, ppo = cfg.sft, cfg.reward, cfg.ppo
+    policy = TokenizerSource(sft.model, sft.trust_remote_code, sft.chat_template)
     if stage == "sft":
         budget = LengthBudget(sft.max_prompt_length, sft.max_length)
-        return [(s, "sft", sft.model, budget, sft.trust_remote_code) for s in (sft.train_data, sft.eval_data) if s]
+        return [(s, "sft", policy, budget) for s in (sft.train_data, sft.eval_data) if s]
     if stage == "reward":
         budget = LengthBudget(reward.max_prompt_length, reward.max_length)
-        model, remote = (reward.model, reward.trust_remote_code) if reward.model else (sft.model, sft.trust_remote_code)
-        pairs = [(s, "preference", model, budget, remote) for s in (reward.train_data, reward.eval_data) if s]
-        return pairs + [(reward.normalization_prompts, "prompt", sft.model, budget, sft.trust_remote_code)]
+        scorer = (TokenizerSource(reward.model, reward.trust_remote_code, reward.chat_template) if reward.model
+                  else TokenizerSource(sft.model, sft.trust_remote_code, reward.chat_template or sft.chat_template))
+        pairs = [(s, "preference", scorer, budget) for s in (reward.train_data, reward.eval_data) if s]
+        return pairs + [(reward.normalization_prompts, "prompt", policy, budget)]
     budget = LengthBudget(ppo.max_prompt_length, ppo.max_prompt_length + ppo.response_length)
-    return [(s, "prompt", sft.model, budget, sft.trust_remote_code) for s in (ppo.prompts, ppo.eval_prompts)]
+    return [(s, "prompt", policy, budget) for s in (ppo.prompts, ppo.eval_prompts)]
 
 
 @task
@@ -428,17 +445,21 @@ def check_inputs(cfg: PipelineConfig, stages: list[str], world: str | None) -> l
     for PPO is refused before SFT and reward spend their compute. Lengths are measured with the
     configured base model's tokenizer (the checkpoints derived from it share it); each stage
     validates its data again with the tokenizer it actually loads. Returns one report per bad source."""
-    tokenizers: dict[str, Any] = {}
+    tokenizers: dict[TokenizerSource, Any] = {}
     reports = []
     for stage in stages:
-        for source, kind, model, budget, remote in _inputs(cfg, stage):
-            if model not in tokenizers:
-                tokenizers[model] = load_tokenizer(resolve_location(model, world), trust_remote_code=remote)
-            section = getattr(cfg, stage)
+        for source, kind, measured_by, budget in _inputs(cfg, stage):
             try:
-                validated(source, kind, world, tokenizers[model], budget, section.duplicates)
+                if measured_by not in tokenizers:
+                    tokenizers[measured_by] = load_tokenizer(resolve_location(measured_by.model, world),
+                                                             trust_remote_code=measured_by.trust_remote_code,
+                                                             chat_template=measured_by.chat_template)
+                validated(source, kind, world, tokenizers[measured_by], budget, getattr(cfg, stage).duplicates)
             except DataContractError as e:
                 reports.append(f"{stage} stage: {e.report()}")
+            except ChatTemplateError as e:
+                reports.append(f"{stage} stage: {e}")
+                break
     return reports
 
 

@@ -71,7 +71,20 @@ def accelerate_config_path(location: str) -> Path | None:
     return None
 
 
-class TrainingConfig(_Frozen):
+class StageSettings(_Frozen):
+    """How every stage loads, computes in and saves its models, and where it runs."""
+
+    precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"] = "auto"
+    """Autocast dtype of the math; trained weights and optimizer states are float32 in every case. `auto`: bf16-mixed on a CUDA GPU with bf16, else fp32."""
+    checkpoint_dtype: Literal["base", "float32", "bfloat16", "float16"] = "base"
+    """Dtype of the saved checkpoint's weights; `base`: the dtype the stage's starting checkpoint was saved in."""
+    trust_remote_code: bool = False
+    """Allow model repositories to run their own Python code when loading."""
+    launch: LaunchConfig = LaunchConfig()
+    """Processes the stage runs on."""
+
+
+class TrainingConfig(StageSettings):
     """Settings every trainer-based stage shares."""
 
     eval_fraction: float = Field(0.1, gt=0, lt=1)
@@ -110,10 +123,8 @@ class TrainingConfig(_Frozen):
     """Trainer checkpoint every this many steps; a rerun of the same work resumes from the last one."""
     seed: int = 0
     """Seeds data order and initialisation."""
-    trust_remote_code: bool = False
-    """Allow model repositories to run their own Python code when loading."""
-    launch: LaunchConfig = LaunchConfig()
-    """Processes the stage runs on."""
+    chat_template: str | None = None
+    """Jinja chat template (or the path of a .jinja file) for a tokenizer that has none, or to replace its own; saved with the checkpoint."""
 
     @model_validator(mode="after")
     def _budgets_fit(self):
@@ -169,7 +180,7 @@ class LoRAConfig(_Frozen):
     """Module names that get adapters."""
 
 
-class PPOConfig(_Frozen):
+class PPOConfig(StageSettings):
     """PPO fine-tuning of the SFT policy against the frozen reward model."""
 
     prompts: DataSource = DataSource(path="demo:prompts")
@@ -231,7 +242,7 @@ class PPOConfig(_Frozen):
     whiten_rewards: bool = False
     """Whiten per-token rewards (keeping their mean) before GAE."""
     missing_eos_score: float | None = -3.0
-    """Score given to responses that never emit EOS, instead of the reward model's; unset disables."""
+    """Score given to responses cut off at `response_length` without a reply-end token, instead of the reward model's; unset: the reward model scores them as they are (no end token appended)."""
     score_clip: PositiveFloat | None = None
     """Clip normalised scores to [-score_clip, score_clip]."""
     ref_refresh_every: PositiveInt | None = None
@@ -256,12 +267,14 @@ class PPOConfig(_Frozen):
     """Warn when mean response length drifts by more than this share from the first iteration's."""
     warn_ratio_max: PositiveFloat = 10.0
     """Warn when the largest policy ratio exceeds this."""
+    warn_initial_ratio_deviation: PositiveFloat = 1e-3
+    """Warn when max |ratio - 1| before an iteration's first update exceeds this: rollout and training then compute different policies."""
+    frozen_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the frozen reference and reward models are held in; bfloat16 halves their memory."""
+    refit_normalization: bool = True
+    """Refit the reward normalisation (gain, bias) on the first iteration's rollouts, so PPO's scores start at mean 0, std 1 under its own sampling settings."""
     seed: int = 0
     """Seeds prompt order, sampling and initialisation."""
-    trust_remote_code: bool = False
-    """Allow model repositories to run their own Python code when loading."""
-    launch: LaunchConfig = LaunchConfig()
-    """Processes the stage runs on."""
 
     @model_validator(mode="after")
     def _batches_divide(self) -> PPOConfig:

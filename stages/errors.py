@@ -15,3 +15,7 @@ class RewardGateError(RuntimeError):
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite; the last full-state checkpoint is kept."""
+
+
+class ChatTemplateError(ValueError):
+    """A tokenizer with no chat template, and none given in the stage's config."""

@@ -1,64 +1,209 @@
 """Loading and saving models the same way in every stage.
 
-One place decides how a checkpoint is read (safetensors only, remote code only when asked),
-how the tokenizer pads, and which special-token ids the model config carries, so no two
-stages can disagree about them silently.
+One place decides how a checkpoint is read (safetensors only, remote code only when asked, in
+the dtype the stage asks for, not the one it was saved in), how the tokenizer pads, which
+token closes a reply, which special-token ids the model and generation configs carry, how
+dropout is switched off, and in which dtype a checkpoint is written, so no two stages can
+disagree about them silently.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import weakref
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from stages.errors import ChatTemplateError
+
 if TYPE_CHECKING:  # the modelling half of transformers takes seconds to import; a flow that only validates data never needs it
     from transformers import PreTrainedModel
 
 
-def load_tokenizer(location: str, *, padding_side: str = "left", trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer at `location`, padding on `padding_side`, with a pad token distinct from EOS.
+def load_tokenizer(location: str, *, padding_side: str = "left", trust_remote_code: bool = False,
+                   chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer at `location`, padding on `padding_side`, with a pad token distinct from EOS
+    and a chat template: `chat_template` (a Jinja string or a .jinja file) when given, else its own.
 
     A tokenizer without a pad token gets `<pad>` added (the model's embeddings are resized
     to match in `load_causal_lm`): reusing EOS as padding would hide every real EOS from
-    the loss and from the end-of-response mask.
+    the loss and from the end-of-response mask. A tokenizer with neither a template nor a
+    configured one is refused: every prompt is rendered with it, and guessing a format would
+    train the model on text it will never be prompted with.
     """
     tokenizer = AutoTokenizer.from_pretrained(location, padding_side=padding_side, trust_remote_code=trust_remote_code)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer at {location} has no EOS token; responses could never end")
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         tokenizer.add_special_tokens({"pad_token": "<pad>"})
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    if not tokenizer.chat_template:
+        raise ChatTemplateError(
+            f"the tokenizer at {location} has no chat template; set the stage's `chat_template` in the config "
+            "(a Jinja template string, or the path of a .jinja file) so prompts are rendered the way the model "
+            "will be prompted")
     return tokenizer
 
 
-def load_causal_lm(location: str, tokenizer: PreTrainedTokenizerBase, *, trust_remote_code: bool = False) -> PreTrainedModel:
-    """A causal LM from safetensors weights, its embeddings and special-token ids matching `tokenizer`."""
+def read_chat_template(template: str) -> str:
+    """A chat template given in the config: the contents of a `.jinja` file, or the template itself."""
+    if template.endswith(".jinja"):
+        path = Path(template)
+        if not path.is_file():
+            raise ChatTemplateError(f"chat template file {template} not found")
+        return path.read_text()
+    return template
+
+
+_REPLY_ENDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reply_end_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The token that closes an assistant reply: the special token the chat template writes right
+    after the reply's text (`<|im_end|>` in ChatML, `<|eot_id|>` in Llama 3, `</s>` in Llama 2),
+    else the tokenizer's EOS. SFT learns to emit it, and generation stops at it."""
+    if tokenizer not in _REPLY_ENDS:
+        marker = "Zq7xReplyEndMarker"
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hello"}, {"role": "assistant", "content": marker}], tokenize=False)
+        after = rendered[rendered.index(marker) + len(marker):] if marker in rendered else ""
+        following = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+        special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        _REPLY_ENDS[tokenizer] = following[0] if following and following[0] in special else tokenizer.eos_token_id
+    return _REPLY_ENDS[tokenizer]
+
+
+def stop_token_ids(model: PreTrainedModel) -> list[int]:
+    """Every token id that ends a response (set by `fit_to_tokenizer`): generation stops at the
+    first of them, and a response is complete when it holds one."""
+    ids = model.generation_config.eos_token_id
+    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
+
+
+def checkpoint_dtype(location: str, *, trust_remote_code: bool = False) -> torch.dtype:
+    """The dtype a checkpoint's weights were saved in, as its config states (float32 when unstated)."""
+    from transformers import AutoConfig
+
+    dtype = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code).dtype
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def load_causal_lm(location: str, tokenizer: PreTrainedTokenizerBase, *, dtype: torch.dtype = torch.float32,
+                   trust_remote_code: bool = False) -> PreTrainedModel:
+    """A causal LM from safetensors weights in `dtype` (float32 unless asked: a trained model's
+    weights and optimizer states must not be bf16, whatever the checkpoint was saved in), its
+    embeddings and special-token ids matching `tokenizer`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(location, use_safetensors=True, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(location, use_safetensors=True, dtype=dtype,
+                                                 trust_remote_code=trust_remote_code)
     fit_to_tokenizer(model, tokenizer)
     return model
 
 
 def fit_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Grow the embeddings to cover tokens the tokenizer added (e.g. `<pad>`) and write the
-    tokenizer's pad/bos/eos ids into the model and generation configs."""
+    """Grow the embeddings to cover tokens the tokenizer added (e.g. `<pad>`), write the
+    tokenizer's pad/bos/eos ids into the model config, and make the generation config stop at
+    every end token: the reply end, the tokenizer's EOS and any the checkpoint's generation
+    config already lists (Llama 3 lists several)."""
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         model.resize_token_embeddings(len(tokenizer))
-    configs = [model.config] + ([model.generation_config] if getattr(model, "generation_config", None) else [])
-    for config in configs:
-        config.pad_token_id = tokenizer.pad_token_id
-        config.bos_token_id = tokenizer.bos_token_id
-        config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.bos_token_id = tokenizer.bos_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        listed = generation.eos_token_id
+        listed = [] if listed is None else list(listed) if isinstance(listed, (list, tuple)) else [listed]
+        stops = [reply_end_id(tokenizer), tokenizer.eos_token_id]
+        stops = list(dict.fromkeys(stops + listed))
+        generation.eos_token_id = stops if len(stops) > 1 else stops[0]  # a lone id stays an int, as hub configs write it
+        generation.pad_token_id = tokenizer.pad_token_id
+        generation.bos_token_id = tokenizer.bos_token_id
 
 
-def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> Path:
-    """A plain Hugging Face folder: safetensors weights, config, generation config, tokenizer."""
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off in every form a transformers model uses: `nn.Dropout` modules, and the float
+    probabilities that attention and decoder layers copy from their config at construction and
+    pass to functional dropout in train mode (Llama/Qwen/Mistral `attention_dropout`, OPT's
+    `dropout` and `layerdrop`). The config itself is left as the checkpoint wrote it."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "drop" in name.lower() and isinstance(value, float):
+                setattr(module, name, 0.0)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a stage computes: the dtype its optimizer updates, and the dtype autocast runs in."""
+
+    name: str
+    """`fp32`, `bf16-mixed` or `fp16-mixed`."""
+    autocast_dtype: torch.dtype | None
+    """None: no autocast, everything in float32."""
+    trainable_dtype: torch.dtype = torch.float32
+    """Trained weights and optimizer states: always float32 (low-precision AdamW updates round away most small steps)."""
+
+    def autocast(self, on: torch.device):
+        return nullcontext() if self.autocast_dtype is None else torch.autocast(on.type, dtype=self.autocast_dtype)
+
+
+def precision_tags(precision: Precision, trained: list[torch.nn.Parameter], saved: torch.dtype) -> dict[str, str]:
+    """What every stage run is tagged with: the dtype(s) its optimizer actually updated (read from
+    the trained parameters, not assumed), the autocast dtype, and the saved checkpoint's dtype."""
+    updated = sorted({_dtype_name(p.dtype) for p in trained})
+    return {"rlhf.trainable_dtype": ",".join(updated),
+            "rlhf.autocast_dtype": "none" if precision.autocast_dtype is None else _dtype_name(precision.autocast_dtype),
+            "rlhf.checkpoint_dtype": _dtype_name(saved)}
+
+
+def resolve_precision(setting: str) -> Precision:
+    """`auto` is bf16-mixed on a CUDA GPU with bf16 support and fp32 elsewhere."""
+    if setting == "auto":
+        setting = "bf16-mixed" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    if setting == "fp16-mixed" and not torch.cuda.is_available():
+        raise ValueError("precision fp16-mixed needs a CUDA GPU (its loss scaling is a GPU technique); "
+                         "use fp32 or bf16-mixed on the CPU")
+    return Precision(setting, {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[setting])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """`float32`, `bfloat16` or `float16` as a torch dtype."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def output_dtype(setting: str, base_location: str, *, trust_remote_code: bool = False) -> torch.dtype:
+    """The dtype a stage saves its checkpoint in: `base` keeps its starting checkpoint's."""
+    return checkpoint_dtype(base_location, trust_remote_code=trust_remote_code) if setting == "base" else dtype_named(setting)
+
+
+def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path,
+                    dtype: torch.dtype | None = None) -> Path:
+    """A plain Hugging Face folder: safetensors weights in `dtype` (the model's own when None),
+    config stating that dtype, generation config, tokenizer. The model itself is not cast."""
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
+    dtype = dtype or model.dtype
+    state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in model.state_dict().items()}
+    model.save_pretrained(folder, safe_serialization=True, state_dict=state)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config["dtype"] = _dtype_name(dtype)  # the config states what the weights are, not what was trained
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -83,7 +228,7 @@ def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts
     sampling = {"do_sample": False} if temperature is None else {
         "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     out = model.generate(**batch, **sampling, max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # (B, Tq + T)
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(model))  # (B, Tq + T)
     return batch["input_ids"], batch["attention_mask"], out[:, batch["input_ids"].shape[1]:]
 
 
@@ -98,14 +243,19 @@ def generate_greedy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
 
 
-def encode_replies(tokenizer: PreTrainedTokenizerBase, prompts: list[str], replies: list[str]) -> tuple[list[list[int]], list[list[int]]]:
-    """Token ids of rendered prompts and of replies closed by EOS, the way every stage sees them.
+def encode_replies(tokenizer: PreTrainedTokenizerBase, prompts: list[str], replies: list[str],
+                   complete: list[bool] | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of rendered prompts and of replies closed by the reply-end token, the way every
+    stage sees them; a reply marked not `complete` (cut off at the length limit) is left open.
 
     No special tokens are added implicitly: the chat template already placed BOS and the role
     markers. A prompt is encoded on its own, so its ids are exactly what generation starts from.
     """
     prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    reply_ids = [ids + [tokenizer.eos_token_id] for ids in tokenizer(list(replies), add_special_tokens=False)["input_ids"]]
+    end = [reply_end_id(tokenizer)]
+    complete = [True] * len(replies) if complete is None else complete
+    reply_ids = [ids + end if closed else ids
+                 for ids, closed in zip(tokenizer(list(replies), add_special_tokens=False)["input_ids"], complete, strict=True)]
     return prompt_ids, reply_ids
 
 

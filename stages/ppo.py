@@ -21,6 +21,7 @@ The equations live in `stages.ppo_math`; this module holds models, batching and 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import shutil
@@ -39,11 +40,13 @@ from transformers import DynamicCache, PreTrainedModel, get_scheduler
 
 from rlhf.config import PPOConfig
 from stages.errors import NonFiniteLossError
-from stages.models import device, load_causal_lm, load_tokenizer, position_ids_for, save_checkpoint
+from stages.models import (Precision, device, disable_dropout, dtype_named, load_causal_lm, load_tokenizer,
+                           output_dtype, position_ids_for, precision_tags, resolve_precision, save_checkpoint,
+                           stop_token_ids)
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss, entropy_of,
-                             explained_variance, gae, kl_estimate, logprobs_of, masked_mean, masked_whiten,
+                             explained_variance, gae, is_end, kl_estimate, logprobs_of, masked_mean, masked_whiten,
                              response_mask, token_rewards, truncate_after_eos)
-from stages.reward import RewardScorer, disable_dropout, load_reward_model
+from stages.reward import RewardScorer, fit_normalization, load_reward_model
 
 
 @dataclass
@@ -81,6 +84,9 @@ class Models:
     """None when LoRA is on: the reference is the policy with its adapters disabled."""
     scorer: RewardScorer
     tokenizer: object
+    precision: Precision
+    stop_ids: list[int]
+    """Token ids that end a response: the reply end, EOS, and any the generation config lists."""
 
     def trainable(self) -> list[torch.nn.Parameter]:
         modules = [self.policy, self.value_head, self.critic]
@@ -93,6 +99,10 @@ class Models:
 
 
 def load_models(cfg: PPOConfig, sft_location: str, reward_location: str) -> Models:
+    """Trained modules (policy, value head or critic) in float32 whatever the checkpoints' dtype;
+    frozen ones (reference, reward model) in `cfg.frozen_dtype`; dropout off in all of them, so
+    a rollout and the update that follows compute the same policy."""
+    frozen = dtype_named(cfg.frozen_dtype)
     tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
     policy = load_causal_lm(sft_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
     disable_dropout(policy)
@@ -103,7 +113,7 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str) -> Mode
         policy = get_peft_model(policy, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
                                                    target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
     else:
-        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+        reference = copy.deepcopy(policy).to(frozen).eval().requires_grad_(False)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     value_head, critic = None, None
@@ -115,9 +125,10 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str) -> Mode
             raise ValueError(f"ppo.critic = 'reward' needs the reward model at {reward_location} to share the policy's "
                              "tokenizer (the critic reads the policy's token ids); use ppo.critic = 'shared'")
         critic = load_reward_model(reward_location, tokenizer, trust_remote_code=cfg.trust_remote_code, fresh_head=False)
-    scorer = RewardScorer.from_pretrained(reward_location, trust_remote_code=cfg.trust_remote_code)
+    scorer = RewardScorer.from_pretrained(reward_location, dtype=frozen, trust_remote_code=cfg.trust_remote_code)
     scorer.model.requires_grad_(False)
-    models = Models(policy, value_head, critic, reference, scorer, tokenizer)
+    models = Models(policy, value_head, critic, reference, scorer, tokenizer, resolve_precision(cfg.precision),
+                    stop_token_ids(policy))
     run_on = device()
     for module in (policy, value_head, critic, reference):
         if module is not None:
@@ -135,27 +146,20 @@ def reference_policy(models: Models) -> Iterator[PreTrainedModel]:
             yield models.policy
 
 
-def mixed_precision() -> bool:
-    """bf16 autocast on a GPU that supports it; fp32 otherwise."""
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-
-
-def autocast():
-    return torch.autocast("cuda", dtype=torch.bfloat16) if mixed_precision() else nullcontext()
-
-
 def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
-                     mask: torch.Tensor, want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     mask: torch.Tensor, want_hidden: bool, precision: Precision) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits that predict each response token, and the final hidden states at the same
     positions, from one pass over prompt + response. # -> (B, T, V), (B, T, H) | None"""
     input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
     attention_mask = torch.cat([query_mask, mask.long()], dim=1)
-    with autocast():
+    steps = responses.shape[1]
+    with precision.autocast(input_ids.device):
         # Only the last T + 1 positions need the vocabulary projection: the logits at position p predict token p + 1.
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
-                    output_hidden_states=want_hidden, use_cache=False, logits_to_keep=responses.shape[1] + 1)
-    logits = out.logits[:, :-1]
-    hidden = out.hidden_states[-1][:, queries.shape[1] - 1:-1] if want_hidden else None
+                    output_hidden_states=want_hidden, use_cache=False, logits_to_keep=steps + 1)
+    # Sliced here as well: a model that ignores `logits_to_keep` returns every position.
+    logits = out.logits[:, -(steps + 1):-1]  # (B, T, V)
+    hidden = out.hidden_states[-1][:, -(steps + 1):-1] if want_hidden else None  # (B, T, H)
     return logits, hidden
 
 
@@ -166,13 +170,15 @@ def shared_values(models: Models, hidden: torch.Tensor) -> torch.Tensor:
 
 def critic_values(models: Models, queries, query_mask, responses, mask) -> torch.Tensor:
     """Values from the separate critic's pass over prompt + response. # -> (B, T)"""
-    _, hidden = forward_response(models.critic, queries, query_mask, responses, mask, want_hidden=True)
+    _, hidden = forward_response(models.critic, queries, query_mask, responses, mask, want_hidden=True,
+                                 precision=models.precision)
     return models.critic.score(hidden).squeeze(-1).float()
 
 
 def policy_and_values(models: Models, queries, query_mask, responses, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """Policy logits and values for the response tokens; with the shared value head, one backbone pass. # (B, T, V), (B, T)"""
-    logits, hidden = forward_response(models.policy, queries, query_mask, responses, mask, want_hidden=models.critic is None)
+    logits, hidden = forward_response(models.policy, queries, query_mask, responses, mask,
+                                      want_hidden=models.critic is None, precision=models.precision)
     if models.critic is None:
         return logits, shared_values(models, hidden)
     return logits, critic_values(models, queries, query_mask, responses, mask)
@@ -208,8 +214,8 @@ class Rollout:
     entropy: torch.Tensor
     scores: torch.Tensor  # (B,) used in the reward: normalised, EOS-penalised, clipped
     normalized_scores: torch.Tensor  # (B,) the reward model's normalised scores
-    raw_scores: torch.Tensor  # (B,)
-    has_eos: torch.Tensor  # (B,)
+    raw_scores: torch.Tensor  # (B,) of the response as it is: a cut-off one is scored without an end token
+    has_eos: torch.Tensor  # (B,) the response ended with an end token
     texts: list[str]
     prompts: list[str]
 
@@ -235,11 +241,12 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def sample(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig) -> Samples:
+def sample(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig, precision: Precision,
+           stop_ids: list[int]) -> Samples:
     """Sample up to `response_length` tokens per prompt from the full temperature-scaled
     distribution, one KV-cached step at a time, keeping each token's log-prob, the entropy and
     the final hidden state of the step that produced it: the rollout then needs no second
-    policy pass for old log-probs and (shared-body) values. Stops early once every row has an EOS."""
+    policy pass for old log-probs and (shared-body) values. Stops early once every row has an end token."""
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                       padding_side="left").to(model.device)
     queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
@@ -247,7 +254,7 @@ def sample(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig
     step_ids, cache = queries, DynamicCache()
     tokens, logprobs, entropy, hidden = [], [], [], []
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=model.device)
-    with autocast():
+    with precision.autocast(model.device):
         for _ in range(cfg.response_length):
             out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
                         past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
@@ -257,23 +264,33 @@ def sample(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig
             logprobs.append(logprobs_of(logits, token, cfg.temperature))
             entropy.append(entropy_of(logits, cfg.temperature))
             hidden.append(out.hidden_states[-1][:, -1:])
-            finished |= token.squeeze(1) == tokenizer.eos_token_id
+            finished |= is_end(token.squeeze(1), stop_ids)
             if finished.all():
                 break
             step_ids, positions = token, positions[:, -1:] + 1
             attention_mask = torch.cat([attention_mask, torch.ones_like(token)], dim=1)
-    responses = truncate_after_eos(torch.cat(tokens, dim=1), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    responses = truncate_after_eos(torch.cat(tokens, dim=1), stop_ids, tokenizer.pad_token_id)
     return Samples(queries, query_mask, responses, torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1),
                    torch.cat(hidden, dim=1))
 
 
-def reuse_sampling_pass(cfg: PPOConfig) -> bool:
+def reuse_sampling_pass(cfg: PPOConfig, precision: Precision) -> bool:
     """Whether old log-probs (and shared-body values) come from the sampling pass: in fp32 they
-    equal a fresh forward up to float rounding; under bf16 autocast the KV-cached steps drift
+    equal a fresh forward up to float rounding; under autocast the KV-cached steps drift
     further from the full-sequence pass the update uses, so a second forward is taken."""
     if cfg.old_logprobs == "auto":
-        return not mixed_precision()
+        return precision.autocast_dtype is None
     return cfg.old_logprobs == "sampling"
+
+
+def score_fields(raw: torch.Tensor, has_eos: torch.Tensor, scorer: RewardScorer, cfg: PPOConfig) -> dict[str, torch.Tensor]:
+    """Normalised scores, and the scores the reward uses: normalised, a cut-off response given
+    `missing_eos_score` (when set), clipped to `score_clip` (when set). # (B,), (B,) -> (B,) each"""
+    normalized = scorer.gain * raw + scorer.bias
+    scores = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
+    if cfg.score_clip is not None:
+        scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
+    return {"normalized_scores": normalized, "scores": scores}
 
 
 @torch.inference_mode()
@@ -281,13 +298,13 @@ def rollout(models: Models, prompts: list[str], prompt_messages: list, cfg: PPOC
     tokenizer = models.tokenizer
     models.train(False)
     start = time.perf_counter()
-    sampled = sample(models.policy, tokenizer, prompts, cfg)
+    sampled = sample(models.policy, tokenizer, prompts, cfg, models.precision, models.stop_ids)
     queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
     timings["generate"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    mask = response_mask(responses, tokenizer.eos_token_id)
-    if reuse_sampling_pass(cfg):
+    mask = response_mask(responses, models.stop_ids)
+    if reuse_sampling_pass(cfg, models.precision):
         logprobs, entropy = sampled.logprobs, sampled.entropy
         if models.critic is None:
             values = shared_values(models, sampled.hidden)
@@ -297,22 +314,24 @@ def rollout(models: Models, prompts: list[str], prompt_messages: list, cfg: PPOC
         logits, values = policy_and_values(models, queries, query_mask, responses, mask)
         logprobs, entropy = logprobs_of(logits, responses, cfg.temperature), entropy_of(logits, cfg.temperature)
     with reference_policy(models) as reference:
-        ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False)
+        ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
+                                         precision=models.precision)
     ref_logprobs = logprobs_of(ref_logits, responses, cfg.temperature)
 
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    has_eos = (responses == tokenizer.eos_token_id).any(dim=1)
-    raw = models.scorer.score(prompt_messages, texts, normalized=False).to(queries.device)
-    normalized = models.scorer.gain * raw + models.scorer.bias
-    scores = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
-    if cfg.score_clip is not None:
-        scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
+    has_eos = is_end(responses, models.stop_ids).any(dim=1)
+    raw = models.scorer.score(prompt_messages, texts, normalized=False, complete=has_eos.tolist()).to(queries.device)
     timings["score"] = time.perf_counter() - start
     return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask, values * mask,
-                   entropy, scores, normalized, raw, has_eos, texts, prompts)
+                   entropy, raw_scores=raw, has_eos=has_eos, texts=texts, prompts=prompts,
+                   **score_fields(raw, has_eos, models.scorer, cfg))
 
 
 # --- update -----------------------------------------------------------------------------------
+
+
+MAX_FIGURES = ("_max", "initial_ratio_deviation")
+"""Figures summarised by their largest value (over minibatches and processes), not their mean."""
 
 
 @dataclass
@@ -324,7 +343,7 @@ class UpdateStats:
             self.values.setdefault(key, []).append(float(value))
 
     def means(self) -> dict[str, float]:
-        return {key: (max(v) if key == "ratio_max" else float(np.mean(v))) for key, v in self.values.items()}
+        return {key: (max(v) if key.endswith(MAX_FIGURES) else float(np.mean(v))) for key, v in self.values.items()}
 
 
 @dataclass(frozen=True)
@@ -360,54 +379,85 @@ def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor,
 
 def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: Rollout, advantages: torch.Tensor,
                returns: torch.Tensor, cfg: PPOConfig, optimizer: torch.optim.Optimizer, scheduler,
-               iteration: int) -> dict[str, float]:
-    """num_ppo_epochs passes of shuffled minibatches over this process's rollout; gradients are
-    averaged over processes once per minibatch, at its last micro-batch."""
+               scaler: torch.amp.GradScaler, iteration: int) -> dict[str, float]:
+    """num_ppo_epochs passes of shuffled minibatches over this process's rollout, one optimizer step each.
+    `initial_ratio_deviation`, max |ratio - 1| over the first minibatch before any step, checks that
+    the update computes the policy the rollout sampled from (dropout off, same precision)."""
     actor_critic.train(True)
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     n = len(batch.responses)
-    minibatch_size = n // cfg.num_minibatches
-    micro_size = cfg.micro_batch_size or minibatch_size
     stats = UpdateStats()
-    for _ in range(cfg.num_ppo_epochs):
-        for minibatch in torch.randperm(n).split(minibatch_size):
-            micro_batches = minibatch.split(micro_size)
-            for position, rows in enumerate(micro_batches):
-                last = position == len(micro_batches) - 1
-                with nullcontext() if last else accelerator.no_sync(actor_critic):
-                    figures = _micro_batch_step(actor_critic, micro_batch(batch, advantages, returns,
-                                                                          rows.to(batch.responses.device)),
-                                                cfg, len(rows) / len(minibatch), iteration)
-                stats.add(**figures)
+    for epoch in range(cfg.num_ppo_epochs):
+        for index, minibatch in enumerate(torch.randperm(n).split(n // cfg.num_minibatches)):
+            figures = accumulate_gradients(actor_critic, accelerator, batch, advantages, returns,
+                                           minibatch.to(batch.responses.device), cfg, scaler, iteration)
+            deviation = figures.pop("ratio_deviation")
+            if epoch == 0 and index == 0:
+                stats.add(initial_ratio_deviation=deviation)
+            scaler.unscale_(optimizer)  # clipping reads true gradient norms (no-op without fp16 loss scaling)
             grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            stats.add(grad_norm=grad_norm.item())
+            stats.add(**figures, grad_norm=grad_norm.item())
     return stats.means()
 
 
-def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPOConfig, share: float,
-                      iteration: int) -> dict[str, float]:
-    """Forward and backward of one micro-batch, its loss weighted by its share of the minibatch."""
+def accumulate_gradients(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: Rollout,
+                         advantages: torch.Tensor, returns: torch.Tensor, rows: torch.Tensor, cfg: PPOConfig,
+                         scaler: torch.amp.GradScaler, iteration: int) -> dict[str, float]:
+    """Gradients of one minibatch (these `rows` of this process's rollout), accumulated over its
+    micro-batches and averaged over processes by DDP at the last one.
+
+    Every loss term is a mean over the minibatch's tokens on all processes together: each
+    micro-batch's masked sum is divided by N / P, with N those tokens and P the process count,
+    because DDP divides the summed gradients by P. The gradient is then the same for every
+    `micro_batch_size` and process count (tested to 1e-5). Returned figures are this process's
+    sums on the same scale, so their mean over processes is the minibatch's token mean."""
+    num_tokens = batch.mask[rows].sum()
+    if accelerator.num_processes > 1:
+        torch.distributed.all_reduce(num_tokens)
+    num_tokens = num_tokens.clamp(min=1.0) / accelerator.num_processes
+    micro_batches = rows.split(cfg.micro_batch_size or len(rows))
+    totals: dict[str, float] = {}
+    for position, micro_rows in enumerate(micro_batches):
+        last = position == len(micro_batches) - 1
+        with nullcontext() if last else accelerator.no_sync(actor_critic):
+            figures = _micro_batch_step(actor_critic, micro_batch(batch, advantages, returns, micro_rows), cfg,
+                                        num_tokens, scaler, iteration)
+        for key, value in figures.items():
+            largest = key.endswith(MAX_FIGURES) or key == "ratio_deviation"
+            totals[key] = max(totals.get(key, 0.0), value) if largest else totals.get(key, 0.0) + value
+    return totals
+
+
+def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPOConfig, num_tokens: torch.Tensor,
+                      scaler: torch.amp.GradScaler, iteration: int) -> dict[str, float]:
+    """Forward and backward of one micro-batch: its masked loss sums over the minibatch's `num_tokens`."""
     mask = micro.mask
     logits, values = actor_critic(micro.queries, micro.query_mask, micro.responses, mask)
     logprobs = logprobs_of(logits, micro.responses, cfg.temperature)
-    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range)
-    value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask, cfg.clip_range_value)
+    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range, num_tokens)
+    value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask, cfg.clip_range_value,
+                                                   num_tokens)
     # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
-    entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.temperature), mask)
+    entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.temperature), mask,
+                          num_tokens=num_tokens)
     loss = policy.loss + cfg.vf_coef * value_loss - cfg.entropy_coef * entropy
     if cfg.kl_loss_coef > 0:
-        loss = loss + cfg.kl_loss_coef * masked_mean(kl_estimate(logprobs, micro.ref_logprobs, "k3"), mask)
+        loss = loss + cfg.kl_loss_coef * masked_mean(kl_estimate(logprobs, micro.ref_logprobs, "k3"), mask,
+                                                     num_tokens=num_tokens)
     if not torch.isfinite(loss):
         raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
                                  "the last full-state checkpoint is kept")
-    (loss * share).backward()
+    scaler.scale(loss).backward()
+    ratio = policy.ratio.detach()
     return dict(policy_loss=policy.loss.item(), value_loss=value_loss.item(), entropy=entropy.item(),
                 clip_fraction=policy.clip_fraction.item(), value_clip_fraction=value_clipped.item(),
-                approx_kl=policy.approx_kl.item(), ratio_mean=masked_mean(policy.ratio, mask).item(),
-                ratio_max=(policy.ratio * mask).max().item())
+                approx_kl=policy.approx_kl.item(),
+                ratio_mean=masked_mean(ratio, mask, num_tokens=num_tokens).item(),
+                ratio_max=(ratio * mask).max().item(), ratio_deviation=((ratio - 1).abs() * mask).max().item())
 
 
 # --- full-state checkpoints -------------------------------------------------------------------
@@ -422,6 +472,8 @@ class LoopState:
     cursor: int = 0
     """Prompts consumed so far (the order is a seeded shuffle per pass over the prompts)."""
     kl: dict = field(default_factory=dict)
+    normalization: dict[str, float] | None = None
+    """The reward normalisation PPO scores with ({"gain", "bias"}), once fixed at iteration 1."""
     first_length: float | None = None
     history: list[dict[str, float]] = field(default_factory=list)
 
@@ -442,7 +494,7 @@ def rng_states(accelerator: Accelerator) -> dict[str, torch.Tensor]:
     return {_rng_key(name, rank): state for rank, states in enumerate(everyone) for name, state in states.items()}
 
 
-def save_state(folder: Path, models: Models, optimizer, scheduler, loop: LoopState,
+def save_state(folder: Path, models: Models, optimizer, scheduler, scaler, loop: LoopState,
                rng: dict[str, torch.Tensor]) -> Path:
     """Write a full-state checkpoint atomically (staging folder, then rename); keeps only the newest.
     On several processes the main one writes it: weights and optimizer state are the same on all,
@@ -457,6 +509,7 @@ def save_state(folder: Path, models: Models, optimizer, scheduler, loop: LoopSta
             save_model(module, str(staging / f"{name}.safetensors"))
     torch.save(optimizer.state_dict(), staging / "optimizer.pt")
     torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+    torch.save(scaler.state_dict(), staging / "scaler.pt")
     save_file(rng, str(staging / "rng.safetensors"))
     (staging / "loop.json").write_text(json.dumps(loop.__dict__))
     shutil.rmtree(folder, ignore_errors=True)
@@ -464,7 +517,7 @@ def save_state(folder: Path, models: Models, optimizer, scheduler, loop: LoopSta
     return folder
 
 
-def load_state(folder: Path, models: Models, optimizer, scheduler, rank: int = 0) -> LoopState:
+def load_state(folder: Path, models: Models, optimizer, scheduler, scaler, rank: int = 0) -> LoopState:
     """Restore a full-state checkpoint, with process `rank`'s random generators. Tensors come from
     safetensors; optimizer and scheduler state load with `weights_only=True`, which refuses
     arbitrary pickled objects."""
@@ -475,6 +528,7 @@ def load_state(folder: Path, models: Models, optimizer, scheduler, rank: int = 0
             load_model(module, str(folder / f"{name}.safetensors"))
     optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    scaler.load_state_dict(torch.load(folder / "scaler.pt", weights_only=True))
     rng = load_file(str(folder / "rng.safetensors"))
     if _rng_key("torch", rank) not in rng:
         raise ValueError(f"the full-state checkpoint in {folder} was written by fewer processes than this run has; "
@@ -499,9 +553,10 @@ def evaluate(models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig) -> tupl
     torch.manual_seed(cfg.seed + 1)  # the same sampling noise for every evaluation of this config
     ppo = rollout(models, prompts, messages, cfg, {})
     with reference_policy(models) as reference:
-        sft_responses = sample(reference, models.tokenizer, prompts, cfg).responses
+        sft_responses = sample(reference, models.tokenizer, prompts, cfg, models.precision, models.stop_ids).responses
     sft_texts = models.tokenizer.batch_decode(sft_responses, skip_special_tokens=True)
-    sft_scores = models.scorer.score(messages, sft_texts)
+    sft_complete = is_end(sft_responses, models.stop_ids).any(dim=1).tolist()
+    sft_scores = models.scorer.score(messages, sft_texts, complete=sft_complete)
     kl = (kl_estimate(ppo.logprobs, ppo.ref_logprobs) * ppo.mask).sum(1)
     table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
                           "ppo_response": ppo.texts, "sft_response": sft_texts,
@@ -527,6 +582,8 @@ class PPOResult:
     """Per-iteration figures, for curves and plots."""
     evaluation: pd.DataFrame
     """Held-out prompts with PPO and SFT responses, their scores and the KL of the PPO response."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """Precision tags for the run: `rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`."""
 
 
 def _warnings(cfg: PPOConfig, figures: dict[str, float], first_length: float, iteration: int) -> list[str]:
@@ -541,11 +598,15 @@ def _warnings(cfg: PPOConfig, figures: dict[str, float], first_length: float, it
         found.append(f"only {figures['rollout/eos_rate']:.0%} of responses end with EOS")
     if figures["train/ratio_max"] > cfg.warn_ratio_max:
         found.append(f"policy ratio reached {figures['train/ratio_max']:.1f} (threshold {cfg.warn_ratio_max})")
+    if figures["train/initial_ratio_deviation"] > cfg.warn_initial_ratio_deviation:
+        found.append(f"before the first update the policy ratio was already {figures['train/initial_ratio_deviation']:.2g} "
+                     f"from 1 (threshold {cfg.warn_initial_ratio_deviation}): rollout and training compute different "
+                     "policies (dropout left on, or precision drift; try ppo.old_logprobs: recompute)")
     return [f"iteration {iteration}: {message}" for message in found]
 
 
 def over_processes(accelerator: Accelerator, figures: dict[str, float]) -> dict[str, float]:
-    """Each figure averaged over processes; `*_max` figures take the largest (collective)."""
+    """Each figure averaged over processes; `MAX_FIGURES` take the largest (collective)."""
     if accelerator.num_processes == 1:
         return figures
     keys = sorted(figures)
@@ -553,7 +614,7 @@ def over_processes(accelerator: Accelerator, figures: dict[str, float]) -> dict[
     summed, largest = values.clone(), values.clone()
     torch.distributed.all_reduce(summed)
     torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
-    return {k: (largest[i] if k.endswith("_max") else summed[i] / accelerator.num_processes).item()
+    return {k: (largest[i] if k.endswith(MAX_FIGURES) else summed[i] / accelerator.num_processes).item()
             for i, k in enumerate(keys)}
 
 
@@ -582,6 +643,18 @@ def whiten_over_processes(accelerator: Accelerator, x: torch.Tensor, mask: torch
     mean = total / n
     var = (squares / n - mean ** 2) * n / (n - 1).clamp(min=1.0)
     return masked_whiten(x, mask, shift_mean, moments=(mean.to(x.dtype), var.to(x.dtype)))
+
+
+def first_normalization(accelerator: Accelerator, scorer: RewardScorer, raw_scores: torch.Tensor,
+                        cfg: PPOConfig) -> dict[str, float]:
+    """The reward normalisation PPO keeps for the whole run: refitted on the first iteration's raw
+    scores over all processes (so scores start at mean 0, std 1 under PPO's own temperature,
+    response length and prompts, where the reward stage sampled with its own), or the reward
+    checkpoint's own when `refit_normalization` is off (collective)."""
+    if not cfg.refit_normalization:
+        return {"gain": scorer.gain, "bias": scorer.bias}
+    gain, bias = fit_normalization(accelerator.gather(raw_scores.float()))
+    return {"gain": gain, "bias": bias}
 
 
 def _prompt_batch(order_seed: int, n_prompts: int, cursor: int, size: int) -> list[int]:
@@ -616,6 +689,8 @@ def train_ppo(
         torch.manual_seed(cfg.seed + rank)
     optimizer = torch.optim.AdamW(models.trainable(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, eps=1e-5,
                                   fused=True)  # one kernel per step instead of several per parameter
+    # Loss scaling for fp16 autocast only; disabled, it passes losses and steps through unchanged.
+    scaler = torch.amp.GradScaler(accelerator.device.type, enabled=models.precision.autocast_dtype == torch.float16)
     actor_critic = accelerator.prepare(ActorCritic(models))  # DDP on several processes; as is on one
     total_steps = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
@@ -624,8 +699,10 @@ def train_ppo(
     state_dir = output_dir / "state"
     loop = LoopState()
     if (state_dir / "loop.json").exists():
-        loop = load_state(state_dir, models, optimizer, scheduler, rank)
+        loop = load_state(state_dir, models, optimizer, scheduler, scaler, rank)
         kl_control = KLController(**loop.kl)
+        if loop.normalization is not None:
+            models.scorer.gain, models.scorer.bias = loop.normalization["gain"], loop.normalization["bias"]
         hooks.warning(f"resumed from the full-state checkpoint after iteration {loop.iteration}")
         for past in loop.history:  # so this run's curves start at iteration 1, not at the resume point
             hooks.metrics({k: v for k, v in past.items() if k != "iteration"}, int(past["iteration"]))
@@ -638,6 +715,10 @@ def train_ppo(
         local = cfg.rollout_batch_size // accelerator.num_processes
         picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, cfg.rollout_batch_size)[rank * local:][:local]
         batch = rollout(models, [prompt_texts[i] for i in picks], [prompt_messages[i] for i in picks], cfg, timings)
+        if loop.normalization is None:
+            loop.normalization = first_normalization(accelerator, models.scorer, batch.raw_scores, cfg)
+            models.scorer.gain, models.scorer.bias = loop.normalization["gain"], loop.normalization["bias"]
+            batch = dataclasses.replace(batch, **score_fields(batch.raw_scores, batch.has_eos, models.scorer, cfg))
 
         kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * batch.mask  # (B, T)
         rewards = token_rewards(batch.scores, kl, kl_control.value, batch.mask)
@@ -647,12 +728,14 @@ def train_ppo(
         advantages = whiten_over_processes(accelerator, advantages, batch.mask)
 
         start = time.perf_counter()
-        train = ppo_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, scheduler, iteration)
+        train = ppo_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, scheduler, scaler,
+                           iteration)
         timings["train"] = time.perf_counter() - start
 
         kl_per_sequence = kl.sum(1).mean().item()
         figures = {
             "rollout/score": batch.normalized_scores.mean().item(),
+            "rollout/score_std": batch.normalized_scores.std().item(),
             "rollout/score_raw": batch.raw_scores.mean().item(),
             "rollout/score_used": batch.scores.mean().item(),
             "rollout/non_score_reward": (-kl_control.value * kl).sum(1).mean().item(),
@@ -688,14 +771,17 @@ def train_ppo(
             # The last one too: if the upload fails, a rerun goes straight to evaluation.
             rng = rng_states(accelerator)
             if accelerator.is_main_process:
-                save_state(state_dir, models, optimizer, scheduler, loop, rng)
+                save_state(state_dir, models, optimizer, scheduler, scaler, loop, rng)
             accelerator.wait_for_everyone()  # no process runs on (or stops) before the state is written
 
     check_weights_agree(accelerator, actor_critic)
     if not accelerator.is_main_process:
         return None
     metrics, evaluation = evaluate(models, eval_prompts, cfg)
+    tags = precision_tags(models.precision, [p for group in optimizer.param_groups for p in group["params"]],
+                          saved := output_dtype(cfg.checkpoint_dtype, sft_location, trust_remote_code=cfg.trust_remote_code))
     policy = models.policy.merge_and_unload() if cfg.lora is not None else models.policy
-    checkpoint = save_checkpoint(policy, models.tokenizer, output_dir / "checkpoint")
-    metrics["train/iterations"] = float(loop.iteration)
-    return PPOResult(checkpoint, metrics, loop.history, evaluation)
+    checkpoint = save_checkpoint(policy, models.tokenizer, output_dir / "checkpoint", saved)
+    metrics |= {"train/iterations": float(loop.iteration), "normalization/gain": models.scorer.gain,
+                "normalization/bias": models.scorer.bias}
+    return PPOResult(checkpoint, metrics, loop.history, evaluation, tags)

@@ -1,7 +1,12 @@
 """PPO for language models, one equation per function. Pure tensor code: no models, no I/O.
 
 Shapes: B sequences, T response tokens. `mask` is 1.0 on real response tokens (up to and
-including the first EOS) and 0.0 after them. Tests work each function through by hand.
+including the first end token) and 0.0 after them. Tests work each function through by hand.
+
+Losses are token means. Their `num_tokens` is the denominator of that mean: left unset, the
+tokens of the batch given; in the update, the tokens of the whole minibatch over every
+micro-batch and process, so each micro-batch's loss is its share of one minibatch mean and the
+accumulated gradient does not depend on how the minibatch is split.
 """
 
 from __future__ import annotations
@@ -16,16 +21,21 @@ import torch.nn.functional as F
 # --- masks and statistics -------------------------------------------------------------------
 
 
-def response_mask(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1.0 up to and including the first EOS of each response, 0.0 after it. # (B, T) -> (B, T)"""
-    is_eos = responses == eos_token_id
-    eos_seen_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0  # an EOS strictly before this position
-    return (~eos_seen_before).float()
+def is_end(responses: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:
+    """True where a token ends a response (any of the model's end tokens). # (B, T) -> (B, T) bool"""
+    return torch.isin(responses, torch.tensor(stop_ids, device=responses.device))
 
 
-def truncate_after_eos(responses: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
-    """Replace every token after the first EOS with padding. # (B, T) -> (B, T)"""
-    return torch.where(response_mask(responses, eos_token_id).bool(), responses, pad_token_id)
+def response_mask(responses: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:
+    """1.0 up to and including the first end token of each response, 0.0 after it. # (B, T) -> (B, T)"""
+    ends = is_end(responses, stop_ids)
+    end_seen_before = (ends.cumsum(dim=1) - ends.long()) > 0  # an end token strictly before this position
+    return (~end_seen_before).float()
+
+
+def truncate_after_eos(responses: torch.Tensor, stop_ids: list[int], pad_token_id: int) -> torch.Tensor:
+    """Replace every token after the first end token with padding. # (B, T) -> (B, T)"""
+    return torch.where(response_mask(responses, stop_ids).bool(), responses, pad_token_id)
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
@@ -34,7 +44,11 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return (positions * mask).argmax(dim=1)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
+                num_tokens: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Mean over masked-in entries; with `num_tokens`, the masked sum over that count instead."""
+    if num_tokens is not None:
+        return (x * mask).sum() / num_tokens
     if dim is None:
         return (x * mask).sum() / mask.sum().clamp(min=1.0)
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
@@ -143,7 +157,7 @@ class PolicyLoss:
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        mask: torch.Tensor, clip_range: float) -> PolicyLoss:
+                        mask: torch.Tensor, clip_range: float, num_tokens: torch.Tensor | float | None = None) -> PolicyLoss:
     """L_clip = E[min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)], rho = pi / pi_old.
 
     Where A > 0 and rho > 1 + eps, or A < 0 and rho < 1 - eps, the min picks the constant
@@ -153,24 +167,25 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    loss = masked_mean(torch.max(unclipped, clipped), mask, num_tokens=num_tokens)
     return PolicyLoss(
         loss=loss,
-        clip_fraction=masked_mean((clipped > unclipped).float(), mask),
-        approx_kl=0.5 * masked_mean(log_ratio**2, mask),
+        clip_fraction=masked_mean((clipped > unclipped).float(), mask, num_tokens=num_tokens),
+        approx_kl=0.5 * masked_mean(log_ratio**2, mask, num_tokens=num_tokens),
         ratio=ratio,
     )
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                       mask: torch.Tensor, clip_range_value: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       clip_range_value: float, num_tokens: torch.Tensor | float | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """L_V = 0.5 * E[max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2)].
     Returns the loss and the share of tokens where the clipped term was larger. # (B, T) x 4"""
     clipped_values = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
     unclipped_error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(unclipped_error, clipped_error), mask)
-    return loss, masked_mean((clipped_error > unclipped_error).float(), mask)
+    loss = 0.5 * masked_mean(torch.max(unclipped_error, clipped_error), mask, num_tokens=num_tokens)
+    return loss, masked_mean((clipped_error > unclipped_error).float(), mask, num_tokens=num_tokens)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

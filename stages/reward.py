@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -28,8 +28,9 @@ from trl import RewardTrainer
 from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
 from stages.errors import RewardGateError
-from stages.models import (device, encode_replies, fit_to_tokenizer, generate, load_causal_lm, load_tokenizer,
-                           position_ids_for, save_checkpoint)
+from stages.models import (device, disable_dropout, encode_replies, fit_to_tokenizer, generate, load_causal_lm,
+                           load_tokenizer, output_dtype, position_ids_for, precision_tags, resolve_precision,
+                           save_checkpoint, stop_token_ids)
 from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
 
 NORMALIZATION_KEY = "rlhf_reward_normalization"
@@ -49,17 +50,12 @@ def init_reward_head(model: PreTrainedModel) -> None:
         torch.nn.init.zeros_(head.bias)
 
 
-def disable_dropout(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-
-
-def load_reward_model(location: str, tokenizer: PreTrainedTokenizerBase, *, trust_remote_code: bool = False,
-                      fresh_head: bool = True) -> PreTrainedModel:
-    """A one-output sequence classifier from a causal-LM (or reward) checkpoint, dropout off."""
+def load_reward_model(location: str, tokenizer: PreTrainedTokenizerBase, *, dtype: torch.dtype = torch.float32,
+                      trust_remote_code: bool = False, fresh_head: bool = True) -> PreTrainedModel:
+    """A one-output sequence classifier in `dtype` from a causal-LM (or reward) checkpoint, dropout
+    off: the two replies of a pair must be scored by the same function (TRL's default too)."""
     model = AutoModelForSequenceClassification.from_pretrained(
-        location, num_labels=1, use_safetensors=True, trust_remote_code=trust_remote_code)
+        location, num_labels=1, use_safetensors=True, dtype=dtype, trust_remote_code=trust_remote_code)
     fit_to_tokenizer(model, tokenizer)
     if fresh_head:
         init_reward_head(model)
@@ -91,16 +87,20 @@ class RewardScorer:
         self.model, self.tokenizer, self.gain, self.bias = model.eval(), tokenizer, gain, bias
 
     @classmethod
-    def from_pretrained(cls, location: str | Path, *, trust_remote_code: bool = False) -> RewardScorer:
+    def from_pretrained(cls, location: str | Path, *, dtype: torch.dtype = torch.float32,
+                        trust_remote_code: bool = False) -> RewardScorer:
         tokenizer = load_tokenizer(str(location), trust_remote_code=trust_remote_code)
-        model = load_reward_model(str(location), tokenizer, trust_remote_code=trust_remote_code, fresh_head=False)
+        model = load_reward_model(str(location), tokenizer, dtype=dtype, trust_remote_code=trust_remote_code,
+                                  fresh_head=False)
         norm = getattr(model.config, NORMALIZATION_KEY, None) or {"gain": 1.0, "bias": 0.0}
         return cls(model.to(device()), tokenizer, norm["gain"], norm["bias"])
 
-    def encode(self, prompts: list, responses: list[str]) -> list[list[int]]:
+    def encode(self, prompts: list, responses: list[str], complete: list[bool] | None = None) -> list[list[int]]:
+        """Prompt + response ids; a response marked not `complete` gets no reply-end token, so a
+        reply cut off at the length limit is scored as the unfinished text it is."""
         conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
         rendered = [render_prompt(messages, self.tokenizer) for messages in conversations]
-        prompt_ids, reply_ids = encode_replies(self.tokenizer, rendered, list(responses))
+        prompt_ids, reply_ids = encode_replies(self.tokenizer, rendered, list(responses), complete)
         return [p + r for p, r in zip(prompt_ids, reply_ids, strict=True)]
 
     @torch.inference_mode()
@@ -113,8 +113,10 @@ class RewardScorer:
             scores.append(last_token_scores(self.model, batch["input_ids"], batch["attention_mask"]).float().cpu())
         return torch.cat(scores) if scores else torch.empty(0)
 
-    def score(self, prompts: list, responses: list[str], normalized: bool = True) -> torch.Tensor:
-        raw = self.raw_scores(self.encode(prompts, responses))
+    def score(self, prompts: list, responses: list[str], normalized: bool = True,
+              complete: list[bool] | None = None) -> torch.Tensor:
+        """Scores of (prompt, response) texts; `complete[i]` False: response i was cut off (default: all complete)."""
+        raw = self.raw_scores(self.encode(prompts, responses, complete))
         return self.gain * raw + self.bias if normalized else raw
 
 
@@ -152,15 +154,17 @@ def calibration(margins: np.ndarray, correct: np.ndarray, buckets: int) -> pd.Da
 
 @torch.inference_mode()
 def sample_references(policy_location: str, prompts: list[str], samples_per_prompt: int, max_new_tokens: int,
-                      seed: int, trust_remote_code: bool = False) -> list[tuple[int, str]]:
-    """(prompt index, response) pairs sampled at temperature 1 from the policy at `policy_location`."""
+                      seed: int, trust_remote_code: bool = False) -> list[tuple[int, str, bool]]:
+    """(prompt index, response, complete) sampled at temperature 1 from the policy at
+    `policy_location`; `complete` is False for a response cut off without an end token."""
     tokenizer = load_tokenizer(policy_location, trust_remote_code=trust_remote_code)
     policy = load_causal_lm(policy_location, tokenizer, trust_remote_code=trust_remote_code).to(device()).eval()
     torch.manual_seed(seed)
     _, _, new_tokens = generate(policy, tokenizer, prompts, max_new_tokens, temperature=1.0,
                                 num_return_sequences=samples_per_prompt)  # (P * S, T)
     texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-    return [(i // samples_per_prompt, text) for i, text in enumerate(texts)]
+    complete = torch.isin(new_tokens, torch.tensor(stop_token_ids(policy), device=new_tokens.device)).any(dim=1)
+    return [(i // samples_per_prompt, text, bool(done)) for i, (text, done) in enumerate(zip(texts, complete))]
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,8 @@ class RewardResult:
     """Held-out pairs with normalised `score_chosen` and `score_rejected`."""
     calibration: pd.DataFrame
     """Accuracy by margin bucket."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """Precision tags for the run: `rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`."""
 
 
 def train_reward(
@@ -190,7 +196,8 @@ def train_reward(
     (then `RewardGateError`, with the figures). On several processes every one trains; only the
     main one scores, normalises, saves and returns."""
     set_seed(cfg.seed)
-    tokenizer = load_tokenizer(model_location, padding_side="right", trust_remote_code=cfg.trust_remote_code)
+    tokenizer = load_tokenizer(model_location, padding_side="right", trust_remote_code=cfg.trust_remote_code,
+                               chat_template=cfg.chat_template)
     model = load_reward_model(model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
     args = TRLRewardConfig(**trainer_arguments(cfg, output_dir), center_rewards_coefficient=cfg.center_rewards_coefficient,
                            disable_dropout=True)
@@ -226,8 +233,9 @@ def train_reward(
     prompts = list(normalization_prompts["prompt"])
     references = sample_references(policy_location, prompts, cfg.normalization_samples,
                                    cfg.max_length - cfg.max_prompt_length, cfg.seed, cfg.trust_remote_code)
-    reference_messages = [json.loads(normalization_prompts["prompt_messages"].iloc[i]) for i, _ in references]
-    reference_scores = scorer.score(reference_messages, [text for _, text in references], normalized=False)
+    reference_messages = [json.loads(normalization_prompts["prompt_messages"].iloc[i]) for i, _, _ in references]
+    reference_scores = scorer.score(reference_messages, [text for _, text, _ in references], normalized=False,
+                                    complete=[done for _, _, done in references])
     gain, bias = fit_normalization(reference_scores)
     metrics |= {"normalization/gain": gain, "normalization/bias": bias,
                 "normalization/reference_mean_raw": reference_scores.mean().item(),
@@ -235,6 +243,8 @@ def train_reward(
 
     model = trainer.model
     setattr(model.config, NORMALIZATION_KEY, {"gain": gain, "bias": bias})
-    checkpoint = save_checkpoint(model, tokenizer, output_dir / "checkpoint")
+    saved = output_dtype(cfg.checkpoint_dtype, model_location, trust_remote_code=cfg.trust_remote_code)
+    checkpoint = save_checkpoint(model, tokenizer, output_dir / "checkpoint", saved)
+    tags = precision_tags(resolve_precision(cfg.precision), [p for p in model.parameters() if p.requires_grad], saved)
     scores = evaluation.assign(score_chosen=(gain * chosen + bias).numpy(), score_rejected=(gain * rejected + bias).numpy())
-    return RewardResult(checkpoint, metrics, scores, calibration(margins, margins > 0, cfg.calibration_buckets))
+    return RewardResult(checkpoint, metrics, scores, calibration(margins, margins > 0, cfg.calibration_buckets), tags)

@@ -18,7 +18,8 @@ from trl import SFTConfig as TRLSFTConfig
 from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
-from stages.models import encode_replies, generate_greedy, load_causal_lm, load_tokenizer, save_checkpoint
+from stages.models import (encode_replies, generate_greedy, load_causal_lm, load_tokenizer, output_dtype, precision_tags,
+                           resolve_precision, save_checkpoint)
 from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
 
 
@@ -30,6 +31,8 @@ class SFTResult:
     """Final figures: `eval/loss`, `eval/loss_untrained`, `train/loss`, `train/steps`."""
     samples: list[dict[str, str]] = field(default_factory=list)
     """Greedy answers to held-out prompts: {prompt, response, reference}."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """Precision tags for the run: `rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`."""
 
 
 def _encoded(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
@@ -48,9 +51,10 @@ def build_trainer(
     output_dir: Path,
     sink: MetricsSink | None = None,
 ) -> SFTTrainer:
-    """TRL's SFTTrainer set up from our config: completion-only loss, no checkpoints of its own."""
+    """TRL's SFTTrainer set up from our config: completion-only loss, no checkpoints of its own.
+    The model keeps the dropout its config sets: regularisation for supervised learning, as TRL does."""
     set_seed(cfg.seed)
-    tokenizer = load_tokenizer(model_location, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = load_tokenizer(model_location, trust_remote_code=cfg.trust_remote_code, chat_template=cfg.chat_template)
     model = load_causal_lm(model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
     args = TRLSFTConfig(**trainer_arguments(cfg, output_dir), completion_only_loss=True, packing=False)
     trainer = SFTTrainer(
@@ -90,11 +94,13 @@ def train_sft(
     answers = generate_greedy(model, tokenizer, list(picks["prompt"]), max_new_tokens=cfg.max_length - cfg.max_prompt_length)
     samples = [{"prompt": p, "response": a, "reference": r} for p, a, r in zip(picks["prompt"], answers, picks["response"])]
 
-    checkpoint = save_checkpoint(model, tokenizer, output_dir / "checkpoint")
+    saved = output_dtype(cfg.checkpoint_dtype, model_location, trust_remote_code=cfg.trust_remote_code)
+    checkpoint = save_checkpoint(model, tokenizer, output_dir / "checkpoint", saved)
+    tags = precision_tags(resolve_precision(cfg.precision), [p for p in model.parameters() if p.requires_grad], saved)
     metrics = {
         "eval/loss": float(eval_loss),
         "eval/loss_untrained": float(untrained_loss),
         "train/loss": float(train_output.training_loss),
         "train/steps": float(train_output.global_step),
     }
-    return SFTResult(checkpoint=checkpoint, metrics=metrics, samples=samples)
+    return SFTResult(checkpoint=checkpoint, metrics=metrics, samples=samples, tags=tags)

@@ -9,6 +9,7 @@ import torch
 from transformers import TrainerCallback
 
 from rlhf.config import TrainingConfig
+from stages.models import resolve_precision
 
 MetricsSink = Callable[[dict[str, float], int], None]
 """Receives (metrics, step) while training; the flow forwards them to MLflow."""
@@ -64,7 +65,9 @@ def trainer_arguments(cfg: TrainingConfig, output_dir: Path) -> dict:
         max_grad_norm=cfg.max_grad_norm,
         activation_checkpointing=cfg.gradient_checkpointing,
         max_length=cfg.max_length,
-        bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+        # Autocast only: the model is handed over in float32, so weights and AdamW states stay float32.
+        bf16=resolve_precision(cfg.precision).autocast_dtype == torch.bfloat16,
+        fp16=resolve_precision(cfg.precision).autocast_dtype == torch.float16,
         eval_strategy="steps",
         eval_steps=cfg.eval_steps,
         # The untrained model's figures, taken inside `train()`: a `trainer.evaluate()` before it

@@ -80,10 +80,10 @@ def test_left_padding_does_not_change_log_probs(tiny_config, trained):
                           padding_side="right", add_special_tokens=False)
     with torch.no_grad():
         padded, _ = forward_response(models.policy, batch["input_ids"], batch["attention_mask"], responses["input_ids"],
-                                     responses["attention_mask"], want_hidden=False)
+                                     responses["attention_mask"], want_hidden=False, precision=models.precision)
         alone = tokenizer([prompts[0]], return_tensors="pt", add_special_tokens=False)
         single, _ = forward_response(models.policy, alone["input_ids"], alone["attention_mask"],
-                                     responses["input_ids"][:1], responses["attention_mask"][:1], want_hidden=False)
+                                     responses["input_ids"][:1], responses["attention_mask"][:1], want_hidden=False, precision=models.precision)
     n = int(responses["attention_mask"][0].sum())
     assert torch.allclose(padded[0, :n], single[0, :n], atol=1e-4)
 
@@ -180,8 +180,8 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
     models.train(False)
     torch.manual_seed(0)
     prompts = list(trained["prompts"]["prompt"][:8])  # prompts of different lengths: left padding
-    sampled = sample(models.policy, models.tokenizer, prompts, cfg)
-    mask = response_mask(sampled.responses, models.tokenizer.eos_token_id)
+    sampled = sample(models.policy, models.tokenizer, prompts, cfg, models.precision, models.stop_ids)
+    mask = response_mask(sampled.responses, models.stop_ids)
     assert (mask.sum(1) < sampled.responses.shape[1]).any()  # some responses ended early: truncation is covered
     with torch.inference_mode():
         logits, values = policy_and_values(models, sampled.queries, sampled.query_mask, sampled.responses, mask)
@@ -209,6 +209,8 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
     assert micro.responses.tolist() == [[9, pad], [8, eos]] and micro.values.tolist() == [[4.0, 5.0], [0.0, 1.0]]
     # The trimmed rows give the model the same inputs at the same positions.
     with torch.inference_mode():
-        full, _ = forward_response(models.policy, queries[[1, 0]], query_mask[[1, 0]], responses[[1, 0]], mask[[1, 0]], False)
-        trimmed, _ = forward_response(models.policy, micro.queries, micro.query_mask, micro.responses, micro.mask, False)
+        full, _ = forward_response(models.policy, queries[[1, 0]], query_mask[[1, 0]], responses[[1, 0]], mask[[1, 0]],
+                                   False, models.precision)
+        trimmed, _ = forward_response(models.policy, micro.queries, micro.query_mask, micro.responses, micro.mask,
+                                      False, models.precision)
     torch.testing.assert_close(trimmed * micro.mask[..., None], full[:, :2] * micro.mask[..., None], atol=1e-5, rtol=0)

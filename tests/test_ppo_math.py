@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss, entropy_of,
+from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss, entropy_of, is_end,
                              explained_variance, gae, kl_estimate, last_token_index, logprobs_of, masked_whiten,
                              response_mask, token_rewards, truncate_after_eos)
 
@@ -44,10 +44,36 @@ def test_gae_stops_at_the_end_of_the_response():
 
 def test_masks_under_early_eos():
     responses = torch.tensor([[5, EOS, 7, EOS], [5, 6, 7, 8], [EOS, 6, EOS, 8]])
-    mask = response_mask(responses, EOS)
+    mask = response_mask(responses, [EOS])
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
-    assert truncate_after_eos(responses, EOS, PAD).tolist() == [[5, EOS, PAD, PAD], [5, 6, 7, 8], [EOS, PAD, PAD, PAD]]
+    assert truncate_after_eos(responses, [EOS], PAD).tolist() == [[5, EOS, PAD, PAD], [5, 6, 7, 8], [EOS, PAD, PAD, PAD]]
     assert last_token_index(mask).tolist() == [1, 3, 0]
+
+
+def test_a_response_ends_at_the_first_of_several_end_tokens():
+    # Llama 3 stops at <|eot_id|> or <|end_of_text|>; ChatML at <|im_end|> or <|endoftext|>.
+    EOT, END = 7, 8
+    responses = torch.tensor([[5, END, 6, EOT], [5, 6, EOT, END], [5, 6, 6, 6]])
+    assert response_mask(responses, [EOT, END]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    assert truncate_after_eos(responses, [EOT, END], PAD).tolist() == [[5, END, PAD, PAD], [5, 6, EOT, PAD], [5, 6, 6, 6]]
+    assert is_end(responses, [EOT, END]).any(dim=1).tolist() == [True, True, False]
+
+
+def test_losses_over_a_given_token_count_add_up_across_micro_batches():
+    # Two micro-batches of one minibatch: 3 tokens and 1 token. Their losses over the minibatch's
+    # 4 tokens add up to the loss of the whole minibatch; per-micro-batch means (2/3 and 1/3 weights
+    # by sequence count) would not: (1+2+3)/3 * 1/2 + 10 * 1/2 = 6 != 4.
+    advantages = torch.tensor([[1.0, 2.0, 3.0], [10.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    logprobs = torch.zeros(2, 3)
+    whole = clipped_policy_loss(logprobs, logprobs, advantages, mask, 0.2).loss  # -(1+2+3+10)/4 = -4
+    parts = [clipped_policy_loss(logprobs[i:i + 1], logprobs[i:i + 1], advantages[i:i + 1], mask[i:i + 1], 0.2,
+                                 num_tokens=4.0).loss for i in range(2)]
+    assert whole.item() == pytest.approx(-4.0) and sum(parts).item() == pytest.approx(-4.0)
+    value_parts = [clipped_value_loss(torch.zeros(1, 3), torch.zeros(1, 3), advantages[i:i + 1], mask[i:i + 1], 0.2,
+                                      num_tokens=4.0)[0] for i in range(2)]
+    # 0.5 * (1 + 4 + 9 + 100) / 4 = 14.25
+    assert sum(value_parts).item() == pytest.approx(14.25)
 
 
 def test_clipped_objective_four_cases_and_where_the_gradient_vanishes():

@@ -67,17 +67,24 @@ def foreign_model(tmp_path, world):
 
 
 def test_any_local_causal_lm_works_in_place_of_the_demo_model(foreign_model, world, tiny_config, tmp_path):
+    from stages.errors import ChatTemplateError
     from stages.models import load_tokenizer
 
-    tokenizer = load_tokenizer(str(foreign_model))
+    with pytest.raises(ChatTemplateError, match="no chat template; set the stage's `chat_template`"):
+        load_tokenizer(str(foreign_model))
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}")
+    tokenizer = load_tokenizer(str(foreign_model), chat_template=str(template))
     assert tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
-    cfg = tiny_config.sft.model_copy(update={"max_steps": 2, "model": str(foreign_model)})
+    cfg = tiny_config.sft.model_copy(update={"max_steps": 2, "model": str(foreign_model), "chat_template": str(template)})
     train = _data(world, cfg, tokenizer, "sft")
-    assert train.iloc[0]["prompt"] == json.loads(train.iloc[0]["prompt_messages"])[0]["content"]  # no template
+    assert train.iloc[0]["prompt"] == "user: " + json.loads(train.iloc[0]["prompt_messages"])[0]["content"] + "\nassistant: "
     result = train_sft(cfg, str(foreign_model), train, train.head(4), tmp_path)
     model = AutoModelForCausalLM.from_pretrained(result.checkpoint)
     assert model.get_input_embeddings().num_embeddings == len(tokenizer)  # grew by the added pad token
     assert torch.isfinite(torch.tensor(result.metrics["eval/loss"]))
+    assert load_tokenizer(str(result.checkpoint)).chat_template == template.read_text()  # carried to later stages
 
 
 def test_interrupted_sft_resumes_from_its_trainer_checkpoint(world, tiny_config, tokenizer, tmp_path):
