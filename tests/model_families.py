@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -124,7 +125,8 @@ class Family:
     """The tokens in the saved generation_config's `eos_token_id`, in its order."""
 
     def expected_stop_ids(self, tokenizer) -> tuple[int, ...]:
-        """Ids that must end a reply: the reply end first, then generation_config's EOS ids."""
+        """Ids on which generating a reply must stop: the reply end first, then the other EOS ids
+        of generation_config (each once)."""
         tokens = dict.fromkeys((self.reply_end_token, *self.stop_tokens))
         return tuple(tokenizer.convert_tokens_to_ids(list(tokens)))
 
@@ -208,8 +210,6 @@ def _folder(parent: Path, name: str) -> Path:
 
 
 def _build_llama(parent: Path) -> Path:
-    import shutil
-
     from transformers import GenerationConfig, LlamaConfig, LlamaTokenizer
 
     folder = _folder(parent, "llama")

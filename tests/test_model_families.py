@@ -1,0 +1,104 @@
+"""Every stage on checkpoints of real model families, not only the demo's Llama.
+
+Each family (tests/model_families.py) is a tiny model built from config, saved in bfloat16, with
+a tokenizer that follows that family's conventions: SentencePiece with BOS (Mistral), ChatML
+whose turn ends before the EOS (Qwen2), several EOS ids (Llama 3), no pad token and no chat
+template with learned positions and config dropout (GPT-2), config dropout (OPT), partial rotary
+(Pythia). Each goes through SFT -> reward -> PPO at smoke size, and the test checks what a user
+relies on: float32 training of bf16 weights, a policy ratio of exactly 1 before the first PPO
+update (dropout off in every form), weights that move, replies that end where the family ends
+them, checkpoints that reload with the Auto classes in the base dtype, and a final policy that
+generates through `transformers.pipeline`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from schemas.validate import LengthBudget, load_validated
+from tests.model_families import CHATML_TEMPLATE, FAMILIES, build_family
+
+
+
+def _budget(folder) -> LengthBudget:
+    """Token budgets inside the model's context (GPT-2's learned positions stop at 128); Llama 3's
+    template writes a dated system header into every prompt, so prompts get up to 128 tokens."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    limit = min(getattr(config, "max_position_embeddings", None) or config.n_positions, 192)
+    return LengthBudget(limit - 64, limit)
+
+
+def _changed_share(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    """Share of the elements of tensors present in both that changed."""
+    common = [name for name in before if name in after and before[name].shape == after[name].shape]
+    changed = sum((before[n].float() != after[n].float()).sum().item() for n in common)
+    return changed / sum(before[n].numel() for n in common)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
+    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                              pipeline)
+
+    from stages.models import load_causal_lm, load_tokenizer, reply_end_id, stop_token_ids
+    from stages.ppo import PPOHooks, train_ppo
+    from stages.reward import train_reward
+    from stages.sft import train_sft
+
+    family = FAMILIES[name]
+    base = build_family(name, tmp_path)
+    template = None if family.has_chat_template else CHATML_TEMPLATE
+    tokenizer = load_tokenizer(str(base), chat_template=template)
+    budget = _budget(base)
+    assert reply_end_id(tokenizer) == tokenizer.convert_tokens_to_ids(family.reply_end_token)
+
+    def data(file, kind):
+        return load_validated(str(world / f"{file}.jsonl"), kind, tokenizer=tokenizer, budget=budget).frame
+
+    common = {"max_prompt_length": budget.max_prompt_length, "max_length": budget.max_length, "precision": "fp32",
+              "max_steps": 4, "chat_template": template}
+    sft = train_sft(tiny_config.sft.model_copy(update={**common, "model": str(base), "learning_rate": 1e-3}),
+                    str(base), data("sft", "sft"), data("sft_eval", "sft"), tmp_path / "sft")
+    reward = train_reward(tiny_config.reward.model_copy(update=common), str(sft.checkpoint), str(sft.checkpoint),
+                          data("preferences", "preference"), data("preferences_eval", "preference"),
+                          data("prompts_eval", "prompt"), tmp_path / "reward")
+    ppo_cfg = tiny_config.ppo.model_copy(update={"max_prompt_length": budget.max_prompt_length, "response_length": 8,
+                                                 "num_iterations": 2, "precision": "fp32"})
+    warnings = []
+    ppo = train_ppo(ppo_cfg, str(sft.checkpoint), str(reward.checkpoint), data("prompts", "prompt"),
+                    data("prompts_eval", "prompt"), tmp_path / "ppo", PPOHooks(warning=warnings.append))
+
+    # bf16 in, float32 trained, bf16 out
+    for result in (sft, reward, ppo):
+        assert result.tags == {"rlhf.trainable_dtype": "float32", "rlhf.autocast_dtype": "none",
+                               "rlhf.checkpoint_dtype": "bfloat16"}
+        assert json.loads((result.checkpoint / "config.json").read_text())["dtype"] == "bfloat16"
+    # dropout off everywhere: the update starts from the policy the rollout sampled
+    deviations = [row["train/initial_ratio_deviation"] for row in ppo.history]
+    assert max(deviations) <= 1e-5, deviations
+    assert not any("before the first update" in w for w in warnings), warnings
+    # training moved the weights (as saved, in bf16)
+    base_weights = load_file(str(base / "model.safetensors"))
+    sft_weights = load_file(str(sft.checkpoint / "model.safetensors"))
+    assert _changed_share(base_weights, sft_weights) > 0.3
+    assert _changed_share(sft_weights, load_file(str(ppo.checkpoint / "model.safetensors"))) > 0.1
+    assert reward.metrics["train/steps"] == 4
+    # replies end where the family ends them; generation stops at every end id
+    trained_tokenizer = load_tokenizer(str(sft.checkpoint))
+    assert trained_tokenizer.chat_template == (template or tokenizer.chat_template)
+    policy = load_causal_lm(str(ppo.checkpoint), trained_tokenizer)
+    assert stop_token_ids(policy) == list(family.expected_stop_ids(trained_tokenizer))
+    # every checkpoint reloads with the Auto classes, in the dtype it was saved in
+    for folder, auto in ((sft.checkpoint, AutoModelForCausalLM), (reward.checkpoint, AutoModelForSequenceClassification),
+                         (ppo.checkpoint, AutoModelForCausalLM)):
+        assert auto.from_pretrained(folder, dtype="auto").dtype == torch.bfloat16
+        assert AutoTokenizer.from_pretrained(folder).chat_template
+    generator = pipeline("text-generation", model=str(ppo.checkpoint))
+    out = generator([{"role": "user", "content": "Describe the cat."}], max_new_tokens=6, do_sample=False)
+    assert out[0]["generated_text"][-1]["role"] == "assistant"

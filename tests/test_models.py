@@ -1,0 +1,140 @@
+"""How every stage loads and saves models: float32 training whatever the checkpoint's dtype, the
+saved dtype as stated, dropout off in every form, reply ends and stop tokens from the tokenizer's
+own conventions, and log-probs that do not trust `logits_to_keep`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+from stages.models import (disable_dropout, load_causal_lm, load_tokenizer, output_dtype, precision_tags,
+                           reply_end_id, resolve_precision, save_checkpoint, stop_token_ids)
+
+
+@pytest.fixture
+def bf16_checkpoint(tmp_path, world):
+    """The demo model's tokenizer beside a small Llama saved in bfloat16, as most hub checkpoints are."""
+    tokenizer = load_tokenizer(str(world / "model"))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+    folder = tmp_path / "bf16"
+    model.to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _saved_dtypes(folder) -> set[str]:
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {f.get_slice(name).get_dtype() for name in f.keys()}
+
+
+def test_a_bf16_checkpoint_trains_in_float32_and_is_saved_back_in_bf16(bf16_checkpoint, tmp_path):
+    tokenizer = load_tokenizer(str(bf16_checkpoint))
+    model = load_causal_lm(str(bf16_checkpoint), tokenizer)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    saved = output_dtype("base", str(bf16_checkpoint))
+    assert saved == torch.bfloat16 and output_dtype("float32", str(bf16_checkpoint)) == torch.float32
+    out = save_checkpoint(model, tokenizer, tmp_path / "out", saved)
+    assert _saved_dtypes(out) == {"BF16"} and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # saving does not cast the model
+    out32 = save_checkpoint(model, tokenizer, tmp_path / "out32", torch.float32)
+    assert _saved_dtypes(out32) == {"F32"} and json.loads((out32 / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_one_small_adamw_step_moves_float32_weights_where_bf16_would_round_it_away(bf16_checkpoint):
+    """Why trained weights are float32: at lr 1e-5 most bf16 weights cannot move at all."""
+    tokenizer = load_tokenizer(str(bf16_checkpoint))
+    moved = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load_causal_lm(str(bf16_checkpoint), tokenizer, dtype=dtype)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        ids = torch.tensor([[1, 5, 6, 7, 8]])
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        changed = sum((p.detach() != b).sum().item() for p, b in zip(model.parameters(), before))
+        moved[dtype] = changed / sum(b.numel() for b in before)
+    assert moved[torch.float32] > 0.95 and moved[torch.bfloat16] < 0.5, moved
+
+
+def test_precision_settings_and_tags():
+    assert resolve_precision("fp32").autocast_dtype is None
+    assert resolve_precision("bf16-mixed").autocast_dtype == torch.bfloat16
+    assert resolve_precision("auto").name == ("bf16-mixed" if torch.cuda.is_available() else "fp32")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="fp16-mixed needs a CUDA GPU"):
+            resolve_precision("fp16-mixed")
+    trained = [torch.nn.Parameter(torch.zeros(2))]
+    assert precision_tags(resolve_precision("bf16-mixed"), trained, torch.bfloat16) == {
+        "rlhf.trainable_dtype": "float32", "rlhf.autocast_dtype": "bfloat16", "rlhf.checkpoint_dtype": "bfloat16"}
+
+
+def test_dropout_is_off_in_modules_and_in_config_probabilities():
+    """OPT passes `config.dropout` and `attention_dropout` to functional dropout and skips layers
+    with `layerdrop`: zeroing `nn.Dropout` modules alone leaves all three on in train mode."""
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(vocab_size=50, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
+                                     word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.3,
+                                     attention_dropout=0.3, layerdrop=0.5))
+    ids = torch.tensor([[2, 5, 6, 7, 8, 9]])
+    model.eval()
+    expected = model(input_ids=ids).logits
+    model.train()
+    assert not torch.allclose(model(input_ids=ids).logits, expected)
+    disable_dropout(model)
+    for _ in range(3):
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=0, rtol=0)
+    assert model.config.dropout == 0.3  # the saved config keeps the user's settings
+
+
+def test_reply_end_comes_from_the_chat_template(tokenizer, world):
+    from transformers import AutoTokenizer
+
+    assert reply_end_id(tokenizer) == tokenizer.eos_token_id  # the demo template closes replies with EOS
+    chatml = AutoTokenizer.from_pretrained(str(world / "model"))
+    chatml.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    chatml.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert reply_end_id(chatml) == chatml.convert_tokens_to_ids("<|im_end|>") != chatml.eos_token_id
+
+
+def test_generation_stops_at_the_reply_end_the_eos_and_every_id_the_checkpoint_lists(bf16_checkpoint):
+    tokenizer = load_tokenizer(str(bf16_checkpoint))
+    config = json.loads((bf16_checkpoint / "generation_config.json").read_text())
+    config["eos_token_id"] = [tokenizer.eos_token_id, 7]  # as Llama 3 lists <|eot_id|>, <|end_of_text|>, ...
+    (bf16_checkpoint / "generation_config.json").write_text(json.dumps(config))
+    model = load_causal_lm(str(bf16_checkpoint), tokenizer)
+    assert stop_token_ids(model) == [tokenizer.eos_token_id, 7]
+
+
+def test_log_probs_do_not_trust_logits_to_keep(tiny_config, trained):
+    """A model that ignores `logits_to_keep` returns every position's logits; the response's
+    log-probs must still be read at the response positions."""
+    from stages.ppo import forward_response, load_models
+
+    models = load_models(tiny_config.ppo, trained["sft"], trained["reward"])
+
+    class IgnoresLogitsToKeep(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, logits_to_keep=None, **inputs):
+            return self.model(**inputs)
+
+    queries = models.tokenizer(["<s><|user|>Describe the cat.<|assistant|>"], return_tensors="pt",
+                               add_special_tokens=False)
+    responses = models.tokenizer(["The cat is warm.</s>"], return_tensors="pt", add_special_tokens=False)
+    args = (queries["input_ids"], queries["attention_mask"], responses["input_ids"], responses["attention_mask"].float())
+    with torch.no_grad():
+        kept, kept_hidden = forward_response(models.policy, *args, want_hidden=True, precision=models.precision)
+        full, full_hidden = forward_response(IgnoresLogitsToKeep(models.policy), *args, want_hidden=True,
+                                             precision=models.precision)
+    assert full.shape == kept.shape == (1, responses["input_ids"].shape[1], len(models.tokenizer))
+    torch.testing.assert_close(full, kept)
+    torch.testing.assert_close(full_hidden, kept_hidden)
