@@ -586,6 +586,14 @@ class PPOResult:
     """Precision tags for the run: `rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`."""
 
 
+def initial_ratio_threshold(cfg: PPOConfig, precision: Precision) -> float:
+    """`warn_initial_ratio_deviation`, or its default: in fp32 a rollout and a fresh forward agree to
+    ~1e-6; under autocast, shapes that differ between the rollout and the update round differently."""
+    if cfg.warn_initial_ratio_deviation is not None:
+        return cfg.warn_initial_ratio_deviation
+    return 1e-3 if precision.autocast_dtype is None else 5e-2
+
+
 def _warnings(cfg: PPOConfig, figures: dict[str, float], first_length: float, iteration: int) -> list[str]:
     found = []
     if figures["rollout/kl"] > cfg.kl_budget:
@@ -598,10 +606,11 @@ def _warnings(cfg: PPOConfig, figures: dict[str, float], first_length: float, it
         found.append(f"only {figures['rollout/eos_rate']:.0%} of responses end with EOS")
     if figures["train/ratio_max"] > cfg.warn_ratio_max:
         found.append(f"policy ratio reached {figures['train/ratio_max']:.1f} (threshold {cfg.warn_ratio_max})")
-    if figures["train/initial_ratio_deviation"] > cfg.warn_initial_ratio_deviation:
+    threshold = initial_ratio_threshold(cfg, resolve_precision(cfg.precision))
+    if figures["train/initial_ratio_deviation"] > threshold:
         found.append(f"before the first update the policy ratio was already {figures['train/initial_ratio_deviation']:.2g} "
-                     f"from 1 (threshold {cfg.warn_initial_ratio_deviation}): rollout and training compute different "
-                     "policies (dropout left on, or precision drift; try ppo.old_logprobs: recompute)")
+                     f"from 1 (threshold {threshold:g}): rollout and training compute different policies (dropout "
+                     "left on, or precision drift; try ppo.old_logprobs: recompute)")
     return [f"iteration {iteration}: {message}" for message in found]
 
 

@@ -31,11 +31,16 @@ def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
     result = _run(cfg, trained, tmp_path, PPOHooks(samples=lambda t, i: samples.append(i), warning=warnings.append))
     scores = [row["rollout/score"] for row in result.history]
     assert np.mean(scores[-6:]) > np.mean(scores[:6]) + 0.3, scores
+    # The reward normalisation is refitted on the first rollouts: PPO starts at mean 0, std 1.
+    assert abs(result.history[0]["rollout/score"]) < 1e-5 and abs(result.history[0]["rollout/score_std"] - 1) < 1e-5
+    assert {"normalization/gain", "normalization/bias"} <= set(result.metrics)
+    assert max(row["train/initial_ratio_deviation"] for row in result.history) <= 1e-5
     assert len(result.history) == 24 and samples == [2 * k for k in range(1, 13)]
     for key in ("rollout/kl", "rollout/kl_coef", "rollout/entropy", "train/policy_loss", "train/value_loss",
                 "train/clip_fraction", "train/approx_kl", "train/explained_variance", "train/ratio_mean",
                 "train/ratio_max", "rollout/response_length", "rollout/eos_rate", "train/learning_rate",
-                "time/generate", "time/score", "time/train", "time/tokens_per_second", "rollout/non_score_reward"):
+                "time/generate", "time/score", "time/train", "time/tokens_per_second", "rollout/non_score_reward",
+                "rollout/score_std", "train/initial_ratio_deviation"):
         assert key in result.history[-1], key
     assert result.history[-1]["train/learning_rate"] < result.history[0]["train/learning_rate"]  # linear decay
     files = {p.name for p in result.checkpoint.iterdir()}
@@ -140,6 +145,47 @@ def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_checkpoin
 def test_ppo_runs_on_cuda_with_bf16(tiny_config, trained, tmp_path):
     result = _run(_cfg(tiny_config, num_iterations=3), trained, tmp_path)
     assert np.isfinite(result.history[-1]["train/policy_loss"])
+
+
+def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, trained):
+    from stages.ppo import rollout
+
+    models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
+    prompts = trained["prompts"].head(4)
+    messages = [json.loads(m) for m in prompts["prompt_messages"]]
+    torch.manual_seed(0)
+    batch = rollout(models, list(prompts["prompt"]), messages, _cfg(tiny_config, response_length=2), {})
+    assert not batch.has_eos.any()  # two tokens never finish a demo reply
+    as_they_are = models.scorer.score(messages, batch.texts, normalized=False, complete=[False] * 4)
+    completed = models.scorer.score(messages, batch.texts, normalized=False)
+    torch.testing.assert_close(batch.raw_scores, as_they_are)
+    assert not torch.allclose(batch.raw_scores, completed)  # an appended EOS would have changed the score
+    assert batch.scores.tolist() == [-3.0] * 4  # missing_eos_score
+    unpenalised = rollout(models, list(prompts["prompt"]), messages,
+                          _cfg(tiny_config, response_length=2, missing_eos_score=None), {})
+    torch.testing.assert_close(unpenalised.scores, unpenalised.normalized_scores)
+
+
+def test_bf16_autocast_on_the_cpu_keeps_float32_weights_and_a_bf16_reference(tiny_config, trained, tmp_path):
+    cfg = _cfg(tiny_config, num_iterations=2, precision="bf16-mixed", frozen_dtype="bfloat16")
+    models = load_models(cfg, trained["sft"], trained["reward"])
+    assert {p.dtype for p in models.trainable()} == {torch.float32}
+    assert models.reference.dtype == torch.bfloat16 and models.scorer.model.dtype == torch.bfloat16
+    result = _run(cfg, trained, tmp_path)
+    assert result.tags == {"rlhf.trainable_dtype": "float32", "rlhf.autocast_dtype": "bfloat16",
+                           "rlhf.checkpoint_dtype": "float32"}
+    # old_logprobs: auto recomputes them under autocast; what is left is bf16 rounding (measured 4e-3)
+    assert 0 < max(row["train/initial_ratio_deviation"] for row in result.history) <= 2e-2
+    assert np.isfinite(result.history[-1]["train/policy_loss"])
+
+
+def test_a_ratio_off_1_before_the_first_update_is_warned_about(tiny_config):
+    from stages.ppo import _warnings
+
+    figures = {"rollout/kl": 1.0, "rollout/response_length": 8.0, "rollout/eos_rate": 1.0, "train/ratio_max": 1.0,
+               "train/initial_ratio_deviation": 0.03}
+    (message,) = _warnings(_cfg(tiny_config), figures, 8.0, 5)
+    assert message.startswith("iteration 5: before the first update the policy ratio was already 0.03 from 1")
 
 
 def test_tokenizer_padding_sides_are_what_each_stage_needs(trained):

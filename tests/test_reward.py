@@ -143,6 +143,10 @@ def test_scorer_retokenises_decoded_text_with_its_own_tokenizer(world, tmp_path)
     assert scorer.tokenizer.decode(encoded) == "[user] Describe the cat.\n[assistant] The cat is warm.</s>"
     direct = scorer.score(["Describe the cat."], [decoded])
     assert torch.allclose(direct, scorer.raw_scores([encoded]))
+    # A reply cut off at the length limit is scored as it is: no end token is appended to it.
+    (cut,) = scorer.encode([[{"role": "user", "content": "Describe the cat."}]], [decoded], complete=[False])
+    assert scorer.tokenizer.decode(cut) == "[user] Describe the cat.\n[assistant] The cat is warm."
+    assert torch.allclose(scorer.score(["Describe the cat."], [decoded], complete=[False]), scorer.raw_scores([cut]))
 
 
 def test_interrupted_reward_training_resumes_from_its_trainer_checkpoint(world, tiny_config, tmp_path):
