@@ -446,9 +446,12 @@ def check_inputs(cfg: PipelineConfig, stages: list[str], world: str | None) -> l
     configured base model's tokenizer (the checkpoints derived from it share it); each stage
     validates its data again with the tokenizer it actually loads. Returns one report per bad source."""
     tokenizers: dict[TokenizerSource, Any] = {}
+    refused: set[TokenizerSource] = set()  # reported once, however many sources it measures
     reports = []
     for stage in stages:
         for source, kind, measured_by, budget in _inputs(cfg, stage):
+            if measured_by in refused:
+                continue
             try:
                 if measured_by not in tokenizers:
                     tokenizers[measured_by] = load_tokenizer(resolve_location(measured_by.model, world),
@@ -458,8 +461,8 @@ def check_inputs(cfg: PipelineConfig, stages: list[str], world: str | None) -> l
             except DataContractError as e:
                 reports.append(f"{stage} stage: {e.report()}")
             except ChatTemplateError as e:
+                refused.add(measured_by)
                 reports.append(f"{stage} stage: {e}")
-                break
     return reports
 
 

@@ -70,10 +70,15 @@ def reply_end_id(tokenizer: PreTrainedTokenizerBase) -> int:
     after the reply's text (`<|im_end|>` in ChatML, `<|eot_id|>` in Llama 3, `</s>` in Llama 2),
     else the tokenizer's EOS. SFT learns to emit it, and generation stops at it."""
     if tokenizer not in _REPLY_ENDS:
+        from jinja2 import TemplateError
+
         marker = "Zq7xReplyEndMarker"
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hello"}, {"role": "assistant", "content": marker}], tokenize=False)
-        after = rendered[rendered.index(marker) + len(marker):] if marker in rendered else ""
+        try:
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hello"}, {"role": "assistant", "content": marker}], tokenize=False)
+        except TemplateError:  # a template that cannot render a plain exchange has no reply end to read
+            rendered = ""
+        after = rendered[rendered.index(marker) + len(marker):].lstrip() if marker in rendered else ""
         following = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
         special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         _REPLY_ENDS[tokenizer] = following[0] if following and following[0] in special else tokenizer.eos_token_id

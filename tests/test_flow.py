@@ -62,6 +62,10 @@ def test_stage_run_is_a_tagged_child_of_the_pipeline_run(finished):
     assert tags[tracking.TAG_CONFIG_HASH] == record.config_hash
     assert tags[tracking.TAG_DATA_DIGEST] == record.data_digest
     assert tags[tracking.TAG_CODE_VERSION] == "0.1.0" and tags[tracking.TAG_GIT_COMMIT]
+    for stage in finished:  # every stage says in which dtypes it trained and saved
+        stage_tags = MlflowClient().get_run(stage.run_id).data.tags
+        assert stage_tags["rlhf.trainable_dtype"] == "float32" and stage_tags["rlhf.autocast_dtype"] == "none"
+        assert stage_tags["rlhf.checkpoint_dtype"] == "float32"  # the demo model is saved in float32
     assert run.data.params["learning_rate"] == "0.003" and run.data.params["train_data.path"] == "demo:sft"
     assert "eval/loss" in run.data.metrics and "eval/loss_untrained" in run.data.metrics
     history = MlflowClient().get_metric_history(record.run_id, "train/loss")

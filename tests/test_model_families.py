@@ -102,3 +102,17 @@ def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
     generator = pipeline("text-generation", model=str(ppo.checkpoint))
     out = generator([{"role": "user", "content": "Describe the cat."}], max_new_tokens=6, do_sample=False)
     assert out[0]["generated_text"][-1]["role"] == "assistant"
+
+
+def test_a_model_without_a_chat_template_is_refused_before_anything_trains(world, tmp_path):
+    from flows.pipeline import check_inputs
+    from rlhf.config import load_config
+
+    base = build_family("gpt2", tmp_path)
+    cfg = load_config("configs/tiny.yaml", {"sft.model": str(base)})
+    (report,) = check_inputs.fn(cfg, ["sft", "reward", "ppo"], str(world))
+    assert report.startswith(f"sft stage: the tokenizer at {base} has no chat template; set the stage's `chat_template`")
+    budgets = {f"{stage}.max_prompt_length": 48 for stage in ("sft", "reward", "ppo")}
+    budgets |= {"sft.max_length": 96, "reward.max_length": 96}  # GPT-2's BPE spells ChatML's markers in several tokens
+    given = load_config("configs/tiny.yaml", {"sft.model": str(base), "sft.chat_template": CHATML_TEMPLATE, **budgets})
+    assert check_inputs.fn(given, ["sft", "reward", "ppo"], str(world)) == []
