@@ -654,15 +654,16 @@ def whiten_over_processes(accelerator: Accelerator, x: torch.Tensor, mask: torch
     return masked_whiten(x, mask, shift_mean, moments=(mean.to(x.dtype), var.to(x.dtype)))
 
 
-def first_normalization(accelerator: Accelerator, scorer: RewardScorer, raw_scores: torch.Tensor,
+def first_normalization(accelerator: Accelerator, scorer: RewardScorer, batch: Rollout,
                         cfg: PPOConfig) -> dict[str, float]:
     """The reward normalisation PPO keeps for the whole run: refitted on the first iteration's raw
     scores over all processes (so scores start at mean 0, std 1 under PPO's own temperature,
     response length and prompts, where the reward stage sampled with its own), or the reward
-    checkpoint's own when `refit_normalization` is off (collective)."""
+    checkpoint's own when `refit_normalization` is off (collective). Cut-off responses count too:
+    `missing_eos_score` is a score on this same scale."""
     if not cfg.refit_normalization:
         return {"gain": scorer.gain, "bias": scorer.bias}
-    gain, bias = fit_normalization(accelerator.gather(raw_scores.float()))
+    gain, bias = fit_normalization(accelerator.gather(batch.raw_scores.float()))
     return {"gain": gain, "bias": bias}
 
 
@@ -725,7 +726,7 @@ def train_ppo(
         picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, cfg.rollout_batch_size)[rank * local:][:local]
         batch = rollout(models, [prompt_texts[i] for i in picks], [prompt_messages[i] for i in picks], cfg, timings)
         if loop.normalization is None:
-            loop.normalization = first_normalization(accelerator, models.scorer, batch.raw_scores, cfg)
+            loop.normalization = first_normalization(accelerator, models.scorer, batch, cfg)
             models.scorer.gain, models.scorer.bias = loop.normalization["gain"], loop.normalization["bias"]
             batch = dataclasses.replace(batch, **score_fields(batch.raw_scores, batch.has_eos, models.scorer, cfg))
 
@@ -744,7 +745,7 @@ def train_ppo(
         kl_per_sequence = kl.sum(1).mean().item()
         figures = {
             "rollout/score": batch.normalized_scores.mean().item(),
-            "rollout/score_std": batch.normalized_scores.std().item(),
+            "rollout/score_std": accelerator.gather(batch.normalized_scores).std().item(),  # over all processes' scores
             "rollout/score_raw": batch.raw_scores.mean().item(),
             "rollout/score_used": batch.scores.mean().item(),
             "rollout/non_score_reward": (-kl_control.value * kl).sum(1).mean().item(),
