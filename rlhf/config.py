@@ -259,12 +259,16 @@ class PPOConfig(StageSettings):
     """Log a table of (prompt, response, score) samples every this many iterations."""
     num_logged_samples: PositiveInt = 8
     """Rows in each samples table."""
+    eval_seed: int = 0
+    """Seeds the final evaluation's sampling apart from `seed`: every run from the same SFT checkpoint and prompts is judged against the same SFT baseline responses."""
     eval_samples_per_prompt: PositiveInt = 4
     """Responses per held-out prompt in the final evaluation (sampled at `temperature`)."""
     warn_eos_rate: float = Field(0.5, ge=0, le=1)
     """Warn when the share of responses ending with EOS falls below this."""
     warn_length_drift: PositiveFloat = 0.5
     """Warn when mean response length drifts by more than this share from the first iteration's."""
+    warn_length_collapse: float = Field(0.4, gt=0, lt=1)
+    """Warn when mean response length falls by more than this share within one iteration."""
     warn_ratio_max: PositiveFloat = 10.0
     """Warn when the largest policy ratio exceeds this."""
     warn_initial_ratio_deviation: PositiveFloat | None = None

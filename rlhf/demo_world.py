@@ -24,6 +24,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from rlhf.evaluation import win_rate
+
 SUBJECTS = ("cat", "dog", "park", "city", "movie", "book", "song", "garden", "river", "house", "train", "coffee")
 POSITIVE = ("good", "great", "lovely", "bright", "happy", "kind", "warm", "calm", "fresh", "sweet")
 NEGATIVE = ("bad", "awful", "dull", "sad", "cold", "rude", "ugly", "noisy", "stale", "bitter")
@@ -328,9 +330,10 @@ def gold_accuracy(prompts: list[str], chosen: list[str], rejected: list[str],
 
 def gold_comparison(prompts: list[str], responses: list[str], baseline: list[str]) -> dict[str, float]:
     """Gold reward of `responses` and of `baseline`, and the share of prompts where the response
-    beats the baseline under the gold function (ties count half)."""
+    beats the baseline under the gold function (ties count half), with its standard error over prompts."""
     ours = [gold_score(p, r) for p, r in zip(prompts, responses, strict=True)]
     theirs = [gold_score(p, r) for p, r in zip(prompts, baseline, strict=True)]
-    wins = [1.0 if a > b else 0.0 if a < b else 0.5 for a, b in zip(ours, theirs)]
-    n = max(len(wins), 1)
-    return {"eval/gold_reward": sum(ours) / n, "eval/gold_reward_sft": sum(theirs) / n, "eval/gold_win_rate": sum(wins) / n}
+    wins, wins_se = win_rate(ours, theirs, prompts)
+    n = max(len(ours), 1)
+    return {"eval/gold_reward": sum(ours) / n, "eval/gold_reward_sft": sum(theirs) / n, "eval/gold_win_rate": wins,
+            "eval/gold_win_rate_se": wins_se}

@@ -39,6 +39,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from transformers import DynamicCache, PreTrainedModel, get_scheduler
 
 from rlhf.config import PPOConfig
+from rlhf.evaluation import win_rate
 from stages.errors import NonFiniteLossError
 from stages.models import (Precision, device, disable_dropout, dtype_named, load_causal_lm, load_tokenizer,
                            output_dtype, position_ids_for, precision_tags, resolve_precision, save_checkpoint,
@@ -545,28 +546,34 @@ def load_state(folder: Path, models: Models, optimizer, scheduler, scaler, rank:
 @torch.inference_mode()
 def evaluate(models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig) -> tuple[dict[str, float], pd.DataFrame]:
     """PPO policy against the SFT reference on held-out prompts, `eval_samples_per_prompt` each:
-    reward-model scores of both, and KL(PPO || SFT) on the PPO responses."""
+    reward-model scores of both, the win rate with its standard error, and KL(PPO || SFT) on the
+    PPO responses.
+
+    Common random numbers: the SFT baseline is sampled first, from `eval_seed` alone, so every PPO
+    run from the same SFT checkpoint and prompts (whatever its training seed or settings) is judged
+    against the same baseline responses; the policy's own samples come from `eval_seed + 1`."""
     models.train(False)
     repeat = cfg.eval_samples_per_prompt
     prompts = [p for p in eval_prompts["prompt"] for _ in range(repeat)]
     messages = [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)]
-    torch.manual_seed(cfg.seed + 1)  # the same sampling noise for every evaluation of this config
-    ppo = rollout(models, prompts, messages, cfg, {})
+    torch.manual_seed(cfg.eval_seed)
     with reference_policy(models) as reference:
         sft_responses = sample(reference, models.tokenizer, prompts, cfg, models.precision, models.stop_ids).responses
     sft_texts = models.tokenizer.batch_decode(sft_responses, skip_special_tokens=True)
     sft_complete = is_end(sft_responses, models.stop_ids).any(dim=1).tolist()
     sft_scores = models.scorer.score(messages, sft_texts, complete=sft_complete)
+    torch.manual_seed(cfg.eval_seed + 1)
+    ppo = rollout(models, prompts, messages, cfg, {})
     kl = (kl_estimate(ppo.logprobs, ppo.ref_logprobs) * ppo.mask).sum(1)
     table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
                           "ppo_response": ppo.texts, "sft_response": sft_texts,
                           "ppo_score": ppo.normalized_scores.cpu().numpy(), "sft_score": sft_scores.numpy(),
                           "kl": kl.cpu().numpy()})
+    wins, wins_se = win_rate(list(table["ppo_score"]), list(table["sft_score"]), prompts)
     metrics = {"eval/score": table["ppo_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
                "eval/kl": table["kl"].mean(), "eval/response_length": ppo.mask.sum(1).float().mean().item(),
-               "eval/eos_rate": ppo.has_eos.float().mean().item(),
-               "eval/win_rate_rm": float((table["ppo_score"] > table["sft_score"]).mean()
-                                         + 0.5 * (table["ppo_score"] == table["sft_score"]).mean())}
+               "eval/eos_rate": ppo.has_eos.float().mean().item(), "eval/win_rate_rm": wins,
+               "eval/win_rate_rm_se": wins_se}
     return {k: float(v) for k, v in metrics.items()}, table
 
 
@@ -594,8 +601,13 @@ def initial_ratio_threshold(cfg: PPOConfig, precision: Precision) -> float:
     return 1e-3 if precision.autocast_dtype is None else 5e-2
 
 
-def _warnings(cfg: PPOConfig, figures: dict[str, float], first_length: float, iteration: int) -> list[str]:
+def _warnings(cfg: PPOConfig, figures: dict[str, float], first_length: float, iteration: int,
+              previous_length: float | None = None) -> list[str]:
     found = []
+    length = figures["rollout/response_length"]
+    if previous_length is not None and length < (1 - cfg.warn_length_collapse) * previous_length:
+        found.append(f"mean response length collapsed from {previous_length:.1f} to {length:.1f} tokens in one "
+                     "iteration: the policy is learning to stop early (check the value loss and the KL)")
     if figures["rollout/kl"] > cfg.kl_budget:
         found.append(f"mean KL per sequence {figures['rollout/kl']:.2f} is over the budget of {cfg.kl_budget}")
     drift = abs(figures["rollout/response_length"] - first_length) / max(first_length, 1e-6)
@@ -768,7 +780,8 @@ def train_ppo(
             models.reference.load_state_dict(models.policy.state_dict())
 
         loop.first_length = loop.first_length or figures["rollout/response_length"]
-        for message in _warnings(cfg, figures, loop.first_length, iteration):
+        previous_length = loop.history[-1]["rollout/response_length"] if loop.history else None
+        for message in _warnings(cfg, figures, loop.first_length, iteration, previous_length):
             hooks.warning(message)
         hooks.metrics(figures, iteration)
         if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:

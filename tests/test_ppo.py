@@ -188,6 +188,17 @@ def test_a_ratio_off_1_before_the_first_update_is_warned_about(tiny_config):
     assert message.startswith("iteration 5: before the first update the policy ratio was already 0.03 from 1")
 
 
+def test_a_length_collapse_within_one_iteration_is_warned_about(tiny_config):
+    from stages.ppo import _warnings
+
+    figures = {"rollout/kl": 1.0, "rollout/response_length": 2.6, "rollout/eos_rate": 1.0, "train/ratio_max": 1.0,
+               "train/initial_ratio_deviation": 0.0}
+    found = _warnings(_cfg(tiny_config, warn_length_drift=0.9), figures, 8.0, 2, previous_length=8.0)
+    assert found == ["iteration 2: mean response length collapsed from 8.0 to 2.6 tokens in one iteration: the "
+                     "policy is learning to stop early (check the value loss and the KL)"]
+    assert _warnings(_cfg(tiny_config, warn_length_drift=0.9), figures, 8.0, 2, previous_length=3.0) == []
+
+
 def test_tokenizer_padding_sides_are_what_each_stage_needs(trained):
     assert load_tokenizer(trained["sft"]).padding_side == "left"  # generation
     assert load_tokenizer(trained["reward"], padding_side="right").padding_side == "right"

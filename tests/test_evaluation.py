@@ -1,0 +1,31 @@
+"""The final evaluation: win rates with their standard error over prompts, and an SFT baseline
+sampled with common random numbers, so two PPO runs are judged against the same responses."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf.evaluation import win_rate
+
+
+def test_win_rate_counts_ties_half_and_takes_its_error_over_prompts():
+    # prompt a: win, tie -> 0.75; prompt b: win, loss -> 0.5. Mean 0.625;
+    # SE = std([0.75, 0.5], ddof=1) / sqrt(2) = 0.17678 / 1.41421 = 0.125
+    rate, se = win_rate([1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 2.0], ["a", "a", "b", "b"])
+    assert rate == pytest.approx(0.625) and se == pytest.approx(0.125)
+
+
+def test_the_sft_baseline_is_the_same_for_runs_with_different_training_seeds(tiny_config, trained):
+    from stages.ppo import evaluate, load_models
+
+    tables = []
+    for seed in (0, 1):
+        cfg = tiny_config.ppo.model_copy(update={"seed": seed, "eval_samples_per_prompt": 2})
+        models = load_models(cfg, trained["sft"], trained["reward"])
+        metrics, table = evaluate(models, trained["eval_prompts"], cfg)
+        tables.append(table)
+        assert 0 <= metrics["eval/win_rate_rm"] <= 1 and metrics["eval/win_rate_rm_se"] > 0
+    assert list(tables[0]["sft_response"]) == list(tables[1]["sft_response"])
+    other = tiny_config.ppo.model_copy(update={"eval_seed": 7, "eval_samples_per_prompt": 2})
+    _, moved = evaluate(load_models(other, trained["sft"], trained["reward"]), trained["eval_prompts"], other)
+    assert list(moved["sft_response"]) != list(tables[0]["sft_response"])
