@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench up down status install clean-state
+.PHONY: demo test bench bench-quality up down status install clean-state
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -26,6 +26,9 @@ $(BENCH_STAMP): bench/requirements-trl.txt constraints.txt
 
 bench: $(STAMP) $(BENCH_STAMP)  ## PPO benchmark: ours against TRL 1.12's PPOTrainer on the same work
 	$(PY) -m bench.ppo --config $${BENCH_CONFIG:-configs/bench.yaml} --reference $(BENCH_VENV)/bin/python
+
+bench-quality: $(STAMP) $(BENCH_STAMP)  ## PPO learning quality: KL - gold-reward frontier, ours against TRL 1.12, 3 betas x 3 seeds
+	$(PY) -m bench.quality --config $${BENCH_CONFIG:-configs/demo.yaml} --reference $(BENCH_VENV)/bin/python
 
 up: $(STAMP)  ## start Prefect + MLflow servers, the worker, and deploy
 	scripts/stack.sh up

@@ -64,16 +64,18 @@ class PPOHooks:
 
 class ValueHead(torch.nn.Module):
     """V(s_t) = w . h_t + b on the last hidden state; small initial values so early advantages
-    come from the rewards, not from noise."""
+    come from the rewards, not from noise. `detach_body`: the value loss trains the head only,
+    never the policy's body it reads."""
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, hidden_size: int, detach_body: bool = False):
         super().__init__()
         self.linear = torch.nn.Linear(hidden_size, 1)
+        self.detach_body = detach_body
         torch.nn.init.normal_(self.linear.weight, std=1.0 / math.sqrt(hidden_size + 1))
         torch.nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T)
-        return self.linear(hidden).squeeze(-1)
+        return self.linear(hidden.detach() if self.detach_body else hidden).squeeze(-1)
 
 
 @dataclass
@@ -118,8 +120,8 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str) -> Mode
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     value_head, critic = None, None
-    if cfg.critic == "shared":
-        value_head = ValueHead(policy.config.hidden_size)
+    if cfg.critic in ("shared", "detached"):
+        value_head = ValueHead(policy.config.hidden_size, detach_body=cfg.critic == "detached")
     else:
         reward_tokenizer = load_tokenizer(reward_location, trust_remote_code=cfg.trust_remote_code)
         if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
@@ -801,8 +803,8 @@ def train_ppo(
     if not accelerator.is_main_process:
         return None
     metrics, evaluation = evaluate(models, eval_prompts, cfg)
-    tags = precision_tags(models.precision, [p for group in optimizer.param_groups for p in group["params"]],
-                          saved := output_dtype(cfg.checkpoint_dtype, sft_location, trust_remote_code=cfg.trust_remote_code))
+    saved = output_dtype(cfg.checkpoint_dtype, sft_location, trust_remote_code=cfg.trust_remote_code)
+    tags = precision_tags(models.precision, [p for group in optimizer.param_groups for p in group["params"]], saved)
     policy = models.policy.merge_and_unload() if cfg.lora is not None else models.policy
     checkpoint = save_checkpoint(policy, models.tokenizer, output_dir / "checkpoint", saved)
     metrics |= {"train/iterations": float(loop.iteration), "normalization/gain": models.scorer.gain,

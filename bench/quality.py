@@ -1,0 +1,233 @@
+"""Learning-quality benchmark: the KL - gold-reward frontier of our PPO against TRL 1.12's
+PPOTrainer on the demo world, from identical checkpoints, prompts and work per iteration.
+
+    python -m bench.quality --reference .bench-venv/bin/python      (or: make bench-quality)
+
+1. SFT and reward checkpoints are trained once with the demo config's sections (kept in --state).
+2. For every fixed KL coefficient beta and training seed, each implementation runs the demo
+   config's PPO work (episodes, response length, epochs, minibatches, learning rate, temperature)
+   from those checkpoints and saves its final policy. Ours runs as configured (`target_kl` off,
+   so beta stays fixed); TRL runs in its own environment (bench/trl_quality.py).
+3. One evaluation judges every final policy: `stages.ppo.evaluate` against the SFT reference on
+   the held-out prompts, its SFT baseline sampled with common random numbers (the same responses
+   for every run), then the demo world's gold function: gold reward, gold win rate against SFT
+   with its standard error over prompts, and KL to SFT per sequence.
+
+It prints the table, writes `bench/results/quality-<date>.json` and a PNG of the frontier beside
+it. A benchmark, not a test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+DIFFERENCES = [
+    "Reward scale: ours refits the reward normalisation on its first rollouts; TRL scores with the reward "
+    "model's head multiplied by the reward stage's normalisation gain (its Llama score head has no bias, so no shift).",
+    "A response without EOS: ours scores it -3 (ppo.missing_eos_score replaces the score); TRL subtracts "
+    "missing_eos_penalty=3 from the reward model's score.",
+    "Critic: ours as configured (`critic` column); TRL always starts its value model from the reward model.",
+    "Sampling noise: each implementation draws its own samples from its own seed; the evaluation shares them.",
+]
+
+
+def train_upstream(cfg, world: Path, state: Path) -> tuple[Path, Path]:
+    """SFT and reward checkpoints from the config's sections, trained once and kept."""
+    from schemas.validate import LengthBudget, load_validated
+    from stages.models import load_tokenizer
+    from stages.reward import train_reward
+    from stages.sft import train_sft
+
+    sft_folder, reward_folder = state / "sft" / "checkpoint", state / "reward" / "checkpoint"
+    if (reward_folder / "config.json").exists():
+        return sft_folder, reward_folder
+    tokenizer = load_tokenizer(str(world / "model"))
+
+    def data(section, name, kind):
+        budget = LengthBudget(section.max_prompt_length, section.max_length)
+        return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer, budget=budget).frame
+
+    sft = train_sft(cfg.sft, str(world / "model"), data(cfg.sft, "sft", "sft"), data(cfg.sft, "sft_eval", "sft"),
+                    state / "sft")
+    train_reward(cfg.reward, str(sft.checkpoint), str(sft.checkpoint), data(cfg.reward, "preferences", "preference"),
+                 data(cfg.reward, "preferences_eval", "preference"), data(cfg.reward, "prompts_eval", "prompt"),
+                 state / "reward")
+    return sft_folder, reward_folder
+
+
+def scaled_reward_model(reward_folder: Path, state: Path) -> Path:
+    """The reward model with its score head multiplied by the stored normalisation gain, for TRL."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from stages.reward import NORMALIZATION_KEY
+
+    folder = state / "reward-scaled"
+    if not (folder / "config.json").exists():
+        model = AutoModelForSequenceClassification.from_pretrained(reward_folder, num_labels=1)
+        model.score.weight.data *= getattr(model.config, NORMALIZATION_KEY)["gain"]
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(reward_folder).save_pretrained(folder)
+    return folder
+
+
+def judge(policy_folder: Path, sft_folder: Path, reward_folder: Path, eval_prompts, ppo_cfg) -> dict[str, float]:
+    """The one evaluation every final policy gets (common random numbers for the SFT baseline)."""
+    from safetensors.torch import load_file
+
+    from rlhf.demo_world import gold_comparison
+    from stages.ppo import evaluate, load_models
+
+    models = load_models(ppo_cfg, str(sft_folder), str(reward_folder))
+    weights = load_file(str(policy_folder / "model.safetensors"))
+    missing, unexpected = models.policy.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # only a tied head may be absent from the file
+        raise ValueError(f"{policy_folder} does not fit the SFT model: missing {missing}, unexpected {unexpected}")
+    metrics, table = evaluate(models, eval_prompts, ppo_cfg)
+    last_user = [json.loads(m)[-1]["content"] for m in table["prompt_messages"]]
+    return metrics | gold_comparison(last_user, list(table["ppo_response"]), list(table["sft_response"]))
+
+
+def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_prompts, out: Path) -> tuple[Path, dict]:
+    from stages.ppo import train_ppo
+
+    result = train_ppo(ppo_cfg, str(sft_folder), str(reward_folder), prompts, eval_prompts.head(4), out)
+    lengths = [row["rollout/response_length"] for row in result.history]
+    worst_drop = max((a - b) / a for a, b in zip(lengths, lengths[1:]))
+    return result.checkpoint, {"first_length": lengths[0], "min_length": min(lengths), "worst_length_drop": worst_drop}
+
+
+def run_trl(reference: str, sft_folder: Path, reward_folder: Path, prompts_file: Path, ppo_cfg, beta: float, seed: int,
+            threads: int, out: Path) -> Path:
+    settings = {"episodes": ppo_cfg.rollout_batch_size, "iterations": ppo_cfg.num_iterations,
+                "response_length": ppo_cfg.response_length, "ppo_epochs": ppo_cfg.num_ppo_epochs,
+                "minibatches": ppo_cfg.num_minibatches, "learning_rate": ppo_cfg.learning_rate,
+                "temperature": ppo_cfg.temperature, "kl_coef": beta, "seed": seed, "threads": threads,
+                "vf_coef": ppo_cfg.vf_coef, "cliprange": ppo_cfg.clip_range, "cliprange_value": ppo_cfg.clip_range_value,
+                "gamma": ppo_cfg.gamma, "lam": ppo_cfg.lam, "missing_eos_penalty": -(ppo_cfg.missing_eos_score or 0.0)}
+    command = [reference, str(REPO / "bench" / "trl_quality.py"), "--policy", str(sft_folder), "--reward",
+               str(reward_folder), "--prompts", str(prompts_file), "--out", str(out), "--settings", json.dumps(settings)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        sys.exit(f"TRL run failed: {' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    return out
+
+
+def frontier_png(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 4.4))
+    markers = {0.02: "o", 0.05: "s", 0.2: "^"}
+    for implementation, color in (("ours", "tab:blue"), ("trl", "tab:orange")):
+        for row in (r for r in rows if r["implementation"] == implementation):
+            axis.scatter(row["kl"], row["gold_reward"], color=color, marker=markers.get(row["beta"], "x"), alpha=0.8)
+        axis.scatter([], [], color=color, label=implementation)
+    for beta, marker in markers.items():
+        axis.scatter([], [], color="gray", marker=marker, label=f"beta {beta}")
+    axis.set_xlabel("KL(policy || SFT) per sequence, held-out prompts")
+    axis.set_ylabel("gold reward, held-out prompts")
+    axis.set_title("PPO on the demo world: gold reward against KL (each point a training seed)")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument("--reference", default=str(REPO / ".bench-venv" / "bin" / "python"),
+                        help="python of the environment with TRL 1.12.0; 'none' runs ours only")
+    parser.add_argument("--betas", type=float, nargs="+", default=[0.02, 0.05, 0.2])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (YAML value)")
+    parser.add_argument("--state", default=str(REPO / ".rlhf" / "bench-quality"))
+    parser.add_argument("--results", default=str(REPO / "bench" / "results"))
+    args = parser.parse_args(argv)
+    import yaml
+
+    from rlhf.config import load_config
+    from rlhf.demo_world import build_world
+    from schemas.validate import LengthBudget, load_validated
+    from stages.models import load_tokenizer, set_determinism
+
+    overrides = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
+    cfg = load_config(args.config, overrides)
+    threads = cfg.num_threads or 2
+    set_determinism(cfg.deterministic, threads)
+    state = Path(args.state)
+    world = build_world(state / "worlds", cfg.demo)
+    started = time.perf_counter()
+    sft_folder, reward_folder = train_upstream(cfg, world, state)
+    tokenizer = load_tokenizer(str(sft_folder))
+    budget = LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.response_length)
+    prompts = load_validated(str(world / "prompts.jsonl"), "prompt", tokenizer=tokenizer, budget=budget).frame
+    eval_prompts = load_validated(str(world / "prompts_eval.jsonl"), "prompt", tokenizer=tokenizer, budget=budget).frame
+    prompts_file = state / "prompts.jsonl"
+    prompts.to_json(prompts_file, orient="records", lines=True)
+    print(f"quality benchmark: {args.config}; upstream ready after {time.perf_counter() - started:.0f} s; "
+          f"{cfg.ppo.num_iterations} iterations x {cfg.ppo.rollout_batch_size} episodes x {cfg.ppo.response_length} "
+          f"tokens; critic {cfg.ppo.critic}; betas {args.betas}; seeds {args.seeds}", flush=True)
+
+    rows = []
+    for beta in args.betas:
+        for seed in args.seeds:
+            ppo_cfg = cfg.ppo.model_copy(update={"init_kl_coef": beta, "target_kl": None, "seed": seed,
+                                                 "checkpoint_every": 10_000, "sample_every": 10_000})
+            runs = {}
+            clock = time.perf_counter()
+            folder, shape = run_ours(ppo_cfg, sft_folder, reward_folder, prompts, eval_prompts,
+                                     state / f"ours-b{beta}-s{seed}")
+            runs["ours"] = (folder, shape, time.perf_counter() - clock)
+            if args.reference != "none":
+                clock = time.perf_counter()
+                folder = run_trl(args.reference, sft_folder, scaled_reward_model(reward_folder, state), prompts_file,
+                                 ppo_cfg, beta, seed, threads, state / f"trl-b{beta}-s{seed}")
+                runs["trl"] = (folder, {}, time.perf_counter() - clock)
+            for implementation, (folder, shape, seconds) in runs.items():
+                figures = judge(folder, sft_folder, reward_folder, eval_prompts, ppo_cfg)
+                row = {"implementation": implementation, "beta": beta, "seed": seed, "critic": cfg.ppo.critic,
+                       "kl": figures["eval/kl"], "gold_reward": figures["eval/gold_reward"],
+                       "gold_reward_sft": figures["eval/gold_reward_sft"], "gold_win_rate": figures["eval/gold_win_rate"],
+                       "gold_win_rate_se": figures["eval/gold_win_rate_se"], "win_rate_rm": figures["eval/win_rate_rm"],
+                       "response_length": figures["eval/response_length"], "train_seconds": seconds, **shape}
+                rows.append(row)
+                print(f"  {implementation:>4} beta {beta:<5} seed {seed}: KL {row['kl']:6.2f}  gold {row['gold_reward']:5.2f} "
+                      f"(SFT {row['gold_reward_sft']:.2f})  gold win {row['gold_win_rate']:.3f} ± {row['gold_win_rate_se']:.3f}  "
+                      f"length {row['response_length']:.1f}  {seconds:.0f} s", flush=True)
+
+    print("\n| implementation | beta | final KL (per seed) | gold reward (per seed) | mean KL | mean gold | gold win rate |")
+    print("|---|---|---|---|---|---|---|")
+    for beta in args.betas:
+        for implementation in ("ours", "trl"):
+            group = [r for r in rows if r["implementation"] == implementation and r["beta"] == beta]
+            if group:
+                kls, golds = [r["kl"] for r in group], [r["gold_reward"] for r in group]
+                wins = " / ".join(f"{r['gold_win_rate']:.3f}" for r in group)
+                print(f"| {implementation} | {beta} | {' / '.join(f'{k:.2f}' for k in kls)} | "
+                      f"{' / '.join(f'{g:.2f}' for g in golds)} | {sum(kls) / len(kls):.2f} | "
+                      f"{sum(golds) / len(golds):.2f} | {wins} |")
+    print("\nDifferences between the two setups that remain:\n" + "\n".join(f"- {d}" for d in DIFFERENCES))
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    stem = results / f"quality-{datetime.date.today().isoformat()}"
+    stem.with_suffix(".json").write_text(json.dumps({"config": args.config, "overrides": overrides, "rows": rows,
+                                                      "differences": DIFFERENCES,
+                                                      "seconds": time.perf_counter() - started}, indent=1))
+    frontier_png(rows, stem.with_suffix(".png"))
+    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
