@@ -247,8 +247,8 @@ class PPOConfig(StageSettings):
     """Clip normalised scores to [-score_clip, score_clip]."""
     ref_refresh_every: PositiveInt | None = None
     """Copy the policy into the reference every this many iterations; unset never does."""
-    critic: Literal["shared", "detached", "reward"] = "shared"
-    """Value head on the policy's body (`shared`), the same with the value loss kept off the body (`detached`), or a separate critic initialised from the reward model (`reward`)."""
+    critic: Literal["reward", "shared", "detached"] = "reward"
+    """A separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
     lora: LoRAConfig | None = None
     """Train LoRA adapters instead of all weights."""
     gradient_checkpointing: bool = False

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,16 +44,17 @@ def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     accumulate_gradients(actor_critic, accelerator, batch, advantages, returns, torch.arange(len(batch.responses)),
                          cfg, scaler, iteration=1)
-    named = [("policy." + n, p) for n, p in models.policy.named_parameters()]
-    named += [("value_head." + n, p) for n, p in models.value_head.named_parameters()]
-    return {name: p.grad.detach().clone() for name, p in named if p.requires_grad}
+    from stages.ppo import ActorCritic
+
+    return {name: p.grad.detach().clone() for name, p in ActorCritic(models).named_parameters() if p.requires_grad}
 
 
-def _setup(tiny_config, trained):
+def _setup(tiny_config, trained, critic="reward"):
     from stages.ppo import load_models, rollout
     from stages.ppo_math import gae, kl_estimate, masked_whiten, token_rewards
 
-    cfg = tiny_config.ppo.model_copy(update={"rollout_batch_size": 8, "num_minibatches": 1, "response_length": 16})
+    cfg = tiny_config.ppo.model_copy(update={"rollout_batch_size": 8, "num_minibatches": 1, "response_length": 16,
+                                            "critic": critic})
     torch.manual_seed(0)
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(8)
@@ -74,12 +76,13 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def test_micro_batch_size_does_not_change_the_gradient(tiny_config, trained):
+@pytest.mark.parametrize("critic", ["reward", "shared"])
+def test_micro_batch_size_does_not_change_the_gradient(tiny_config, trained, critic):
     from accelerate import Accelerator
 
     from stages.ppo import ActorCritic
 
-    cfg, models, batch, advantages, returns = _setup(tiny_config, trained)
+    cfg, models, batch, advantages, returns = _setup(tiny_config, trained, critic)
     accelerator, actor_critic = Accelerator(cpu=True), ActorCritic(models)
     whole = gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg)
     assert sum(g.norm() for g in whole.values()) > 0
@@ -97,8 +100,8 @@ def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(ti
     cfg, models, batch, advantages, returns = _setup(tiny_config, trained)
     one = gradients(models, Accelerator(cpu=True), ActorCritic(models), batch, advantages, returns, cfg)
     torch.save({"cfg": cfg.model_dump(mode="json"), "sft": trained["sft"], "reward": trained["reward"],
-                "policy": models.policy.state_dict(), "value_head": models.value_head.state_dict(),
-                "batch": batch, "advantages": advantages, "returns": returns}, tmp_path / "work.pt")
+                "trained": ActorCritic(models).state_dict(), "batch": batch, "advantages": advantages,
+                "returns": returns}, tmp_path / "work.pt")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -122,8 +125,7 @@ def _worker(folder: Path) -> None:
     work = torch.load(folder / "work.pt", weights_only=False)
     cfg = PPOConfig.model_validate(work["cfg"]).model_copy(update={"micro_batch_size": 2})
     models = load_models(cfg, work["sft"], work["reward"])
-    models.policy.load_state_dict(work["policy"])
-    models.value_head.load_state_dict(work["value_head"])
+    ActorCritic(models).load_state_dict(work["trained"])
     accelerator = Accelerator(cpu=True)
     actor_critic = accelerator.prepare(ActorCritic(models))
     half = len(work["batch"].responses) // state.num_processes
