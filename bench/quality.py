@@ -136,7 +136,7 @@ def frontier_png(rows: list[dict], path: Path) -> None:
         axis.scatter([], [], color="gray", marker=marker, label=f"beta {beta}")
     axis.set_xlabel("KL(policy || SFT) per sequence, held-out prompts")
     axis.set_ylabel("gold reward, held-out prompts")
-    axis.set_title("PPO on the demo world: gold reward against KL (each point a training seed)")
+    axis.set_title("Demo world: gold reward against KL, a point per seed", fontsize=10)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     figure.tight_layout()
