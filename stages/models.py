@@ -25,6 +25,8 @@ from stages.errors import ChatTemplateError
 if TYPE_CHECKING:  # the modelling half of transformers takes seconds to import; a flow that only validates data never needs it
     from transformers import PreTrainedModel
 
+    from rlhf.config import StageSettings
+
 
 def load_tokenizer(location: str, *, padding_side: str = "left", trust_remote_code: bool = False,
                    chat_template: str | None = None) -> PreTrainedTokenizerBase:
@@ -156,9 +158,7 @@ class Precision:
     name: str
     """`fp32`, `bf16-mixed` or `fp16-mixed`."""
     autocast_dtype: torch.dtype | None
-    """None: no autocast, everything in float32."""
-    trainable_dtype: torch.dtype = torch.float32
-    """Trained weights and optimizer states: always float32 (low-precision AdamW updates round away most small steps)."""
+    """None: no autocast, everything in float32 (trained weights and optimizer states are float32 in every case)."""
 
     def autocast(self, on: torch.device):
         return nullcontext() if self.autocast_dtype is None else torch.autocast(on.type, dtype=self.autocast_dtype)
@@ -211,6 +211,14 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def save_trained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path, cfg: StageSettings,
+                 base_location: str, trained: list[torch.nn.Parameter]) -> tuple[Path, dict[str, str]]:
+    """A stage's final checkpoint in its configured `checkpoint_dtype`, and the run's precision tags
+    (`trained`: the parameters its optimizer updated)."""
+    saved = output_dtype(cfg.checkpoint_dtype, base_location, trust_remote_code=cfg.trust_remote_code)
+    return save_checkpoint(model, tokenizer, folder, saved), precision_tags(resolve_precision(cfg.precision), trained, saved)
 
 
 def device() -> torch.device:

@@ -42,8 +42,7 @@ from rlhf.config import PPOConfig
 from rlhf.evaluation import win_rate
 from stages.errors import NonFiniteLossError
 from stages.models import (Precision, device, disable_dropout, dtype_named, load_causal_lm, load_tokenizer,
-                           output_dtype, position_ids_for, precision_tags, resolve_precision, save_checkpoint,
-                           stop_token_ids)
+                           position_ids_for, resolve_precision, save_trained, stop_token_ids)
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss, entropy_of,
                              explained_variance, gae, is_end, kl_estimate, logprobs_of, masked_mean, masked_whiten,
                              response_mask, token_rewards, truncate_after_eos)
@@ -289,7 +288,7 @@ def reuse_sampling_pass(cfg: PPOConfig, precision: Precision) -> bool:
 def score_fields(raw: torch.Tensor, has_eos: torch.Tensor, scorer: RewardScorer, cfg: PPOConfig) -> dict[str, torch.Tensor]:
     """Normalised scores, and the scores the reward uses: normalised, a cut-off response given
     `missing_eos_score` (when set), clipped to `score_clip` (when set). # (B,), (B,) -> (B,) each"""
-    normalized = scorer.gain * raw + scorer.bias
+    normalized = scorer.normalize(raw)
     scores = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
     if cfg.score_clip is not None:
         scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
@@ -394,7 +393,7 @@ def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: R
         for index, minibatch in enumerate(torch.randperm(n).split(n // cfg.num_minibatches)):
             figures = accumulate_gradients(actor_critic, accelerator, batch, advantages, returns,
                                            minibatch.to(batch.responses.device), cfg, scaler, iteration)
-            deviation = figures.pop("ratio_deviation")
+            deviation = figures.pop("ratio_deviation_max")
             if epoch == 0 and index == 0:
                 stats.add(initial_ratio_deviation=deviation)
             scaler.unscale_(optimizer)  # clipping reads true gradient norms (no-op without fp16 loss scaling)
@@ -430,8 +429,7 @@ def accumulate_gradients(actor_critic: torch.nn.Module, accelerator: Accelerator
             figures = _micro_batch_step(actor_critic, micro_batch(batch, advantages, returns, micro_rows), cfg,
                                         num_tokens, scaler, iteration)
         for key, value in figures.items():
-            largest = key.endswith(MAX_FIGURES) or key == "ratio_deviation"
-            totals[key] = max(totals.get(key, 0.0), value) if largest else totals.get(key, 0.0) + value
+            totals[key] = max(totals.get(key, 0.0), value) if key.endswith(MAX_FIGURES) else totals.get(key, 0.0) + value
     return totals
 
 
@@ -460,7 +458,7 @@ def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPO
                 clip_fraction=policy.clip_fraction.item(), value_clip_fraction=value_clipped.item(),
                 approx_kl=policy.approx_kl.item(),
                 ratio_mean=masked_mean(ratio, mask, num_tokens=num_tokens).item(),
-                ratio_max=(ratio * mask).max().item(), ratio_deviation=((ratio - 1).abs() * mask).max().item())
+                ratio_max=(ratio * mask).max().item(), ratio_deviation_max=((ratio - 1).abs() * mask).max().item())
 
 
 # --- full-state checkpoints -------------------------------------------------------------------
@@ -803,10 +801,9 @@ def train_ppo(
     if not accelerator.is_main_process:
         return None
     metrics, evaluation = evaluate(models, eval_prompts, cfg)
-    saved = output_dtype(cfg.checkpoint_dtype, sft_location, trust_remote_code=cfg.trust_remote_code)
-    tags = precision_tags(models.precision, [p for group in optimizer.param_groups for p in group["params"]], saved)
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
     policy = models.policy.merge_and_unload() if cfg.lora is not None else models.policy
-    checkpoint = save_checkpoint(policy, models.tokenizer, output_dir / "checkpoint", saved)
+    checkpoint, tags = save_trained(policy, models.tokenizer, output_dir / "checkpoint", cfg, sft_location, trained)
     metrics |= {"train/iterations": float(loop.iteration), "normalization/gain": models.scorer.gain,
                 "normalization/bias": models.scorer.bias}
     return PPOResult(checkpoint, metrics, loop.history, evaluation, tags)

@@ -29,8 +29,8 @@ from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
 from stages.errors import RewardGateError
 from stages.models import (device, disable_dropout, encode_replies, fit_to_tokenizer, generate, load_causal_lm,
-                           load_tokenizer, output_dtype, position_ids_for, precision_tags, resolve_precision,
-                           save_checkpoint, stop_token_ids)
+                           load_tokenizer, position_ids_for, save_trained, stop_token_ids)
+from stages.ppo_math import is_end
 from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
 
 NORMALIZATION_KEY = "rlhf_reward_normalization"
@@ -117,7 +117,11 @@ class RewardScorer:
               complete: list[bool] | None = None) -> torch.Tensor:
         """Scores of (prompt, response) texts; `complete[i]` False: response i was cut off (default: all complete)."""
         raw = self.raw_scores(self.encode(prompts, responses, complete))
-        return self.gain * raw + self.bias if normalized else raw
+        return self.normalize(raw) if normalized else raw
+
+    def normalize(self, raw: torch.Tensor) -> torch.Tensor:
+        """Raw model outputs on the normalised scale: gain * raw + bias."""
+        return self.gain * raw + self.bias
 
 
 def last_token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -163,7 +167,7 @@ def sample_references(policy_location: str, prompts: list[str], samples_per_prom
     _, _, new_tokens = generate(policy, tokenizer, prompts, max_new_tokens, temperature=1.0,
                                 num_return_sequences=samples_per_prompt)  # (P * S, T)
     texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-    complete = torch.isin(new_tokens, torch.tensor(stop_token_ids(policy), device=new_tokens.device)).any(dim=1)
+    complete = is_end(new_tokens, stop_token_ids(policy)).any(dim=1)
     return [(i // samples_per_prompt, text, bool(done)) for i, (text, done) in enumerate(zip(texts, complete))]
 
 
@@ -243,8 +247,7 @@ def train_reward(
 
     model = trainer.model
     setattr(model.config, NORMALIZATION_KEY, {"gain": gain, "bias": bias})
-    saved = output_dtype(cfg.checkpoint_dtype, model_location, trust_remote_code=cfg.trust_remote_code)
-    checkpoint = save_checkpoint(model, tokenizer, output_dir / "checkpoint", saved)
-    tags = precision_tags(resolve_precision(cfg.precision), [p for p in model.parameters() if p.requires_grad], saved)
+    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, model_location,
+                                    [p for p in model.parameters() if p.requires_grad])
     scores = evaluation.assign(score_chosen=(gain * chosen + bias).numpy(), score_rejected=(gain * rejected + bias).numpy())
     return RewardResult(checkpoint, metrics, scores, calibration(margins, margins > 0, cfg.calibration_buckets), tags)

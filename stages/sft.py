@@ -18,8 +18,7 @@ from trl import SFTConfig as TRLSFTConfig
 from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
-from stages.models import (encode_replies, generate_greedy, load_causal_lm, load_tokenizer, output_dtype, precision_tags,
-                           resolve_precision, save_checkpoint)
+from stages.models import encode_replies, generate_greedy, load_causal_lm, load_tokenizer, save_trained
 from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
 
 
@@ -94,9 +93,8 @@ def train_sft(
     answers = generate_greedy(model, tokenizer, list(picks["prompt"]), max_new_tokens=cfg.max_length - cfg.max_prompt_length)
     samples = [{"prompt": p, "response": a, "reference": r} for p, a, r in zip(picks["prompt"], answers, picks["response"])]
 
-    saved = output_dtype(cfg.checkpoint_dtype, model_location, trust_remote_code=cfg.trust_remote_code)
-    checkpoint = save_checkpoint(model, tokenizer, output_dir / "checkpoint", saved)
-    tags = precision_tags(resolve_precision(cfg.precision), [p for p in model.parameters() if p.requires_grad], saved)
+    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, model_location,
+                                    [p for p in model.parameters() if p.requires_grad])
     metrics = {
         "eval/loss": float(eval_loss),
         "eval/loss_untrained": float(untrained_loss),

@@ -51,6 +51,7 @@ def last_trainer_checkpoint(output_dir: Path) -> str | None:
 
 def trainer_arguments(cfg: TrainingConfig, output_dir: Path) -> dict:
     """Keyword arguments shared by TRL's SFTConfig and RewardConfig."""
+    autocast_dtype = resolve_precision(cfg.precision).autocast_dtype
     return dict(
         output_dir=str(output_dir / "trainer"),
         learning_rate=cfg.learning_rate,
@@ -66,8 +67,8 @@ def trainer_arguments(cfg: TrainingConfig, output_dir: Path) -> dict:
         activation_checkpointing=cfg.gradient_checkpointing,
         max_length=cfg.max_length,
         # Autocast only: the model is handed over in float32, so weights and AdamW states stay float32.
-        bf16=resolve_precision(cfg.precision).autocast_dtype == torch.bfloat16,
-        fp16=resolve_precision(cfg.precision).autocast_dtype == torch.float16,
+        bf16=autocast_dtype == torch.bfloat16,
+        fp16=autocast_dtype == torch.float16,
         eval_strategy="steps",
         eval_steps=cfg.eval_steps,
         # The untrained model's figures, taken inside `train()`: a `trainer.evaluate()` before it
