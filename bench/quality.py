@@ -82,7 +82,7 @@ def judge(policy_folder: Path, sft_folder: Path, reward_folder: Path, eval_promp
     """The one evaluation every final policy gets (common random numbers for the SFT baseline)."""
     from safetensors.torch import load_file
 
-    from rlhf.demo_world import gold_comparison
+    from rlhf.demo_world import gold_comparison, last_user_turns
     from stages.ppo import evaluate, load_models
 
     models = load_models(ppo_cfg, str(sft_folder), str(reward_folder))
@@ -91,17 +91,26 @@ def judge(policy_folder: Path, sft_folder: Path, reward_folder: Path, eval_promp
     if unexpected or set(missing) - {"lm_head.weight"}:  # only a tied head may be absent from the file
         raise ValueError(f"{policy_folder} does not fit the SFT model: missing {missing}, unexpected {unexpected}")
     metrics, table = evaluate(models, eval_prompts, ppo_cfg)
-    last_user = [json.loads(m)[-1]["content"] for m in table["prompt_messages"]]
-    return metrics | gold_comparison(last_user, list(table["ppo_response"]), list(table["sft_response"]))
+    return metrics | gold_comparison(last_user_turns(table["prompt_messages"]), list(table["ppo_response"]),
+                                     list(table["sft_response"]))
 
 
 def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_prompts, out: Path) -> tuple[Path, dict]:
-    from stages.ppo import train_ppo
+    """Our PPO as configured; besides its policy, the shape of its run: response lengths, and the
+    proxy score, gold reward and KL of every iteration's rollouts (the over-optimisation curve)."""
+    from rlhf.demo_world import mean_gold_reward
+    from stages.ppo import PPOHooks, train_ppo
 
-    result = train_ppo(ppo_cfg, str(sft_folder), str(reward_folder), prompts, eval_prompts.head(4), out)
+    gold = {}
+    hooks = PPOHooks(rollouts=lambda table, i: gold.update({i: mean_gold_reward(list(table["prompt_messages"]),
+                                                                                list(table["response"]))}))
+    result = train_ppo(ppo_cfg, str(sft_folder), str(reward_folder), prompts, eval_prompts.head(4), out, hooks)
     lengths = [row["rollout/response_length"] for row in result.history]
     worst_drop = max((a - b) / a for a, b in zip(lengths, lengths[1:]))
-    return result.checkpoint, {"first_length": lengths[0], "min_length": min(lengths), "worst_length_drop": worst_drop}
+    curve = [{"iteration": row["iteration"], "kl": row["rollout/kl"], "proxy": row["rollout/score"],
+              "gold": gold[row["iteration"]]} for row in result.history]
+    return result.checkpoint, {"first_length": lengths[0], "min_length": min(lengths), "worst_length_drop": worst_drop,
+                               "curve": curve}
 
 
 def run_trl(reference: str, sft_folder: Path, reward_folder: Path, prompts_file: Path, ppo_cfg, beta: float, seed: int,
@@ -143,6 +152,35 @@ def frontier_png(rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def overoptimization_png(rows: list[dict], path: Path, window: int = 5) -> None:
+    """Our runs' rollouts over training, a line per beta (mean over seeds per iteration, then a
+    running mean): proxy score and gold reward against KL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rlhf.plots import running_mean
+
+    figure, (proxy_axis, gold_axis) = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    for beta in sorted({r["beta"] for r in rows if "curve" in r}):
+        curves = [r["curve"] for r in rows if r["beta"] == beta and "curve" in r]
+        mean = {key: [sum(c[i][key] for c in curves) / len(curves) for i in range(len(curves[0]))]
+                for key in ("kl", "proxy", "gold")}
+        kl = running_mean(mean["kl"], window)
+        proxy_axis.plot(kl, running_mean(mean["proxy"], window), label=f"beta {beta}")
+        gold_axis.plot(kl, running_mean(mean["gold"], window), label=f"beta {beta}")
+    for axis, label in ((proxy_axis, "proxy: reward-model score (normalised)"), (gold_axis, "gold reward")):
+        axis.set_xlabel("KL(policy || SFT) per sequence, rollouts")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.suptitle(f"Demo world, our PPO: rollouts over training (mean over seeds, running mean of {window} "
+                    "iterations)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/demo.yaml")
@@ -153,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (YAML value)")
     parser.add_argument("--state", default=str(REPO / ".rlhf" / "bench-quality"))
     parser.add_argument("--results", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--name", default=f"quality-{datetime.date.today().isoformat()}",
+                        help="file name (no suffix) of the results JSON and PNGs")
     args = parser.parse_args(argv)
     import yaml
 
@@ -220,12 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     print("\nDifferences between the two setups that remain:\n" + "\n".join(f"- {d}" for d in DIFFERENCES))
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    stem = results / f"quality-{datetime.date.today().isoformat()}"
+    stem = results / args.name
     stem.with_suffix(".json").write_text(json.dumps({"config": args.config, "overrides": overrides, "rows": rows,
                                                       "differences": DIFFERENCES,
                                                       "seconds": time.perf_counter() - started}, indent=1))
     frontier_png(rows, stem.with_suffix(".png"))
-    print(f"\nwrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')} in {time.perf_counter() - started:.0f} s")
+    overoptimization_png(rows, stem.with_name(f"{stem.name}-overoptimization.png"))
+    print(f"\nwrote {stem.with_suffix('.json')}, {stem.with_suffix('.png')} (frontier) and "
+          f"{stem.name}-overoptimization.png in {time.perf_counter() - started:.0f} s")
     return 0
 
 

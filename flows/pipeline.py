@@ -28,7 +28,8 @@ from pydantic import BaseModel, Field
 
 from rlhf import tracking
 from rlhf.config import ConfigError, DataSource, PipelineConfig, TrainingConfig, config_hash, flatten, load_config
-from rlhf.demo_world import DEMO_SCHEME, DemoWorldConfig, build_world, gold_accuracy, gold_comparison, resolve_location
+from rlhf.demo_world import (DEMO_SCHEME, DemoWorldConfig, build_world, gold_accuracy, gold_comparison,
+                              last_user_turns, mean_gold_reward, resolve_location)
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.distributed import LaunchError, Reporting, call_stage
@@ -274,7 +275,7 @@ def reward(ctx: StageContext) -> StageRecord | State:
             scores, metrics = result.eval_scores, result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
             mlflow.set_tags(result.tags)
             if _is_demo(section.eval_data) or (section.eval_data is None and _is_demo(section.train_data)):
-                last_user = [json.loads(m)[-1]["content"] for m in scores["prompt_messages"]]
+                last_user = last_user_turns(scores["prompt_messages"])
                 metrics["eval/gold_accuracy"] = gold_accuracy(
                     last_user, list(scores["chosen"]), list(scores["rejected"]),
                     list(scores["score_chosen"]), list(scores["score_rejected"]))
@@ -299,7 +300,7 @@ def reward(ctx: StageContext) -> StageRecord | State:
 @task
 def ppo(ctx: StageContext) -> StageRecord | State:
     """PPO from the upstream SFT policy against the upstream reward model, both fetched through MLflow."""
-    from rlhf.plots import curves
+    from rlhf.plots import curves, overoptimization
 
     section = ctx.config.ppo
     logger = get_run_logger()
@@ -323,21 +324,38 @@ def ppo(ctx: StageContext) -> StageRecord | State:
                 warnings.append(message)
                 logger.warning(message)
 
+            # Demo world: the gold reward of every iteration's rollouts, judged here because no stage may
+            # read the gold function; kept in the work folder so a resumed run's curve starts at iteration 1.
+            gold_file = scratch / "rollout-gold.jsonl"
+            if gold_file.exists():  # a resumed run: the stage replays its history, the gold curve is ours to replay
+                for row in map(json.loads, gold_file.read_text().splitlines()):
+                    metrics_writer.log({"rollout/gold_reward": row["gold_reward"]}, row["iteration"])
+
+            def judge_rollouts(table: pd.DataFrame, iteration: int) -> None:
+                gold = mean_gold_reward(list(table["prompt_messages"]), list(table["response"]))
+                metrics_writer.log({"rollout/gold_reward": gold}, iteration)
+                with gold_file.open("a") as f:
+                    f.write(json.dumps({"iteration": iteration, "gold_reward": gold}) + "\n")
+
             reporting = Reporting(metrics=metrics_writer.log, warning=warn,
-                                  samples=lambda table, i: mlflow.log_table(table, f"samples/iteration_{i:05d}.json"))
+                                  samples=lambda table, i: mlflow.log_table(table, f"samples/iteration_{i:05d}.json"),
+                                  rollouts=judge_rollouts if _is_demo(section.prompts) else None)
             started = time.perf_counter()
             result = call_stage("ppo", section, scratch, reporting, **ctx.determinism, sft_location=sft_location,
                                 reward_location=reward_location, prompts=train.frame, eval_prompts=evaluation.frame)
             table, metrics = result.evaluation, result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
             mlflow.set_tags(result.tags)
             if _is_demo(section.eval_prompts):
-                last_user = [json.loads(m)[-1]["content"] for m in table["prompt_messages"]]
-                metrics |= gold_comparison(last_user, list(table["ppo_response"]), list(table["sft_response"]))
+                metrics |= gold_comparison(last_user_turns(table["prompt_messages"]), list(table["ppo_response"]),
+                                           list(table["sft_response"]))
             mlflow.log_table(table.drop(columns=["prompt_messages"]), "evaluation.json")
             mlflow.log_text("\n".join(warnings) or "no warnings", "warnings.txt")
             for keys, name in ((["rollout/score", "rollout/score_raw"], "score"), (["rollout/kl", "rollout/kl_coef"], "kl"),
                                (["rollout/response_length", "rollout/eos_rate"], "length")):
                 mlflow.log_figure(curves(result.history, keys, f"PPO {name}"), f"plots/{name}.png")
+            if gold_file.exists():
+                gold = {row["iteration"]: row["gold_reward"] for row in map(json.loads, gold_file.read_text().splitlines())}
+                mlflow.log_figure(overoptimization(result.history, gold), "plots/overoptimization.png")
             samples = [{"prompt": p, "response": f"{r}  (SFT: {s})"} for p, r, s in
                        table[["prompt", "ppo_response", "sft_response"]].head(4).itertuples(index=False)]
             record = finish("ppo", run_id, section, train, metrics, result.checkpoint, samples,

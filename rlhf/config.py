@@ -249,6 +249,8 @@ class PPOConfig(StageSettings):
     """Copy the policy into the reference every this many iterations; unset never does."""
     critic: Literal["reward", "shared", "detached"] = "reward"
     """A separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
+    normalize_critic: bool = False
+    """With `critic: reward`: apply the reward normalisation fitted on the first rollouts to the critic's head as well, so its first values are on the scale of the normalised scores it learns to predict."""
     lora: LoRAConfig | None = None
     """Train LoRA adapters instead of all weights."""
     gradient_checkpointing: bool = False

@@ -314,6 +314,17 @@ def resolve_location(location: str, world_dir: Path | None) -> str:
     return str(Path(world_dir) / (name if name == "model" else f"{name}.jsonl"))
 
 
+def last_user_turns(prompt_messages: list[str]) -> list[str]:
+    """The demo world's prompt in each conversation (JSON messages): its last user turn."""
+    return [json.loads(messages)[-1]["content"] for messages in prompt_messages]
+
+
+def mean_gold_reward(prompt_messages: list[str], responses: list[str]) -> float:
+    """Mean gold reward of responses to conversations given as JSON messages (a PPO iteration's episodes)."""
+    golds = [gold_score(p, r) for p, r in zip(last_user_turns(prompt_messages), responses, strict=True)]
+    return sum(golds) / max(len(golds), 1)
+
+
 def gold_accuracy(prompts: list[str], chosen: list[str], rejected: list[str],
                   score_chosen: list[float], score_rejected: list[float]) -> float:
     """Share of pairs, among those the gold function does not tie, where the higher-scored

@@ -20,3 +20,30 @@ def curves(history: list[dict[str, float]], keys: list[str], title: str):
     figure.suptitle(title)
     figure.tight_layout()
     return figure
+
+
+def overoptimization(history: list[dict[str, float]], gold: dict[int, float], window: int = 5):
+    """Proxy score (the reward model's, normalised) and gold reward of each iteration's rollouts
+    against their KL to the reference: where the proxy keeps rising and the gold flattens or falls,
+    the policy is exploiting the reward model. Faint points per iteration, lines a running mean."""
+    rows = [row for row in history if row["iteration"] in gold]
+    kl = [row["rollout/kl"] for row in rows]
+    series = (("proxy score (normalised)", [row["rollout/score"] for row in rows], "tab:blue"),
+              ("gold reward", [gold[row["iteration"]] for row in rows], "tab:green"))
+    figure, proxy_axis = plt.subplots(figsize=(6.4, 4.2))
+    gold_axis = proxy_axis.twinx()
+    for axis, (label, values, color) in zip((proxy_axis, gold_axis), series):
+        axis.scatter(kl, values, color=color, alpha=0.25, s=10)
+        axis.plot(running_mean(kl, window), running_mean(values, window), color=color, linewidth=1.8, label=label)
+        axis.set_ylabel(label, color=color)
+    proxy_axis.set_xlabel(f"KL(policy || reference) per sequence, rollouts (running mean of {window} iterations)")
+    proxy_axis.grid(alpha=0.3)
+    figure.legend(loc="lower right", fontsize=8)
+    proxy_axis.set_title("Over-optimisation: proxy and gold reward against KL", fontsize=10)
+    figure.tight_layout()
+    return figure
+
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the `window - 1` before it (fewer at the start)."""
+    return [sum(values[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]

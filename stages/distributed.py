@@ -58,6 +58,7 @@ class Reporting:
     metrics: Callable[[dict[str, float], int], None] | None = None
     samples: Callable[[pd.DataFrame, int], None] | None = None
     warning: Callable[[str], None] | None = None
+    rollouts: Callable[[pd.DataFrame, int], None] | None = None
 
     def arguments(self, stage: str) -> dict[str, Any]:
         if stage == "ppo":
@@ -178,6 +179,8 @@ def _forward_events(events: Path, read: int, reporting: Reporting) -> int:
             reporting.metrics(event["metrics"], event["step"])
         elif event["kind"] == "samples" and reporting.samples:
             reporting.samples(pd.DataFrame(event["rows"]), event["step"])
+        elif event["kind"] == "rollouts" and reporting.rollouts:
+            reporting.rollouts(pd.DataFrame(event["rows"]), event["step"])
         elif event["kind"] == "warning" and reporting.warning:
             reporting.warning(event["message"])
     return read + len(complete)
@@ -228,6 +231,7 @@ def _event_writer(events: Path) -> Reporting:
         metrics=lambda metrics, step: write({"kind": "metrics", "metrics": metrics, "step": step}),
         samples=lambda table, step: write({"kind": "samples", "rows": table.to_dict("records"), "step": step}),
         warning=lambda message: write({"kind": "warning", "message": message}),
+        rollouts=lambda table, step: write({"kind": "rollouts", "rows": table.to_dict("records"), "step": step}),
     )
 
 

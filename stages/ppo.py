@@ -56,6 +56,10 @@ class PPOHooks:
     metrics: Callable[[dict[str, float], int], None] = lambda metrics, iteration: None
     samples: Callable[[pd.DataFrame, int], None] = lambda table, iteration: None
     warning: Callable[[str], None] = lambda message: None
+    rollouts: Callable[[pd.DataFrame, int], None] = lambda table, iteration: None
+    """Every iteration's episodes (this process's share): prompt messages, response, normalised
+    score, KL per sequence; for a caller that judges them with what the stage must not see
+    (the demo world's gold function)."""
 
 
 # --- models -----------------------------------------------------------------------------------
@@ -89,6 +93,8 @@ class Models:
     precision: Precision
     stop_ids: list[int]
     """Token ids that end a response: the reply end, EOS, and any the generation config lists."""
+    value_offset: float = 0.0
+    """Added to the critic's head (no bias of its own on most families) by `normalize_critic`."""
 
     def trainable(self) -> list[torch.nn.Parameter]:
         modules = [self.policy, self.value_head, self.critic]
@@ -174,7 +180,7 @@ def critic_values(models: Models, queries, query_mask, responses, mask) -> torch
     """Values from the separate critic's pass over prompt + response. # -> (B, T)"""
     _, hidden = forward_response(models.critic, queries, query_mask, responses, mask, want_hidden=True,
                                  precision=models.precision)
-    return models.critic.score(hidden).squeeze(-1).float()
+    return models.critic.score(hidden).squeeze(-1).float() + models.value_offset
 
 
 def policy_and_values(models: Models, queries, query_mask, responses, mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -679,6 +685,17 @@ def first_normalization(accelerator: Accelerator, scorer: RewardScorer, batch: R
     return {"gain": gain, "bias": bias}
 
 
+@torch.no_grad()
+def normalize_critic(models: Models, gain: float, bias: float, values: torch.Tensor) -> torch.Tensor:
+    """Put the reward-model critic on the normalised score scale: its head's parameters times
+    `gain` plus a constant `bias`, the map the scorer applies to raw scores; returns this
+    iteration's values (computed before the fit) mapped the same way. # (B, T) -> (B, T)"""
+    for parameter in models.critic.score.parameters():
+        parameter.mul_(gain)
+    models.value_offset = bias
+    return gain * values + bias
+
+
 def _prompt_batch(order_seed: int, n_prompts: int, cursor: int, size: int) -> list[int]:
     """Indices of the next `size` prompts from a seeded shuffle that is redrawn for every pass."""
     picks = []
@@ -725,6 +742,8 @@ def train_ppo(
         kl_control = KLController(**loop.kl)
         if loop.normalization is not None:
             models.scorer.gain, models.scorer.bias = loop.normalization["gain"], loop.normalization["bias"]
+            if cfg.normalize_critic and models.critic is not None:  # the saved head is already scaled
+                models.value_offset = loop.normalization["bias"]
         hooks.warning(f"resumed from the full-state checkpoint after iteration {loop.iteration}")
         for past in loop.history:  # so this run's curves start at iteration 1, not at the resume point
             hooks.metrics({k: v for k, v in past.items() if k != "iteration"}, int(past["iteration"]))
@@ -736,11 +755,14 @@ def train_ppo(
         started, timings = time.perf_counter(), {}
         local = cfg.rollout_batch_size // accelerator.num_processes
         picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, cfg.rollout_batch_size)[rank * local:][:local]
-        batch = rollout(models, [prompt_texts[i] for i in picks], [prompt_messages[i] for i in picks], cfg, timings)
+        messages = [prompt_messages[i] for i in picks]
+        batch = rollout(models, [prompt_texts[i] for i in picks], messages, cfg, timings)
         if loop.normalization is None:
             loop.normalization = first_normalization(accelerator, models.scorer, batch, cfg)
             models.scorer.gain, models.scorer.bias = loop.normalization["gain"], loop.normalization["bias"]
             batch = dataclasses.replace(batch, **score_fields(batch.raw_scores, batch.has_eos, models.scorer, cfg))
+            if cfg.normalize_critic and models.critic is not None:
+                batch = dataclasses.replace(batch, values=normalize_critic(models, **loop.normalization, values=batch.values))
 
         kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * batch.mask  # (B, T)
         rewards = token_rewards(batch.scores, kl, kl_control.value, batch.mask)
@@ -784,6 +806,9 @@ def train_ppo(
         for message in _warnings(cfg, figures, loop.first_length, iteration, previous_length):
             hooks.warning(message)
         hooks.metrics(figures, iteration)
+        hooks.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
+                                     "score": batch.normalized_scores.cpu().numpy(),
+                                     "kl": kl.sum(1).cpu().numpy()}), iteration)
         if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
             shown = slice(0, cfg.num_logged_samples)
             hooks.samples(pd.DataFrame({"prompt": batch.prompts[shown], "response": batch.texts[shown],

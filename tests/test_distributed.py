@@ -78,12 +78,14 @@ def test_ppo_on_two_processes_samples_apart_and_lands_where_one_does(tiny_config
     inputs = dict(sft_location=trained["sft"], reward_location=trained["reward"], prompts=trained["prompts"],
                   eval_prompts=trained["eval_prompts"])
     one, _ = _run("ppo", one_cfg, tmp_path / "one", **inputs)
-    samples = []
-    two = call_stage("ppo", two_cfg, tmp_path / "two", Reporting(samples=lambda table, i: samples.append((i, len(table)))),
-                     deterministic=True, num_threads=2, **inputs)
+    samples, rollouts = [], []
+    reporting = Reporting(samples=lambda table, i: samples.append((i, len(table))),
+                          rollouts=lambda table, i: rollouts.append((i, len(table))))
+    two = call_stage("ppo", two_cfg, tmp_path / "two", reporting, deterministic=True, num_threads=2, **inputs)
     assert two.metrics["train/iterations"] == one.metrics["train/iterations"] == 6
     assert [h["iteration"] for h in two.history] == [h["iteration"] for h in one.history]
     assert samples == [(2, 8), (4, 8), (6, 8)]  # rank 0's own table, at the configured iterations
+    assert rollouts == [(i, 8) for i in range(1, 7)]  # rank 0's share of every iteration's episodes
     for result in (one, two):
         assert result.metrics["eval/score"] > result.metrics["eval/score_sft"], result.metrics
         assert result.metrics["eval/kl"] < one_cfg.kl_budget

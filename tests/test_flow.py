@@ -177,10 +177,12 @@ def test_ppo_run_has_lineage_curves_samples_plots_and_a_registered_policy(finish
     for metric in ("eval/score", "eval/score_sft", "eval/kl", "eval/gold_reward", "eval/gold_win_rate"):
         assert metric in run.data.metrics, metric
     assert len(client.get_metric_history(ppo.run_id, "rollout/score")) == 3  # one point per iteration
+    # the demo world's gold reward of every iteration's rollouts, judged by the flow (no stage reads it)
+    assert [m.step for m in client.get_metric_history(ppo.run_id, "rollout/gold_reward")] == [1, 2, 3]
     artifacts = {a.path for a in client.list_artifacts(ppo.run_id)}
     assert {"checkpoint", "data", "plots", "samples", "evaluation.json", "warnings.txt"} <= artifacts
-    assert {a.path for a in client.list_artifacts(ppo.run_id, "plots")} == {"plots/kl.png", "plots/length.png",
-                                                                            "plots/score.png"}
+    assert {a.path for a in client.list_artifacts(ppo.run_id, "plots")} == {
+        "plots/kl.png", "plots/length.png", "plots/score.png", "plots/overoptimization.png"}
     versions = client.search_model_versions("name = 'rlhf-policy'")
     assert ppo.run_id in {v.run_id for v in versions}
     assert run.data.tags["rlhf.registered_model"].startswith("rlhf-policy/")

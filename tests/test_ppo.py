@@ -27,8 +27,9 @@ def _run(cfg, trained, out, hooks=PPOHooks()):
 def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
     cfg = _cfg(tiny_config, num_iterations=24, rollout_batch_size=16, num_minibatches=2, learning_rate=1e-3,
                checkpoint_every=100, target_kl=None, init_kl_coef=0.01)
-    samples, warnings = [], []
-    result = _run(cfg, trained, tmp_path, PPOHooks(samples=lambda t, i: samples.append(i), warning=warnings.append))
+    samples, warnings, rollouts = [], [], {}
+    result = _run(cfg, trained, tmp_path, PPOHooks(samples=lambda t, i: samples.append(i), warning=warnings.append,
+                                                    rollouts=lambda t, i: rollouts.update({i: t})))
     scores = [row["rollout/score"] for row in result.history]
     assert np.mean(scores[-6:]) > np.mean(scores[:6]) + 0.3, scores
     # The reward normalisation is refitted on the first rollouts: PPO starts at mean 0, std 1.
@@ -43,6 +44,14 @@ def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
                 "rollout/score_std", "train/initial_ratio_deviation"):
         assert key in result.history[-1], key
     assert result.history[-1]["train/learning_rate"] < result.history[0]["train/learning_rate"]  # linear decay
+    # Every iteration's episodes reach the caller, with the figures the history summarises.
+    assert sorted(rollouts) == list(range(1, 25))
+    for row in result.history:
+        table = rollouts[row["iteration"]]
+        assert list(table.columns) == ["prompt_messages", "response", "score", "kl"] and len(table) == 16
+        assert table["score"].mean() == pytest.approx(row["rollout/score"], abs=1e-5)
+        assert table["kl"].mean() == pytest.approx(row["rollout/kl"], rel=1e-4, abs=1e-6)
+        assert json.loads(table["prompt_messages"][0])[-1]["role"] == "user"
     files = {p.name for p in result.checkpoint.iterdir()}
     assert "model.safetensors" in files and not any("value" in name for name in files)
     assert AutoModelForCausalLM.from_pretrained(result.checkpoint).config.model_type == "llama"
@@ -50,8 +59,9 @@ def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
     assert len(result.evaluation) == len(trained["eval_prompts"]) * cfg.eval_samples_per_prompt
 
 
-def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, trained, tmp_path):
-    cfg = _cfg(tiny_config, num_iterations=6, checkpoint_every=3)
+@pytest.mark.parametrize("normalize_critic", [False, True])
+def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, trained, tmp_path, normalize_critic):
+    cfg = _cfg(tiny_config, num_iterations=6, checkpoint_every=3, normalize_critic=normalize_critic)
     reference = _run(cfg, trained, tmp_path / "whole")
 
     class Killed(Exception):
@@ -72,6 +82,22 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, tra
     a = (tmp_path / "whole" / "checkpoint" / "model.safetensors").read_bytes()
     b = (tmp_path / "interrupted" / "checkpoint" / "model.safetensors").read_bytes()
     assert a == b
+
+
+def test_normalize_critic_maps_the_critic_like_the_scorer_maps_raw_scores(tiny_config, trained):
+    from stages.ppo import critic_values, normalize_critic
+
+    models = load_models(_cfg(tiny_config, critic="reward"), trained["sft"], trained["reward"])
+    tokenizer = models.tokenizer
+    queries = tokenizer(["<s><|user|>Describe the cat.<|assistant|>"], return_tensors="pt", add_special_tokens=False)
+    responses = tokenizer(["The cat is warm.</s>"], return_tensors="pt", add_special_tokens=False)
+    inputs = (queries["input_ids"], queries["attention_mask"], responses["input_ids"], responses["attention_mask"])
+    with torch.no_grad():
+        raw = critic_values(models, *inputs)  # (1, T)
+    mapped = normalize_critic(models, gain=0.4, bias=-1.5, values=raw)
+    torch.testing.assert_close(mapped, 0.4 * raw - 1.5)
+    with torch.no_grad():
+        torch.testing.assert_close(critic_values(models, *inputs), mapped, rtol=1e-5, atol=1e-5)
 
 
 def test_left_padding_does_not_change_log_probs(tiny_config, trained):
