@@ -249,6 +249,8 @@ class PPOConfig(StageSettings):
     """Copy the policy into the reference every this many iterations; unset never does."""
     critic: Literal["reward", "shared", "detached"] = "reward"
     """A separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
+    freeze_policy_iterations: int = Field(0, ge=0)
+    """Critic warm-up: for this many first iterations only the critic learns (no policy loss; a shared value head reads the body without training it), so the policy's first update meets informed values (OpenRLHF's `freezing_actor_steps`)."""
     normalize_critic: bool = False
     """With `critic: reward`: apply the reward normalisation fitted on the first rollouts to the critic's head as well, so its first values are on the scale of the normalised scores it learns to predict."""
     lora: LoRAConfig | None = None
@@ -293,6 +295,9 @@ class PPOConfig(StageSettings):
         if self.launch.engine().get("distributed_type", "MULTI_GPU") not in ("MULTI_GPU", "NO"):
             raise ValueError("ppo.launch.accelerate_config: PPO runs on DDP (distributed_type MULTI_GPU); DeepSpeed "
                              "and FSDP are for the SFT and reward stages")
+        if self.freeze_policy_iterations >= self.num_iterations:
+            raise ValueError(f"freeze_policy_iterations ({self.freeze_policy_iterations}) leaves no iteration of "
+                             f"num_iterations ({self.num_iterations}) to train the policy")
         minibatch = self.rollout_batch_size // (self.num_minibatches * processes)
         if self.micro_batch_size is not None and minibatch % self.micro_batch_size:
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must divide the minibatch ({minibatch})")

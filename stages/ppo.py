@@ -77,8 +77,8 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.normal_(self.linear.weight, std=1.0 / math.sqrt(hidden_size + 1))
         torch.nn.init.zeros_(self.linear.bias)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (B, T)
-        return self.linear(hidden.detach() if self.detach_body else hidden).squeeze(-1)
+    def forward(self, hidden: torch.Tensor, detach_body: bool = False) -> torch.Tensor:  # (B, T, H) -> (B, T)
+        return self.linear(hidden.detach() if self.detach_body or detach_body else hidden).squeeze(-1)
 
 
 @dataclass
@@ -171,9 +171,9 @@ def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: 
     return logits, hidden
 
 
-def shared_values(models: Models, hidden: torch.Tensor) -> torch.Tensor:
+def shared_values(models: Models, hidden: torch.Tensor, detach_body: bool = False) -> torch.Tensor:
     """Values from the policy's own final hidden states. # (B, T, H) -> (B, T)"""
-    return models.value_head(hidden.to(models.value_head.linear.weight.dtype))
+    return models.value_head(hidden.to(models.value_head.linear.weight.dtype), detach_body)
 
 
 def critic_values(models: Models, queries, query_mask, responses, mask) -> torch.Tensor:
@@ -183,12 +183,14 @@ def critic_values(models: Models, queries, query_mask, responses, mask) -> torch
     return models.critic.score(hidden).squeeze(-1).float() + models.value_offset
 
 
-def policy_and_values(models: Models, queries, query_mask, responses, mask) -> tuple[torch.Tensor, torch.Tensor]:
-    """Policy logits and values for the response tokens; with the shared value head, one backbone pass. # (B, T, V), (B, T)"""
+def policy_and_values(models: Models, queries, query_mask, responses, mask,
+                      freeze_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy logits and values for the response tokens; with the shared value head, one backbone
+    pass (`freeze_policy`: the value loss does not reach the body). # (B, T, V), (B, T)"""
     logits, hidden = forward_response(models.policy, queries, query_mask, responses, mask,
                                       want_hidden=models.critic is None, precision=models.precision)
     if models.critic is None:
-        return logits, shared_values(models, hidden)
+        return logits, shared_values(models, hidden, detach_body=freeze_policy)
     return logits, critic_values(models, queries, query_mask, responses, mask)
 
 
@@ -201,8 +203,8 @@ class ActorCritic(torch.nn.Module):
         self.policy, self.value_head, self.critic = models.policy, models.value_head, models.critic
         self.models = models
 
-    def forward(self, queries, query_mask, responses, mask) -> tuple[torch.Tensor, torch.Tensor]:
-        return policy_and_values(self.models, queries, query_mask, responses, mask)
+    def forward(self, queries, query_mask, responses, mask, freeze_policy=False) -> tuple[torch.Tensor, torch.Tensor]:
+        return policy_and_values(self.models, queries, query_mask, responses, mask, freeze_policy)
 
 
 # --- rollout ----------------------------------------------------------------------------------
@@ -393,6 +395,7 @@ def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: R
     the update computes the policy the rollout sampled from (dropout off, same precision)."""
     actor_critic.train(True)
     trained = [p for group in optimizer.param_groups for p in group["params"]]
+    policy_parameters = list(accelerator.unwrap_model(actor_critic).policy.parameters())
     n = len(batch.responses)
     stats = UpdateStats()
     for epoch in range(cfg.num_ppo_epochs):
@@ -402,6 +405,9 @@ def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: R
             deviation = figures.pop("ratio_deviation_max")
             if epoch == 0 and index == 0:
                 stats.add(initial_ratio_deviation=deviation)
+            if iteration <= cfg.freeze_policy_iterations:  # no step at all: Adam's moments and step count stay fresh
+                for parameter in policy_parameters:
+                    parameter.grad = None
             scaler.unscale_(optimizer)  # clipping reads true gradient norms (no-op without fp16 loss scaling)
             grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
             scaler.step(optimizer)
@@ -443,7 +449,10 @@ def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPO
                       scaler: torch.amp.GradScaler, iteration: int) -> dict[str, float]:
     """Forward and backward of one micro-batch: its masked loss sums over the minibatch's `num_tokens`."""
     mask = micro.mask
-    logits, values = actor_critic(micro.queries, micro.query_mask, micro.responses, mask)
+    # Critic warm-up: the policy terms stay in the graph at weight 0 (every parameter gets a
+    # gradient, as DDP needs); `ppo_update` then drops the policy's gradients before the step.
+    warming_up = iteration <= cfg.freeze_policy_iterations
+    logits, values = actor_critic(micro.queries, micro.query_mask, micro.responses, mask, warming_up)
     logprobs = logprobs_of(logits, micro.responses, cfg.temperature)
     policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range, num_tokens)
     value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask, cfg.clip_range_value,
@@ -451,10 +460,11 @@ def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPO
     # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
     entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.temperature), mask,
                           num_tokens=num_tokens)
-    loss = policy.loss + cfg.vf_coef * value_loss - cfg.entropy_coef * entropy
+    policy_terms = policy.loss - cfg.entropy_coef * entropy
     if cfg.kl_loss_coef > 0:
-        loss = loss + cfg.kl_loss_coef * masked_mean(kl_estimate(logprobs, micro.ref_logprobs, "k3"), mask,
-                                                     num_tokens=num_tokens)
+        policy_terms = policy_terms + cfg.kl_loss_coef * masked_mean(kl_estimate(logprobs, micro.ref_logprobs, "k3"),
+                                                                     mask, num_tokens=num_tokens)
+    loss = (0.0 if warming_up else 1.0) * policy_terms + cfg.vf_coef * value_loss
     if not torch.isfinite(loss):
         raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
                                  "the last full-state checkpoint is kept")

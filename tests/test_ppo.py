@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf.config import LoRAConfig
+from rlhf.config import LoRAConfig, PPOConfig
 from stages.models import load_tokenizer, position_ids_for
 from stages.ppo import (NonFiniteLossError, PPOHooks, forward_response, load_models, reference_policy,
                         train_ppo)
@@ -147,6 +147,37 @@ def test_lora_reference_is_the_policy_with_adapters_disabled(tiny_config, traine
 def test_value_head_on_the_policy_body(tiny_config, trained, tmp_path):
     result = _run(_cfg(tiny_config, critic="shared", num_iterations=2), trained, tmp_path)
     assert np.isfinite(result.history[-1]["train/value_loss"])
+
+
+@pytest.mark.parametrize("critic", ["shared", "reward"])
+def test_critic_warm_up_trains_the_critic_and_leaves_the_policy_as_it_was(tiny_config, trained, tmp_path, critic):
+    from safetensors.torch import load_file
+
+    cfg = _cfg(tiny_config, critic=critic, num_iterations=3, freeze_policy_iterations=2, checkpoint_every=2,
+               learning_rate=1e-3)
+    states = {}
+
+    def keep_state(figures, iteration):
+        if iteration == 3:  # the state saved after iteration 2, before iteration 3's checkpoint replaces it
+            critic_file = ("value_head" if critic == "shared" else "critic") + ".safetensors"
+            states.update(load_file(str(tmp_path / "state" / "policy.safetensors")),
+                          critic=load_file(str(tmp_path / "state" / critic_file)))
+
+    result = _run(cfg, trained, tmp_path, PPOHooks(metrics=keep_state))
+    critic_after_two = states.pop("critic")
+    models = load_models(cfg, trained["sft"], trained["reward"])
+    sft, initial_critic = models.policy.state_dict(), (models.value_head or models.critic).state_dict()
+    for name, weight in states.items():  # the policy, bit for bit, after two warm-up iterations
+        assert torch.equal(weight, sft[name]), name
+    assert all(abs(row["rollout/kl"]) < 1e-4 for row in result.history[:2])  # sampling pass vs a fresh forward
+    assert any(not torch.equal(critic_after_two[name], initial_critic[name]) for name in critic_after_two)
+    final = load_file(str(result.checkpoint / "model.safetensors"))
+    assert any(not torch.equal(final[name], sft[name]) for name in final)  # iteration 3 trains it
+
+
+def test_warm_up_must_leave_iterations_to_train():
+    with pytest.raises(ValueError, match="freeze_policy_iterations"):
+        PPOConfig(num_iterations=2, freeze_policy_iterations=2)
 
 
 def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_checkpoint(tiny_config, trained, tmp_path,
