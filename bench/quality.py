@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             for implementation, (folder, shape, seconds) in runs.items():
                 figures = judge(folder, sft_folder, reward_folder, eval_prompts, ppo_cfg)
                 row = {"implementation": implementation, "beta": beta, "seed": seed, "critic": cfg.ppo.critic,
+                       "normalize_critic": cfg.ppo.normalize_critic,
                        "kl": figures["eval/kl"], "gold_reward": figures["eval/gold_reward"],
                        "gold_reward_sft": figures["eval/gold_reward_sft"], "gold_win_rate": figures["eval/gold_win_rate"],
                        "gold_win_rate_se": figures["eval/gold_win_rate_se"], "win_rate_rm": figures["eval/win_rate_rm"],

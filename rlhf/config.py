@@ -251,7 +251,7 @@ class PPOConfig(StageSettings):
     """A separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
     freeze_policy_iterations: int = Field(0, ge=0)
     """Critic warm-up: for this many first iterations only the critic learns (no policy loss; a shared value head reads the body without training it), so the policy's first update meets informed values (OpenRLHF's `freezing_actor_steps`)."""
-    normalize_critic: bool = False
+    normalize_critic: bool = True
     """With `critic: reward`: apply the reward normalisation fitted on the first rollouts to the critic's head as well, so its first values are on the scale of the normalised scores it learns to predict."""
     lora: LoRAConfig | None = None
     """Train LoRA adapters instead of all weights."""

@@ -772,7 +772,8 @@ def train_ppo(
             models.scorer.gain, models.scorer.bias = loop.normalization["gain"], loop.normalization["bias"]
             batch = dataclasses.replace(batch, **score_fields(batch.raw_scores, batch.has_eos, models.scorer, cfg))
             if cfg.normalize_critic and models.critic is not None:
-                batch = dataclasses.replace(batch, values=normalize_critic(models, **loop.normalization, values=batch.values))
+                values = normalize_critic(models, **loop.normalization, values=batch.values)
+                batch = dataclasses.replace(batch, values=values)
 
         kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * batch.mask  # (B, T)
         rewards = token_rewards(batch.scores, kl, kl_control.value, batch.mask)
