@@ -27,14 +27,21 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parent.parent
 
 DIFFERENCES = [
-    "Reward scale: ours refits the reward normalisation on its first rollouts; TRL scores with the reward "
-    "model's head multiplied by the reward stage's normalisation gain (its Llama score head has no bias, so no shift).",
+    "Reward scale: ours refits the reward normalisation (gain and bias) on its first rollouts, so scores start at "
+    "mean 0, std 1; TRL scores with the reward model's head multiplied by the reward stage's normalisation gain "
+    "(its Llama score head has no bias, so no shift: about mean -0.27, std 0.96 at the start).",
     "A response without EOS: ours scores it -3 (ppo.missing_eos_score replaces the score); TRL subtracts "
     "missing_eos_penalty=3 from the reward model's score.",
-    "Critic: ours as configured (`critic` column); TRL always starts its value model from the reward model.",
+    "Critic: ours as configured (`critic`, `normalize_critic` columns: by default the reward model with the refitted "
+    "gain and bias applied to its head); TRL's value model is the same gain-scaled reward model, without a bias.",
+    "Optimiser: ours clips the gradient norm at 1.0 and uses AdamW eps 1e-5 (ppo.max_grad_norm; CleanRL's and "
+    "OpenAI's PPO eps); TRL's PPOTrainer does not clip and uses eps 1e-8. Both decay the learning rate linearly "
+    "to 0, ours per optimiser step, TRL per iteration.",
     "Sampling noise: each implementation draws its own samples from its own seed; the evaluation shares them.",
 ]
 
@@ -181,6 +188,46 @@ def overoptimization_png(rows: list[dict], path: Path, window: int = 5) -> None:
     figure.savefig(path, dpi=110)
 
 
+def report(rows: list[dict]) -> str:
+    """The per-seed table, then each beta's comparison at matched KL: TRL's mean point against ours
+    at the same beta when the mean KLs are within 10%, else against our frontier (our per-beta
+    means joined in KL order) read at TRL's KL."""
+    betas = sorted({r["beta"] for r in rows})
+    means = {}
+    lines = ["| implementation | beta | final KL (per seed) | gold reward (per seed) | mean KL | mean gold | "
+             "gold win rate (per seed) | min response length |", "|---|---|---|---|---|---|---|---|"]
+    for beta in betas:
+        for implementation in ("ours", "trl"):
+            group = [r for r in rows if r["implementation"] == implementation and r["beta"] == beta]
+            if not group:
+                continue
+            kls, golds = [r["kl"] for r in group], [r["gold_reward"] for r in group]
+            means[implementation, beta] = (sum(kls) / len(kls), sum(golds) / len(golds))
+            shortest = min((r["min_length"] for r in group if "min_length" in r), default=float("nan"))
+            wins = " / ".join(f"{r['gold_win_rate']:.3f}" for r in group)
+            lines.append(f"| {implementation} | {beta} | {' / '.join(f'{k:.2f}' for k in kls)} | "
+                         f"{' / '.join(f'{g:.2f}' for g in golds)} | {means[implementation, beta][0]:.2f} | "
+                         f"{means[implementation, beta][1]:.2f} | "
+                         f"{wins} | {shortest:.1f} |")
+    frontier = sorted(point for (implementation, _), point in means.items() if implementation == "ours")
+    lines += ["", "| beta | TRL mean KL, gold | ours same beta: KL (ratio), gold | ours at TRL's KL | ours >= TRL |",
+              "|---|---|---|---|---|"]
+    for beta in betas:
+        if ("trl", beta) not in means or ("ours", beta) not in means:
+            continue
+        (trl_kl, trl_gold), (our_kl, our_gold) = means["trl", beta], means["ours", beta]
+        if abs(our_kl / trl_kl - 1) <= 0.1:
+            ours_there, how = our_gold, "same beta, KL within 10%"
+        elif frontier[0][0] <= trl_kl <= frontier[-1][0]:
+            ours_there = float(np.interp(trl_kl, [k for k, _ in frontier], [g for _, g in frontier]))
+            how = "our frontier, interpolated"
+        else:
+            ours_there, how = float("nan"), "outside our frontier"
+        lines.append(f"| {beta} | {trl_kl:.2f}, {trl_gold:.2f} | {our_kl:.2f} ({our_kl / trl_kl:.2f}), {our_gold:.2f} "
+                     f"| {ours_there:.2f} ({how}) | {'yes' if ours_there >= trl_gold else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/demo.yaml")
@@ -191,9 +238,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (YAML value)")
     parser.add_argument("--state", default=str(REPO / ".rlhf" / "bench-quality"))
     parser.add_argument("--results", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--report", metavar="JSON", help="print the tables of an earlier run's results and redraw "
+                        "its PNGs beside it, without training")
     parser.add_argument("--name", default=f"quality-{datetime.date.today().isoformat()}",
                         help="file name (no suffix) of the results JSON and PNGs")
     args = parser.parse_args(argv)
+    if args.report:
+        stem = Path(args.report).with_suffix("")
+        rows = json.loads(Path(args.report).read_text())["rows"]
+        print(report(rows) + "\n\nDifferences between the two setups that remain:\n"
+              + "\n".join(f"- {d}" for d in DIFFERENCES))
+        frontier_png(rows, stem.with_suffix(".png"))
+        overoptimization_png(rows, stem.with_name(f"{stem.name}-overoptimization.png"))
+        return 0
     import yaml
 
     from rlhf.config import load_config
@@ -247,17 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(SFT {row['gold_reward_sft']:.2f})  gold win {row['gold_win_rate']:.3f} ± {row['gold_win_rate_se']:.3f}  "
                       f"length {row['response_length']:.1f}  {seconds:.0f} s", flush=True)
 
-    print("\n| implementation | beta | final KL (per seed) | gold reward (per seed) | mean KL | mean gold | gold win rate |")
-    print("|---|---|---|---|---|---|---|")
-    for beta in args.betas:
-        for implementation in ("ours", "trl"):
-            group = [r for r in rows if r["implementation"] == implementation and r["beta"] == beta]
-            if group:
-                kls, golds = [r["kl"] for r in group], [r["gold_reward"] for r in group]
-                wins = " / ".join(f"{r['gold_win_rate']:.3f}" for r in group)
-                print(f"| {implementation} | {beta} | {' / '.join(f'{k:.2f}' for k in kls)} | "
-                      f"{' / '.join(f'{g:.2f}' for g in golds)} | {sum(kls) / len(kls):.2f} | "
-                      f"{sum(golds) / len(golds):.2f} | {wins} |")
+    print(report(rows))
     print("\nDifferences between the two setups that remain:\n" + "\n".join(f"- {d}" for d in DIFFERENCES))
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
