@@ -214,7 +214,7 @@ class PPOConfig(StageSettings):
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     max_grad_norm: PositiveFloat = 1.0
-    """Gradient-norm clipping."""
+    """Gradient-norm clipping, of the policy and of the critic each on its own."""
     clip_range: PositiveFloat = 0.2
     """Policy ratio clip epsilon."""
     clip_range_value: PositiveFloat = 0.2

@@ -396,6 +396,8 @@ def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: R
     actor_critic.train(True)
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     policy_parameters = list(accelerator.unwrap_model(actor_critic).policy.parameters())
+    in_policy = {id(p) for p in policy_parameters}
+    critic_parameters = [p for p in trained if id(p) not in in_policy]  # the value head or the critic model
     n = len(batch.responses)
     stats = UpdateStats()
     for epoch in range(cfg.num_ppo_epochs):
@@ -409,12 +411,14 @@ def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: R
                 for parameter in policy_parameters:
                     parameter.grad = None
             scaler.unscale_(optimizer)  # clipping reads true gradient norms (no-op without fp16 loss scaling)
-            grad_norm = torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
+            # Each model clipped on its own: a large value-loss gradient must not shrink the policy's step.
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy_parameters, cfg.max_grad_norm)
+            critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic_parameters, cfg.max_grad_norm)
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            stats.add(**figures, grad_norm=grad_norm.item())
+            stats.add(**figures, grad_norm=grad_norm.item(), critic_grad_norm=critic_grad_norm.item())
     return stats.means()
 
 

@@ -92,6 +92,29 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny_config, trained, cri
         _assert_same(split, whole)
 
 
+def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trained):
+    """Policy and critic are clipped each on its own: a value loss 1000 times heavier leaves the
+    policy's update as it was (clipped jointly, the critic's large gradient shrank it)."""
+    from accelerate import Accelerator
+
+    from stages.ppo import ActorCritic, ppo_update
+
+    def one_update(vf_coef: float):
+        cfg, models, batch, advantages, returns = _setup(tiny_config, trained)
+        cfg = cfg.model_copy(update={"vf_coef": vf_coef, "num_ppo_epochs": 1})
+        optimizer = torch.optim.SGD(models.trainable(), lr=1e-2)  # Adam would hide a rescaled gradient
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        figures = ppo_update(ActorCritic(models), Accelerator(cpu=True), batch, advantages, returns, cfg, optimizer,
+                             scheduler, torch.amp.GradScaler("cpu", enabled=False), iteration=1)
+        return figures, models
+
+    light, light_models = one_update(0.1)
+    heavy, heavy_models = one_update(100.0)
+    assert heavy["critic_grad_norm"] > 1000 * light["critic_grad_norm"] * 0.5 and heavy["critic_grad_norm"] > 1.0
+    assert heavy["grad_norm"] == pytest.approx(light["grad_norm"], rel=1e-5)
+    _assert_same(dict(heavy_models.policy.named_parameters()), dict(light_models.policy.named_parameters()))
+
+
 def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(tiny_config, trained, tmp_path):
     from accelerate import Accelerator
 
