@@ -36,10 +36,12 @@ def overoptimization(history: list[dict[str, float]], gold: dict[int, float], wi
         axis.scatter(kl, values, color=color, alpha=0.25, s=10)
         axis.plot(running_mean(kl, window), running_mean(values, window), color=color, linewidth=1.8, label=label)
         axis.set_ylabel(label, color=color)
-    proxy_axis.set_xlabel(f"KL(policy || reference) per sequence, rollouts (running mean of {window} iterations)")
+    proxy_axis.set_xlabel("KL(policy || reference) per sequence, rollouts")
     proxy_axis.grid(alpha=0.3)
-    figure.legend(loc="lower right", fontsize=8)
-    proxy_axis.set_title("Over-optimisation: proxy and gold reward against KL", fontsize=10)
+    lines = proxy_axis.get_lines() + gold_axis.get_lines()
+    proxy_axis.legend(lines, [line.get_label() for line in lines], loc="upper left", fontsize=8)
+    proxy_axis.set_title(f"Over-optimisation: proxy and gold reward against KL\n(points: iterations; lines: running "
+                         f"mean of {window})", fontsize=10)
     figure.tight_layout()
     return figure
 
