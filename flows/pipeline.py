@@ -327,12 +327,15 @@ def ppo(ctx: StageContext) -> StageRecord | State:
             # Demo world: the gold reward of every iteration's rollouts, judged here because no stage may
             # read the gold function; kept in the work folder so a resumed run's curve starts at iteration 1.
             gold_file = scratch / "rollout-gold.jsonl"
+            gold_by_iteration: dict[int, float] = {}
             if gold_file.exists():  # a resumed run: the stage replays its history, the gold curve is ours to replay
                 for row in map(json.loads, gold_file.read_text().splitlines()):
+                    gold_by_iteration[row["iteration"]] = row["gold_reward"]
                     metrics_writer.log({"rollout/gold_reward": row["gold_reward"]}, row["iteration"])
 
             def judge_rollouts(table: pd.DataFrame, iteration: int) -> None:
                 gold = mean_gold_reward(list(table["prompt_messages"]), list(table["response"]))
+                gold_by_iteration[iteration] = gold
                 metrics_writer.log({"rollout/gold_reward": gold}, iteration)
                 with gold_file.open("a") as f:
                     f.write(json.dumps({"iteration": iteration, "gold_reward": gold}) + "\n")
@@ -353,9 +356,8 @@ def ppo(ctx: StageContext) -> StageRecord | State:
             for keys, name in ((["rollout/score", "rollout/score_raw"], "score"), (["rollout/kl", "rollout/kl_coef"], "kl"),
                                (["rollout/response_length", "rollout/eos_rate"], "length")):
                 mlflow.log_figure(curves(result.history, keys, f"PPO {name}"), f"plots/{name}.png")
-            if gold_file.exists():
-                gold = {row["iteration"]: row["gold_reward"] for row in map(json.loads, gold_file.read_text().splitlines())}
-                mlflow.log_figure(overoptimization(result.history, gold), "plots/overoptimization.png")
+            if gold_by_iteration:
+                mlflow.log_figure(overoptimization(result.history, gold_by_iteration), "plots/overoptimization.png")
             samples = [{"prompt": p, "response": f"{r}  (SFT: {s})"} for p, r, s in
                        table[["prompt", "ppo_response", "sft_response"]].head(4).itertuples(index=False)]
             record = finish("ppo", run_id, section, train, metrics, result.checkpoint, samples,

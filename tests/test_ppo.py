@@ -161,11 +161,16 @@ def test_critic_warm_up_trains_the_critic_and_leaves_the_policy_as_it_was(tiny_c
         if iteration == 3:  # the state saved after iteration 2, before iteration 3's checkpoint replaces it
             critic_file = ("value_head" if critic == "shared" else "critic") + ".safetensors"
             states.update(load_file(str(tmp_path / "state" / "policy.safetensors")),
-                          critic=load_file(str(tmp_path / "state" / critic_file)))
+                          critic=load_file(str(tmp_path / "state" / critic_file)),
+                          optimizer=torch.load(tmp_path / "state" / "optimizer.pt"))
 
     result = _run(cfg, trained, tmp_path, PPOHooks(metrics=keep_state))
-    critic_after_two = states.pop("critic")
+    critic_after_two, optimizer_after_two = states.pop("critic"), states.pop("optimizer")
     models = load_models(cfg, trained["sft"], trained["reward"])
+    # Adam stepped only the critic: the policy's parameters (first in the optimizer) have no state yet,
+    # so its first real update is not scaled by moments gathered from zero gradients.
+    n_policy = sum(1 for p in models.policy.parameters() if p.requires_grad)
+    assert sorted(optimizer_after_two["state"]) == list(range(n_policy, len(models.trainable())))
     sft, initial_critic = models.policy.state_dict(), (models.value_head or models.critic).state_dict()
     for name, weight in states.items():  # the policy, bit for bit, after two warm-up iterations
         assert torch.equal(weight, sft[name]), name
