@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -108,6 +109,7 @@ def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_promp
     from rlhf.demo_world import mean_gold_reward
     from stages.ppo import PPOHooks, train_ppo
 
+    shutil.rmtree(out, ignore_errors=True)  # a finished run's state there would be resumed, whatever its config
     gold = {}
     hooks = PPOHooks(rollouts=lambda table, i: gold.update({i: mean_gold_reward(list(table["prompt_messages"]),
                                                                                 list(table["response"]))}))
