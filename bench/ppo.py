@@ -56,7 +56,8 @@ def build_assets(config_file: str, overrides: dict, shape: ModelShape, root: Pat
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhf.config import load_config
-    from rlhf.demo_world import build_world, resolve_location
+    from rlhf.demo_locations import resolve_location
+    from rlhf.demo_world import build_world
     from schemas.validate import LengthBudget, load_validated
     from stages.models import load_tokenizer, save_checkpoint
     from stages.reward import load_reward_model
@@ -105,7 +106,7 @@ def summarize(rows: list[dict[str, float]], work: Work, name: str, peak_memory_m
     return {"name": name, "iterations": len(rows), "seconds_per_iteration": median["seconds"],
             "episodes_per_second": work.episodes / median["seconds"],
             "generated_tokens_per_second": median["generated_tokens"] / median["seconds"],
-            "split": {k: median[k] for k in ("generate", "score", "train") if k in median},
+            "split": {k: median[k] for k in ("generate", "forward", "score", "train") if k in median},
             "peak_memory_mb": peak_memory_mb}
 
 
@@ -119,7 +120,8 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
 
     from rlhf.config import load_config
     from stages.models import set_determinism
-    from stages.ppo import PPOHooks, train_ppo
+    from stages.ppo import PPOInputs, train_ppo
+    from stages.reporting import Reporting
 
     set_determinism(False, threads)
     cfg = load_config(config_file, overrides | {"ppo.num_iterations": warmup + iterations}).ppo
@@ -128,15 +130,15 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
     def record(figures: dict[str, float], iteration: int) -> None:
         if iteration > warmup:
             rows.append({"seconds": figures["time/iteration"], "generate": figures["time/generate"],
-                         "score": figures["time/score"], "train": figures["time/train"],
+                         "forward": figures["time/forward"], "score": figures["time/score"], "train": figures["time/train"],
                          "generated_tokens": figures["rollout/response_length"] * work.episodes,
                          "rss_mb": resident_memory_mb()})
 
     prompts = pd.read_json(assets / "prompts.jsonl", lines=True)
     eval_prompts = pd.read_json(assets / "eval_prompts.jsonl", lines=True).head(8)
     with tempfile.TemporaryDirectory() as out:
-        train_ppo(cfg, str(assets / "policy"), str(assets / "reward"), prompts, eval_prompts, Path(out),
-                  PPOHooks(metrics=record))
+        train_ppo(cfg, PPOInputs(str(assets / "policy"), str(assets / "reward"), prompts, eval_prompts), Path(out),
+                  Reporting(metrics=record))
     assert torch.get_num_threads() == threads
     return {"rows": rows, "peak_memory_mb": peak_memory_mb()}
 

@@ -51,8 +51,8 @@ def train_upstream(cfg, world: Path, state: Path) -> tuple[Path, Path]:
     """SFT and reward checkpoints from the config's sections, trained once and kept."""
     from schemas.validate import LengthBudget, load_validated
     from stages.models import load_tokenizer
-    from stages.reward import train_reward
-    from stages.sft import train_sft
+    from stages.reward import RewardInputs, train_reward
+    from stages.sft import SFTInputs, train_sft
 
     sft_folder, reward_folder = state / "sft" / "checkpoint", state / "reward" / "checkpoint"
     if (reward_folder / "config.json").exists():
@@ -63,11 +63,12 @@ def train_upstream(cfg, world: Path, state: Path) -> tuple[Path, Path]:
         budget = LengthBudget(section.max_prompt_length, section.max_length)
         return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer, budget=budget).frame
 
-    sft = train_sft(cfg.sft, str(world / "model"), data(cfg.sft, "sft", "sft"), data(cfg.sft, "sft_eval", "sft"),
-                    state / "sft")
-    train_reward(cfg.reward, str(sft.checkpoint), str(sft.checkpoint), data(cfg.reward, "preferences", "preference"),
-                 data(cfg.reward, "preferences_eval", "preference"), data(cfg.reward, "prompts_eval", "prompt"),
-                 state / "reward")
+    sft = train_sft(cfg.sft, SFTInputs(str(world / "model"), data(cfg.sft, "sft", "sft"),
+                                       data(cfg.sft, "sft_eval", "sft")), state / "sft")
+    train_reward(cfg.reward, RewardInputs(str(sft.checkpoint), str(sft.checkpoint),
+                                          data(cfg.reward, "preferences", "preference"),
+                                          data(cfg.reward, "preferences_eval", "preference"),
+                                          data(cfg.reward, "prompts_eval", "prompt")), state / "reward")
     return sft_folder, reward_folder
 
 
@@ -107,13 +108,15 @@ def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_promp
     """Our PPO as configured; besides its policy, the shape of its run: response lengths, and the
     proxy score, gold reward and KL of every iteration's rollouts (the over-optimisation curve)."""
     from rlhf.demo_world import mean_gold_reward
-    from stages.ppo import PPOHooks, train_ppo
+    from stages.ppo import PPOInputs, train_ppo
+    from stages.reporting import Reporting
 
     shutil.rmtree(out, ignore_errors=True)  # a finished run's state there would be resumed, whatever its config
     gold = {}
-    hooks = PPOHooks(rollouts=lambda table, i: gold.update({i: mean_gold_reward(list(table["prompt_messages"]),
+    reporting = Reporting(rollouts=lambda table, i: gold.update({i: mean_gold_reward(list(table["prompt_messages"]),
                                                                                 list(table["response"]))}))
-    result = train_ppo(ppo_cfg, str(sft_folder), str(reward_folder), prompts, eval_prompts.head(4), out, hooks)
+    result = train_ppo(ppo_cfg, PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts.head(4)), out,
+                       reporting)
     lengths = [row["rollout/response_length"] for row in result.history]
     worst_drop = max((a - b) / a for a, b in zip(lengths, lengths[1:]))
     curve = [{"iteration": row["iteration"], "kl": row["rollout/kl"], "proxy": row["rollout/score"],

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
-from rlhf.demo_world import DEMO_SCHEME, DemoWorldConfig
+from rlhf.demo_locations import DEMO_SCHEME, DemoWorldConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,15 +84,30 @@ class StageSettings(_Frozen):
     """Processes the stage runs on."""
 
 
-class TrainingConfig(StageSettings):
-    """Settings every trainer-based stage shares."""
+class TrainedStage(StageSettings):
+    """Fields every training stage has, with the same meaning."""
 
-    eval_fraction: float = Field(0.1, gt=0, lt=1)
-    """Share of `train_data` held out for evaluation when `eval_data` is unset."""
     duplicates: Literal["error", "drop"] = "error"
     """Duplicate records: refuse the data set, or drop them and report how many."""
     max_prompt_length: PositiveInt = 64
     """Token budget of a rendered prompt; longer records are refused."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: PositiveFloat = 1.0
+    """Gradient-norm clipping (in PPO, of the policy and of the critic each on its own)."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory on large models."""
+    seed: int = 0
+    """Seeds data order, sampling and initialisation."""
+
+
+class TrainingConfig(TrainedStage):
+    """Settings every trainer-based stage shares. `learning_rate`, `warmup_ratio` and
+    `checkpoint_every` are declared here and in `PPOConfig` apart: their defaults differ, and
+    PPO counts checkpoints in iterations, not optimizer steps."""
+
+    eval_fraction: float = Field(0.1, gt=0, lt=1)
+    """Share of `train_data` held out for evaluation when `eval_data` is unset."""
     max_length: PositiveInt = 128
     """Token budget of prompt + reply + EOS; longer records are refused."""
     learning_rate: PositiveFloat = 2e-5
@@ -109,20 +124,12 @@ class TrainingConfig(StageSettings):
     """Share of steps with a linearly rising learning rate."""
     lr_scheduler_type: Literal["linear", "cosine", "constant_with_warmup"] = "cosine"
     """Learning-rate schedule after warmup."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    max_grad_norm: PositiveFloat = 1.0
-    """Gradient-norm clipping."""
-    gradient_checkpointing: bool = False
-    """Trade compute for memory on large models."""
     eval_steps: PositiveInt = 20
     """Evaluate on held-out data every this many steps."""
     logging_steps: PositiveInt = 10
     """Log training figures every this many steps."""
     checkpoint_every: PositiveInt = 200
     """Trainer checkpoint every this many steps; a rerun of the same work resumes from the last one."""
-    seed: int = 0
-    """Seeds data order and initialisation."""
     chat_template: str | None = None
     """Jinja chat template (or the path of a .jinja file) for a tokenizer that has none, or to replace its own; saved with the checkpoint."""
 
@@ -180,17 +187,13 @@ class LoRAConfig(_Frozen):
     """Module names that get adapters."""
 
 
-class PPOConfig(StageSettings):
+class PPOConfig(TrainedStage):
     """PPO fine-tuning of the SFT policy against the frozen reward model."""
 
     prompts: DataSource = DataSource(path="demo:prompts")
     """Prompts for rollouts, cycled in a seeded shuffled order."""
     eval_prompts: DataSource = DataSource(path="demo:prompts_eval")
     """Held-out prompts for the final PPO-vs-SFT evaluation."""
-    duplicates: Literal["error", "drop"] = "error"
-    """Duplicate prompts: refuse the data set, or drop them and report how many."""
-    max_prompt_length: PositiveInt = 64
-    """Token budget of a rendered prompt; longer prompts are refused."""
     response_length: PositiveInt = 32
     """New tokens generated per response at most."""
     temperature: PositiveFloat = 1.0
@@ -211,10 +214,6 @@ class PPOConfig(StageSettings):
     """Peak AdamW learning rate of policy and value head."""
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
     """Share of optimizer steps with a linearly rising learning rate; then linear decay to zero."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    max_grad_norm: PositiveFloat = 1.0
-    """Gradient-norm clipping, of the policy and of the critic each on its own."""
     clip_range: PositiveFloat = 0.2
     """Policy ratio clip epsilon."""
     clip_range_value: PositiveFloat = 0.2
@@ -238,7 +237,7 @@ class PPOConfig(StageSettings):
     kl_horizon: PositiveFloat = 10000.0
     """Adaptive KL control horizon."""
     kl_budget: PositiveFloat = 12.0
-    """Mean KL per sequence above which a warning is raised; also the evaluation's KL limit."""
+    """Mean KL per sequence above which a warning is raised: for an iteration's rollouts, and for the final policy on the held-out prompts."""
     whiten_rewards: bool = False
     """Whiten per-token rewards (keeping their mean) before GAE."""
     missing_eos_score: float | None = -3.0
@@ -246,7 +245,7 @@ class PPOConfig(StageSettings):
     score_clip: PositiveFloat | None = None
     """Clip normalised scores to [-score_clip, score_clip]."""
     ref_refresh_every: PositiveInt | None = None
-    """Copy the policy into the reference every this many iterations; unset never does."""
+    """Copy the policy into the reference every this many iterations; unset never does. Not with `lora` (the reference is the policy without its adapters)."""
     critic: Literal["reward", "shared", "detached"] = "reward"
     """A separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
     freeze_policy_iterations: int = Field(0, ge=0)
@@ -255,8 +254,6 @@ class PPOConfig(StageSettings):
     """With `critic: reward`: apply the reward normalisation fitted on the first rollouts to the critic's head as well, so its first values are on the scale of the normalised scores it learns to predict."""
     lora: LoRAConfig | None = None
     """Train LoRA adapters instead of all weights."""
-    gradient_checkpointing: bool = False
-    """Trade compute for memory on large models."""
     checkpoint_every: PositiveInt = 25
     """Full-state checkpoint (for resuming) every this many iterations."""
     sample_every: PositiveInt = 10
@@ -281,8 +278,6 @@ class PPOConfig(StageSettings):
     """Dtype the frozen reference and reward models are held in; bfloat16 halves their memory."""
     refit_normalization: bool = True
     """Refit the reward normalisation (gain, bias) on the first iteration's rollouts, so PPO's scores start at mean 0, std 1 under its own sampling settings."""
-    seed: int = 0
-    """Seeds prompt order, sampling and initialisation."""
 
     @model_validator(mode="after")
     def _batches_divide(self) -> PPOConfig:
@@ -295,6 +290,9 @@ class PPOConfig(StageSettings):
         if self.launch.engine().get("distributed_type", "MULTI_GPU") not in ("MULTI_GPU", "NO"):
             raise ValueError("ppo.launch.accelerate_config: PPO runs on DDP (distributed_type MULTI_GPU); DeepSpeed "
                              "and FSDP are for the SFT and reward stages")
+        if self.lora is not None and self.ref_refresh_every is not None:
+            raise ValueError("ref_refresh_every cannot act with lora: the reference is the policy with its adapters "
+                             "disabled, so there is no copy to refresh; unset one of them")
         if self.freeze_policy_iterations >= self.num_iterations:
             raise ValueError(f"freeze_policy_iterations ({self.freeze_policy_iterations}) leaves no iteration of "
                              f"num_iterations ({self.num_iterations}) to train the policy")

@@ -105,16 +105,18 @@ def adapt_plain(frame: pd.DataFrame, kind: str) -> tuple[pd.DataFrame, list[Prob
     return frame, []
 
 
-def adapt_hh(frame: pd.DataFrame, kind: str) -> tuple[pd.DataFrame, list[Problem]]:
-    def row(record: pd.Series) -> dict:
-        chosen_prompt, chosen = _split_reply(parse_hh(record["chosen"], "chosen"), "chosen")
-        rejected_prompt, rejected = _split_reply(parse_hh(record["rejected"], "rejected"), "rejected")
-        if chosen_prompt != rejected_prompt:
-            raise _RowError(None, "chosen and rejected continue different prompts")
-        return {"prompt": _last_user(chosen_prompt), "chosen": chosen, "rejected": rejected,
-                "prompt_messages": json.dumps(chosen_prompt)}
+def _pair_row(record: pd.Series, conversation: Callable[[Any, str], Messages]) -> dict:
+    """A preference pair from two whole conversations that must share everything but the last reply."""
+    chosen_prompt, chosen = _split_reply(conversation(record["chosen"], "chosen"), "chosen")
+    rejected_prompt, rejected = _split_reply(conversation(record["rejected"], "rejected"), "rejected")
+    if chosen_prompt != rejected_prompt:
+        raise _RowError(None, "chosen and rejected continue different prompts")
+    return {"prompt": _last_user(chosen_prompt), "chosen": chosen, "rejected": rejected,
+            "prompt_messages": json.dumps(chosen_prompt)}
 
-    return _apply(frame, row)
+
+def adapt_hh(frame: pd.DataFrame, kind: str) -> tuple[pd.DataFrame, list[Problem]]:
+    return _apply(frame, lambda record: _pair_row(record, parse_hh))
 
 
 def adapt_chat(frame: pd.DataFrame, kind: str) -> tuple[pd.DataFrame, list[Problem]]:
@@ -123,12 +125,7 @@ def adapt_chat(frame: pd.DataFrame, kind: str) -> tuple[pd.DataFrame, list[Probl
         return {"prompt": _last_user(prompt), "response": response, "prompt_messages": json.dumps(prompt)}
 
     def pair_row(record: pd.Series) -> dict:
-        chosen_prompt, chosen = _split_reply(_as_messages(record["chosen"], "chosen"), "chosen")
-        rejected_prompt, rejected = _split_reply(_as_messages(record["rejected"], "rejected"), "rejected")
-        if chosen_prompt != rejected_prompt:
-            raise _RowError(None, "chosen and rejected continue different prompts")
-        return {"prompt": _last_user(chosen_prompt), "chosen": chosen, "rejected": rejected,
-                "prompt_messages": json.dumps(chosen_prompt)}
+        return _pair_row(record, _as_messages)
 
     def prompt_row(record: pd.Series) -> dict:
         messages = _as_messages(record["messages"], "messages")

@@ -1,22 +1,24 @@
 """Running a stage on several processes with `accelerate launch` (torch.distributed).
 
-`call_stage` runs a stage function in the caller's process when its config asks for one
-process. For more, it writes the stage's inputs to a spec folder, starts
+`call_stage(train_ppo, cfg, inputs, ...)` calls the stage function in the caller's process when
+its config asks for one process. For more, it pickles the call (the function, by reference, with
+its config and typed inputs) into a spec folder, starts
 
     accelerate launch --num_processes N [--config_file F | --multi_gpu] -m stages.distributed SPEC
 
 and forwards what rank 0 reports (metrics, sample tables, warnings) to the caller's own
-callbacks while the job runs. Rank 0 writes the stage's result back; the caller gets the same
+`Reporting` while the job runs. Rank 0 pickles the stage's result back; the caller gets the same
 result object either way. Every rank runs the same stage function: the TRL trainers and our
 PPO loop split the work by `PartialState().process_index`, and only rank 0 returns a result.
+The spec folder is the stage's own work folder: nothing but this module writes or reads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
+import pickle
 import re
 import socket
 import subprocess
@@ -25,78 +27,60 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Generic, TypeVar
 
 import pandas as pd
 
-from rlhf.config import PPOConfig, RewardConfig, SFTConfig, accelerate_config_path
+from rlhf.config import accelerate_config_path
+from stages.errors import StageUserError
 from stages.models import set_determinism
+from stages.reporting import Reporting
 
-STAGE_FUNCTIONS = {"sft": "stages.sft:train_sft", "reward": "stages.reward:train_reward", "ppo": "stages.ppo:train_ppo"}
-"""The function each stage's processes run."""
-SECTION_TYPES = {"sft": SFTConfig, "reward": RewardConfig, "ppo": PPOConfig}
-"""Each stage's config section."""
-RESULT_TYPES = {"sft": "stages.sft:SFTResult", "reward": "stages.reward:RewardResult", "ppo": "stages.ppo:PPOResult"}
-"""What each stage function returns (on rank 0)."""
-USER_ERRORS = {"RewardGateError": "stages.errors:RewardGateError", "NonFiniteLossError": "stages.errors:NonFiniteLossError"}
-"""Exceptions a stage raises for its user (not bugs): re-raised in the caller with their message."""
+Config = TypeVar("Config")
+Inputs = TypeVar("Inputs")
+Result = TypeVar("Result")
+Stage = Callable[[Config, Inputs, Path, Reporting], Result]
+"""A stage function: `train(cfg, inputs, output_dir, reporting)`, returning its result on rank 0."""
 
 
 class LaunchError(RuntimeError):
     """The multi-process job failed; the message holds the tail of its log."""
 
 
-def _import(dotted: str) -> Any:
-    module, name = dotted.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
 @dataclasses.dataclass(frozen=True)
-class Reporting:
-    """Where a stage reports while it runs; each stage function takes the ones it knows."""
+class StageCall(Generic[Config, Inputs, Result]):
+    """One stage function call, as every process of a launch makes it."""
 
-    metrics: Callable[[dict[str, float], int], None] | None = None
-    samples: Callable[[pd.DataFrame, int], None] | None = None
-    warning: Callable[[str], None] | None = None
-    rollouts: Callable[[pd.DataFrame, int], None] | None = None
-
-    def arguments(self, stage: str) -> dict[str, Any]:
-        if stage == "ppo":
-            from stages.ppo import PPOHooks
-
-            given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
-            return {"hooks": PPOHooks(**given)}
-        return {"sink": self.metrics}
+    train: Stage
+    section: Config
+    inputs: Inputs
+    output_dir: Path
+    deterministic: bool
+    num_threads: int
+    """This process's share of the CPU threads the pipeline may use."""
 
 
-def call_stage(stage: str, section, output_dir: Path, reporting: Reporting, *, deterministic: bool,
-               num_threads: int | None, **inputs: Any):
-    """Run `stage`'s function on `section.launch.num_processes` processes and return its result.
-    `inputs` are its keyword arguments besides config, output folder and reporting: strings,
-    paths and DataFrames."""
+def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Reporting, *, deterministic: bool,
+               num_threads: int | None):
+    """`train(section, inputs, output_dir, reporting)` on `section.launch.num_processes` processes;
+    its result. A `StageUserError` raised on rank 0 is raised here as it was."""
     if section.launch.num_processes == 1:
-        return _import(STAGE_FUNCTIONS[stage])(section, **inputs, output_dir=output_dir, **reporting.arguments(stage))
-    spec = _write_spec(stage, section, output_dir, inputs, deterministic, num_threads)
+        return train(section, inputs, output_dir, reporting)
+    threads = max(1, (num_threads or os.cpu_count() or 1) // section.launch.num_processes)
+    spec = _write_spec(StageCall(train, section, inputs, output_dir, deterministic, threads))
     _launch(spec, section.launch, reporting)
-    return _read_result(stage, spec)
+    return pickle.loads((spec / "result.pkl").read_bytes())
 
 
 # --- the caller's side ------------------------------------------------------------------------
 
 
-def _write_spec(stage: str, section, output_dir: Path, inputs: dict[str, Any], deterministic: bool,
-                num_threads: int | None) -> Path:
-    spec = output_dir / "launch"
+def _write_spec(call: StageCall) -> Path:
+    spec = call.output_dir / "launch"
     spec.mkdir(parents=True, exist_ok=True)
-    for stale in ("events.jsonl", "result.json", "error.json"):
+    for stale in ("events.jsonl", "result.pkl", "error.pkl"):
         (spec / stale).unlink(missing_ok=True)
-    arguments = {name: _store(value, f"input-{name}", spec) for name, value in inputs.items()}
-    # Each process gets its share of the CPU threads the pipeline may use.
-    threads = max(1, (num_threads or os.cpu_count() or 1) // section.launch.num_processes)
-    (spec / "spec.json").write_text(json.dumps({
-        "stage": stage, "section": section.model_dump(mode="json"), "output_dir": str(output_dir),
-        "arguments": arguments, "deterministic": deterministic, "num_threads": threads,
-    }))
+    (spec / "call.pkl").write_bytes(pickle.dumps(call))
     return spec
 
 
@@ -141,14 +125,10 @@ def _launch(spec: Path, launch, reporting: Reporting) -> None:
         except BaseException:
             process.kill()  # the caller stops (or its reporting failed): so do the processes
             raise
-    error = spec / "error.json"
+    error = spec / "error.pkl"
     if error.exists():
-        raised = json.loads(error.read_text())
-        if raised["type"] in USER_ERRORS:
-            exception = _import(USER_ERRORS[raised["type"]])
-            raise (exception(raised["message"], raised["metrics"]) if raised.get("metrics") is not None
-                   else exception(raised["message"]))
-    if process.returncode != 0 or not (spec / "result.json").exists():
+        raise pickle.loads(error.read_bytes())
+    if process.returncode != 0 or not (spec / "result.pkl").exists():
         lines = log.read_text(errors="replace").splitlines()
         tail = "\n".join(lines[-30:])
         raise LaunchError(f"the {launch.num_processes}-process job (accelerate launch) exited with code "
@@ -175,51 +155,24 @@ def _forward_events(events: Path, read: int, reporting: Reporting) -> int:
     complete = chunk[:chunk.rfind("\n") + 1]
     for line in complete.splitlines():
         event = json.loads(line)
-        if event["kind"] == "metrics" and reporting.metrics:
+        if event["kind"] == "metrics":
             reporting.metrics(event["metrics"], event["step"])
-        elif event["kind"] == "samples" and reporting.samples:
+        elif event["kind"] == "samples":
             reporting.samples(pd.DataFrame(event["rows"]), event["step"])
-        elif event["kind"] == "rollouts" and reporting.rollouts:
+        elif event["kind"] == "rollouts":
             reporting.rollouts(pd.DataFrame(event["rows"]), event["step"])
-        elif event["kind"] == "warning" and reporting.warning:
+        elif event["kind"] == "warning":
             reporting.warning(event["message"])
     return read + len(complete)
-
-
-def _read_result(stage: str, spec: Path):
-    stored = json.loads((spec / "result.json").read_text())
-    return _import(RESULT_TYPES[stage])(**{name: _restore(value, spec) for name, value in stored.items()})
-
-
-# --- what crosses between the processes -------------------------------------------------------
-
-
-def _store(value: Any, name: str, folder: Path) -> dict[str, Any]:
-    """A stage argument or result field as JSON: DataFrames go to a parquet file beside it."""
-    if isinstance(value, pd.DataFrame):
-        value.to_parquet(folder / f"{name}.parquet")
-        return {"frame": f"{name}.parquet"}
-    if isinstance(value, Path):
-        return {"path": str(value)}
-    return {"value": value}
-
-
-def _restore(stored: dict[str, Any], folder: Path) -> Any:
-    if "frame" in stored:
-        return pd.read_parquet(folder / stored["frame"])
-    if "path" in stored:
-        return Path(stored["path"])
-    return stored["value"]
 
 
 # --- each process's side ----------------------------------------------------------------------
 
 
 def _write_result(result, spec: Path) -> None:
-    stored = {f.name: _store(getattr(result, f.name), f"result-{f.name}", spec) for f in dataclasses.fields(result)}
-    staging = spec / "result.json.tmp"
-    staging.write_text(json.dumps(stored))
-    staging.rename(spec / "result.json")
+    staging = spec / "result.pkl.tmp"
+    staging.write_bytes(pickle.dumps(result))
+    staging.rename(spec / "result.pkl")
 
 
 def _event_writer(events: Path) -> Reporting:
@@ -238,23 +191,18 @@ def _event_writer(events: Path) -> Reporting:
 def main(spec: Path) -> None:
     from accelerate import PartialState
 
-    described = json.loads((spec / "spec.json").read_text())
-    stage = described["stage"]
-    section = SECTION_TYPES[stage].model_validate(described["section"])
-    set_determinism(described["deterministic"], described["num_threads"])
+    call: StageCall = pickle.loads((spec / "call.pkl").read_bytes())
+    set_determinism(call.deterministic, call.num_threads)
     # First to set up the process group, so the trainers and our PPO loop find it as is (the
     # trainers' own `ddp_timeout` then goes unused): PartialState reads the CPU switch only from its argument.
     state = PartialState(cpu=os.environ.get("ACCELERATE_USE_CPU") == "true",
-                         timeout=timedelta(seconds=section.launch.timeout_seconds))
-    inputs = {name: _restore(given, spec) for name, given in described["arguments"].items()}
+                         timeout=timedelta(seconds=call.section.launch.timeout_seconds))
     reporting = _event_writer(spec / "events.jsonl") if state.is_main_process else Reporting()
     try:
-        result = _import(STAGE_FUNCTIONS[stage])(section, **inputs, output_dir=Path(described["output_dir"]),
-                                                  **reporting.arguments(stage))
-    except Exception as e:
-        if state.is_main_process and type(e).__name__ in USER_ERRORS:
-            (spec / "error.json").write_text(json.dumps({"type": type(e).__name__, "message": str(e),
-                                                         "metrics": getattr(e, "metrics", None)}))
+        result = call.train(call.section, call.inputs, call.output_dir, reporting)
+    except StageUserError as e:
+        if state.is_main_process:
+            (spec / "error.pkl").write_bytes(pickle.dumps(e))
         raise
     if state.is_main_process:
         _write_result(result, spec)

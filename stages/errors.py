@@ -5,15 +5,23 @@ import the stages' training libraries."""
 from __future__ import annotations
 
 
-class RewardGateError(RuntimeError):
+class StageUserError(RuntimeError):
+    """Raised by a stage for its user: the flow shows the message alone, and a multi-process
+    launch hands it back to the caller as it was raised."""
+
+
+class RewardGateError(StageUserError):
     """The trained model is not good enough to optimise against; `metrics` holds what was measured."""
 
     def __init__(self, message: str, metrics: dict[str, float]):
         super().__init__(message)
         self.metrics = metrics
 
+    def __reduce__(self):  # pickled with its figures, across processes
+        return type(self), (str(self), self.metrics)
 
-class NonFiniteLossError(RuntimeError):
+
+class NonFiniteLossError(StageUserError):
     """The loss became NaN or infinite; the last full-state checkpoint is kept."""
 
 

@@ -230,14 +230,20 @@ def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def left_padded(tokenizer: PreTrainedTokenizerBase, prompts: list[str], on: torch.device):
+    """Rendered prompts as one batch padded on the left, where generation continues them.
+    # -> {"input_ids": (B, Tq), "attention_mask": (B, Tq)}"""
+    return tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                     padding_side="left").to(on)
+
+
 @torch.inference_mode()
 def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int,
              temperature: float | None = None, num_return_sequences: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-padded prompt ids, their attention mask, and the new tokens: greedy when `temperature`
     is None, else sampled from the full temperature-scaled distribution (no top-k or top-p).
     # -> (B, Tq), (B, Tq), (B * num_return_sequences, T)"""
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-                      padding_side="left").to(model.device)
+    batch = left_padded(tokenizer, prompts, model.device)
     sampling = {"do_sample": False} if temperature is None else {
         "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     out = model.generate(**batch, **sampling, max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences,

@@ -1,210 +1,77 @@
 """Stage 3: PPO fine-tuning of the SFT policy against the frozen, normalised reward model.
 
-One iteration reads top to bottom in `train_ppo`:
+One iteration of `train_ppo` reads top to bottom:
 
-    rollout   sample responses for a batch of prompts; keep log-probs, values, reference log-probs
-    score     the reward model scores prompt + response text; EOS penalty; optional clipping
-    rewards   r_t = -beta * KL_t, plus the score on the last response token
-    advantage GAE(gamma, lambda); returns = A + V; A whitened
-    update    num_ppo_epochs x shuffled minibatches (micro-batches accumulate):
-              loss = -L_clip + c1 L_V - c2 H [+ c3 KL]; grad-norm clip; AdamW, warmup + linear decay
-    control   adaptive (or fixed) KL coefficient; optional reference refresh
+    rollout    sample responses for a batch of prompts; keep log-probs, values, reference log-probs
+    score      the reward model scores prompt + response text; EOS penalty; optional clipping
+    advantage  r_t = -beta * KL_t, plus the score on the last response token;
+               GAE(gamma, lambda); returns = A + V; A whitened
+    update     num_ppo_epochs x shuffled minibatches (micro-batches accumulate):
+               loss = -L_clip + c1 L_V - c2 H [+ c3 KL]; grad-norm clip; AdamW, warmup + linear decay
+    control    adaptive (or fixed) KL coefficient; optional reference refresh
+and after the last one
+    evaluate   held-out prompts: the policy against the SFT policy's responses
 
 On several processes (`accelerate launch`, DDP) each samples and scores its share of the
 rollout batch with its own seed; advantage whitening, the KL controller and the logged figures
-use statistics over all processes, and DDP averages the gradients, so one iteration does the
-work of the single-process iteration with the same `rollout_batch_size`.
+use statistics over all processes (`stages.collectives`), and DDP averages the gradients, so one
+iteration does the work of the single-process iteration with the same `rollout_batch_size`.
 
-The equations live in `stages.ppo_math`; this module holds models, batching and state.
+The equations live in `stages.ppo_math`, the models and the critic in `stages.ppo_models`,
+full-state checkpoints in `stages.ppo_state`.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
-import math
-import shutil
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 from accelerate import Accelerator
-from safetensors.torch import load_file, load_model, save_file, save_model
 from transformers import DynamicCache, PreTrainedModel, get_scheduler
 
 from rlhf.config import PPOConfig
 from rlhf.evaluation import win_rate
+from stages.collectives import MAX_FIGURES, check_weights_agree, over_processes, whiten_over_processes
 from stages.errors import NonFiniteLossError
-from stages.models import (Precision, device, disable_dropout, dtype_named, load_causal_lm, load_tokenizer,
-                           position_ids_for, resolve_precision, save_trained, stop_token_ids)
+from stages.models import Precision, left_padded, position_ids_for, resolve_precision, save_trained
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss, entropy_of,
-                             explained_variance, gae, is_end, kl_estimate, logprobs_of, masked_mean, masked_whiten,
-                             response_mask, token_rewards, truncate_after_eos)
-from stages.reward import RewardScorer, fit_normalization, load_reward_model
+                             explained_variance, gae, is_end, kl_estimate, logprobs_of, masked_mean, response_mask,
+                             token_rewards, truncate_after_eos)
+from stages.ppo_models import ActorCritic, Models, forward_response, load_models, policy_and_values, reference_policy
+from stages.ppo_state import LoopState, Normalization, load_state, rng_states, save_state
+from stages.reporting import Reporting
+from stages.reward import RewardScorer, fit_normalization
 
 
-@dataclass
-class PPOHooks:
-    """How the stage reports while it runs; the flow forwards these to MLflow and Prefect logs."""
-
-    metrics: Callable[[dict[str, float], int], None] = lambda metrics, iteration: None
-    samples: Callable[[pd.DataFrame, int], None] = lambda table, iteration: None
-    warning: Callable[[str], None] = lambda message: None
-    rollouts: Callable[[pd.DataFrame, int], None] = lambda table, iteration: None
-    """Every iteration's episodes (this process's share): prompt messages, response, normalised
-    score, KL per sequence; for a caller that judges them with what the stage must not see
-    (the demo world's gold function)."""
-
-
-# --- models -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PPOInputs:
+    sft_location: str
+    """The SFT checkpoint: the policy's start and the reference it is kept near."""
+    reward_location: str
+    """The reward checkpoint that scores (and, with `ppo.critic: reward`, starts the critic)."""
+    prompts: pd.DataFrame
+    """Validated prompts to train on."""
+    eval_prompts: pd.DataFrame
+    """Validated held-out prompts for the final evaluation."""
 
 
-class ValueHead(torch.nn.Module):
-    """V(s_t) = w . h_t + b on the last hidden state; small initial values so early advantages
-    come from the rewards, not from noise. `detach_body`: the value loss trains the head only,
-    never the policy's body it reads."""
-
-    def __init__(self, hidden_size: int, detach_body: bool = False):
-        super().__init__()
-        self.linear = torch.nn.Linear(hidden_size, 1)
-        self.detach_body = detach_body
-        torch.nn.init.normal_(self.linear.weight, std=1.0 / math.sqrt(hidden_size + 1))
-        torch.nn.init.zeros_(self.linear.bias)
-
-    def forward(self, hidden: torch.Tensor, detach_body: bool = False) -> torch.Tensor:  # (B, T, H) -> (B, T)
-        return self.linear(hidden.detach() if self.detach_body or detach_body else hidden).squeeze(-1)
-
-
-@dataclass
-class Models:
-    policy: PreTrainedModel
-    value_head: ValueHead | None
-    critic: PreTrainedModel | None
-    reference: PreTrainedModel | None
-    """None when LoRA is on: the reference is the policy with its adapters disabled."""
-    scorer: RewardScorer
-    tokenizer: object
-    precision: Precision
-    stop_ids: list[int]
-    """Token ids that end a response: the reply end, EOS, and any the generation config lists."""
-    value_offset: float = 0.0
-    """Added to the critic's head (no bias of its own on most families) by `normalize_critic`."""
-
-    def trainable(self) -> list[torch.nn.Parameter]:
-        modules = [self.policy, self.value_head, self.critic]
-        return [p for m in modules if m is not None for p in m.parameters() if p.requires_grad]
-
-    def train(self, mode: bool = True) -> None:
-        for module in (self.policy, self.value_head, self.critic):
-            if module is not None:
-                module.train(mode)
-
-
-def load_models(cfg: PPOConfig, sft_location: str, reward_location: str) -> Models:
-    """Trained modules (policy, value head or critic) in float32 whatever the checkpoints' dtype;
-    frozen ones (reference, reward model) in `cfg.frozen_dtype`; dropout off in all of them, so
-    a rollout and the update that follows compute the same policy."""
-    frozen = dtype_named(cfg.frozen_dtype)
-    tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
-    policy = load_causal_lm(sft_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
-    disable_dropout(policy)
-    reference = None
-    if cfg.lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        policy = get_peft_model(policy, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
-                                                   target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
-    else:
-        reference = copy.deepcopy(policy).to(frozen).eval().requires_grad_(False)
-    if cfg.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-    value_head, critic = None, None
-    if cfg.critic in ("shared", "detached"):
-        value_head = ValueHead(policy.config.hidden_size, detach_body=cfg.critic == "detached")
-    else:
-        reward_tokenizer = load_tokenizer(reward_location, trust_remote_code=cfg.trust_remote_code)
-        if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise ValueError(f"ppo.critic = 'reward' needs the reward model at {reward_location} to share the policy's "
-                             "tokenizer (the critic reads the policy's token ids); use ppo.critic = 'shared'")
-        critic = load_reward_model(reward_location, tokenizer, trust_remote_code=cfg.trust_remote_code, fresh_head=False)
-    scorer = RewardScorer.from_pretrained(reward_location, dtype=frozen, trust_remote_code=cfg.trust_remote_code)
-    scorer.model.requires_grad_(False)
-    models = Models(policy, value_head, critic, reference, scorer, tokenizer, resolve_precision(cfg.precision),
-                    stop_token_ids(policy))
-    run_on = device()
-    for module in (policy, value_head, critic, reference):
-        if module is not None:
-            module.to(run_on)
-    return models
-
-
-@contextmanager
-def reference_policy(models: Models) -> Iterator[PreTrainedModel]:
-    """The frozen reference: its own copy, or the LoRA policy with adapters disabled."""
-    if models.reference is not None:
-        yield models.reference
-    else:
-        with models.policy.disable_adapter():
-            yield models.policy
-
-
-def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
-                     mask: torch.Tensor, want_hidden: bool, precision: Precision) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits that predict each response token, and the final hidden states at the same
-    positions, from one pass over prompt + response. # -> (B, T, V), (B, T, H) | None"""
-    input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
-    attention_mask = torch.cat([query_mask, mask.long()], dim=1)
-    steps = responses.shape[1]
-    with precision.autocast(input_ids.device):
-        # Only the last T + 1 positions need the vocabulary projection: the logits at position p predict token p + 1.
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
-                    output_hidden_states=want_hidden, use_cache=False, logits_to_keep=steps + 1)
-    # Sliced here as well: a model that ignores `logits_to_keep` returns every position.
-    logits = out.logits[:, -(steps + 1):-1]  # (B, T, V)
-    hidden = out.hidden_states[-1][:, -(steps + 1):-1] if want_hidden else None  # (B, T, H)
-    return logits, hidden
-
-
-def shared_values(models: Models, hidden: torch.Tensor, detach_body: bool = False) -> torch.Tensor:
-    """Values from the policy's own final hidden states. # (B, T, H) -> (B, T)"""
-    return models.value_head(hidden.to(models.value_head.linear.weight.dtype), detach_body)
-
-
-def critic_values(models: Models, queries, query_mask, responses, mask) -> torch.Tensor:
-    """Values from the separate critic's pass over prompt + response. # -> (B, T)"""
-    _, hidden = forward_response(models.critic, queries, query_mask, responses, mask, want_hidden=True,
-                                 precision=models.precision)
-    return models.critic.score(hidden).squeeze(-1).float() + models.value_offset
-
-
-def policy_and_values(models: Models, queries, query_mask, responses, mask,
-                      freeze_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Policy logits and values for the response tokens; with the shared value head, one backbone
-    pass (`freeze_policy`: the value loss does not reach the body). # (B, T, V), (B, T)"""
-    logits, hidden = forward_response(models.policy, queries, query_mask, responses, mask,
-                                      want_hidden=models.critic is None, precision=models.precision)
-    if models.critic is None:
-        return logits, shared_values(models, hidden, detach_body=freeze_policy)
-    return logits, critic_values(models, queries, query_mask, responses, mask)
-
-
-class ActorCritic(torch.nn.Module):
-    """The trained modules (policy and value head, or policy and critic) as one module whose
-    forward is `policy_and_values`, so a distributed engine wraps and synchronises them together."""
-
-    def __init__(self, models: Models):
-        super().__init__()
-        self.policy, self.value_head, self.critic = models.policy, models.value_head, models.critic
-        self.models = models
-
-    def forward(self, queries, query_mask, responses, mask, freeze_policy=False) -> tuple[torch.Tensor, torch.Tensor]:
-        return policy_and_values(self.models, queries, query_mask, responses, mask, freeze_policy)
+@dataclass(frozen=True)
+class PPOResult:
+    checkpoint: Path
+    """The final policy as a plain Hugging Face folder (no value head, LoRA merged)."""
+    metrics: dict[str, float]
+    history: list[dict[str, float]]
+    """Per-iteration figures, for curves and plots."""
+    evaluation: pd.DataFrame
+    """Held-out prompts with PPO and SFT responses, their scores and the KL of the PPO response."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """Precision tags for the run: `rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`."""
 
 
 # --- rollout ----------------------------------------------------------------------------------
@@ -222,9 +89,6 @@ class Rollout:
     ref_logprobs: torch.Tensor
     values: torch.Tensor
     entropy: torch.Tensor
-    scores: torch.Tensor  # (B,) used in the reward: normalised, EOS-penalised, clipped
-    normalized_scores: torch.Tensor  # (B,) the reward model's normalised scores
-    raw_scores: torch.Tensor  # (B,) of the response as it is: a cut-off one is scored without an end token
     has_eos: torch.Tensor  # (B,) the response ended with an end token
     texts: list[str]
     prompts: list[str]
@@ -257,8 +121,7 @@ def sample(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig
     distribution, one KV-cached step at a time, keeping each token's log-prob, the entropy and
     the final hidden state of the step that produced it: the rollout then needs no second
     policy pass for old log-probs and (shared-body) values. Stops early once every row has an end token."""
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-                      padding_side="left").to(model.device)
+    batch = left_padded(tokenizer, prompts, model.device)
     queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
     attention_mask, positions = query_mask, position_ids_for(query_mask)
     step_ids, cache = queries, DynamicCache()
@@ -293,22 +156,13 @@ def reuse_sampling_pass(cfg: PPOConfig, precision: Precision) -> bool:
     return cfg.old_logprobs == "sampling"
 
 
-def score_fields(raw: torch.Tensor, has_eos: torch.Tensor, scorer: RewardScorer, cfg: PPOConfig) -> dict[str, torch.Tensor]:
-    """Normalised scores, and the scores the reward uses: normalised, a cut-off response given
-    `missing_eos_score` (when set), clipped to `score_clip` (when set). # (B,), (B,) -> (B,) each"""
-    normalized = scorer.normalize(raw)
-    scores = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
-    if cfg.score_clip is not None:
-        scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
-    return {"normalized_scores": normalized, "scores": scores}
-
-
 @torch.inference_mode()
-def rollout(models: Models, prompts: list[str], prompt_messages: list, cfg: PPOConfig, timings: dict) -> Rollout:
-    tokenizer = models.tokenizer
+def rollout(models: Models, prompts: list[str], cfg: PPOConfig, timings: dict[str, float]) -> Rollout:
+    """Sample responses, then the passes PPO needs besides: old log-probs and values (from the
+    sampling pass when `reuse_sampling_pass`), and the reference's log-probs."""
     models.train(False)
     start = time.perf_counter()
-    sampled = sample(models.policy, tokenizer, prompts, cfg, models.precision, models.stop_ids)
+    sampled = sample(models.policy, models.tokenizer, prompts, cfg, models.precision, models.stop_ids)
     queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
     timings["generate"] = time.perf_counter() - start
 
@@ -316,10 +170,7 @@ def rollout(models: Models, prompts: list[str], prompt_messages: list, cfg: PPOC
     mask = response_mask(responses, models.stop_ids)
     if reuse_sampling_pass(cfg, models.precision):
         logprobs, entropy = sampled.logprobs, sampled.entropy
-        if models.critic is None:
-            values = shared_values(models, sampled.hidden)
-        else:  # only the critic needs a pass; the policy's figures are the sampling pass's
-            values = critic_values(models, queries, query_mask, responses, mask)
+        values = models.critic.values(sampled.hidden, queries, query_mask, responses, mask, models.precision)
     else:
         logits, values = policy_and_values(models, queries, query_mask, responses, mask)
         logprobs, entropy = logprobs_of(logits, responses, cfg.temperature), entropy_of(logits, cfg.temperature)
@@ -327,21 +178,72 @@ def rollout(models: Models, prompts: list[str], prompt_messages: list, cfg: PPOC
         ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
                                          precision=models.precision)
     ref_logprobs = logprobs_of(ref_logits, responses, cfg.temperature)
+    timings["forward"] = time.perf_counter() - start
+    return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask, values * mask, entropy,
+                   has_eos=is_end(responses, models.stop_ids).any(dim=1),
+                   texts=models.tokenizer.batch_decode(responses, skip_special_tokens=True), prompts=prompts)
 
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    has_eos = is_end(responses, models.stop_ids).any(dim=1)
-    raw = models.scorer.score(prompt_messages, texts, normalized=False, complete=has_eos.tolist()).to(queries.device)
+
+# --- score ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The reward model's view of a rollout's responses. # (B,) each"""
+
+    raw: torch.Tensor
+    """Model outputs for each response as it is: a cut-off one is scored without an end token."""
+    normalized: torch.Tensor
+    """On the normalised scale: gain * raw + bias."""
+    used: torch.Tensor
+    """What the reward adds: normalised, a cut-off response given `missing_eos_score` (when set),
+    clipped to `score_clip` (when set)."""
+
+
+@torch.inference_mode()
+def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timings: dict[str, float]) -> torch.Tensor:
+    """The reward model's outputs for the rollout's responses, before normalisation. # -> (B,)"""
+    start = time.perf_counter()
+    raw = scorer.score(prompt_messages, batch.texts, normalized=False, complete=batch.has_eos.tolist())
     timings["score"] = time.perf_counter() - start
-    return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask, values * mask,
-                   entropy, raw_scores=raw, has_eos=has_eos, texts=texts, prompts=prompts,
-                   **score_fields(raw, has_eos, models.scorer, cfg))
+    return raw.to(batch.queries.device)
+
+
+def scores_of(raw: torch.Tensor, has_eos: torch.Tensor, scorer: RewardScorer, cfg: PPOConfig) -> Scores:
+    normalized = scorer.normalize(raw)
+    used = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
+    if cfg.score_clip is not None:
+        used = used.clamp(-cfg.score_clip, cfg.score_clip)
+    return Scores(raw, normalized, used)
+
+
+def first_normalization(accelerator: Accelerator, scorer: RewardScorer, raw: torch.Tensor,
+                        cfg: PPOConfig) -> Normalization:
+    """The reward normalisation PPO keeps for the whole run: refitted on the first iteration's raw
+    scores over all processes (so scores start at mean 0, std 1 under PPO's own temperature,
+    response length and prompts, where the reward stage sampled with its own), or the reward
+    checkpoint's own when `refit_normalization` is off (collective). Cut-off responses count too:
+    `missing_eos_score` is a score on this same scale."""
+    if not cfg.refit_normalization:
+        return Normalization(scorer.gain, scorer.bias)
+    return Normalization(*fit_normalization(accelerator.gather(raw.float())))
+
+
+# --- advantage --------------------------------------------------------------------------------
+
+
+def advantages_and_returns(accelerator: Accelerator, batch: Rollout, kl: torch.Tensor, scores: Scores, beta: float,
+                           cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards (KL penalty, score at the end), GAE advantages whitened over all
+    processes' tokens, and the returns the critic regresses on (collective). # -> (B, T), (B, T)"""
+    rewards = token_rewards(scores.used, kl, beta, batch.mask)
+    if cfg.whiten_rewards:
+        rewards = whiten_over_processes(accelerator, rewards, batch.mask, shift_mean=False)
+    advantages, returns = gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
+    return whiten_over_processes(accelerator, advantages, batch.mask), returns
 
 
 # --- update -----------------------------------------------------------------------------------
-
-
-MAX_FIGURES = ("_max", "initial_ratio_deviation")
-"""Figures summarised by their largest value (over minibatches and processes), not their mean."""
 
 
 @dataclass
@@ -481,86 +383,7 @@ def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPO
                 ratio_max=(ratio * mask).max().item(), ratio_deviation_max=((ratio - 1).abs() * mask).max().item())
 
 
-# --- full-state checkpoints -------------------------------------------------------------------
-
-
-@dataclass
-class LoopState:
-    """Everything besides tensors that a resumed run needs to continue exactly."""
-
-    iteration: int = 0
-    """Iterations completed."""
-    cursor: int = 0
-    """Prompts consumed so far (the order is a seeded shuffle per pass over the prompts)."""
-    kl: dict = field(default_factory=dict)
-    normalization: dict[str, float] | None = None
-    """The reward normalisation PPO scores with ({"gain", "bias"}), once fixed at iteration 1."""
-    first_length: float | None = None
-    history: list[dict[str, float]] = field(default_factory=list)
-
-
-def _rng_key(name: str, rank: int) -> str:
-    return name if rank == 0 else f"{name}_rank{rank}"
-
-
-def rng_states(accelerator: Accelerator) -> dict[str, torch.Tensor]:
-    """Every process's random-number generator states, collected on all of them (collective)."""
-    own = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        own["cuda"] = torch.cuda.get_rng_state()
-    everyone = [own]
-    if accelerator.num_processes > 1:
-        everyone = [None] * accelerator.num_processes
-        torch.distributed.all_gather_object(everyone, own)
-    return {_rng_key(name, rank): state for rank, states in enumerate(everyone) for name, state in states.items()}
-
-
-def save_state(folder: Path, models: Models, optimizer, scheduler, scaler, loop: LoopState,
-               rng: dict[str, torch.Tensor]) -> Path:
-    """Write a full-state checkpoint atomically (staging folder, then rename); keeps only the newest.
-    On several processes the main one writes it: weights and optimizer state are the same on all,
-    `rng` holds each process's generators."""
-    staging = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    save_model(models.policy, str(staging / "policy.safetensors"))
-    for name in ("value_head", "critic", "reference"):
-        module = getattr(models, name)
-        if module is not None:
-            save_model(module, str(staging / f"{name}.safetensors"))
-    torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-    torch.save(scheduler.state_dict(), staging / "scheduler.pt")
-    torch.save(scaler.state_dict(), staging / "scaler.pt")
-    save_file(rng, str(staging / "rng.safetensors"))
-    (staging / "loop.json").write_text(json.dumps(loop.__dict__))
-    shutil.rmtree(folder, ignore_errors=True)
-    staging.rename(folder)
-    return folder
-
-
-def load_state(folder: Path, models: Models, optimizer, scheduler, scaler, rank: int = 0) -> LoopState:
-    """Restore a full-state checkpoint, with process `rank`'s random generators. Tensors come from
-    safetensors; optimizer and scheduler state load with `weights_only=True`, which refuses
-    arbitrary pickled objects."""
-    load_model(models.policy, str(folder / "policy.safetensors"))
-    for name in ("value_head", "critic", "reference"):
-        module = getattr(models, name)
-        if module is not None:
-            load_model(module, str(folder / f"{name}.safetensors"))
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-    scaler.load_state_dict(torch.load(folder / "scaler.pt", weights_only=True))
-    rng = load_file(str(folder / "rng.safetensors"))
-    if _rng_key("torch", rank) not in rng:
-        raise ValueError(f"the full-state checkpoint in {folder} was written by fewer processes than this run has; "
-                         "resume with the same launch.num_processes")
-    torch.set_rng_state(rng[_rng_key("torch", rank)])
-    if _rng_key("cuda", rank) in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng[_rng_key("cuda", rank)])
-    return LoopState(**json.loads((folder / "loop.json").read_text()))
-
-
-# --- evaluation -------------------------------------------------------------------------------
+# --- evaluate ---------------------------------------------------------------------------------
 
 
 @torch.inference_mode()
@@ -583,11 +406,12 @@ def evaluate(models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig) -> tupl
     sft_complete = is_end(sft_responses, models.stop_ids).any(dim=1).tolist()
     sft_scores = models.scorer.score(messages, sft_texts, complete=sft_complete)
     torch.manual_seed(cfg.eval_seed + 1)
-    ppo = rollout(models, prompts, messages, cfg, {})
+    ppo = rollout(models, prompts, cfg, {})
+    ppo_scores = models.scorer.score(messages, ppo.texts, complete=ppo.has_eos.tolist())
     kl = (kl_estimate(ppo.logprobs, ppo.ref_logprobs) * ppo.mask).sum(1)
     table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
                           "ppo_response": ppo.texts, "sft_response": sft_texts,
-                          "ppo_score": ppo.normalized_scores.cpu().numpy(), "sft_score": sft_scores.numpy(),
+                          "ppo_score": ppo_scores.numpy(), "sft_score": sft_scores.numpy(),
                           "kl": kl.cpu().numpy()})
     wins, wins_se = win_rate(list(table["ppo_score"]), list(table["sft_score"]), prompts)
     metrics = {"eval/score": table["ppo_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
@@ -600,19 +424,6 @@ def evaluate(models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig) -> tupl
 # --- the stage --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PPOResult:
-    checkpoint: Path
-    """The final policy as a plain Hugging Face folder (no value head, LoRA merged)."""
-    metrics: dict[str, float]
-    history: list[dict[str, float]]
-    """Per-iteration figures, for curves and plots."""
-    evaluation: pd.DataFrame
-    """Held-out prompts with PPO and SFT responses, their scores and the KL of the PPO response."""
-    tags: dict[str, str] = field(default_factory=dict)
-    """Precision tags for the run: `rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`."""
-
-
 def initial_ratio_threshold(cfg: PPOConfig, precision: Precision) -> float:
     """`warn_initial_ratio_deviation`, or its default: in fp32 a rollout and a fresh forward agree to
     ~1e-6; under autocast, shapes that differ between the rollout and the update round differently."""
@@ -621,7 +432,7 @@ def initial_ratio_threshold(cfg: PPOConfig, precision: Precision) -> float:
     return 1e-3 if precision.autocast_dtype is None else 5e-2
 
 
-def _warnings(cfg: PPOConfig, figures: dict[str, float], first_length: float, iteration: int,
+def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, iteration: int,
               previous_length: float | None = None) -> list[str]:
     found = []
     length = figures["rollout/response_length"]
@@ -646,70 +457,6 @@ def _warnings(cfg: PPOConfig, figures: dict[str, float], first_length: float, it
     return [f"iteration {iteration}: {message}" for message in found]
 
 
-def over_processes(accelerator: Accelerator, figures: dict[str, float]) -> dict[str, float]:
-    """Each figure averaged over processes; `MAX_FIGURES` take the largest (collective)."""
-    if accelerator.num_processes == 1:
-        return figures
-    keys = sorted(figures)
-    values = torch.tensor([figures[k] for k in keys], dtype=torch.float64, device=accelerator.device)
-    summed, largest = values.clone(), values.clone()
-    torch.distributed.all_reduce(summed)
-    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
-    return {k: (largest[i] if k.endswith(MAX_FIGURES) else summed[i] / accelerator.num_processes).item()
-            for i, k in enumerate(keys)}
-
-
-def check_weights_agree(accelerator: Accelerator, module: torch.nn.Module) -> None:
-    """Fail loudly if the processes' trained weights differ: gradients were not synchronised (collective)."""
-    if accelerator.num_processes == 1:
-        return
-    total = torch.stack([p.detach().double().sum() for p in module.parameters() if p.requires_grad]).sum()
-    low, high = total.clone(), total.clone()
-    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
-    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
-    if (high - low).abs() > 1e-6 * high.abs().clamp(min=1.0):
-        raise RuntimeError(f"the {accelerator.num_processes} processes ended with different weights "
-                           f"(parameter sums {low.item():.9g} .. {high.item():.9g}): gradients were not synchronised")
-
-
-def whiten_over_processes(accelerator: Accelerator, x: torch.Tensor, mask: torch.Tensor,
-                          shift_mean: bool = True) -> torch.Tensor:
-    """`masked_whiten` with mean and variance over every process's entries, as one process holding
-    the whole rollout batch would take them (collective). # (B, T) -> (B, T)"""
-    if accelerator.num_processes == 1:
-        return masked_whiten(x, mask, shift_mean)
-    sums = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double()  # (3,)
-    torch.distributed.all_reduce(sums)
-    total, squares, n = sums
-    mean = total / n
-    var = (squares / n - mean ** 2) * n / (n - 1).clamp(min=1.0)
-    return masked_whiten(x, mask, shift_mean, moments=(mean.to(x.dtype), var.to(x.dtype)))
-
-
-def first_normalization(accelerator: Accelerator, scorer: RewardScorer, batch: Rollout,
-                        cfg: PPOConfig) -> dict[str, float]:
-    """The reward normalisation PPO keeps for the whole run: refitted on the first iteration's raw
-    scores over all processes (so scores start at mean 0, std 1 under PPO's own temperature,
-    response length and prompts, where the reward stage sampled with its own), or the reward
-    checkpoint's own when `refit_normalization` is off (collective). Cut-off responses count too:
-    `missing_eos_score` is a score on this same scale."""
-    if not cfg.refit_normalization:
-        return {"gain": scorer.gain, "bias": scorer.bias}
-    gain, bias = fit_normalization(accelerator.gather(batch.raw_scores.float()))
-    return {"gain": gain, "bias": bias}
-
-
-@torch.no_grad()
-def normalize_critic(models: Models, gain: float, bias: float, values: torch.Tensor) -> torch.Tensor:
-    """Put the reward-model critic on the normalised score scale: its head's parameters times
-    `gain` plus a constant `bias`, the map the scorer applies to raw scores; returns this
-    iteration's values (computed before the fit) mapped the same way. # (B, T) -> (B, T)"""
-    for parameter in models.critic.score.parameters():
-        parameter.mul_(gain)
-    models.value_offset = bias
-    return gain * values + bias
-
-
 def _prompt_batch(order_seed: int, n_prompts: int, cursor: int, size: int) -> list[int]:
     """Indices of the next `size` prompts from a seeded shuffle that is redrawn for every pass."""
     picks = []
@@ -722,22 +469,67 @@ def _prompt_batch(order_seed: int, n_prompts: int, cursor: int, size: int) -> li
     return picks
 
 
-def train_ppo(
-    cfg: PPOConfig,
-    sft_location: str,
-    reward_location: str,
-    prompts: pd.DataFrame,
-    eval_prompts: pd.DataFrame,
-    output_dir: Path,
-    hooks: PPOHooks = PPOHooks(),
-) -> PPOResult | None:
+
+
+def iteration_figures(accelerator: Accelerator, batch: Rollout, scores: Scores, kl: torch.Tensor, beta: float,
+                      returns: torch.Tensor, train: dict[str, float], learning_rate: float,
+                      timings: dict[str, float]) -> dict[str, float]:
+    """What one iteration logs, this process's share (`over_processes` combines them)."""
+    return {
+        "rollout/score": scores.normalized.mean().item(),
+        "rollout/score_std": accelerator.gather(scores.normalized).std().item(),  # over all processes' scores
+        "rollout/score_raw": scores.raw.mean().item(),
+        "rollout/score_used": scores.used.mean().item(),
+        "rollout/non_score_reward": (-beta * kl).sum(1).mean().item(),
+        "rollout/kl": kl.sum(1).mean().item(),
+        "rollout/kl_coef": beta,
+        "rollout/entropy": masked_mean(batch.entropy, batch.mask).item(),
+        "rollout/response_length": batch.mask.sum(1).float().mean().item(),
+        "rollout/eos_rate": batch.has_eos.float().mean().item(),
+        **{f"train/{k}": v for k, v in train.items()},
+        "train/explained_variance": explained_variance(batch.values, returns, batch.mask),
+        "train/learning_rate": learning_rate,
+        **{f"time/{k}": v for k, v in timings.items()},
+    }
+
+
+def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, iteration: int, figures: dict[str, float],
+                     batch: Rollout, messages: list, scores: Scores, kl: torch.Tensor) -> None:
+    """Warnings, figures, every episode, and now and then a few samples to read."""
+    previous_length = loop.history[-1]["rollout/response_length"] if loop.history else None
+    for message in warnings_of(cfg, figures, loop.first_length, iteration, previous_length):
+        reporting.warning(message)
+    reporting.metrics(figures, iteration)
+    reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
+                                     "score": scores.normalized.cpu().numpy(), "kl": kl.sum(1).cpu().numpy()}),
+                       iteration)
+    if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
+        shown = slice(0, cfg.num_logged_samples)
+        reporting.samples(pd.DataFrame({"prompt": batch.prompts[shown], "response": batch.texts[shown],
+                                        "score": scores.normalized[shown].cpu().numpy()}), iteration)
+
+
+def resume(state_dir: Path, models: Models, optimizer, scheduler, scaler, rank: int, reporting: Reporting) -> LoopState:
+    """The loop state of an earlier, interrupted attempt, its models and optimizer restored; its
+    figures replayed, so this run's curves start at iteration 1, not at the resume point."""
+    loop = load_state(state_dir, models, optimizer, scheduler, scaler, rank)
+    if loop.normalization is not None:
+        models.scorer.gain, models.scorer.bias = loop.normalization.gain, loop.normalization.bias
+        models.critic.restore_normalization(loop.normalization.gain, loop.normalization.bias)
+    reporting.warning(f"resumed from the full-state checkpoint after iteration {loop.iteration}")
+    for past in loop.history:
+        reporting.metrics({k: v for k, v in past.items() if k != "iteration"}, int(past["iteration"]))
+    return loop
+
+
+def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> PPOResult | None:
     """Run PPO and evaluate against the SFT policy. Resumes from `output_dir/state` when a
     full-state checkpoint of an earlier, interrupted run is there. On several processes every
     one trains; only the main one reports, evaluates, saves and returns."""
     accelerator = Accelerator()
     rank = accelerator.process_index
     torch.manual_seed(cfg.seed)
-    models = load_models(cfg, sft_location, reward_location)
+    models = load_models(cfg, inputs.sft_location, inputs.reward_location)
     if rank > 0:  # its own sampling noise; rank 0 keeps the single-process stream
         torch.manual_seed(cfg.seed + rank)
     optimizer = torch.optim.AdamW(models.trainable(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, eps=1e-5,
@@ -748,88 +540,50 @@ def train_ppo(
     total_steps = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
-    kl_control = KLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon)
     state_dir = output_dir / "state"
-    loop = LoopState()
+    loop = LoopState(kl=KLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
     if (state_dir / "loop.json").exists():
-        loop = load_state(state_dir, models, optimizer, scheduler, scaler, rank)
-        kl_control = KLController(**loop.kl)
-        if loop.normalization is not None:
-            models.scorer.gain, models.scorer.bias = loop.normalization["gain"], loop.normalization["bias"]
-            if cfg.normalize_critic and models.critic is not None:  # the saved head is already scaled
-                models.value_offset = loop.normalization["bias"]
-        hooks.warning(f"resumed from the full-state checkpoint after iteration {loop.iteration}")
-        for past in loop.history:  # so this run's curves start at iteration 1, not at the resume point
-            hooks.metrics({k: v for k, v in past.items() if k != "iteration"}, int(past["iteration"]))
-    prompt_texts = list(prompts["prompt"])
-    prompt_messages = [json.loads(m) for m in prompts["prompt_messages"]]
+        loop = resume(state_dir, models, optimizer, scheduler, scaler, rank, reporting)
+    prompt_texts = list(inputs.prompts["prompt"])
+    prompt_messages = [json.loads(m) for m in inputs.prompts["prompt_messages"]]
+    local = cfg.rollout_batch_size // accelerator.num_processes
 
     while loop.iteration < cfg.num_iterations:
-        iteration = loop.iteration + 1
-        started, timings = time.perf_counter(), {}
-        local = cfg.rollout_batch_size // accelerator.num_processes
+        iteration, started, timings = loop.iteration + 1, time.perf_counter(), {}
         picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, cfg.rollout_batch_size)[rank * local:][:local]
         messages = [prompt_messages[i] for i in picks]
-        batch = rollout(models, [prompt_texts[i] for i in picks], messages, cfg, timings)
+        batch = rollout(models, [prompt_texts[i] for i in picks], cfg, timings)
+        raw = raw_scores(models.scorer, batch, messages, timings)
         if loop.normalization is None:
-            loop.normalization = first_normalization(accelerator, models.scorer, batch, cfg)
-            models.scorer.gain, models.scorer.bias = loop.normalization["gain"], loop.normalization["bias"]
-            batch = dataclasses.replace(batch, **score_fields(batch.raw_scores, batch.has_eos, models.scorer, cfg))
-            if cfg.normalize_critic and models.critic is not None:
-                values = normalize_critic(models, **loop.normalization, values=batch.values)
-                batch = dataclasses.replace(batch, values=values)
+            loop.normalization = first_normalization(accelerator, models.scorer, raw, cfg)
+            models.scorer.gain, models.scorer.bias = loop.normalization.gain, loop.normalization.bias
+            batch = replace(batch, values=models.critic.adopt_normalization(loop.normalization.gain,
+                                                                             loop.normalization.bias, batch.values))
+        scores = scores_of(raw, batch.has_eos, models.scorer, cfg)
 
+        beta = loop.kl.value
         kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * batch.mask  # (B, T)
-        rewards = token_rewards(batch.scores, kl, kl_control.value, batch.mask)
-        if cfg.whiten_rewards:
-            rewards = whiten_over_processes(accelerator, rewards, batch.mask, shift_mean=False)
-        advantages, returns = gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
-        advantages = whiten_over_processes(accelerator, advantages, batch.mask)
+        advantages, returns = advantages_and_returns(accelerator, batch, kl, scores, beta, cfg)
 
         start = time.perf_counter()
         train = ppo_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, scheduler, scaler,
                            iteration)
         timings["train"] = time.perf_counter() - start
 
-        kl_per_sequence = kl.sum(1).mean().item()
-        figures = {
-            "rollout/score": batch.normalized_scores.mean().item(),
-            "rollout/score_std": accelerator.gather(batch.normalized_scores).std().item(),  # over all processes' scores
-            "rollout/score_raw": batch.raw_scores.mean().item(),
-            "rollout/score_used": batch.scores.mean().item(),
-            "rollout/non_score_reward": (-kl_control.value * kl).sum(1).mean().item(),
-            "rollout/kl": kl_per_sequence,
-            "rollout/kl_coef": kl_control.value,
-            "rollout/entropy": masked_mean(batch.entropy, batch.mask).item(),
-            "rollout/response_length": batch.mask.sum(1).float().mean().item(),
-            "rollout/eos_rate": batch.has_eos.float().mean().item(),
-            **{f"train/{k}": v for k, v in train.items()},
-            "train/explained_variance": explained_variance(batch.values, returns, batch.mask),
-            "train/learning_rate": scheduler.get_last_lr()[0],
-            **{f"time/{k}": v for k, v in timings.items()},
-        }
+        figures = iteration_figures(accelerator, batch, scores, kl, beta, returns, train, scheduler.get_last_lr()[0],
+                                    timings)
         elapsed = time.perf_counter() - started
         figures["time/iteration"] = elapsed
         figures["time/tokens_per_second"] = batch.mask.sum().item() * accelerator.num_processes / elapsed
         figures = over_processes(accelerator, figures)
-        kl_control.update(figures["rollout/kl"], cfg.rollout_batch_size)
-        if cfg.ref_refresh_every and iteration % cfg.ref_refresh_every == 0 and models.reference is not None:
+        loop.kl.update(figures["rollout/kl"], cfg.rollout_batch_size)
+        if cfg.ref_refresh_every and iteration % cfg.ref_refresh_every == 0:
             models.reference.load_state_dict(models.policy.state_dict())
 
         loop.first_length = loop.first_length or figures["rollout/response_length"]
-        previous_length = loop.history[-1]["rollout/response_length"] if loop.history else None
-        for message in _warnings(cfg, figures, loop.first_length, iteration, previous_length):
-            hooks.warning(message)
-        hooks.metrics(figures, iteration)
-        hooks.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
-                                     "score": batch.normalized_scores.cpu().numpy(),
-                                     "kl": kl.sum(1).cpu().numpy()}), iteration)
-        if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
-            shown = slice(0, cfg.num_logged_samples)
-            hooks.samples(pd.DataFrame({"prompt": batch.prompts[shown], "response": batch.texts[shown],
-                                        "score": batch.scores[shown].cpu().numpy()}), iteration)
+        report_iteration(reporting, cfg, loop, iteration, figures, batch, messages, scores, kl)
         loop.iteration, loop.cursor = iteration, loop.cursor + cfg.rollout_batch_size
-        loop.kl, loop.history = kl_control.state_dict(), loop.history + [{"iteration": iteration, **figures}]
+        loop.history = loop.history + [{"iteration": iteration, **figures}]
         if iteration % cfg.checkpoint_every == 0 or iteration == cfg.num_iterations:
             # The last one too: if the upload fails, a rerun goes straight to evaluation.
             rng = rng_states(accelerator)
@@ -840,10 +594,14 @@ def train_ppo(
     check_weights_agree(accelerator, actor_critic)
     if not accelerator.is_main_process:
         return None
-    metrics, evaluation = evaluate(models, eval_prompts, cfg)
+    metrics, evaluation = evaluate(models, inputs.eval_prompts, cfg)
+    if metrics["eval/kl"] > cfg.kl_budget:
+        reporting.warning(f"the final policy's mean KL per sequence on the held-out prompts, {metrics['eval/kl']:.2f}, "
+                          f"is over the budget of {cfg.kl_budget}")
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     policy = models.policy.merge_and_unload() if cfg.lora is not None else models.policy
-    checkpoint, tags = save_trained(policy, models.tokenizer, output_dir / "checkpoint", cfg, sft_location, trained)
+    checkpoint, tags = save_trained(policy, models.tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location,
+                                    trained)
     metrics |= {"train/iterations": float(loop.iteration), "normalization/gain": models.scorer.gain,
                 "normalization/bias": models.scorer.bias}
     return PPOResult(checkpoint, metrics, loop.history, evaluation, tags)

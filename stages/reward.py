@@ -30,8 +30,9 @@ from schemas.validate import render_prompt
 from stages.errors import RewardGateError
 from stages.models import (device, disable_dropout, encode_replies, fit_to_tokenizer, generate, load_causal_lm,
                            load_tokenizer, position_ids_for, save_trained, stop_token_ids)
-from stages.ppo_math import is_end
-from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
+from stages.ppo_math import is_end, last_token_index
+from stages.reporting import Reporting
+from stages.training import ForwardLogs, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
 
 NORMALIZATION_KEY = "rlhf_reward_normalization"
 """Model-config entry holding {"gain": g, "bias": b}: normalised score = g * raw + b."""
@@ -132,8 +133,7 @@ def last_token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention
     """
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=position_ids_for(attention_mask)).last_hidden_state
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    last = (positions * attention_mask).argmax(-1)  # (B,) index of the rightmost real token
+    last = last_token_index(attention_mask)  # (B,) the rightmost real token
     return model.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)
 
 
@@ -172,6 +172,20 @@ def sample_references(policy_location: str, prompts: list[str], samples_per_prom
 
 
 @dataclass(frozen=True)
+class RewardInputs:
+    model_location: str
+    """Where the reward model starts: the SFT checkpoint, or a model named in the config."""
+    policy_location: str
+    """The SFT policy whose own responses set the score normalisation."""
+    train: pd.DataFrame
+    """Validated preference pairs."""
+    evaluation: pd.DataFrame
+    """Held-out pairs of the same contract."""
+    normalization_prompts: pd.DataFrame
+    """Validated prompts the policy answers for the normalisation."""
+
+
+@dataclass(frozen=True)
 class RewardResult:
     checkpoint: Path | None
     """Hugging Face folder (safetensors, tokenizer, normalisation in config.json); None if the gate failed."""
@@ -185,29 +199,21 @@ class RewardResult:
     """Precision tags for the run: `rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`."""
 
 
-def train_reward(
-    cfg: RewardConfig,
-    model_location: str,
-    policy_location: str,
-    train: pd.DataFrame,
-    evaluation: pd.DataFrame,
-    normalization_prompts: pd.DataFrame,
-    output_dir: Path,
-    sink: MetricsSink | None = None,
-) -> RewardResult | None:
-    """Train on validated pairs, evaluate on held-out pairs, normalise against the policy at
-    `policy_location`, and save, unless held-out accuracy is below `cfg.min_eval_accuracy`
+def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
+                 reporting: Reporting = Reporting()) -> RewardResult | None:
+    """Train on validated pairs, evaluate on held-out pairs, normalise against the SFT policy, and save, unless held-out accuracy is below `cfg.min_eval_accuracy`
     (then `RewardGateError`, with the figures). On several processes every one trains; only the
     main one scores, normalises, saves and returns."""
     set_seed(cfg.seed)
+    model_location, evaluation = inputs.model_location, inputs.evaluation
     tokenizer = load_tokenizer(model_location, padding_side="right", trust_remote_code=cfg.trust_remote_code,
                                chat_template=cfg.chat_template)
     model = load_reward_model(model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
     args = TRLRewardConfig(**trainer_arguments(cfg, output_dir), center_rewards_coefficient=cfg.center_rewards_coefficient,
                            disable_dropout=True)
-    trainer = RewardTrainer(model=model, args=args, train_dataset=_pairs(train, tokenizer),
+    trainer = RewardTrainer(model=model, args=args, train_dataset=_pairs(inputs.train, tokenizer),
                             eval_dataset=_pairs(evaluation, tokenizer), processing_class=tokenizer,
-                            callbacks=[ForwardLogs(sink)] if sink else None)
+                            callbacks=[ForwardLogs(reporting)])
     trainer.remove_callback(PrinterCallback)
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     untrained, final = untrained_evaluation(trainer), trainer.evaluate()
@@ -234,8 +240,9 @@ def train_reward(
                               f"{cfg.min_eval_accuracy:.3f} (reward.min_eval_accuracy); the pipeline stops before PPO",
                               metrics)
 
+    normalization_prompts = inputs.normalization_prompts
     prompts = list(normalization_prompts["prompt"])
-    references = sample_references(policy_location, prompts, cfg.normalization_samples,
+    references = sample_references(inputs.policy_location, prompts, cfg.normalization_samples,
                                    cfg.max_length - cfg.max_prompt_length, cfg.seed, cfg.trust_remote_code)
     reference_messages = [json.loads(normalization_prompts["prompt_messages"].iloc[i]) for i, _, _ in references]
     reference_scores = scorer.score(reference_messages, [text for _, text, _ in references], normalized=False,

@@ -19,7 +19,18 @@ from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
 from stages.models import encode_replies, generate_greedy, load_causal_lm, load_tokenizer, save_trained
-from stages.training import ForwardLogs, MetricsSink, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
+from stages.reporting import Reporting
+from stages.training import ForwardLogs, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
+
+
+@dataclass(frozen=True)
+class SFTInputs:
+    model_location: str
+    """The base causal LM: a local folder or a hub name."""
+    train: pd.DataFrame
+    """Validated (prompt, response) records."""
+    evaluation: pd.DataFrame
+    """Held-out records of the same contract."""
 
 
 @dataclass(frozen=True)
@@ -42,58 +53,44 @@ def _encoded(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> dataset
     })
 
 
-def build_trainer(
-    cfg: SFTConfig,
-    model_location: str,
-    train: pd.DataFrame,
-    evaluation: pd.DataFrame,
-    output_dir: Path,
-    sink: MetricsSink | None = None,
-) -> SFTTrainer:
+def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Reporting = Reporting()) -> SFTTrainer:
     """TRL's SFTTrainer set up from our config: completion-only loss, no checkpoints of its own.
     The model keeps the dropout its config sets: regularisation for supervised learning, as TRL does."""
     set_seed(cfg.seed)
-    tokenizer = load_tokenizer(model_location, trust_remote_code=cfg.trust_remote_code, chat_template=cfg.chat_template)
-    model = load_causal_lm(model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = load_tokenizer(inputs.model_location, trust_remote_code=cfg.trust_remote_code,
+                               chat_template=cfg.chat_template)
+    model = load_causal_lm(inputs.model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
     args = TRLSFTConfig(**trainer_arguments(cfg, output_dir), completion_only_loss=True, packing=False)
     trainer = SFTTrainer(
         model=model,
         args=args,
-        train_dataset=_encoded(train, tokenizer),
-        eval_dataset=_encoded(evaluation, tokenizer),
+        train_dataset=_encoded(inputs.train, tokenizer),
+        eval_dataset=_encoded(inputs.evaluation, tokenizer),
         processing_class=tokenizer,
-        callbacks=[ForwardLogs(sink)] if sink else None,
+        callbacks=[ForwardLogs(reporting)],
     )
-    trainer.remove_callback(PrinterCallback)  # the sink, not stdout, receives the logs
+    trainer.remove_callback(PrinterCallback)  # `reporting`, not stdout, receives the logs
     return trainer
 
 
-def train_sft(
-    cfg: SFTConfig,
-    model_location: str,
-    train: pd.DataFrame,
-    evaluation: pd.DataFrame,
-    output_dir: Path,
-    sink: MetricsSink | None = None,
-) -> SFTResult | None:
-    """Fine-tune the causal LM at `model_location` on validated (prompt, response) records.
+def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Reporting = Reporting()) -> SFTResult | None:
+    """Fine-tune the base causal LM on validated (prompt, response) records.
     On several processes every one trains; only the main one samples, saves and returns."""
-    trainer = build_trainer(cfg, model_location, train, evaluation, output_dir, sink)
+    trainer = build_trainer(cfg, inputs, output_dir, reporting)
     tokenizer = trainer.processing_class
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     untrained_loss = untrained_evaluation(trainer)["eval_loss"]
-    if sink:
-        sink({"eval/loss_untrained": untrained_loss}, 0)
+    reporting.metrics({"eval/loss_untrained": untrained_loss}, 0)
     eval_loss = trainer.evaluate()["eval_loss"]
     if not PartialState().is_main_process:
         return None
 
     model = trainer.model
-    picks = evaluation.head(cfg.num_samples)
+    picks = inputs.evaluation.head(cfg.num_samples)
     answers = generate_greedy(model, tokenizer, list(picks["prompt"]), max_new_tokens=cfg.max_length - cfg.max_prompt_length)
     samples = [{"prompt": p, "response": a, "reference": r} for p, a, r in zip(picks["prompt"], answers, picks["response"])]
 
-    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, model_location,
+    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, inputs.model_location,
                                     [p for p in model.parameters() if p.requires_grad])
     metrics = {
         "eval/loss": float(eval_loss),

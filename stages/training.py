@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -10,18 +9,16 @@ from transformers import TrainerCallback
 
 from rlhf.config import TrainingConfig
 from stages.models import resolve_precision
-
-MetricsSink = Callable[[dict[str, float], int], None]
-"""Receives (metrics, step) while training; the flow forwards them to MLflow."""
+from stages.reporting import Reporting
 
 _UNLOGGED = ("epoch", "total_flos", "runtime", "per_second", "preparation_time")
 
 
 class ForwardLogs(TrainerCallback):
-    """Sends the Trainer's logs to a sink, named as the pipeline names them (`train/loss`, `eval/loss`)."""
+    """Sends the Trainer's logs to `reporting.metrics`, named as the pipeline names them (`train/loss`, `eval/loss`)."""
 
-    def __init__(self, sink: MetricsSink):
-        self.sink = sink
+    def __init__(self, reporting: Reporting):
+        self.reporting = reporting
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         metrics = {}
@@ -33,7 +30,7 @@ class ForwardLogs(TrainerCallback):
             elif not key.startswith("train_"):  # the end-of-run summary repeats `train_*` aggregates
                 metrics[f"train/{key}"] = float(value)
         if metrics:
-            self.sink(metrics, state.global_step)
+            self.reporting.metrics(metrics, state.global_step)
 
 
 def untrained_evaluation(trainer) -> dict[str, float]:

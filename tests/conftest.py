@@ -38,8 +38,8 @@ def tokenizer(world):
 def trained(tmp_path_factory, world, tiny_config, tokenizer):
     """Tiny SFT and reward checkpoints, trained once per session, for the PPO tests."""
     from schemas.validate import LengthBudget, load_validated
-    from stages.reward import train_reward
-    from stages.sft import train_sft
+    from stages.reward import RewardInputs, train_reward
+    from stages.sft import SFTInputs, train_sft
 
     root = tmp_path_factory.mktemp("trained")
     budget = LengthBudget(32, 64)
@@ -48,9 +48,10 @@ def trained(tmp_path_factory, world, tiny_config, tokenizer):
         return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer, budget=budget).frame
 
     sft_cfg = tiny_config.sft.model_copy(update={"max_steps": 40})
-    sft = train_sft(sft_cfg, str(world / "model"), data("sft", "sft"), data("sft_eval", "sft"), root / "sft")
+    sft = train_sft(sft_cfg, SFTInputs(str(world / "model"), data("sft", "sft"), data("sft_eval", "sft")), root / "sft")
     reward_cfg = tiny_config.reward.model_copy(update={"max_steps": 30})
-    reward = train_reward(reward_cfg, str(sft.checkpoint), str(sft.checkpoint), data("preferences", "preference"),
-                          data("preferences_eval", "preference"), data("prompts_eval", "prompt"), root / "reward")
+    reward = train_reward(reward_cfg, RewardInputs(str(sft.checkpoint), str(sft.checkpoint), data("preferences", "preference"),
+                                                   data("preferences_eval", "preference"), data("prompts_eval", "prompt")),
+                          root / "reward")
     return {"sft": str(sft.checkpoint), "reward": str(reward.checkpoint),
             "prompts": data("prompts", "prompt"), "eval_prompts": data("prompts_eval", "prompt")}

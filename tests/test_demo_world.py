@@ -6,7 +6,8 @@ import json
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf.demo_world import DemoWorldConfig, build_records, build_world, gold_prefers, gold_score, resolve_location
+from rlhf.demo_locations import DemoWorldConfig, resolve_location
+from rlhf.demo_world import build_records, build_world, gold_prefers, gold_score
 
 
 def test_gold_score_on_hand_worked_cases():

@@ -13,14 +13,17 @@ different responses; they must agree in kind: both beat the SFT policy on the re
 from __future__ import annotations
 
 import re
-import textwrap
 
 import pytest
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import LaunchConfig
 from schemas.validate import LengthBudget, load_validated
-from stages.distributed import Reporting, call_stage
+from stages.distributed import call_stage
+from stages.ppo import PPOInputs, train_ppo
+from stages.reporting import Reporting
+from stages.reward import RewardInputs, train_reward
+from stages.sft import SFTInputs, train_sft
 
 TWO = LaunchConfig(num_processes=2)
 
@@ -29,10 +32,10 @@ def _data(world, tokenizer, name, kind):
     return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer, budget=LengthBudget(32, 64)).frame
 
 
-def _run(stage, section, folder, **inputs):
+def _run(train, section, inputs, folder):
     logged = []
     reporting = Reporting(metrics=lambda metrics, step: logged.append((step, metrics)))
-    result = call_stage(stage, section, folder, reporting, deterministic=True, num_threads=2, **inputs)
+    result = call_stage(train, section, inputs, folder, reporting, deterministic=True, num_threads=2)
     return result, logged
 
 
@@ -43,10 +46,10 @@ def _close(a: float, b: float, rel: float = 0.005) -> bool:
 def test_sft_on_two_processes_matches_one_at_the_same_global_batch(world, tiny_config, tokenizer, tmp_path):
     one_cfg = tiny_config.sft.model_copy(update={"max_steps": 12, "batch_size": 16})
     two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": TWO})
-    inputs = dict(model_location=str(world / "model"), train=_data(world, tokenizer, "sft", "sft"),
-                  evaluation=_data(world, tokenizer, "sft_eval", "sft"))
-    one, one_logged = _run("sft", one_cfg, tmp_path / "one", **inputs)
-    two, two_logged = _run("sft", two_cfg, tmp_path / "two", **inputs)
+    inputs = SFTInputs(str(world / "model"), _data(world, tokenizer, "sft", "sft"),
+                       _data(world, tokenizer, "sft_eval", "sft"))
+    one, one_logged = _run(train_sft, one_cfg, inputs, tmp_path / "one")
+    two, two_logged = _run(train_sft, two_cfg, inputs, tmp_path / "two")
     assert two.metrics["train/steps"] == one.metrics["train/steps"] == 12
     for key in ("train/loss", "eval/loss", "eval/loss_untrained"):
         assert _close(two.metrics[key], one.metrics[key]), (key, one.metrics[key], two.metrics[key])
@@ -59,12 +62,11 @@ def test_sft_on_two_processes_matches_one_at_the_same_global_batch(world, tiny_c
 def test_reward_on_two_processes_matches_one_at_the_same_global_batch(world, tiny_config, tokenizer, trained, tmp_path):
     one_cfg = tiny_config.reward.model_copy(update={"max_steps": 12, "batch_size": 16})
     two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": TWO})
-    inputs = dict(model_location=trained["sft"], policy_location=trained["sft"],
-                  train=_data(world, tokenizer, "preferences", "preference"),
-                  evaluation=_data(world, tokenizer, "preferences_eval", "preference"),
-                  normalization_prompts=_data(world, tokenizer, "prompts_eval", "prompt"))
-    one, _ = _run("reward", one_cfg, tmp_path / "one", **inputs)
-    two, _ = _run("reward", two_cfg, tmp_path / "two", **inputs)
+    inputs = RewardInputs(trained["sft"], trained["sft"], _data(world, tokenizer, "preferences", "preference"),
+                          _data(world, tokenizer, "preferences_eval", "preference"),
+                          _data(world, tokenizer, "prompts_eval", "prompt"))
+    one, _ = _run(train_reward, one_cfg, inputs, tmp_path / "one")
+    two, _ = _run(train_reward, two_cfg, inputs, tmp_path / "two")
     for key in ("train/loss", "eval/loss", "eval/margin", "eval/accuracy", "normalization/gain"):
         assert _close(two.metrics[key], one.metrics[key]), (key, one.metrics[key], two.metrics[key])
     assert list(two.eval_scores.columns) == list(one.eval_scores.columns)
@@ -75,13 +77,12 @@ def test_ppo_on_two_processes_samples_apart_and_lands_where_one_does(tiny_config
     one_cfg = tiny_config.ppo.model_copy(update={"num_iterations": 6, "rollout_batch_size": 16, "learning_rate": 1e-3,
                                                  "eval_samples_per_prompt": 4})
     two_cfg = one_cfg.model_copy(update={"launch": TWO})
-    inputs = dict(sft_location=trained["sft"], reward_location=trained["reward"], prompts=trained["prompts"],
-                  eval_prompts=trained["eval_prompts"])
-    one, _ = _run("ppo", one_cfg, tmp_path / "one", **inputs)
+    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    one, _ = _run(train_ppo, one_cfg, inputs, tmp_path / "one")
     samples, rollouts = [], []
     reporting = Reporting(samples=lambda table, i: samples.append((i, len(table))),
                           rollouts=lambda table, i: rollouts.append((i, len(table))))
-    two = call_stage("ppo", two_cfg, tmp_path / "two", reporting, deterministic=True, num_threads=2, **inputs)
+    two = call_stage(train_ppo, two_cfg, inputs, tmp_path / "two", reporting, deterministic=True, num_threads=2)
     assert two.metrics["train/iterations"] == one.metrics["train/iterations"] == 6
     assert [h["iteration"] for h in two.history] == [h["iteration"] for h in one.history]
     assert samples == [(2, 8), (4, 8), (6, 8)]  # rank 0's own table, at the configured iterations
@@ -101,57 +102,30 @@ def test_a_crashed_process_fails_the_stage_with_its_log(world, tiny_config, toke
 
     cfg = tiny_config.sft.model_copy(update={"launch": TWO})
     with pytest.raises(LaunchError, match="accelerate launch.*exited with code") as raised:
-        call_stage("sft", cfg, tmp_path, Reporting(), deterministic=True, num_threads=2,
-                   model_location=str(tmp_path / "no-such-model"), train=_data(world, tokenizer, "sft", "sft"),
-                   evaluation=_data(world, tokenizer, "sft_eval", "sft"))
+        call_stage(train_sft, cfg, SFTInputs(str(tmp_path / "no-such-model"), _data(world, tokenizer, "sft", "sft"),
+                                             _data(world, tokenizer, "sft_eval", "sft")),
+                   tmp_path, Reporting(), deterministic=True, num_threads=2)
     assert re.search(r"; rank 0: OSError: .*no-such-model", str(raised.value))  # the cause, not only the launcher's report
 
 
-SLOW_MAIN_PROCESS = textwrap.dedent("""
-    import atexit, sys, time
-    from pathlib import Path
-    from accelerate import PartialState
-    import stages.distributed
-    from stages.sft import SFTResult
+def test_the_other_processes_wait_for_the_main_one_to_finish_alone(tiny_config, tmp_path):
+    from tests.stand_in_stages import Pause, pause_on_the_main_process
 
-    def train(cfg, output_dir, pause, sink=None):
-        \"\"\"A stage whose main process evaluates and saves for `pause` seconds after training, alone.\"\"\"
-        if not PartialState().is_main_process:
-            atexit.register(lambda: (output_dir / "rank-1-left").write_text(repr(time.time())))
-            return None
-        time.sleep(pause)
-        return SFTResult(checkpoint=output_dir, metrics={"paused": pause})
-
-    stages.distributed.STAGE_FUNCTIONS["sft"] = "__main__:train"
-    stages.distributed.main(Path(sys.argv[1]))
-""")
-
-
-@pytest.fixture
-def slow_main_process(tmp_path, monkeypatch):
-    """`call_stage` launches SLOW_MAIN_PROCESS (the real `stages.distributed.main` around a stand-in stage)."""
-    import stages.distributed
-
-    script = tmp_path / "slow_main_process.py"
-    script.write_text(SLOW_MAIN_PROCESS)
-    real = stages.distributed.launch_command
-    monkeypatch.setattr(stages.distributed, "launch_command",
-                        lambda spec, launch: real(spec, launch)[:-3] + [str(script), str(spec)])
-
-
-def test_the_other_processes_wait_for_the_main_one_to_finish_alone(tiny_config, slow_main_process, tmp_path):
     cfg = tiny_config.sft.model_copy(update={"launch": TWO})
-    result = call_stage("sft", cfg, tmp_path / "run", Reporting(), deterministic=True, num_threads=2, pause=8.0)
-    assert result.metrics == {"paused": 8.0}
+    result = call_stage(pause_on_the_main_process, cfg, Pause(8.0), tmp_path / "run", Reporting(), deterministic=True,
+                        num_threads=2)
+    assert result == {"paused": 8.0}
     left = float((tmp_path / "run" / "rank-1-left").read_text())
-    assert left >= (tmp_path / "run" / "launch" / "result.json").stat().st_mtime  # rank 1 left after rank 0's result
+    assert left >= (tmp_path / "run" / "launch" / "result.pkl").stat().st_mtime  # rank 1 left after rank 0's result
 
 
-def test_a_main_process_slower_than_the_process_group_timeout_fails_the_stage(tiny_config, slow_main_process, tmp_path):
+def test_a_main_process_slower_than_the_process_group_timeout_fails_the_stage(tiny_config, tmp_path):
     from stages.distributed import LaunchError
+    from tests.stand_in_stages import Pause, pause_on_the_main_process
 
     # 15 s leaves room for the processes' start to differ at the first rendezvous on a loaded machine.
     cfg = tiny_config.sft.model_copy(update={"launch": TWO.model_copy(update={"timeout_seconds": 15})})
     with pytest.raises(LaunchError, match="exited with code") as raised:
-        call_stage("sft", cfg, tmp_path / "run", Reporting(), deterministic=True, num_threads=2, pause=60.0)
+        call_stage(pause_on_the_main_process, cfg, Pause(60.0), tmp_path / "run", Reporting(), deterministic=True,
+                   num_threads=2)
     assert re.search(r"rank 1: RuntimeError: .*Timed out waiting 15000ms", str(raised.value))  # at the final wait

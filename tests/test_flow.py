@@ -224,7 +224,7 @@ def test_unchanged_rerun_reuses_every_stage_and_changing_ppo_reruns_only_ppo(tra
 
 
 def test_cache_key_follows_data_content_not_just_its_name(tmp_path, tiny_config, world):
-    from flows.pipeline import cache_key
+    from flows.lineage import cache_key
 
     data = tmp_path / "sft.jsonl"
     data.write_text('{"prompt": "a", "response": "b"}\n')
@@ -312,25 +312,25 @@ def test_every_stage_on_two_processes_logs_to_its_run_like_one_process(finished)
 
 
 def test_validation_is_reused_for_the_same_content_and_tokenizer_only(tmp_path, world, tokenizer, monkeypatch):
-    from flows import pipeline
+    from flows import inputs
     from rlhf.config import DataSource
     from schemas.validate import LengthBudget
     from stages.models import load_tokenizer
 
     calls = []
-    real = pipeline.load_validated
-    monkeypatch.setattr(pipeline, "load_validated", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    real = inputs.load_validated
+    monkeypatch.setattr(inputs, "load_validated", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     data = tmp_path / "sft.jsonl"
     data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n')
     source, budget = DataSource(path=str(data)), LengthBudget(64, 128)
-    first = pipeline.validated(source, "sft", str(world), tokenizer, budget, "error")
+    first = inputs.validated(source, "sft", str(world), tokenizer, budget, "error")
     first.frame.loc[:, "response"] = "changed by a caller"
     # another tokenizer object with the same content (as a checkpoint's copy of the base tokenizer)
-    again = pipeline.validated(source, "sft", str(world), load_tokenizer(str(world / "model")), budget, "error")
+    again = inputs.validated(source, "sft", str(world), load_tokenizer(str(world / "model")), budget, "error")
     assert len(calls) == 1 and list(again.frame["response"]) == ["b", "d"]  # reused, and a caller's edit did not leak
-    pipeline.validated(source, "sft", str(world), tokenizer, LengthBudget(64, 96), "error")
+    inputs.validated(source, "sft", str(world), tokenizer, LengthBudget(64, 96), "error")
     data.write_text('{"prompt": "a", "response": "e"}\n')
-    changed = pipeline.validated(source, "sft", str(world), tokenizer, budget, "error")
+    changed = inputs.validated(source, "sft", str(world), tokenizer, budget, "error")
     assert len(calls) == 3 and list(changed.frame["response"]) == ["e"]  # other rules, other content: validated anew
 
 

@@ -47,9 +47,10 @@ def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
                               pipeline)
 
     from stages.models import load_causal_lm, load_tokenizer, reply_end_id, stop_token_ids
-    from stages.ppo import PPOHooks, train_ppo
-    from stages.reward import train_reward
-    from stages.sft import train_sft
+    from stages.ppo import PPOInputs, train_ppo
+    from stages.reporting import Reporting
+    from stages.reward import RewardInputs, train_reward
+    from stages.sft import SFTInputs, train_sft
 
     family = FAMILIES[name]
     base = build_family(name, tmp_path)
@@ -64,15 +65,16 @@ def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
     common = {"max_prompt_length": budget.max_prompt_length, "max_length": budget.max_length, "precision": "fp32",
               "max_steps": 4, "chat_template": template}
     sft = train_sft(tiny_config.sft.model_copy(update={**common, "model": str(base), "learning_rate": 1e-3}),
-                    str(base), data("sft", "sft"), data("sft_eval", "sft"), tmp_path / "sft")
-    reward = train_reward(tiny_config.reward.model_copy(update=common), str(sft.checkpoint), str(sft.checkpoint),
-                          data("preferences", "preference"), data("preferences_eval", "preference"),
-                          data("prompts_eval", "prompt"), tmp_path / "reward")
+                    SFTInputs(str(base), data("sft", "sft"), data("sft_eval", "sft")), tmp_path / "sft")
+    reward = train_reward(tiny_config.reward.model_copy(update=common),
+                          RewardInputs(str(sft.checkpoint), str(sft.checkpoint), data("preferences", "preference"),
+                                       data("preferences_eval", "preference"), data("prompts_eval", "prompt")),
+                          tmp_path / "reward")
     ppo_cfg = tiny_config.ppo.model_copy(update={"max_prompt_length": budget.max_prompt_length, "response_length": 8,
                                                  "num_iterations": 2, "precision": "fp32"})
     warnings = []
-    ppo = train_ppo(ppo_cfg, str(sft.checkpoint), str(reward.checkpoint), data("prompts", "prompt"),
-                    data("prompts_eval", "prompt"), tmp_path / "ppo", PPOHooks(warning=warnings.append))
+    ppo = train_ppo(ppo_cfg, PPOInputs(str(sft.checkpoint), str(reward.checkpoint), data("prompts", "prompt"),
+                                       data("prompts_eval", "prompt")), tmp_path / "ppo", Reporting(warning=warnings.append))
 
     # bf16 in, float32 trained, bf16 out
     for result in (sft, reward, ppo):

@@ -115,7 +115,7 @@ def test_generation_stops_at_the_reply_end_the_eos_and_every_id_the_checkpoint_l
 def test_log_probs_do_not_trust_logits_to_keep(tiny_config, trained):
     """A model that ignores `logits_to_keep` returns every position's logits; the response's
     log-probs must still be read at the response positions."""
-    from stages.ppo import forward_response, load_models
+    from stages.ppo_models import forward_response, load_models
 
     models = load_models(tiny_config.ppo, trained["sft"], trained["reward"])
 

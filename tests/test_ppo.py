@@ -12,24 +12,26 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.config import LoRAConfig, PPOConfig
 from stages.models import load_tokenizer, position_ids_for
-from stages.ppo import (NonFiniteLossError, PPOHooks, forward_response, load_models, reference_policy,
-                        train_ppo)
+from stages.ppo import NonFiniteLossError, PPOInputs, train_ppo
+from stages.ppo_models import forward_response, load_models, reference_policy
+from stages.reporting import Reporting
 
 
 def _cfg(tiny_config, **changes):
     return tiny_config.ppo.model_copy(update=changes)
 
 
-def _run(cfg, trained, out, hooks=PPOHooks()):
-    return train_ppo(cfg, trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"], out, hooks)
+def _run(cfg, trained, out, reporting=Reporting()):
+    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    return train_ppo(cfg, inputs, out, reporting)
 
 
 def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
     cfg = _cfg(tiny_config, num_iterations=24, rollout_batch_size=16, num_minibatches=2, learning_rate=1e-3,
-               checkpoint_every=100, target_kl=None, init_kl_coef=0.01)
+               checkpoint_every=100, target_kl=None, init_kl_coef=0.01, kl_budget=0.05)
     samples, warnings, rollouts = [], [], {}
-    result = _run(cfg, trained, tmp_path, PPOHooks(samples=lambda t, i: samples.append(i), warning=warnings.append,
-                                                    rollouts=lambda t, i: rollouts.update({i: t})))
+    result = _run(cfg, trained, tmp_path, Reporting(samples=lambda t, i: samples.append(i), warning=warnings.append,
+                                                     rollouts=lambda t, i: rollouts.update({i: t})))
     scores = [row["rollout/score"] for row in result.history]
     assert np.mean(scores[-6:]) > np.mean(scores[:6]) + 0.3, scores
     # The reward normalisation is refitted on the first rollouts: PPO starts at mean 0, std 1.
@@ -40,7 +42,7 @@ def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
     for key in ("rollout/kl", "rollout/kl_coef", "rollout/entropy", "train/policy_loss", "train/value_loss",
                 "train/clip_fraction", "train/approx_kl", "train/explained_variance", "train/ratio_mean",
                 "train/ratio_max", "rollout/response_length", "rollout/eos_rate", "train/learning_rate",
-                "time/generate", "time/score", "time/train", "time/tokens_per_second", "rollout/non_score_reward",
+                "time/generate", "time/forward", "time/score", "time/train", "time/tokens_per_second", "rollout/non_score_reward",
                 "rollout/score_std", "train/initial_ratio_deviation"):
         assert key in result.history[-1], key
     assert result.history[-1]["train/learning_rate"] < result.history[0]["train/learning_rate"]  # linear decay
@@ -57,6 +59,11 @@ def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(result.checkpoint).config.model_type == "llama"
     assert {"eval/score", "eval/score_sft", "eval/kl", "eval/win_rate_rm"} <= set(result.metrics)
     assert len(result.evaluation) == len(trained["eval_prompts"]) * cfg.eval_samples_per_prompt
+    # kl_budget acts on the rollouts and on the final policy alike
+    assert result.metrics["eval/kl"] > cfg.kl_budget and warnings[-1] == (
+        f"the final policy's mean KL per sequence on the held-out prompts, {result.metrics['eval/kl']:.2f}, is over "
+        f"the budget of {cfg.kl_budget}")
+    assert any("is over the budget of 0.05" in w and w.startswith("iteration ") for w in warnings)
 
 
 @pytest.mark.parametrize("normalize_critic", [False, True])
@@ -72,10 +79,10 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, tra
             raise Killed
 
     with pytest.raises(Killed):
-        _run(cfg, trained, tmp_path / "interrupted", PPOHooks(metrics=die_after_four))
+        _run(cfg, trained, tmp_path / "interrupted", Reporting(metrics=die_after_four))
     assert json.loads((tmp_path / "interrupted" / "state" / "loop.json").read_text())["iteration"] == 3
     messages = []
-    resumed = _run(cfg, trained, tmp_path / "interrupted", PPOHooks(warning=messages.append))
+    resumed = _run(cfg, trained, tmp_path / "interrupted", Reporting(warning=messages.append))
     assert "resumed from the full-state checkpoint after iteration 3" in messages[0]
     assert [row["rollout/score"] for row in resumed.history] == [row["rollout/score"] for row in reference.history]
     assert resumed.metrics == reference.metrics
@@ -85,19 +92,18 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, tra
 
 
 def test_normalize_critic_maps_the_critic_like_the_scorer_maps_raw_scores(tiny_config, trained):
-    from stages.ppo import critic_values, normalize_critic
-
     models = load_models(_cfg(tiny_config, critic="reward"), trained["sft"], trained["reward"])
     tokenizer = models.tokenizer
     queries = tokenizer(["<s><|user|>Describe the cat.<|assistant|>"], return_tensors="pt", add_special_tokens=False)
     responses = tokenizer(["The cat is warm.</s>"], return_tensors="pt", add_special_tokens=False)
-    inputs = (queries["input_ids"], queries["attention_mask"], responses["input_ids"], responses["attention_mask"])
+    inputs = (None, queries["input_ids"], queries["attention_mask"], responses["input_ids"],
+              responses["attention_mask"], models.precision)
     with torch.no_grad():
-        raw = critic_values(models, *inputs)  # (1, T)
-    mapped = normalize_critic(models, gain=0.4, bias=-1.5, values=raw)
+        raw = models.critic.values(*inputs)  # (1, T)
+    mapped = models.critic.adopt_normalization(gain=0.4, bias=-1.5, values=raw)
     torch.testing.assert_close(mapped, 0.4 * raw - 1.5)
     with torch.no_grad():
-        torch.testing.assert_close(critic_values(models, *inputs), mapped, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(models.critic.values(*inputs), mapped, rtol=1e-5, atol=1e-5)
 
 
 def test_left_padding_does_not_change_log_probs(tiny_config, trained):
@@ -126,7 +132,7 @@ def test_lora_reference_is_the_policy_with_adapters_disabled(tiny_config, traine
     models = load_models(cfg, trained["sft"], trained["reward"])
     assert models.reference is None
     frame = trained["prompts"].head(4)
-    batch = rollout(models, list(frame["prompt"]), [json.loads(m) for m in frame["prompt_messages"]], cfg, {})
+    batch = rollout(models, list(frame["prompt"]), cfg, {})
     assert torch.allclose(batch.logprobs, batch.ref_logprobs, atol=1e-5)  # LoRA starts as a no-op
     trainable = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
     assert trainable < 0.2 * sum(p.numel() for p in models.policy.parameters())
@@ -159,19 +165,18 @@ def test_critic_warm_up_trains_the_critic_and_leaves_the_policy_as_it_was(tiny_c
 
     def keep_state(figures, iteration):
         if iteration == 3:  # the state saved after iteration 2, before iteration 3's checkpoint replaces it
-            critic_file = ("value_head" if critic == "shared" else "critic") + ".safetensors"
             states.update(load_file(str(tmp_path / "state" / "policy.safetensors")),
-                          critic=load_file(str(tmp_path / "state" / critic_file)),
+                          critic=load_file(str(tmp_path / "state" / "critic.safetensors")),
                           optimizer=torch.load(tmp_path / "state" / "optimizer.pt"))
 
-    result = _run(cfg, trained, tmp_path, PPOHooks(metrics=keep_state))
+    result = _run(cfg, trained, tmp_path, Reporting(metrics=keep_state))
     critic_after_two, optimizer_after_two = states.pop("critic"), states.pop("optimizer")
     models = load_models(cfg, trained["sft"], trained["reward"])
     # Adam stepped only the critic: the policy's parameters (first in the optimizer) have no state yet,
     # so its first real update is not scaled by moments gathered from zero gradients.
     n_policy = sum(1 for p in models.policy.parameters() if p.requires_grad)
     assert sorted(optimizer_after_two["state"]) == list(range(n_policy, len(models.trainable())))
-    sft, initial_critic = models.policy.state_dict(), (models.value_head or models.critic).state_dict()
+    sft, initial_critic = models.policy.state_dict(), models.critic.state_dict()
     for name, weight in states.items():  # the policy, bit for bit, after two warm-up iterations
         assert torch.equal(weight, sft[name]), name
     assert all(abs(row["rollout/kl"]) < 1e-4 for row in result.history[:2])  # sampling pass vs a fresh forward
@@ -183,6 +188,11 @@ def test_critic_warm_up_trains_the_critic_and_leaves_the_policy_as_it_was(tiny_c
 def test_warm_up_must_leave_iterations_to_train():
     with pytest.raises(ValueError, match="freeze_policy_iterations"):
         PPOConfig(num_iterations=2, freeze_policy_iterations=2)
+
+
+def test_a_reference_refresh_under_lora_is_refused():
+    with pytest.raises(ValueError, match="ref_refresh_every cannot act with lora"):
+        PPOConfig(lora=LoRAConfig(), ref_refresh_every=10)
 
 
 def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_checkpoint(tiny_config, trained, tmp_path,
@@ -210,22 +220,23 @@ def test_ppo_runs_on_cuda_with_bf16(tiny_config, trained, tmp_path):
 
 
 def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, trained):
-    from stages.ppo import rollout
+    from stages.ppo import raw_scores, rollout, scores_of
 
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(4)
     messages = [json.loads(m) for m in prompts["prompt_messages"]]
     torch.manual_seed(0)
-    batch = rollout(models, list(prompts["prompt"]), messages, _cfg(tiny_config, response_length=2), {})
+    cfg = _cfg(tiny_config, response_length=2)
+    batch = rollout(models, list(prompts["prompt"]), cfg, {})
     assert not batch.has_eos.any()  # two tokens never finish a demo reply
     as_they_are = models.scorer.score(messages, batch.texts, normalized=False, complete=[False] * 4)
     completed = models.scorer.score(messages, batch.texts, normalized=False)
-    torch.testing.assert_close(batch.raw_scores, as_they_are)
-    assert not torch.allclose(batch.raw_scores, completed)  # an appended EOS would have changed the score
-    assert batch.scores.tolist() == [-3.0] * 4  # missing_eos_score
-    unpenalised = rollout(models, list(prompts["prompt"]), messages,
-                          _cfg(tiny_config, response_length=2, missing_eos_score=None), {})
-    torch.testing.assert_close(unpenalised.scores, unpenalised.normalized_scores)
+    raw = raw_scores(models.scorer, batch, messages, {})
+    torch.testing.assert_close(raw, as_they_are)
+    assert not torch.allclose(raw, completed)  # an appended EOS would have changed the score
+    assert scores_of(raw, batch.has_eos, models.scorer, cfg).used.tolist() == [-3.0] * 4  # missing_eos_score
+    unpenalised = scores_of(raw, batch.has_eos, models.scorer, _cfg(tiny_config, missing_eos_score=None))
+    torch.testing.assert_close(unpenalised.used, unpenalised.normalized)
 
 
 def test_bf16_autocast_on_the_cpu_keeps_float32_weights_and_a_bf16_reference(tiny_config, trained, tmp_path):
@@ -243,23 +254,23 @@ def test_bf16_autocast_on_the_cpu_keeps_float32_weights_and_a_bf16_reference(tin
 
 
 def test_a_ratio_off_1_before_the_first_update_is_warned_about(tiny_config):
-    from stages.ppo import _warnings
+    from stages.ppo import warnings_of
 
     figures = {"rollout/kl": 1.0, "rollout/response_length": 8.0, "rollout/eos_rate": 1.0, "train/ratio_max": 1.0,
                "train/initial_ratio_deviation": 0.03}
-    (message,) = _warnings(_cfg(tiny_config), figures, 8.0, 5)
+    (message,) = warnings_of(_cfg(tiny_config), figures, 8.0, 5)
     assert message.startswith("iteration 5: before the first update the policy ratio was already 0.03 from 1")
 
 
 def test_a_length_collapse_within_one_iteration_is_warned_about(tiny_config):
-    from stages.ppo import _warnings
+    from stages.ppo import warnings_of
 
     figures = {"rollout/kl": 1.0, "rollout/response_length": 2.6, "rollout/eos_rate": 1.0, "train/ratio_max": 1.0,
                "train/initial_ratio_deviation": 0.0}
-    found = _warnings(_cfg(tiny_config, warn_length_drift=0.9), figures, 8.0, 2, previous_length=8.0)
+    found = warnings_of(_cfg(tiny_config, warn_length_drift=0.9), figures, 8.0, 2, previous_length=8.0)
     assert found == ["iteration 2: mean response length collapsed from 8.0 to 2.6 tokens in one iteration: the "
                      "policy is learning to stop early (check the value loss and the KL)"]
-    assert _warnings(_cfg(tiny_config, warn_length_drift=0.9), figures, 8.0, 2, previous_length=3.0) == []
+    assert warnings_of(_cfg(tiny_config, warn_length_drift=0.9), figures, 8.0, 2, previous_length=3.0) == []
 
 
 def test_tokenizer_padding_sides_are_what_each_stage_needs(trained):
@@ -292,7 +303,8 @@ def test_draw_samples_the_categorical_it_is_given():
 
 def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, trained):
     """What the rollout reuses from the KV-cached sampling steps is what a full forward computes."""
-    from stages.ppo import load_models, policy_and_values, sample, shared_values
+    from stages.ppo import sample
+    from stages.ppo_models import policy_and_values
     from stages.ppo_math import entropy_of, logprobs_of, response_mask
 
     cfg = _cfg(tiny_config, temperature=0.7, critic="shared")
@@ -305,7 +317,7 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
     assert (mask.sum(1) < sampled.responses.shape[1]).any()  # some responses ended early: truncation is covered
     with torch.inference_mode():
         logits, values = policy_and_values(models, sampled.queries, sampled.query_mask, sampled.responses, mask)
-        sampled_values = shared_values(models, sampled.hidden)
+        sampled_values = models.critic.values(sampled.hidden, None, None, None, None, models.precision)
     torch.testing.assert_close(sampled.logprobs * mask, logprobs_of(logits, sampled.responses, 0.7) * mask,
                                atol=1e-4, rtol=0)
     torch.testing.assert_close(sampled.entropy * mask, entropy_of(logits, 0.7) * mask, atol=1e-4, rtol=0)
@@ -323,7 +335,7 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
     mask = torch.tensor([[1.0, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
     per_token = torch.arange(12.0).view(3, 4)
     batch = Rollout(queries, query_mask, responses, mask, per_token, per_token, per_token, per_token,
-                    *[torch.zeros(3)] * 3, torch.ones(3, dtype=torch.bool), [], [])
+                    torch.ones(3, dtype=torch.bool), [], [])
     micro = micro_batch(batch, per_token, per_token, torch.tensor([1, 0]))
     assert micro.queries.tolist() == [[pad, 7], [5, 6]] and micro.query_mask.tolist() == [[0, 1], [1, 1]]
     assert micro.responses.tolist() == [[9, pad], [8, eos]] and micro.values.tolist() == [[4.0, 5.0], [0.0, 1.0]]

@@ -44,24 +44,26 @@ def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     accumulate_gradients(actor_critic, accelerator, batch, advantages, returns, torch.arange(len(batch.responses)),
                          cfg, scaler, iteration=1)
-    from stages.ppo import ActorCritic
+    from stages.ppo_models import ActorCritic
 
     return {name: p.grad.detach().clone() for name, p in ActorCritic(models).named_parameters() if p.requires_grad}
 
 
 def _setup(tiny_config, trained, critic="reward"):
-    from stages.ppo import load_models, rollout
+    from stages.ppo import raw_scores, rollout, scores_of
     from stages.ppo_math import gae, kl_estimate, masked_whiten, token_rewards
+    from stages.ppo_models import load_models
 
     cfg = tiny_config.ppo.model_copy(update={"rollout_batch_size": 8, "num_minibatches": 1, "response_length": 16,
                                             "critic": critic})
     torch.manual_seed(0)
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(8)
-    batch = rollout(models, list(prompts["prompt"]), [json.loads(m) for m in prompts["prompt_messages"]], cfg, {})
+    batch = rollout(models, list(prompts["prompt"]), cfg, {})
+    raw = raw_scores(models.scorer, batch, [json.loads(m) for m in prompts["prompt_messages"]], {})
     lengths = batch.mask.sum(1)
     assert lengths.min() < lengths.max(), "responses of equal length would not tell the normalisations apart"
-    rewards = token_rewards(batch.scores, kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05, batch.mask)
+    rewards = token_rewards(scores_of(raw, batch.has_eos, models.scorer, cfg).used, kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05, batch.mask)
     advantages, returns = gae(rewards, batch.values, batch.mask, 1.0, 0.95)
     # A step away from the rollout policy, so ratios differ from 1 and some tokens are clipped.
     with torch.no_grad():
@@ -80,7 +82,7 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 def test_micro_batch_size_does_not_change_the_gradient(tiny_config, trained, critic):
     from accelerate import Accelerator
 
-    from stages.ppo import ActorCritic
+    from stages.ppo_models import ActorCritic
 
     cfg, models, batch, advantages, returns = _setup(tiny_config, trained, critic)
     accelerator, actor_critic = Accelerator(cpu=True), ActorCritic(models)
@@ -97,7 +99,8 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
     policy's update as it was (clipped jointly, the critic's large gradient shrank it)."""
     from accelerate import Accelerator
 
-    from stages.ppo import ActorCritic, ppo_update
+    from stages.ppo import ppo_update
+    from stages.ppo_models import ActorCritic
 
     def one_update(vf_coef: float):
         cfg, models, batch, advantages, returns = _setup(tiny_config, trained)
@@ -118,7 +121,7 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
 def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(tiny_config, trained, tmp_path):
     from accelerate import Accelerator
 
-    from stages.ppo import ActorCritic
+    from stages.ppo_models import ActorCritic
 
     cfg, models, batch, advantages, returns = _setup(tiny_config, trained)
     one = gradients(models, Accelerator(cpu=True), ActorCritic(models), batch, advantages, returns, cfg)
@@ -142,7 +145,7 @@ def _worker(folder: Path) -> None:
     from accelerate import Accelerator, PartialState
 
     from rlhf.config import PPOConfig
-    from stages.ppo import ActorCritic, load_models
+    from stages.ppo_models import ActorCritic, load_models
 
     state = PartialState(cpu=True)
     work = torch.load(folder / "work.pt", weights_only=False)

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from schemas.validate import LengthBudget, load_validated
-from stages.sft import build_trainer, train_sft
+from stages.reporting import Reporting
+from stages.sft import SFTInputs, build_trainer, train_sft
 
 
 def _data(world, cfg, tokenizer, name):
@@ -20,7 +21,7 @@ def _data(world, cfg, tokenizer, name):
 def test_loss_covers_the_response_and_eos_only(world, tiny_config, tokenizer, tmp_path):
     cfg = tiny_config.sft
     train = _data(world, cfg, tokenizer, "sft")
-    trainer = build_trainer(cfg, str(world / "model"), train, train.head(4), tmp_path)
+    trainer = build_trainer(cfg, SFTInputs(str(world / "model"), train, train.head(4)), tmp_path)
     batch = trainer.data_collator([trainer.train_dataset[0], trainer.train_dataset[1]])
     n_prompt = len(tokenizer(train.iloc[0]["prompt"], add_special_tokens=False)["input_ids"])
     n_reply = len(tokenizer(train.iloc[0]["response"], add_special_tokens=False)["input_ids"]) + 1  # + EOS
@@ -34,8 +35,9 @@ def test_loss_covers_the_response_and_eos_only(world, tiny_config, tokenizer, tm
 def test_sft_learns_the_demo_task_and_saves_a_loadable_checkpoint(world, tiny_config, tokenizer, tmp_path):
     cfg = tiny_config.sft.model_copy(update={"max_steps": 30, "learning_rate": 3e-3})
     logged = []
-    result = train_sft(cfg, str(world / "model"), _data(world, cfg, tokenizer, "sft"),
-                       _data(world, cfg, tokenizer, "sft_eval"), tmp_path, sink=lambda m, s: logged.append((s, m)))
+    result = train_sft(cfg, SFTInputs(str(world / "model"), _data(world, cfg, tokenizer, "sft"),
+                                      _data(world, cfg, tokenizer, "sft_eval")), tmp_path,
+                       Reporting(metrics=lambda m, s: logged.append((s, m))))
     assert result.metrics["eval/loss"] < 0.6 * result.metrics["eval/loss_untrained"]
     assert result.metrics["train/steps"] == 30
     assert any("train/loss" in m for _, m in logged) and any("eval/loss" in m for _, m in logged)
@@ -80,7 +82,7 @@ def test_any_local_causal_lm_works_in_place_of_the_demo_model(foreign_model, wor
     cfg = tiny_config.sft.model_copy(update={"max_steps": 2, "model": str(foreign_model), "chat_template": str(template)})
     train = _data(world, cfg, tokenizer, "sft")
     assert train.iloc[0]["prompt"] == "user: " + json.loads(train.iloc[0]["prompt_messages"])[0]["content"] + "\nassistant: "
-    result = train_sft(cfg, str(foreign_model), train, train.head(4), tmp_path)
+    result = train_sft(cfg, SFTInputs(str(foreign_model), train, train.head(4)), tmp_path)
     model = AutoModelForCausalLM.from_pretrained(result.checkpoint)
     assert model.get_input_embeddings().num_embeddings == len(tokenizer)  # grew by the added pad token
     assert torch.isfinite(torch.tensor(result.metrics["eval/loss"]))
@@ -89,18 +91,17 @@ def test_any_local_causal_lm_works_in_place_of_the_demo_model(foreign_model, wor
 
 def test_interrupted_sft_resumes_from_its_trainer_checkpoint(world, tiny_config, tokenizer, tmp_path):
     cfg = tiny_config.sft.model_copy(update={"max_steps": 8, "checkpoint_every": 4, "logging_steps": 2})
-    train, evaluation = _data(world, cfg, tokenizer, "sft"), _data(world, cfg, tokenizer, "sft_eval")
-    whole = train_sft(cfg, str(world / "model"), train, evaluation, tmp_path / "whole")
+    inputs = SFTInputs(str(world / "model"), _data(world, cfg, tokenizer, "sft"), _data(world, cfg, tokenizer, "sft_eval"))
+    whole = train_sft(cfg, inputs, tmp_path / "whole")
 
     def crash_at_step_6(metrics, step):
         if step == 6:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train_sft(cfg, str(world / "model"), train, evaluation, tmp_path / "cut", sink=crash_at_step_6)
+        train_sft(cfg, inputs, tmp_path / "cut", Reporting(metrics=crash_at_step_6))
     assert (tmp_path / "cut" / "trainer" / "checkpoint-4").is_dir()
     steps = []
-    resumed = train_sft(cfg, str(world / "model"), train, evaluation, tmp_path / "cut",
-                        sink=lambda metrics, step: steps.append((step, metrics)))
+    resumed = train_sft(cfg, inputs, tmp_path / "cut", Reporting(metrics=lambda metrics, step: steps.append((step, metrics))))
     assert min(s for s, m in steps if "train/loss" in m) > 4  # training picked up after step 4
     assert resumed.metrics["eval/loss"] == pytest.approx(whole.metrics["eval/loss"], rel=1e-5)

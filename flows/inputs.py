@@ -1,0 +1,167 @@
+"""The data a stage reads: which sources, measured with which tokenizer, under which length
+budget; validated once per content and rules in this process, and logged to the stage's run.
+
+`data_sources` answers for the pre-flight check (every stage's data, before anything trains)
+and for the tasks alike, so the two can never measure a file differently."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import astuple, dataclass, replace
+from typing import Any
+
+import mlflow
+
+from rlhf import tracking
+from rlhf.config import DataSource, PipelineConfig, TrainingConfig
+from rlhf.demo_locations import DEMO_SCHEME, resolve_location
+from flows.lineage import Fingerprint
+from schemas.errors import DataContractError
+from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
+from stages.errors import ChatTemplateError
+from stages.models import load_tokenizer, tokenizer_digest
+
+
+def length_budget(cfg: PipelineConfig, stage: str) -> LengthBudget:
+    """The token budget `stage`'s records must fit: PPO's prompts leave room for the response."""
+    if stage == "ppo":
+        return LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.response_length)
+    section = getattr(cfg, stage)
+    return LengthBudget(section.max_prompt_length, section.max_length)
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """A tokenizer the way a stage loads it: the model location, remote code, and the chat template given in the config."""
+
+    model: str
+    trust_remote_code: bool
+    chat_template: str | None
+
+    def load(self, world: str | None):
+        return load_tokenizer(resolve_location(self.model, world), trust_remote_code=self.trust_remote_code,
+                              chat_template=self.chat_template)
+
+
+def data_sources(cfg: PipelineConfig, stage: str) -> list[tuple[DataSource, str, TokenizerSource]]:
+    """Every data source `stage` reads: (source, contract kind, tokenizer that measures it).
+    The SFT checkpoint carries the SFT tokenizer (and its template) to the later stages."""
+    sft, reward, ppo = cfg.sft, cfg.reward, cfg.ppo
+    policy = TokenizerSource(sft.model, sft.trust_remote_code, sft.chat_template)
+    if stage == "sft":
+        return [(s, "sft", policy) for s in (sft.train_data, sft.eval_data) if s]
+    if stage == "reward":
+        scorer = (TokenizerSource(reward.model, reward.trust_remote_code, reward.chat_template) if reward.model
+                  else TokenizerSource(sft.model, sft.trust_remote_code, reward.chat_template or sft.chat_template))
+        pairs = [(s, "preference", scorer) for s in (reward.train_data, reward.eval_data) if s]
+        return pairs + [(reward.normalization_prompts, "prompt", policy)]
+    return [(s, "prompt", policy) for s in (ppo.prompts, ppo.eval_prompts)]
+
+
+_VALIDATED: dict[str, ValidatedData] = {}
+"""Validation results of this process by what decides them, so the stage's own check of a file
+the pre-flight check already passed with the same tokenizer costs nothing."""
+
+
+def validated(source: DataSource, kind: str, world: str | None, tokenizer, budget: LengthBudget,
+              duplicates: str) -> ValidatedData:
+    """`load_validated` of a configured source, answered from `_VALIDATED` (as a copy) when the
+    same file content, tokenizer content and rules were validated before in this process."""
+    location = resolve_location(source.path, world)
+
+    def validate() -> ValidatedData:
+        return load_validated(location, kind, format=source.format, split=source.split, tokenizer=tokenizer,
+                              budget=budget, duplicates=duplicates)
+
+    content, rendering = Fingerprint.of(location), tokenizer_digest(tokenizer)
+    if content.digest is None or rendering is None:  # a hub dataset or a slow tokenizer: not identifiable
+        return validate()
+    key = json.dumps([location, content.digest, kind, source.format, source.split, rendering, astuple(budget),
+                      duplicates])
+    if key not in _VALIDATED:
+        _VALIDATED[key] = validate()
+        while len(_VALIDATED) > 32:
+            _VALIDATED.pop(next(iter(_VALIDATED)))
+    data = _VALIDATED[key]
+    return replace(data, frame=data.frame.copy())
+
+
+def input_problems(cfg: PipelineConfig, stages: list[str], world: str | None) -> list[str]:
+    """Every data source the run's stages will read, validated before any stage trains: one
+    report per bad source. Lengths are measured with the configured base model's tokenizer (the
+    checkpoints derived from it share it); each stage validates its data again with the
+    tokenizer it actually loads."""
+    tokenizers: dict[TokenizerSource, Any] = {}
+    refused: set[TokenizerSource] = set()  # reported once, however many sources it measures
+    reports = []
+    for stage in stages:
+        for source, kind, measured_by in data_sources(cfg, stage):
+            if measured_by in refused:
+                continue
+            try:
+                if measured_by not in tokenizers:
+                    tokenizers[measured_by] = measured_by.load(world)
+                validated(source, kind, world, tokenizers[measured_by], length_budget(cfg, stage),
+                          getattr(cfg, stage).duplicates)
+            except DataContractError as e:
+                reports.append(f"{stage} stage: {e.report()}")
+            except ChatTemplateError as e:
+                refused.add(measured_by)
+                reports.append(f"{stage} stage: {e}")
+    return reports
+
+
+def context_problems(cfg: PipelineConfig, stages: list[str], world: str | None) -> list[str]:
+    """Token budgets that do not fit the model's context, as 'field: reason' lines.
+
+    The base model's config stands for the checkpoints derived from it (SFT, the reward model
+    started from SFT, the PPO policy); a reward model named in the config is checked itself.
+    """
+    from transformers import AutoConfig
+
+    def context(location: str, trust_remote_code: bool) -> int | None:
+        config = AutoConfig.from_pretrained(resolve_location(location, world), trust_remote_code=trust_remote_code)
+        return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+    base = context(cfg.sft.model, cfg.sft.trust_remote_code)
+    needs = {"sft": ("sft.max_length", cfg.sft.model, base),
+             "reward": ("reward.max_length", cfg.reward.model or cfg.sft.model,
+                        context(cfg.reward.model, cfg.reward.trust_remote_code) if cfg.reward.model else base),
+             "ppo": ("ppo.response_length", cfg.sft.model, base)}
+    problems = []
+    for stage in stages:
+        field, model, limit = needs[stage]
+        tokens = length_budget(cfg, stage).max_length
+        if limit is not None and tokens > limit:
+            problems.append(f"{field}: {tokens} tokens do not fit the {limit}-token context of {model}")
+    return problems
+
+
+def train_and_eval_data(section: TrainingConfig, kind: str, world: str | None, tokenizer,
+                        budget: LengthBudget) -> tuple[ValidatedData, ValidatedData]:
+    """Validated train and eval data, logged to the active run; eval is split off train when the config names none."""
+    train = validated(section.train_data, kind, world, tokenizer, budget, section.duplicates)
+    if section.eval_data is not None:
+        evaluation = validated(section.eval_data, kind, world, tokenizer, budget, section.duplicates)
+    else:
+        held_out = train.frame.sample(frac=section.eval_fraction, random_state=section.seed)
+        kept = train.frame.drop(index=held_out.index)
+        evaluation = ValidatedData(held_out, f"{train.source} (eval split)", kind, train.format, data_digest(held_out))
+        train = ValidatedData(kept, f"{train.source} (train split)", kind, train.format, data_digest(kept))
+    mlflow.set_tag(tracking.TAG_DATA_DIGEST, train.digest)
+    for name, data in (("train", train), ("eval", evaluation)):
+        tracking.log_data(data.frame, f"{kind}-{name}", data.source, data.digest, name)
+    return train, evaluation
+
+
+def logged_prompts(source: DataSource, name: str, world: str | None, tokenizer, budget: LengthBudget,
+                   duplicates: str) -> ValidatedData:
+    """Validated prompts, logged to the active run as the dataset `name`."""
+    data = validated(source, "prompt", world, tokenizer, budget, duplicates)
+    tracking.log_data(data.frame, name, data.source, data.digest, name)
+    return data
+
+
+def is_demo(source: DataSource | None) -> bool:
+    """Whether the source is the embedded demo world's (whose gold function may judge the results)."""
+    return source is not None and source.path.startswith(DEMO_SCHEME)

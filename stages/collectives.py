@@ -1,0 +1,54 @@
+"""What the PPO processes compute together (torch.distributed collectives over DDP's process group).
+
+Every function here is a no-op on one process and must be called by every process on several.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+
+from stages.ppo_math import masked_whiten
+
+MAX_FIGURES = ("_max", "initial_ratio_deviation")
+"""Figures summarised by their largest value (over minibatches and processes), not their mean."""
+
+
+def over_processes(accelerator: Accelerator, figures: dict[str, float]) -> dict[str, float]:
+    """Each figure averaged over processes; `MAX_FIGURES` take the largest (collective)."""
+    if accelerator.num_processes == 1:
+        return figures
+    keys = sorted(figures)
+    values = torch.tensor([figures[k] for k in keys], dtype=torch.float64, device=accelerator.device)
+    summed, largest = values.clone(), values.clone()
+    torch.distributed.all_reduce(summed)
+    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+    return {k: (largest[i] if k.endswith(MAX_FIGURES) else summed[i] / accelerator.num_processes).item()
+            for i, k in enumerate(keys)}
+
+
+def check_weights_agree(accelerator: Accelerator, module: torch.nn.Module) -> None:
+    """Fail loudly if the processes' trained weights differ: gradients were not synchronised (collective)."""
+    if accelerator.num_processes == 1:
+        return
+    total = torch.stack([p.detach().double().sum() for p in module.parameters() if p.requires_grad]).sum()
+    low, high = total.clone(), total.clone()
+    torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
+    torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
+    if (high - low).abs() > 1e-6 * high.abs().clamp(min=1.0):
+        raise RuntimeError(f"the {accelerator.num_processes} processes ended with different weights "
+                           f"(parameter sums {low.item():.9g} .. {high.item():.9g}): gradients were not synchronised")
+
+
+def whiten_over_processes(accelerator: Accelerator, x: torch.Tensor, mask: torch.Tensor,
+                          shift_mean: bool = True) -> torch.Tensor:
+    """`masked_whiten` with mean and variance over every process's entries, as one process holding
+    the whole rollout batch would take them (collective). # (B, T) -> (B, T)"""
+    if accelerator.num_processes == 1:
+        return masked_whiten(x, mask, shift_mean)
+    sums = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double()  # (3,)
+    torch.distributed.all_reduce(sums)
+    total, squares, n = sums
+    mean = total / n
+    var = (squares / n - mean ** 2) * n / (n - 1).clamp(min=1.0)
+    return masked_whiten(x, mask, shift_mean, moments=(mean.to(x.dtype), var.to(x.dtype)))

@@ -1,0 +1,204 @@
+"""The models PPO holds and the passes it takes through them.
+
+The policy (with LoRA adapters or not), its frozen reference, the reward model that scores, and
+the critic: either a value head on the policy's own body (`SharedValueHead`) or a separate model
+started from the reward model (`RewardCritic`). Both critics answer `values(...)` the same way,
+so the rollout and the update never ask which one they have.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from rlhf.config import PPOConfig
+from stages.models import (Precision, device, disable_dropout, dtype_named, load_causal_lm, load_tokenizer,
+                           position_ids_for, resolve_precision, stop_token_ids)
+from stages.reward import RewardScorer, load_reward_model
+
+
+def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
+                     mask: torch.Tensor, want_hidden: bool, precision: Precision) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits that predict each response token, and the final hidden states at the same
+    positions, from one pass over prompt + response. # -> (B, T, V), (B, T, H) | None"""
+    input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
+    attention_mask = torch.cat([query_mask, mask.long()], dim=1)
+    steps = responses.shape[1]
+    with precision.autocast(input_ids.device):
+        # Only the last T + 1 positions need the vocabulary projection: the logits at position p predict token p + 1.
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
+                    output_hidden_states=want_hidden, use_cache=False, logits_to_keep=steps + 1)
+    # Sliced here as well: a model that ignores `logits_to_keep` returns every position.
+    logits = out.logits[:, -(steps + 1):-1]  # (B, T, V)
+    hidden = out.hidden_states[-1][:, -(steps + 1):-1] if want_hidden else None  # (B, T, H)
+    return logits, hidden
+
+
+# --- critics ------------------------------------------------------------------------------------
+
+
+class SharedValueHead(torch.nn.Module):
+    """V(s_t) = w . h_t + b on the policy's final hidden states: no model of its own. Small
+    initial values, so early advantages come from the rewards, not from noise. `detach_body`:
+    the value loss trains the head only, never the policy's body it reads."""
+
+    reads_policy_hidden = True
+
+    def __init__(self, hidden_size: int, detach_body: bool = False):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1)
+        self.detach_body = detach_body
+        torch.nn.init.normal_(self.linear.weight, std=1.0 / math.sqrt(hidden_size + 1))
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def values(self, policy_hidden: torch.Tensor, queries, query_mask, responses, mask, precision: Precision,
+               detach_body: bool = False) -> torch.Tensor:  # (B, T, H) -> (B, T)
+        hidden = policy_hidden.to(self.linear.weight.dtype)
+        return self.linear(hidden.detach() if self.detach_body or detach_body else hidden).squeeze(-1)
+
+    def adopt_normalization(self, gain: float, bias: float, values: torch.Tensor) -> torch.Tensor:
+        """A fresh head has no score scale to adopt. # (B, T) -> (B, T)"""
+        return values
+
+    def restore_normalization(self, gain: float, bias: float) -> None:
+        return None
+
+
+class RewardCritic(torch.nn.Module):
+    """A separate critic started from the reward model (as InstructGPT and TRL do): its own pass
+    over prompt + response, its score head read at every response position. With `rescale`, the
+    reward normalisation PPO fits on its first rollouts is applied to the head too (parameters x
+    gain, bias as a constant `offset`), so its first values are on the scale of the scores."""
+
+    reads_policy_hidden = False
+
+    def __init__(self, model: PreTrainedModel, rescale: bool):
+        super().__init__()
+        self.model, self.rescale = model, rescale
+        self.offset = 0.0
+        """Added to the head's output (most families' score heads have no bias)."""
+
+    def values(self, policy_hidden, queries, query_mask, responses, mask, precision: Precision,
+               detach_body: bool = False) -> torch.Tensor:  # -> (B, T)
+        _, hidden = forward_response(self.model, queries, query_mask, responses, mask, want_hidden=True,
+                                     precision=precision)
+        return self.model.score(hidden).squeeze(-1).float() + self.offset
+
+    @torch.no_grad()
+    def adopt_normalization(self, gain: float, bias: float, values: torch.Tensor) -> torch.Tensor:
+        """Put the head on the normalised score scale (the map the scorer applies to raw scores);
+        returns `values` (computed before the fit) mapped the same way. # (B, T) -> (B, T)"""
+        if not self.rescale:
+            return values
+        for parameter in self.model.score.parameters():
+            parameter.mul_(gain)
+        self.offset = bias
+        return gain * values + bias
+
+    def restore_normalization(self, gain: float, bias: float) -> None:
+        """On resume: the saved head is already scaled; only the offset lives outside it."""
+        if self.rescale:
+            self.offset = bias
+
+
+Critic = SharedValueHead | RewardCritic
+
+
+# --- the models of a run -------------------------------------------------------------------------
+
+
+@dataclass
+class Models:
+    policy: PreTrainedModel
+    critic: Critic
+    reference: PreTrainedModel | None
+    """None when LoRA is on: the reference is the policy with its adapters disabled."""
+    scorer: RewardScorer
+    tokenizer: object
+    precision: Precision
+    stop_ids: list[int]
+    """Token ids that end a response: the reply end, EOS, and any the generation config lists."""
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for m in (self.policy, self.critic) for p in m.parameters() if p.requires_grad]
+
+    def train(self, mode: bool = True) -> None:
+        self.policy.train(mode)
+        self.critic.train(mode)
+
+
+def load_models(cfg: PPOConfig, sft_location: str, reward_location: str) -> Models:
+    """Trained modules (policy, critic) in float32 whatever the checkpoints' dtype; frozen ones
+    (reference, reward model) in `cfg.frozen_dtype`; dropout off in all of them, so a rollout and
+    the update that follows compute the same policy."""
+    frozen = dtype_named(cfg.frozen_dtype)
+    tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
+    policy = load_causal_lm(sft_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
+    disable_dropout(policy)
+    reference = None
+    if cfg.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        policy = get_peft_model(policy, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
+                                                   target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
+    else:
+        reference = copy.deepcopy(policy).to(frozen).eval().requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    if cfg.critic in ("shared", "detached"):
+        critic = SharedValueHead(policy.config.hidden_size, detach_body=cfg.critic == "detached")
+    else:
+        reward_tokenizer = load_tokenizer(reward_location, trust_remote_code=cfg.trust_remote_code)
+        if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"ppo.critic = 'reward' needs the reward model at {reward_location} to share the policy's "
+                             "tokenizer (the critic reads the policy's token ids); use ppo.critic = 'shared'")
+        critic = RewardCritic(load_reward_model(reward_location, tokenizer, trust_remote_code=cfg.trust_remote_code,
+                                                fresh_head=False), rescale=cfg.normalize_critic)
+    scorer = RewardScorer.from_pretrained(reward_location, dtype=frozen, trust_remote_code=cfg.trust_remote_code)
+    scorer.model.requires_grad_(False)
+    models = Models(policy, critic, reference, scorer, tokenizer, resolve_precision(cfg.precision),
+                    stop_token_ids(policy))
+    run_on = device()
+    for module in (policy, critic, reference):
+        if module is not None:
+            module.to(run_on)
+    return models
+
+
+@contextmanager
+def reference_policy(models: Models) -> Iterator[PreTrainedModel]:
+    """The frozen reference: its own copy, or the LoRA policy with adapters disabled."""
+    if models.reference is not None:
+        yield models.reference
+    else:
+        with models.policy.disable_adapter():
+            yield models.policy
+
+
+def policy_and_values(models: Models, queries, query_mask, responses, mask,
+                      freeze_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy logits and values for the response tokens; with the shared value head, one backbone
+    pass (`freeze_policy`: the value loss does not reach the body). # (B, T, V), (B, T)"""
+    logits, hidden = forward_response(models.policy, queries, query_mask, responses, mask,
+                                      want_hidden=models.critic.reads_policy_hidden, precision=models.precision)
+    return logits, models.critic.values(hidden, queries, query_mask, responses, mask, models.precision,
+                                        detach_body=freeze_policy)
+
+
+class ActorCritic(torch.nn.Module):
+    """The trained modules (policy and critic) as one module whose forward is `policy_and_values`,
+    so a distributed engine wraps and synchronises them together."""
+
+    def __init__(self, models: Models):
+        super().__init__()
+        self.policy, self.critic = models.policy, models.critic
+        self.models = models
+
+    def forward(self, queries, query_mask, responses, mask, freeze_policy=False) -> tuple[torch.Tensor, torch.Tensor]:
+        return policy_and_values(self.models, queries, query_mask, responses, mask, freeze_policy)

@@ -1,0 +1,31 @@
+"""How a stage reports while it runs: one type for every stage, in one process or several.
+
+The flow hands a stage a `Reporting` whose callbacks log to MLflow; on several processes
+`stages.distributed` gives rank 0 one that writes events to a file and replays them into the
+caller's. A stage calls the ones it has something for; each does nothing unless set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+
+
+def _ignore(*_) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Reporting:
+    metrics: Callable[[dict[str, float], int], None] = _ignore
+    """(figures, step): training and evaluation figures, named as MLflow shows them (`train/loss`)."""
+    samples: Callable[[pd.DataFrame, int], None] = _ignore
+    """(table, step): a few prompts and responses to read."""
+    warning: Callable[[str], None] = _ignore
+    """A message for the user about the run's health."""
+    rollouts: Callable[[pd.DataFrame, int], None] = _ignore
+    """(table, iteration), PPO only: every iteration's episodes (this process's share): prompt messages,
+    response, normalised score, KL per sequence; for a caller that judges them with what the stage
+    must not see (the demo world's gold function)."""

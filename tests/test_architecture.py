@@ -1,0 +1,63 @@
+"""The layering docs/architecture.md describes, checked on the source: what each folder may import."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+OURS = ("schemas", "rlhf", "stages", "flows", "bench", "tests")
+
+ALLOWED = {
+    # module or folder: the project modules (prefixes) it may import
+    "schemas": ("schemas",),
+    "rlhf/config.py": ("rlhf.demo_locations",),
+    "rlhf/demo_locations.py": (),
+    "rlhf/evaluation.py": (),
+    "rlhf/plots.py": (),
+    "rlhf/demo_world.py": ("rlhf.demo_locations", "rlhf.evaluation"),
+    "rlhf/tracking.py": ("rlhf.config",),
+    "stages": ("stages", "schemas", "rlhf.config", "rlhf.evaluation"),
+}
+NEVER_IN_STAGES = ("mlflow", "prefect")
+
+
+def imports_of(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def rule_for(path: Path) -> tuple[str, ...] | None:
+    relative = path.relative_to(REPO).as_posix()
+    return ALLOWED.get(relative, ALLOWED.get(relative.split("/")[0]))
+
+
+@pytest.mark.parametrize("path", sorted(p for folder in ("schemas", "rlhf", "stages") for p in (REPO / folder).glob("*.py")),
+                         ids=lambda p: p.relative_to(REPO).as_posix())
+def test_each_layer_imports_only_what_it_may(path):
+    allowed = rule_for(path)
+    if allowed is None:  # the top layer (rlhf/cli.py) may import anything, like flows/
+        return
+    ours = {m for m in imports_of(path) if m.split(".")[0] in OURS}
+    refused = sorted(m for m in ours if not any(m == a or m.startswith(a + ".") for a in allowed))
+    assert not refused, f"{path.relative_to(REPO)} imports {refused}; docs/architecture.md says it may import only {allowed}"
+    if path.parent.name == "stages":
+        outside = sorted(m for m in imports_of(path) if m.split(".")[0] in NEVER_IN_STAGES)
+        assert not outside, f"{path.relative_to(REPO)} imports {outside}: stages never talk to MLflow or Prefect"
+
+
+def test_the_config_does_not_load_the_demo_worlds_gold_function():
+    import subprocess
+    import sys
+
+    loaded = subprocess.run([sys.executable, "-c", "import sys, rlhf.config, stages.ppo; "
+                             "print('rlhf.demo_world' in sys.modules)"], capture_output=True, text=True, cwd=REPO,
+                            check=True).stdout.strip()
+    assert loaded == "False"
