@@ -44,7 +44,7 @@ from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_los
                              explained_variance, gae, is_end, kl_estimate, logprobs_of, masked_mean, response_mask,
                              token_rewards, truncate_after_eos)
 from stages.ppo_models import ActorCritic, Models, forward_response, load_models, policy_and_values, reference_policy
-from stages.ppo_state import LoopState, Normalization, load_state, rng_states, save_state
+from stages.ppo_state import LoopState, Normalization, load_state, save_state_everywhere
 from stages.reporting import Reporting
 from stages.reward import RewardScorer, fit_normalization
 
@@ -215,6 +215,12 @@ def scores_of(raw: torch.Tensor, has_eos: torch.Tensor, scorer: RewardScorer, cf
     if cfg.score_clip is not None:
         used = used.clamp(-cfg.score_clip, cfg.score_clip)
     return Scores(raw, normalized, used)
+
+
+def adopt_normalization(models: Models, normalization: Normalization, batch: Rollout) -> Rollout:
+    """The scorer, and the critic if it takes it, on the fitted scale; the rollout's values mapped alike."""
+    models.scorer.gain, models.scorer.bias = normalization.gain, normalization.bias
+    return replace(batch, values=models.critic.adopt_normalization(normalization.gain, normalization.bias, batch.values))
 
 
 def first_normalization(accelerator: Accelerator, scorer: RewardScorer, raw: torch.Tensor,
@@ -473,9 +479,10 @@ def _prompt_batch(order_seed: int, n_prompts: int, cursor: int, size: int) -> li
 
 def iteration_figures(accelerator: Accelerator, batch: Rollout, scores: Scores, kl: torch.Tensor, beta: float,
                       returns: torch.Tensor, train: dict[str, float], learning_rate: float,
-                      timings: dict[str, float]) -> dict[str, float]:
-    """What one iteration logs, this process's share (`over_processes` combines them)."""
-    return {
+                      timings: dict[str, float], started: float) -> dict[str, float]:
+    """What one iteration logs, this process's share (`over_processes` combines them); `started`:
+    the iteration's start on the `time.perf_counter` clock."""
+    figures = {
         "rollout/score": scores.normalized.mean().item(),
         "rollout/score_std": accelerator.gather(scores.normalized).std().item(),  # over all processes' scores
         "rollout/score_raw": scores.raw.mean().item(),
@@ -491,6 +498,9 @@ def iteration_figures(accelerator: Accelerator, batch: Rollout, scores: Scores, 
         "train/learning_rate": learning_rate,
         **{f"time/{k}": v for k, v in timings.items()},
     }
+    elapsed = time.perf_counter() - started
+    return figures | {"time/iteration": elapsed,
+                      "time/tokens_per_second": batch.mask.sum().item() * accelerator.num_processes / elapsed}
 
 
 def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, iteration: int, figures: dict[str, float],
@@ -556,9 +566,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         raw = raw_scores(models.scorer, batch, messages, timings)
         if loop.normalization is None:
             loop.normalization = first_normalization(accelerator, models.scorer, raw, cfg)
-            models.scorer.gain, models.scorer.bias = loop.normalization.gain, loop.normalization.bias
-            batch = replace(batch, values=models.critic.adopt_normalization(loop.normalization.gain,
-                                                                             loop.normalization.bias, batch.values))
+            batch = adopt_normalization(models, loop.normalization, batch)
         scores = scores_of(raw, batch.has_eos, models.scorer, cfg)
 
         beta = loop.kl.value
@@ -570,12 +578,8 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
                            iteration)
         timings["train"] = time.perf_counter() - start
 
-        figures = iteration_figures(accelerator, batch, scores, kl, beta, returns, train, scheduler.get_last_lr()[0],
-                                    timings)
-        elapsed = time.perf_counter() - started
-        figures["time/iteration"] = elapsed
-        figures["time/tokens_per_second"] = batch.mask.sum().item() * accelerator.num_processes / elapsed
-        figures = over_processes(accelerator, figures)
+        figures = over_processes(accelerator, iteration_figures(accelerator, batch, scores, kl, beta, returns, train,
+                                                                scheduler.get_last_lr()[0], timings, started))
         loop.kl.update(figures["rollout/kl"], cfg.rollout_batch_size)
         if cfg.ref_refresh_every and iteration % cfg.ref_refresh_every == 0:
             models.reference.load_state_dict(models.policy.state_dict())
@@ -586,10 +590,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         loop.history = loop.history + [{"iteration": iteration, **figures}]
         if iteration % cfg.checkpoint_every == 0 or iteration == cfg.num_iterations:
             # The last one too: if the upload fails, a rerun goes straight to evaluation.
-            rng = rng_states(accelerator)
-            if accelerator.is_main_process:
-                save_state(state_dir, models, optimizer, scheduler, scaler, loop, rng)
-            accelerator.wait_for_everyone()  # no process runs on (or stops) before the state is written
+            save_state_everywhere(accelerator, state_dir, models, optimizer, scheduler, scaler, loop)
 
     check_weights_agree(accelerator, actor_critic)
     if not accelerator.is_main_process:

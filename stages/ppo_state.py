@@ -90,6 +90,16 @@ def save_state(folder: Path, models: Models, optimizer, scheduler, scaler, loop:
     return folder
 
 
+def save_state_everywhere(accelerator: Accelerator, folder: Path, models: Models, optimizer, scheduler, scaler,
+                          loop: LoopState) -> None:
+    """`save_state` by the main process with every process's generators; no process runs on (or
+    stops) before the state is written (collective)."""
+    rng = rng_states(accelerator)
+    if accelerator.is_main_process:
+        save_state(folder, models, optimizer, scheduler, scaler, loop, rng)
+    accelerator.wait_for_everyone()
+
+
 def load_state(folder: Path, models: Models, optimizer, scheduler, scaler, rank: int = 0) -> LoopState:
     """Restore a full-state checkpoint, with process `rank`'s random generators. Tensors come from
     safetensors; optimizer and scheduler state load with `weights_only=True`, which refuses

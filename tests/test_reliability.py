@@ -22,7 +22,7 @@ if os.environ.get("HOLD_MARKER"):
     # Park the run inside the PPO iteration after its first full-state checkpoint, so the test's
     # SIGKILL lands mid-iteration whatever the machine's speed (polling for the checkpoint raced
     # with the run finishing on fast machines).
-    saved, real_save_state, real_rollout = [], stages.ppo.save_state, stages.ppo.rollout
+    saved, real_save_state, real_rollout = [], stages.ppo.save_state_everywhere, stages.ppo.rollout
     def save_state(*args, **kwargs):
         saved.append(True)
         return real_save_state(*args, **kwargs)
@@ -31,7 +31,7 @@ if os.environ.get("HOLD_MARKER"):
             pathlib.Path(os.environ["HOLD_MARKER"]).touch()
             time.sleep(3600)
         return real_rollout(*args, **kwargs)
-    stages.ppo.save_state, stages.ppo.rollout = save_state, rollout
+    stages.ppo.save_state_everywhere, stages.ppo.rollout = save_state, rollout
 
 state = rlhf(config_file="configs/smoke.yaml", overrides=json.loads(sys.argv[1]), return_state=True)
 assert state.is_completed(), state.message
