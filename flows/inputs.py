@@ -1,8 +1,8 @@
 """The data a stage reads: which sources, measured with which tokenizer, under which length
 budget; validated once per content and rules in this process, and logged to the stage's run.
 
-`data_sources` answers for the pre-flight check (every stage's data, before anything trains)
-and for the tasks alike, so the two can never measure a file differently."""
+`data_inputs` and `length_budget` answer for the pre-flight check (every stage's data, before
+anything trains) and for the tasks alike, so the two can never read or measure a file differently."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import mlflow
 
+from flows.lineage import Fingerprint
 from rlhf import tracking
 from rlhf.config import DataSource, PipelineConfig, TrainingConfig
 from rlhf.demo_locations import DEMO_SCHEME, resolve_location
-from flows.lineage import Fingerprint
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.errors import ChatTemplateError
@@ -43,19 +43,35 @@ class TokenizerSource:
                               chat_template=self.chat_template)
 
 
-def data_sources(cfg: PipelineConfig, stage: str) -> list[tuple[DataSource, str, TokenizerSource]]:
-    """Every data source `stage` reads: (source, contract kind, tokenizer that measures it).
+@dataclass(frozen=True)
+class DataInput:
+    source: DataSource
+    kind: str
+    """The contract it must meet: `sft`, `preference` or `prompt`."""
+    measured_by: TokenizerSource
+    """The tokenizer the pre-flight check measures it with (the stage measures it again with the one it loads)."""
+
+
+def data_inputs(cfg: PipelineConfig, stage: str) -> dict[str, DataInput]:
+    """Every data source `stage` reads, by its role: `train` and `eval` (absent: split off `train`),
+    the reward stage's `normalization` prompts, PPO's `prompts` and `eval_prompts`.
     The SFT checkpoint carries the SFT tokenizer (and its template) to the later stages."""
     sft, reward, ppo = cfg.sft, cfg.reward, cfg.ppo
     policy = TokenizerSource(sft.model, sft.trust_remote_code, sft.chat_template)
+    if stage == "ppo":
+        return {"prompts": DataInput(ppo.prompts, "prompt", policy),
+                "eval_prompts": DataInput(ppo.eval_prompts, "prompt", policy)}
     if stage == "sft":
-        return [(s, "sft", policy) for s in (sft.train_data, sft.eval_data) if s]
-    if stage == "reward":
-        scorer = (TokenizerSource(reward.model, reward.trust_remote_code, reward.chat_template) if reward.model
-                  else TokenizerSource(sft.model, sft.trust_remote_code, reward.chat_template or sft.chat_template))
-        pairs = [(s, "preference", scorer) for s in (reward.train_data, reward.eval_data) if s]
-        return pairs + [(reward.normalization_prompts, "prompt", policy)]
-    return [(s, "prompt", policy) for s in (ppo.prompts, ppo.eval_prompts)]
+        kind, measured_by, extra = "sft", policy, {}
+    else:
+        kind, extra = "preference", {"normalization": DataInput(reward.normalization_prompts, "prompt", policy)}
+        measured_by = (TokenizerSource(reward.model, reward.trust_remote_code, reward.chat_template) if reward.model
+                       else TokenizerSource(sft.model, sft.trust_remote_code, reward.chat_template or sft.chat_template))
+    section = getattr(cfg, stage)
+    found = {"train": DataInput(section.train_data, kind, measured_by)}
+    if section.eval_data is not None:
+        found["eval"] = DataInput(section.eval_data, kind, measured_by)
+    return found | extra
 
 
 _VALIDATED: dict[str, ValidatedData] = {}
@@ -95,13 +111,14 @@ def input_problems(cfg: PipelineConfig, stages: list[str], world: str | None) ->
     refused: set[TokenizerSource] = set()  # reported once, however many sources it measures
     reports = []
     for stage in stages:
-        for source, kind, measured_by in data_sources(cfg, stage):
+        for data in data_inputs(cfg, stage).values():
+            measured_by = data.measured_by
             if measured_by in refused:
                 continue
             try:
                 if measured_by not in tokenizers:
                     tokenizers[measured_by] = measured_by.load(world)
-                validated(source, kind, world, tokenizers[measured_by], length_budget(cfg, stage),
+                validated(data.source, data.kind, world, tokenizers[measured_by], length_budget(cfg, stage),
                           getattr(cfg, stage).duplicates)
             except DataContractError as e:
                 reports.append(f"{stage} stage: {e.report()}")
@@ -137,12 +154,16 @@ def context_problems(cfg: PipelineConfig, stages: list[str], world: str | None) 
     return problems
 
 
-def train_and_eval_data(section: TrainingConfig, kind: str, world: str | None, tokenizer,
-                        budget: LengthBudget) -> tuple[ValidatedData, ValidatedData]:
-    """Validated train and eval data, logged to the active run; eval is split off train when the config names none."""
-    train = validated(section.train_data, kind, world, tokenizer, budget, section.duplicates)
-    if section.eval_data is not None:
-        evaluation = validated(section.eval_data, kind, world, tokenizer, budget, section.duplicates)
+def train_and_eval_data(cfg: PipelineConfig, stage: str, world: str | None,
+                        tokenizer) -> tuple[ValidatedData, ValidatedData]:
+    """`stage`'s validated train and eval data, logged to the active run; eval is split off train
+    when the config names none."""
+    section: TrainingConfig = getattr(cfg, stage)
+    inputs, budget = data_inputs(cfg, stage), length_budget(cfg, stage)
+    kind = inputs["train"].kind
+    train = validated(inputs["train"].source, kind, world, tokenizer, budget, section.duplicates)
+    if "eval" in inputs:
+        evaluation = validated(inputs["eval"].source, kind, world, tokenizer, budget, section.duplicates)
     else:
         held_out = train.frame.sample(frac=section.eval_fraction, random_state=section.seed)
         kept = train.frame.drop(index=held_out.index)
@@ -154,10 +175,12 @@ def train_and_eval_data(section: TrainingConfig, kind: str, world: str | None, t
     return train, evaluation
 
 
-def logged_prompts(source: DataSource, name: str, world: str | None, tokenizer, budget: LengthBudget,
-                   duplicates: str) -> ValidatedData:
-    """Validated prompts, logged to the active run as the dataset `name`."""
-    data = validated(source, "prompt", world, tokenizer, budget, duplicates)
+def logged_prompts(cfg: PipelineConfig, stage: str, role: str, name: str, world: str | None,
+                   tokenizer) -> ValidatedData:
+    """`stage`'s validated prompts in `role` (see `data_inputs`), logged to the active run as the dataset `name`."""
+    prompts = data_inputs(cfg, stage)[role]
+    data = validated(prompts.source, prompts.kind, world, tokenizer, length_budget(cfg, stage),
+                     getattr(cfg, stage).duplicates)
     tracking.log_data(data.frame, name, data.source, data.digest, name)
     return data
 

@@ -24,9 +24,8 @@ from prefect.context import get_run_context
 from prefect.states import Failed, State
 from pydantic import BaseModel, Field
 
-from flows.inputs import (context_problems, input_problems, is_demo, length_budget, logged_prompts,
-                          train_and_eval_data)
-from flows.lineage import (AVAILABLE_STAGES, StageName, StageRecord, cache_key, reused_record, upstream_runs)
+from flows.inputs import context_problems, input_problems, is_demo, logged_prompts, train_and_eval_data
+from flows.lineage import AVAILABLE_STAGES, StageName, StageRecord, cache_key, reused_record, upstream_runs
 from flows.reports import (STAGE_SECONDS, RolloutGold, finish, log_overhead, pipeline_summary, ppo_report,
                            reward_report)
 from rlhf import tracking
@@ -147,7 +146,7 @@ def sft(ctx: StageContext) -> StageRecord | State:
             mlflow.set_tag("rlhf.base_model", tracking.redact(section.model))
             tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code,
                                        chat_template=section.chat_template)
-            train, evaluation = train_and_eval_data(section, "sft", ctx.world, tokenizer, length_budget(ctx.config, "sft"))
+            train, evaluation = train_and_eval_data(ctx.config, "sft", ctx.world, tokenizer)
             started = time.perf_counter()
             result = ctx.call(train_sft, section, SFTInputs(model_location, train.frame, evaluation.frame), scratch,
                               Reporting(metrics=metrics_writer.log))
@@ -168,7 +167,6 @@ def reward(ctx: StageContext) -> StageRecord | State:
     from stages.reward import RewardInputs, train_reward
 
     section = ctx.config.reward
-    budget = length_budget(ctx.config, "reward")
     try:
         with stage_run("reward", section, ctx) as (run_id, scratch, metrics_writer):
             policy_location = str(tracking.download_checkpoint(ctx.upstream["sft"], scratch / "sft"))
@@ -176,9 +174,9 @@ def reward(ctx: StageContext) -> StageRecord | State:
             mlflow.set_tag("rlhf.base_model", tracking.redact(section.model or f"runs:/{ctx.upstream['sft']}/checkpoint"))
             tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code,
                                        chat_template=section.chat_template)
-            train, evaluation = train_and_eval_data(section, "preference", ctx.world, tokenizer, budget)
-            prompts = logged_prompts(section.normalization_prompts, "normalization-prompts", ctx.world,
-                                     load_tokenizer(policy_location), budget, section.duplicates)
+            train, evaluation = train_and_eval_data(ctx.config, "reward", ctx.world, tokenizer)
+            prompts = logged_prompts(ctx.config, "reward", "normalization", "normalization-prompts", ctx.world,
+                                     load_tokenizer(policy_location))
             started = time.perf_counter()
             try:
                 result = ctx.call(train_reward, section, RewardInputs(model_location, policy_location, train.frame,
@@ -211,10 +209,8 @@ def ppo(ctx: StageContext) -> StageRecord | State:
             sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], scratch / "sft"))
             reward_location = str(tracking.download_checkpoint(ctx.upstream["reward"], scratch / "reward"))
             tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
-            budget = length_budget(ctx.config, "ppo")
-            train = logged_prompts(section.prompts, "prompts", ctx.world, tokenizer, budget, section.duplicates)
-            evaluation = logged_prompts(section.eval_prompts, "eval-prompts", ctx.world, tokenizer, budget,
-                                        section.duplicates)
+            train = logged_prompts(ctx.config, "ppo", "prompts", "prompts", ctx.world, tokenizer)
+            evaluation = logged_prompts(ctx.config, "ppo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)
             mlflow.set_tag(tracking.TAG_DATA_DIGEST, train.digest)
             warnings: list[str] = []
 
