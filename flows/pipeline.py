@@ -227,7 +227,7 @@ def ppo(ctx: StageContext) -> StageRecord | State:
                                                              evaluation.frame), scratch, reporting)
             metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
             mlflow.set_tags(result.tags)
-            samples = ppo_report(result, metrics, warnings, gold)
+            samples = ppo_report(result, metrics, warnings, gold, demo_evaluation=is_demo(section.eval_prompts))
             record = finish("ppo", run_id, section, train, metrics, result.checkpoint, samples,
                             int(metrics["train/iterations"]))
             version = tracking.register_checkpoint(run_id, POLICY_MODEL_NAME)

@@ -98,13 +98,15 @@ class RolloutGold:
             f.write(json.dumps({"iteration": iteration, "gold_reward": gold}) + "\n")
 
 
-def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: RolloutGold | None) -> list[dict[str, str]]:
-    """The held-out evaluation table, warnings, curves (and on the demo world the gold figures and
-    the over-optimisation plot, `metrics` gaining the gold ones). Returns samples to show."""
+def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: RolloutGold | None,
+               demo_evaluation: bool) -> list[dict[str, str]]:
+    """The held-out evaluation table, warnings and curves; the over-optimisation plot when the
+    rollouts were judged (`gold`), and the gold figures of the evaluation (into `metrics`) when its
+    prompts are the demo world's. Returns samples to show."""
     from rlhf.plots import curves, overoptimization
 
     table = result.evaluation
-    if gold is not None:
+    if demo_evaluation:
         metrics |= gold_comparison(last_user_turns(table["prompt_messages"]), list(table["ppo_response"]),
                                    list(table["sft_response"]))
     mlflow.log_table(table.drop(columns=["prompt_messages"]), "evaluation.json")

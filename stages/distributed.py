@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any
 
 import pandas as pd
 
@@ -36,10 +36,7 @@ from stages.errors import StageUserError
 from stages.models import set_determinism
 from stages.reporting import Reporting
 
-Config = TypeVar("Config")
-Inputs = TypeVar("Inputs")
-Result = TypeVar("Result")
-Stage = Callable[[Config, Inputs, Path, Reporting], Result]
+Stage = Callable[[Any, Any, Path, Reporting], Any]
 """A stage function: `train(cfg, inputs, output_dir, reporting)`, returning its result on rank 0."""
 
 
@@ -48,12 +45,14 @@ class LaunchError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class StageCall(Generic[Config, Inputs, Result]):
+class StageCall:
     """One stage function call, as every process of a launch makes it."""
 
     train: Stage
-    section: Config
-    inputs: Inputs
+    section: Any
+    """The stage's config section."""
+    inputs: Any
+    """The stage's typed inputs (`SFTInputs`, ...)."""
     output_dir: Path
     deterministic: bool
     num_threads: int
