@@ -193,7 +193,7 @@ class PPOConfig(TrainedStage):
     prompts: DataSource = DataSource(path="demo:prompts")
     """Prompts for rollouts, cycled in a seeded shuffled order."""
     eval_prompts: DataSource = DataSource(path="demo:prompts_eval")
-    """Held-out prompts for the final PPO-vs-SFT evaluation."""
+    """Held-out prompts for the PPO-vs-SFT evaluations (every `eval_every` iterations and at the end)."""
     response_length: PositiveInt = 32
     """New tokens generated per response at most."""
     temperature: PositiveFloat = 1.0
@@ -260,10 +260,12 @@ class PPOConfig(TrainedStage):
     """Log a table of (prompt, response, score) samples every this many iterations."""
     num_logged_samples: PositiveInt = 8
     """Rows in each samples table."""
+    eval_every: PositiveInt | None = 10
+    """Evaluate on the held-out prompts every this many iterations as well as at the end, so `eval/*` are curves; unset: at the end only. Each evaluation samples `eval_samples_per_prompt` responses per prompt (the SFT baseline only once)."""
     eval_seed: int = 0
-    """Seeds the final evaluation's sampling apart from `seed`: every run from the same SFT checkpoint and prompts is judged against the same SFT baseline responses."""
+    """Seeds the evaluations' sampling apart from `seed`: every run from the same SFT checkpoint and prompts is judged against the same SFT baseline responses."""
     eval_samples_per_prompt: PositiveInt = 4
-    """Responses per held-out prompt in the final evaluation (sampled at `temperature`)."""
+    """Responses per held-out prompt in each evaluation (sampled at `temperature`)."""
     warn_eos_rate: float = Field(0.5, ge=0, le=1)
     """Warn when the share of responses ending with EOS falls below this."""
     warn_length_drift: PositiveFloat = 0.5
@@ -302,6 +304,17 @@ class PPOConfig(TrainedStage):
         return self
 
 
+class RegistryConfig(_Frozen):
+    """Where finished policies go in the MLflow Model Registry."""
+
+    enabled: bool = True
+    """Register each PPO policy as a new version of `model_name`; off for smoke runs that should leave the registry alone."""
+    model_name: str = "rlhf-policy"
+    """Registered model that holds the policies, one version per run."""
+    champion_alias: str = "champion"
+    """Alias that moves to a new version only when it beats the current holder on the same evaluation (same held-out prompts and reward model)."""
+
+
 class PipelineConfig(_Frozen):
     """One pipeline run: the demo world (when used) and each stage's settings."""
 
@@ -319,6 +332,8 @@ class PipelineConfig(_Frozen):
     """Reward-model stage."""
     ppo: PPOConfig = PPOConfig()
     """PPO stage."""
+    registry: RegistryConfig = RegistryConfig()
+    """Model Registry settings for the final policy."""
 
     @model_validator(mode="after")
     def _demo_locations_need_demo(self) -> PipelineConfig:

@@ -154,14 +154,8 @@ def _forward_events(events: Path, read: int, reporting: Reporting) -> int:
     complete = chunk[:chunk.rfind("\n") + 1]
     for line in complete.splitlines():
         event = json.loads(line)
-        if event["kind"] == "metrics":
-            reporting.metrics(event["metrics"], event["step"])
-        elif event["kind"] == "samples":
-            reporting.samples(pd.DataFrame(event["rows"]), event["step"])
-        elif event["kind"] == "rollouts":
-            reporting.rollouts(pd.DataFrame(event["rows"]), event["step"])
-        elif event["kind"] == "warning":
-            reporting.warning(event["message"])
+        arguments = [pd.DataFrame(a["table"]) if isinstance(a, dict) and "table" in a else a for a in event["arguments"]]
+        getattr(reporting, event["kind"])(*arguments)
     return read + len(complete)
 
 
@@ -175,16 +169,15 @@ def _write_result(result, spec: Path) -> None:
 
 
 def _event_writer(events: Path) -> Reporting:
-    def write(event: dict) -> None:
-        with events.open("a") as f:
-            f.write(json.dumps(event) + "\n")
+    """Rank 0's `Reporting`: every call becomes a line of the event file (tables as their records)."""
+    def writer(kind: str):
+        def write(*arguments) -> None:
+            encoded = [{"table": a.to_dict("records")} if isinstance(a, pd.DataFrame) else a for a in arguments]
+            with events.open("a") as f:
+                f.write(json.dumps({"kind": kind, "arguments": encoded}) + "\n")
+        return write
 
-    return Reporting(
-        metrics=lambda metrics, step: write({"kind": "metrics", "metrics": metrics, "step": step}),
-        samples=lambda table, step: write({"kind": "samples", "rows": table.to_dict("records"), "step": step}),
-        warning=lambda message: write({"kind": "warning", "message": message}),
-        rollouts=lambda table, step: write({"kind": "rollouts", "rows": table.to_dict("records"), "step": step}),
-    )
+    return Reporting(**{field.name: writer(field.name) for field in dataclasses.fields(Reporting)})
 
 
 def main(spec: Path) -> None:

@@ -9,7 +9,7 @@ One iteration of `train_ppo` reads top to bottom:
     update     num_ppo_epochs x shuffled minibatches (micro-batches accumulate):
                loss = -L_clip + c1 L_V - c2 H [+ c3 KL]; grad-norm clip; AdamW, warmup + linear decay
     control    adaptive (or fixed) KL coefficient; optional reference refresh
-and after the last one
+every `eval_every` iterations and after the last one
     evaluate   held-out prompts: the policy against the SFT policy's responses
 
 On several processes (`accelerate launch`, DDP) each samples and scores its share of the
@@ -58,7 +58,7 @@ class PPOInputs:
     prompts: pd.DataFrame
     """Validated prompts to train on."""
     eval_prompts: pd.DataFrame
-    """Validated held-out prompts for the final evaluation."""
+    """Validated held-out prompts for the evaluations (every `eval_every` iterations and at the end)."""
 
 
 @dataclass(frozen=True)
@@ -392,32 +392,49 @@ def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPO
 # --- evaluate ---------------------------------------------------------------------------------
 
 
-@torch.inference_mode()
-def evaluate(models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig) -> tuple[dict[str, float], pd.DataFrame]:
-    """PPO policy against the SFT reference on held-out prompts, `eval_samples_per_prompt` each:
-    reward-model scores of both, the win rate with its standard error, and KL(PPO || SFT) on the
-    PPO responses.
+@dataclass
+class HeldOut:
+    """The held-out prompts, each `eval_samples_per_prompt` times, and the SFT policy's responses to
+    them, sampled once (at the first evaluation) and reused by every later one."""
 
-    Common random numbers: the SFT baseline is sampled first, from `eval_seed` alone, so every PPO
-    run from the same SFT checkpoint and prompts (whatever its training seed or settings) is judged
-    against the same baseline responses; the policy's own samples come from `eval_seed + 1`."""
-    models.train(False)
-    repeat = cfg.eval_samples_per_prompt
-    prompts = [p for p in eval_prompts["prompt"] for _ in range(repeat)]
-    messages = [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)]
-    torch.manual_seed(cfg.eval_seed)
-    with reference_policy(models) as reference:
-        sft_responses = sample(reference, models.tokenizer, prompts, cfg, models.precision, models.stop_ids).responses
-    sft_texts = models.tokenizer.batch_decode(sft_responses, skip_special_tokens=True)
-    sft_complete = is_end(sft_responses, models.stop_ids).any(dim=1).tolist()
-    sft_scores = models.scorer.score(messages, sft_texts, complete=sft_complete)
+    prompts: list[str]
+    messages: list[list[dict]]
+    sft_texts: list[str] = field(default_factory=list)
+    sft_scores: torch.Tensor | None = None
+    """# (N,) the reward model's normalised scores of `sft_texts`."""
+
+    @classmethod
+    def of(cls, eval_prompts: pd.DataFrame, cfg: PPOConfig) -> HeldOut:
+        repeat = cfg.eval_samples_per_prompt
+        return cls([p for p in eval_prompts["prompt"] for _ in range(repeat)],
+                   [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)])
+
+
+@torch.inference_mode()
+def evaluate(models: Models, held_out: HeldOut, cfg: PPOConfig) -> tuple[dict[str, float], pd.DataFrame]:
+    """The policy against the SFT reference on the held-out prompts: reward-model scores of both,
+    the win rate with its standard error, and KL(PPO || SFT) on the policy's responses.
+
+    Common random numbers: the SFT baseline is sampled from `eval_seed` alone, so every PPO run
+    from the same SFT checkpoint and prompts (whatever its training seed or settings) is judged
+    against the same baseline responses; the policy's own samples come from `eval_seed + 1`. The
+    caller keeps its own random stream apart (`torch.random.fork_rng`) when training goes on."""
+    prompts, messages = held_out.prompts, held_out.messages
+    if held_out.sft_scores is None:
+        models.train(False)
+        torch.manual_seed(cfg.eval_seed)
+        with reference_policy(models) as reference:
+            sft_responses = sample(reference, models.tokenizer, prompts, cfg, models.precision, models.stop_ids).responses
+        held_out.sft_texts = models.tokenizer.batch_decode(sft_responses, skip_special_tokens=True)
+        sft_complete = is_end(sft_responses, models.stop_ids).any(dim=1).tolist()
+        held_out.sft_scores = models.scorer.score(messages, held_out.sft_texts, complete=sft_complete)
     torch.manual_seed(cfg.eval_seed + 1)
     ppo = rollout(models, prompts, cfg, {})
     ppo_scores = models.scorer.score(messages, ppo.texts, complete=ppo.has_eos.tolist())
     kl = (kl_estimate(ppo.logprobs, ppo.ref_logprobs) * ppo.mask).sum(1)
     table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
-                          "ppo_response": ppo.texts, "sft_response": sft_texts,
-                          "ppo_score": ppo_scores.numpy(), "sft_score": sft_scores.numpy(),
+                          "ppo_response": ppo.texts, "sft_response": held_out.sft_texts,
+                          "ppo_score": ppo_scores.numpy(), "sft_score": held_out.sft_scores.numpy(),
                           "kl": kl.cpu().numpy()})
     wins, wins_se = win_rate(list(table["ppo_score"]), list(table["sft_score"]), prompts)
     metrics = {"eval/score": table["ppo_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
@@ -425,6 +442,16 @@ def evaluate(models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig) -> tupl
                "eval/eos_rate": ppo.has_eos.float().mean().item(), "eval/win_rate_rm": wins,
                "eval/win_rate_rm_se": wins_se}
     return {k: float(v) for k, v in metrics.items()}, table
+
+
+def evaluate_midway(models: Models, held_out: HeldOut, cfg: PPOConfig, iteration: int, device: torch.device,
+                    reporting: Reporting) -> dict[str, float]:
+    """An evaluation between iterations, reported at `iteration`, leaving training's random stream as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        metrics, table = evaluate(models, held_out, cfg)
+    reporting.metrics(metrics, iteration)
+    reporting.evaluation(table, iteration)
+    return metrics
 
 
 # --- the stage --------------------------------------------------------------------------------
@@ -556,6 +583,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         loop = resume(state_dir, models, optimizer, scheduler, scaler, rank, reporting)
     prompt_texts = list(inputs.prompts["prompt"])
     prompt_messages = [json.loads(m) for m in inputs.prompts["prompt_messages"]]
+    held_out = HeldOut.of(inputs.eval_prompts, cfg)
     local = cfg.rollout_batch_size // accelerator.num_processes
 
     while loop.iteration < cfg.num_iterations:
@@ -587,7 +615,10 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         loop.first_length = loop.first_length or figures["rollout/response_length"]
         report_iteration(reporting, cfg, loop, iteration, figures, batch, messages, scores, kl)
         loop.iteration, loop.cursor = iteration, loop.cursor + cfg.rollout_batch_size
+        if cfg.eval_every and iteration % cfg.eval_every == 0 and iteration < cfg.num_iterations and rank == 0:
+            figures |= evaluate_midway(models, held_out, cfg, iteration, accelerator.device, reporting)
         loop.history = loop.history + [{"iteration": iteration, **figures}]
+        reporting.progress(iteration, cfg.num_iterations)
         if iteration % cfg.checkpoint_every == 0 or iteration == cfg.num_iterations:
             # The last one too: if the upload fails, a rerun goes straight to evaluation.
             save_state_everywhere(accelerator, state_dir, models, optimizer, scheduler, scaler, loop)
@@ -595,7 +626,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
     check_weights_agree(accelerator, actor_critic)
     if not accelerator.is_main_process:
         return None
-    metrics, evaluation = evaluate(models, inputs.eval_prompts, cfg)
+    metrics, evaluation = evaluate(models, held_out, cfg)
     if metrics["eval/kl"] > cfg.kl_budget:
         reporting.warning(f"the final policy's mean KL per sequence on the held-out prompts, {metrics['eval/kl']:.2f}, "
                           f"is over the budget of {cfg.kl_budget}")

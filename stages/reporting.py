@@ -29,3 +29,8 @@ class Reporting:
     """(table, iteration), PPO only: every iteration's episodes (this process's share): prompt messages,
     response, normalised score, KL per sequence; for a caller that judges them with what the stage
     must not see (the demo world's gold function)."""
+    evaluation: Callable[[pd.DataFrame, int], None] = _ignore
+    """(table, iteration), PPO only: an evaluation before the last iteration (the final one is the stage's
+    result): prompt messages, the policy's and the SFT baseline's responses, for the same kind of caller."""
+    progress: Callable[[int, int], None] = _ignore
+    """(done, total): optimizer steps or iterations done of the stage's total, after each one."""

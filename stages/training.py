@@ -15,7 +15,8 @@ _UNLOGGED = ("epoch", "total_flos", "runtime", "per_second", "preparation_time")
 
 
 class ForwardLogs(TrainerCallback):
-    """Sends the Trainer's logs to `reporting.metrics`, named as the pipeline names them (`train/loss`, `eval/loss`)."""
+    """Sends the Trainer's logs to `reporting.metrics`, named as the pipeline names them (`train/loss`,
+    `eval/loss`), and its step count to `reporting.progress`."""
 
     def __init__(self, reporting: Reporting):
         self.reporting = reporting
@@ -31,6 +32,9 @@ class ForwardLogs(TrainerCallback):
                 metrics[f"train/{key}"] = float(value)
         if metrics:
             self.reporting.metrics(metrics, state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.reporting.progress(state.global_step, state.max_steps)
 
 
 def untrained_evaluation(trainer) -> dict[str, float]:

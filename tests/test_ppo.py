@@ -91,6 +91,25 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, tra
     assert a == b
 
 
+def test_evaluations_every_eval_every_iterations_leave_training_as_it_was(tiny_config, trained, tmp_path):
+    plain = _run(_cfg(tiny_config, num_iterations=4, eval_every=None), trained, tmp_path / "plain")
+    logged, tables, progress = {}, {}, []
+    cfg = _cfg(tiny_config, num_iterations=4, eval_every=2)
+    result = _run(cfg, trained, tmp_path / "evaluated", Reporting(
+        metrics=lambda figures, i: logged.setdefault(i, {}).update(figures),
+        evaluation=lambda table, i: tables.update({i: table}), progress=lambda done, total: progress.append((done, total))))
+    assert sorted(tables) == [2]  # the last evaluation is the stage's result, not a midway report
+    assert list(tables[2]["sft_response"]) == list(result.evaluation["sft_response"])  # one baseline for all
+    assert {"eval/win_rate_rm", "eval/kl", "eval/score"} <= set(logged[2]) and "eval/kl" in result.history[1]
+    assert "eval/kl" not in logged[1] and "eval/kl" not in logged[3]
+    assert progress == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    # Sampling for the evaluation draws from its own seeds: the training run is the same to the bit.
+    assert [r["rollout/score"] for r in result.history] == [r["rollout/score"] for r in plain.history]
+    assert result.metrics == plain.metrics
+    assert ((tmp_path / "plain" / "checkpoint" / "model.safetensors").read_bytes()
+            == (tmp_path / "evaluated" / "checkpoint" / "model.safetensors").read_bytes())
+
+
 def test_normalize_critic_maps_the_critic_like_the_scorer_maps_raw_scores(tiny_config, trained):
     models = load_models(_cfg(tiny_config, critic="reward"), trained["sft"], trained["reward"])
     tokenizer = models.tokenizer
