@@ -33,6 +33,8 @@ class StageRecord(BaseModel):
     data_digest: str
     checkpoint_digest: str
     metrics: dict[str, float]
+    warnings: int = 0
+    """How many warnings the stage raised (their text: the run's description and `warnings.txt`)."""
     reused: bool = False
     """True when an earlier finished run with the same cache key stood in for this stage."""
 
@@ -80,7 +82,7 @@ def reused_record(stage: StageName, run) -> StageRecord:
     return StageRecord(stage=stage, run_id=run.info.run_id, checkpoint_uri=f"runs:/{run.info.run_id}/{tracking.CHECKPOINT_PATH}",
                        config_hash=tags[tracking.TAG_CONFIG_HASH], data_digest=tags.get(tracking.TAG_DATA_DIGEST, ""),
                        checkpoint_digest=tags.get(tracking.TAG_CHECKPOINT_DIGEST, ""), metrics=run.data.metrics,
-                       reused=True)
+                       warnings=int(tags.get(tracking.TAG_WARNINGS, 0)), reused=True)
 
 
 def upstream_runs(stage: StageName, records: dict[str, StageRecord], given: dict[str, str | None],

@@ -8,6 +8,7 @@ stage function, logs what it produced (`flows.reports`), and returns a small `St
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -18,16 +19,19 @@ from typing import Any
 
 import mlflow
 import pandas as pd
+import yaml
 from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger, task
 from prefect.context import get_run_context
+from prefect.utilities.urls import url_for
 from prefect.states import Failed, State
 from pydantic import BaseModel, Field
 
+from flows.form import PPOForm, RewardForm, SFTForm, form_overrides
 from flows.inputs import context_problems, input_problems, is_demo, logged_prompts, train_and_eval_data
 from flows.lineage import AVAILABLE_STAGES, StageName, StageRecord, cache_key, reused_record, upstream_runs
-from flows.reports import (STAGE_SECONDS, RolloutGold, finish, log_overhead, pipeline_summary, ppo_report,
-                           reward_report)
+from flows.reports import (STAGE_SECONDS, GoldJudgments, Progress, finish, log_overhead, pipeline_note,
+                           pipeline_summary, ppo_report, reward_report)
 from rlhf import tracking
 from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
 from rlhf.demo_locations import DemoWorldConfig, resolve_location
@@ -37,10 +41,6 @@ from stages.distributed import LaunchError, call_stage
 from stages.errors import RewardGateError, StageUserError
 from stages.models import load_tokenizer, set_determinism
 from stages.reporting import Reporting
-
-POLICY_MODEL_NAME = "rlhf-policy"
-"""MLflow Model Registry name under which every PPO policy is registered."""
-
 
 class UpstreamRuns(BaseModel):
     """MLflow run ids of upstream stages for single-stage reruns; empty means the latest finished run."""
@@ -61,6 +61,16 @@ class StageContext:
     """Run id of each upstream stage, by stage name."""
     cache_key: str
     """Identity of the stage's work: see `flows.lineage.cache_key`."""
+    label: str
+    """The Prefect flow run's name (`super-earwig`): every MLflow run of this pipeline run carries it."""
+    flow_run_url: str | None
+    """The Prefect flow run in the Prefect UI."""
+
+    def links(self) -> dict[str, str | None]:
+        """Where a stage run's description points: its pipeline run, its upstream runs, the Prefect flow run."""
+        return ({"pipeline run": tracking.run_url(self.parent_run_id)}
+                | {f"upstream {name} run": tracking.run_url(run_id) for name, run_id in self.upstream.items()}
+                | {"Prefect flow run": self.flow_run_url})
 
     def call(self, train, section, inputs, scratch: Path, reporting: Reporting):
         """The stage function on the processes its config asks for, as this process set itself up."""
@@ -90,11 +100,34 @@ def build_demo_world(demo: DemoWorldConfig) -> str:
     return str(build_world(tracking.state_dir() / "worlds", demo))
 
 
+@dataclass
+class StageRun:
+    """A stage's open MLflow run, as its task uses it."""
+
+    run_id: str
+    scratch: Path
+    """The work folder, keyed by the cache key: an interrupted attempt's checkpoints are found here again."""
+    metrics: tracking.MetricWriter
+    progress: Progress
+    warnings: list[str]
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+        get_run_logger().warning(message)
+
+    def reporting(self, **callbacks) -> Reporting:
+        """The stage's `Reporting`: metrics to MLflow, warnings to the log and the run's description,
+        progress to Prefect; `callbacks` adds the stage's own."""
+        return Reporting(metrics=self.metrics.log, warning=self.warn, progress=self.progress, **callbacks)
+
+
 @contextmanager
-def stage_run(stage: str, section: BaseModel, ctx: StageContext) -> Iterator[tuple[str, Path, tracking.MetricWriter]]:
-    """A child MLflow run with the stage's config as params and lineage tags, active inside the
-    block, the work folder keyed by the cache key (removed only when the block succeeds), and the
-    run's background metric writer (drained before the run can end FINISHED).
+def stage_run(stage: StageName, section: BaseModel, ctx: StageContext, unit: str) -> Iterator[StageRun]:
+    """A child MLflow run named `<stage> · <flow run>`, with the stage's config as params, lineage
+    tags and system metrics (CPU, memory; GPU where present), active inside the block; the work
+    folder keyed by the cache key (removed only when the block succeeds); a Prefect progress
+    artifact counting `unit`s; and the run's background metric writer (drained before the run can
+    end FINISHED).
 
     An exception leaves the run FAILED and the folder with whatever the stage wrote, so a rerun
     resumes from it. When the tracking server stopped answering, the error says so and where the
@@ -102,24 +135,27 @@ def stage_run(stage: str, section: BaseModel, ctx: StageContext) -> Iterator[tup
     """
     version, commit = tracking.code_version()
     tags = {tracking.TAG_CONFIG_HASH: config_hash(section), tracking.TAG_CODE_VERSION: version,
-            tracking.TAG_GIT_COMMIT: commit, tracking.TAG_CACHE_KEY: ctx.cache_key}
+            tracking.TAG_GIT_COMMIT: commit, tracking.TAG_CACHE_KEY: ctx.cache_key,
+            tracking.TAG_PREFECT_FLOW_RUN: str(get_run_context().task_run.flow_run_id)}
     tags |= {tracking.TAG_UPSTREAM + name: run_id for name, run_id in ctx.upstream.items()}
     with tracking.claimed_workdir(f"{stage}-{ctx.cache_key[:16]}") as workdir:
         try:
-            run_id = tracking.create_stage_run(ctx.experiment_id, ctx.parent_run_id, stage, tags)
+            run_id = tracking.create_stage_run(ctx.experiment_id, ctx.parent_run_id, stage, f"{stage} · {ctx.label}",
+                                               tags)
             if workdir.owned:
                 for abandoned in tracking.close_abandoned_runs(ctx.experiment_id, stage, ctx.cache_key, run_id):
                     get_run_logger().warning("%s: run %s of an interrupted attempt marked KILLED; this run "
                                              "continues its work from %s", stage, abandoned, workdir.path)
-            with mlflow.start_run(run_id=run_id):
+            mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
+            with mlflow.start_run(run_id=run_id, log_system_metrics=True):
                 mlflow.log_params(tracking.redacted(flatten(section)))
-                metrics = tracking.MetricWriter(run_id)
+                run = StageRun(run_id, workdir.path, tracking.MetricWriter(run_id), Progress(stage, unit), [])
                 try:
-                    yield run_id, workdir.path, metrics
+                    yield run
                 except BaseException:
-                    metrics.close_after_failure()
+                    run.metrics.close_after_failure()
                     raise
-                metrics.close()
+                run.metrics.close()
         except (DataContractError, tracking.TrackingError):
             raise
         except Exception as e:
@@ -131,45 +167,49 @@ def stage_run(stage: str, section: BaseModel, ctx: StageContext) -> Iterator[tup
                 f"resumes from it") from e
 
 
+SYSTEM_METRICS_INTERVAL_S = 5.0
+"""Seconds between samples of a stage run's system metrics (`system/cpu_utilization_percentage`, ...)."""
+
+
 # --- stage tasks ----------------------------------------------------------------------------
 
 
-@task
-def sft(ctx: StageContext) -> StageRecord | State:
+@task(name="sft")
+def run_sft(ctx: StageContext) -> StageRecord | State:
     """Validate demonstrations, fine-tune the base model, log everything to a child run."""
     from stages.sft import SFTInputs, train_sft  # here: the training libraries take seconds to import
 
     section = ctx.config.sft
     model_location = resolve_location(section.model, ctx.world)
     try:
-        with stage_run("sft", section, ctx) as (run_id, scratch, metrics_writer):
+        with stage_run("sft", section, ctx, "step") as run:
             mlflow.set_tag("rlhf.base_model", tracking.redact(section.model))
             tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code,
                                        chat_template=section.chat_template)
             train, evaluation = train_and_eval_data(ctx.config, "sft", ctx.world, tokenizer)
             started = time.perf_counter()
-            result = ctx.call(train_sft, section, SFTInputs(model_location, train.frame, evaluation.frame), scratch,
-                              Reporting(metrics=metrics_writer.log))
+            result = ctx.call(train_sft, section, SFTInputs(model_location, train.frame, evaluation.frame), run.scratch,
+                              run.reporting())
             metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
             mlflow.set_tags(result.tags)
             mlflow.log_table(pd.DataFrame(result.samples), "samples.json")
-            return finish("sft", run_id, section, train, metrics, result.checkpoint, result.samples,
-                          int(result.metrics["train/steps"]))
+            return finish("sft", run.run_id, section, train, metrics, result.checkpoint, result.samples,
+                          int(result.metrics["train/steps"]), run.warnings, ctx.links())
     except DataContractError as e:
         return refuse(e.report())
     except (LaunchError, tracking.TrackingError) as e:
         return refuse(str(e))
 
 
-@task
-def reward(ctx: StageContext) -> StageRecord | State:
+@task(name="reward")
+def run_reward(ctx: StageContext) -> StageRecord | State:
     """Train the reward model from the upstream SFT checkpoint (downloaded through MLflow)."""
     from stages.reward import RewardInputs, train_reward
 
     section = ctx.config.reward
     try:
-        with stage_run("reward", section, ctx) as (run_id, scratch, metrics_writer):
-            policy_location = str(tracking.download_checkpoint(ctx.upstream["sft"], scratch / "sft"))
+        with stage_run("reward", section, ctx, "step") as run:
+            policy_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
             model_location = resolve_location(section.model, ctx.world) if section.model else policy_location
             mlflow.set_tag("rlhf.base_model", tracking.redact(section.model or f"runs:/{ctx.upstream['sft']}/checkpoint"))
             tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code,
@@ -181,7 +221,7 @@ def reward(ctx: StageContext) -> StageRecord | State:
             try:
                 result = ctx.call(train_reward, section, RewardInputs(model_location, policy_location, train.frame,
                                                                        evaluation.frame, prompts.frame),
-                                  scratch, Reporting(metrics=metrics_writer.log))
+                                  run.scratch, run.reporting())
             except RewardGateError as gate:
                 mlflow.log_metrics(gate.metrics)
                 raise
@@ -189,54 +229,71 @@ def reward(ctx: StageContext) -> StageRecord | State:
             mlflow.set_tags(result.tags)
             demo = is_demo(section.eval_data) or (section.eval_data is None and is_demo(section.train_data))
             samples = reward_report(result, metrics, section.num_table_rows, demo)
-            return finish("reward", run_id, section, train, metrics, result.checkpoint, samples,
-                          int(metrics["train/steps"]))
+            return finish("reward", run.run_id, section, train, metrics, result.checkpoint, samples,
+                          int(metrics["train/steps"]), run.warnings, ctx.links())
     except DataContractError as e:
         return refuse(e.report())
     except (StageUserError, LaunchError, tracking.TrackingError) as e:
         return refuse(str(e))
 
 
-@task
-def ppo(ctx: StageContext) -> StageRecord | State:
-    """PPO from the upstream SFT policy against the upstream reward model, both fetched through MLflow."""
+@task(name="ppo")
+def run_ppo(ctx: StageContext) -> StageRecord | State:
+    """PPO from the upstream SFT policy against the upstream reward model, both fetched through MLflow;
+    the policy registered (as an MLflow transformers model) unless the config says not to."""
     from stages.ppo import PPOInputs, train_ppo
 
     section = ctx.config.ppo
-    logger = get_run_logger()
     try:
-        with stage_run("ppo", section, ctx) as (run_id, scratch, metrics_writer):
-            sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], scratch / "sft"))
-            reward_location = str(tracking.download_checkpoint(ctx.upstream["reward"], scratch / "reward"))
+        with stage_run("ppo", section, ctx, "iteration") as run:
+            sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
+            reward_location = str(tracking.download_checkpoint(ctx.upstream["reward"], run.scratch / "reward"))
             tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
             train = logged_prompts(ctx.config, "ppo", "prompts", "prompts", ctx.world, tokenizer)
             evaluation = logged_prompts(ctx.config, "ppo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)
             mlflow.set_tag(tracking.TAG_DATA_DIGEST, train.digest)
-            warnings: list[str] = []
-
-            def warn(message: str) -> None:
-                warnings.append(message)
-                logger.warning(message)
-
-            gold = RolloutGold(scratch, metrics_writer.log) if is_demo(section.prompts) else None
-            reporting = Reporting(metrics=metrics_writer.log, warning=warn,
-                                  samples=lambda table, i: mlflow.log_table(table, f"samples/iteration_{i:05d}.json"),
-                                  **({"rollouts": gold.judge} if gold else {}))
+            gold = GoldJudgments.of_rollouts(run.scratch, run.metrics.log) if is_demo(section.prompts) else None
+            demo_evaluation = is_demo(section.eval_prompts)
+            judged = {"rollouts": gold} if gold else {}
+            if demo_evaluation:
+                judged["evaluation"] = GoldJudgments.of_evaluations(run.scratch, run.metrics.log)
+            reporting = run.reporting(
+                samples=lambda table, i: mlflow.log_table(table, f"samples/iteration_{i:05d}.json"), **judged)
             started = time.perf_counter()
             result = ctx.call(train_ppo, section, PPOInputs(sft_location, reward_location, train.frame,
-                                                             evaluation.frame), scratch, reporting)
+                                                             evaluation.frame), run.scratch, reporting)
             metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
             mlflow.set_tags(result.tags)
-            samples = ppo_report(result, metrics, warnings, gold, demo_evaluation=is_demo(section.eval_prompts))
-            record = finish("ppo", run_id, section, train, metrics, result.checkpoint, samples,
-                            int(metrics["train/iterations"]))
-            version = tracking.register_checkpoint(run_id, POLICY_MODEL_NAME)
-            mlflow.set_tag("rlhf.registered_model", f"{POLICY_MODEL_NAME}/{version}")
+            samples = ppo_report(result, metrics, run.warnings, gold, demo_evaluation)
+            record = finish("ppo", run.run_id, section, train, metrics, result.checkpoint, samples,
+                            int(metrics["train/iterations"]), run.warnings, ctx.links())
+            if ctx.config.registry.enabled:
+                register(ctx, run.run_id, result.checkpoint, metrics, evaluation.digest)
             return record
     except DataContractError as e:
         return refuse(e.report())
     except (StageUserError, LaunchError, tracking.TrackingError) as e:
         return refuse(str(e))
+
+
+def register(ctx: StageContext, run_id: str, checkpoint: Path, metrics: dict[str, float], eval_digest: str) -> None:
+    """The policy as a new version of the registry's model, tagged with how it was made and judged;
+    the champion alias moves to it only when it beats the holder on the same evaluation."""
+    registry, section = ctx.config.registry, ctx.config.ppo
+    # What the win rates were measured on: the same held-out prompts, sampling and SFT baseline, and
+    # the same reward model, so two versions with equal keys have comparable figures.
+    judged_on = {"eval_prompts": eval_digest, "sft": ctx.upstream["sft"], "reward": ctx.upstream["reward"]} | {
+        name: getattr(section, name) for name in ("eval_seed", "eval_samples_per_prompt", "response_length",
+                                                  "temperature", "missing_eos_score")}
+    evaluation_key = hashlib.sha256(json.dumps(judged_on, sort_keys=True).encode()).hexdigest()
+    figure = "eval/gold_win_rate" if "eval/gold_win_rate" in metrics else "eval/win_rate_rm"
+    tags = {"rlhf.method": "ppo", tracking.TAG_PIPELINE: ctx.parent_run_id, tracking.TAG_CONFIG_HASH: config_hash(section),
+            **{f"rlhf.upstream.{name}": run for name, run in ctx.upstream.items()},
+            **{key: f"{value:.6g}" for key, value in metrics.items() if key.startswith("eval/")}}
+    registration = tracking.register_policy(run_id, checkpoint, registry.model_name, registry.champion_alias, tags,
+                                            evaluation_key, figure, metrics[figure])
+    mlflow.set_tag("rlhf.registered_model", f"{registry.model_name}/{registration.version}")
+    get_run_logger().info("registered %s version %s; %s", registry.model_name, registration.version, registration.reason)
 
 
 @task
@@ -253,21 +310,30 @@ def check_inputs(cfg: PipelineConfig, stages: list[str], world: str | None) -> l
 def rlhf(
     stages: list[StageName] = list(AVAILABLE_STAGES),
     config_file: str = "configs/demo.yaml",
+    sft: SFTForm = SFTForm(),
+    reward: RewardForm = RewardForm(),
+    ppo: PPOForm = PPOForm(),
     overrides: dict[str, Any] = {},
     upstream: UpstreamRuns = UpstreamRuns(),
     use_cache: bool = True,
 ) -> list[StageRecord] | State:
     """Run the named RLHF stages in pipeline order, as children of one MLflow pipeline run.
 
-    `config_file` is a YAML config (relative to the repository); `overrides` sets single
-    fields by dotted name, e.g. {"sft.learning_rate": 3e-4}. A stage run alone starts from
-    `upstream` run ids, or from the latest finished run of each upstream stage. With
-    `use_cache`, a stage whose cache key matches a finished run is not run again: that run is reused.
+    Args:
+        stages: Stages to run (sft, reward, ppo); they run in pipeline order whatever the order given.
+        config_file: YAML config, relative to the repository; configs/demo.yaml is the embedded demo world.
+        sft: SFT settings for this run; empty fields keep the config file's values.
+        reward: Reward-model settings for this run; empty fields keep the config file's values.
+        ppo: PPO settings for this run; empty fields keep the config file's values.
+        overrides: Any other config field by dotted name, applied last, e.g. {"ppo.kl_budget": 8, "sft.lora": {"r": 16}}; the README's configuration reference lists every field.
+        upstream: Run ids of upstream stages for a stage run alone; empty: the latest finished run of each.
+        use_cache: Reuse a finished run with the same config, data, code and upstream runs instead of running the stage again.
     """
     logger = get_run_logger()
     missing = [s for s in stages if s not in AVAILABLE_STAGES]
     if missing:
         return refuse(f"stage(s) {', '.join(missing)} not available in this version; available: {', '.join(AVAILABLE_STAGES)}")
+    overrides = form_overrides(sft, reward, ppo) | overrides
     try:
         cfg = load_config(config_file, overrides)
     except ConfigError as e:
@@ -300,11 +366,15 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
     logger = get_run_logger()
     experiment_id = tracking.ensure_experiment(cfg.experiment)
     version, commit = tracking.code_version()
-    parent_run_id = tracking.start_pipeline_run(experiment_id, {
-        "rlhf.stages": ",".join(ordered), "rlhf.config_file": config_file, "rlhf.overrides": json.dumps(overrides),
-        tracking.TAG_CONFIG_HASH: config_hash(cfg), tracking.TAG_CODE_VERSION: version,
-        tracking.TAG_GIT_COMMIT: commit, tracking.TAG_PREFECT_FLOW_RUN: str(get_run_context().flow_run.id),
-    })
+    flow_run = get_run_context().flow_run
+    links = {"Prefect flow run": url_for(flow_run)}
+    parent_run_id = tracking.start_pipeline_run(
+        experiment_id, f"{Path(config_file).stem} · {flow_run.name}", {
+            "rlhf.stages": ",".join(ordered), "rlhf.config_file": config_file, "rlhf.overrides": json.dumps(overrides),
+            tracking.TAG_CONFIG_HASH: config_hash(cfg), tracking.TAG_CODE_VERSION: version,
+            tracking.TAG_GIT_COMMIT: commit, tracking.TAG_PREFECT_FLOW_RUN: str(flow_run.id),
+            tracking.TAG_NOTE: pipeline_note(config_file, overrides, [], links)},
+        flatten(cfg), yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     logger.info("MLflow pipeline run %s", tracking.run_url(parent_run_id) or parent_run_id)
     given = {"sft": upstream.sft_run_id, "reward": upstream.reward_run_id}
     records: dict[str, StageRecord] = {}
@@ -321,7 +391,9 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
             logger.info("%s: reusing finished run %s (same config, data, code and upstream runs)", name,
                         cached.info.run_id)
             return reused_record(name, cached)
-        state = stage_task(StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key), return_state=True)
+        ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key, flow_run.name,
+                           links["Prefect flow run"])
+        state = stage_task(ctx, return_state=True)
         if not state.is_completed():
             raise StageFailed(f"stage {name} failed: {state.message}")
         record = state.result()
@@ -331,11 +403,11 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
     ok = False
     try:
         if "sft" in ordered:
-            records["sft"] = run_or_reuse("sft", sft)
+            records["sft"] = run_or_reuse("sft", run_sft)
         if "reward" in ordered:
-            records["reward"] = run_or_reuse("reward", reward)
+            records["reward"] = run_or_reuse("reward", run_reward)
         if "ppo" in ordered:
-            records["ppo"] = run_or_reuse("ppo", ppo)
+            records["ppo"] = run_or_reuse("ppo", run_ppo)
         ok = True
         log_overhead(parent_run_id, [r for r in records.values() if not r.reused])
         pipeline_summary(list(records.values()))
@@ -346,6 +418,7 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
         return Failed(message=str(e))
     finally:
         try:
+            tracking.set_note(parent_run_id, pipeline_note(config_file, overrides, list(records.values()), links))
             tracking.end_run(parent_run_id, ok)
         except Exception as e:  # the server is gone; the error that brought us here is the one to report
             logger.warning("could not mark pipeline run %s %s: %s", parent_run_id, "FINISHED" if ok else "FAILED",

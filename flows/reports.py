@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
+from collections.abc import Callable
 from pathlib import Path
 
 import mlflow
@@ -13,7 +14,7 @@ import pandas as pd
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from prefect import get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.context import get_run_context
 from pydantic import BaseModel
 
@@ -21,6 +22,7 @@ from flows.lineage import StageName, StageRecord
 from rlhf import tracking
 from rlhf.config import config_hash
 from rlhf.demo_world import gold_accuracy, gold_comparison, last_user_turns, mean_gold_reward
+from schemas.adapters import last_user_message
 from schemas.validate import ValidatedData
 from stages.models import folder_digest
 
@@ -28,9 +30,24 @@ STAGE_SECONDS = "time/stage_seconds"
 """Metric: wall time of the stage's own work (training, evaluation, samples), without the wiring around it."""
 
 
+HEADLINES: dict[str, tuple[str, ...]] = {
+    "sft": ("eval/loss", "eval/loss_untrained"),
+    "reward": ("eval/accuracy", "eval/gold_accuracy"),
+    "ppo": ("eval/gold_win_rate", "eval/win_rate_rm", "eval/kl", "eval/gold_reward"),
+}
+"""The figures a stage is judged by, in its description and summaries (those it has)."""
+
+
+def headline(stage: str, metrics: dict[str, float]) -> str:
+    return ", ".join(f"{key.removeprefix('eval/')} {metrics[key]:.4g}" for key in HEADLINES[stage] if key in metrics)
+
+
 def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedData, metrics: dict[str, float],
-           checkpoint: Path, samples: list[dict[str, str]], last_step: int) -> StageRecord:
-    """Log final metrics and the checkpoint (inside the active run), publish the Prefect summary."""
+           checkpoint: Path, samples: list[dict[str, str]], last_step: int, warnings: list[str],
+           links: dict[str, str]) -> StageRecord:
+    """Log final metrics and the checkpoint (inside the active run), describe the run (its note:
+    headline figures, warnings, `links` by name), publish the Prefect summary. `samples`: what the
+    user said last and the response."""
     # At the last training step, so these (and not a trainer's running average of the same name)
     # are what MLflow shows as each metric's latest value.
     mlflow.log_metrics(metrics, step=last_step)
@@ -43,18 +60,80 @@ def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedDat
             f"stage {stage}: uploading the checkpoint to {mlflow.get_artifact_uri(tracking.CHECKPOINT_PATH)} failed "
             f"after retries ({type(e).__name__}: {str(e)[:300]}); the run is not marked finished and the checkpoint "
             f"is kept in {checkpoint} until a rerun uploads it") from e
+    mlflow.set_tag(tracking.TAG_WARNINGS, str(len(warnings)))
+    tracking.set_note(run_id, stage_note(stage, metrics, warnings, links))
     url = tracking.run_url(run_id)
     link = f"[{run_id}]({url})" if url else f"`{run_id}`"
     rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()))
-    shown = "\n".join(f"- `{s['prompt'][-60:]}` → `{s['response']}`" for s in samples)
+    shown = "\n".join(f"| {_cell(s['user'])} | {_cell(s['response'])} |" for s in samples)
     create_markdown_artifact(
         key=f"{stage}-summary",
-        markdown=f"# {stage} stage\n\nMLflow run: {link}\n\n| metric | value |\n|---|---|\n{rows}\n\n## Samples\n{shown}\n",
+        markdown=f"# {stage} stage\n\nMLflow run: {link}\n\n{headline(stage, metrics)}\n\n{_warnings_section(warnings)}"
+                 f"| metric | value |\n|---|---|\n{rows}\n\n## Samples\n\n| user | response |\n|---|---|\n{shown}\n",
         description=f"{stage} stage results",
     )
     return StageRecord(stage=stage, run_id=run_id, checkpoint_uri=f"runs:/{run_id}/{tracking.CHECKPOINT_PATH}",
                        config_hash=config_hash(section), data_digest=data.digest,
-                       checkpoint_digest=checkpoint_digest, metrics=metrics)
+                       checkpoint_digest=checkpoint_digest, metrics=metrics, warnings=len(warnings))
+
+
+def _cell(text: str, limit: int = 120) -> str:
+    """Text for a Markdown table cell: one line, pipes escaped, cut at `limit` characters."""
+    flat = " ".join(str(text).split()).replace("|", "\\|")
+    return flat if len(flat) <= limit else flat[:limit - 1] + "…"
+
+
+def _warnings_section(warnings: list[str], shown: int = 10) -> str:
+    if not warnings:
+        return ""
+    lines = "\n".join(f"- {w}" for w in warnings[:shown])
+    more = f"\n- ... and {len(warnings) - shown} more (warnings.txt)" if len(warnings) > shown else ""
+    return f"## ⚠ {len(warnings)} warning{'s' if len(warnings) > 1 else ''}\n\n{lines}{more}\n\n"
+
+
+def _links(links: dict[str, str]) -> str:
+    return " · ".join(f"[{name}]({url})" for name, url in links.items() if url)
+
+
+def stage_note(stage: str, metrics: dict[str, float], warnings: list[str], links: dict[str, str]) -> str:
+    """A stage run's description: its headline figures, its warnings, and links (upstream runs, the Prefect run)."""
+    return f"**{stage}**: {headline(stage, metrics) or 'no evaluation figures'}\n\n{_warnings_section(warnings)}{_links(links)}\n"
+
+
+def stage_table(records: list[StageRecord]) -> str:
+    """Markdown: each stage's run (linked), whether it ran or was reused, its figures and warnings."""
+    rows = "".join(f"| {r.stage} | {_run_link(r.run_id)} | {'reused' if r.reused else 'ran'} | "
+                   f"{headline(r.stage, r.metrics)} | {r.warnings} |\n" for r in records)
+    return "| stage | MLflow run | | figures | warnings |\n|---|---|---|---|---|\n" + rows
+
+
+def pipeline_note(config_file: str, overrides: dict, records: list[StageRecord], links: dict[str, str]) -> str:
+    """The pipeline run's description: what it ran on, and each stage's run, figures and warnings."""
+    changed = f"overrides `{json.dumps(overrides)}`" if overrides else "no overrides"
+    table = stage_table(records) + "\n" if records else ""
+    return f"Config `{config_file}`, {changed}.\n\n{table}{_links(links)}\n"
+
+
+class Progress:
+    """A stage's progress as a Prefect progress artifact (updated every `update_s` at most) and a
+    log line every `log_s`: steps or iterations done of the total, and the time left at the pace so far."""
+
+    def __init__(self, stage: str, unit: str, update_s: float = 2.0, log_s: float = 30.0):
+        self.stage, self.unit, self.update_s, self.log_s = stage, unit, update_s, log_s
+        self.artifact = create_progress_artifact(0.0, key=f"{stage}-progress", description=f"{stage}: {unit}s done")
+        self.started = self.updated = self.logged = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now, last = time.monotonic(), done >= total
+        if now - self.updated >= self.update_s or last:
+            update_progress_artifact(self.artifact, 100.0 * min(done / max(total, 1), 1.0))
+            self.updated = now
+        if now - self.logged >= self.log_s or last:
+            elapsed = now - self.started
+            left = elapsed / max(done, 1) * max(total - done, 0)
+            get_run_logger().info("%s: %s %d of %d (%.0f%%), %.0f s so far, about %.0f s to go", self.stage, self.unit,
+                                  done, total, 100 * done / max(total, 1), elapsed, left)
+            self.logged = now
 
 
 def reward_report(result, metrics: dict[str, float], num_table_rows: int, demo: bool) -> list[dict[str, str]]:
@@ -66,39 +145,53 @@ def reward_report(result, metrics: dict[str, float], num_table_rows: int, demo: 
             last_user_turns(scores["prompt_messages"]), list(scores["chosen"]), list(scores["rejected"]),
             list(scores["score_chosen"]), list(scores["score_rejected"]))
     mlflow.log_table(result.calibration, "calibration.json")
+    shown = scores.assign(user=[last_user_message(json.loads(m)) for m in scores["prompt_messages"]])
     responses = pd.concat([
-        scores[["prompt", "chosen", "score_chosen"]].set_axis(["prompt", "response", "score"], axis=1),
-        scores[["prompt", "rejected", "score_rejected"]].set_axis(["prompt", "response", "score"], axis=1),
+        shown[["user", "chosen", "score_chosen"]].set_axis(["user", "response", "score"], axis=1),
+        shown[["user", "rejected", "score_rejected"]].set_axis(["user", "response", "score"], axis=1),
     ]).sort_values("score", ascending=False)
     extremes = pd.concat([responses.head(num_table_rows).assign(rank="highest"),
                           responses.tail(num_table_rows).assign(rank="lowest")])
     mlflow.log_table(extremes, "extremes.json")
-    return [{"prompt": p, "response": f"{r}  (score {s:+.2f})"} for p, r, s in
-            extremes[["prompt", "response", "score"]].head(3).itertuples(index=False)]
+    return [{"user": u, "response": f"{r}  (score {s:+.2f})"} for u, r, s in
+            extremes[["user", "response", "score"]].head(3).itertuples(index=False)]
 
 
-class RolloutGold:
-    """Demo world: the gold reward of every PPO iteration's rollouts, judged here because no
-    stage may read the gold function. Kept in the work folder too, so a resumed run's curve
-    starts at iteration 1 (the stage replays its own history; this one is ours to replay)."""
+class GoldJudgments:
+    """Demo world: gold figures of PPO's episodes, judged here because no stage may read the gold
+    function, logged at their iteration. Kept in the work folder too, so a resumed run's curves
+    start at iteration 1 (the stage replays its own history; this one is ours to replay)."""
 
-    def __init__(self, folder: Path, log):
-        self.file, self.log = folder / "rollout-gold.jsonl", log
-        self.by_iteration: dict[int, float] = {}
+    def __init__(self, file: Path, log: Callable[[dict[str, float], int], None],
+                 judge: Callable[[pd.DataFrame], dict[str, float]]):
+        self.file, self.log, self._judge = file, log, judge
+        self.by_iteration: dict[int, dict[str, float]] = {}
         if self.file.exists():
             for row in map(json.loads, self.file.read_text().splitlines()):
-                self.by_iteration[row["iteration"]] = row["gold_reward"]
-                self.log({"rollout/gold_reward": row["gold_reward"]}, row["iteration"])
+                self.by_iteration[row["iteration"]] = row["figures"]
+                self.log(row["figures"], row["iteration"])
 
-    def judge(self, table: pd.DataFrame, iteration: int) -> None:
-        gold = mean_gold_reward(list(table["prompt_messages"]), list(table["response"]))
-        self.by_iteration[iteration] = gold
-        self.log({"rollout/gold_reward": gold}, iteration)
+    def __call__(self, table: pd.DataFrame, iteration: int) -> None:
+        figures = self._judge(table)
+        self.by_iteration[iteration] = figures
+        self.log(figures, iteration)
         with self.file.open("a") as f:
-            f.write(json.dumps({"iteration": iteration, "gold_reward": gold}) + "\n")
+            f.write(json.dumps({"iteration": iteration, "figures": figures}) + "\n")
+
+    @classmethod
+    def of_rollouts(cls, folder: Path, log) -> GoldJudgments:
+        """`rollout/gold_reward` of every iteration's episodes (the over-optimisation curve)."""
+        return cls(folder / "rollout-gold.jsonl", log, lambda table: {
+            "rollout/gold_reward": mean_gold_reward(list(table["prompt_messages"]), list(table["response"]))})
+
+    @classmethod
+    def of_evaluations(cls, folder: Path, log) -> GoldJudgments:
+        """`eval/gold_win_rate` and the rest of `gold_comparison` for every evaluation before the last."""
+        return cls(folder / "evaluation-gold.jsonl", log, lambda table: gold_comparison(
+            last_user_turns(table["prompt_messages"]), list(table["ppo_response"]), list(table["sft_response"])))
 
 
-def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: RolloutGold | None,
+def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: GoldJudgments | None,
                demo_evaluation: bool) -> list[dict[str, str]]:
     """The held-out evaluation table, warnings and curves; the over-optimisation plot when the
     rollouts were judged (`gold`), and the gold figures of the evaluation (into `metrics`) when its
@@ -109,15 +202,17 @@ def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: Rol
     if demo_evaluation:
         metrics |= gold_comparison(last_user_turns(table["prompt_messages"]), list(table["ppo_response"]),
                                    list(table["sft_response"]))
-    mlflow.log_table(table.drop(columns=["prompt_messages"]), "evaluation.json")
+    users = [last_user_message(json.loads(m)) for m in table["prompt_messages"]]
+    mlflow.log_table(table.drop(columns=["prompt", "prompt_messages"]).assign(user=users), "evaluation.json")
     mlflow.log_text("\n".join(warnings) or "no warnings", "warnings.txt")
     for keys, name in ((["rollout/score", "rollout/score_raw"], "score"), (["rollout/kl", "rollout/kl_coef"], "kl"),
                        (["rollout/response_length", "rollout/eos_rate"], "length")):
         mlflow.log_figure(curves(result.history, keys, f"PPO {name}"), f"plots/{name}.png")
     if gold is not None and gold.by_iteration:
-        mlflow.log_figure(overoptimization(result.history, gold.by_iteration), "plots/overoptimization.png")
-    return [{"prompt": p, "response": f"{r}  (SFT: {s})"} for p, r, s in
-            table[["prompt", "ppo_response", "sft_response"]].head(4).itertuples(index=False)]
+        by_iteration = {i: figures["rollout/gold_reward"] for i, figures in gold.by_iteration.items()}
+        mlflow.log_figure(overoptimization(result.history, by_iteration), "plots/overoptimization.png")
+    return [{"user": u, "response": f"{r}  (SFT: {s})"} for u, r, s in
+            zip(users[:4], table["ppo_response"].head(4), table["sft_response"].head(4))]
 
 
 def log_overhead(parent_run_id: str, ran: list[StageRecord]) -> None:
@@ -134,5 +229,9 @@ def log_overhead(parent_run_id: str, ran: list[StageRecord]) -> None:
 
 def pipeline_summary(records: list[StageRecord]) -> None:
     create_markdown_artifact(key="pipeline-summary", description="which stage runs ran and which were reused",
-                             markdown="# Pipeline\n\n| stage | MLflow run | |\n|---|---|---|\n" + "\n".join(
-                                 f"| {r.stage} | `{r.run_id}` | {'reused' if r.reused else 'ran'} |" for r in records))
+                             markdown="# Pipeline\n\n" + stage_table(records))
+
+
+def _run_link(run_id: str) -> str:
+    url = tracking.run_url(run_id)
+    return f"[{run_id[:8]}]({url})" if url else f"`{run_id}`"

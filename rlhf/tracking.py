@@ -25,7 +25,7 @@ from pathlib import Path
 import mlflow
 import pandas as pd
 import requests
-from mlflow.entities import Metric, RunStatus
+from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
 from rlhf.config import REPO_ROOT
@@ -42,6 +42,9 @@ TAG_PREFECT_FLOW_RUN = "rlhf.prefect_flow_run_id"
 TAG_CACHE_KEY = "rlhf.cache_key"
 TAG_REUSED = "rlhf.reused."  # + stage name, on the pipeline run -> the reused stage run id
 TAG_ABANDONED_BY = "rlhf.abandoned_by"  # on a killed attempt's runs -> the stage run that took over its work
+TAG_WARNINGS = "rlhf.warnings"  # how many warnings a stage raised (their text is in the run's description)
+TAG_EVALUATION_KEY = "rlhf.evaluation_key"  # on a model version: what its figures were measured on
+TAG_NOTE = "mlflow.note.content"  # the run's description, shown on its overview page
 CHECKPOINT_PATH = "checkpoint"
 DATA_PATH = "data"
 
@@ -154,14 +157,24 @@ def code_version() -> tuple[str, str]:
     return version, commit
 
 
-def start_pipeline_run(experiment_id: str, tags: dict[str, str]) -> str:
-    run = MlflowClient().create_run(experiment_id, run_name="pipeline", tags=redacted(tags))
-    return run.info.run_id
+def start_pipeline_run(experiment_id: str, name: str, tags: dict[str, str], params: dict[str, str],
+                       config_yaml: str) -> str:
+    """The pipeline run: the resolved config as params (`sft.learning_rate`, ...) and as `config.yaml`."""
+    client = MlflowClient()
+    run_id = client.create_run(experiment_id, run_name=name, tags=redacted(tags)).info.run_id
+    client.log_batch(run_id, params=[Param(key, value) for key, value in redacted(params).items()])
+    client.log_text(run_id, redact(config_yaml), "config.yaml")
+    return run_id
 
 
-def create_stage_run(experiment_id: str, parent_run_id: str, stage: str, tags: dict[str, str]) -> str:
+def create_stage_run(experiment_id: str, parent_run_id: str, stage: str, name: str, tags: dict[str, str]) -> str:
     tags = {"mlflow.parentRunId": parent_run_id, TAG_PIPELINE: parent_run_id, TAG_STAGE: stage, **tags}
-    return MlflowClient().create_run(experiment_id, run_name=stage, tags=redacted(tags)).info.run_id
+    return MlflowClient().create_run(experiment_id, run_name=name, tags=redacted(tags)).info.run_id
+
+
+def set_note(run_id: str, markdown: str) -> None:
+    """The run's description (MLflow's note), shown on its overview page."""
+    MlflowClient().set_tag(run_id, TAG_NOTE, redact(markdown))
 
 
 def end_run(run_id: str, ok: bool) -> None:
@@ -264,15 +277,53 @@ def claimed_workdir(name: str) -> Iterator[Workdir]:
         shutil.rmtree(workdir.path, ignore_errors=True)  # reached only when the block succeeded
 
 
-def register_checkpoint(run_id: str, model_name: str) -> str:
-    """Register the run's `checkpoint/` as a new version of `model_name`; returns the version."""
+@dataclass(frozen=True)
+class Registration:
+    version: str
+    champion: bool
+    """True when the champion alias moved to this version."""
+    reason: str
+    """Why the alias moved or stayed, for the log."""
+
+
+def register_policy(run_id: str, checkpoint: Path, model_name: str, alias: str, tags: dict[str, str],
+                    evaluation_key: str, figure: str, value: float) -> Registration:
+    """Log the checkpoint as an MLflow transformers model (text generation) linked to the run and
+    register it as a new version of `model_name`, tagged with `tags`. `alias` moves to it only when
+    the current holder was measured on the same evaluation (`evaluation_key`) and scored lower on
+    `figure`, or when no version holds it yet."""
+    import mlflow.transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto")  # in the dtype it was saved in
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    # Named rather than inferred: MLflow's inference imports packages (torchvision) a text model never needs.
+    requirements = [f"{name}=={metadata.version(name)}" for name in ("torch", "transformers", "accelerate")]
+    info = mlflow.transformers.log_model({"model": model, "tokenizer": tokenizer}, name="policy",
+                                         task="text-generation", registered_model_name=model_name,
+                                         pip_requirements=requirements)
     client = MlflowClient()
+    version = str(info.registered_model_version)
+    for key, text in {**tags, TAG_EVALUATION_KEY: evaluation_key, "rlhf.champion_figure": figure,
+                        figure: f"{value:.6g}"}.items():
+        client.set_model_version_tag(model_name, version, key, redact(str(text)))
     try:
-        client.create_registered_model(model_name)
-    except mlflow.exceptions.MlflowException:  # already registered
-        pass
-    source = f"{client.get_run(run_id).info.artifact_uri}/{CHECKPOINT_PATH}"
-    return client.create_model_version(model_name, source=source, run_id=run_id).version
+        holder = client.get_model_version_by_alias(model_name, alias)
+    except mlflow.exceptions.MlflowException:
+        holder = None
+    if holder is None:
+        moved, reason = True, f"{alias} is version {version}: the first with this alias"
+    elif holder.tags.get(TAG_EVALUATION_KEY) != evaluation_key or holder.tags.get("rlhf.champion_figure") != figure:
+        moved, reason = False, (f"{alias} stays on version {holder.version}: it was measured on another evaluation "
+                                f"(held-out prompts, SFT baseline or reward model); move it by hand if this one is better")
+    else:
+        held = float(holder.tags[figure])
+        moved = value > held
+        reason = (f"{alias} {'moves to' if moved else 'stays on'} version {version if moved else holder.version}: "
+                  f"{figure} {value:.4g} against {held:.4g} on the same evaluation")
+    if moved:
+        client.set_registered_model_alias(model_name, alias, version)
+    return Registration(version, moved, reason)
 
 
 _SECRETS = [

@@ -75,7 +75,8 @@ def parse_hh(transcript: Any, column: str) -> Messages:
     return [{"role": roles[speaker], "content": text.strip()} for speaker, text in zip(parts[1::2], parts[2::2])]
 
 
-def _last_user(messages: Messages) -> str:
+def last_user_message(messages: Messages) -> str:
+    """What the user said last in a conversation: how a prompt is shown to people (tables, summaries)."""
     return next(m["content"] for m in reversed(messages) if m["role"] == "user")
 
 
@@ -111,7 +112,7 @@ def _pair_row(record: pd.Series, conversation: Callable[[Any, str], Messages]) -
     rejected_prompt, rejected = _split_reply(conversation(record["rejected"], "rejected"), "rejected")
     if chosen_prompt != rejected_prompt:
         raise _RowError(None, "chosen and rejected continue different prompts")
-    return {"prompt": _last_user(chosen_prompt), "chosen": chosen, "rejected": rejected,
+    return {"prompt": last_user_message(chosen_prompt), "chosen": chosen, "rejected": rejected,
             "prompt_messages": json.dumps(chosen_prompt)}
 
 
@@ -122,7 +123,7 @@ def adapt_hh(frame: pd.DataFrame, kind: str) -> tuple[pd.DataFrame, list[Problem
 def adapt_chat(frame: pd.DataFrame, kind: str) -> tuple[pd.DataFrame, list[Problem]]:
     def sft_row(record: pd.Series) -> dict:
         prompt, response = _split_reply(_as_messages(record["messages"], "messages"), "messages")
-        return {"prompt": _last_user(prompt), "response": response, "prompt_messages": json.dumps(prompt)}
+        return {"prompt": last_user_message(prompt), "response": response, "prompt_messages": json.dumps(prompt)}
 
     def pair_row(record: pd.Series) -> dict:
         return _pair_row(record, _as_messages)

@@ -37,6 +37,7 @@ from transformers import DynamicCache, PreTrainedModel, get_scheduler
 
 from rlhf.config import PPOConfig
 from rlhf.evaluation import win_rate
+from schemas.adapters import last_user_message
 from stages.collectives import MAX_FIGURES, check_weights_agree, over_processes, whiten_over_processes
 from stages.errors import NonFiniteLossError
 from stages.models import Precision, left_padded, position_ids_for, resolve_precision, save_trained
@@ -542,7 +543,8 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, iter
                        iteration)
     if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
         shown = slice(0, cfg.num_logged_samples)
-        reporting.samples(pd.DataFrame({"prompt": batch.prompts[shown], "response": batch.texts[shown],
+        reporting.samples(pd.DataFrame({"user": [last_user_message(m) for m in messages[shown]],
+                                        "response": batch.texts[shown],
                                         "score": scores.normalized[shown].cpu().numpy()}), iteration)
 
 

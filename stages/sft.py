@@ -7,6 +7,7 @@ records are encoded with `encode_replies` and handed to TRL with a completion ma
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from trl import SFTConfig as TRLSFTConfig
 from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
+from schemas.adapters import last_user_message
 from stages.models import encode_replies, generate_greedy, load_causal_lm, load_tokenizer, save_trained
 from stages.reporting import Reporting
 from stages.training import ForwardLogs, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
@@ -88,7 +90,8 @@ def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Re
     model = trainer.model
     picks = inputs.evaluation.head(cfg.num_samples)
     answers = generate_greedy(model, tokenizer, list(picks["prompt"]), max_new_tokens=cfg.max_length - cfg.max_prompt_length)
-    samples = [{"prompt": p, "response": a, "reference": r} for p, a, r in zip(picks["prompt"], answers, picks["response"])]
+    users = [last_user_message(json.loads(m)) for m in picks["prompt_messages"]]
+    samples = [{"user": u, "response": a, "reference": r} for u, a, r in zip(users, answers, picks["response"])]
 
     checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, inputs.model_location,
                                     [p for p in model.parameters() if p.requires_grad])
