@@ -9,6 +9,7 @@ import time
 import mlflow
 import pandas as pd
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 from transformers import AutoModelForCausalLM
@@ -36,8 +37,10 @@ def tracking_store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def finished(tracking_store):
+    import flows.pipeline
     from flows.pipeline import rlhf
 
+    flows.pipeline.SYSTEM_METRICS_INTERVAL_S = 1.0  # the tiny stages take seconds
     state = rlhf(config_file="configs/tiny.yaml", return_state=True)
     assert state.is_completed(), state.message
     return state.result()
@@ -176,6 +179,8 @@ def test_ppo_run_has_lineage_curves_samples_plots_and_a_registered_policy(finish
     assert run.data.tags[tracking.TAG_UPSTREAM + "reward"] == reward.run_id
     for metric in ("eval/score", "eval/score_sft", "eval/kl", "eval/gold_reward", "eval/gold_win_rate"):
         assert metric in run.data.metrics, metric
+        # curves: evaluated every `eval_every` (2) iterations and after the last (3)
+        assert [m.step for m in client.get_metric_history(ppo.run_id, metric)] == [2, 3], metric
     assert len(client.get_metric_history(ppo.run_id, "rollout/score")) == 3  # one point per iteration
     # the demo world's gold reward of every iteration's rollouts, judged by the flow (no stage reads it)
     assert [m.step for m in client.get_metric_history(ppo.run_id, "rollout/gold_reward")] == [1, 2, 3]
@@ -186,6 +191,70 @@ def test_ppo_run_has_lineage_curves_samples_plots_and_a_registered_policy(finish
     versions = client.search_model_versions("name = 'rlhf-policy'")
     assert ppo.run_id in {v.run_id for v in versions}
     assert run.data.tags["rlhf.registered_model"].startswith("rlhf-policy/")
+    version = client.get_model_version("rlhf-policy", run.data.tags["rlhf.registered_model"].split("/")[1])
+    assert version.tags["rlhf.method"] == "ppo" and version.tags["rlhf.pipeline_run_id"] == run.data.tags["rlhf.pipeline_run_id"]
+    assert float(version.tags["eval/gold_win_rate"]) == pytest.approx(run.data.metrics["eval/gold_win_rate"], rel=1e-5)
+    assert version.tags[tracking.TAG_CONFIG_HASH] == ppo.config_hash
+
+
+def test_runs_are_named_after_config_and_flow_run_and_described(finished):
+    client = MlflowClient()
+    runs = [client.get_run(record.run_id) for record in finished]
+    parent = client.get_run(runs[0].data.tags["mlflow.parentRunId"])
+    label = parent.info.run_name.removeprefix("tiny · ")
+    assert label != parent.info.run_name and [r.info.run_name for r in runs] == [f"{s} · {label}" for s in ("sft", "reward", "ppo")]
+    # the resolved config, field by field and whole
+    assert parent.data.params["ppo.learning_rate"] == "0.0003" and parent.data.params["sft.train_data.path"] == "demo:sft"
+    config = yaml.safe_load(mlflow.artifacts.load_text(f"runs:/{parent.info.run_id}/config.yaml"))
+    assert config["ppo"]["num_iterations"] == 3 and config["registry"]["model_name"] == "rlhf-policy"
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith("Config `configs/tiny.yaml`, no overrides.") and "| ppo |" in note and "gold_win_rate" in note
+    ppo_note = runs[2].data.tags["mlflow.note.content"]
+    assert ppo_note.startswith("**ppo**: gold_win_rate ") and runs[2].data.tags["rlhf.warnings"] == str(finished[2].warnings)
+    # system metrics: sampled while the stage ran
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(runs[2].data.metrics)
+    # samples show what the user said, not the chat template
+    table = MlflowClient().load_table(runs[2].info.experiment_id, "samples/iteration_00002.json",
+                                      run_ids=[finished[2].run_id])
+    assert "user" in table.columns and not table["user"].str.contains("<s>|user:|assistant:").any()
+
+
+def test_the_run_form_has_typed_described_fields_that_become_overrides():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.form import PPOForm, RewardForm, SFTForm, form_overrides
+    from flows.pipeline import rlhf
+
+    schema = parameter_schema(rlhf.fn).model_dump_for_openapi()
+    field = schema["definitions"]["PPOForm"]["properties"]["learning_rate"]
+    assert {"type": "number", "exclusiveMinimum": 0} in field["anyOf"] and "learning rate" in field["description"]
+    assert "e.g." in schema["properties"]["overrides"]["description"]
+    with pytest.raises(Exception, match="greater than 0"):
+        rlhf.validate_parameters({"ppo": {"learning_rate": -1}})
+    assert form_overrides(SFTForm(train_data="my.jsonl"), RewardForm(), PPOForm(learning_rate=1e-4)) == {
+        "sft.train_data.path": "my.jsonl", "ppo.learning_rate": 1e-4}
+
+
+def test_the_champion_alias_moves_only_on_a_win_on_the_same_evaluation(tracking_store, trained):
+    from mlflow.transformers import load_model
+
+    client, name = MlflowClient(), "champion-test"
+    experiment = tracking.ensure_experiment("champion-test")
+
+    def register(key: str, value: float) -> tracking.Registration:
+        with mlflow.start_run(experiment_id=experiment) as run:
+            return tracking.register_policy(run.info.run_id, trained["sft"], name, "champion", {"rlhf.method": "ppo"},
+                                            key, "eval/win_rate_rm", value)
+
+    first = register("a", 0.6)
+    assert first.champion and str(client.get_model_version_by_alias(name, "champion").version) == first.version
+    assert not register("a", 0.5).champion  # worse on the same evaluation
+    assert not register("b", 0.9).champion  # measured on another evaluation: not comparable
+    better = register("a", 0.7)
+    assert better.champion and str(client.get_model_version_by_alias(name, "champion").version) == better.version
+    assert client.get_model_version(name, better.version).tags["eval/win_rate_rm"] == "0.7"
+    generate = load_model(f"models:/{name}@champion")  # an MLflow transformers model: loads and generates
+    assert generate("user: hello\nassistant: ", max_new_tokens=4)[0]["generated_text"]
 
 
 def test_ppo_alone_reruns_against_the_latest_sft_and_reward_runs(finished):
