@@ -306,7 +306,23 @@ def check_inputs(cfg: PipelineConfig, stages: list[str], world: str | None) -> l
 # --- the flow -----------------------------------------------------------------------------------
 
 
-@flow(name="rlhf")
+def close_crashed_runs(flow, flow_run, state) -> None:
+    """`on_crashed` hook, run by the worker when the flow run's process died (killed, out of
+    memory): its task runs still Running end Crashed, and its MLflow runs still RUNNING end
+    KILLED, so neither UI shows work that no process does. A rerun resumes the stage's work."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.states import Crashed
+
+    message = f"the flow run's process died ({state.message or 'crashed'})"
+    with get_client(sync_client=True) as client:
+        for task_run in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))):
+            if task_run.state is not None and not task_run.state.is_final():
+                client.set_task_run_state(task_run.id, Crashed(message=message), force=True)
+    tracking.kill_runs_of_flow_run(str(flow_run.id))
+
+
+@flow(name="rlhf", on_crashed=[close_crashed_runs])
 def rlhf(
     stages: list[StageName] = list(AVAILABLE_STAGES),
     config_file: str = "configs/demo.yaml",

@@ -200,6 +200,15 @@ def close_abandoned_runs(experiment_id: str, stage: str, cache_key: str, by_run_
     return closed
 
 
+def kill_runs_of_flow_run(flow_run_id: str) -> None:
+    """Mark KILLED every run still RUNNING that the given (dead) Prefect flow run started."""
+    client = MlflowClient()
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    wanted = f"tags.`{TAG_PREFECT_FLOW_RUN}` = '{flow_run_id}' and attributes.status = 'RUNNING'"
+    for run in client.search_runs(experiments, filter_string=wanted) if experiments else []:
+        client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.KILLED))
+
+
 def log_data(frame: pd.DataFrame, name: str, source: str, digest: str, context: str) -> None:
     """The validated records as a Parquet artifact under `data/` and as a run input."""
     with tempfile.TemporaryDirectory() as tmp:

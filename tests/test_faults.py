@@ -8,6 +8,8 @@ ends in seconds; the stack's defaults are in scripts/stack.sh.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -135,3 +137,33 @@ def test_two_pipeline_runs_at_once_keep_their_files_and_runs_apart(stack):
     assert digests[0] == digests[1]  # same work, same result, although it ran side by side
     work = Path(stack["RLHF_HOME"]) / "work"
     assert not [p for p in work.iterdir() if p.is_dir()]  # both attempts cleaned up after themselves
+
+
+def test_a_flow_run_killed_mid_ppo_leaves_no_task_or_mlflow_run_running(stack):
+    import psutil
+
+    params = {"config_file": TINY, "overrides": {"ppo.num_iterations": 50, "ppo.checkpoint_every": 2}}
+    submitted = submit(stack, [("rlhf/full", params)])
+    work = Path(stack["RLHF_HOME"]) / "work"
+    _wait_for(lambda: list(work.glob("ppo-*/state/loop.json")), "PPO full-state checkpoint", submitted)
+    worker = psutil.Process(int((Path(stack["RLHF_HOME"]) / "pids" / "worker").read_text()))
+    for process in worker.children(recursive=True):  # the flow run's process, as the OOM killer would end it
+        process.kill()
+    ((state, message, flow_run_id),) = final_states(submitted)
+    assert state == "CRASHED", message
+    # the worker's on_crashed hook closed what the dead process left open
+    script = ("import json, sys; from prefect import get_client; from prefect.client.schemas.filters import "
+              "FlowRunFilter, FlowRunFilterId\n"
+              "with get_client(sync_client=True) as c:\n"
+              "    runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[sys.argv[1]])))\n"
+              "    print(json.dumps({r.name.split('-')[0]: r.state.type.value for r in runs}))")
+    deadline = time.monotonic() + 60
+    while True:
+        out = subprocess.run([sys.executable, "-c", script, flow_run_id], env=stack, capture_output=True, text=True)
+        tasks = json.loads(out.stdout.strip().splitlines()[-1])
+        mlflow_runs = _runs(stack, f"tags.`{tracking.TAG_PREFECT_FLOW_RUN}` = '{flow_run_id}'")
+        if tasks.get("ppo") == "CRASHED" and all(r.info.status != "RUNNING" for r in mlflow_runs):
+            break
+        assert time.monotonic() < deadline, (tasks, [(r.info.run_name, r.info.status) for r in mlflow_runs])
+        time.sleep(1)
+    assert {r.info.status for r in mlflow_runs if r.data.tags.get(tracking.TAG_STAGE) == "ppo"} == {"KILLED"}
