@@ -43,7 +43,7 @@ demo: up  ## run the whole pipeline on the embedded demo world through Prefect
 	eval "$$(scripts/stack.sh env)" && \
 	prefect deployment run rlhf/full --watch && \
 	echo && rlhf summary && \
-	echo && echo "Prefect UI: $$PREFECT_UI_URL" && echo "MLflow UI:  $$MLFLOW_TRACKING_URI" && \
+	echo && echo "Prefect UI: $$PREFECT_UI_URL/runs" && \
 	echo "The stack stays up for browsing; stop it with: make down"
 
 test: $(STAMP)  ## run the whole test suite

@@ -62,13 +62,11 @@ def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedDat
             f"is kept in {checkpoint} until a rerun uploads it") from e
     mlflow.set_tag(tracking.TAG_WARNINGS, str(len(warnings)))
     tracking.set_note(run_id, stage_note(stage, metrics, warnings, links))
-    url = tracking.run_url(run_id)
-    link = f"[{run_id}]({url})" if url else f"`{run_id}`"
     rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()))
     shown = "\n".join(f"| {_cell(s['user'])} | {_cell(s['response'])} |" for s in samples)
     create_markdown_artifact(
         key=f"{stage}-summary",
-        markdown=f"# {stage} stage\n\nMLflow run: {link}\n\n{headline(stage, metrics)}\n\n{_warnings_section(warnings)}"
+        markdown=f"# {stage} stage\n\nMLflow run (its curves): {_run_link(run_id)}\n\n{headline(stage, metrics)}\n\n{_warnings_section(warnings)}"
                  f"| metric | value |\n|---|---|\n{rows}\n\n## Samples\n\n| user | response |\n|---|---|\n{shown}\n",
         description=f"{stage} stage results",
     )
@@ -232,6 +230,7 @@ def pipeline_summary(records: list[StageRecord]) -> None:
                              markdown="# Pipeline\n\n" + stage_table(records))
 
 
-def _run_link(run_id: str) -> str:
-    url = tracking.run_url(run_id)
+def _run_link(run_id: str, tab: str = "model-metrics") -> str:
+    """Markdown: the run's id, linked to its `tab` (its curves by default) where the UI is reachable."""
+    url = tracking.run_url(run_id, tab)
     return f"[{run_id[:8]}]({url})" if url else f"`{run_id}`"

@@ -1,7 +1,7 @@
 """`rlhf`: the shell entry point.
 
     rlhf validate --kind {sft,preference,prompt} PATH [--format F] [--tokenizer T --max-prompt-length N --max-length N]
-    rlhf summary [--experiment rlhf]      the latest pipeline run and its stage runs, with links
+    rlhf summary [--experiment rlhf]      the latest pipeline run and its stage runs, with links to the MLflow UI
     rlhf config-reference                 every config field with its default and meaning (Markdown)
 """
 
@@ -45,7 +45,10 @@ def _summary(args: argparse.Namespace) -> int:
         print(f"no pipeline runs in experiment {args.experiment!r}", file=sys.stderr)
         return 1
     parent = parents[0]
-    print(f"pipeline run {parent.info.run_id} ({parent.info.status}): {tracking.run_url(parent.info.run_id) or ''}")
+    if url := tracking.experiment_url(experiment.experiment_id):
+        print(f"runs of experiment {args.experiment!r}: {url}")
+    print(f"pipeline run {parent.info.run_name} ({parent.info.status}), its config and description: "
+          f"{tracking.run_url(parent.info.run_id) or parent.info.run_id}")
     children = client.search_runs([experiment.experiment_id],
                                   filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
                                   order_by=["attributes.start_time ASC"])
@@ -55,7 +58,8 @@ def _summary(args: argparse.Namespace) -> int:
         figures = ", ".join(f"{k}={run.data.metrics[k]:.4g}" for k in sorted(run.data.metrics) if k.startswith("eval/"))
         origin = " reused" if run.data.tags.get("mlflow.parentRunId") != parent.info.run_id else ""
         print(f"  {stage:7s} run {run.info.run_id} ({run.info.status}{origin}) {figures}")
-        print(f"          {tracking.run_url(run.info.run_id) or ''}")
+        if url := tracking.run_url(run.info.run_id, "model-metrics"):
+            print(f"          curves: {url}")
     return 0 if parent.info.status == "FINISHED" else 1
 
 

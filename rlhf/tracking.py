@@ -243,13 +243,28 @@ def latest_finished_run_id(experiment_name: str, stage: str) -> str | None:
     return run.info.run_id if run else None
 
 
-def run_url(run_id: str) -> str | None:
-    """Link to a run in the MLflow UI, when tracking goes through a server."""
+# MLflow 3's UI shows runs in a "GenAI" framing (traces, evaluations) unless the URL, or the
+# browser's saved choice, asks for "machine_learning"; the experiment's kind tag does not decide it.
+_MODEL_TRAINING_VIEW = "?workflowType=machine_learning"
+
+
+def experiment_url(experiment_id: str) -> str | None:
+    """Link to the experiment's runs table in the MLflow UI (Model-training view), when tracking goes through a server."""
+    uri = mlflow.get_tracking_uri()
+    if not uri.startswith("http"):
+        return None
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs{_MODEL_TRAINING_VIEW}"
+
+
+def run_url(run_id: str, tab: str = "") -> str | None:
+    """Link to a run in the MLflow UI (Model-training view), when tracking goes through a server;
+    `tab`: `model-metrics` for its curves, `artifacts`, ... (the overview by default)."""
     uri = mlflow.get_tracking_uri()
     if not uri.startswith("http"):
         return None
     run = MlflowClient().get_run(run_id)
-    return f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+    path = f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}" + (f"/{tab}" if tab else "")
+    return path + _MODEL_TRAINING_VIEW
 
 
 def state_dir() -> Path:

@@ -92,7 +92,7 @@ up() {
   (cd "$REPO" && prefect --no-prompt deploy --all >"$LOGS/deploy.log" 2>&1) || {
     echo "error: prefect deploy failed; see $LOGS/deploy.log" >&2; return 1; }
   echo "Prefect UI: $PREFECT_UI_URL"
-  echo "MLflow UI:  $MLFLOW_TRACKING_URI"
+  echo "MLflow UI:  $MLFLOW_TRACKING_URI/#/experiments?workflowType=machine_learning"
 }
 
 down() {
