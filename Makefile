@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quality up down status install clean-state
+.PHONY: demo test bench bench-quality up down status install clean-state screenshots
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -45,6 +45,10 @@ demo: up  ## run the whole pipeline on the embedded demo world through Prefect
 	echo && rlhf summary && \
 	echo && echo "Prefect UI: $$PREFECT_UI_URL/runs" && \
 	echo "The stack stays up for browsing; stop it with: make down"
+
+# Debian's chromium, chromium-driver and python3-selenium drive the UIs; the system Python has them.
+screenshots:  ## after `make demo`, with the stack up: what the UIs show, into docs/ui/
+	eval "$$(scripts/stack.sh env)" && /usr/bin/python3 scripts/screenshots.py --out docs/ui
 
 test: $(STAMP)  ## run the whole test suite
 	$(PY) -m pytest

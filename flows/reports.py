@@ -113,10 +113,11 @@ def pipeline_note(config_file: str, overrides: dict, records: list[StageRecord],
 
 
 class Progress:
-    """A stage's progress as a Prefect progress artifact (updated every `update_s` at most) and a
-    log line every `log_s`: steps or iterations done of the total, and the time left at the pace so far."""
+    """A stage's progress as a Prefect progress artifact (updated every `update_s` at most: each
+    update is an event that `prefect deployment run --watch` prints) and a log line every `log_s`:
+    steps or iterations done of the total, and the time left at the pace so far."""
 
-    def __init__(self, stage: str, unit: str, update_s: float = 2.0, log_s: float = 30.0):
+    def __init__(self, stage: str, unit: str, update_s: float = 15.0, log_s: float = 30.0):
         self.stage, self.unit, self.update_s, self.log_s = stage, unit, update_s, log_s
         self.artifact = create_progress_artifact(0.0, key=f"{stage}-progress", description=f"{stage}: {unit}s done")
         self.started = self.updated = self.logged = time.monotonic()
