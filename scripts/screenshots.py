@@ -40,7 +40,9 @@ def browser(width: int, height: int) -> webdriver.Chrome:
 
 
 def shoot(driver: webdriver.Chrome, url: str, must_show: list[str], file: Path, settle_s: float = 3.0,
-          timeout_s: float = 60.0) -> None:
+          timeout_s: float = 60.0, then=None) -> None:
+    """Load `url`, wait until the page shows every text in `must_show`, do `then(driver)` (a
+    click, a field filled), and save the window as `file`."""
     driver.get("about:blank")  # a new hash route alone would not reload the app
     driver.get(url)
     deadline = time.monotonic() + timeout_s
@@ -53,8 +55,30 @@ def shoot(driver: webdriver.Chrome, url: str, must_show: list[str], file: Path, 
             raise SystemExit(f"{url}: the page never showed {missing} within {timeout_s:g} s")
         time.sleep(0.5)
     time.sleep(settle_s)  # charts draw after their titles appear
+    if then is not None:
+        then(driver)
+        time.sleep(1)
     driver.save_screenshot(str(file))
     print(f"{file}: {url}")
+
+
+def close_mlflow_assistant(driver: webdriver.Chrome) -> None:
+    """MLflow 3.17 opens its chat assistant beside every page on first load; it hides half the page."""
+    for button in driver.find_elements(By.CSS_SELECTOR, "button[aria-label='Close']"):
+        driver.execute_script("arguments[0].click()", button)
+
+
+def fill_ppo_learning_rate(driver: webdriver.Chrome) -> None:
+    """The run form's PPO section: choose the number type of `Learning Rate` and type 0.0001 (not submitted)."""
+    def field():
+        label = driver.find_elements(By.XPATH, "//*[normalize-space(text())='Learning Rate (Optional)']")[-1]
+        return label.find_element(By.XPATH, "./ancestor::div[contains(@class,'schema-form-property-any-of-input')][1]")
+
+    number = next(b for b in field().find_elements(By.TAG_NAME, "button") if b.text.strip() == "float")
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", number)
+    number.click()
+    time.sleep(1)
+    field().find_element(By.TAG_NAME, "input").send_keys("0.0001")
 
 
 def main() -> int:
@@ -86,17 +110,19 @@ def main() -> int:
     driver = browser(1600, 1000)
     try:
         shoot(driver, f"{mlflow_ui}/#/experiments/{experiment_id}/runs?{VIEW}", [pipeline_name],
-              out / "mlflow-runs.png")
+              out / "mlflow-runs.png", then=close_mlflow_assistant)
         shoot(driver, f"{mlflow_ui}/#/experiments/{experiment_id}/runs/{ppo_id}/model-metrics?{VIEW}",
-              [ppo_name, "eval/gold_win_rate"], out / "mlflow-ppo-curves.png", settle_s=5.0)
+              [ppo_name, "gold_win_rate"], out / "mlflow-ppo-curves.png", settle_s=5.0, then=close_mlflow_assistant)
         shoot(driver, f"{mlflow_ui}/#/experiments/{experiment_id}/runs/{pipeline['info']['run_id']}?{VIEW}",
-              [pipeline_name, "Config"], out / "mlflow-pipeline-run.png")
-        shoot(driver, f"{mlflow_ui}/#/models/rlhf-policy?{VIEW}", ["rlhf-policy", "@ champion"],
-              out / "mlflow-registry.png")
+              [pipeline_name, "Description"], out / "mlflow-pipeline-run.png",
+              then=lambda d: (close_mlflow_assistant(d), d.execute_script(
+                  "arguments[0].scrollIntoView({block: 'start'})",
+                  d.find_element(By.XPATH, "//*[normalize-space(text())='Description']"))))
+        shoot(driver, f"{mlflow_ui}/#/models/rlhf-policy?{VIEW}", ["rlhf-policy", "champion"],
+              out / "mlflow-registry.png", then=close_mlflow_assistant)
         shoot(driver, f"{prefect_ui}/runs/flow-run/{flow_run_id}", ["Completed", "ppo"], out / "prefect-flow-run.png")
-        driver.set_window_size(1600, 2200)  # the form is long: PPO's section is near the end
-        shoot(driver, f"{prefect_ui}/deployments/deployment/{deployment['id']}/run", ["Learning Rate", "Overrides"],
-              out / "prefect-run-form.png")
+        shoot(driver, f"{prefect_ui}/deployments/deployment/{deployment['id']}/run", ["Learning Rate", "overrides"],
+              out / "prefect-run-form.png", then=fill_ppo_learning_rate)
     finally:
         driver.quit()
     return 0
