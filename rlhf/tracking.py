@@ -323,9 +323,11 @@ def register_policy(run_id: str, checkpoint: Path, model_name: str, alias: str, 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     # Named rather than inferred: MLflow's inference imports packages (torchvision) a text model never needs.
     requirements = [f"{name}=={metadata.version(name)}" for name in ("torch", "transformers", "accelerate")]
+    # A params schema, so a served model takes `max_new_tokens` per request (else MLflow ignores it).
+    signature = mlflow.models.infer_signature(["prompt"], ["response"], params={"max_new_tokens": 64})
     info = mlflow.transformers.log_model({"model": model, "tokenizer": tokenizer}, name="policy",
                                          task="text-generation", registered_model_name=model_name,
-                                         pip_requirements=requirements)
+                                         signature=signature, pip_requirements=requirements)
     client = MlflowClient()
     version = str(info.registered_model_version)
     for key, text in {**tags, TAG_EVALUATION_KEY: evaluation_key, "rlhf.champion_figure": figure,

@@ -58,13 +58,15 @@ def test_reward_deployment_reruns_alone_against_the_latest_sft_run(stack):
 def test_ppo_deployment_reruns_alone_and_registers_the_policy(stack):
     client = mlflow_client(stack)
     experiment = client.get_experiment_by_name("rlhf")
-    done = deployment_run(stack, "rlhf/ppo", config_file="configs/tiny.yaml")
+    # PPO's learning rate through the run form's typed field, as the Prefect UI sends it
+    done = deployment_run(stack, "rlhf/ppo", config_file="configs/tiny.yaml", ppo={"learning_rate": 1e-4})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (run,) = client.search_runs([experiment.experiment_id], filter_string="tags.`rlhf.stage` = 'ppo'")
     assert run.info.status == "FINISHED"
     assert run.data.tags["rlhf.upstream.sft"] and run.data.tags["rlhf.upstream.reward"]
-    assert "eval/gold_win_rate" in run.data.metrics
+    assert "eval/gold_win_rate" in run.data.metrics and run.data.params["learning_rate"] == "0.0001"
     assert [v.run_id for v in client.search_model_versions("name = 'rlhf-policy'")] == [run.info.run_id]
+    assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == "1"
 
 
 # Every file of the bad-input corpus, through the deployment of the stage that reads its kind.

@@ -255,6 +255,9 @@ def test_the_champion_alias_moves_only_on_a_win_on_the_same_evaluation(tracking_
     assert client.get_model_version(name, better.version).tags["eval/win_rate_rm"] == "0.7"
     generate = load_model(f"models:/{name}@champion")  # an MLflow transformers model: loads and generates
     assert generate("user: hello\nassistant: ", max_new_tokens=4)[0]["generated_text"]
+    served = mlflow.pyfunc.load_model(f"models:/{name}@champion")  # as `mlflow models serve` calls it
+    (text,) = served.predict(["user: hello\nassistant: "], params={"max_new_tokens": 3})
+    assert text.startswith("user: hello\nassistant: ")
 
 
 def test_ppo_alone_reruns_against_the_latest_sft_and_reward_runs(finished):
