@@ -89,17 +89,19 @@ def scaled_reward_model(reward_folder: Path, state: Path) -> Path:
 
 def judge(policy_folder: Path, sft_folder: Path, reward_folder: Path, eval_prompts, ppo_cfg) -> dict[str, float]:
     """The one evaluation every final policy gets (common random numbers for the SFT baseline)."""
+    import torch
     from safetensors.torch import load_file
 
     from rlhf.demo_world import gold_comparison, last_user_turns
     from stages.ppo import HeldOut, evaluate, load_models
 
     models = load_models(ppo_cfg, str(sft_folder), str(reward_folder))
+    held_out = HeldOut.sample(models, eval_prompts, ppo_cfg, torch.device("cpu"))
     weights = load_file(str(policy_folder / "model.safetensors"))
     missing, unexpected = models.policy.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:  # only a tied head may be absent from the file
         raise ValueError(f"{policy_folder} does not fit the SFT model: missing {missing}, unexpected {unexpected}")
-    metrics, table = evaluate(models, HeldOut.of(eval_prompts, ppo_cfg), ppo_cfg)
+    metrics, table = evaluate(models, held_out, ppo_cfg)
     return metrics | gold_comparison(last_user_turns(table["prompt_messages"]), list(table["ppo_response"]),
                                      list(table["sft_response"]))
 

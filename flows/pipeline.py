@@ -23,8 +23,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger, task
 from prefect.context import get_run_context
-from prefect.utilities.urls import url_for
 from prefect.states import Failed, State
+from prefect.utilities.urls import url_for
 from pydantic import BaseModel, Field
 
 from flows.form import PPOForm, RewardForm, SFTForm, form_overrides
@@ -41,6 +41,10 @@ from stages.distributed import LaunchError, call_stage
 from stages.errors import RewardGateError, StageUserError
 from stages.models import load_tokenizer, set_determinism
 from stages.reporting import Reporting
+
+SYSTEM_METRICS_INTERVAL_S = 5.0
+"""Seconds between samples of a stage run's system metrics (`system/cpu_utilization_percentage`, ...)."""
+
 
 class UpstreamRuns(BaseModel):
     """MLflow run ids of upstream stages for single-stage reruns; empty means the latest finished run."""
@@ -167,10 +171,6 @@ def stage_run(stage: StageName, section: BaseModel, ctx: StageContext, unit: str
                 f"resumes from it") from e
 
 
-SYSTEM_METRICS_INTERVAL_S = 5.0
-"""Seconds between samples of a stage run's system metrics (`system/cpu_utilization_percentage`, ...)."""
-
-
 # --- stage tasks ----------------------------------------------------------------------------
 
 
@@ -281,14 +281,15 @@ def register(ctx: StageContext, run_id: str, checkpoint: Path, metrics: dict[str
     the champion alias moves to it only when it beats the holder on the same evaluation."""
     registry, section = ctx.config.registry, ctx.config.ppo
     # What the win rates were measured on: the same held-out prompts, sampling and SFT baseline, and
-    # the same reward model, so two versions with equal keys have comparable figures.
+    # the same reward model scoring in the same precision, so two versions with equal keys have
+    # comparable figures.
     judged_on = {"eval_prompts": eval_digest, "sft": ctx.upstream["sft"], "reward": ctx.upstream["reward"]} | {
         name: getattr(section, name) for name in ("eval_seed", "eval_samples_per_prompt", "response_length",
-                                                  "temperature", "missing_eos_score")}
+                                                  "temperature", "missing_eos_score", "precision", "frozen_dtype")}
     evaluation_key = hashlib.sha256(json.dumps(judged_on, sort_keys=True).encode()).hexdigest()
     figure = "eval/gold_win_rate" if "eval/gold_win_rate" in metrics else "eval/win_rate_rm"
     tags = {"rlhf.method": "ppo", tracking.TAG_PIPELINE: ctx.parent_run_id, tracking.TAG_CONFIG_HASH: config_hash(section),
-            **{f"rlhf.upstream.{name}": run for name, run in ctx.upstream.items()},
+            **{tracking.TAG_UPSTREAM + name: run for name, run in ctx.upstream.items()},
             **{key: f"{value:.6g}" for key, value in metrics.items() if key.startswith("eval/")}}
     registration = tracking.register_policy(run_id, checkpoint, registry.model_name, registry.champion_alias, tags,
                                             evaluation_key, figure, metrics[figure])
@@ -406,6 +407,9 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
             MlflowClient().set_tag(parent_run_id, tracking.TAG_REUSED + name, cached.info.run_id)
             logger.info("%s: reusing finished run %s (same config, data, code and upstream runs)", name,
                         cached.info.run_id)
+            if name == "ppo" and cfg.registry.enabled and "rlhf.registered_model" not in cached.data.tags:
+                logger.warning("ppo: the reused run %s registered no policy (it ran with registry.enabled false); "
+                               "rerun with use_cache false to register one", cached.info.run_id)
             return reused_record(name, cached)
         ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key, flow_run.name,
                            links["Prefect flow run"])

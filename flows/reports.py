@@ -121,15 +121,19 @@ class Progress:
         self.stage, self.unit, self.update_s, self.log_s = stage, unit, update_s, log_s
         self.artifact = create_progress_artifact(0.0, key=f"{stage}-progress", description=f"{stage}: {unit}s done")
         self.started = self.updated = self.logged = time.monotonic()
+        self.first_done: int | None = None
+        """Units done before this attempt: a resumed stage's first report is past one."""
 
     def __call__(self, done: int, total: int) -> None:
         now, last = time.monotonic(), done >= total
+        if self.first_done is None:
+            self.first_done = done - 1
         if now - self.updated >= self.update_s or last:
             update_progress_artifact(self.artifact, 100.0 * min(done / max(total, 1), 1.0))
             self.updated = now
         if now - self.logged >= self.log_s or last:
             elapsed = now - self.started
-            left = elapsed / max(done, 1) * max(total - done, 0)
+            left = elapsed / max(done - self.first_done, 1) * max(total - done, 0)
             get_run_logger().info("%s: %s %d of %d (%.0f%%), %.0f s so far, about %.0f s to go", self.stage, self.unit,
                                   done, total, 100 * done / max(total, 1), elapsed, left)
             self.logged = now
@@ -171,6 +175,8 @@ class GoldJudgments:
                 self.log(row["figures"], row["iteration"])
 
     def __call__(self, table: pd.DataFrame, iteration: int) -> None:
+        if iteration in self.by_iteration:  # a resumed run redoes the iterations after its checkpoint: judged already
+            return
         figures = self._judge(table)
         self.by_iteration[iteration] = figures
         self.log(figures, iteration)

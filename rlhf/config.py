@@ -43,7 +43,7 @@ class LaunchConfig(_Frozen):
     accelerate_config: str | None = None
     """An `accelerate` config file (DDP, or DeepSpeed ZeRO-1/2 for SFT and reward; see docs/scaling.md); unset: plain DDP."""
     timeout_seconds: PositiveInt = 1800
-    """Seconds a process waits for the others (the end of the stage included, where the main one evaluates and saves alone) before the job fails."""
+    """Seconds a process waits for the others (the end of the stage included, where the main one evaluates and saves alone, and PPO's evaluations every `eval_every` iterations, which the main one runs alone) before the job fails."""
 
     @model_validator(mode="after")
     def _config_file_exists(self) -> LaunchConfig:
@@ -312,7 +312,7 @@ class RegistryConfig(_Frozen):
     model_name: str = "rlhf-policy"
     """Registered model that holds the policies, one version per run."""
     champion_alias: str = "champion"
-    """Alias that moves to a new version only when it beats the current holder on the same evaluation (same held-out prompts and reward model)."""
+    """Alias that moves to a new version only when it beats the current holder on the same evaluation (held-out prompts, SFT run, reward model and evaluation sampling settings); the first version takes it."""
 
 
 class PipelineConfig(_Frozen):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -44,6 +45,7 @@ TAG_REUSED = "rlhf.reused."  # + stage name, on the pipeline run -> the reused s
 TAG_ABANDONED_BY = "rlhf.abandoned_by"  # on a killed attempt's runs -> the stage run that took over its work
 TAG_WARNINGS = "rlhf.warnings"  # how many warnings a stage raised (their text is in the run's description)
 TAG_EVALUATION_KEY = "rlhf.evaluation_key"  # on a model version: what its figures were measured on
+TAG_JUDGED_BY = "rlhf.judged_by"  # on a model version: the figure the champion alias compares (eval/...)
 TAG_NOTE = "mlflow.note.content"  # the run's description, shown on its overview page
 CHECKPOINT_PATH = "checkpoint"
 DATA_PATH = "data"
@@ -182,26 +184,33 @@ def end_run(run_id: str, ok: bool) -> None:
 
 
 def close_abandoned_runs(experiment_id: str, stage: str, cache_key: str, by_run_id: str) -> list[str]:
-    """Mark KILLED the runs of an earlier attempt at the same work that died without ending its
-    runs (a SIGKILL, a lost machine): their stage run and its pipeline run. Called only by the
-    holder of the work folder's lock, which proves no live process on this machine owns them."""
+    """Hand the runs of an earlier attempt at the same work that died (a SIGKILL, a lost machine)
+    over to `by_run_id`: tag them `rlhf.abandoned_by` and mark KILLED their stage run and its
+    pipeline run where still RUNNING. Runs the worker already marked KILLED when the attempt's flow
+    run crashed (`kill_runs_of_flow_run`) are handed over too. Called only by the holder of the
+    work folder's lock, which proves no live process on this machine owns them."""
     client = MlflowClient()
-    wanted = (f"tags.`{TAG_STAGE}` = '{stage}' and tags.`{TAG_CACHE_KEY}` = '{cache_key}' "
-              f"and attributes.status = 'RUNNING'")
+    same_work = f"tags.`{TAG_STAGE}` = '{stage}' and tags.`{TAG_CACHE_KEY}` = '{cache_key}'"
+    dead = client.search_runs([experiment_id], filter_string=f"{same_work} and attributes.status = 'RUNNING'")
+    dead += [run for run in client.search_runs([experiment_id], f"{same_work} and attributes.status = 'KILLED'")
+             if TAG_ABANDONED_BY not in run.data.tags]
     closed = []
-    for run in client.search_runs([experiment_id], filter_string=wanted):
+    for run in dead:
         if run.info.run_id == by_run_id:
             continue
         for run_id in (run.info.run_id, run.data.tags.get(TAG_PIPELINE)):
-            if run_id and client.get_run(run_id).info.status == "RUNNING":
+            status = client.get_run(run_id).info.status if run_id else None
+            if status in ("RUNNING", "KILLED"):
                 client.set_tag(run_id, TAG_ABANDONED_BY, by_run_id)
+            if status == "RUNNING":
                 client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED))
         closed.append(run.info.run_id)
     return closed
 
 
 def kill_runs_of_flow_run(flow_run_id: str) -> None:
-    """Mark KILLED every run still RUNNING that the given (dead) Prefect flow run started."""
+    """Mark KILLED every run still RUNNING that the given (dead) Prefect flow run started; a rerun
+    of the same work hands them over (`close_abandoned_runs`)."""
     client = MlflowClient()
     experiments = [e.experiment_id for e in client.search_experiments()]
     wanted = f"tags.`{TAG_PREFECT_FLOW_RUN}` = '{flow_run_id}' and attributes.status = 'RUNNING'"
@@ -310,6 +319,16 @@ class Registration:
     """Why the alias moved or stayed, for the log."""
 
 
+def alias_holder(model_name: str, alias: str):
+    """The model version that holds `alias`, or None when none does (other server errors are raised)."""
+    try:
+        return MlflowClient().get_model_version_by_alias(model_name, alias)
+    except mlflow.exceptions.MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
 def register_policy(run_id: str, checkpoint: Path, model_name: str, alias: str, tags: dict[str, str],
                     evaluation_key: str, figure: str, value: float) -> Registration:
     """Log the checkpoint as an MLflow transformers model (text generation) linked to the run and
@@ -330,23 +349,24 @@ def register_policy(run_id: str, checkpoint: Path, model_name: str, alias: str, 
                                          signature=signature, pip_requirements=requirements)
     client = MlflowClient()
     version = str(info.registered_model_version)
-    for key, text in {**tags, TAG_EVALUATION_KEY: evaluation_key, "rlhf.champion_figure": figure,
-                        figure: f"{value:.6g}"}.items():
+    value = float(f"{value:.6g}")  # as the tag holds it, so a tie with the holder's tag is a tie
+    for key, text in {**tags, TAG_EVALUATION_KEY: evaluation_key, TAG_JUDGED_BY: figure, figure: f"{value:.6g}"}.items():
         client.set_model_version_tag(model_name, version, key, redact(str(text)))
-    try:
-        holder = client.get_model_version_by_alias(model_name, alias)
-    except mlflow.exceptions.MlflowException:
-        holder = None
-    if holder is None:
+    holder = alias_holder(model_name, alias)
+    held = float(holder.tags.get(figure, "nan")) if holder is not None else math.nan
+    if not math.isfinite(value):
+        moved, reason = False, f"{alias} does not move: {figure} is {value}"
+    elif holder is None:
         moved, reason = True, f"{alias} is version {version}: the first with this alias"
-    elif holder.tags.get(TAG_EVALUATION_KEY) != evaluation_key or holder.tags.get("rlhf.champion_figure") != figure:
+    elif holder.tags.get(TAG_EVALUATION_KEY) != evaluation_key or holder.tags.get(TAG_JUDGED_BY) != figure:
         moved, reason = False, (f"{alias} stays on version {holder.version}: it was measured on another evaluation "
-                                f"(held-out prompts, SFT baseline or reward model); move it by hand if this one is better")
+                                f"(held-out prompts, SFT baseline, reward model or sampling settings); move it by hand "
+                                f"if this one is better")
+    elif not math.isfinite(held) or value > held:
+        moved, reason = True, f"{alias} moves to version {version}: {figure} {value:.4g} against {held:.4g}"
     else:
-        held = float(holder.tags[figure])
-        moved = value > held
-        reason = (f"{alias} {'moves to' if moved else 'stays on'} version {version if moved else holder.version}: "
-                  f"{figure} {value:.4g} against {held:.4g} on the same evaluation")
+        moved, reason = False, (f"{alias} stays on version {holder.version}: {figure} {value:.4g} against "
+                                f"{held:.4g} on the same evaluation")
     if moved:
         client.set_registered_model_alias(model_name, alias, version)
     return Registration(version, moved, reason)

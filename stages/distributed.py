@@ -144,6 +144,10 @@ def _failed_ranks(lines: list[str]) -> str:
     return "".join(f"; rank {rank}: {message}" for rank, message in sorted(raised.items()))
 
 
+TABLE = "__table__"
+"""In the event file, the key of a table argument's records (no metric is named so)."""
+
+
 def _forward_events(events: Path, read: int, reporting: Reporting) -> int:
     """Hand complete new lines of rank 0's event file to the caller's callbacks; returns the new offset."""
     if not events.exists():
@@ -154,7 +158,7 @@ def _forward_events(events: Path, read: int, reporting: Reporting) -> int:
     complete = chunk[:chunk.rfind("\n") + 1]
     for line in complete.splitlines():
         event = json.loads(line)
-        arguments = [pd.DataFrame(a["table"]) if isinstance(a, dict) and "table" in a else a for a in event["arguments"]]
+        arguments = [pd.DataFrame(a[TABLE]) if isinstance(a, dict) and TABLE in a else a for a in event["arguments"]]
         getattr(reporting, event["kind"])(*arguments)
     return read + len(complete)
 
@@ -172,7 +176,7 @@ def _event_writer(events: Path) -> Reporting:
     """Rank 0's `Reporting`: every call becomes a line of the event file (tables as their records)."""
     def writer(kind: str):
         def write(*arguments) -> None:
-            encoded = [{"table": a.to_dict("records")} if isinstance(a, pd.DataFrame) else a for a in arguments]
+            encoded = [{TABLE: a.to_dict("records")} if isinstance(a, pd.DataFrame) else a for a in arguments]
             with events.open("a") as f:
                 f.write(json.dumps({"kind": kind, "arguments": encoded}) + "\n")
         return write

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -393,49 +393,57 @@ def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPO
 # --- evaluate ---------------------------------------------------------------------------------
 
 
-@dataclass
+@contextmanager
+def own_random_stream(device: torch.device):
+    """A block whose seeding and sampling leave the caller's random stream (CPU, and the GPU's) as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        yield
+
+
+@dataclass(frozen=True)
 class HeldOut:
     """The held-out prompts, each `eval_samples_per_prompt` times, and the SFT policy's responses to
-    them, sampled once (at the first evaluation) and reused by every later one."""
+    them, which every evaluation judges the policy against."""
 
     prompts: list[str]
     messages: list[list[dict]]
-    sft_texts: list[str] = field(default_factory=list)
-    sft_scores: torch.Tensor | None = None
-    """# (N,) the reward model's normalised scores of `sft_texts`."""
+    sft_texts: list[str]
+    sft_complete: list[bool]
+    """False where the SFT response was cut off at `response_length` without an end token."""
 
     @classmethod
-    def of(cls, eval_prompts: pd.DataFrame, cfg: PPOConfig) -> HeldOut:
+    @torch.inference_mode()
+    def sample(cls, models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig, device: torch.device) -> HeldOut:
+        """The SFT responses, sampled before training starts (so from the SFT policy even when the
+        reference is refreshed later, or the run resumes), from `eval_seed` alone: every PPO run from
+        the same SFT checkpoint and prompts, whatever its training seed or settings, is judged against
+        the same responses (common random numbers)."""
         repeat = cfg.eval_samples_per_prompt
-        return cls([p for p in eval_prompts["prompt"] for _ in range(repeat)],
-                   [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)])
+        prompts = [p for p in eval_prompts["prompt"] for _ in range(repeat)]
+        messages = [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)]
+        models.train(False)
+        with own_random_stream(device), reference_policy(models) as reference:
+            torch.manual_seed(cfg.eval_seed)
+            responses = sample(reference, models.tokenizer, prompts, cfg, models.precision, models.stop_ids).responses
+        return cls(prompts, messages, models.tokenizer.batch_decode(responses, skip_special_tokens=True),
+                   is_end(responses, models.stop_ids).any(dim=1).tolist())
 
 
 @torch.inference_mode()
 def evaluate(models: Models, held_out: HeldOut, cfg: PPOConfig) -> tuple[dict[str, float], pd.DataFrame]:
-    """The policy against the SFT reference on the held-out prompts: reward-model scores of both,
-    the win rate with its standard error, and KL(PPO || SFT) on the policy's responses.
-
-    Common random numbers: the SFT baseline is sampled from `eval_seed` alone, so every PPO run
-    from the same SFT checkpoint and prompts (whatever its training seed or settings) is judged
-    against the same baseline responses; the policy's own samples come from `eval_seed + 1`. The
-    caller keeps its own random stream apart (`torch.random.fork_rng`) when training goes on."""
+    """The policy against the SFT responses on the held-out prompts: reward-model scores of both
+    (on the normalisation in force), the win rate with its standard error, and KL(PPO || SFT) on
+    the policy's responses, sampled from `eval_seed + 1`. Training's random stream is the caller's
+    to keep (`own_random_stream`) when training goes on."""
     prompts, messages = held_out.prompts, held_out.messages
-    if held_out.sft_scores is None:
-        models.train(False)
-        torch.manual_seed(cfg.eval_seed)
-        with reference_policy(models) as reference:
-            sft_responses = sample(reference, models.tokenizer, prompts, cfg, models.precision, models.stop_ids).responses
-        held_out.sft_texts = models.tokenizer.batch_decode(sft_responses, skip_special_tokens=True)
-        sft_complete = is_end(sft_responses, models.stop_ids).any(dim=1).tolist()
-        held_out.sft_scores = models.scorer.score(messages, held_out.sft_texts, complete=sft_complete)
+    sft_scores = models.scorer.score(messages, held_out.sft_texts, complete=held_out.sft_complete)
     torch.manual_seed(cfg.eval_seed + 1)
     ppo = rollout(models, prompts, cfg, {})
     ppo_scores = models.scorer.score(messages, ppo.texts, complete=ppo.has_eos.tolist())
     kl = (kl_estimate(ppo.logprobs, ppo.ref_logprobs) * ppo.mask).sum(1)
     table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
                           "ppo_response": ppo.texts, "sft_response": held_out.sft_texts,
-                          "ppo_score": ppo_scores.numpy(), "sft_score": held_out.sft_scores.numpy(),
+                          "ppo_score": ppo_scores.numpy(), "sft_score": sft_scores.numpy(),
                           "kl": kl.cpu().numpy()})
     wins, wins_se = win_rate(list(table["ppo_score"]), list(table["sft_score"]), prompts)
     metrics = {"eval/score": table["ppo_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
@@ -448,7 +456,7 @@ def evaluate(models: Models, held_out: HeldOut, cfg: PPOConfig) -> tuple[dict[st
 def evaluate_midway(models: Models, held_out: HeldOut, cfg: PPOConfig, iteration: int, device: torch.device,
                     reporting: Reporting) -> dict[str, float]:
     """An evaluation between iterations, reported at `iteration`, leaving training's random stream as it was."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+    with own_random_stream(device):
         metrics, table = evaluate(models, held_out, cfg)
     reporting.metrics(metrics, iteration)
     reporting.evaluation(table, iteration)
@@ -579,13 +587,14 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
     total_steps = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
+    # Before a resume or a reference refresh can change the reference: it is the SFT policy now.
+    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg, accelerator.device) if rank == 0 else None
     state_dir = output_dir / "state"
     loop = LoopState(kl=KLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
     if (state_dir / "loop.json").exists():
         loop = resume(state_dir, models, optimizer, scheduler, scaler, rank, reporting)
     prompt_texts = list(inputs.prompts["prompt"])
     prompt_messages = [json.loads(m) for m in inputs.prompts["prompt_messages"]]
-    held_out = HeldOut.of(inputs.eval_prompts, cfg)
     local = cfg.rollout_batch_size // accelerator.num_processes
 
     while loop.iteration < cfg.num_iterations:

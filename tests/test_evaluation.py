@@ -4,8 +4,11 @@ sampled with common random numbers, so two PPO runs are judged against the same 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rlhf.evaluation import win_rate
+
+CPU = torch.device("cpu")
 
 
 def test_win_rate_counts_ties_half_and_takes_its_error_over_prompts():
@@ -23,11 +26,11 @@ def test_the_sft_baseline_is_the_same_for_runs_with_different_training_seeds(tin
     for seed in (0, 1):
         cfg = tiny_config.ppo.model_copy(update={"seed": seed, "eval_samples_per_prompt": 2})
         models = load_models(cfg, trained["sft"], trained["reward"])
-        metrics, table = evaluate(models, HeldOut.of(trained["eval_prompts"], cfg), cfg)
+        metrics, table = evaluate(models, HeldOut.sample(models, trained["eval_prompts"], cfg, CPU), cfg)
         tables.append(table)
         assert 0 <= metrics["eval/win_rate_rm"] <= 1 and metrics["eval/win_rate_rm_se"] > 0
     assert list(tables[0]["sft_response"]) == list(tables[1]["sft_response"])
     other = tiny_config.ppo.model_copy(update={"eval_seed": 7, "eval_samples_per_prompt": 2})
-    _, moved = evaluate(load_models(other, trained["sft"], trained["reward"]), HeldOut.of(trained["eval_prompts"], other),
-                        other)
+    models = load_models(other, trained["sft"], trained["reward"])
+    _, moved = evaluate(models, HeldOut.sample(models, trained["eval_prompts"], other, CPU), other)
     assert list(moved["sft_response"]) != list(tables[0]["sft_response"])

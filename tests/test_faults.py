@@ -166,4 +166,11 @@ def test_a_flow_run_killed_mid_ppo_leaves_no_task_or_mlflow_run_running(stack):
             break
         assert time.monotonic() < deadline, (tasks, [(r.info.run_name, r.info.status) for r in mlflow_runs])
         time.sleep(1)
-    assert {r.info.status for r in mlflow_runs if r.data.tags.get(tracking.TAG_STAGE) == "ppo"} == {"KILLED"}
+    (crashed,) = [r for r in mlflow_runs if r.data.tags.get(tracking.TAG_STAGE) == "ppo"]
+    assert crashed.info.status == "KILLED"
+    # a rerun takes the crashed attempt's work over, and says so on its runs
+    ((state, message, _),) = submit_and_wait(stack, [("rlhf/full", params)])
+    assert state == "COMPLETED", message
+    (resumed,) = _runs(stack, f"tags.`{tracking.TAG_CACHE_KEY}` = '{crashed.data.tags[tracking.TAG_CACHE_KEY]}' "
+                              "and attributes.status = 'FINISHED'")
+    assert mlflow_client(stack).get_run(crashed.info.run_id).data.tags[tracking.TAG_ABANDONED_BY] == resumed.info.run_id

@@ -250,6 +250,7 @@ def test_the_champion_alias_moves_only_on_a_win_on_the_same_evaluation(tracking_
     assert first.champion and str(client.get_model_version_by_alias(name, "champion").version) == first.version
     assert not register("a", 0.5).champion  # worse on the same evaluation
     assert not register("b", 0.9).champion  # measured on another evaluation: not comparable
+    assert not register("a", float("nan")).champion
     better = register("a", 0.7)
     assert better.champion and str(client.get_model_version_by_alias(name, "champion").version) == better.version
     assert client.get_model_version(name, better.version).tags["eval/win_rate_rm"] == "0.7"

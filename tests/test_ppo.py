@@ -108,6 +108,9 @@ def test_evaluations_every_eval_every_iterations_leave_training_as_it_was(tiny_c
     assert result.metrics == plain.metrics
     assert ((tmp_path / "plain" / "checkpoint" / "model.safetensors").read_bytes()
             == (tmp_path / "evaluated" / "checkpoint" / "model.safetensors").read_bytes())
+    # The baseline is the SFT policy's, even when the reference is refreshed along the way.
+    refreshed = _run(_cfg(tiny_config, num_iterations=2, ref_refresh_every=1), trained, tmp_path / "refreshed")
+    assert list(refreshed.evaluation["sft_response"]) == list(plain.evaluation["sft_response"])
 
 
 def test_normalize_critic_maps_the_critic_like_the_scorer_maps_raw_scores(tiny_config, trained):
