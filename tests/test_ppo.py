@@ -231,7 +231,8 @@ def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_checkpoin
 
     monkeypatch.setattr(RewardScorer, "raw_scores", poisoned)
     with pytest.raises(NonFiniteLossError, match="at iteration 3"):
-        _run(_cfg(tiny_config, num_iterations=4, checkpoint_every=2), trained, tmp_path)
+        # no evaluations between iterations: they would score too, and move the poisoned call
+        _run(_cfg(tiny_config, num_iterations=4, checkpoint_every=2, eval_every=None), trained, tmp_path)
     assert json.loads((tmp_path / "state" / "loop.json").read_text())["iteration"] == 2
 
 
