@@ -293,7 +293,7 @@ def register(ctx: StageContext, run_id: str, checkpoint: Path, metrics: dict[str
             **{key: f"{value:.6g}" for key, value in metrics.items() if key.startswith("eval/")}}
     registration = tracking.register_policy(run_id, checkpoint, registry.model_name, registry.champion_alias, tags,
                                             evaluation_key, figure, metrics[figure])
-    mlflow.set_tag("rlhf.registered_model", f"{registry.model_name}/{registration.version}")
+    mlflow.set_tag(tracking.TAG_REGISTERED_MODEL, f"{registry.model_name}/{registration.version}")
     get_run_logger().info("registered %s version %s; %s", registry.model_name, registration.version, registration.reason)
 
 
@@ -407,7 +407,7 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
             MlflowClient().set_tag(parent_run_id, tracking.TAG_REUSED + name, cached.info.run_id)
             logger.info("%s: reusing finished run %s (same config, data, code and upstream runs)", name,
                         cached.info.run_id)
-            if name == "ppo" and cfg.registry.enabled and "rlhf.registered_model" not in cached.data.tags:
+            if name == "ppo" and cfg.registry.enabled and tracking.TAG_REGISTERED_MODEL not in cached.data.tags:
                 logger.warning("ppo: the reused run %s registered no policy (it ran with registry.enabled false); "
                                "rerun with use_cache false to register one", cached.info.run_id)
             return reused_record(name, cached)

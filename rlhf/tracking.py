@@ -46,6 +46,7 @@ TAG_ABANDONED_BY = "rlhf.abandoned_by"  # on a killed attempt's runs -> the stag
 TAG_WARNINGS = "rlhf.warnings"  # how many warnings a stage raised (their text is in the run's description)
 TAG_EVALUATION_KEY = "rlhf.evaluation_key"  # on a model version: what its figures were measured on
 TAG_JUDGED_BY = "rlhf.judged_by"  # on a model version: the figure the champion alias compares (eval/...)
+TAG_REGISTERED_MODEL = "rlhf.registered_model"  # on a PPO run -> `<registered model>/<version>` it became
 TAG_NOTE = "mlflow.note.content"  # the run's description, shown on its overview page
 CHECKPOINT_PATH = "checkpoint"
 DATA_PATH = "data"
