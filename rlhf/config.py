@@ -203,7 +203,13 @@ class PPOConfig(TrainedStage):
     num_iterations: PositiveInt = 100
     """PPO iterations (rollout, score, update)."""
     rollout_batch_size: PositiveInt = 64
-    """Episodes (prompts) per iteration, over all processes together."""
+    """Responses per iteration, over all processes together: `rollout_batch_size / samples_per_prompt` prompts, each answered `samples_per_prompt` times."""
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce++", "reinforce++-baseline"] = "gae"
+    """How a response's tokens get their advantages: GAE with a critic (`gae`), or critic-free from the scores alone: group-normalised (`grpo`, its KL to the reference a k3 loss term weighted by beta), leave-one-out (`rloo`), or discounted returns with the per-token KL reward whitened over the batch (`reinforce++`; `reinforce++-baseline` subtracts each prompt's mean score first). README, "Choosing a method"."""
+    samples_per_prompt: PositiveInt = 1
+    """Responses sampled for each prompt per iteration (a group); `grpo`, `rloo` and `reinforce++-baseline` need at least 2."""
+    group_std_normalize: bool = True
+    """With `grpo`: divide by the group's score std as well as subtracting its mean; false is Dr. GRPO (mean only)."""
     num_ppo_epochs: PositiveInt = 4
     """Passes over each iteration's rollouts."""
     num_minibatches: PositiveInt = 4
@@ -223,7 +229,7 @@ class PPOConfig(TrainedStage):
     entropy_coef: float = Field(0.0, ge=0)
     """c2: weight of the entropy bonus."""
     kl_loss_coef: float = Field(0.0, ge=0)
-    """c3: weight of a KL(pi || ref) term in the loss (besides the KL penalty in the reward)."""
+    """c3: weight of a k3 KL(pi || ref) term in the loss, besides the KL penalty in the reward (with `grpo`, besides beta's own loss term)."""
     gamma: float = Field(1.0, gt=0, le=1)
     """Discount."""
     lam: float = Field(0.95, ge=0, le=1)
@@ -231,7 +237,7 @@ class PPOConfig(TrainedStage):
     kl_estimator: Literal["k1", "k3"] = "k1"
     """Per-token KL estimator in the reward."""
     init_kl_coef: float = Field(0.05, ge=0)
-    """Initial (or fixed) KL coefficient beta."""
+    """Initial (or fixed) KL coefficient beta: of the per-token KL penalty in the reward, or with `grpo` of the k3 KL loss term."""
     target_kl: PositiveFloat | None = 6.0
     """Adaptive KL control target per sequence (Ziegler et al.); unset keeps beta fixed."""
     kl_horizon: PositiveFloat = 10000.0
@@ -239,7 +245,7 @@ class PPOConfig(TrainedStage):
     kl_budget: PositiveFloat = 12.0
     """Mean KL per sequence above which a warning is raised: for an iteration's rollouts, and for the final policy on the held-out prompts."""
     whiten_rewards: bool = False
-    """Whiten per-token rewards (keeping their mean) before GAE."""
+    """Whiten per-token rewards (keeping their mean) before GAE (`gae` only)."""
     missing_eos_score: float | None = -3.0
     """Score given to responses cut off at `response_length` without a reply-end token, instead of the reward model's; unset: the reward model scores them as they are (no end token appended)."""
     score_clip: PositiveFloat | None = None
@@ -247,7 +253,7 @@ class PPOConfig(TrainedStage):
     ref_refresh_every: PositiveInt | None = None
     """Copy the policy into the reference every this many iterations; unset never does. Not with `lora` (the reference is the policy without its adapters)."""
     critic: Literal["reward", "shared", "detached"] = "reward"
-    """A separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
+    """With `gae`: a separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
     freeze_policy_iterations: int = Field(0, ge=0)
     """Critic warm-up: for this many first iterations only the critic learns (no policy loss; a shared value head reads the body without training it), so the policy's first update meets informed values (OpenRLHF's `freezing_actor_steps`)."""
     normalize_critic: bool = True
@@ -284,6 +290,21 @@ class PPOConfig(TrainedStage):
     @model_validator(mode="after")
     def _batches_divide(self) -> PPOConfig:
         processes = self.launch.num_processes
+        if self.rollout_batch_size % (self.samples_per_prompt * processes):
+            factors = f"samples_per_prompt ({self.samples_per_prompt})"
+            if processes > 1:
+                factors += f" x launch.num_processes ({processes})"
+            raise ValueError(f"{factors} must divide rollout_batch_size ({self.rollout_batch_size}): each process "
+                             "samples whole groups of responses")
+        if self.advantage_estimator in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
+            raise ValueError(f"advantage_estimator {self.advantage_estimator!r} compares responses to the same prompt: "
+                             "set samples_per_prompt to 2 or more")
+        if not self.uses_critic and self.freeze_policy_iterations:
+            raise ValueError(f"freeze_policy_iterations warms up a critic; advantage_estimator "
+                             f"{self.advantage_estimator!r} has none")
+        if not self.uses_critic and self.whiten_rewards:
+            raise ValueError("whiten_rewards acts before GAE; it has no effect with advantage_estimator "
+                             f"{self.advantage_estimator!r}")
         if self.rollout_batch_size % (self.num_minibatches * processes):
             factors = f"num_minibatches ({self.num_minibatches})"
             if processes > 1:
@@ -302,6 +323,20 @@ class PPOConfig(TrainedStage):
         if self.micro_batch_size is not None and minibatch % self.micro_batch_size:
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must divide the minibatch ({minibatch})")
         return self
+
+    @property
+    def uses_critic(self) -> bool:
+        """Only GAE learns a value function; the other estimators take baselines from the scores."""
+        return self.advantage_estimator == "gae"
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """GRPO keeps the reward the score alone and puts beta's KL into the loss."""
+        return self.advantage_estimator == "grpo"
+
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce++-baseline")
+"""Advantage estimators whose baseline is the other responses to the same prompt."""
 
 
 class RegistryConfig(_Frozen):

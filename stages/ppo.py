@@ -2,12 +2,16 @@
 
 One iteration of `train_ppo` reads top to bottom:
 
-    rollout    sample responses for a batch of prompts; keep log-probs, values, reference log-probs
+    rollout    sample `samples_per_prompt` responses to each of a batch of prompts; keep
+               log-probs, values (GAE only), reference log-probs
     score      the reward model scores prompt + response text; EOS penalty; optional clipping
-    advantage  r_t = -beta * KL_t, plus the score on the last response token;
-               GAE(gamma, lambda); returns = A + V; A whitened
+    advantage  gae          r_t = -beta * KL_t, plus the score on the last response token;
+                            GAE(gamma, lambda); returns = A + V; A whitened
+               grpo         (score - group mean) / group std on every token; KL goes to the loss
+               rloo         R = score - beta * sum KL; R minus the mean of the group's others
+               reinforce++  discounted returns of r_t (score minus group mean for -baseline); whitened
     update     num_ppo_epochs x shuffled minibatches (micro-batches accumulate):
-               loss = -L_clip + c1 L_V - c2 H [+ c3 KL]; grad-norm clip; AdamW, warmup + linear decay
+               loss = -L_clip [+ c1 L_V] - c2 H [+ c3 KL]; grad-norm clip; AdamW, warmup + linear decay
     control    adaptive (or fixed) KL coefficient; optional reference refresh
 every `eval_every` iterations and after the last one
     evaluate   held-out prompts: the policy against the SFT policy's responses
@@ -41,9 +45,10 @@ from schemas.adapters import last_user_message
 from stages.collectives import MAX_FIGURES, check_weights_agree, over_processes, whiten_over_processes
 from stages.errors import NonFiniteLossError
 from stages.models import Precision, left_padded, position_ids_for, resolve_precision, save_trained
-from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss, entropy_of,
-                             explained_variance, gae, is_end, kl_estimate, logprobs_of, masked_mean, response_mask,
-                             token_rewards, truncate_after_eos)
+from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss,
+                             discounted_returns, entropy_of, explained_variance, gae, group_baselined, grpo_advantages,
+                             is_end, kl_estimate, logprobs_of, masked_mean, response_mask, rloo_advantages,
+                             sequence_rewards, token_rewards, truncate_after_eos)
 from stages.ppo_models import ActorCritic, Models, forward_response, load_models, policy_and_values, reference_policy
 from stages.ppo_state import LoopState, Normalization, load_state, save_state_everywhere
 from stages.reporting import Reporting
@@ -88,7 +93,7 @@ class Rollout:
     mask: torch.Tensor
     logprobs: torch.Tensor
     ref_logprobs: torch.Tensor
-    values: torch.Tensor
+    values: torch.Tensor | None  # None without a critic
     entropy: torch.Tensor
     has_eos: torch.Tensor  # (B,) the response ended with an end token
     texts: list[str]
@@ -171,7 +176,8 @@ def rollout(models: Models, prompts: list[str], cfg: PPOConfig, timings: dict[st
     mask = response_mask(responses, models.stop_ids)
     if reuse_sampling_pass(cfg, models.precision):
         logprobs, entropy = sampled.logprobs, sampled.entropy
-        values = models.critic.values(sampled.hidden, queries, query_mask, responses, mask, models.precision)
+        values = None if models.critic is None else models.critic.values(sampled.hidden, queries, query_mask, responses,
+                                                                          mask, models.precision)
     else:
         logits, values = policy_and_values(models, queries, query_mask, responses, mask)
         logprobs, entropy = logprobs_of(logits, responses, cfg.temperature), entropy_of(logits, cfg.temperature)
@@ -180,7 +186,8 @@ def rollout(models: Models, prompts: list[str], cfg: PPOConfig, timings: dict[st
                                          precision=models.precision)
     ref_logprobs = logprobs_of(ref_logits, responses, cfg.temperature)
     timings["forward"] = time.perf_counter() - start
-    return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask, values * mask, entropy,
+    return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask,
+                   None if values is None else values * mask, entropy,
                    has_eos=is_end(responses, models.stop_ids).any(dim=1),
                    texts=models.tokenizer.batch_decode(responses, skip_special_tokens=True), prompts=prompts)
 
@@ -220,8 +227,7 @@ def scores_of(raw: torch.Tensor, has_eos: torch.Tensor, scorer: RewardScorer, cf
 
 def adopt_normalization(models: Models, normalization: Normalization, batch: Rollout) -> Rollout:
     """The scorer, and the critic if it takes it, on the fitted scale; the rollout's values mapped alike."""
-    models.scorer.gain, models.scorer.bias = normalization.gain, normalization.bias
-    return replace(batch, values=models.critic.adopt_normalization(normalization.gain, normalization.bias, batch.values))
+    return replace(batch, values=models.adopt_normalization(normalization.gain, normalization.bias, batch.values))
 
 
 def first_normalization(accelerator: Accelerator, scorer: RewardScorer, raw: torch.Tensor,
@@ -240,14 +246,26 @@ def first_normalization(accelerator: Accelerator, scorer: RewardScorer, raw: tor
 
 
 def advantages_and_returns(accelerator: Accelerator, batch: Rollout, kl: torch.Tensor, scores: Scores, beta: float,
-                           cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards (KL penalty, score at the end), GAE advantages whitened over all
-    processes' tokens, and the returns the critic regresses on (collective). # -> (B, T), (B, T)"""
-    rewards = token_rewards(scores.used, kl, beta, batch.mask)
-    if cfg.whiten_rewards:
-        rewards = whiten_over_processes(accelerator, rewards, batch.mask, shift_mean=False)
-    advantages, returns = gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
-    return whiten_over_processes(accelerator, advantages, batch.mask), returns
+                           cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The advantage of every response token under `cfg.advantage_estimator`, and for GAE the
+    returns the critic regresses on (None otherwise). Whitening is over all processes' tokens
+    (collective); the group estimators need no other process, as each holds whole groups.
+    `kl` is per token and masked. # -> (B, T), (B, T) | None"""
+    mask, group_size = batch.mask, cfg.samples_per_prompt
+    if cfg.advantage_estimator == "gae":
+        rewards = token_rewards(scores.used, kl, beta, mask)
+        if cfg.whiten_rewards:
+            rewards = whiten_over_processes(accelerator, rewards, mask, shift_mean=False)
+        advantages, returns = gae(rewards, batch.values, mask, cfg.gamma, cfg.lam)
+        return whiten_over_processes(accelerator, advantages, mask), returns
+    if cfg.advantage_estimator == "grpo":  # the KL is a loss term: the reward is the score alone
+        return grpo_advantages(scores.used, mask, group_size, cfg.group_std_normalize), None
+    if cfg.advantage_estimator == "rloo":
+        return rloo_advantages(sequence_rewards(scores.used, kl, beta, mask), mask, group_size), None
+    outcome = group_baselined(scores.used, group_size) if cfg.advantage_estimator == "reinforce++-baseline" \
+        else scores.used
+    returns = discounted_returns(token_rewards(outcome, kl, beta, mask), mask, cfg.gamma)
+    return whiten_over_processes(accelerator, returns, mask), None
 
 
 # --- update -----------------------------------------------------------------------------------
@@ -275,12 +293,13 @@ class MicroBatch:
     mask: torch.Tensor
     logprobs: torch.Tensor
     ref_logprobs: torch.Tensor
-    values: torch.Tensor
+    values: torch.Tensor | None  # None without a critic, as are the returns
     advantages: torch.Tensor
-    returns: torch.Tensor
+    returns: torch.Tensor | None
 
 
-def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor, rows: torch.Tensor) -> MicroBatch:
+def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None,
+                rows: torch.Tensor) -> MicroBatch:
     """The rows' tensors, dropping leading prompt columns and trailing response columns that no
     row uses: the rollout is padded for its longest prompt and response, a micro-batch need not be.
     Position ids count real tokens, so dropping all-padding columns changes no position."""
@@ -288,8 +307,8 @@ def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor,
     first = int(query_mask.any(dim=0).long().argmax())  # first prompt column with a real token
     end = int(mask.any(dim=0).nonzero().max()) + 1  # past the last response column with a real token
 
-    def responses_of(x: torch.Tensor) -> torch.Tensor:
-        return x[rows][:, :end]
+    def responses_of(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[rows][:, :end]
 
     return MicroBatch(batch.queries[rows][:, first:], query_mask[:, first:], responses_of(batch.responses),
                       mask[:, :end], responses_of(batch.logprobs), responses_of(batch.ref_logprobs),
@@ -297,11 +316,12 @@ def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor,
 
 
 def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: Rollout, advantages: torch.Tensor,
-               returns: torch.Tensor, cfg: PPOConfig, optimizer: torch.optim.Optimizer, scheduler,
-               scaler: torch.amp.GradScaler, iteration: int) -> dict[str, float]:
+               returns: torch.Tensor | None, cfg: PPOConfig, optimizer: torch.optim.Optimizer, scheduler,
+               scaler: torch.amp.GradScaler, iteration: int, kl_loss_coef: float) -> dict[str, float]:
     """num_ppo_epochs passes of shuffled minibatches over this process's rollout, one optimizer step each.
     `initial_ratio_deviation`, max |ratio - 1| over the first minibatch before any step, checks that
-    the update computes the policy the rollout sampled from (dropout off, same precision)."""
+    the update computes the policy the rollout sampled from (dropout off, same precision).
+    `kl_loss_coef` weighs the k3 KL term of the loss."""
     actor_critic.train(True)
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     policy_parameters = list(accelerator.unwrap_model(actor_critic).policy.parameters())
@@ -312,7 +332,7 @@ def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: R
     for epoch in range(cfg.num_ppo_epochs):
         for index, minibatch in enumerate(torch.randperm(n).split(n // cfg.num_minibatches)):
             figures = accumulate_gradients(actor_critic, accelerator, batch, advantages, returns,
-                                           minibatch.to(batch.responses.device), cfg, scaler, iteration)
+                                           minibatch.to(batch.responses.device), cfg, scaler, iteration, kl_loss_coef)
             deviation = figures.pop("ratio_deviation_max")
             if epoch == 0 and index == 0:
                 stats.add(initial_ratio_deviation=deviation)
@@ -322,18 +342,20 @@ def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: R
             scaler.unscale_(optimizer)  # clipping reads true gradient norms (no-op without fp16 loss scaling)
             # Each model clipped on its own: a large value-loss gradient must not shrink the policy's step.
             grad_norm = torch.nn.utils.clip_grad_norm_(policy_parameters, cfg.max_grad_norm)
-            critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic_parameters, cfg.max_grad_norm)
+            if critic_parameters:
+                critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic_parameters, cfg.max_grad_norm)
+                figures["critic_grad_norm"] = critic_grad_norm.item()
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            stats.add(**figures, grad_norm=grad_norm.item(), critic_grad_norm=critic_grad_norm.item())
+            stats.add(**figures, grad_norm=grad_norm.item())
     return stats.means()
 
 
 def accumulate_gradients(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: Rollout,
-                         advantages: torch.Tensor, returns: torch.Tensor, rows: torch.Tensor, cfg: PPOConfig,
-                         scaler: torch.amp.GradScaler, iteration: int) -> dict[str, float]:
+                         advantages: torch.Tensor, returns: torch.Tensor | None, rows: torch.Tensor, cfg: PPOConfig,
+                         scaler: torch.amp.GradScaler, iteration: int, kl_loss_coef: float) -> dict[str, float]:
     """Gradients of one minibatch (these `rows` of this process's rollout), accumulated over its
     micro-batches and averaged over processes by DDP at the last one.
 
@@ -352,15 +374,16 @@ def accumulate_gradients(actor_critic: torch.nn.Module, accelerator: Accelerator
         last = position == len(micro_batches) - 1
         with nullcontext() if last else accelerator.no_sync(actor_critic):
             figures = _micro_batch_step(actor_critic, micro_batch(batch, advantages, returns, micro_rows), cfg,
-                                        num_tokens, scaler, iteration)
+                                        num_tokens, scaler, iteration, kl_loss_coef)
         for key, value in figures.items():
             totals[key] = max(totals.get(key, 0.0), value) if key.endswith(MAX_FIGURES) else totals.get(key, 0.0) + value
     return totals
 
 
 def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPOConfig, num_tokens: torch.Tensor,
-                      scaler: torch.amp.GradScaler, iteration: int) -> dict[str, float]:
-    """Forward and backward of one micro-batch: its masked loss sums over the minibatch's `num_tokens`."""
+                      scaler: torch.amp.GradScaler, iteration: int, kl_loss_coef: float) -> dict[str, float]:
+    """Forward and backward of one micro-batch: its masked loss sums over the minibatch's `num_tokens`;
+    the value loss only with a critic."""
     mask = micro.mask
     # Critic warm-up: the policy terms stay in the graph at weight 0 (every parameter gets a
     # gradient, as DDP needs); `ppo_update` then drops the policy's gradients before the step.
@@ -368,26 +391,31 @@ def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPO
     logits, values = actor_critic(micro.queries, micro.query_mask, micro.responses, mask, warming_up)
     logprobs = logprobs_of(logits, micro.responses, cfg.temperature)
     policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range, num_tokens)
-    value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask, cfg.clip_range_value,
-                                                   num_tokens)
     # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
     entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.temperature), mask,
                           num_tokens=num_tokens)
     policy_terms = policy.loss - cfg.entropy_coef * entropy
-    if cfg.kl_loss_coef > 0:
-        policy_terms = policy_terms + cfg.kl_loss_coef * masked_mean(kl_estimate(logprobs, micro.ref_logprobs, "k3"),
-                                                                     mask, num_tokens=num_tokens)
-    loss = (0.0 if warming_up else 1.0) * policy_terms + cfg.vf_coef * value_loss
+    figures = {}
+    if kl_loss_coef > 0:
+        kl_loss = masked_mean(kl_estimate(logprobs, micro.ref_logprobs, "k3"), mask, num_tokens=num_tokens)
+        policy_terms = policy_terms + kl_loss_coef * kl_loss
+        figures["kl_loss"] = kl_loss.item()
+    loss = (0.0 if warming_up else 1.0) * policy_terms
+    if values is not None:
+        value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask, cfg.clip_range_value,
+                                                       num_tokens)
+        loss = loss + cfg.vf_coef * value_loss
+        figures |= dict(value_loss=value_loss.item(), value_clip_fraction=value_clipped.item())
     if not torch.isfinite(loss):
         raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
                                  "the last full-state checkpoint is kept")
     scaler.scale(loss).backward()
     ratio = policy.ratio.detach()
-    return dict(policy_loss=policy.loss.item(), value_loss=value_loss.item(), entropy=entropy.item(),
-                clip_fraction=policy.clip_fraction.item(), value_clip_fraction=value_clipped.item(),
-                approx_kl=policy.approx_kl.item(),
-                ratio_mean=masked_mean(ratio, mask, num_tokens=num_tokens).item(),
-                ratio_max=(ratio * mask).max().item(), ratio_deviation_max=((ratio - 1).abs() * mask).max().item())
+    return figures | dict(policy_loss=policy.loss.item(), entropy=entropy.item(),
+                          clip_fraction=policy.clip_fraction.item(), approx_kl=policy.approx_kl.item(),
+                          ratio_mean=masked_mean(ratio, mask, num_tokens=num_tokens).item(),
+                          ratio_max=(ratio * mask).max().item(),
+                          ratio_deviation_max=((ratio - 1).abs() * mask).max().item())
 
 
 # --- evaluate ---------------------------------------------------------------------------------
@@ -514,7 +542,7 @@ def _prompt_batch(order_seed: int, n_prompts: int, cursor: int, size: int) -> li
 
 
 def iteration_figures(accelerator: Accelerator, batch: Rollout, scores: Scores, kl: torch.Tensor, beta: float,
-                      returns: torch.Tensor, train: dict[str, float], learning_rate: float,
+                      reward_beta: float, returns: torch.Tensor | None, train: dict[str, float], learning_rate: float,
                       timings: dict[str, float], started: float) -> dict[str, float]:
     """What one iteration logs, this process's share (`over_processes` combines them); `started`:
     the iteration's start on the `time.perf_counter` clock."""
@@ -523,17 +551,18 @@ def iteration_figures(accelerator: Accelerator, batch: Rollout, scores: Scores, 
         "rollout/score_std": accelerator.gather(scores.normalized).std().item(),  # over all processes' scores
         "rollout/score_raw": scores.raw.mean().item(),
         "rollout/score_used": scores.used.mean().item(),
-        "rollout/non_score_reward": (-beta * kl).sum(1).mean().item(),
+        "rollout/non_score_reward": (-reward_beta * kl).sum(1).mean().item(),
         "rollout/kl": kl.sum(1).mean().item(),
         "rollout/kl_coef": beta,
         "rollout/entropy": masked_mean(batch.entropy, batch.mask).item(),
         "rollout/response_length": batch.mask.sum(1).float().mean().item(),
         "rollout/eos_rate": batch.has_eos.float().mean().item(),
         **{f"train/{k}": v for k, v in train.items()},
-        "train/explained_variance": explained_variance(batch.values, returns, batch.mask),
         "train/learning_rate": learning_rate,
         **{f"time/{k}": v for k, v in timings.items()},
     }
+    if returns is not None:
+        figures["train/explained_variance"] = explained_variance(batch.values, returns, batch.mask)
     elapsed = time.perf_counter() - started
     return figures | {"time/iteration": elapsed,
                       "time/tokens_per_second": batch.mask.sum().item() * accelerator.num_processes / elapsed}
@@ -561,8 +590,7 @@ def resume(state_dir: Path, models: Models, optimizer, scheduler, scaler, rank: 
     figures replayed, so this run's curves start at iteration 1, not at the resume point."""
     loop = load_state(state_dir, models, optimizer, scheduler, scaler, rank)
     if loop.normalization is not None:
-        models.scorer.gain, models.scorer.bias = loop.normalization.gain, loop.normalization.bias
-        models.critic.restore_normalization(loop.normalization.gain, loop.normalization.bias)
+        models.restore_normalization(loop.normalization.gain, loop.normalization.bias)
     reporting.warning(f"resumed from the full-state checkpoint after iteration {loop.iteration}")
     for past in loop.history:
         reporting.metrics({k: v for k, v in past.items() if k != "iteration"}, int(past["iteration"]))
@@ -595,11 +623,13 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         loop = resume(state_dir, models, optimizer, scheduler, scaler, rank, reporting)
     prompt_texts = list(inputs.prompts["prompt"])
     prompt_messages = [json.loads(m) for m in inputs.prompts["prompt_messages"]]
-    local = cfg.rollout_batch_size // accelerator.num_processes
+    prompts_per_iteration = cfg.rollout_batch_size // cfg.samples_per_prompt
+    local = prompts_per_iteration // accelerator.num_processes
 
     while loop.iteration < cfg.num_iterations:
         iteration, started, timings = loop.iteration + 1, time.perf_counter(), {}
-        picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, cfg.rollout_batch_size)[rank * local:][:local]
+        picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, prompts_per_iteration)[rank * local:][:local]
+        picks = [i for i in picks for _ in range(cfg.samples_per_prompt)]  # a prompt's group on consecutive rows
         messages = [prompt_messages[i] for i in picks]
         batch = rollout(models, [prompt_texts[i] for i in picks], cfg, timings)
         raw = raw_scores(models.scorer, batch, messages, timings)
@@ -609,23 +639,25 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         scores = scores_of(raw, batch.has_eos, models.scorer, cfg)
 
         beta = loop.kl.value
+        reward_beta, kl_loss_coef = (0.0, cfg.kl_loss_coef + beta) if cfg.kl_in_loss else (beta, cfg.kl_loss_coef)
         kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * batch.mask  # (B, T)
-        advantages, returns = advantages_and_returns(accelerator, batch, kl, scores, beta, cfg)
+        advantages, returns = advantages_and_returns(accelerator, batch, kl, scores, reward_beta, cfg)
 
         start = time.perf_counter()
         train = ppo_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, scheduler, scaler,
-                           iteration)
+                           iteration, kl_loss_coef)
         timings["train"] = time.perf_counter() - start
 
-        figures = over_processes(accelerator, iteration_figures(accelerator, batch, scores, kl, beta, returns, train,
-                                                                scheduler.get_last_lr()[0], timings, started))
+        figures = over_processes(accelerator, iteration_figures(accelerator, batch, scores, kl, beta, reward_beta,
+                                                                returns, train, scheduler.get_last_lr()[0], timings,
+                                                                started))
         loop.kl.update(figures["rollout/kl"], cfg.rollout_batch_size)
         if cfg.ref_refresh_every and iteration % cfg.ref_refresh_every == 0:
             models.reference.load_state_dict(models.policy.state_dict())
 
         loop.first_length = loop.first_length or figures["rollout/response_length"]
         report_iteration(reporting, cfg, loop, iteration, figures, batch, messages, scores, kl)
-        loop.iteration, loop.cursor = iteration, loop.cursor + cfg.rollout_batch_size
+        loop.iteration, loop.cursor = iteration, loop.cursor + prompts_per_iteration
         if cfg.eval_every and iteration % cfg.eval_every == 0 and iteration < cfg.num_iterations and rank == 0:
             figures |= evaluate_midway(models, held_out, cfg, iteration, accelerator.device, reporting)
         loop.history = loop.history + [{"iteration": iteration, **figures}]

@@ -141,6 +141,67 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, advantages + values
 
 
+# --- critic-free advantages ------------------------------------------------------------------
+# Rows come in groups of `group_size` consecutive responses to the same prompt. Each estimator
+# is checked against the formulas of verl's `verl/trainer/ppo/core_algos.py` (tests/test_ppo_math.py).
+
+
+def grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """One row per prompt, one column per response to it. # (B,) -> (B / K, K)"""
+    if x.shape[0] % group_size:
+        raise ValueError(f"{x.shape[0]} responses do not split into groups of {group_size}")
+    return x.view(-1, group_size)
+
+
+def sequence_rewards(scores: torch.Tensor, kl: torch.Tensor, beta: float, mask: torch.Tensor) -> torch.Tensor:
+    """R = score - beta * sum_t KL_t: a whole response's reward, its KL penalty included. # (B,), (B, T) -> (B,)"""
+    return scores - beta * (kl * mask).sum(dim=1)
+
+
+def grpo_advantages(rewards: torch.Tensor, mask: torch.Tensor, group_size: int, std_normalize: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO (Shao et al. 2024): each response's reward against its group's,
+
+        A_i = (R_i - mean_g R) / (std_g R + eps)      std unbiased; Dr. GRPO (std_normalize=False): R_i - mean_g R
+
+    the same advantage on every token of the response. # (B,), (B, T) -> (B, T)"""
+    group = grouped(rewards, group_size)  # (G, K)
+    centred = group - group.mean(dim=1, keepdim=True)
+    if std_normalize:
+        centred = centred / (group.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(-1, 1) * mask
+
+
+def rloo_advantages(rewards: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): each response's reward against the mean of the others in its group,
+
+        A_i = R_i - (sum_g R - R_i) / (K - 1)
+
+    the same advantage on every token of the response. # (B,), (B, T) -> (B, T)"""
+    if group_size < 2:
+        raise ValueError("RLOO needs at least two responses per prompt")
+    group = grouped(rewards, group_size)  # (G, K)
+    leave_one_out = (group.sum(dim=1, keepdim=True) - group) / (group_size - 1)
+    return (group - leave_one_out).reshape(-1, 1) * mask
+
+
+def group_baselined(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """score_i - mean_g score: REINFORCE++-baseline's scores, before the KL reward. # (B,) -> (B,)"""
+    group = grouped(scores, group_size)
+    return (group - group.mean(dim=1, keepdim=True)).reshape(-1)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE returns, backwards in time: G_t = r_t + gamma * G_{t+1} (0 after the last real token).
+    # (B, T), (B, T) -> (B, T)"""
+    returns = torch.zeros_like(rewards)
+    next_return = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        returns[:, t] = (rewards[:, t] + gamma * next_return) * mask[:, t]
+        next_return = returns[:, t]
+    return returns
+
+
 # --- losses ----------------------------------------------------------------------------------
 
 

@@ -1,9 +1,10 @@
 """The models PPO holds and the passes it takes through them.
 
-The policy (with LoRA adapters or not), its frozen reference, the reward model that scores, and
-the critic: either a value head on the policy's own body (`SharedValueHead`) or a separate model
-started from the reward model (`RewardCritic`). Both critics answer `values(...)` the same way,
-so the rollout and the update never ask which one they have.
+The policy (with LoRA adapters or not), its frozen reference, the reward model that scores, and,
+for GAE, the critic: either a value head on the policy's own body (`SharedValueHead`) or a
+separate model started from the reward model (`RewardCritic`). Both critics answer `values(...)`
+the same way, so the rollout and the update never ask which one they have; the critic-free
+estimators (GRPO, RLOO, REINFORCE++) build none, and their values are None.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ Critic = SharedValueHead | RewardCritic
 @dataclass
 class Models:
     policy: PreTrainedModel
-    critic: Critic
+    critic: Critic | None
+    """None for the critic-free advantage estimators."""
     reference: PreTrainedModel | None
     """None when LoRA is on: the reference is the policy with its adapters disabled."""
     scorer: RewardScorer
@@ -126,11 +128,25 @@ class Models:
     """Token ids that end a response: the reply end, EOS, and any the generation config lists."""
 
     def trainable(self) -> list[torch.nn.Parameter]:
-        return [p for m in (self.policy, self.critic) for p in m.parameters() if p.requires_grad]
+        return [p for m in self.trained_modules() for p in m.parameters() if p.requires_grad]
+
+    def trained_modules(self) -> list[torch.nn.Module]:
+        return [m for m in (self.policy, self.critic) if m is not None]
 
     def train(self, mode: bool = True) -> None:
-        self.policy.train(mode)
-        self.critic.train(mode)
+        for module in self.trained_modules():
+            module.train(mode)
+
+    def adopt_normalization(self, gain: float, bias: float, values: torch.Tensor | None) -> torch.Tensor | None:
+        """The scorer, and the critic if it takes it, on the normalised scale; `values` mapped alike."""
+        self.scorer.gain, self.scorer.bias = gain, bias
+        return values if self.critic is None else self.critic.adopt_normalization(gain, bias, values)
+
+    def restore_normalization(self, gain: float, bias: float) -> None:
+        """On resume: the scorer's map, and the critic's offset (its saved head is already scaled)."""
+        self.scorer.gain, self.scorer.bias = gain, bias
+        if self.critic is not None:
+            self.critic.restore_normalization(gain, bias)
 
 
 def load_models(cfg: PPOConfig, sft_location: str, reward_location: str) -> Models:
@@ -151,7 +167,9 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str) -> Mode
         reference = copy.deepcopy(policy).to(frozen).eval().requires_grad_(False)
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-    if cfg.critic in ("shared", "detached"):
+    if not cfg.uses_critic:
+        critic = None
+    elif cfg.critic in ("shared", "detached"):
         critic = SharedValueHead(policy.config.hidden_size, detach_body=cfg.critic == "detached")
     else:
         reward_tokenizer = load_tokenizer(reward_location, trust_remote_code=cfg.trust_remote_code)
@@ -182,13 +200,18 @@ def reference_policy(models: Models) -> Iterator[PreTrainedModel]:
 
 
 def policy_and_values(models: Models, queries, query_mask, responses, mask,
-                      freeze_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Policy logits and values for the response tokens; with the shared value head, one backbone
-    pass (`freeze_policy`: the value loss does not reach the body). # (B, T, V), (B, T)"""
+                      freeze_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Policy logits and values for the response tokens (None without a critic); with the shared
+    value head, one backbone pass (`freeze_policy`: the value loss does not reach the body).
+    # (B, T, V), (B, T)"""
+    critic = models.critic
     logits, hidden = forward_response(models.policy, queries, query_mask, responses, mask,
-                                      want_hidden=models.critic.reads_policy_hidden, precision=models.precision)
-    return logits, models.critic.values(hidden, queries, query_mask, responses, mask, models.precision,
-                                        detach_body=freeze_policy)
+                                      want_hidden=critic is not None and critic.reads_policy_hidden,
+                                      precision=models.precision)
+    if critic is None:
+        return logits, None
+    return logits, critic.values(hidden, queries, query_mask, responses, mask, models.precision,
+                                 detach_body=freeze_policy)
 
 
 class ActorCritic(torch.nn.Module):

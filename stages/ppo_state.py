@@ -77,7 +77,8 @@ def save_state(folder: Path, models: Models, optimizer, scheduler, scaler, loop:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     save_model(models.policy, str(staging / "policy.safetensors"))
-    save_model(models.critic, str(staging / "critic.safetensors"))
+    if models.critic is not None:
+        save_model(models.critic, str(staging / "critic.safetensors"))
     if models.reference is not None:
         save_model(models.reference, str(staging / "reference.safetensors"))
     torch.save(optimizer.state_dict(), staging / "optimizer.pt")
@@ -105,7 +106,8 @@ def load_state(folder: Path, models: Models, optimizer, scheduler, scaler, rank:
     safetensors; optimizer and scheduler state load with `weights_only=True`, which refuses
     arbitrary pickled objects."""
     load_model(models.policy, str(folder / "policy.safetensors"))
-    load_model(models.critic, str(folder / "critic.safetensors"))
+    if models.critic is not None:
+        load_model(models.critic, str(folder / "critic.safetensors"))
     if models.reference is not None:
         load_model(models.reference, str(folder / "reference.safetensors"))
     optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))

@@ -66,9 +66,11 @@ def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
     assert any("is over the budget of 0.05" in w and w.startswith("iteration ") for w in warnings)
 
 
-@pytest.mark.parametrize("normalize_critic", [False, True])
-def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, trained, tmp_path, normalize_critic):
-    cfg = _cfg(tiny_config, num_iterations=6, checkpoint_every=3, normalize_critic=normalize_critic)
+@pytest.mark.parametrize("normalize_critic, estimator", [(False, "gae"), (True, "gae"), (True, "grpo")])
+def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, trained, tmp_path, normalize_critic,
+                                                                estimator):
+    cfg = _cfg(tiny_config, num_iterations=6, checkpoint_every=3, normalize_critic=normalize_critic,
+               advantage_estimator=estimator, samples_per_prompt=1 if estimator == "gae" else 2)
     reference = _run(cfg, trained, tmp_path / "whole")
 
     class Killed(Exception):
@@ -205,6 +207,37 @@ def test_critic_warm_up_trains_the_critic_and_leaves_the_policy_as_it_was(tiny_c
     assert any(not torch.equal(critic_after_two[name], initial_critic[name]) for name in critic_after_two)
     final = load_file(str(result.checkpoint / "model.safetensors"))
     assert any(not torch.equal(final[name], sft[name]) for name in final)  # iteration 3 trains it
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++", "reinforce++-baseline"])
+def test_critic_free_estimators_sample_groups_and_train_no_critic(tiny_config, trained, tmp_path, estimator):
+    cfg = _cfg(tiny_config, num_iterations=2, rollout_batch_size=8, samples_per_prompt=4, advantage_estimator=estimator,
+               eval_every=None, init_kl_coef=0.1, target_kl=None)
+    models = load_models(cfg, trained["sft"], trained["reward"])
+    assert models.critic is None and models.trainable() == [p for p in models.policy.parameters() if p.requires_grad]
+    rollouts = {}
+    result = _run(cfg, trained, tmp_path, Reporting(rollouts=lambda t, i: rollouts.update({i: t})))
+    for table in rollouts.values():  # 2 prompts a batch, each answered 4 times on consecutive rows
+        prompts = list(table["prompt_messages"])
+        assert len(prompts) == 8 and all(len(set(prompts[g:g + 4])) == 1 for g in (0, 4)) and prompts[0] != prompts[4]
+    figures = result.history[-1]
+    assert not {"train/value_loss", "train/value_clip_fraction", "train/explained_variance",
+                "train/critic_grad_norm"} & set(figures)
+    # GRPO's KL is a loss term at beta, not a reward; the others pay it in the reward
+    assert ("train/kl_loss" in figures) == (estimator == "grpo")
+    assert (figures["rollout/non_score_reward"] == 0.0) == (estimator == "grpo")
+    assert not (tmp_path / "state" / "critic.safetensors").exists()
+    assert {"eval/win_rate_rm", "eval/kl"} <= set(result.metrics)
+
+
+def test_group_estimators_need_groups_of_whole_responses():
+    with pytest.raises(ValueError, match="samples_per_prompt to 2 or more"):
+        PPOConfig(advantage_estimator="rloo")
+    with pytest.raises(ValueError, match=r"samples_per_prompt \(3\) must divide rollout_batch_size \(64\)"):
+        PPOConfig(advantage_estimator="grpo", samples_per_prompt=3)
+    with pytest.raises(ValueError, match="warms up a critic"):
+        PPOConfig(advantage_estimator="reinforce++", freeze_policy_iterations=1)
+    assert PPOConfig(advantage_estimator="reinforce++").samples_per_prompt == 1  # the batch is its baseline
 
 
 def test_warm_up_must_leave_iterations_to_train():

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss, entropy_of, is_end,
-                             explained_variance, gae, kl_estimate, last_token_index, logprobs_of, masked_whiten,
-                             response_mask, token_rewards, truncate_after_eos)
+from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss,
+                             discounted_returns, entropy_of, explained_variance, gae, group_baselined, grpo_advantages,
+                             is_end, kl_estimate, last_token_index, logprobs_of, masked_mean, masked_var, masked_whiten,
+                             response_mask, rloo_advantages, sequence_rewards, token_rewards, truncate_after_eos)
 
 EOS, PAD = 2, 0
 
@@ -159,3 +160,151 @@ def test_explained_variance():
     returns, mask = torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3)
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
     assert explained_variance(torch.full_like(returns, 2.0), returns, mask) == pytest.approx(0.0)
+
+
+# --- critic-free estimators: by hand -----------------------------------------------------------
+
+
+def test_grpo_normalises_within_each_group_and_dr_grpo_only_centres():
+    rewards = torch.tensor([1.0, 2.0, 6.0, 5.0, 5.0, 5.0])  # two prompts, three responses each
+    mask = torch.tensor([[1.0, 1.0]] * 5 + [[1.0, 0.0]])
+    # group 1: mean 3, unbiased std sqrt((4 + 1 + 9) / 2) = sqrt(7); group 2: all equal, so all 0
+    advantages = grpo_advantages(rewards, mask, group_size=3)
+    root7 = math.sqrt(7.0)
+    assert advantages[:3, 0].tolist() == pytest.approx([-2 / root7, -1 / root7, 3 / root7], rel=1e-5)
+    assert advantages[:, 1].tolist() == advantages[:, 0].tolist()[:5] + [0.0]  # every token alike; masked after EOS
+    assert advantages[3:].abs().max() == 0.0
+    assert grpo_advantages(rewards, mask, 3, std_normalize=False)[:3, 0].tolist() == pytest.approx([-2.0, -1.0, 3.0])
+
+
+def test_rloo_subtracts_the_mean_of_the_other_responses():
+    rewards = torch.tensor([1.0, 2.0, 6.0])
+    # leave-one-out means: (2 + 6) / 2 = 4, (1 + 6) / 2 = 3.5, (1 + 2) / 2 = 1.5
+    assert rloo_advantages(rewards, torch.ones(3, 2), 3)[:, 0].tolist() == pytest.approx([-3.0, -1.5, 4.5])
+    # the sequence reward keeps the KL penalty: 1 - 0.1 * (0.5 + 0.5), the token after EOS not counted
+    kl = torch.tensor([[0.5, 0.5, 7.0]])
+    assert sequence_rewards(torch.tensor([1.0]), kl, 0.1, torch.tensor([[1.0, 1.0, 0.0]])).tolist() == pytest.approx([0.9])
+    with pytest.raises(ValueError, match="two responses"):
+        rloo_advantages(rewards, torch.ones(3, 2), 1)
+
+
+def test_discounted_returns_and_the_group_baseline():
+    # gamma 0.5: G_2 = 1, G_1 = -0.1 + 0.5 * 1 = 0.4, G_0 = 0 + 0.5 * 0.4 = 0.2
+    returns = discounted_returns(torch.tensor([[0.0, -0.1, 1.0]]), torch.ones(1, 3), gamma=0.5)
+    assert returns.tolist()[0] == pytest.approx([0.2, 0.4, 1.0])
+    # nothing is carried back from after the end token
+    returns = discounted_returns(torch.tensor([[0.0, 1.0, 9.0]]), torch.tensor([[1.0, 1.0, 0.0]]), gamma=1.0)
+    assert returns.tolist()[0] == pytest.approx([1.0, 1.0, 0.0])
+    assert group_baselined(torch.tensor([1.0, 3.0, 10.0, 20.0]), 2).tolist() == [-1.0, 1.0, -5.0, 5.0]
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_baselined(torch.tensor([1.0, 3.0, 10.0, 20.0]), 3)
+
+
+# --- critic-free estimators: against verl's formulas --------------------------------------------
+# The reference is verl's `verl/trainer/ppo/core_algos.py` (compute_grpo_outcome_advantage,
+# compute_rloo_outcome_advantage, compute_reinforce_plus_plus_outcome_advantage,
+# compute_reinforce_plus_plus_baseline_outcome_advantage), restated here loop by loop as it
+# computes them: prompts grouped through an index array, token-level rewards summed to a
+# sequence score, torch.std, eps 1e-6, the running return reset at the response mask.
+
+
+def _verl_group_stats(scores, index):
+    groups = {}
+    for i, key in enumerate(index):
+        groups.setdefault(key, []).append(scores[i])
+    return {key: torch.stack(members) for key, members in groups.items()}
+
+
+def _verl_grpo(token_level_rewards, response_mask, index, norm_by_std=True, epsilon=1e-6):
+    scores = token_level_rewards.sum(dim=-1).clone()
+    groups = _verl_group_stats(scores, index)
+    out = scores.clone()
+    for i, key in enumerate(index):
+        members = groups[key]
+        mean, std = (members.mean(), members.std()) if len(members) > 1 else (torch.tensor(0.0), torch.tensor(1.0))
+        out[i] = (scores[i] - mean) / (std + epsilon) if norm_by_std else scores[i] - mean
+    return out.unsqueeze(-1) * response_mask
+
+
+def _verl_rloo(token_level_rewards, response_mask, index):
+    scores = token_level_rewards.sum(dim=-1).clone()
+    groups = _verl_group_stats(scores, index)
+    out = scores.clone()
+    for i, key in enumerate(index):
+        n = len(groups[key])
+        if n > 1:
+            out[i] = scores[i] * n / (n - 1) - groups[key].mean() * n / (n - 1)
+    return out.unsqueeze(-1) * response_mask
+
+
+def _verl_whiten(values, mask):
+    mean = (values * mask).sum() / mask.sum()
+    var = ((values - mean) ** 2 * mask).sum() / mask.sum() * mask.sum() / (mask.sum() - 1)
+    return (values - mean) * torch.rsqrt(var + 1e-8)
+
+
+def _verl_reinforce_pp(token_level_rewards, response_mask, gamma):
+    returns = torch.zeros_like(token_level_rewards)
+    running = 0
+    for t in reversed(range(token_level_rewards.shape[1])):
+        running = token_level_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * response_mask[:, t]
+    return _verl_whiten(returns, response_mask) * response_mask
+
+
+def _verl_reinforce_pp_baseline(token_level_rewards, response_mask, index):
+    scores = token_level_rewards.sum(dim=-1).clone()
+    groups = _verl_group_stats(scores, index)
+    out = torch.stack([scores[i] - (groups[key].mean() if len(groups[key]) > 1 else 0.0) for i, key in enumerate(index)])
+    out = out.unsqueeze(-1).tile([1, token_level_rewards.shape[1]]) * response_mask
+    return _verl_whiten(out, response_mask) * response_mask
+
+
+def _random_episodes(seed, groups=5, group_size=4, steps=7):
+    generator = torch.Generator().manual_seed(seed)
+    n = groups * group_size
+    scores = torch.randn(n, generator=generator) * 2
+    kl = torch.rand(n, steps, generator=generator) * 0.3
+    lengths = torch.randint(1, steps + 1, (n,), generator=generator)
+    mask = (torch.arange(steps) < lengths.unsqueeze(1)).float()
+    index = [f"prompt-{i // group_size}" for i in range(n)]
+    return scores, kl * mask, mask, index, group_size
+
+
+def _verl_token_rewards(scores, kl, beta, mask):
+    rewards = -beta * kl * mask
+    for row, length in enumerate(mask.sum(1).long()):
+        rewards[row, length - 1] += scores[row]
+    return rewards
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_grpo_and_rloo_match_verl(seed):
+    scores, kl, mask, index, k = _random_episodes(seed)
+    outcome = _verl_token_rewards(scores, kl, 0.0, mask)
+    assert torch.allclose(grpo_advantages(scores, mask, k), _verl_grpo(outcome, mask, index), atol=1e-5)
+    assert torch.allclose(grpo_advantages(scores, mask, k, std_normalize=False),
+                          _verl_grpo(outcome, mask, index, norm_by_std=False), atol=1e-5)
+    # RLOO with the KL penalty in the reward, as verl takes it with use_kl_in_reward
+    beta = 0.2
+    penalised = _verl_token_rewards(scores, kl, beta, mask)
+    ours = rloo_advantages(sequence_rewards(scores, kl, beta, mask), mask, k)
+    assert torch.allclose(ours, _verl_rloo(penalised, mask, index), atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_reinforce_plus_plus_matches_verl(seed):
+    scores, kl, mask, index, k = _random_episodes(seed)
+    for beta, gamma in [(0.0, 1.0), (0.2, 1.0), (0.2, 0.9)]:
+        returns = discounted_returns(token_rewards(scores, kl, beta, mask), mask, gamma)
+        ours = masked_whiten(returns, mask)
+        assert torch.allclose(ours, _verl_reinforce_pp(_verl_token_rewards(scores, kl, beta, mask), mask, gamma),
+                              atol=1e-5)
+    # The -baseline variant: verl whitens the outcome score minus its group mean. We take the KL
+    # per token after the baseline as OpenRLHF's reinforce_baseline does; without KL the two agree.
+    returns = discounted_returns(token_rewards(group_baselined(scores, k), kl, 0.0, mask), mask, 1.0)
+    assert torch.allclose(masked_whiten(returns, mask),
+                          _verl_reinforce_pp_baseline(_verl_token_rewards(scores, kl, 0.0, mask), mask, index), atol=1e-5)
+    assert masked_mean(masked_whiten(returns, mask), mask).abs() < 1e-5
+    assert masked_var(masked_whiten(returns, mask), mask) == pytest.approx(1.0, abs=1e-4)
