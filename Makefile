@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quality up down status install clean-state screenshots
+.PHONY: demo test bench bench-quality bench-methods up down status install clean-state screenshots
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -29,6 +29,9 @@ bench: $(STAMP) $(BENCH_STAMP)  ## PPO benchmark: ours against TRL 1.12's PPOTra
 
 bench-quality: $(STAMP) $(BENCH_STAMP)  ## PPO learning quality: KL - gold-reward frontier, ours against TRL 1.12, 3 betas x 3 seeds
 	$(PY) -m bench.quality --config $${BENCH_CONFIG:-configs/demo.yaml} --reference $(BENCH_VENV)/bin/python
+
+bench-methods: $(STAMP)  ## the RL stage's advantage estimators on the demo world: gold win rate, KL, time, memory
+	$(PY) -m bench.methods --config $${BENCH_CONFIG:-configs/demo.yaml}
 
 up: $(STAMP)  ## start Prefect + MLflow servers, the worker, and deploy
 	scripts/stack.sh up

@@ -56,9 +56,10 @@ SFTForm = _form("SFTForm", "sft", SFTConfig, ["model", "train_data", "learning_r
                                               "max_steps", "batch_size"])
 RewardForm = _form("RewardForm", "reward", RewardConfig, ["model", "train_data", "learning_rate", "num_train_epochs",
                                                           "max_steps", "batch_size", "min_eval_accuracy"])
-PPOForm = _form("PPOForm", "ppo", PPOConfig, ["prompts", "learning_rate", "num_iterations", "rollout_batch_size",
-                                              "num_minibatches", "init_kl_coef", "target_kl", "clip_range",
-                                              "response_length", "eval_every"])
+PPOForm = _form("PPOForm", "ppo", PPOConfig, ["prompts", "advantage_estimator", "samples_per_prompt", "learning_rate",
+                                              "num_iterations", "rollout_batch_size", "num_minibatches",
+                                              "init_kl_coef", "target_kl", "clip_range", "response_length",
+                                              "eval_every"])
 
 
 def form_overrides(*forms: StageForm) -> dict[str, Any]:

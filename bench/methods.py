@@ -1,0 +1,127 @@
+"""Method comparison: the RL stage's advantage estimators on the demo world, from the same SFT
+and reward checkpoints, prompts and response budget.
+
+    python -m bench.methods                 (or: make bench-methods)
+
+1. SFT and reward checkpoints are trained once with the demo config's sections (`bench.quality`).
+2. Each method runs the demo config's PPO section with its own settings (`METHODS`: the estimator,
+   responses per prompt), in a process of its own, so its wall time and peak memory are its own.
+   Every method samples the same number of responses per iteration (`rollout_batch_size`) for
+   the same number of iterations.
+3. Each final policy is judged as the flow judges it: the stage's own evaluation against the SFT
+   baseline responses on the held-out prompts (common random numbers), then the demo world's gold
+   function: gold win rate against SFT with its standard error, and KL to SFT per sequence.
+
+It prints a Markdown table and writes `bench/results/methods-<date>.json`. A benchmark, not a
+test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+METHODS: dict[str, dict] = {
+    "ppo (gae)": {"advantage_estimator": "gae"},
+    # GRPO's beta weighs a k3 loss term averaged over tokens, not a penalty summed into each return:
+    # the same KL takes a larger beta (demo sweep, KL to SFT: 0.05 -> 25.4, 0.1 -> 17.2, 0.2 -> 4.75, 0.3 -> 1.85).
+    "grpo": {"advantage_estimator": "grpo", "samples_per_prompt": 4, "init_kl_coef": 0.2},
+    "rloo": {"advantage_estimator": "rloo", "samples_per_prompt": 4},
+    "reinforce++": {"advantage_estimator": "reinforce++"},
+    "reinforce++-baseline": {"advantage_estimator": "reinforce++-baseline", "samples_per_prompt": 4},
+}
+"""Each method's PPO settings on top of the config's `ppo` section."""
+
+
+def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
+    """One method's PPO run (`settings`: `ppo` fields) and its judgement, in this process: the row of the table."""
+    import torch
+
+    from rlhf.config import load_config
+    from rlhf.demo_world import build_world, gold_comparison, last_user_turns
+    from schemas.validate import LengthBudget, load_validated
+    from stages.models import load_tokenizer, set_determinism
+    from stages.ppo import PPOInputs, train_ppo
+
+    from bench.quality import train_upstream
+
+    cfg = load_config(config, {f"ppo.{key}": value for key, value in settings.items()})
+    set_determinism(cfg.deterministic, cfg.num_threads or 2)
+    world = build_world(state / "worlds", cfg.demo)
+    sft_folder, reward_folder = train_upstream(cfg, world, state)
+    tokenizer = load_tokenizer(str(sft_folder))
+    budget = LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.response_length)
+    prompts, eval_prompts = (load_validated(str(world / f"{name}.jsonl"), "prompt", tokenizer=tokenizer,
+                                            budget=budget).frame for name in ("prompts", "prompts_eval"))
+    out = state / method.replace(" ", "-").replace("(", "").replace(")", "")
+    shutil.rmtree(out, ignore_errors=True)  # a finished run's state there would be resumed, whatever its settings
+    clock = time.perf_counter()
+    result = train_ppo(cfg.ppo.model_copy(update={"eval_every": None}),
+                       PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts), out)
+    seconds = time.perf_counter() - clock
+    table = result.evaluation
+    gold = gold_comparison(last_user_turns(table["prompt_messages"]), list(table["ppo_response"]),
+                           list(table["sft_response"]))
+    peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"method": method, "settings": settings, "seconds": seconds, "peak_memory_bytes": peak,
+            "memory_kind": "cuda allocated" if torch.cuda.is_available() else "process max RSS",
+            "kl_budget": cfg.ppo.kl_budget, **result.metrics, **gold}
+
+
+def table_of(rows: list[dict]) -> str:
+    lines = ["| method | gold win rate vs SFT | KL to SFT (budget) | reward-model win rate | wall time | peak memory |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['eval/gold_win_rate']:.3f} ± {r['eval/gold_win_rate_se']:.3f} | "
+                     f"{r['eval/kl']:.2f} ({r['kl_budget']:g}) | {r['eval/win_rate_rm']:.3f} | {r['seconds']:.0f} s | "
+                     f"{r['peak_memory_bytes'] / 2**30:.2f} GiB |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--state", default=str(REPO / ".rlhf" / "bench-quality"))
+    parser.add_argument("--results", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a `ppo` field for every method (YAML value), after the method's own settings")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this method, print its row as JSON
+    args = parser.parse_args(argv)
+    state = Path(args.state)
+    if args.one:
+        import yaml
+
+        extra = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
+        print(json.dumps(run_one(args.config, args.one, METHODS[args.one] | extra, state)))
+        return 0
+    rows = []
+    for method in args.methods:
+        done = subprocess.run([sys.executable, "-m", "bench.methods", "--config", args.config, "--state", str(state),
+                               "--one", method, *(f"--set={item}" for item in args.set)],
+                              capture_output=True, text=True, cwd=REPO)
+        if done.returncode != 0:
+            sys.exit(f"{method} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(table_of(rows[-1:]).splitlines()[-1], flush=True)
+    print("\n" + table_of(rows))
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"methods-{datetime.date.today().isoformat()}.json"
+    path.write_text(json.dumps({"config": args.config, "rows": rows}, indent=1))
+    print(f"\nwritten to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
