@@ -69,7 +69,7 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
                        PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts), out)
     seconds = time.perf_counter() - clock
     table = result.evaluation
-    gold = gold_comparison(last_user_turns(table["prompt_messages"]), list(table["ppo_response"]),
+    gold = gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]),
                            list(table["sft_response"]))
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

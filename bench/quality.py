@@ -102,7 +102,7 @@ def judge(policy_folder: Path, sft_folder: Path, reward_folder: Path, eval_promp
     if unexpected or set(missing) - {"lm_head.weight"}:  # only a tied head may be absent from the file
         raise ValueError(f"{policy_folder} does not fit the SFT model: missing {missing}, unexpected {unexpected}")
     metrics, table = evaluate(models, held_out, ppo_cfg)
-    return metrics | gold_comparison(last_user_turns(table["prompt_messages"]), list(table["ppo_response"]),
+    return metrics | gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]),
                                      list(table["sft_response"]))
 
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from rlhf.config import DataSource, PPOConfig, RewardConfig, SFTConfig
+from rlhf.config import DataSource, DPOConfig, PPOConfig, RewardConfig, SFTConfig
 
 
 class StageForm(BaseModel):
@@ -60,6 +60,8 @@ PPOForm = _form("PPOForm", "ppo", PPOConfig, ["prompts", "advantage_estimator", 
                                               "num_iterations", "rollout_batch_size", "num_minibatches",
                                               "init_kl_coef", "target_kl", "clip_range", "response_length",
                                               "eval_every"])
+DPOForm = _form("DPOForm", "dpo", DPOConfig, ["train_data", "beta", "loss_type", "learning_rate",
+                                              "num_train_epochs", "max_steps", "batch_size", "response_length"])
 
 
 def form_overrides(*forms: StageForm) -> dict[str, Any]:

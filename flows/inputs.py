@@ -54,7 +54,7 @@ class DataInput:
 
 def data_inputs(cfg: PipelineConfig, stage: str) -> dict[str, DataInput]:
     """Every data source `stage` reads, by its role: `train` and `eval` (absent: split off `train`),
-    the reward stage's `normalization` prompts, PPO's `prompts` and `eval_prompts`.
+    the reward stage's `normalization` prompts, PPO's `prompts` and `eval_prompts`, DPO's `eval_prompts`.
     The SFT checkpoint carries the SFT tokenizer (and its template) to the later stages."""
     sft, reward, ppo = cfg.sft, cfg.reward, cfg.ppo
     policy = TokenizerSource(sft.model, sft.trust_remote_code, sft.chat_template)
@@ -63,6 +63,9 @@ def data_inputs(cfg: PipelineConfig, stage: str) -> dict[str, DataInput]:
                 "eval_prompts": DataInput(ppo.eval_prompts, "prompt", policy)}
     if stage == "sft":
         kind, measured_by, extra = "sft", policy, {}
+    elif stage == "dpo":
+        kind, measured_by, extra = "preference", policy, {"eval_prompts": DataInput(cfg.dpo.eval_prompts, "prompt",
+                                                                                   policy)}
     else:
         kind, extra = "preference", {"normalization": DataInput(reward.normalization_prompts, "prompt", policy)}
         measured_by = (TokenizerSource(reward.model, reward.trust_remote_code, reward.chat_template) if reward.model
@@ -144,7 +147,8 @@ def context_problems(cfg: PipelineConfig, stages: list[str], world: str | None) 
     needs = {"sft": ("sft.max_length", cfg.sft.model, base),
              "reward": ("reward.max_length", cfg.reward.model or cfg.sft.model,
                         context(cfg.reward.model, cfg.reward.trust_remote_code) if cfg.reward.model else base),
-             "ppo": ("ppo.response_length", cfg.sft.model, base)}
+             "ppo": ("ppo.response_length", cfg.sft.model, base),
+             "dpo": ("dpo.max_length", cfg.sft.model, base)}
     problems = []
     for stage in stages:
         field, model, limit = needs[stage]

@@ -16,10 +16,12 @@ from rlhf.config import DataSource, PipelineConfig, config_hash
 from rlhf.demo_locations import resolve_location
 from stages.models import folder_digest
 
-StageName = Literal["sft", "reward", "ppo"]
-AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo")
-"""Stages in pipeline order."""
-UPSTREAM: dict[str, tuple[StageName, ...]] = {"sft": (), "reward": ("sft",), "ppo": ("sft", "reward")}
+StageName = Literal["sft", "reward", "ppo", "dpo"]
+AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo", "dpo")
+"""Stages in pipeline order; `dpo` is the alternative to reward + PPO (`stages: [sft, dpo]`)."""
+RLHF_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo")
+"""The classic pipeline, what a flow run runs when no stages are named."""
+UPSTREAM: dict[str, tuple[StageName, ...]] = {"sft": (), "reward": ("sft",), "ppo": ("sft", "reward"), "dpo": ("sft",)}
 """The stages whose results each stage starts from."""
 
 

@@ -1,4 +1,4 @@
-"""The `rlhf` Prefect flow: the pipeline sft -> reward -> ppo, wiring stages to MLflow.
+"""The `rlhf` Prefect flow: the pipeline sft -> reward -> ppo (or sft -> dpo), wiring stages to MLflow.
 
 No training math and no stage internals live here. Each task fetches what its stage needs
 (validated data from `flows.inputs`, upstream checkpoints through MLflow artifacts), calls the
@@ -27,10 +27,11 @@ from prefect.states import Failed, State
 from prefect.utilities.urls import url_for
 from pydantic import BaseModel, Field
 
-from flows.form import PPOForm, RewardForm, SFTForm, form_overrides
+from flows.form import DPOForm, PPOForm, RewardForm, SFTForm, form_overrides
 from flows.inputs import context_problems, input_problems, is_demo, logged_prompts, train_and_eval_data
-from flows.lineage import AVAILABLE_STAGES, StageName, StageRecord, cache_key, reused_record, upstream_runs
-from flows.reports import (STAGE_SECONDS, GoldJudgments, Progress, finish, log_overhead, pipeline_note,
+from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, StageName, StageRecord, cache_key, reused_record,
+                           upstream_runs)
+from flows.reports import (STAGE_SECONDS, GoldJudgments, Progress, dpo_report, finish, log_overhead, pipeline_note,
                            pipeline_summary, ppo_report, reward_report)
 from rlhf import tracking
 from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
@@ -268,7 +269,7 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
             record = finish("ppo", run.run_id, section, train, metrics, result.checkpoint, samples,
                             int(metrics["train/iterations"]), run.warnings, ctx.links())
             if ctx.config.registry.enabled:
-                register(ctx, run.run_id, result.checkpoint, metrics, evaluation.digest)
+                register(ctx, "ppo", run.run_id, result.checkpoint, metrics, evaluation.digest)
             return record
     except DataContractError as e:
         return refuse(e.report())
@@ -276,25 +277,69 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
         return refuse(str(e))
 
 
-def register(ctx: StageContext, run_id: str, checkpoint: Path, metrics: dict[str, float], eval_digest: str) -> None:
-    """The policy as a new version of the registry's model, tagged with how it was made and judged;
-    the champion alias moves to it only when it beats the holder on the same evaluation."""
-    registry, section = ctx.config.registry, ctx.config.ppo
-    # What the win rates were measured on: the same held-out prompts, sampling and SFT baseline, and
-    # the same reward model scoring in the same precision, so two versions with equal keys have
-    # comparable figures.
-    judged_on = {"eval_prompts": eval_digest, "sft": ctx.upstream["sft"], "reward": ctx.upstream["reward"]} | {
-        name: getattr(section, name) for name in ("eval_seed", "eval_samples_per_prompt", "response_length",
-                                                  "temperature", "missing_eos_score", "precision", "frozen_dtype")}
-    evaluation_key = hashlib.sha256(json.dumps(judged_on, sort_keys=True).encode()).hexdigest()
+@task(name="dpo")
+def run_dpo(ctx: StageContext) -> StageRecord | State:
+    """DPO from the upstream SFT checkpoint (fetched through MLflow) on preference pairs, judged
+    as PPO is; the policy registered unless the config says not to."""
+    from stages.dpo import DPOInputs, train_dpo
+
+    section = ctx.config.dpo
+    try:
+        with stage_run("dpo", section, ctx, "step") as run:
+            sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
+            tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
+            train, pairs_eval = train_and_eval_data(ctx.config, "dpo", ctx.world, tokenizer)
+            evaluation = logged_prompts(ctx.config, "dpo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)
+            started = time.perf_counter()
+            result = ctx.call(train_dpo, section, DPOInputs(sft_location, train.frame, pairs_eval.frame,
+                                                             evaluation.frame), run.scratch, run.reporting())
+            metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
+            mlflow.set_tags(result.tags)
+            samples = dpo_report(result, metrics, run.warnings, is_demo(section.eval_prompts))
+            record = finish("dpo", run.run_id, section, train, metrics, result.checkpoint, samples,
+                            int(metrics["train/steps"]), run.warnings, ctx.links())
+            if ctx.config.registry.enabled:
+                register(ctx, "dpo", run.run_id, result.checkpoint, metrics, evaluation.digest)
+            return record
+    except DataContractError as e:
+        return refuse(e.report())
+    except (StageUserError, LaunchError, tracking.TrackingError) as e:
+        return refuse(str(e))
+
+
+def register(ctx: StageContext, method: StageName, run_id: str, checkpoint: Path, metrics: dict[str, float],
+             eval_digest: str) -> None:
+    """The policy `method` (ppo, dpo) made as a new version of the registry's model, tagged with how
+    it was made and judged; the champion alias moves to it only when it beats the holder on the
+    same evaluation."""
+    registry, section = ctx.config.registry, getattr(ctx.config, method)
     figure = "eval/gold_win_rate" if "eval/gold_win_rate" in metrics else "eval/win_rate_rm"
-    tags = {"rlhf.method": "ppo", tracking.TAG_PIPELINE: ctx.parent_run_id, tracking.TAG_CONFIG_HASH: config_hash(section),
+    # What the win rate was measured on: the same held-out prompts, sampling and SFT baseline, and
+    # the same judge, so two versions with equal keys have comparable figures whatever method made
+    # them. The gold function judges alike for every version; a reward model's judgement depends
+    # on the reward run and the precision it scores in.
+    judged_on = {"eval_prompts": eval_digest, "sft": ctx.upstream["sft"]} | {
+        name: getattr(section, name) for name in ("eval_seed", "eval_samples_per_prompt", "response_length",
+                                                  "temperature")}
+    if figure == "eval/win_rate_rm" and method == "ppo":  # DPO has no reward model to judge by
+        judged_on |= {"reward": ctx.upstream["reward"]} | {
+            name: getattr(section, name) for name in ("missing_eos_score", "precision", "frozen_dtype")}
+    evaluation_key = hashlib.sha256(json.dumps(judged_on, sort_keys=True).encode()).hexdigest()
+    tags = {"rlhf.method": method_name(ctx.config, method), tracking.TAG_PIPELINE: ctx.parent_run_id,
+            tracking.TAG_CONFIG_HASH: config_hash(section),
             **{tracking.TAG_UPSTREAM + name: run for name, run in ctx.upstream.items()},
             **{key: f"{value:.6g}" for key, value in metrics.items() if key.startswith("eval/")}}
     registration = tracking.register_policy(run_id, checkpoint, registry.model_name, registry.champion_alias, tags,
-                                            evaluation_key, figure, metrics[figure])
+                                            evaluation_key, figure, metrics.get(figure, float("nan")))
     mlflow.set_tag(tracking.TAG_REGISTERED_MODEL, f"{registry.model_name}/{registration.version}")
     get_run_logger().info("registered %s version %s; %s", registry.model_name, registration.version, registration.reason)
+
+
+def method_name(cfg: PipelineConfig, stage: StageName) -> str:
+    """How a policy was made, as the registry tags it: `dpo`, `ppo`, or PPO's critic-free estimator (`ppo-grpo`)."""
+    if stage == "ppo" and cfg.ppo.advantage_estimator != "gae":
+        return f"ppo-{cfg.ppo.advantage_estimator}"
+    return stage
 
 
 @task
@@ -325,11 +370,12 @@ def close_crashed_runs(flow, flow_run, state) -> None:
 
 @flow(name="rlhf", on_crashed=[close_crashed_runs])
 def rlhf(
-    stages: list[StageName] = list(AVAILABLE_STAGES),
+    stages: list[StageName] = list(RLHF_STAGES),
     config_file: str = "configs/demo.yaml",
     sft: SFTForm = SFTForm(),
     reward: RewardForm = RewardForm(),
     ppo: PPOForm = PPOForm(),
+    dpo: DPOForm = DPOForm(),
     overrides: dict[str, Any] = {},
     upstream: UpstreamRuns = UpstreamRuns(),
     use_cache: bool = True,
@@ -337,11 +383,12 @@ def rlhf(
     """Run the named RLHF stages in pipeline order, as children of one MLflow pipeline run.
 
     Args:
-        stages: Stages to run (sft, reward, ppo); they run in pipeline order whatever the order given.
+        stages: Stages to run (sft, reward, ppo; dpo instead of reward and ppo, or beside them); they run in pipeline order whatever the order given.
         config_file: YAML config, relative to the repository; configs/demo.yaml is the embedded demo world.
         sft: SFT settings for this run; empty fields keep the config file's values.
         reward: Reward-model settings for this run; empty fields keep the config file's values.
         ppo: PPO settings for this run; empty fields keep the config file's values.
+        dpo: DPO settings for this run; empty fields keep the config file's values.
         overrides: Any other config field by dotted name, applied last, e.g. {"ppo.kl_budget": 8, "sft.lora": {"r": 16}}; the README's configuration reference lists every field.
         upstream: Run ids of upstream stages for a stage run alone; empty: the latest finished run of each.
         use_cache: Reuse a finished run with the same config, data, code and upstream runs instead of running the stage again.
@@ -350,7 +397,7 @@ def rlhf(
     missing = [s for s in stages if s not in AVAILABLE_STAGES]
     if missing:
         return refuse(f"stage(s) {', '.join(missing)} not available in this version; available: {', '.join(AVAILABLE_STAGES)}")
-    overrides = form_overrides(sft, reward, ppo) | overrides
+    overrides = form_overrides(sft, reward, ppo, dpo) | overrides
     try:
         cfg = load_config(config_file, overrides)
     except ConfigError as e:
@@ -407,9 +454,9 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
             MlflowClient().set_tag(parent_run_id, tracking.TAG_REUSED + name, cached.info.run_id)
             logger.info("%s: reusing finished run %s (same config, data, code and upstream runs)", name,
                         cached.info.run_id)
-            if name == "ppo" and cfg.registry.enabled and tracking.TAG_REGISTERED_MODEL not in cached.data.tags:
-                logger.warning("ppo: the reused run %s registered no policy (it ran with registry.enabled false); "
-                               "rerun with use_cache false to register one", cached.info.run_id)
+            if name in ("ppo", "dpo") and cfg.registry.enabled and tracking.TAG_REGISTERED_MODEL not in cached.data.tags:
+                logger.warning("%s: the reused run %s registered no policy (it ran with registry.enabled false); "
+                               "rerun with use_cache false to register one", name, cached.info.run_id)
             return reused_record(name, cached)
         ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key, flow_run.name,
                            links["Prefect flow run"])
@@ -428,6 +475,8 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
             records["reward"] = run_or_reuse("reward", run_reward)
         if "ppo" in ordered:
             records["ppo"] = run_or_reuse("ppo", run_ppo)
+        if "dpo" in ordered:
+            records["dpo"] = run_or_reuse("dpo", run_dpo)
         ok = True
         log_overhead(parent_run_id, [r for r in records.values() if not r.reused])
         pipeline_summary(list(records.values()))

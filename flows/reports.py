@@ -34,6 +34,7 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "sft": ("eval/loss", "eval/loss_untrained"),
     "reward": ("eval/accuracy", "eval/gold_accuracy"),
     "ppo": ("eval/gold_win_rate", "eval/win_rate_rm", "eval/kl", "eval/gold_reward"),
+    "dpo": ("eval/gold_win_rate", "eval/kl", "eval/preference_accuracy", "eval/gold_reward"),
 }
 """The figures a stage is judged by, in its description and summaries (those it has)."""
 
@@ -193,31 +194,42 @@ class GoldJudgments:
     def of_evaluations(cls, folder: Path, log) -> GoldJudgments:
         """`eval/gold_win_rate` and the rest of `gold_comparison` for every evaluation before the last."""
         return cls(folder / "evaluation-gold.jsonl", log, lambda table: gold_comparison(
-            last_user_turns(table["prompt_messages"]), list(table["ppo_response"]), list(table["sft_response"])))
+            last_user_turns(table["prompt_messages"]), list(table["policy_response"]), list(table["sft_response"])))
 
 
-def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: GoldJudgments | None,
-               demo_evaluation: bool) -> list[dict[str, str]]:
-    """The held-out evaluation table, warnings and curves; the over-optimisation plot when the
-    rollouts were judged (`gold`), and the gold figures of the evaluation (into `metrics`) when its
-    prompts are the demo world's. Returns samples to show."""
-    from rlhf.plots import curves, overoptimization
-
-    table = result.evaluation
+def evaluation_report(table: pd.DataFrame, metrics: dict[str, float], warnings: list[str],
+                      demo_evaluation: bool) -> list[dict[str, str]]:
+    """A policy's held-out evaluation (PPO's or DPO's) as a table, its warnings, and the gold figures
+    of the evaluation (into `metrics`) when its prompts are the demo world's. Returns samples to show."""
     if demo_evaluation:
-        metrics |= gold_comparison(last_user_turns(table["prompt_messages"]), list(table["ppo_response"]),
+        metrics |= gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]),
                                    list(table["sft_response"]))
     users = [last_user_message(json.loads(m)) for m in table["prompt_messages"]]
     mlflow.log_table(table.drop(columns=["prompt", "prompt_messages"]).assign(user=users), "evaluation.json")
     mlflow.log_text("\n".join(warnings) or "no warnings", "warnings.txt")
+    return [{"user": u, "response": f"{r}  (SFT: {s})"} for u, r, s in
+            zip(users[:4], table["policy_response"].head(4), table["sft_response"].head(4))]
+
+
+def dpo_report(result, metrics: dict[str, float], warnings: list[str], demo_evaluation: bool) -> list[dict[str, str]]:
+    """DPO's evaluation against SFT, as PPO's. Returns samples to show."""
+    return evaluation_report(result.evaluation, metrics, warnings, demo_evaluation)
+
+
+def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: GoldJudgments | None,
+                  demo_evaluation: bool) -> list[dict[str, str]]:
+    """PPO's evaluation against SFT and its curves; the over-optimisation plot when the rollouts
+    were judged (`gold`). Returns samples to show."""
+    from rlhf.plots import curves, overoptimization
+
+    samples = evaluation_report(result.evaluation, metrics, warnings, demo_evaluation)
     for keys, name in ((["rollout/score", "rollout/score_raw"], "score"), (["rollout/kl", "rollout/kl_coef"], "kl"),
                        (["rollout/response_length", "rollout/eos_rate"], "length")):
         mlflow.log_figure(curves(result.history, keys, f"PPO {name}"), f"plots/{name}.png")
     if gold is not None and gold.by_iteration:
         by_iteration = {i: figures["rollout/gold_reward"] for i, figures in gold.by_iteration.items()}
         mlflow.log_figure(overoptimization(result.history, by_iteration), "plots/overoptimization.png")
-    return [{"user": u, "response": f"{r}  (SFT: {s})"} for u, r, s in
-            zip(users[:4], table["ppo_response"].head(4), table["sft_response"].head(4))]
+    return samples
 
 
 def log_overhead(parent_run_id: str, ran: list[StageRecord]) -> None:

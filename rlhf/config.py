@@ -176,6 +176,37 @@ class RewardConfig(TrainingConfig):
     """Highest- and lowest-scored held-out responses logged as a table."""
 
 
+class DPOConfig(TrainingConfig):
+    """Direct preference optimisation of the SFT policy on preference pairs (TRL `DPOTrainer`): no
+    reward model and no sampling while training; the SFT model is the reference. Its final
+    evaluation is PPO's: held-out prompts, the SFT policy's responses as the baseline."""
+
+    train_data: DataSource = DataSource(path="demo:preferences")
+    """Preference pairs to train on."""
+    eval_data: DataSource | None = DataSource(path="demo:preferences_eval")
+    """Held-out pairs; when unset, `eval_fraction` of `train_data` is held out."""
+    beta: PositiveFloat = 0.1
+    """Temperature of the implicit reward beta * log(pi / pi_ref): larger keeps the policy nearer the SFT model."""
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
+    """DPO's loss on the log-ratio margin: sigmoid (Rafailov et al.), ipo, hinge (SLiC), robust (noisy labels, with `label_smoothing`)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """Assumed share of flipped preference labels (conservative DPO, robust loss)."""
+    eval_prompts: DataSource = DataSource(path="demo:prompts_eval")
+    """Held-out prompts for the final evaluation against the SFT policy (as PPO's `eval_prompts`)."""
+    response_length: PositiveInt = 32
+    """New tokens per response in the evaluation; the same as PPO's to compare the two on one evaluation."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature of the evaluation."""
+    eval_seed: int = 0
+    """Seeds the evaluation's sampling: with PPO's `eval_seed`, the same SFT baseline responses."""
+    eval_samples_per_prompt: PositiveInt = 4
+    """Responses per held-out prompt in the evaluation."""
+    kl_budget: PositiveFloat = 12.0
+    """Mean KL to the SFT policy per sequence on the held-out prompts above which a warning is raised."""
+    frozen_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the frozen reference is held in during the evaluation."""
+
+
 class LoRAConfig(_Frozen):
     """Low-rank adapters (peft) on the policy; the reference is the same model with adapters disabled."""
 
@@ -367,6 +398,8 @@ class PipelineConfig(_Frozen):
     """Reward-model stage."""
     ppo: PPOConfig = PPOConfig()
     """PPO stage."""
+    dpo: DPOConfig = DPOConfig()
+    """DPO stage (`stages: [sft, dpo]`), an alternative to reward + PPO."""
     registry: RegistryConfig = RegistryConfig()
     """Model Registry settings for the final policy."""
 
@@ -382,7 +415,7 @@ class PipelineConfig(_Frozen):
 def _locations(cfg: PipelineConfig) -> list[str]:
     sft, reward = cfg.sft, cfg.reward
     sources = [sft.train_data, sft.eval_data, reward.train_data, reward.eval_data, reward.normalization_prompts,
-               cfg.ppo.prompts, cfg.ppo.eval_prompts]
+               cfg.ppo.prompts, cfg.ppo.eval_prompts, cfg.dpo.train_data, cfg.dpo.eval_data, cfg.dpo.eval_prompts]
     return [sft.model, reward.model or ""] + [s.path for s in sources if s is not None]
 
 

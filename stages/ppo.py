@@ -459,25 +459,24 @@ class HeldOut:
 
 @torch.inference_mode()
 def evaluate(models: Models, held_out: HeldOut, cfg: PPOConfig) -> tuple[dict[str, float], pd.DataFrame]:
-    """The policy against the SFT responses on the held-out prompts: reward-model scores of both
-    (on the normalisation in force), the win rate with its standard error, and KL(PPO || SFT) on
-    the policy's responses, sampled from `eval_seed + 1`. Training's random stream is the caller's
-    to keep (`own_random_stream`) when training goes on."""
+    """The policy against the SFT responses on the held-out prompts: KL(policy || SFT) on the
+    policy's responses, sampled from `eval_seed + 1`, their length and EOS rate; with a reward
+    model, the scores of both (on the normalisation in force) and the win rate with its standard
+    error. Training's random stream is the caller's to keep (`own_random_stream`) when training goes on."""
     prompts, messages = held_out.prompts, held_out.messages
-    sft_scores = models.scorer.score(messages, held_out.sft_texts, complete=held_out.sft_complete)
     torch.manual_seed(cfg.eval_seed + 1)
-    ppo = rollout(models, prompts, cfg, {})
-    ppo_scores = models.scorer.score(messages, ppo.texts, complete=ppo.has_eos.tolist())
-    kl = (kl_estimate(ppo.logprobs, ppo.ref_logprobs) * ppo.mask).sum(1)
+    policy = rollout(models, prompts, cfg, {})
+    kl = (kl_estimate(policy.logprobs, policy.ref_logprobs) * policy.mask).sum(1)
     table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
-                          "ppo_response": ppo.texts, "sft_response": held_out.sft_texts,
-                          "ppo_score": ppo_scores.numpy(), "sft_score": sft_scores.numpy(),
-                          "kl": kl.cpu().numpy()})
-    wins, wins_se = win_rate(list(table["ppo_score"]), list(table["sft_score"]), prompts)
-    metrics = {"eval/score": table["ppo_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
-               "eval/kl": table["kl"].mean(), "eval/response_length": ppo.mask.sum(1).float().mean().item(),
-               "eval/eos_rate": ppo.has_eos.float().mean().item(), "eval/win_rate_rm": wins,
-               "eval/win_rate_rm_se": wins_se}
+                          "policy_response": policy.texts, "sft_response": held_out.sft_texts, "kl": kl.cpu().numpy()})
+    metrics = {"eval/kl": table["kl"].mean(), "eval/response_length": policy.mask.sum(1).float().mean().item(),
+               "eval/eos_rate": policy.has_eos.float().mean().item()}
+    if models.scorer is not None:
+        table["policy_score"] = models.scorer.score(messages, policy.texts, complete=policy.has_eos.tolist()).numpy()
+        table["sft_score"] = models.scorer.score(messages, held_out.sft_texts, complete=held_out.sft_complete).numpy()
+        wins, wins_se = win_rate(list(table["policy_score"]), list(table["sft_score"]), prompts)
+        metrics |= {"eval/score": table["policy_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
+                    "eval/win_rate_rm": wins, "eval/win_rate_rm_se": wins_se}
     return {k: float(v) for k, v in metrics.items()}, table
 
 

@@ -121,7 +121,8 @@ class Models:
     """None for the critic-free advantage estimators."""
     reference: PreTrainedModel | None
     """None when LoRA is on: the reference is the policy with its adapters disabled."""
-    scorer: RewardScorer
+    scorer: RewardScorer | None
+    """None where no reward model takes part (DPO's evaluation)."""
     tokenizer: object
     precision: Precision
     stop_ids: list[int]

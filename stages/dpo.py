@@ -1,0 +1,145 @@
+"""Stage 3, the alternative to reward + PPO: direct preference optimisation with TRL's `DPOTrainer`.
+
+    loss = -log sigmoid(beta * [(log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x))])
+
+The policy starts from the SFT checkpoint and the reference is the SFT model, frozen. Pairs are
+encoded as the reward stage encodes them (`encode_replies`: the prompt rendered with the chat
+template, each reply ended by the token that ends a reply), so DPO trains on the very token
+sequences the reward model would score. After training the policy is judged by PPO's own
+evaluation (`stages.ppo.evaluate`): held-out prompts, the SFT policy's responses from `eval_seed`
+as the baseline, KL to SFT per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import pandas as pd
+import torch
+from accelerate import PartialState
+from transformers import PrinterCallback, PreTrainedTokenizerBase, set_seed
+from trl import DPOConfig as TRLDPOConfig
+from trl import DPOTrainer
+
+from rlhf.config import DPOConfig, PPOConfig
+from stages.models import (device, disable_dropout, dtype_named, encode_replies, load_causal_lm, load_tokenizer,
+                           resolve_precision, save_trained, stop_token_ids)
+from stages.ppo import HeldOut, evaluate
+from stages.ppo_models import Models
+from stages.reporting import Reporting
+from stages.training import ForwardLogs, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
+
+
+@dataclass(frozen=True)
+class DPOInputs:
+    sft_location: str
+    """The SFT checkpoint: the policy's start and its reference."""
+    train: pd.DataFrame
+    """Validated preference pairs."""
+    evaluation: pd.DataFrame
+    """Held-out pairs of the same contract (DPO's loss and implicit-reward accuracy on them)."""
+    eval_prompts: pd.DataFrame
+    """Validated held-out prompts for the final evaluation against the SFT policy."""
+
+
+@dataclass(frozen=True)
+class DPOResult:
+    checkpoint: Path
+    """The final policy as a plain Hugging Face folder."""
+    metrics: dict[str, float]
+    evaluation: pd.DataFrame
+    """Held-out prompts with DPO and SFT responses and the KL of the DPO response (as PPO's)."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """Precision tags for the run."""
+
+
+class EncodedDPOTrainer(DPOTrainer):
+    """`DPOTrainer` on pairs already encoded as `prompt_ids`, `chosen_ids`, `rejected_ids`: TRL's
+    own tokenisation would append the tokenizer's EOS where our chat templates end a reply with
+    their own end-of-turn token, and train on sequences the SFT policy never produces."""
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        if {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(dataset.column_names):
+            return dataset
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+
+def encoded_pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
+    prompt_ids, chosen_ids = encode_replies(tokenizer, list(frame["prompt"]), list(frame["chosen"]))
+    _, rejected_ids = encode_replies(tokenizer, list(frame["prompt"]), list(frame["rejected"]))
+    return datasets.Dataset.from_dict({"prompt_ids": prompt_ids, "chosen_ids": chosen_ids,
+                                       "rejected_ids": rejected_ids})
+
+
+def evaluation_settings(cfg: DPOConfig) -> PPOConfig:
+    """PPO's evaluation settings, taken from DPO's, so one function judges both stages' policies."""
+    return PPOConfig(eval_prompts=cfg.eval_prompts, response_length=cfg.response_length, temperature=cfg.temperature,
+                     eval_seed=cfg.eval_seed, eval_samples_per_prompt=cfg.eval_samples_per_prompt,
+                     kl_budget=cfg.kl_budget, frozen_dtype=cfg.frozen_dtype, precision=cfg.precision,
+                     trust_remote_code=cfg.trust_remote_code)
+
+
+def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> DPOTrainer:
+    """TRL's DPOTrainer from our config; the reference is TRL's frozen copy of the SFT model as loaded."""
+    set_seed(cfg.seed)
+    tokenizer = load_tokenizer(inputs.sft_location, trust_remote_code=cfg.trust_remote_code)
+    model = load_causal_lm(inputs.sft_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
+    args = TRLDPOConfig(**trainer_arguments(cfg, output_dir), beta=cfg.beta, loss_type=[cfg.loss_type],
+                        label_smoothing=cfg.label_smoothing, disable_dropout=True)
+    trainer = EncodedDPOTrainer(
+        model=model,
+        ref_model=None,
+        args=args,
+        train_dataset=encoded_pairs(inputs.train, tokenizer),
+        eval_dataset=encoded_pairs(inputs.evaluation, tokenizer),
+        processing_class=tokenizer,
+        callbacks=[ForwardLogs(reporting)],
+    )
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def evaluation_models(policy: torch.nn.Module, cfg: DPOConfig, sft_location: str) -> Models:
+    """The trained policy beside a frozen SFT reference, for PPO's evaluation; no critic, no reward model."""
+    tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
+    reference = load_causal_lm(sft_location, tokenizer, dtype=dtype_named(cfg.frozen_dtype),
+                               trust_remote_code=cfg.trust_remote_code)
+    disable_dropout(reference)
+    disable_dropout(policy)
+    reference = reference.eval().requires_grad_(False).to(device())
+    return Models(policy.to(device()), None, reference, None, tokenizer, resolve_precision(cfg.precision),
+                  stop_token_ids(policy))
+
+
+def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> DPOResult | None:
+    """Train the SFT policy with DPO on validated pairs, then evaluate it against the SFT policy.
+    Resumes from the newest trainer checkpoint an interrupted attempt left in `output_dir`.
+    On several processes every one trains; only the main one evaluates, saves and returns."""
+    trainer = build_trainer(cfg, inputs, output_dir, reporting)
+    train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
+    untrained = untrained_evaluation(trainer)
+    final = trainer.evaluate()
+    if not PartialState().is_main_process:
+        return None
+
+    model, tokenizer = trainer.model, trainer.processing_class
+    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location,
+                                    [p for p in model.parameters() if p.requires_grad])
+    settings = evaluation_settings(cfg)
+    models = evaluation_models(model, cfg, inputs.sft_location)
+    held_out = HeldOut.sample(models, inputs.eval_prompts, settings, device())
+    metrics, evaluation = evaluate(models, held_out, settings)
+    if metrics["eval/kl"] > cfg.kl_budget:
+        reporting.warning(f"the final policy's mean KL per sequence on the held-out prompts, {metrics['eval/kl']:.2f}, "
+                          f"is over the budget of {cfg.kl_budget}")
+    metrics |= {
+        "eval/loss": float(final["eval_loss"]),
+        "eval/loss_untrained": float(untrained["eval_loss"]),
+        "eval/preference_accuracy": float(final["eval_rewards/accuracies"]),
+        "eval/preference_margin": float(final["eval_rewards/margins"]),
+        "train/loss": float(train_output.training_loss),
+        "train/steps": float(train_output.global_step),
+    }
+    return DPOResult(checkpoint, metrics, evaluation, tags)
