@@ -1,13 +1,14 @@
-"""Method comparison: the RL stage's advantage estimators on the demo world, from the same SFT
-and reward checkpoints, prompts and response budget.
+"""Method comparison: the RL stage's advantage estimators, and DPO, on the demo world, from the
+same SFT (and reward) checkpoints, prompts and response budget.
 
     python -m bench.methods                 (or: make bench-methods)
 
 1. SFT and reward checkpoints are trained once with the demo config's sections (`bench.quality`).
 2. Each method runs the demo config's PPO section with its own settings (`METHODS`: the estimator,
    responses per prompt), in a process of its own, so its wall time and peak memory are its own.
-   Every method samples the same number of responses per iteration (`rollout_batch_size`) for
-   the same number of iterations.
+   Every RL method samples the same number of responses per iteration (`rollout_batch_size`) for
+   the same number of iterations. DPO runs the config's `dpo` section on the preference pairs
+   (no reward model, no sampling while training); its wall time includes its evaluation.
 3. Each final policy is judged as the flow judges it: the stage's own evaluation against the SFT
    baseline responses on the held-out prompts (common random numbers), then the demo world's gold
    function: gold win rate against SFT with its standard error, and KL to SFT per sequence.
@@ -38,8 +39,9 @@ METHODS: dict[str, dict] = {
     "rloo": {"advantage_estimator": "rloo", "samples_per_prompt": 4},
     "reinforce++": {"advantage_estimator": "reinforce++"},
     "reinforce++-baseline": {"advantage_estimator": "reinforce++-baseline", "samples_per_prompt": 4},
+    "dpo": {},
 }
-"""Each method's PPO settings on top of the config's `ppo` section."""
+"""Each method's settings on top of its config section (`ppo`; `dpo` for DPO)."""
 
 
 def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
@@ -50,11 +52,13 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
     from rlhf.demo_world import build_world, gold_comparison, last_user_turns
     from schemas.validate import LengthBudget, load_validated
     from stages.models import load_tokenizer, set_determinism
+    from stages.dpo import DPOInputs, train_dpo
     from stages.ppo import PPOInputs, train_ppo
 
     from bench.quality import train_upstream
 
-    cfg = load_config(config, {f"ppo.{key}": value for key, value in settings.items()})
+    section = "dpo" if method == "dpo" else "ppo"
+    cfg = load_config(config, {f"{section}.{key}": value for key, value in settings.items()})
     set_determinism(cfg.deterministic, cfg.num_threads or 2)
     world = build_world(state / "worlds", cfg.demo)
     sft_folder, reward_folder = train_upstream(cfg, world, state)
@@ -65,8 +69,14 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
     out = state / method.replace(" ", "-").replace("(", "").replace(")", "")
     shutil.rmtree(out, ignore_errors=True)  # a finished run's state there would be resumed, whatever its settings
     clock = time.perf_counter()
-    result = train_ppo(cfg.ppo.model_copy(update={"eval_every": None}),
-                       PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts), out)
+    if method == "dpo":
+        pairs = [load_validated(str(world / f"{name}.jsonl"), "preference", tokenizer=tokenizer,
+                                budget=LengthBudget(cfg.dpo.max_prompt_length, cfg.dpo.max_length)).frame
+                 for name in ("preferences", "preferences_eval")]
+        result = train_dpo(cfg.dpo, DPOInputs(str(sft_folder), *pairs, eval_prompts), out)
+    else:
+        result = train_ppo(cfg.ppo.model_copy(update={"eval_every": None}),
+                           PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts), out)
     seconds = time.perf_counter() - clock
     table = result.evaluation
     gold = gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]),
@@ -75,15 +85,16 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"method": method, "settings": settings, "seconds": seconds, "peak_memory_bytes": peak,
             "memory_kind": "cuda allocated" if torch.cuda.is_available() else "process max RSS",
-            "kl_budget": cfg.ppo.kl_budget, **result.metrics, **gold}
+            "kl_budget": getattr(cfg, section).kl_budget, **result.metrics, **gold}
 
 
 def table_of(rows: list[dict]) -> str:
     lines = ["| method | gold win rate vs SFT | KL to SFT (budget) | reward-model win rate | wall time | peak memory |",
              "|---|---|---|---|---|---|"]
     for r in rows:
+        judged_by_rm = f"{r['eval/win_rate_rm']:.3f}" if "eval/win_rate_rm" in r else "(no reward model)"
         lines.append(f"| {r['method']} | {r['eval/gold_win_rate']:.3f} ± {r['eval/gold_win_rate_se']:.3f} | "
-                     f"{r['eval/kl']:.2f} ({r['kl_budget']:g}) | {r['eval/win_rate_rm']:.3f} | {r['seconds']:.0f} s | "
+                     f"{r['eval/kl']:.2f} ({r['kl_budget']:g}) | {judged_by_rm} | {r['seconds']:.0f} s | "
                      f"{r['peak_memory_bytes'] / 2**30:.2f} GiB |")
     return "\n".join(lines)
 

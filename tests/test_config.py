@@ -71,14 +71,16 @@ def test_readme_reference_matches_the_code(capsys):
     assert table.strip() in readme, "README's configuration reference is stale: regenerate with `rlhf config-reference`"
 
 
-def test_prefect_yaml_defines_the_four_deployments_of_the_one_flow():
+def test_prefect_yaml_defines_the_deployments_of_the_one_flow():
     import yaml
 
     spec = yaml.safe_load((Path(__file__).resolve().parent.parent / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {"full", "sft", "reward", "ppo"}
+    assert set(deployments) == {"full", "sft", "reward", "ppo", "dpo"}
     assert {d["entrypoint"] for d in deployments.values()} == {"flows/pipeline.py:rlhf"}
     assert deployments["full"]["parameters"]["stages"] == ["sft", "reward", "ppo"]
+    assert {name: d["parameters"]["stages"] for name, d in deployments.items() if name != "full"} == {
+        name: [name] for name in ("sft", "reward", "ppo", "dpo")}
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero2", "two-nodes"])

@@ -69,6 +69,19 @@ def test_ppo_deployment_reruns_alone_and_registers_the_policy(stack):
     assert str(client.get_model_version_by_alias("rlhf-policy", "champion").version) == "1"
 
 
+def test_dpo_deployment_reruns_alone_and_registers_a_dpo_version(stack):
+    client = mlflow_client(stack)
+    experiment = client.get_experiment_by_name("rlhf")
+    done = deployment_run(stack, "rlhf/dpo", config_file="configs/tiny.yaml", dpo={"beta": 0.2})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run,) = client.search_runs([experiment.experiment_id], filter_string="tags.`rlhf.stage` = 'dpo'")
+    assert run.info.status == "FINISHED" and run.data.params["beta"] == "0.2"
+    assert run.data.tags["rlhf.upstream.sft"] and "rlhf.upstream.reward" not in run.data.tags
+    assert {"eval/gold_win_rate", "eval/kl", "eval/preference_accuracy"} <= set(run.data.metrics)
+    (version,) = client.search_model_versions(f"name = 'rlhf-policy' and run_id = '{run.info.run_id}'")
+    assert version.tags["rlhf.method"] == "dpo" and version.tags["rlhf.judged_by"] == "eval/gold_win_rate"
+
+
 # Every file of the bad-input corpus, through the deployment of the stage that reads its kind.
 CORPUS = [(name, kind, expected) for name, kind, expected in BAD_CASES] + [
     ("sft_too_long.jsonl", "sft", ["line 2, column 'response'", "over the budget of 64"])]

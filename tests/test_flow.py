@@ -265,12 +265,37 @@ def test_ppo_alone_reruns_against_the_latest_sft_and_reward_runs(finished):
     from flows.pipeline import rlhf
 
     sft, reward, _ = finished
-    (ppo,) = rlhf(stages=["ppo"], config_file="configs/tiny.yaml", use_cache=False)
+    # with a critic-free estimator, which the registry names
+    (ppo,) = rlhf(stages=["ppo"], config_file="configs/tiny.yaml", use_cache=False,
+                  overrides={"ppo.advantage_estimator": "rloo", "ppo.samples_per_prompt": 2})
     assert not ppo.reused
-    tags = MlflowClient().get_run(ppo.run_id).data.tags
+    run = MlflowClient().get_run(ppo.run_id)
+    tags = run.data.tags
     latest_reward = tracking.latest_finished_run_id("rlhf", "reward")
     assert tags[tracking.TAG_UPSTREAM + "reward"] == latest_reward
     assert tags[tracking.TAG_UPSTREAM + "sft"] == sft.run_id
+    assert run.data.params["advantage_estimator"] == "rloo" and "train/value_loss" not in run.data.metrics
+    model, version = tags[tracking.TAG_REGISTERED_MODEL].split("/")
+    assert MlflowClient().get_model_version(model, version).tags["rlhf.method"] == "ppo-rloo"
+
+
+def test_sft_then_dpo_is_a_pipeline_with_lineage_caching_and_a_registered_dpo_policy(tracking_store):
+    from flows.pipeline import rlhf
+
+    own = {"experiment": "rlhf-dpo", "registry.model_name": "dpo-policy"}
+    sft, dpo = rlhf(stages=["dpo", "sft"], config_file="configs/tiny.yaml", overrides=own)
+    assert (sft.stage, dpo.stage) == ("sft", "dpo") and not dpo.reused
+    run = MlflowClient().get_run(dpo.run_id)
+    assert run.data.tags[tracking.TAG_UPSTREAM + "sft"] == sft.run_id
+    assert MlflowClient().get_run(run.data.tags["mlflow.parentRunId"]).data.tags["rlhf.stages"] == "sft,dpo"
+    assert {"eval/gold_win_rate", "eval/kl", "eval/preference_accuracy", "train/loss"} <= set(run.data.metrics)
+    table = mlflow.load_table("evaluation.json", run_ids=[dpo.run_id])
+    assert {"user", "policy_response", "sft_response", "kl"} <= set(table.columns)
+    version = MlflowClient().get_model_version("dpo-policy", "1")
+    assert version.run_id == dpo.run_id and version.tags["rlhf.method"] == "dpo"
+    assert str(MlflowClient().get_model_version_by_alias("dpo-policy", "champion").version) == "1"
+    (again,) = rlhf(stages=["dpo"], config_file="configs/tiny.yaml", overrides=own)
+    assert again.reused and again.run_id == dpo.run_id
 
 
 def test_unchanged_rerun_reuses_every_stage_and_changing_ppo_reruns_only_ppo(tracking_store):
