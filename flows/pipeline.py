@@ -389,7 +389,7 @@ def rlhf(
         reward: Reward-model settings for this run; empty fields keep the config file's values.
         ppo: PPO settings for this run; empty fields keep the config file's values.
         dpo: DPO settings for this run; empty fields keep the config file's values.
-        overrides: Any other config field by dotted name, applied last, e.g. {"ppo.kl_budget": 8, "sft.lora": {"r": 16}}; the README's configuration reference lists every field.
+        overrides: Any other config field by dotted name, applied last, e.g. {"ppo.kl_budget": 8, "ppo.lora": {"r": 16}}; the README's configuration reference lists every field.
         upstream: Run ids of upstream stages for a stage run alone; empty: the latest finished run of each.
         use_cache: Reuse a finished run with the same config, data, code and upstream runs instead of running the stage again.
     """

@@ -415,7 +415,9 @@ class PipelineConfig(_Frozen):
 def _locations(cfg: PipelineConfig) -> list[str]:
     sft, reward = cfg.sft, cfg.reward
     sources = [sft.train_data, sft.eval_data, reward.train_data, reward.eval_data, reward.normalization_prompts,
-               cfg.ppo.prompts, cfg.ppo.eval_prompts, cfg.dpo.train_data, cfg.dpo.eval_data, cfg.dpo.eval_prompts]
+               cfg.ppo.prompts, cfg.ppo.eval_prompts]
+    if "dpo" in cfg.model_fields_set:  # a config that never mentions DPO (older ones) need not repoint its data
+        sources += [cfg.dpo.train_data, cfg.dpo.eval_data, cfg.dpo.eval_prompts]
     return [sft.model, reward.model or ""] + [s.path for s in sources if s is not None]
 
 

@@ -105,3 +105,13 @@ def test_shipped_accelerate_configs_load_in_accelerate(name):
 def test_launch_settings_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/tiny.yaml", overrides)
+
+
+def test_a_config_without_the_demo_world_needs_no_dpo_section_until_it_has_one():
+    own = {f"{section}.{field}.path": "data/x.jsonl" for section, field in (
+        ("sft", "train_data"), ("sft", "eval_data"), ("reward", "train_data"), ("reward", "eval_data"),
+        ("reward", "normalization_prompts"), ("ppo", "prompts"), ("ppo", "eval_prompts"))}
+    own |= {"demo": None, "sft.model": "some/model"}
+    assert load_config(None, own).dpo.train_data.path == "demo:preferences"  # unused unless DPO runs
+    with pytest.raises(ConfigError, match="'demo:preferences_eval' refers to the demo world"):
+        load_config(None, own | {"dpo.train_data.path": "data/pairs.jsonl"})

@@ -43,7 +43,7 @@ def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg
         parameter.grad = None
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     accumulate_gradients(actor_critic, accelerator, batch, advantages, returns, torch.arange(len(batch.responses)),
-                         cfg, scaler, iteration=1)
+                         cfg, scaler, iteration=1, kl_loss_coef=cfg.kl_loss_coef)
     from stages.ppo_models import ActorCritic
 
     return {name: p.grad.detach().clone() for name, p in ActorCritic(models).named_parameters() if p.requires_grad}
@@ -108,7 +108,8 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
         optimizer = torch.optim.SGD(models.trainable(), lr=1e-2)  # Adam would hide a rescaled gradient
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         figures = ppo_update(ActorCritic(models), Accelerator(cpu=True), batch, advantages, returns, cfg, optimizer,
-                             scheduler, torch.amp.GradScaler("cpu", enabled=False), iteration=1)
+                             scheduler, torch.amp.GradScaler("cpu", enabled=False), iteration=1,
+                             kl_loss_coef=cfg.kl_loss_coef)
         return figures, models
 
     light, light_models = one_update(0.1)
