@@ -31,8 +31,8 @@ from flows.form import DPOForm, PPOForm, RewardForm, SFTForm, form_overrides
 from flows.inputs import context_problems, input_problems, is_demo, logged_prompts, train_and_eval_data
 from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, StageName, StageRecord, cache_key, reused_record,
                            upstream_runs)
-from flows.reports import (STAGE_SECONDS, GoldJudgments, Progress, dpo_report, finish, log_overhead, pipeline_note,
-                           pipeline_summary, ppo_report, reward_report)
+from flows.reports import (STAGE_SECONDS, GoldJudgments, Progress, evaluation_report, finish, log_overhead,
+                           pipeline_note, pipeline_summary, ppo_report, reward_report)
 from rlhf import tracking
 from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
 from rlhf.demo_locations import DemoWorldConfig, resolve_location
@@ -295,7 +295,7 @@ def run_dpo(ctx: StageContext) -> StageRecord | State:
                                                              evaluation.frame), run.scratch, run.reporting())
             metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
             mlflow.set_tags(result.tags)
-            samples = dpo_report(result, metrics, run.warnings, is_demo(section.eval_prompts))
+            samples = evaluation_report(result.evaluation, metrics, run.warnings, is_demo(section.eval_prompts))
             record = finish("dpo", run.run_id, section, train, metrics, result.checkpoint, samples,
                             int(metrics["train/steps"]), run.warnings, ctx.links())
             if ctx.config.registry.enabled:

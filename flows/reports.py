@@ -211,13 +211,8 @@ def evaluation_report(table: pd.DataFrame, metrics: dict[str, float], warnings: 
             zip(users[:4], table["policy_response"].head(4), table["sft_response"].head(4))]
 
 
-def dpo_report(result, metrics: dict[str, float], warnings: list[str], demo_evaluation: bool) -> list[dict[str, str]]:
-    """DPO's evaluation against SFT, as PPO's. Returns samples to show."""
-    return evaluation_report(result.evaluation, metrics, warnings, demo_evaluation)
-
-
 def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: GoldJudgments | None,
-                  demo_evaluation: bool) -> list[dict[str, str]]:
+               demo_evaluation: bool) -> list[dict[str, str]]:
     """PPO's evaluation against SFT and its curves; the over-optimisation plot when the rollouts
     were judged (`gold`). Returns samples to show."""
     from rlhf.plots import curves, overoptimization

@@ -3,7 +3,7 @@
     loss = -log sigmoid(beta * [(log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x))])
 
 The policy starts from the SFT checkpoint and the reference is the SFT model, frozen. Pairs are
-encoded as the reward stage encodes them (`encode_replies`: the prompt rendered with the chat
+encoded as the reward stage encodes them (`encode_pairs`: the prompt rendered with the chat
 template, each reply ended by the token that ends a reply), so DPO trains on the very token
 sequences the reward model would score. After training the policy is judged by PPO's own
 evaluation (`stages.ppo.evaluate`): held-out prompts, the SFT policy's responses from `eval_seed`
@@ -24,9 +24,9 @@ from trl import DPOConfig as TRLDPOConfig
 from trl import DPOTrainer
 
 from rlhf.config import DPOConfig, PPOConfig
-from stages.models import (device, disable_dropout, dtype_named, encode_replies, load_causal_lm, load_tokenizer,
+from stages.models import (device, disable_dropout, dtype_named, encode_pairs, load_causal_lm, load_tokenizer,
                            resolve_precision, save_trained, stop_token_ids)
-from stages.ppo import HeldOut, evaluate
+from stages.ppo import HeldOut, evaluate, warn_over_kl_budget
 from stages.ppo_models import Models
 from stages.reporting import Reporting
 from stages.training import ForwardLogs, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
@@ -67,8 +67,8 @@ class EncodedDPOTrainer(DPOTrainer):
 
 
 def encoded_pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
-    prompt_ids, chosen_ids = encode_replies(tokenizer, list(frame["prompt"]), list(frame["chosen"]))
-    _, rejected_ids = encode_replies(tokenizer, list(frame["prompt"]), list(frame["rejected"]))
+    prompt_ids, chosen_ids, rejected_ids = encode_pairs(tokenizer, list(frame["prompt"]), list(frame["chosen"]),
+                                                        list(frame["rejected"]))
     return datasets.Dataset.from_dict({"prompt_ids": prompt_ids, "chosen_ids": chosen_ids,
                                        "rejected_ids": rejected_ids})
 
@@ -131,9 +131,7 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Re
     models = evaluation_models(model, cfg, inputs.sft_location)
     held_out = HeldOut.sample(models, inputs.eval_prompts, settings, device())
     metrics, evaluation = evaluate(models, held_out, settings)
-    if metrics["eval/kl"] > cfg.kl_budget:
-        reporting.warning(f"the final policy's mean KL per sequence on the held-out prompts, {metrics['eval/kl']:.2f}, "
-                          f"is over the budget of {cfg.kl_budget}")
+    warn_over_kl_budget(metrics, cfg.kl_budget, reporting)
     metrics |= {
         "eval/loss": float(final["eval_loss"]),
         "eval/loss_untrained": float(untrained["eval_loss"]),

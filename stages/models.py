@@ -278,6 +278,15 @@ def encode_replies(tokenizer: PreTrainedTokenizerBase, prompts: list[str], repli
     return prompt_ids, reply_ids
 
 
+def encode_pairs(tokenizer: PreTrainedTokenizerBase, prompts: list[str], chosen: list[str],
+                 rejected: list[str]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Preference pairs as `encode_replies` encodes them: prompt ids, chosen ids, rejected ids
+    (each reply closed by the reply-end token). The reward and DPO stages train on these."""
+    prompt_ids, chosen_ids = encode_replies(tokenizer, prompts, chosen)
+    _, rejected_ids = encode_replies(tokenizer, prompts, rejected)
+    return prompt_ids, chosen_ids, rejected_ids
+
+
 def set_determinism(deterministic: bool, num_threads: int | None) -> None:
     """Deterministic kernels and a fixed CPU thread count: the conditions under which the same
     config, seed and data give identical results (on CPU; see README, Guarantees)."""

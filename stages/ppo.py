@@ -480,6 +480,13 @@ def evaluate(models: Models, held_out: HeldOut, cfg: PPOConfig) -> tuple[dict[st
     return {k: float(v) for k, v in metrics.items()}, table
 
 
+def warn_over_kl_budget(metrics: dict[str, float], kl_budget: float, reporting: Reporting) -> None:
+    """The final policy's KL to SFT on the held-out prompts against the budget (PPO's and DPO's alike)."""
+    if metrics["eval/kl"] > kl_budget:
+        reporting.warning(f"the final policy's mean KL per sequence on the held-out prompts, {metrics['eval/kl']:.2f}, "
+                          f"is over the budget of {kl_budget}")
+
+
 def evaluate_midway(models: Models, held_out: HeldOut, cfg: PPOConfig, iteration: int, device: torch.device,
                     reporting: Reporting) -> dict[str, float]:
     """An evaluation between iterations, reported at `iteration`, leaving training's random stream as it was."""
@@ -669,9 +676,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
     if not accelerator.is_main_process:
         return None
     metrics, evaluation = evaluate(models, held_out, cfg)
-    if metrics["eval/kl"] > cfg.kl_budget:
-        reporting.warning(f"the final policy's mean KL per sequence on the held-out prompts, {metrics['eval/kl']:.2f}, "
-                          f"is over the budget of {cfg.kl_budget}")
+    warn_over_kl_budget(metrics, cfg.kl_budget, reporting)
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     policy = models.policy.merge_and_unload() if cfg.lora is not None else models.policy
     checkpoint, tags = save_trained(policy, models.tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location,

@@ -28,8 +28,8 @@ from trl import RewardTrainer
 from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
 from stages.errors import RewardGateError
-from stages.models import (device, disable_dropout, encode_replies, fit_to_tokenizer, generate, load_causal_lm,
-                           load_tokenizer, position_ids_for, save_trained, stop_token_ids)
+from stages.models import (device, disable_dropout, encode_pairs, encode_replies, fit_to_tokenizer, generate,
+                           load_causal_lm, load_tokenizer, position_ids_for, save_trained, stop_token_ids)
 from stages.ppo_math import is_end, last_token_index
 from stages.reporting import Reporting
 from stages.training import ForwardLogs, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
@@ -65,8 +65,8 @@ def load_reward_model(location: str, tokenizer: PreTrainedTokenizerBase, *, dtyp
 
 
 def _pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
-    prompt_ids, chosen_ids = encode_replies(tokenizer, list(frame["prompt"]), list(frame["chosen"]))
-    _, rejected_ids = encode_replies(tokenizer, list(frame["prompt"]), list(frame["rejected"]))
+    prompt_ids, chosen_ids, rejected_ids = encode_pairs(tokenizer, list(frame["prompt"]), list(frame["chosen"]),
+                                                        list(frame["rejected"]))
     columns: dict[str, list] = {"chosen_ids": [p + c for p, c in zip(prompt_ids, chosen_ids)],
                                 "rejected_ids": [p + r for p, r in zip(prompt_ids, rejected_ids)]}
     if "margin" in frame.columns:
