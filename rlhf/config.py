@@ -41,7 +41,7 @@ class LaunchConfig(_Frozen):
     num_processes: PositiveInt = 1
     """Processes (one per GPU; on CPU, gloo) that train the stage together; 1 runs it inside the flow's process."""
     accelerate_config: str | None = None
-    """An `accelerate` config file (DDP, or DeepSpeed ZeRO-1/2 for SFT and reward; see docs/scaling.md); unset: plain DDP."""
+    """An `accelerate` config file: DDP, FSDP2 (`configs/accelerate/fsdp.yaml`: every model sharded between the processes, every stage), or DeepSpeed ZeRO-1/2 for SFT, reward and DPO; see docs/scaling.md. Unset: plain DDP."""
     timeout_seconds: PositiveInt = 1800
     """Seconds a process waits for the others (the end of the stage included, where the main one evaluates and saves alone, and PPO's evaluations every `eval_every` iterations, which the main one runs alone) before the job fails."""
 
@@ -50,11 +50,24 @@ class LaunchConfig(_Frozen):
         if self.accelerate_config is not None and accelerate_config_path(self.accelerate_config) is None:
             raise ValueError(f"accelerate_config {self.accelerate_config!r} not found")
         engine = self.engine()
-        if engine.get("distributed_type") == "FSDP" or (engine.get("deepspeed_config") or {}).get("zero_stage") == 3:
-            raise ValueError(f"accelerate_config {self.accelerate_config!r} shards the parameters (FSDP or ZeRO-3): not "
-                             "supported yet (the main process saves the checkpoint and PPO samples from its own whole "
-                             "copy of the model); use DDP or DeepSpeed ZeRO-1/2")
+        if (engine.get("deepspeed_config") or {}).get("zero_stage") == 3:
+            raise ValueError(f"accelerate_config {self.accelerate_config!r} is DeepSpeed ZeRO-3: parameter sharding "
+                             "here is FSDP2 (configs/accelerate/fsdp.yaml), which every stage runs on")
+        if engine.get("distributed_type") == "FSDP":
+            fsdp = engine.get("fsdp_config") or {}
+            if int(fsdp.get("fsdp_version", 1)) != 2:
+                raise ValueError(f"accelerate_config {self.accelerate_config!r} asks for FSDP version "
+                                 f"{fsdp.get('fsdp_version', 1)}: the stages shard with FSDP2 (fsdp_version: 2; "
+                                 "FSDP1 is deprecated and refuses CPU runs)")
+            if fsdp.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
+                raise ValueError(f"accelerate_config {self.accelerate_config!r}: fsdp_auto_wrap_policy must be "
+                                 "TRANSFORMER_BASED_WRAP (a unit per decoder layer), as PPO shards its models")
         return self
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the stage's models are sharded between its processes (FSDP2), not replicated (DDP)."""
+        return self.engine().get("distributed_type") == "FSDP"
 
     def engine(self) -> dict[str, Any]:
         """The accelerate config file's contents ({} when unset)."""
@@ -315,6 +328,8 @@ class PPOConfig(TrainedStage):
     """Warn when max |ratio - 1| before an iteration's first update exceeds this (rollout and training compute different policies); unset: 1e-3 in fp32, 5e-2 under autocast, whose rounding alone reaches ~4e-3 on the demo model."""
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the frozen reference and reward models are held in; bfloat16 halves their memory."""
+    sharded_sampling: Literal["whole", "per_layer"] = "whole"
+    """With a sharded launch (FSDP2): gather the whole policy once per rollout for sampling (`whole`: one full copy while sampling), or gather each layer at every decode step (`per_layer`: least memory, one all-gather per layer per token); docs/scaling.md has the figures."""
     refit_normalization: bool = True
     """Refit the reward normalisation (gain, bias) on the first iteration's rollouts, so PPO's scores start at mean 0, std 1 under its own sampling settings."""
 
@@ -341,9 +356,10 @@ class PPOConfig(TrainedStage):
             if processes > 1:
                 factors += f" x launch.num_processes ({processes})"
             raise ValueError(f"{factors} must divide rollout_batch_size ({self.rollout_batch_size})")
-        if self.launch.engine().get("distributed_type", "MULTI_GPU") not in ("MULTI_GPU", "NO"):
-            raise ValueError("ppo.launch.accelerate_config: PPO runs on DDP (distributed_type MULTI_GPU); DeepSpeed "
-                             "and FSDP are for the SFT and reward stages")
+        if self.launch.engine().get("distributed_type", "MULTI_GPU") not in ("MULTI_GPU", "NO", "FSDP"):
+            raise ValueError("ppo.launch.accelerate_config: PPO runs on DDP (distributed_type MULTI_GPU) or FSDP2 "
+                             "(configs/accelerate/fsdp.yaml); DeepSpeed is for the SFT, reward and DPO stages (PPO's "
+                             "optimizer and scheduler step outside DeepSpeed's engine)")
         if self.lora is not None and self.ref_refresh_every is not None:
             raise ValueError("ref_refresh_every cannot act with lora: the reference is the policy with its adapters "
                              "disabled, so there is no copy to refresh; unset one of them")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -42,14 +42,16 @@ from transformers import DynamicCache, PreTrainedModel, get_scheduler
 from rlhf.config import PPOConfig
 from rlhf.evaluation import win_rate
 from schemas.adapters import last_user_message
-from stages.collectives import MAX_FIGURES, check_weights_agree, over_processes, whiten_over_processes
+from stages.collectives import MAX_FIGURES, over_processes, whiten_over_processes
 from stages.errors import NonFiniteLossError
 from stages.models import Precision, left_padded, position_ids_for, resolve_precision, save_trained
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss,
                              discounted_returns, entropy_of, explained_variance, gae, group_baselined, grpo_advantages,
                              is_end, kl_estimate, logprobs_of, masked_mean, response_mask, rloo_advantages,
                              sequence_rewards, token_rewards, truncate_after_eos)
-from stages.ppo_models import ActorCritic, Models, forward_response, load_models, policy_and_values, reference_policy
+from stages.holding import Holding, holding_for
+from stages.ppo_models import (ActorCritic, Models, build_policy, forward_response, load_models, policy_and_values,
+                               reference_policy)
 from stages.ppo_state import LoopState, Normalization, load_state, save_state_everywhere
 from stages.reporting import Reporting
 from stages.reward import RewardScorer, fit_normalization
@@ -120,20 +122,21 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def sample(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig, precision: Precision,
-           stop_ids: list[int]) -> Samples:
+           stop_ids: list[int], holding: Holding) -> Samples:
     """Sample up to `response_length` tokens per prompt from the full temperature-scaled
     distribution, one KV-cached step at a time, keeping each token's log-prob, the entropy and
     the final hidden state of the step that produced it: the rollout then needs no second
-    policy pass for old log-probs and (shared-body) values. Stops early once every row has an end token."""
+    policy pass for old log-probs and (shared-body) values. Stops early once every row has an end
+    token (on every process, when the model is sharded). `holding` gathers a sharded model for it."""
     batch = left_padded(tokenizer, prompts, model.device)
     queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
     attention_mask, positions = query_mask, position_ids_for(query_mask)
     step_ids, cache = queries, DynamicCache()
     tokens, logprobs, entropy, hidden = [], [], [], []
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=model.device)
-    with precision.autocast(model.device):
+    with precision.autocast(model.device), holding.sampling(model):
         for _ in range(cfg.response_length):
             out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
                         past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
@@ -144,7 +147,7 @@ def sample(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig
             entropy.append(entropy_of(logits, cfg.temperature))
             hidden.append(out.hidden_states[-1][:, -1:])
             finished |= is_end(token.squeeze(1), stop_ids)
-            if finished.all():
+            if holding.all_finished(finished):
                 break
             step_ids, positions = token, positions[:, -1:] + 1
             attention_mask = torch.cat([attention_mask, torch.ones_like(token)], dim=1)
@@ -162,13 +165,13 @@ def reuse_sampling_pass(cfg: PPOConfig, precision: Precision) -> bool:
     return cfg.old_logprobs == "sampling"
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def rollout(models: Models, prompts: list[str], cfg: PPOConfig, timings: dict[str, float]) -> Rollout:
     """Sample responses, then the passes PPO needs besides: old log-probs and values (from the
     sampling pass when `reuse_sampling_pass`), and the reference's log-probs."""
     models.train(False)
     start = time.perf_counter()
-    sampled = sample(models.policy, models.tokenizer, prompts, cfg, models.precision, models.stop_ids)
+    sampled = sample(models.policy, models.tokenizer, prompts, cfg, models.precision, models.stop_ids, models.holding)
     queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
     timings["generate"] = time.perf_counter() - start
 
@@ -208,7 +211,7 @@ class Scores:
     clipped to `score_clip` (when set)."""
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timings: dict[str, float]) -> torch.Tensor:
     """The reward model's outputs for the rollout's responses, before normalisation. # -> (B,)"""
     start = time.perf_counter()
@@ -324,7 +327,9 @@ def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: R
     `kl_loss_coef` weighs the k3 KL term of the loss."""
     actor_critic.train(True)
     trained = [p for group in optimizer.param_groups for p in group["params"]]
-    policy_parameters = list(accelerator.unwrap_model(actor_critic).policy.parameters())
+    unwrapped = accelerator.unwrap_model(actor_critic)
+    holding = unwrapped.models.holding
+    policy_parameters = list(unwrapped.policy.parameters())
     in_policy = {id(p) for p in policy_parameters}
     critic_parameters = [p for p in trained if id(p) not in in_policy]  # the value head or the critic model
     n = len(batch.responses)
@@ -341,15 +346,14 @@ def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: R
                     parameter.grad = None
             scaler.unscale_(optimizer)  # clipping reads true gradient norms (no-op without fp16 loss scaling)
             # Each model clipped on its own: a large value-loss gradient must not shrink the policy's step.
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy_parameters, cfg.max_grad_norm)
+            grad_norm = holding.clip_grad_norm(policy_parameters, cfg.max_grad_norm)
             if critic_parameters:
-                critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic_parameters, cfg.max_grad_norm)
-                figures["critic_grad_norm"] = critic_grad_norm.item()
+                figures["critic_grad_norm"] = holding.clip_grad_norm(critic_parameters, cfg.max_grad_norm)
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            stats.add(**figures, grad_norm=grad_norm.item())
+            stats.add(**figures, grad_norm=grad_norm)
     return stats.means()
 
 
@@ -357,11 +361,11 @@ def accumulate_gradients(actor_critic: torch.nn.Module, accelerator: Accelerator
                          advantages: torch.Tensor, returns: torch.Tensor | None, rows: torch.Tensor, cfg: PPOConfig,
                          scaler: torch.amp.GradScaler, iteration: int, kl_loss_coef: float) -> dict[str, float]:
     """Gradients of one minibatch (these `rows` of this process's rollout), accumulated over its
-    micro-batches and averaged over processes by DDP at the last one.
+    micro-batches and averaged over processes (DDP: at the last one; FSDP2: at each, into shards).
 
     Every loss term is a mean over the minibatch's tokens on all processes together: each
     micro-batch's masked sum is divided by N / P, with N those tokens and P the process count,
-    because DDP divides the summed gradients by P. The gradient is then the same for every
+    because DDP and FSDP2 divide the summed gradients by P. The gradient is then the same for every
     `micro_batch_size` and process count (tested to 1e-5). Returned figures are this process's
     sums on the same scale, so their mean over processes is the minibatch's token mean."""
     num_tokens = batch.mask[rows].sum()
@@ -369,10 +373,10 @@ def accumulate_gradients(actor_critic: torch.nn.Module, accelerator: Accelerator
         torch.distributed.all_reduce(num_tokens)
     num_tokens = num_tokens.clamp(min=1.0) / accelerator.num_processes
     micro_batches = rows.split(cfg.micro_batch_size or len(rows))
+    holding = accelerator.unwrap_model(actor_critic).models.holding
     totals: dict[str, float] = {}
     for position, micro_rows in enumerate(micro_batches):
-        last = position == len(micro_batches) - 1
-        with nullcontext() if last else accelerator.no_sync(actor_critic):
+        with holding.accumulating(actor_critic, last=position == len(micro_batches) - 1):
             figures = _micro_batch_step(actor_critic, micro_batch(batch, advantages, returns, micro_rows), cfg,
                                         num_tokens, scaler, iteration, kl_loss_coef)
         for key, value in figures.items():
@@ -440,7 +444,7 @@ class HeldOut:
     """False where the SFT response was cut off at `response_length` without an end token."""
 
     @classmethod
-    @torch.inference_mode()
+    @torch.no_grad()
     def sample(cls, models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig, device: torch.device) -> HeldOut:
         """The SFT responses, sampled before training starts (so from the SFT policy even when the
         reference is refreshed later, or the run resumes), from `eval_seed` alone: every PPO run from
@@ -452,12 +456,13 @@ class HeldOut:
         models.train(False)
         with own_random_stream(device), reference_policy(models) as reference:
             torch.manual_seed(cfg.eval_seed)
-            responses = sample(reference, models.tokenizer, prompts, cfg, models.precision, models.stop_ids).responses
+            responses = sample(reference, models.tokenizer, prompts, cfg, models.precision, models.stop_ids,
+                               models.holding).responses
         return cls(prompts, messages, models.tokenizer.batch_decode(responses, skip_special_tokens=True),
                    is_end(responses, models.stop_ids).any(dim=1).tolist())
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def evaluate(models: Models, held_out: HeldOut, cfg: PPOConfig) -> tuple[dict[str, float], pd.DataFrame]:
     """The policy against the SFT responses on the held-out prompts: KL(policy || SFT) on the
     policy's responses, sampled from `eval_seed + 1`, their length and EOS rate; with a reward
@@ -610,19 +615,23 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
     accelerator = Accelerator()
     rank = accelerator.process_index
     torch.manual_seed(cfg.seed)
-    models = load_models(cfg, inputs.sft_location, inputs.reward_location)
+    holding = holding_for(accelerator, cfg.launch.sharded, cfg.sharded_sampling,
+                          resolve_precision(cfg.precision).autocast_dtype)
+    models = load_models(cfg, inputs.sft_location, inputs.reward_location, holding)
     if rank > 0:  # its own sampling noise; rank 0 keeps the single-process stream
         torch.manual_seed(cfg.seed + rank)
+    actor_critic = holding.trained(ActorCritic(models))  # DDP or FSDP2 on several processes; as is on one
+    # Built on the parameters as held (FSDP2 replaces them with shards), so its state is sharded too.
     optimizer = torch.optim.AdamW(models.trainable(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, eps=1e-5,
                                   fused=True)  # one kernel per step instead of several per parameter
     # Loss scaling for fp16 autocast only; disabled, it passes losses and steps through unchanged.
     scaler = torch.amp.GradScaler(accelerator.device.type, enabled=models.precision.autocast_dtype == torch.float16)
-    actor_critic = accelerator.prepare(ActorCritic(models))  # DDP on several processes; as is on one
     total_steps = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     # Before a resume or a reference refresh can change the reference: it is the SFT policy now.
-    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg, accelerator.device) if rank == 0 else None
+    # Every process evaluates (a sharded model needs them all); only the main one reports.
+    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg, accelerator.device)
     state_dir = output_dir / "state"
     loop = LoopState(kl=KLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
     if (state_dir / "loop.json").exists():
@@ -664,7 +673,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         loop.first_length = loop.first_length or figures["rollout/response_length"]
         report_iteration(reporting, cfg, loop, iteration, figures, batch, messages, scores, kl)
         loop.iteration, loop.cursor = iteration, loop.cursor + prompts_per_iteration
-        if cfg.eval_every and iteration % cfg.eval_every == 0 and iteration < cfg.num_iterations and rank == 0:
+        if cfg.eval_every and iteration % cfg.eval_every == 0 and iteration < cfg.num_iterations:
             figures |= evaluate_midway(models, held_out, cfg, iteration, accelerator.device, reporting)
         loop.history = loop.history + [{"iteration": iteration, **figures}]
         reporting.progress(iteration, cfg.num_iterations)
@@ -672,13 +681,15 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
             # The last one too: if the upload fails, a rerun goes straight to evaluation.
             save_state_everywhere(accelerator, state_dir, models, optimizer, scheduler, scaler, loop)
 
-    check_weights_agree(accelerator, actor_critic)
+    holding.check_weights_agree(actor_critic)
+    metrics, evaluation = evaluate(models, held_out, cfg)
+    # Rank 0: the policy with its trained weights, unsharded (gathered from every process when sharded).
+    policy = holding.whole(models.policy, lambda: build_policy(cfg, inputs.sft_location, models.tokenizer))
     if not accelerator.is_main_process:
         return None
-    metrics, evaluation = evaluate(models, held_out, cfg)
     warn_over_kl_budget(metrics, cfg.kl_budget, reporting)
     trained = [p for group in optimizer.param_groups for p in group["params"]]
-    policy = models.policy.merge_and_unload() if cfg.lora is not None else models.policy
+    policy = policy.merge_and_unload() if cfg.lora is not None else policy
     checkpoint, tags = save_trained(policy, models.tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location,
                                     trained)
     metrics |= {"train/iterations": float(loop.iteration), "normalization/gain": models.scorer.gain,

@@ -13,14 +13,15 @@ import copy
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
 from rlhf.config import PPOConfig
-from stages.models import (Precision, device, disable_dropout, dtype_named, load_causal_lm, load_tokenizer,
-                           position_ids_for, resolve_precision, stop_token_ids)
+from stages.holding import Holding, Replicated
+from stages.models import (Precision, disable_dropout, dtype_named, load_causal_lm, load_tokenizer, position_ids_for,
+                           resolve_precision, stop_token_ids)
 from stages.reward import RewardScorer, load_reward_model
 
 
@@ -127,6 +128,8 @@ class Models:
     precision: Precision
     stop_ids: list[int]
     """Token ids that end a response: the reply end, EOS, and any the generation config lists."""
+    holding: Holding = field(default_factory=Replicated)
+    """How the processes hold the models: whole on each (one process, DDP) or sharded (FSDP2)."""
 
     def trainable(self) -> list[torch.nn.Parameter]:
         return [p for m in self.trained_modules() for p in m.parameters() if p.requires_grad]
@@ -150,22 +153,31 @@ class Models:
             self.critic.restore_normalization(gain, bias)
 
 
-def load_models(cfg: PPOConfig, sft_location: str, reward_location: str) -> Models:
-    """Trained modules (policy, critic) in float32 whatever the checkpoints' dtype; frozen ones
-    (reference, reward model) in `cfg.frozen_dtype`; dropout off in all of them, so a rollout and
-    the update that follows compute the same policy."""
-    frozen = dtype_named(cfg.frozen_dtype)
-    tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
+def build_policy(cfg: PPOConfig, sft_location: str, tokenizer) -> PreTrainedModel:
+    """The policy as PPO trains it, in float32 on the CPU: the SFT checkpoint, dropout off, with
+    LoRA adapters when `cfg.lora` is set."""
     policy = load_causal_lm(sft_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
     disable_dropout(policy)
-    reference = None
     if cfg.lora is not None:
         from peft import LoraConfig, get_peft_model
 
         policy = get_peft_model(policy, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
                                                    target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
-    else:
-        reference = copy.deepcopy(policy).to(frozen).eval().requires_grad_(False)
+    return policy
+
+
+def load_models(cfg: PPOConfig, sft_location: str, reward_location: str, holding: Holding | None = None) -> Models:
+    """Trained modules (policy, critic) in float32 whatever the checkpoints' dtype; frozen ones
+    (reference, reward model) in `cfg.frozen_dtype`; dropout off in all of them, so a rollout and
+    the update that follows compute the same policy. `holding` (default: whole, on this process)
+    places them: the frozen ones at once, the trained ones when `holding.trained` wraps them."""
+    holding = holding or Replicated()
+    frozen = dtype_named(cfg.frozen_dtype)
+    tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
+    policy = build_policy(cfg, sft_location, tokenizer)
+    reference = None
+    if cfg.lora is None:
+        reference = holding.frozen(copy.deepcopy(policy).to(frozen).eval().requires_grad_(False))
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     if not cfg.uses_critic:
@@ -179,15 +191,14 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str) -> Mode
                              "tokenizer (the critic reads the policy's token ids); use ppo.critic = 'shared'")
         critic = RewardCritic(load_reward_model(reward_location, tokenizer, trust_remote_code=cfg.trust_remote_code,
                                                 fresh_head=False), rescale=cfg.normalize_critic)
-    scorer = RewardScorer.from_pretrained(reward_location, dtype=frozen, trust_remote_code=cfg.trust_remote_code)
+    scorer = RewardScorer.from_pretrained(reward_location, dtype=frozen, trust_remote_code=cfg.trust_remote_code,
+                                          place=holding.frozen)
     scorer.model.requires_grad_(False)
-    models = Models(policy, critic, reference, scorer, tokenizer, resolve_precision(cfg.precision),
-                    stop_token_ids(policy))
-    run_on = device()
-    for module in (policy, critic, reference):
+    for module in (policy, critic):
         if module is not None:
-            module.to(run_on)
-    return models
+            holding.place_trained(module)
+    return Models(policy, critic, reference, scorer, tokenizer, resolve_precision(cfg.precision), stop_token_ids(policy),
+                  holding)
 
 
 @contextmanager

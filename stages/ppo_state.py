@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, save_file
 
 from stages.ppo_math import KLController
+from stages.holding import write_atomically
 from stages.ppo_models import Models
 
 
@@ -68,55 +68,43 @@ def rng_states(accelerator: Accelerator) -> dict[str, torch.Tensor]:
     return {_rng_key(name, rank): state for rank, states in enumerate(everyone) for name, state in states.items()}
 
 
-def save_state(folder: Path, models: Models, optimizer, scheduler, scaler, loop: LoopState,
-               rng: dict[str, torch.Tensor]) -> Path:
-    """Write a full-state checkpoint atomically (staging folder, then rename); keeps only the newest.
-    On several processes the main one writes it: weights and optimizer state are the same on all,
-    `rng` holds each process's generators."""
-    staging = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    save_model(models.policy, str(staging / "policy.safetensors"))
-    if models.critic is not None:
-        save_model(models.critic, str(staging / "critic.safetensors"))
-    if models.reference is not None:
-        save_model(models.reference, str(staging / "reference.safetensors"))
-    torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-    torch.save(scheduler.state_dict(), staging / "scheduler.pt")
-    torch.save(scaler.state_dict(), staging / "scaler.pt")
-    save_file(rng, str(staging / "rng.safetensors"))
-    (staging / "loop.json").write_text(loop.to_json())
-    shutil.rmtree(folder, ignore_errors=True)
-    staging.rename(folder)
-    return folder
+def _held(models: Models) -> dict[str, torch.nn.Module]:
+    """The modules a full-state checkpoint holds the weights of."""
+    modules = {"policy": models.policy, "critic": models.critic, "reference": models.reference}
+    return {name: module for name, module in modules.items() if module is not None}
 
 
 def save_state_everywhere(accelerator: Accelerator, folder: Path, models: Models, optimizer, scheduler, scaler,
                           loop: LoopState) -> None:
-    """`save_state` by the main process with every process's generators; no process runs on (or
-    stops) before the state is written (collective)."""
+    """Write a full-state checkpoint atomically (a staging folder, renamed once complete), keeping
+    only the newest (collective). Weights and optimizer state as the models are held: written by
+    the main process when every process holds them whole, one shard per process when sharded;
+    the main process writes the rest, with every process's random generators."""
     rng = rng_states(accelerator)
-    if accelerator.is_main_process:
-        save_state(folder, models, optimizer, scheduler, scaler, loop, rng)
-    accelerator.wait_for_everyone()
+
+    def write(staging: Path) -> None:
+        models.holding.save(staging, _held(models), optimizer)
+        if accelerator.is_main_process:
+            torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+            torch.save(scaler.state_dict(), staging / "scaler.pt")
+            save_file(rng, str(staging / "rng.safetensors"))
+            (staging / "loop.json").write_text(loop.to_json())
+
+    write_atomically(folder, write, accelerator)
 
 
 def load_state(folder: Path, models: Models, optimizer, scheduler, scaler, rank: int = 0) -> LoopState:
-    """Restore a full-state checkpoint, with process `rank`'s random generators. Tensors come from
-    safetensors; optimizer and scheduler state load with `weights_only=True`, which refuses
-    arbitrary pickled objects."""
-    load_model(models.policy, str(folder / "policy.safetensors"))
-    if models.critic is not None:
-        load_model(models.critic, str(folder / "critic.safetensors"))
-    if models.reference is not None:
-        load_model(models.reference, str(folder / "reference.safetensors"))
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-    scaler.load_state_dict(torch.load(folder / "scaler.pt", weights_only=True))
+    """Restore a full-state checkpoint, with process `rank`'s random generators (collective when
+    the models are sharded). Tensors come from safetensors (or `torch.distributed.checkpoint`
+    shards); optimizer and scheduler state load with `weights_only=True`, which refuses arbitrary
+    pickled objects."""
     rng = load_file(str(folder / "rng.safetensors"))
     if _rng_key("torch", rank) not in rng:
         raise ValueError(f"the full-state checkpoint in {folder} was written by fewer processes than this run has; "
                          "resume with the same launch.num_processes")
+    models.holding.load(folder, _held(models), optimizer)
+    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+    scaler.load_state_dict(torch.load(folder / "scaler.pt", weights_only=True))
     torch.set_rng_state(rng[_rng_key("torch", rank)])
     if _rng_key("cuda", rank) in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng[_rng_key("cuda", rank)])

@@ -88,13 +88,14 @@ class RewardScorer:
         self.model, self.tokenizer, self.gain, self.bias = model.eval(), tokenizer, gain, bias
 
     @classmethod
-    def from_pretrained(cls, location: str | Path, *, dtype: torch.dtype = torch.float32,
-                        trust_remote_code: bool = False) -> RewardScorer:
+    def from_pretrained(cls, location: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                        place=None) -> RewardScorer:
+        """`place(model)` puts the model where it runs (PPO's holding may shard it); default: this device."""
         tokenizer = load_tokenizer(str(location), trust_remote_code=trust_remote_code)
         model = load_reward_model(str(location), tokenizer, dtype=dtype, trust_remote_code=trust_remote_code,
                                   fresh_head=False)
         norm = getattr(model.config, NORMALIZATION_KEY, None) or {"gain": 1.0, "bias": 0.0}
-        return cls(model.to(device()), tokenizer, norm["gain"], norm["bias"])
+        return cls(place(model) if place else model.to(device()), tokenizer, norm["gain"], norm["bias"])
 
     def encode(self, prompts: list, responses: list[str], complete: list[bool] | None = None) -> list[list[int]]:
         """Prompt + response ids; a response marked not `complete` gets no reply-end token, so a
@@ -104,7 +105,7 @@ class RewardScorer:
         prompt_ids, reply_ids = encode_replies(self.tokenizer, rendered, list(responses), complete)
         return [p + r for p, r in zip(prompt_ids, reply_ids, strict=True)]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def raw_scores(self, sequences: list[list[int]], batch_size: int = 64) -> torch.Tensor:
         """Model outputs at the last real token of each id sequence. # -> (N,)"""
         scores = []

@@ -1,0 +1,284 @@
+"""How a PPO run's processes hold its models: whole on each (`Replicated`: one process, or DDP)
+or split between them (`Sharded`: FSDP2, `torch.distributed.fsdp.fully_shard`).
+
+Every place where the two differ is a method here, so `train_ppo`'s rollout and update read the
+same either way:
+
+    trained(actor_critic)      DDP-wrap it, or shard policy and critic (a unit per decoder layer)
+    frozen(model)              as is, or sharded (reference, reward model)
+    accumulating(module, last) DDP skips the all-reduce before the last micro-batch; FSDP2
+                               reduce-scatters every micro-batch (gradients stay sharded)
+    clip_grad_norm(...)        the norm over the whole model, whichever process holds which part
+    sampling(policy)           `gather: whole`: the whole policy gathered once for the rollout;
+                               `per_layer`: each layer gathered at every decode step
+    all_finished(finished)     sharded processes take every decode step together
+    whole(module, blank)       rank 0 gets an unsharded module with the trained weights
+    save / load                the full-state checkpoint: safetensors from rank 0, or
+                               `torch.distributed.checkpoint`, one shard per process
+
+Collectives: on several processes, every method that says so must be called by every process.
+Passes without gradients run under `torch.no_grad`, never `torch.inference_mode`: FSDP2 gathers
+parameters into tensors it keeps, and tensors made in inference mode cannot be trained afterwards.
+accelerate's FSDP plugin ignores FSDP on CPU (it falls back to DDP); PPO drives `fully_shard`
+itself, on the device mesh of all processes (gloo on CPU, NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from accelerate import Accelerator
+
+from stages.collectives import check_weights_agree
+from stages.models import device
+
+Gather = Literal["whole", "per_layer"]
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks, by the class names transformers lists in `_no_split_modules`
+    (`LlamaDecoderLayer`, `Qwen2DecoderLayer`, ...); found through peft wrappers too."""
+    names = {name for module in model.modules() for name in (getattr(module, "_no_split_modules", None) or [])}
+    layers = [module for module in model.modules() if type(module).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder-layer class (`_no_split_modules`): FSDP2 has no "
+                         "per-layer units to shard it into")
+    return layers
+
+
+@dataclass
+class Replicated:
+    """Every process holds whole models: one process, or DDP (through accelerate) on several.
+    Without an accelerator: this process alone (evaluations, tests)."""
+
+    accelerator: Accelerator | None = None
+    name: str = "replicated"
+
+    def place_trained(self, module: torch.nn.Module) -> None:
+        module.to(device())
+
+    def trained(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module if self.accelerator is None else self.accelerator.prepare(module)  # DDP on several processes
+
+    def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.to(device())
+
+    def accumulating(self, module: torch.nn.Module, last: bool):
+        return nullcontext() if last else self.accelerator.no_sync(module)
+
+    def clip_grad_norm(self, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm).item()
+
+    @contextmanager
+    def sampling(self, policy: torch.nn.Module) -> Iterator[None]:
+        yield
+
+    def all_finished(self, finished: torch.Tensor) -> bool:
+        return bool(finished.all())
+
+    def check_weights_agree(self, module: torch.nn.Module) -> None:
+        check_weights_agree(self.accelerator, module)
+
+    def whole(self, module: torch.nn.Module, blank: Callable[[], torch.nn.Module]) -> torch.nn.Module | None:
+        return self.accelerator.unwrap_model(module) if self.accelerator.is_main_process else None  # no copy
+
+    def save(self, folder: Path, modules: dict[str, torch.nn.Module], optimizer) -> None:
+        """Rank 0 writes each module's weights and the optimizer state (the same on every process)."""
+        from safetensors.torch import save_model
+
+        if self.accelerator.is_main_process:
+            for name, module in modules.items():
+                save_model(module, str(folder / f"{name}.safetensors"))
+            torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+
+    def load(self, folder: Path, modules: dict[str, torch.nn.Module], optimizer) -> None:
+        from safetensors.torch import load_model
+
+        for name, module in modules.items():
+            load_model(module, str(folder / f"{name}.safetensors"))
+        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+
+
+@dataclass
+class Sharded:
+    """FSDP2: each process holds 1/N of every model's parameters (and of the trained ones'
+    gradients and optimizer state); a unit per decoder layer, gathered for its forward and
+    backward only. Trained modules keep float32 parameters; under bf16 autocast the units compute
+    in bf16 and reduce gradients in float32."""
+
+    accelerator: Accelerator
+    gather: Gather = "whole"
+    """How sampling reads the policy: gathered whole once per rollout, or layer by layer at each decode step."""
+    autocast_dtype: torch.dtype | None = None
+    name: str = "fsdp2"
+
+    def __post_init__(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.accelerator.device.type, (self.accelerator.num_processes,))
+
+    def _mp_policy(self, trained: bool):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if trained and self.autocast_dtype is not None:
+            return MixedPrecisionPolicy(param_dtype=self.autocast_dtype, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()  # as held: float32 (or a frozen model's dtype)
+
+    def _shard(self, model: torch.nn.Module, trained: bool, forward_method: str | None = None) -> None:
+        """A unit per decoder layer (if it has any), then the rest of `model` as one unit; with
+        `forward_method`, that method gathers the unit as `forward` does (a critic's `values`)."""
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        policy = self._mp_policy(trained)
+        for layer in (decoder_layers(model) if forward_method is None or _has_layers(model) else []):
+            fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=True)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False)
+        if forward_method is not None:
+            register_fsdp_forward_method(model, forward_method)
+
+    def place_trained(self, module: torch.nn.Module) -> None:
+        """Left where it was loaded (the CPU): `trained` moves each process's shards to its device."""
+
+    def trained(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Shard the policy and, if there is one, the critic, in place (`module` is the
+        `ActorCritic`; the optimizer must be built after this, on the sharded parameters)."""
+        self._shard(module.policy, trained=True)
+        if module.critic is not None:
+            self._shard(module.critic, trained=True, forward_method="values")
+        return module
+
+    def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The reference is sharded like the policy. A reward model is read by its score head
+        after its body's forward, so its body is the unit and the tiny head stays whole."""
+        head = getattr(model, "score", None)
+        if head is None:
+            self._shard(model, trained=False)
+            return model
+        head.to(self.accelerator.device)
+        self._shard(model.base_model, trained=False)  # `last_token_scores` calls the body, then the head
+        return model
+
+    def accumulating(self, module: torch.nn.Module, last: bool):
+        return nullcontext()  # reduce-scatter every micro-batch: gradients stay sharded
+
+    def clip_grad_norm(self, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)  # over every shard (a DTensor reduction)
+        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+
+    @contextmanager
+    def sampling(self, policy: torch.nn.Module) -> Iterator[None]:
+        """`whole`: gather every unit of the policy once, keep it gathered for all decode steps,
+        and free it after; `per_layer`: FSDP2's own gathering at each step's forward."""
+        if self.gather == "per_layer":
+            yield
+            return
+        units = _units(policy)
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(unit is not policy, recurse=False)  # as `_shard` set them
+
+    def all_finished(self, finished: torch.Tensor) -> bool:
+        """Whether every process's rows have ended (collective): the per-layer gathers of a decode
+        step need every process, so none may stop before the others."""
+        done = finished.all().to(torch.int32).reshape(1)
+        torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+        return bool(done.item())
+
+    def check_weights_agree(self, module: torch.nn.Module) -> None:
+        """One copy of each parameter, split between the processes: nothing can disagree."""
+
+    def whole(self, module: torch.nn.Module, blank: Callable[[], torch.nn.Module]) -> torch.nn.Module | None:
+        """Rank 0: `blank()` (an unsharded module of the same structure) with `module`'s full
+        state, gathered shard by shard to the CPU (collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.accelerator.is_main_process:
+            return None
+        plain = blank()
+        plain.load_state_dict(full)
+        return plain
+
+    def save(self, folder: Path, modules: dict[str, torch.nn.Module], optimizer) -> None:
+        """Each process writes its shards of every module and of the optimizer state
+        (`torch.distributed.checkpoint`; collective)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(modules, optimizer), checkpoint_id=str(folder / "sharded"))
+
+    def load(self, folder: Path, modules: dict[str, torch.nn.Module], optimizer) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        state = self._state(modules, optimizer)
+        dcp.load(state, checkpoint_id=str(folder / "sharded"))
+        for name, module in modules.items():
+            set_model_state_dict(module, state[name])
+        set_optimizer_state_dict(_Together(modules), optimizer, state["optimizer"])
+
+    @staticmethod
+    def _state(modules: dict[str, torch.nn.Module], optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state = {name: get_model_state_dict(module) for name, module in modules.items()}
+        return state | {"optimizer": get_optimizer_state_dict(_Together(modules), optimizer)}
+
+
+class _Together(torch.nn.Module):
+    """The saved modules as one, so the optimizer's parameters are named the same on save and load."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module]):
+        super().__init__()
+        for name, module in modules.items():
+            self.add_module(name, module)
+
+
+def _has_layers(module: torch.nn.Module) -> bool:
+    try:
+        return bool(decoder_layers(module))
+    except ValueError:
+        return False
+
+
+def _units(model: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+Holding = Replicated | Sharded
+
+
+def holding_for(accelerator: Accelerator, sharded: bool, gather: Gather, autocast_dtype: torch.dtype | None) -> Holding:
+    """`Sharded` when the stage's launch shards (FSDP2) and runs on several processes, else `Replicated`."""
+    if sharded and accelerator.num_processes > 1:
+        return Sharded(accelerator, gather, autocast_dtype)
+    return Replicated(accelerator)
+
+
+def write_atomically(folder: Path, write: Callable[[Path], None], accelerator: Accelerator) -> None:
+    """`write(staging)` by every process into a staging folder that replaces `folder` once all
+    have written (collective): a crash mid-write leaves the previous checkpoint."""
+    staging = folder.with_name(folder.name + ".tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    write(staging)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)
+    accelerator.wait_for_everyone()
