@@ -1,13 +1,14 @@
 """A minibatch's PPO gradient does not depend on memory settings: the same for every
-`micro_batch_size`, and the same on one process as on two at the same global batch.
+`micro_batch_size`, and the same on one process as on two at the same global batch, whether
+the two hold whole models (DDP) or shards of them (FSDP2), for both critics and with LoRA.
 
 Every loss term is a token mean over the whole minibatch (across micro-batches and processes),
 so splitting the minibatch only changes how the sum is computed. Responses of different lengths
 make the test bite: per-micro-batch means weighted by sequence counts gave a policy gradient
 0.34 (relative L2) away at `micro_batch_size=2`.
 
-Run as a script (`accelerate launch tests/test_ppo_gradients.py WORK`), this file is also the
-two-process worker: each rank takes its half of the saved rollout.
+Run as a script (`accelerate launch tests/test_ppo_gradients.py WORK ENGINE`), this file is also
+the two-process worker: each rank takes its half of the saved rollout.
 """
 
 from __future__ import annotations
@@ -46,16 +47,20 @@ def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg
                          cfg, scaler, iteration=1, kl_loss_coef=cfg.kl_loss_coef)
     from stages.ppo_models import ActorCritic
 
-    return {name: p.grad.detach().clone() for name, p in ActorCritic(models).named_parameters() if p.requires_grad}
+    # A sharded gradient is gathered whole (collective) to compare it with the one-process gradient.
+    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for name, p in ActorCritic(models).named_parameters() if p.requires_grad}
 
 
-def _setup(tiny_config, trained, critic="reward"):
+def _setup(tiny_config, trained, critic="reward", lora=False):
     from stages.ppo import raw_scores, rollout, scores_of
     from stages.ppo_math import gae, kl_estimate, masked_whiten, token_rewards
     from stages.ppo_models import load_models
 
+    from rlhf.config import LoRAConfig
+
     cfg = tiny_config.ppo.model_copy(update={"rollout_batch_size": 8, "num_minibatches": 1, "response_length": 16,
-                                            "critic": critic})
+                                            "critic": critic, "lora": LoRAConfig() if lora else None})
     torch.manual_seed(0)
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(8)
@@ -119,13 +124,17 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
     _assert_same(dict(heavy_models.policy.named_parameters()), dict(light_models.policy.named_parameters()))
 
 
-def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(tiny_config, trained, tmp_path):
+@pytest.mark.parametrize("engine, critic, lora", [("ddp", "reward", False), ("fsdp", "reward", False),
+                                                 ("fsdp", "shared", False), ("fsdp", "reward", True)])
+def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(tiny_config, trained, tmp_path, engine,
+                                                                              critic, lora):
     from accelerate import Accelerator
 
     from stages.ppo_models import ActorCritic
 
-    cfg, models, batch, advantages, returns = _setup(tiny_config, trained)
+    cfg, models, batch, advantages, returns = _setup(tiny_config, trained, critic, lora)
     one = gradients(models, Accelerator(cpu=True), ActorCritic(models), batch, advantages, returns, cfg)
+    assert all(g.norm() > 0 for g in one.values())
     torch.save({"cfg": cfg.model_dump(mode="json"), "sft": trained["sft"], "reward": trained["reward"],
                 "trained": ActorCritic(models).state_dict(), "batch": batch, "advantages": advantages,
                 "returns": returns}, tmp_path / "work.pt")
@@ -134,37 +143,43 @@ def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(ti
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-               str(port), __file__, str(tmp_path)]
+               str(port), __file__, str(tmp_path), engine]
     done = subprocess.run(command, cwd=REPO, env=dict(os.environ, ACCELERATE_USE_CPU="true"), capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    _assert_same(torch.load(tmp_path / "gradients.pt"), one)
+    found = torch.load(tmp_path / "gradients.pt")
+    assert found.pop("sharded") == (engine == "fsdp")
+    _assert_same(found, one)
 
 
-def _worker(folder: Path) -> None:
-    """One rank: its half of the rollout, in micro-batches of 2, under DDP; rank 0 saves the gradients."""
+def _worker(folder: Path, engine: str) -> None:
+    """One rank: its half of the rollout, in micro-batches of 2, under DDP or FSDP2 (each process
+    holding half of every parameter); rank 0 saves the gradients."""
     from accelerate import Accelerator, PartialState
 
     from rlhf.config import PPOConfig
+    from stages.holding import Replicated, Sharded
     from stages.ppo_models import ActorCritic, load_models
 
     state = PartialState(cpu=True)
     work = torch.load(folder / "work.pt", weights_only=False)
     cfg = PPOConfig.model_validate(work["cfg"]).model_copy(update={"micro_batch_size": 2})
-    models = load_models(cfg, work["sft"], work["reward"])
-    ActorCritic(models).load_state_dict(work["trained"])
     accelerator = Accelerator(cpu=True)
-    actor_critic = accelerator.prepare(ActorCritic(models))
+    holding = Sharded(accelerator) if engine == "fsdp" else Replicated(accelerator)
+    models = load_models(cfg, work["sft"], work["reward"], holding)
+    ActorCritic(models).load_state_dict(work["trained"])  # before sharding: the trained modules are still whole
+    actor_critic = holding.trained(ActorCritic(models))
+    sharded = all(hasattr(p, "full_tensor") for p in models.trainable())
     half = len(work["batch"].responses) // state.num_processes
     rows = torch.arange(state.process_index * half, (state.process_index + 1) * half)
     local = rows_of(work["batch"], rows)
     found = gradients(models, accelerator, actor_critic, local, work["advantages"][rows], work["returns"][rows], cfg)
     if state.is_main_process:
-        torch.save(found, folder / "gradients.pt")
+        torch.save(found | {"sharded": sharded}, folder / "gradients.pt")
     state.wait_for_everyone()
     state.destroy_process_group()
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    _worker(Path(sys.argv[1]))
+    _worker(Path(sys.argv[1]), sys.argv[2])
