@@ -66,8 +66,8 @@ class LaunchConfig(_Frozen):
 
     @property
     def sharded(self) -> bool:
-        """Whether the stage's models are sharded between its processes (FSDP2), not replicated (DDP)."""
-        return self.engine().get("distributed_type") == "FSDP"
+        """Whether the stage's models are sharded between its processes (FSDP2 on more than one), not replicated."""
+        return self.engine().get("distributed_type") == "FSDP" and self.num_processes > 1
 
     def engine(self) -> dict[str, Any]:
         """The accelerate config file's contents ({} when unset)."""

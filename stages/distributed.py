@@ -186,6 +186,7 @@ def _event_writer(events: Path) -> Reporting:
 
 def main(spec: Path) -> None:
     from accelerate import PartialState
+    from accelerate.utils import DistributedType
 
     call: StageCall = pickle.loads((spec / "call.pkl").read_bytes())
     set_determinism(call.deterministic, call.num_threads)
@@ -193,6 +194,10 @@ def main(spec: Path) -> None:
     # trainers' own `ddp_timeout` then goes unused): PartialState reads the CPU switch only from its argument.
     state = PartialState(cpu=os.environ.get("ACCELERATE_USE_CPU") == "true",
                          timeout=timedelta(seconds=call.section.launch.timeout_seconds))
+    if call.section.launch.sharded and state.distributed_type == DistributedType.MULTI_CPU:
+        # accelerate takes its FSDP branch only for accelerator devices and would run DDP on CPU
+        # without a word; FSDP2 itself runs on CPU over gloo, so let the trainers' accelerator shard.
+        state.distributed_type = DistributedType.MULTI_GPU
     reporting = _event_writer(spec / "events.jsonl") if state.is_main_process else Reporting()
     try:
         result = call.train(call.section, call.inputs, call.output_dir, reporting)

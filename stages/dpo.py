@@ -29,7 +29,8 @@ from stages.models import (device, disable_dropout, dtype_named, encode_pairs, l
 from stages.ppo import HeldOut, evaluate, warn_over_kl_budget
 from stages.ppo_models import Models
 from stages.reporting import Reporting
-from stages.training import ForwardLogs, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
+from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
+                             trainer_arguments, untrained_evaluation)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting
         callbacks=[ForwardLogs(reporting)],
     )
     trainer.remove_callback(PrinterCallback)
+    keep_float32_reductions(trainer)
     return trainer
 
 
@@ -121,10 +123,12 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Re
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     untrained = untrained_evaluation(trainer)
     final = trainer.evaluate()
+    tokenizer = trainer.processing_class
+    model, held = trained_model(trainer, lambda: load_causal_lm(inputs.sft_location, tokenizer,
+                                                          trust_remote_code=cfg.trust_remote_code))
     if not PartialState().is_main_process:
         return None
 
-    model, tokenizer = trainer.model, trainer.processing_class
     checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location,
                                     [p for p in model.parameters() if p.requires_grad])
     settings = evaluation_settings(cfg)
@@ -140,4 +144,4 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Re
         "train/loss": float(train_output.training_loss),
         "train/steps": float(train_output.global_step),
     }
-    return DPOResult(checkpoint, metrics, evaluation, tags)
+    return DPOResult(checkpoint, metrics, evaluation, tags | held)

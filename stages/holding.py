@@ -200,16 +200,7 @@ class Sharded:
         """One copy of each parameter, split between the processes: nothing can disagree."""
 
     def whole(self, module: torch.nn.Module, blank: Callable[[], torch.nn.Module]) -> torch.nn.Module | None:
-        """Rank 0: `blank()` (an unsharded module of the same structure) with `module`'s full
-        state, gathered shard by shard to the CPU (collective)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not self.accelerator.is_main_process:
-            return None
-        plain = blank()
-        plain.load_state_dict(full)
-        return plain
+        return unsharded(module, blank, self.accelerator.is_main_process)
 
     def save(self, folder: Path, modules: dict[str, torch.nn.Module], optimizer) -> None:
         """Each process writes its shards of every module and of the optimizer state
@@ -243,6 +234,32 @@ class _Together(torch.nn.Module):
         super().__init__()
         for name, module in modules.items():
             self.add_module(name, module)
+
+
+TAG_HELD_AS = "rlhf.held_as"
+"""Run tag: how the trained model was held, read off its parameters (`fsdp2 x N`, `ddp x N`, `one process`)."""
+
+
+def held_as(module: torch.nn.Module, num_processes: int) -> dict[str, str]:
+    """`TAG_HELD_AS` for a trained module as it is held now: sharded parameters are DTensors."""
+    if any(hasattr(p, "full_tensor") for p in module.parameters()):
+        return {TAG_HELD_AS: f"fsdp2 x {num_processes}"}
+    return {TAG_HELD_AS: f"ddp x {num_processes}" if num_processes > 1 else "one process"}
+
+
+def unsharded(module: torch.nn.Module, blank: Callable[[], torch.nn.Module], main: bool) -> torch.nn.Module | None:
+    """On the main process, `blank()` (an unsharded module of the same structure, built the way
+    the stage loaded it) holding `module`'s full state, gathered shard by shard to the CPU; None
+    on the others (collective). How a sharded stage hands its trained model to the code that
+    samples, scores and saves on the main process alone."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not main:
+        return None
+    plain = blank()
+    plain.load_state_dict(full)
+    return plain
 
 
 def _has_layers(module: torch.nn.Module) -> bool:

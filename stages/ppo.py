@@ -49,7 +49,7 @@ from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_los
                              discounted_returns, entropy_of, explained_variance, gae, group_baselined, grpo_advantages,
                              is_end, kl_estimate, logprobs_of, masked_mean, response_mask, rloo_advantages,
                              sequence_rewards, token_rewards, truncate_after_eos)
-from stages.holding import Holding, holding_for
+from stages.holding import Holding, held_as, holding_for
 from stages.ppo_models import (ActorCritic, Models, build_policy, forward_response, load_models, policy_and_values,
                                reference_policy)
 from stages.ppo_state import LoopState, Normalization, load_state, save_state_everywhere
@@ -79,7 +79,7 @@ class PPOResult:
     evaluation: pd.DataFrame
     """Held-out prompts with PPO and SFT responses, their scores and the KL of the PPO response."""
     tags: dict[str, str] = field(default_factory=dict)
-    """Precision tags for the run: `rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`."""
+    """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and `rlhf.held_as`."""
 
 
 # --- rollout ----------------------------------------------------------------------------------
@@ -682,6 +682,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
             save_state_everywhere(accelerator, state_dir, models, optimizer, scheduler, scaler, loop)
 
     holding.check_weights_agree(actor_critic)
+    held = held_as(models.policy, accelerator.num_processes)
     metrics, evaluation = evaluate(models, held_out, cfg)
     # Rank 0: the policy with its trained weights, unsharded (gathered from every process when sharded).
     policy = holding.whole(models.policy, lambda: build_policy(cfg, inputs.sft_location, models.tokenizer))
@@ -694,4 +695,4 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
                                     trained)
     metrics |= {"train/iterations": float(loop.iteration), "normalization/gain": models.scorer.gain,
                 "normalization/bias": models.scorer.bias}
-    return PPOResult(checkpoint, metrics, loop.history, evaluation, tags)
+    return PPOResult(checkpoint, metrics, loop.history, evaluation, tags | held)

@@ -32,7 +32,8 @@ from stages.models import (device, disable_dropout, encode_pairs, encode_replies
                            load_causal_lm, load_tokenizer, position_ids_for, save_trained, stop_token_ids)
 from stages.ppo_math import is_end, last_token_index
 from stages.reporting import Reporting
-from stages.training import ForwardLogs, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
+from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
+                             trainer_arguments, untrained_evaluation)
 
 NORMALIZATION_KEY = "rlhf_reward_normalization"
 """Model-config entry holding {"gain": g, "bias": b}: normalised score = g * raw + b."""
@@ -197,7 +198,7 @@ class RewardResult:
     calibration: pd.DataFrame
     """Accuracy by margin bucket."""
     tags: dict[str, str] = field(default_factory=dict)
-    """Precision tags for the run: `rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`."""
+    """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and `rlhf.held_as`."""
 
 
 def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
@@ -216,12 +217,15 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
                             eval_dataset=_pairs(evaluation, tokenizer), processing_class=tokenizer,
                             callbacks=[ForwardLogs(reporting)])
     trainer.remove_callback(PrinterCallback)
+    keep_float32_reductions(trainer)
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     untrained, final = untrained_evaluation(trainer), trainer.evaluate()
+    model, held = trained_model(trainer, lambda: load_reward_model(model_location, tokenizer,
+                                                             trust_remote_code=cfg.trust_remote_code))
     if not PartialState().is_main_process:
         return None
 
-    scorer = RewardScorer(trainer.model, tokenizer)
+    scorer = RewardScorer(model, tokenizer)
     messages = [json.loads(m) for m in evaluation["prompt_messages"]]
     chosen = scorer.score(messages, list(evaluation["chosen"]), normalized=False)
     rejected = scorer.score(messages, list(evaluation["rejected"]), normalized=False)
@@ -253,9 +257,9 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
                 "normalization/reference_mean_raw": reference_scores.mean().item(),
                 "normalization/reference_std_raw": reference_scores.std().item()}
 
-    model = trainer.model
     setattr(model.config, NORMALIZATION_KEY, {"gain": gain, "bias": bias})
     checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, model_location,
                                     [p for p in model.parameters() if p.requires_grad])
     scores = evaluation.assign(score_chosen=(gain * chosen + bias).numpy(), score_rejected=(gain * rejected + bias).numpy())
-    return RewardResult(checkpoint, metrics, scores, calibration(margins, margins > 0, cfg.calibration_buckets), tags)
+    return RewardResult(checkpoint, metrics, scores, calibration(margins, margins > 0, cfg.calibration_buckets),
+                        tags | held)

@@ -22,7 +22,8 @@ from rlhf.config import SFTConfig
 from schemas.adapters import last_user_message
 from stages.models import encode_replies, generate_greedy, load_causal_lm, load_tokenizer, save_trained
 from stages.reporting import Reporting
-from stages.training import ForwardLogs, last_trainer_checkpoint, trainer_arguments, untrained_evaluation
+from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
+                             trainer_arguments, untrained_evaluation)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class SFTResult:
     samples: list[dict[str, str]] = field(default_factory=list)
     """Greedy answers to held-out prompts: {prompt, response, reference}."""
     tags: dict[str, str] = field(default_factory=dict)
-    """Precision tags for the run: `rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`."""
+    """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and `rlhf.held_as`."""
 
 
 def _encoded(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
@@ -72,6 +73,7 @@ def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting
         callbacks=[ForwardLogs(reporting)],
     )
     trainer.remove_callback(PrinterCallback)  # `reporting`, not stdout, receives the logs
+    keep_float32_reductions(trainer)
     return trainer
 
 
@@ -84,10 +86,11 @@ def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Re
     untrained_loss = untrained_evaluation(trainer)["eval_loss"]
     reporting.metrics({"eval/loss_untrained": untrained_loss}, 0)
     eval_loss = trainer.evaluate()["eval_loss"]
+    model, held = trained_model(trainer, lambda: load_causal_lm(inputs.model_location, tokenizer,
+                                                          trust_remote_code=cfg.trust_remote_code))
     if not PartialState().is_main_process:
         return None
 
-    model = trainer.model
     picks = inputs.evaluation.head(cfg.num_samples)
     answers = generate_greedy(model, tokenizer, list(picks["prompt"]), max_new_tokens=cfg.max_length - cfg.max_prompt_length)
     users = [last_user_message(json.loads(m)) for m in picks["prompt_messages"]]
@@ -101,4 +104,4 @@ def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Re
         "train/loss": float(train_output.training_loss),
         "train/steps": float(train_output.global_step),
     }
-    return SFTResult(checkpoint=checkpoint, metrics=metrics, samples=samples, tags=tags)
+    return SFTResult(checkpoint=checkpoint, metrics=metrics, samples=samples, tags=tags | held)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
+from transformers import PreTrainedModel, TrainerCallback
 
 from rlhf.config import TrainingConfig
-from stages.models import resolve_precision
+from stages.holding import held_as, unsharded
+from stages.models import device, resolve_precision
 from stages.reporting import Reporting
 
 _UNLOGGED = ("epoch", "total_flos", "runtime", "per_second", "preparation_time")
@@ -37,6 +39,31 @@ class ForwardLogs(TrainerCallback):
         self.reporting.progress(state.global_step, state.max_steps)
 
 
+def trained_model(trainer, blank: Callable[[], PreTrainedModel]) -> tuple[PreTrainedModel | None, dict[str, str]]:
+    """The trained model, whole, on the main process (None on the others; collective), and the
+    `rlhf.held_as` tag. Under FSDP2 the trainer's model is sharded: its state is gathered into
+    `blank()`, the model as the stage loaded it before training."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    tags = held_as(trainer.model, state.num_processes)
+    if not trainer.is_fsdp_enabled:
+        return (trainer.model if state.is_main_process else None), tags
+    model = unsharded(trainer.model, blank, state.is_main_process)
+    return (None if model is None else model.to(device())), tags
+
+
+def keep_float32_reductions(trainer) -> None:
+    """Under FSDP2 with bf16 autocast, accelerate's policy would reduce gradients in bf16: ask for
+    float32 reductions (parameters still computed in bf16). Call before `train()` prepares the model."""
+    if not trainer.is_fsdp_enabled or not trainer.args.bf16:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    trainer.accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
 def untrained_evaluation(trainer) -> dict[str, float]:
     """The evaluation `eval_on_start` ran before the first step (the trainer state keeps it across resumes)."""
     return next(entry for entry in trainer.state.log_history if entry.get("step") == 0 and "eval_loss" in entry)
@@ -51,9 +78,12 @@ def last_trainer_checkpoint(output_dir: Path) -> str | None:
 
 
 def trainer_arguments(cfg: TrainingConfig, output_dir: Path) -> dict:
-    """Keyword arguments shared by TRL's SFTConfig and RewardConfig."""
+    """Keyword arguments shared by TRL's SFTConfig, RewardConfig and DPOConfig. Sharded, the
+    trainers keep the process state `stages.distributed` set up (where FSDP2 is switched on for
+    CPU runs too) instead of resetting it."""
     autocast_dtype = resolve_precision(cfg.precision).autocast_dtype
-    return dict(
+    sharded = {"accelerator_config": {"use_configured_state": True}} if cfg.launch.sharded else {}
+    return sharded | dict(
         output_dir=str(output_dir / "trainer"),
         learning_rate=cfg.learning_rate,
         num_train_epochs=cfg.num_train_epochs,

@@ -1,24 +1,75 @@
-"""Every stage sharded over two CPU processes (FSDP2 over gloo, `configs/accelerate/fsdp.yaml`)."""
+"""Every stage sharded over two CPU processes (FSDP2 over gloo, `configs/accelerate/fsdp.yaml`)
+against one process at the same global batch.
+
+SFT, reward and DPO see the same examples in the same global batches sharded or not, so their
+figures agree up to float reduction order: the 0.5% of `tests/test_distributed.py`. Each
+process must hold half of the parameters (the launch log says so), so a run that silently fell
+back to DDP fails. PPO's gradients are compared exactly in `tests/test_ppo_gradients.py`.
+"""
 
 from __future__ import annotations
 
+import re
+
+from transformers import AutoModelForCausalLM
+
 from rlhf.config import LaunchConfig
 from stages.distributed import call_stage
+from stages.dpo import DPOInputs, train_dpo
 from stages.ppo import PPOInputs, train_ppo
 from stages.reporting import Reporting
+from stages.reward import RewardInputs, train_reward
+from stages.sft import SFTInputs, train_sft
+from tests.test_distributed import _close, _data
 
 FSDP = LaunchConfig(num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml")
-DDP = LaunchConfig(num_processes=2)
 
 
 def _run(train, section, inputs, folder):
-    logged = []
-    reporting = Reporting(metrics=lambda metrics, step: logged.append((step, metrics)))
-    return call_stage(train, section, inputs, folder, reporting, deterministic=True, num_threads=2), logged
+    return call_stage(train, section, inputs, folder, Reporting(), deterministic=True, num_threads=2)
+
+
+def _agree(one: dict, two: dict, keys) -> None:
+    for key in keys:
+        assert _close(two[key], one[key]), (key, one[key], two[key])
+
+
+def test_sft_sharded_matches_one_process(world, tiny_config, tokenizer, tmp_path):
+    one_cfg = tiny_config.sft.model_copy(update={"max_steps": 12, "batch_size": 16})
+    two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": FSDP})
+    inputs = SFTInputs(str(world / "model"), _data(world, tokenizer, "sft", "sft"),
+                       _data(world, tokenizer, "sft_eval", "sft"))
+    one, two = _run(train_sft, one_cfg, inputs, tmp_path / "one"), _run(train_sft, two_cfg, inputs, tmp_path / "two")
+    _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/loss_untrained"))
+    assert (one.tags["rlhf.held_as"], two.tags["rlhf.held_as"]) == ("one process", "fsdp2 x 2")
+    assert two.metrics["eval/loss"] < 0.8 * two.metrics["eval/loss_untrained"]
+    assert AutoModelForCausalLM.from_pretrained(two.checkpoint, use_safetensors=True) is not None
+    assert [s["response"] for s in two.samples] == [s["response"] for s in one.samples]
+
+
+def test_reward_sharded_matches_one_process(world, tiny_config, tokenizer, trained, tmp_path):
+    one_cfg = tiny_config.reward.model_copy(update={"max_steps": 12, "batch_size": 16})
+    two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": FSDP})
+    inputs = RewardInputs(trained["sft"], trained["sft"], _data(world, tokenizer, "preferences", "preference"),
+                          _data(world, tokenizer, "preferences_eval", "preference"),
+                          _data(world, tokenizer, "prompts_eval", "prompt"))
+    one, two = _run(train_reward, one_cfg, inputs, tmp_path / "one"), _run(train_reward, two_cfg, inputs, tmp_path / "two")
+    _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/margin", "eval/accuracy", "normalization/gain"))
+    assert two.tags["rlhf.held_as"] == "fsdp2 x 2"
+
+
+def test_dpo_sharded_matches_one_process(world, tiny_config, tokenizer, trained, tmp_path):
+    one_cfg = tiny_config.dpo.model_copy(update={"max_steps": 8, "batch_size": 16})
+    two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": FSDP})
+    inputs = DPOInputs(trained["sft"], _data(world, tokenizer, "preferences", "preference"),
+                       _data(world, tokenizer, "preferences_eval", "preference"), trained["eval_prompts"])
+    one, two = _run(train_dpo, one_cfg, inputs, tmp_path / "one"), _run(train_dpo, two_cfg, inputs, tmp_path / "two")
+    _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/loss_untrained", "eval/preference_accuracy"))
+    assert two.tags["rlhf.held_as"] == "fsdp2 x 2"
 
 
 def test_ppo_sharded_runs(tiny_config, trained, tmp_path):
     cfg = tiny_config.ppo.model_copy(update={"launch": FSDP})
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
-    result, logged = _run(train_ppo, cfg, inputs, tmp_path / "fsdp")
+    result = _run(train_ppo, cfg, inputs, tmp_path / "fsdp")
     print(result.metrics)
