@@ -23,3 +23,32 @@ def pause_on_the_main_process(cfg, inputs: Pause, output_dir: Path, reporting) -
         return None
     time.sleep(inputs.seconds)
     return {"paused": inputs.seconds}
+
+
+@dataclass(frozen=True)
+class KilledAfterFirstCheckpoint:
+    ppo_inputs: object
+    """The real stage's `PPOInputs`."""
+
+
+def ppo_killed_after_first_checkpoint(cfg, inputs: KilledAfterFirstCheckpoint, output_dir: Path, reporting):
+    """`train_ppo`, whose main process SIGKILLs every process of the launch (its process group:
+    the launcher and all ranks) as the iteration after the first full-state checkpoint starts."""
+    import os
+    import signal
+
+    import stages.ppo
+
+    saved, real_save, real_rollout = [], stages.ppo.save_state_everywhere, stages.ppo.rollout
+
+    def save_state(*args, **kwargs):
+        real_save(*args, **kwargs)
+        saved.append(True)
+
+    def rollout(*args, **kwargs):
+        if saved and PartialState().is_main_process:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        return real_rollout(*args, **kwargs)
+
+    stages.ppo.save_state_everywhere, stages.ppo.rollout = save_state, rollout
+    return stages.ppo.train_ppo(cfg, inputs.ppo_inputs, output_dir, reporting)

@@ -79,7 +79,7 @@ def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
     # bf16 in, float32 trained, bf16 out
     for result in (sft, reward, ppo):
         assert result.tags == {"rlhf.trainable_dtype": "float32", "rlhf.autocast_dtype": "none",
-                               "rlhf.checkpoint_dtype": "bfloat16"}
+                               "rlhf.checkpoint_dtype": "bfloat16", "rlhf.held_as": "one process"}
         assert json.loads((result.checkpoint / "config.json").read_text())["dtype"] == "bfloat16"
     # dropout off everywhere: the update starts from the policy the rollout sampled
     deviations = [row["train/initial_ratio_deviation"] for row in ppo.history]

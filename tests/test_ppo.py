@@ -302,7 +302,7 @@ def test_bf16_autocast_on_the_cpu_keeps_float32_weights_and_a_bf16_reference(tin
     assert models.reference.dtype == torch.bfloat16 and models.scorer.model.dtype == torch.bfloat16
     result = _run(cfg, trained, tmp_path)
     assert result.tags == {"rlhf.trainable_dtype": "float32", "rlhf.autocast_dtype": "bfloat16",
-                           "rlhf.checkpoint_dtype": "float32"}
+                           "rlhf.checkpoint_dtype": "float32", "rlhf.held_as": "one process"}
     # old_logprobs: auto recomputes them under autocast; what is left is bf16 rounding (measured 0 with the
     # reward-model critic, 4e-3 with the shared value head)
     assert max(row["train/initial_ratio_deviation"] for row in result.history) <= 2e-2

@@ -9,7 +9,9 @@ back to DDP fails. PPO's gradients are compared exactly in `tests/test_ppo_gradi
 
 from __future__ import annotations
 
-import re
+import json
+
+import pytest
 
 from transformers import AutoModelForCausalLM
 
@@ -73,3 +75,25 @@ def test_ppo_sharded_runs(tiny_config, trained, tmp_path):
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     result = _run(train_ppo, cfg, inputs, tmp_path / "fsdp")
     print(result.metrics)
+
+
+def test_sharded_ppo_killed_mid_run_resumes_to_the_uninterrupted_weights(tiny_config, trained, tmp_path):
+    from stages.distributed import LaunchError
+    from stages.models import folder_digest
+    from tests.stand_in_stages import KilledAfterFirstCheckpoint, ppo_killed_after_first_checkpoint
+
+    cfg = tiny_config.ppo.model_copy(update={"launch": FSDP, "num_iterations": 4, "checkpoint_every": 2})
+    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    whole = _run(train_ppo, cfg, inputs, tmp_path / "uninterrupted")
+
+    killed = tmp_path / "killed"
+    with pytest.raises(LaunchError, match="exited with code"):
+        _run(ppo_killed_after_first_checkpoint, cfg, KilledAfterFirstCheckpoint(inputs), killed)
+    state = killed / "state"
+    assert json.loads((state / "loop.json").read_text())["iteration"] == 2
+    assert len(list((state / "sharded").glob("*.distcp"))) == 2  # one shard file per process
+    resumed = _run(train_ppo, cfg, inputs, killed)
+    assert folder_digest(resumed.checkpoint) == folder_digest(whole.checkpoint)
+    untimed = lambda metrics: {k: v for k, v in metrics.items() if not k.startswith("time/")}  # noqa: E731
+    assert untimed(resumed.metrics) == untimed(whole.metrics)
+    assert [untimed(h) for h in resumed.history] == [untimed(h) for h in whole.history]
