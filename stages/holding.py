@@ -70,7 +70,7 @@ class Replicated:
         return model.to(device())
 
     def accumulating(self, module: torch.nn.Module, last: bool):
-        return nullcontext() if last else self.accelerator.no_sync(module)
+        return nullcontext() if last or self.accelerator is None else self.accelerator.no_sync(module)
 
     def clip_grad_norm(self, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm).item()

@@ -49,7 +49,7 @@ from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_los
                              discounted_returns, entropy_of, explained_variance, gae, group_baselined, grpo_advantages,
                              is_end, kl_estimate, logprobs_of, masked_mean, response_mask, rloo_advantages,
                              sequence_rewards, token_rewards, truncate_after_eos)
-from stages.holding import Holding, held_as, holding_for
+from stages.holding import Holding, Replicated, held_as, holding_for
 from stages.ppo_models import (ActorCritic, Models, build_policy, forward_response, load_models, policy_and_values,
                                reference_policy)
 from stages.ppo_state import LoopState, Normalization, load_state, save_state_everywhere
@@ -124,12 +124,13 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig, precision: Precision,
-           stop_ids: list[int], holding: Holding) -> Samples:
+           stop_ids: list[int], holding: Holding | None = None) -> Samples:
     """Sample up to `response_length` tokens per prompt from the full temperature-scaled
     distribution, one KV-cached step at a time, keeping each token's log-prob, the entropy and
     the final hidden state of the step that produced it: the rollout then needs no second
     policy pass for old log-probs and (shared-body) values. Stops early once every row has an end
     token (on every process, when the model is sharded). `holding` gathers a sharded model for it."""
+    holding = holding or Replicated()
     batch = left_padded(tokenizer, prompts, model.device)
     queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
     attention_mask, positions = query_mask, position_ids_for(query_mask)

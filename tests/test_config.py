@@ -83,7 +83,7 @@ def test_prefect_yaml_defines_the_deployments_of_the_one_flow():
         name: [name] for name in ("sft", "reward", "ppo", "dpo")}
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero2", "two-nodes"])
+@pytest.mark.parametrize("name", ["ddp", "zero2", "two-nodes", "fsdp", "two-nodes-fsdp"])
 def test_shipped_accelerate_configs_load_in_accelerate(name):
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -94,13 +94,21 @@ def test_shipped_accelerate_configs_load_in_accelerate(name):
     cfg = load_config("configs/tiny.yaml", {"sft.launch": {"num_processes": 2, "accelerate_config": path}})
     command = launch_command(Path("spec"), cfg.sft.launch)
     assert command[command.index("--config_file") + 1].endswith(path)
-    assert ("--main_process_port" in command) == (name != "two-nodes")  # nodes share the configured port
+    assert ("--main_process_port" in command) == (not name.startswith("two-nodes"))  # nodes share the configured port
+    assert cfg.sft.launch.sharded == name.endswith("fsdp")
+    if name.endswith("fsdp"):  # accelerate reads FSDP2 with per-layer units from it
+        fsdp = load_config_from_file(path).fsdp_config
+        assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+        assert load_config("configs/tiny.yaml", {"ppo.launch": {"num_processes": 2, "accelerate_config": path}})
 
 
 @pytest.mark.parametrize("overrides, message", [
     ({"sft.launch.accelerate_config": "configs/accelerate/nope.yaml"}, "not found"),
     ({"ppo.launch.accelerate_config": "configs/accelerate/zero2.yaml"}, "PPO runs on DDP"),
     ({"ppo.launch.num_processes": 3}, "x launch.num_processes (3) must divide rollout_batch_size"),
+    ({"sft.launch.accelerate_config": "tests/data/accelerate/fsdp1.yaml"}, "the stages shard with FSDP2"),
+    ({"sft.launch.accelerate_config": "tests/data/accelerate/zero3.yaml"}, "parameter sharding here is FSDP2"),
+    ({"sft.launch.accelerate_config": "tests/data/accelerate/fsdp-size-wrap.yaml"}, "a unit per decoder layer"),
 ])
 def test_launch_settings_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

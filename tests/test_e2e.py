@@ -121,3 +121,33 @@ def test_servers_listen_on_localhost_only(stack):
                 bound.add((int(port, 16), address))
     assert {port for port, _ in bound} == ports
     assert {address for _, address in bound} == {"0100007F"}  # 127.0.0.1, little-endian hex
+
+
+def test_full_deployment_with_every_stage_sharded_registers_a_loadable_policy(stack):
+    """rlhf/full on the smoke config with SFT, reward and PPO each sharded over two processes
+    (FSDP2, gloo): lineage, curves, samples and a registered policy, as on one process."""
+    fsdp = {"num_processes": 2, "accelerate_config": "configs/accelerate/fsdp.yaml"}
+    overrides = {"experiment": "rlhf-fsdp", "registry.enabled": True, "registry.model_name": "rlhf-policy-fsdp",
+                 **{f"{stage}.launch": fsdp for stage in ("sft", "reward", "ppo")}}
+    done = deployment_run(stack, "rlhf/full", config_file="configs/smoke.yaml", overrides=overrides)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    client = mlflow_client(stack)
+    experiment = client.get_experiment_by_name("rlhf-fsdp")
+    runs = {r.data.tags["rlhf.stage"]: r for r in client.search_runs([experiment.experiment_id],
+                                                                      filter_string="tags.`rlhf.stage` != ''")}
+    assert set(runs) == {"sft", "reward", "ppo"}
+    for run in runs.values():
+        assert run.info.status == "FINISHED" and run.data.tags["rlhf.held_as"] == "fsdp2 x 2"
+        assert run.data.params["launch.accelerate_config"] == "configs/accelerate/fsdp.yaml"
+    assert runs["ppo"].data.tags["rlhf.upstream.reward"] == runs["reward"].info.run_id
+    assert runs["reward"].data.tags["rlhf.upstream.sft"] == runs["sft"].info.run_id
+    assert len(client.get_metric_history(runs["ppo"].info.run_id, "rollout/score")) > 1
+    assert "eval/gold_win_rate" in runs["ppo"].data.metrics
+
+    import mlflow
+
+    (version,) = client.search_model_versions("name = 'rlhf-policy-fsdp'")
+    assert version.run_id == runs["ppo"].info.run_id
+    generate = mlflow.transformers.load_model("models:/rlhf-policy-fsdp/1")
+    assert generate("Describe the cat.", max_new_tokens=4)[0]["generated_text"]
