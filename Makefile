@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quality bench-methods up down status install clean-state screenshots
+.PHONY: demo test bench bench-quality bench-methods bench-scale up down status install clean-state screenshots
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -32,6 +32,9 @@ bench-quality: $(STAMP) $(BENCH_STAMP)  ## PPO learning quality: KL - gold-rewar
 
 bench-methods: $(STAMP)  ## the RL stage's advantage estimators on the demo world: gold win rate, KL, time, memory
 	$(PY) -m bench.methods --config $${BENCH_CONFIG:-configs/demo.yaml}
+
+bench-scale: $(STAMP)  ## PPO on 1 process, 2 DDP and 2 FSDP2 processes: memory each process holds, s/iteration, sampling tokens/s
+	$(PY) -m bench.scale
 
 up: $(STAMP)  ## start Prefect + MLflow servers, the worker, and deploy
 	scripts/stack.sh up

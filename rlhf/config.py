@@ -43,7 +43,7 @@ class LaunchConfig(_Frozen):
     accelerate_config: str | None = None
     """An `accelerate` config file: DDP, FSDP2 (`configs/accelerate/fsdp.yaml`: every model sharded between the processes, every stage), or DeepSpeed ZeRO-1/2 for SFT, reward and DPO; see docs/scaling.md. Unset: plain DDP."""
     timeout_seconds: PositiveInt = 1800
-    """Seconds a process waits for the others (the end of the stage included, where the main one evaluates and saves alone, and PPO's evaluations every `eval_every` iterations, which the main one runs alone) before the job fails."""
+    """Seconds a process waits for the others (the end of the stage included, where the main one samples, scores and saves alone) before the job fails."""
 
     @model_validator(mode="after")
     def _config_file_exists(self) -> LaunchConfig:

@@ -41,12 +41,13 @@ from stages.models import device
 Gather = Literal["whole", "per_layer"]
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def decoder_layers(model: torch.nn.Module, required: bool = True) -> list[torch.nn.Module]:
     """The model's repeated blocks, by the class names transformers lists in `_no_split_modules`
-    (`LlamaDecoderLayer`, `Qwen2DecoderLayer`, ...); found through peft wrappers too."""
+    (`LlamaDecoderLayer`, `Qwen2DecoderLayer`, ...); found through peft wrappers too. A module
+    without any (a value head) has none; where they are `required`, that is an error."""
     names = {name for module in model.modules() for name in (getattr(module, "_no_split_modules", None) or [])}
     layers = [module for module in model.modules() if type(module).__name__ in names]
-    if not layers:
+    if required and not layers:
         raise ValueError(f"{type(model).__name__} names no decoder-layer class (`_no_split_modules`): FSDP2 has no "
                          "per-layer units to shard it into")
     return layers
@@ -58,7 +59,6 @@ class Replicated:
     Without an accelerator: this process alone (evaluations, tests)."""
 
     accelerator: Accelerator | None = None
-    name: str = "replicated"
 
     def place_trained(self, module: torch.nn.Module) -> None:
         module.to(device())
@@ -116,7 +116,6 @@ class Sharded:
     gather: Gather = "whole"
     """How sampling reads the policy: gathered whole once per rollout, or layer by layer at each decode step."""
     autocast_dtype: torch.dtype | None = None
-    name: str = "fsdp2"
 
     def __post_init__(self):
         from torch.distributed.device_mesh import init_device_mesh
@@ -136,7 +135,7 @@ class Sharded:
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         policy = self._mp_policy(trained)
-        for layer in (decoder_layers(model) if forward_method is None or _has_layers(model) else []):
+        for layer in decoder_layers(model, required=forward_method is None):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=True)
         fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False)
         if forward_method is not None:
@@ -260,13 +259,6 @@ def unsharded(module: torch.nn.Module, blank: Callable[[], torch.nn.Module], mai
     plain = blank()
     plain.load_state_dict(full)
     return plain
-
-
-def _has_layers(module: torch.nn.Module) -> bool:
-    try:
-        return bool(decoder_layers(module))
-    except ValueError:
-        return False
 
 
 def _units(model: torch.nn.Module) -> list:

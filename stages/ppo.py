@@ -16,10 +16,12 @@ One iteration of `train_ppo` reads top to bottom:
 every `eval_every` iterations and after the last one
     evaluate   held-out prompts: the policy against the SFT policy's responses
 
-On several processes (`accelerate launch`, DDP) each samples and scores its share of the
-rollout batch with its own seed; advantage whitening, the KL controller and the logged figures
-use statistics over all processes (`stages.collectives`), and DDP averages the gradients, so one
-iteration does the work of the single-process iteration with the same `rollout_batch_size`.
+On several processes (`accelerate launch`) each samples and scores its share of the rollout
+batch with its own seed; advantage whitening, the KL controller and the logged figures use
+statistics over all processes (`stages.collectives`), and DDP or FSDP2 averages the gradients, so
+one iteration does the work of the single-process iteration with the same `rollout_batch_size`.
+Whether the processes hold whole models (DDP) or shards of them (FSDP2) is `stages.holding`'s
+business: the loop below reads the same either way.
 
 The equations live in `stages.ppo_math`, the models and the critic in `stages.ppo_models`,
 full-state checkpoints in `stages.ppo_state`.
@@ -612,7 +614,7 @@ def resume(state_dir: Path, models: Models, optimizer, scheduler, scaler, rank: 
 def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> PPOResult | None:
     """Run PPO and evaluate against the SFT policy. Resumes from `output_dir/state` when a
     full-state checkpoint of an earlier, interrupted run is there. On several processes every
-    one trains; only the main one reports, evaluates, saves and returns."""
+    one trains and evaluates (a sharded model needs them all); only the main one reports, saves and returns."""
     accelerator = Accelerator()
     rank = accelerator.process_index
     torch.manual_seed(cfg.seed)

@@ -10,6 +10,7 @@ back to DDP fails. PPO's gradients are compared exactly in `tests/test_ppo_gradi
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -70,11 +71,22 @@ def test_dpo_sharded_matches_one_process(world, tiny_config, tokenizer, trained,
     assert two.tags["rlhf.held_as"] == "fsdp2 x 2"
 
 
-def test_ppo_sharded_runs(tiny_config, trained, tmp_path):
-    cfg = tiny_config.ppo.model_copy(update={"launch": FSDP})
+@pytest.mark.parametrize("settings", [
+    {"critic": "shared", "ref_refresh_every": 2, "sharded_sampling": "per_layer"},
+    {"advantage_estimator": "grpo", "samples_per_prompt": 2, "lora": {"r": 4}},
+])
+def test_sharded_ppo_variants_run_and_hand_over_a_plain_checkpoint(tiny_config, trained, tmp_path, settings):
+    """The sharded paths the gradient and resume tests do not take: a shared value head with the
+    reference refreshed from the sharded policy and sampling gathered layer by layer; a
+    critic-free estimator with LoRA (the reference is the sharded policy with adapters off)."""
+    cfg = tiny_config.ppo.model_validate(tiny_config.ppo.model_dump() | settings | {"launch": FSDP.model_dump()})
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     result = _run(train_ppo, cfg, inputs, tmp_path / "fsdp")
-    print(result.metrics)
+    assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
+    assert result.metrics["train/iterations"] == cfg.num_iterations
+    assert all(math.isfinite(v) for h in result.history for v in h.values())
+    saved = AutoModelForCausalLM.from_pretrained(result.checkpoint, use_safetensors=True)
+    assert not any("lora" in name for name, _ in saved.named_parameters())  # merged: a plain model
 
 
 def test_sharded_ppo_killed_mid_run_resumes_to_the_uninterrupted_weights(tiny_config, trained, tmp_path):
@@ -97,3 +109,51 @@ def test_sharded_ppo_killed_mid_run_resumes_to_the_uninterrupted_weights(tiny_co
     untimed = lambda metrics: {k: v for k, v in metrics.items() if not k.startswith("time/")}  # noqa: E731
     assert untimed(resumed.metrics) == untimed(whole.metrics)
     assert [untimed(h) for h in resumed.history] == [untimed(h) for h in whole.history]
+
+
+def test_two_machines_one_stage_sharded_over_both(world, tiny_config, tokenizer, tmp_path):
+    """configs/accelerate/two-nodes-fsdp.yaml as two "machines" on this one: the flow's task starts
+    machine 0's share (`call_stage`), and the same `accelerate launch` command with machine_rank 1
+    starts the other's against the same work folder, as docs/scaling.md tells a user to on the
+    second node; one rendezvous, each process holding half of the model."""
+    import os
+    import socket
+    import subprocess
+    import threading
+    import time
+
+    import yaml
+
+    from stages.distributed import launch_command
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shipped = yaml.safe_load(open("configs/accelerate/two-nodes-fsdp.yaml"))
+    machines = []
+    for rank in (0, 1):
+        path = tmp_path / f"machine-{rank}.yaml"
+        path.write_text(yaml.safe_dump(shipped | {"machine_rank": rank, "main_process_ip": "127.0.0.1",
+                                                  "main_process_port": port, "num_processes": 2}))
+        machines.append(path)
+
+    one_cfg = tiny_config.sft.model_copy(update={"max_steps": 12, "batch_size": 16})
+    two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": LaunchConfig(
+        num_processes=2, accelerate_config=str(machines[0]))})
+    inputs = SFTInputs(str(world / "model"), _data(world, tokenizer, "sft", "sft"),
+                       _data(world, tokenizer, "sft_eval", "sft"))
+    folder, outcome = tmp_path / "two-machines", {}
+    first = threading.Thread(target=lambda: outcome.update(result=_run(train_sft, two_cfg, inputs, folder)))
+    first.start()
+    spec = folder / "launch"
+    while not (spec / "call.pkl").exists():  # machine 0's task has written the call both machines run
+        assert first.is_alive(), "machine 0 ended before writing its launch"
+        time.sleep(0.2)
+    other = two_cfg.launch.model_copy(update={"accelerate_config": str(machines[1])})
+    second = subprocess.run(launch_command(spec, other), env=dict(os.environ, ACCELERATE_USE_CPU="true"),
+                            capture_output=True, text=True, timeout=600)
+    first.join(timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    two, one = outcome["result"], _run(train_sft, one_cfg, inputs, tmp_path / "one")
+    assert two.tags["rlhf.held_as"] == "fsdp2 x 2"
+    _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/loss_untrained"))
