@@ -46,7 +46,8 @@ def decoder_layers(model: torch.nn.Module, required: bool = True) -> list[torch.
     (`LlamaDecoderLayer`, `Qwen2DecoderLayer`, ...); found through peft wrappers too. A module
     without any (a value head) has none; where they are `required`, that is an error."""
     names = {name for module in model.modules() for name in (getattr(module, "_no_split_modules", None) or [])}
-    layers = [module for module in model.modules() if type(module).__name__ in names]
+    # By the class hierarchy: a sharded layer's class is FSDP2's subclass of its own (`FSDPLlamaDecoderLayer`).
+    layers = [module for module in model.modules() if any(c.__name__ in names for c in type(module).__mro__)]
     if required and not layers:
         raise ValueError(f"{type(model).__name__} names no decoder-layer class (`_no_split_modules`): FSDP2 has no "
                          "per-layer units to shard it into")

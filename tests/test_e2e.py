@@ -144,6 +144,8 @@ def test_full_deployment_with_every_stage_sharded_registers_a_loadable_policy(st
     assert runs["reward"].data.tags["rlhf.upstream.sft"] == runs["sft"].info.run_id
     assert len(client.get_metric_history(runs["ppo"].info.run_id, "rollout/score")) > 1
     assert "eval/gold_win_rate" in runs["ppo"].data.metrics
+    assert {"checkpoint", "samples", "evaluation.json"} <= {a.path for a in client.list_artifacts(runs["ppo"].info.run_id)}
+    assert "samples" in {a.path for a in client.list_artifacts(runs["sft"].info.run_id)}
 
     import mlflow
 
@@ -151,3 +153,11 @@ def test_full_deployment_with_every_stage_sharded_registers_a_loadable_policy(st
     assert version.run_id == runs["ppo"].info.run_id
     generate = mlflow.transformers.load_model("models:/rlhf-policy-fsdp/1")
     assert generate("Describe the cat.", max_new_tokens=4)[0]["generated_text"]
+
+    # the same run again: every sharded stage is reused from the cache
+    again = deployment_run(stack, "rlhf/full", config_file="configs/smoke.yaml", overrides=overrides)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    (pipeline,) = [r for r in client.search_runs([experiment.experiment_id], filter_string="tags.`rlhf.stages` != ''",
+                                                  order_by=["attributes.start_time DESC"], max_results=1)]
+    assert {stage: pipeline.data.tags.get(f"rlhf.reused.{stage}") for stage in runs} == {
+        stage: run.info.run_id for stage, run in runs.items()}
