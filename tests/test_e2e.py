@@ -145,7 +145,7 @@ def test_full_deployment_with_every_stage_sharded_registers_a_loadable_policy(st
     assert len(client.get_metric_history(runs["ppo"].info.run_id, "rollout/score")) > 1
     assert "eval/gold_win_rate" in runs["ppo"].data.metrics
     assert {"checkpoint", "samples", "evaluation.json"} <= {a.path for a in client.list_artifacts(runs["ppo"].info.run_id)}
-    assert "samples" in {a.path for a in client.list_artifacts(runs["sft"].info.run_id)}
+    assert "samples.json" in {a.path for a in client.list_artifacts(runs["sft"].info.run_id)}
 
     import mlflow
 
