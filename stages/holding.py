@@ -25,7 +25,6 @@ itself, on the device mesh of all processes (gloo on CPU, NCCL on GPUs).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -276,19 +275,3 @@ def holding_for(accelerator: Accelerator, sharded: bool, gather: Gather, autocas
     if sharded and accelerator.num_processes > 1:
         return Sharded(accelerator, gather, autocast_dtype)
     return Replicated(accelerator)
-
-
-def write_atomically(folder: Path, write: Callable[[Path], None], accelerator: Accelerator) -> None:
-    """`write(staging)` by every process into a staging folder that replaces `folder` once all
-    have written (collective): a crash mid-write leaves the previous checkpoint."""
-    staging = folder.with_name(folder.name + ".tmp")
-    if accelerator.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    write(staging)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(folder, ignore_errors=True)
-        staging.rename(folder)
-    accelerator.wait_for_everyone()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +16,6 @@ from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
 from stages.ppo_math import KLController
-from stages.holding import write_atomically
 from stages.ppo_models import Models
 
 
@@ -72,6 +73,22 @@ def _held(models: Models) -> dict[str, torch.nn.Module]:
     """The modules a full-state checkpoint holds the weights of."""
     modules = {"policy": models.policy, "critic": models.critic, "reference": models.reference}
     return {name: module for name, module in modules.items() if module is not None}
+
+
+def write_atomically(folder: Path, write: Callable[[Path], None], accelerator: Accelerator) -> None:
+    """`write(staging)` by every process into a staging folder that replaces `folder` once all
+    have written (collective): a crash mid-write leaves the previous checkpoint."""
+    staging = folder.with_name(folder.name + ".tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    write(staging)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)
+    accelerator.wait_for_everyone()
 
 
 def save_state_everywhere(accelerator: Accelerator, folder: Path, models: Models, optimizer, scheduler, scaler,

@@ -32,6 +32,19 @@ def _data(world, tokenizer, name, kind):
     return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer, budget=LengthBudget(32, 64)).frame
 
 
+def sft_inputs(world, tokenizer, model_location=None) -> SFTInputs:
+    """The tiny world's demonstrations, from its base model (or `model_location`)."""
+    return SFTInputs(model_location or str(world / "model"), _data(world, tokenizer, "sft", "sft"),
+                     _data(world, tokenizer, "sft_eval", "sft"))
+
+
+def reward_inputs(world, tokenizer, trained) -> RewardInputs:
+    """The tiny world's preference pairs, from the session's SFT checkpoint."""
+    return RewardInputs(trained["sft"], trained["sft"], _data(world, tokenizer, "preferences", "preference"),
+                        _data(world, tokenizer, "preferences_eval", "preference"),
+                        _data(world, tokenizer, "prompts_eval", "prompt"))
+
+
 def _run(train, section, inputs, folder):
     logged = []
     reporting = Reporting(metrics=lambda metrics, step: logged.append((step, metrics)))
@@ -46,8 +59,7 @@ def _close(a: float, b: float, rel: float = 0.005) -> bool:
 def test_sft_on_two_processes_matches_one_at_the_same_global_batch(world, tiny_config, tokenizer, tmp_path):
     one_cfg = tiny_config.sft.model_copy(update={"max_steps": 12, "batch_size": 16})
     two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": TWO})
-    inputs = SFTInputs(str(world / "model"), _data(world, tokenizer, "sft", "sft"),
-                       _data(world, tokenizer, "sft_eval", "sft"))
+    inputs = sft_inputs(world, tokenizer)
     one, one_logged = _run(train_sft, one_cfg, inputs, tmp_path / "one")
     two, two_logged = _run(train_sft, two_cfg, inputs, tmp_path / "two")
     assert two.metrics["train/steps"] == one.metrics["train/steps"] == 12
@@ -62,9 +74,7 @@ def test_sft_on_two_processes_matches_one_at_the_same_global_batch(world, tiny_c
 def test_reward_on_two_processes_matches_one_at_the_same_global_batch(world, tiny_config, tokenizer, trained, tmp_path):
     one_cfg = tiny_config.reward.model_copy(update={"max_steps": 12, "batch_size": 16})
     two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": TWO})
-    inputs = RewardInputs(trained["sft"], trained["sft"], _data(world, tokenizer, "preferences", "preference"),
-                          _data(world, tokenizer, "preferences_eval", "preference"),
-                          _data(world, tokenizer, "prompts_eval", "prompt"))
+    inputs = reward_inputs(world, tokenizer, trained)
     one, _ = _run(train_reward, one_cfg, inputs, tmp_path / "one")
     two, _ = _run(train_reward, two_cfg, inputs, tmp_path / "two")
     for key in ("train/loss", "eval/loss", "eval/margin", "eval/accuracy", "normalization/gain"):
@@ -102,9 +112,7 @@ def test_a_crashed_process_fails_the_stage_with_its_log(world, tiny_config, toke
 
     cfg = tiny_config.sft.model_copy(update={"launch": TWO})
     with pytest.raises(LaunchError, match="accelerate launch.*exited with code") as raised:
-        call_stage(train_sft, cfg, SFTInputs(str(tmp_path / "no-such-model"), _data(world, tokenizer, "sft", "sft"),
-                                             _data(world, tokenizer, "sft_eval", "sft")),
-                   tmp_path, Reporting(), deterministic=True, num_threads=2)
+        call_stage(train_sft, cfg, sft_inputs(world, tokenizer, str(tmp_path / "no-such-model")), tmp_path, Reporting(), deterministic=True, num_threads=2)
     assert re.search(r"; rank 0: OSError: .*no-such-model", str(raised.value))  # the cause, not only the launcher's report
 
 

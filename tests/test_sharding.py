@@ -21,9 +21,9 @@ from stages.distributed import call_stage
 from stages.dpo import DPOInputs, train_dpo
 from stages.ppo import PPOInputs, train_ppo
 from stages.reporting import Reporting
-from stages.reward import RewardInputs, train_reward
-from stages.sft import SFTInputs, train_sft
-from tests.test_distributed import _close, _data
+from stages.reward import train_reward
+from stages.sft import train_sft
+from tests.test_distributed import _close, _data, reward_inputs, sft_inputs
 
 FSDP = LaunchConfig(num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml")
 
@@ -40,8 +40,7 @@ def _agree(one: dict, two: dict, keys) -> None:
 def test_sft_sharded_matches_one_process(world, tiny_config, tokenizer, tmp_path):
     one_cfg = tiny_config.sft.model_copy(update={"max_steps": 12, "batch_size": 16})
     two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": FSDP})
-    inputs = SFTInputs(str(world / "model"), _data(world, tokenizer, "sft", "sft"),
-                       _data(world, tokenizer, "sft_eval", "sft"))
+    inputs = sft_inputs(world, tokenizer)
     one, two = _run(train_sft, one_cfg, inputs, tmp_path / "one"), _run(train_sft, two_cfg, inputs, tmp_path / "two")
     _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/loss_untrained"))
     assert (one.tags["rlhf.held_as"], two.tags["rlhf.held_as"]) == ("one process", "fsdp2 x 2")
@@ -53,9 +52,7 @@ def test_sft_sharded_matches_one_process(world, tiny_config, tokenizer, tmp_path
 def test_reward_sharded_matches_one_process(world, tiny_config, tokenizer, trained, tmp_path):
     one_cfg = tiny_config.reward.model_copy(update={"max_steps": 12, "batch_size": 16})
     two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": FSDP})
-    inputs = RewardInputs(trained["sft"], trained["sft"], _data(world, tokenizer, "preferences", "preference"),
-                          _data(world, tokenizer, "preferences_eval", "preference"),
-                          _data(world, tokenizer, "prompts_eval", "prompt"))
+    inputs = reward_inputs(world, tokenizer, trained)
     one, two = _run(train_reward, one_cfg, inputs, tmp_path / "one"), _run(train_reward, two_cfg, inputs, tmp_path / "two")
     _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/margin", "eval/accuracy", "normalization/gain"))
     assert two.tags["rlhf.held_as"] == "fsdp2 x 2"
@@ -140,8 +137,7 @@ def test_two_machines_one_stage_sharded_over_both(world, tiny_config, tokenizer,
     one_cfg = tiny_config.sft.model_copy(update={"max_steps": 12, "batch_size": 16})
     two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": LaunchConfig(
         num_processes=2, accelerate_config=str(machines[0]))})
-    inputs = SFTInputs(str(world / "model"), _data(world, tokenizer, "sft", "sft"),
-                       _data(world, tokenizer, "sft_eval", "sft"))
+    inputs = sft_inputs(world, tokenizer)
     folder, outcome = tmp_path / "two-machines", {}
     first = threading.Thread(target=lambda: outcome.update(result=_run(train_sft, two_cfg, inputs, folder)))
     first.start()
