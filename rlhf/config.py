@@ -97,6 +97,17 @@ class StageSettings(_Frozen):
     """Processes the stage runs on."""
 
 
+class LoRAConfig(_Frozen):
+    """Low-rank adapters (peft) on a trained model: its own weights stay frozen, only the adapters train."""
+
+    r: PositiveInt = 8
+    """Adapter rank."""
+    alpha: PositiveFloat = 16.0
+    """Adapter scaling numerator (scale = alpha / r)."""
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    """Module names that get adapters (a module whose name is, or ends with `.` and, one of these)."""
+
+
 class TrainedStage(StageSettings):
     """Fields every training stage has, with the same meaning."""
 
@@ -112,6 +123,8 @@ class TrainedStage(StageSettings):
     """Trade compute for memory on large models."""
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters instead of all weights (a reward model's score head trains whole beside them); where a stage needs a reference (PPO, DPO) it is the same model with its adapters disabled, and the hand-off checkpoint has them merged."""
 
 
 class TrainingConfig(TrainedStage):
@@ -220,17 +233,6 @@ class DPOConfig(TrainingConfig):
     """Dtype the frozen reference is held in during the evaluation."""
 
 
-class LoRAConfig(_Frozen):
-    """Low-rank adapters (peft) on the policy; the reference is the same model with adapters disabled."""
-
-    r: PositiveInt = 8
-    """Adapter rank."""
-    alpha: PositiveFloat = 16.0
-    """Adapter scaling numerator (scale = alpha / r)."""
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    """Module names that get adapters."""
-
-
 class PPOConfig(TrainedStage):
     """PPO fine-tuning of the SFT policy against the frozen reward model."""
 
@@ -296,14 +298,14 @@ class PPOConfig(TrainedStage):
     """Clip normalised scores to [-score_clip, score_clip]."""
     ref_refresh_every: PositiveInt | None = None
     """Copy the policy into the reference every this many iterations; unset never does. Not with `lora` (the reference is the policy without its adapters)."""
-    critic: Literal["reward", "shared", "detached"] = "reward"
-    """With `gae`: a separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
+    critic: Literal["reward", "reward-lora", "shared", "detached"] = "reward"
+    """With `gae`: a separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), LoRA adapters and a value head on the reward model's own frozen weights, which score with the adapters off (`reward-lora`: one copy of the reward model instead of two), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
+    critic_lora: LoRAConfig = LoRAConfig()
+    """The `reward-lora` critic's adapters on the reward model."""
     freeze_policy_iterations: int = Field(0, ge=0)
     """Critic warm-up: for this many first iterations only the critic learns (no policy loss; a shared value head reads the body without training it), so the policy's first update meets informed values (OpenRLHF's `freezing_actor_steps`)."""
     normalize_critic: bool = True
     """With `critic: reward`: apply the reward normalisation fitted on the first rollouts to the critic's head as well, so its first values are on the scale of the normalised scores it learns to predict."""
-    lora: LoRAConfig | None = None
-    """Train LoRA adapters instead of all weights."""
     checkpoint_every: PositiveInt = 25
     """Full-state checkpoint (for resuming) every this many iterations."""
     sample_every: PositiveInt = 10
@@ -327,7 +329,7 @@ class PPOConfig(TrainedStage):
     warn_initial_ratio_deviation: PositiveFloat | None = None
     """Warn when max |ratio - 1| before an iteration's first update exceeds this (rollout and training compute different policies); unset: 1e-3 in fp32, 5e-2 under autocast, whose rounding alone reaches ~4e-3 on the demo model."""
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype the frozen reference and reward models are held in; bfloat16 halves their memory."""
+    """Dtype the frozen reference and reward models are held in (with `lora`, the policy's own frozen weights, which are the reference); bfloat16 halves their memory."""
     sharded_sampling: Literal["whole", "per_layer"] = "whole"
     """With a sharded launch (FSDP2): gather the whole policy once per rollout for sampling (`whole`: one full copy while sampling), or gather each layer at every decode step (`per_layer`: least memory, one all-gather per layer per token); docs/scaling.md has the figures."""
     refit_normalization: bool = True
