@@ -19,6 +19,7 @@ from rlhf.demo_locations import DEMO_SCHEME, resolve_location
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.errors import ChatTemplateError
+from stages.memory import Counts, Device, Plan, model_shapes, plan, this_device
 from stages.models import load_tokenizer, tokenizer_digest
 
 
@@ -192,3 +193,33 @@ def logged_prompts(cfg: PipelineConfig, stage: str, role: str, name: str, world:
 def is_demo(source: DataSource | None) -> bool:
     """Whether the source is the embedded demo world's (whose gold function may judge the results)."""
     return source is not None and source.path.startswith(DEMO_SCHEME)
+
+
+def data_counts(cfg: PipelineConfig, world: str | None) -> Counts:
+    """The records of the prompt sets some phases sample all at once (evaluations, the reward
+    model's normalisation), for the memory plan; a set that cannot be read here is left uncounted."""
+    from schemas.readers import read_table
+
+    def count(source: DataSource) -> int | None:
+        try:
+            return len(read_table(resolve_location(source.path, world), source.split)[0])
+        except (DataContractError, ValueError):
+            return None
+
+    return Counts(ppo_eval_prompts=count(cfg.ppo.eval_prompts), dpo_eval_prompts=count(cfg.dpo.eval_prompts),
+                  reward_normalization_prompts=count(cfg.reward.normalization_prompts))
+
+
+def memory_plan(cfg: PipelineConfig, stages: list[str], world: str | None, device: Device | None = None,
+                processes: int | None = None) -> Plan:
+    """The memory plan of `stages` on `device` (default: the one the stages will use), from the
+    models' configs alone (`stages.memory`)."""
+    shapes = model_shapes(cfg, lambda location: resolve_location(location, world))
+    return plan(cfg, stages, shapes, device or this_device(), data_counts(cfg, world), processes)
+
+
+def memory_problems(result: Plan) -> tuple[list[str], list[str]]:
+    """(refusals, warnings): on a GPU a stage predicted not to fit is refused before any stage
+    trains; on the CPU (whose memory the OS may swap or overcommit) it is a warning."""
+    over = [result.message(stage) for stage, fits in result.verdicts.items() if not fits]
+    return (over, []) if result.device.kind == "cuda" else ([], over)

@@ -3,6 +3,8 @@
     rlhf validate --kind {sft,preference,prompt} PATH [--format F] [--tokenizer T --max-prompt-length N --max-length N]
     rlhf summary [--experiment rlhf]      the latest pipeline run and its stage runs, with links to the MLflow UI
     rlhf config-reference                 every config field with its default and meaning (Markdown)
+    rlhf plan CONFIG [--processes N] [--device-memory GiB] [--stages ...] [--json]
+                                          each stage's memory per process, from the models' configs alone
 """
 
 from __future__ import annotations
@@ -85,6 +87,32 @@ def _config_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from flows.inputs import memory_plan
+    from rlhf.config import ConfigError, load_config
+    from stages.memory import GIB, Device, plan_json, plan_table, this_device
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    world = None
+    if cfg.demo is not None:
+        from rlhf import tracking
+        from rlhf.demo_world import build_world
+
+        world = str(build_world(tracking.state_dir() / "worlds", cfg.demo))
+    device = this_device()
+    if args.device_memory is not None:
+        device = Device("cuda" if args.device_kind == "gpu" else "cpu", args.device_memory * GIB)
+    result = memory_plan(cfg, args.stages, world, device, args.processes)
+    print(json.dumps(plan_json(result), indent=2) if args.json else plan_table(result))
+    return 0 if all(result.verdicts.values()) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF pipeline tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +135,17 @@ def main(argv: list[str] | None = None) -> int:
 
     reference = commands.add_parser("config-reference", help="print the configuration reference")
     reference.set_defaults(run=_config_reference)
+
+    planner = commands.add_parser("plan", help="each stage's memory per process, and whether it fits")
+    planner.add_argument("config", help="a pipeline config (YAML)")
+    planner.add_argument("--processes", type=int, help="plan each stage on this many processes (its launch's engine)")
+    planner.add_argument("--device-memory", type=float, help="GiB of one device (default: this machine's GPU, else its RAM)")
+    planner.add_argument("--device-kind", choices=["gpu", "cpu"], default="gpu",
+                         help="with --device-memory: a GPU per process, or RAM the processes share")
+    planner.add_argument("--stages", nargs="+", default=["sft", "reward", "ppo", "dpo"],
+                         choices=["sft", "reward", "ppo", "dpo"])
+    planner.add_argument("--json", action="store_true", help="the plan as JSON")
+    planner.set_defaults(run=_plan)
 
     args = parser.parse_args(argv)
     return args.run(args)

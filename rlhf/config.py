@@ -262,6 +262,8 @@ class PPOConfig(TrainedStage):
     """Optimizer steps per epoch; the rollout batch is split into this many shuffled minibatches."""
     micro_batch_size: PositiveInt | None = None
     """Sequences per forward pass inside a process's minibatch (gradients accumulate); unset means all of it."""
+    micro_rollout_batch_size: PositiveInt | None = None
+    """Sequences a process samples, and passes through its models without gradients, at once, in rollouts and evaluations (bounds the KV cache and the logits of those passes; OpenRLHF's name); unset: a process's whole rollout batch, and a whole evaluation, at once."""
     learning_rate: PositiveFloat = 1e-5
     """Peak AdamW learning rate of policy and value head."""
     warmup_ratio: float = Field(0.0, ge=0, lt=1)

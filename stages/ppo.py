@@ -168,15 +168,28 @@ def reuse_sampling_pass(cfg: PPOConfig, precision: Precision) -> bool:
     return cfg.old_logprobs == "sampling"
 
 
+def in_chunks(items: list, cfg: PPOConfig) -> list[list]:
+    """`items` in runs of `micro_rollout_batch_size` (one run when unset): what a process samples at once."""
+    size = cfg.micro_rollout_batch_size or max(len(items), 1)
+    return [items[start:start + size] for start in range(0, len(items), size)]
+
+
 @torch.no_grad()
 def rollout(models: Models, prompts: list[str], cfg: PPOConfig, timings: dict[str, float]) -> Rollout:
     """Sample responses, then the passes PPO needs besides: old log-probs and values (from the
-    sampling pass when `reuse_sampling_pass`), and the reference's log-probs."""
+    sampling pass when `reuse_sampling_pass`), and the reference's log-probs; `micro_rollout_batch_size`
+    prompts at a time, the pieces then padded into one batch."""
     models.train(False)
+    timings["generate"] = timings["forward"] = 0.0
+    return concat_rollouts([_rollout_chunk(models, chunk, cfg, timings) for chunk in in_chunks(prompts, cfg)],
+                           models.tokenizer.pad_token_id)
+
+
+def _rollout_chunk(models: Models, prompts: list[str], cfg: PPOConfig, timings: dict[str, float]) -> Rollout:
     start = time.perf_counter()
     sampled = sample(models.policy, models.tokenizer, prompts, cfg, models.precision, models.stop_ids, models.holding)
     queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
-    timings["generate"] = time.perf_counter() - start
+    timings["generate"] += time.perf_counter() - start
 
     start = time.perf_counter()
     mask = response_mask(responses, models.stop_ids)
@@ -191,11 +204,41 @@ def rollout(models: Models, prompts: list[str], cfg: PPOConfig, timings: dict[st
         ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
                                          precision=models.precision)
     ref_logprobs = logprobs_of(ref_logits, responses, cfg.temperature)
-    timings["forward"] = time.perf_counter() - start
+    timings["forward"] += time.perf_counter() - start
     return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask,
                    None if values is None else values * mask, entropy,
                    has_eos=is_end(responses, models.stop_ids).any(dim=1),
                    texts=models.tokenizer.batch_decode(responses, skip_special_tokens=True), prompts=prompts)
+
+
+def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
+    """Rollouts of consecutive prompts as one: prompts padded on the left, responses on the right,
+    to the widest of them (padding is masked out, and position ids count real tokens only)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    width = max(c.queries.shape[1] for c in chunks)
+    steps = max(c.responses.shape[1] for c in chunks)
+
+    def left(x: torch.Tensor, value) -> torch.Tensor:  # (b, tq) -> (b, width)
+        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+    def right(x: torch.Tensor | None, value) -> torch.Tensor | None:  # (b, t) -> (b, steps)
+        return None if x is None else torch.nn.functional.pad(x, (0, steps - x.shape[1]), value=value)
+
+    def joined(pieces: list) -> torch.Tensor | None:
+        return None if pieces[0] is None else torch.cat(pieces)
+
+    return Rollout(
+        queries=joined([left(c.queries, pad_id) for c in chunks]),
+        query_mask=joined([left(c.query_mask, 0) for c in chunks]),
+        responses=joined([right(c.responses, pad_id) for c in chunks]),
+        mask=joined([right(c.mask, 0) for c in chunks]),
+        logprobs=joined([right(c.logprobs, 0.0) for c in chunks]),
+        ref_logprobs=joined([right(c.ref_logprobs, 0.0) for c in chunks]),
+        values=joined([right(c.values, 0.0) for c in chunks]),
+        entropy=joined([right(c.entropy, 0.0) for c in chunks]),
+        has_eos=torch.cat([c.has_eos for c in chunks]),
+        texts=[t for c in chunks for t in c.texts], prompts=[p for c in chunks for p in c.prompts])
 
 
 # --- score ------------------------------------------------------------------------------------
@@ -457,12 +500,15 @@ class HeldOut:
         prompts = [p for p in eval_prompts["prompt"] for _ in range(repeat)]
         messages = [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)]
         models.train(False)
+        texts, complete = [], []
         with own_random_stream(device), reference_policy(models) as reference:
             torch.manual_seed(cfg.eval_seed)
-            responses = sample(reference, models.tokenizer, prompts, cfg, models.precision, models.stop_ids,
-                               models.holding).responses
-        return cls(prompts, messages, models.tokenizer.batch_decode(responses, skip_special_tokens=True),
-                   is_end(responses, models.stop_ids).any(dim=1).tolist())
+            for chunk in in_chunks(prompts, cfg):
+                responses = sample(reference, models.tokenizer, chunk, cfg, models.precision, models.stop_ids,
+                                   models.holding).responses
+                texts += models.tokenizer.batch_decode(responses, skip_special_tokens=True)
+                complete += is_end(responses, models.stop_ids).any(dim=1).tolist()
+        return cls(prompts, messages, texts, complete)
 
 
 @torch.no_grad()

@@ -402,3 +402,33 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
         trimmed, _ = forward_response(models.policy, micro.queries, micro.query_mask, micro.responses, micro.mask,
                                       False, models.precision)
     torch.testing.assert_close(trimmed * micro.mask[..., None], full[:, :2] * micro.mask[..., None], atol=1e-5, rtol=0)
+
+
+def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_config, trained):
+    """`micro_rollout_batch_size`: pieces sampled and scored apart, then padded into one batch, hold
+    the log-probs and values one pass over the joined batch computes (padding changes nothing)."""
+    from stages.ppo import rollout
+    from stages.ppo_models import policy_and_values
+    from stages.ppo_math import logprobs_of
+
+    cfg = _cfg(tiny_config, micro_rollout_batch_size=3, response_length=12)
+    models = load_models(cfg, trained["sft"], trained["reward"])
+    prompts = list(trained["prompts"]["prompt"][:8])
+    torch.manual_seed(0)
+    timings: dict[str, float] = {}
+    batch = rollout(models, prompts, cfg, timings)
+    assert len(batch.texts) == 8 and batch.queries.shape[0] == 8 and timings["generate"] > 0
+    assert batch.prompts == prompts
+    with torch.no_grad():
+        logits, values = policy_and_values(models, batch.queries, batch.query_mask, batch.responses, batch.mask)
+        with reference_policy(models) as reference:
+            ref_logits, _ = forward_response(reference, batch.queries, batch.query_mask, batch.responses, batch.mask,
+                                             want_hidden=False, precision=models.precision)
+    mask = batch.mask
+    torch.testing.assert_close(logprobs_of(logits, batch.responses, cfg.temperature) * mask, batch.logprobs,
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(logprobs_of(ref_logits, batch.responses, cfg.temperature) * mask, batch.ref_logprobs,
+                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(values * mask, batch.values, atol=1e-5, rtol=0)
+    # The pieces' responses were padded to the longest: nothing real was cut.
+    assert models.tokenizer.batch_decode(batch.responses, skip_special_tokens=True) == batch.texts

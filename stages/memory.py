@@ -1,0 +1,613 @@
+"""Will it fit? The memory a stage needs on each process, predicted from the models' configs alone.
+
+Each model is built from its `config.json` on the meta device (the real shapes, no weights read:
+a 70B config plans in seconds). For every stage the plan walks the phases the stage's code goes
+through and takes the largest:
+
+    resident     the models each process holds: trained ones as float32 weights, gradients and
+                 AdamW's two moments (16 B per parameter), or frozen weights plus small float32
+                 adapters (LoRA); frozen models in their dtype; FSDP2 divides all of it by the
+                 process count, and each sharded model keeps its root unit (embeddings, output
+                 head) gathered after its first forward
+    training     + gradients, DDP's gradient buckets, autocast's bf16 weight copies, the saved
+                 activations of one micro-batch (every decoder layer's, or only its input under
+                 gradient checkpointing, plus one layer recomputed) and its logits
+    sampling     + the KV cache of every sequence sampled at once and, sharded, the gathered policy
+    forwards     + the logits of the passes without gradients (PPO's old and reference log-probs)
+    hand-off     what the main process holds after training: the evaluation's or normalisation's
+                 models and samples, the whole model gathered from shards
+
+The per-token activation figures were read off what autograd saves for a HF Llama layer
+(`torch.autograd.graph.saved_tensors_hooks`): float32 4 x (8h + 2kv + 4i) bytes, bf16 autocast
+32h + 4kv + 8i bytes (h hidden, kv the key/value width, i the MLP width); docs/scaling.md has how
+the plan compares with measurement. The plan is a prediction, not an allocator trace: it leaves
+out allocator fragmentation and transient buffers smaller than a layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from rlhf.config import (DPOConfig, LaunchConfig, LoRAConfig, PipelineConfig, PPOConfig, RewardConfig, SFTConfig,
+                         TrainedStage)
+
+GIB = 1024 ** 3
+ADAM_BYTES = 8
+"""AdamW's two float32 moments per trained parameter."""
+LOGIT_COPIES = 4
+"""Float32 copies of the logits alive around a loss: the logits, their log-softmax (saved), its
+gradient, and one transient (an entropy or a float cast)."""
+RUNTIME_GIB = 0.75
+"""Per process, besides tensors: the libraries, the CUDA context, allocator slack."""
+FSDP_CONFIG = "configs/accelerate/fsdp.yaml"
+
+StageName = Literal["sft", "reward", "ppo", "dpo"]
+
+
+# --- model shapes -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on in a model, read off its config built on the meta device."""
+
+    location: str
+    parameters: int
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_width: int
+    """Key/value heads x head size: the width of each of a layer's K and V."""
+    vocab: int
+    layer_parameters: int
+    """Parameters of one decoder layer (the largest)."""
+    outside_layers: int
+    """Parameters outside the decoder layers: embeddings, final norm, output head (FSDP2's root unit)."""
+    head_parameters: int
+    """Parameters of the output projection that are its own (0 when tied to the input embeddings)."""
+    linears: tuple[tuple[str, int, int], ...] = field(repr=False)
+    """(module name, in features, out features) of every Linear layer, for counting adapters."""
+
+    def lora_parameters(self, lora: LoRAConfig) -> int:
+        """Adapter parameters peft adds: r x (in + out) for every Linear whose name is, or ends in
+        `.` and, a target module name."""
+        targets = set(lora.target_modules)
+        return sum(lora.r * (fan_in + fan_out) for name, fan_in, fan_out in self.linears
+                   if name.rsplit(".", 1)[-1] in targets or name in targets)
+
+
+@functools.lru_cache(maxsize=32)
+def model_shape(location: str, trust_remote_code: bool = False) -> ModelShape:
+    """The causal LM at `location` (hub id or folder), from its config alone, on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from stages.holding import decoder_layers
+
+    config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    layers = decoder_layers(model)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    parameters = sum(p.numel() for p in model.parameters())
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = text.hidden_size
+    heads = getattr(text, "num_attention_heads", None) or text.n_head
+    head_size = getattr(text, "head_dim", None) or hidden // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    intermediate = (getattr(text, "intermediate_size", None) or getattr(text, "ffn_dim", None)
+                    or getattr(text, "n_inner", None) or 4 * hidden)
+    from transformers.pytorch_utils import Conv1D
+
+    linears = tuple((name, *_fans(module)) for name, module in model.named_modules()
+                    if isinstance(module, (torch.nn.Linear, Conv1D)))
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    own_head = 0 if head is None or head.weight is embedding else head.weight.numel()
+    return ModelShape(location, parameters, len(layers), hidden, intermediate, kv_heads * head_size,
+                      model.get_input_embeddings().num_embeddings,
+                      max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+                      sum(p.numel() for p in model.parameters() if id(p) not in in_layers), own_head, linears)
+
+
+def _fans(module) -> tuple[int, int]:
+    """(in, out) features of a Linear, or of GPT-2's Conv1D (weight stored as (in, out))."""
+    if hasattr(module, "in_features"):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.nf
+
+
+def reward_shape(policy_like: ModelShape) -> ModelShape:
+    """The same body with a one-output score head instead of the vocabulary projection."""
+    head = policy_like.head_parameters
+    return replace(policy_like, parameters=policy_like.parameters - head + policy_like.hidden, vocab=1,
+                   outside_layers=policy_like.outside_layers - head + policy_like.hidden, head_parameters=0,
+                   linears=tuple(l for l in policy_like.linears if l[0] != "lm_head"))
+
+
+# --- the parts of a plan --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Held:
+    """One model as a process holds it."""
+
+    name: str
+    parameters: int
+    """All of its parameters (not divided between processes)."""
+    trained: int
+    """Parameters the optimizer updates (all, or the adapters and any whole head)."""
+    weights: float
+    """Bytes of this process's share of its weights (frozen and trained)."""
+    gradients: float
+    optimizer: float
+    gathered: float
+    """Bytes FSDP2 keeps gathered besides the shard: the root unit after its first forward."""
+    how: str
+    """`trained`, `LoRA r=8 (bfloat16 frozen)`, `frozen bfloat16`, ..."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage's predicted memory per process, and whether it fits."""
+
+    stage: str
+    processes: int
+    sharded: bool
+    held: list[Held]
+    phases: dict[str, dict[str, float]]
+    """Each phase's bytes on top of the resident models, by item (`activations`, `kv_cache`, ...)."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def resident(self) -> float:
+        return sum(h.weights + h.optimizer + h.gathered for h in self.held) + RUNTIME_GIB * GIB
+
+    def phase_total(self, phase: str) -> float:
+        return self.resident + sum(self.phases[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phase_total)
+
+    @property
+    def peak(self) -> float:
+        """Predicted peak bytes on one process."""
+        return self.phase_total(self.peak_phase)
+
+    def state_bytes(self) -> float:
+        """Model-and-optimizer state: weights, gradients and optimizer moments of every model held."""
+        return sum(h.weights + h.gradients + h.optimizer for h in self.held)
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where the stages run: the memory of one GPU, or this machine's RAM (shared by its processes)."""
+
+    kind: Literal["cuda", "cpu"]
+    memory: float
+    """Bytes."""
+
+    def fits(self, plan: StagePlan) -> bool:
+        # On CPU the processes of one stage share the machine's memory.
+        need = plan.peak * (plan.processes if self.kind == "cpu" else 1)
+        return need <= self.memory
+
+    def describe(self) -> str:
+        return (f"one GPU of {self.memory / GIB:.1f} GiB" if self.kind == "cuda"
+                else f"this machine's {self.memory / GIB:.1f} GiB of RAM (shared by a stage's processes)")
+
+
+def this_device() -> Device:
+    """The GPU the stages will use (the first), or this machine's RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        return Device("cuda", float(torch.cuda.get_device_properties(0).total_memory))
+    return Device("cpu", float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")))
+
+
+# --- activations and caches -------------------------------------------------------------------------
+
+
+def _bytes_of(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def _autocast(section: TrainedStage, device: Device) -> str | None:
+    """The autocast dtype a stage computes in on `device` (`precision: auto` is bf16 on a GPU)."""
+    precision = section.precision
+    if precision == "auto":
+        precision = "bf16-mixed" if device.kind == "cuda" else "fp32"
+    return {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[precision]
+
+
+def layer_activation_bytes(shape: ModelShape, autocast: str | None) -> float:
+    """Bytes autograd saves per token in one decoder layer (read off a HF Llama layer)."""
+    h, kv, i = shape.hidden, shape.kv_width, shape.intermediate
+    return 4 * (8 * h + 2 * kv + 4 * i) if autocast is None else 32 * h + 4 * kv + 8 * i
+
+
+def training_activations(shape: ModelShape, sequences: int, length: int, logits_positions: int,
+                         autocast: str | None, checkpointing: bool) -> float:
+    """Saved activations of one forward with gradients over `sequences` x `length` tokens, and the
+    logits of `logits_positions` positions per sequence (all of them for SFT, the response for PPO)."""
+    tokens = sequences * length
+    per_layer = layer_activation_bytes(shape, autocast) * tokens
+    layers = (shape.layers * 4 * shape.hidden * tokens + per_layer) if checkpointing else shape.layers * per_layer
+    outside = 3 * 4 * shape.hidden * tokens
+    logits = LOGIT_COPIES * 4 * shape.vocab * sequences * logits_positions
+    return layers + outside + logits
+
+
+def forward_without_gradients(shape: ModelShape, sequences: int, length: int, logits_positions: int,
+                              autocast: str | None) -> float:
+    """A pass without gradients: one layer's working set at a time, and the float32 logits with their log-softmax."""
+    working = (6 * shape.hidden + 2 * shape.intermediate) * (2 if autocast else 4) * sequences * length
+    return working + 2 * 4 * shape.vocab * sequences * logits_positions
+
+
+def kv_cache(shape: ModelShape, sequences: int, length: int, autocast: str | None) -> float:
+    """Keys and values of every layer for `sequences` sampled at once, up to `length` tokens, plus
+    each decode step's float32 logits and the hidden states PPO keeps per sampled token."""
+    width = 2 if autocast else 4
+    return (2 * shape.layers * shape.kv_width * length * sequences * width
+            + 3 * 4 * shape.vocab * sequences + shape.hidden * length * sequences * width)
+
+
+# --- holding models ------------------------------------------------------------------------------------
+
+
+def _held(name: str, shape: ModelShape, *, lora: LoRAConfig | None, trained: bool, frozen_dtype: str,
+          sharding: int, compute_bytes: int, head_trains: bool = False) -> Held:
+    """A model as one of `sharding` processes holds it (`sharding` 1: whole)."""
+    if not trained:
+        params, how = shape.parameters, f"frozen {frozen_dtype}"
+        weights, trained_params = params * _bytes_of(frozen_dtype), 0
+        gathered_dtype = _bytes_of(frozen_dtype)
+    elif lora is None:
+        trained_params, how = shape.parameters, "trained float32"
+        weights, gathered_dtype = 4 * shape.parameters, compute_bytes
+    else:
+        trained_params = shape.lora_parameters(lora) + (shape.hidden if head_trains else 0)
+        how = f"LoRA r={lora.r} on {frozen_dtype} weights"
+        weights = shape.parameters * _bytes_of(frozen_dtype) + 4 * trained_params
+        gathered_dtype = _bytes_of(frozen_dtype)
+    gathered = shape.outside_layers * gathered_dtype if sharding > 1 else 0.0
+    return Held(name, shape.parameters, trained_params, weights / sharding, 4 * trained_params / sharding,
+                ADAM_BYTES * trained_params / sharding, gathered, how)
+
+
+def _engine(launch: LaunchConfig, processes: int | None) -> tuple[int, bool]:
+    """(processes, sharded) for the stage's launch, with `processes` overriding its count."""
+    n = processes or launch.num_processes
+    return n, launch.engine().get("distributed_type") == "FSDP" and n > 1
+
+
+def _training_extras(trained: Iterable[Held], processes: int, sharded: bool, autocast: str | None,
+                     largest_layer: float) -> dict[str, float]:
+    """What training adds to the resident models besides activations: gradients; under DDP its
+    buckets (one more copy of the gradients); without sharding, autocast's cached bf16 copies of
+    the trained weights; sharded, the layers gathered for forward and backward."""
+    trained = list(trained)
+    extras = {"gradients": sum(h.gradients for h in trained)}
+    if processes > 1 and not sharded:
+        extras["ddp_buckets"] = extras["gradients"]
+    if autocast and not sharded:
+        extras["autocast_weight_copies"] = sum(2 * h.trained for h in trained)
+    if sharded:
+        extras["gathered_layers"] = 2 * largest_layer  # the layer computing and the next one, prefetched
+    return extras
+
+
+# --- the stages --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Sequences some phases sample all at once, counted from the data when it is known."""
+
+    ppo_eval_prompts: int | None = None
+    dpo_eval_prompts: int | None = None
+    reward_normalization_prompts: int | None = None
+
+
+def _count(known: int | None, fallback: int, what: str, notes: list[str]) -> int:
+    if known is None:
+        notes.append(f"{what}: not counted (data not read); planned as {fallback}")
+        return fallback
+    return known
+
+
+def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPOConfig, policy: ModelShape,
+                       model: ModelShape, device: Device, counts: Counts, processes: int | None = None) -> StagePlan:
+    """SFT, reward or DPO: a TRL trainer on `batch_size` examples of `max_length` tokens per process
+    (pairs: chosen and rejected in one batch), then the main process's samples or evaluation."""
+    n, sharded = _engine(section.launch, processes)
+    autocast = _autocast(section, device)
+    compute = 2 if autocast else 4
+    sharding = n if sharded else 1
+    notes: list[str] = []
+    trained = _held("reward model" if stage == "reward" else "policy", model, lora=section.lora, trained=True,
+                    frozen_dtype="float32", sharding=sharding, compute_bytes=compute, head_trains=stage == "reward")
+    held = [trained]
+    if stage == "dpo" and section.lora is None:  # TRL's reference: a frozen copy (LoRA: the adapters disabled)
+        held.append(_held("reference", model, lora=None, trained=False, frozen_dtype="float32", sharding=sharding,
+                          compute_bytes=compute))
+    sequences = section.batch_size * (2 if stage in ("reward", "dpo") else 1)
+    logits_positions = 0 if stage == "reward" else section.max_length
+    largest_layer = model.layer_parameters * compute
+    training = _training_extras([trained], n, sharded, autocast, largest_layer) | {
+        "activations": training_activations(model, sequences, section.max_length, logits_positions, autocast,
+                                            section.gradient_checkpointing)}
+    if stage == "dpo" and section.lora is None:
+        training["reference_forward"] = forward_without_gradients(model, sequences, section.max_length,
+                                                                  section.max_length, autocast)
+    phases = {"training": training}
+    # After training the main process holds the model whole (gathered from shards when sharded).
+    whole = {"gathered_whole_model": 4 * model.parameters} if sharded else {}
+    if stage == "sft":
+        phases["hand-off"] = whole | {"samples": kv_cache(model, section.num_samples, section.max_length, autocast)}
+    elif stage == "reward":
+        prompts = _count(counts.reward_normalization_prompts, 64, "reward.normalization_prompts", notes)
+        sequences = prompts * section.normalization_samples
+        phases["hand-off"] = whole | {
+            "normalization_policy": 4 * policy.parameters,
+            "normalization_samples": kv_cache(policy, sequences, section.max_length, None),
+            "normalization_forward": forward_without_gradients(policy, 1, section.max_length, 1, None)}
+    else:
+        prompts = _count(counts.dpo_eval_prompts, 64, "dpo.eval_prompts", notes)
+        sequences = prompts * section.eval_samples_per_prompt
+        length = section.max_prompt_length + section.response_length
+        phases["hand-off"] = whole | {
+            "evaluation_reference": model.parameters * _bytes_of(section.frozen_dtype),
+            "evaluation_samples": kv_cache(model, sequences, length, autocast),
+            "evaluation_forwards": forward_without_gradients(model, sequences, length, section.response_length + 1,
+                                                             autocast)}
+    return StagePlan(stage, n, sharded, held, phases, notes)
+
+
+def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device: Device, counts: Counts,
+             processes: int | None = None) -> StagePlan:
+    """PPO as `stages.ppo.train_ppo` holds and runs it: policy (with LoRA: its frozen weights are the
+    reference), reference, reward model, critic; sampling, the rollout's forwards, the update's
+    micro-batches, the evaluations."""
+    n, sharded = _engine(section.launch, processes)
+    autocast = _autocast(section, device)
+    compute = 2 if autocast else 4
+    sharding = n if sharded else 1
+    notes: list[str] = []
+    frozen = section.frozen_dtype
+    pol = _held("policy", policy, lora=section.lora, trained=True, frozen_dtype=frozen, sharding=sharding,
+                compute_bytes=compute)
+    held = [pol]
+    if section.lora is None:
+        held.append(_held("reference", policy, lora=None, trained=False, frozen_dtype=frozen, sharding=sharding,
+                          compute_bytes=compute))
+    critic_kind = section.critic if section.uses_critic else None
+    if critic_kind == "reward-lora":
+        held.append(_held("reward model + critic", reward, lora=section.critic_lora, trained=True,
+                          frozen_dtype=frozen, sharding=sharding, compute_bytes=compute, head_trains=True))
+    else:
+        held.append(_held("reward model", reward, lora=None, trained=False, frozen_dtype=frozen, sharding=sharding,
+                          compute_bytes=compute))
+    if critic_kind == "reward":
+        held.append(_held("critic", reward, lora=None, trained=True, frozen_dtype=frozen, sharding=sharding,
+                          compute_bytes=compute))
+    elif critic_kind in ("shared", "detached"):
+        notes.append("critic: a value head on the policy's body (hidden + 1 parameters)")
+
+    length = section.max_prompt_length + section.response_length
+    local = section.rollout_batch_size // n
+    micro = section.micro_batch_size or section.rollout_batch_size // (section.num_minibatches * n)
+    trained = [h for h in held if h.trained]
+    largest_layer = max(policy.layer_parameters, reward.layer_parameters) * compute
+    update = _training_extras(trained, n, sharded, autocast, largest_layer) | {
+        "policy_activations": training_activations(policy, micro, length, section.response_length + 1, autocast,
+                                                   section.gradient_checkpointing)}
+    if critic_kind in ("reward", "reward-lora"):
+        update["critic_activations"] = training_activations(reward, micro, length, 0, autocast,
+                                                            section.gradient_checkpointing)
+    gathered_policy = {"gathered_policy": policy.parameters * compute} if sharded and \
+        section.sharded_sampling == "whole" else {}
+    eval_prompts = _count(counts.ppo_eval_prompts, section.rollout_batch_size // section.samples_per_prompt,
+                          "ppo.eval_prompts", notes)
+    evaluated = eval_prompts * section.eval_samples_per_prompt  # every process evaluates every held-out prompt
+    at_once = section.micro_rollout_batch_size or max(local, evaluated)
+    rolled, judged = min(local, at_once), min(evaluated, at_once)
+    scored = min(rolled, 64)  # `RewardScorer.raw_scores` scores 64 sequences at a time
+    phases = {
+        "sampling": gathered_policy | {"kv_cache": kv_cache(policy, rolled, length, autocast)},
+        "rollout_forwards": {"logits": forward_without_gradients(policy, rolled, length, section.response_length + 1,
+                                                                 autocast),
+                             "scoring": forward_without_gradients(reward, scored, length, 0, autocast)},
+        "update": update,
+        "evaluation": gathered_policy | {
+            "kv_cache": kv_cache(policy, judged, length, autocast),
+            "logits": forward_without_gradients(policy, judged, length, section.response_length + 1, autocast)},
+    }
+    if sharded and device.kind == "cpu":  # the main process gathers the policy whole into host memory to save it
+        phases["hand-off"] = {"gathered_whole_policy": 4 * policy.parameters}
+    return StagePlan("ppo", n, sharded, held, phases, notes)
+
+
+def plan_stage(cfg: PipelineConfig, stage: StageName, shapes: dict[str, ModelShape], device: Device,
+               counts: Counts = Counts(), processes: int | None = None, section=None) -> StagePlan:
+    """`stage`'s plan with `section` (default: the config's) and the models in `shapes`
+    (`policy`, and `reward` where the reward model is its own)."""
+    section = section or getattr(cfg, stage)
+    policy = shapes["policy"]
+    if stage == "ppo":
+        return plan_ppo(section, policy, reward_shape(shapes.get("reward", policy)), device, counts, processes)
+    model = reward_shape(shapes.get("reward", policy)) if stage == "reward" else policy
+    return plan_trainer_stage(stage, section, policy, model, device, counts, processes)
+
+
+# --- what would make it fit ---------------------------------------------------------------------------------
+
+
+def knobs(stage: StageName, section: TrainedStage) -> list[tuple[str, dict]]:
+    """Settings that cut a stage's memory without changing what it computes much, cheapest first:
+    (what to write in the config, the section fields it sets)."""
+    found: list[tuple[str, dict]] = []
+    if stage == "ppo":
+        minibatch = section.rollout_batch_size // (section.num_minibatches * section.launch.num_processes)
+        micro = section.micro_batch_size or minibatch
+        if section.micro_rollout_batch_size is None or section.micro_rollout_batch_size > micro:
+            # As many sequences without gradients at once as the update takes with them.
+            found.append((f"ppo.micro_rollout_batch_size: {micro}", {"micro_rollout_batch_size": micro}))
+        if micro > 1:
+            found.append((f"{stage}.micro_batch_size: 1", {"micro_batch_size": 1}))
+    elif section.batch_size > 1:
+        found.append((f"{stage}.batch_size: 1 with gradient_accumulation_steps: "
+                      f"{section.batch_size * section.gradient_accumulation_steps}",
+                      {"batch_size": 1, "gradient_accumulation_steps": section.batch_size *
+                       section.gradient_accumulation_steps}))
+    if not section.gradient_checkpointing:
+        found.append((f"{stage}.gradient_checkpointing: true", {"gradient_checkpointing": True}))
+    if stage in ("ppo", "dpo") and section.frozen_dtype == "float32":
+        found.append((f"{stage}.frozen_dtype: bfloat16", {"frozen_dtype": "bfloat16"}))
+    if stage == "ppo" and section.uses_critic and section.critic == "reward":
+        found.append(("ppo.critic: reward-lora", {"critic": "reward-lora"}))
+    if section.lora is None:
+        found.append((f"{stage}.lora: {{r: 8}}", {"lora": LoRAConfig()}))
+    return found
+
+
+def sharding_over(n: int) -> tuple[str, dict]:
+    return (f"shard over {n} processes (launch: {{num_processes: {n}, accelerate_config: {FSDP_CONFIG}}})",
+            {"launch": LaunchConfig(num_processes=n, accelerate_config=FSDP_CONFIG)})
+
+
+def what_fits(cfg: PipelineConfig, stage: StageName, shapes: dict[str, ModelShape], device: Device,
+              counts: Counts, max_processes: int = 64, most: int = 5) -> list[str]:
+    """Ways to bring the stage under `device`'s memory, cheapest first: the fewest knobs (sharding
+    counts as one, at the fewest processes that fit), and at each count the knobs in `knobs`' order;
+    at most `most` ways, from the smallest count that has any and the next."""
+    import itertools
+
+    section = getattr(cfg, stage)
+    options = knobs(stage, section)
+    shardings = [sharding_over(n) for n in (2, 4, 8, 16, 32, 64) if n <= max_processes]
+
+    def fits(chosen) -> bool:
+        updates = {k: v for _, fields in chosen for k, v in fields.items()}
+        changed = section.model_copy(update=updates)
+        return device.fits(plan_stage(cfg, stage, shapes, device, counts, section=changed))
+
+    found: list[tuple[frozenset[str], int, str]] = []  # (knobs, processes, the way as written)
+
+    def add(chosen, processes: int) -> None:
+        names = frozenset(name for name, _ in chosen)
+        if not any(earlier <= names and n <= processes for earlier, n, _ in found):  # not a cheaper way plus more
+            found.append((names, processes, ", ".join(name for name, _ in chosen)))
+
+    first = None
+    for size in range(1, len(options) + 2):
+        if first is not None and size > first + 1:
+            break
+        for chosen in itertools.combinations(options, size):
+            if fits(chosen):
+                add(chosen, 1)
+        for chosen in itertools.combinations(options, size - 1):
+            for n, sharding in zip((2, 4, 8, 16, 32, 64), shardings):
+                if fits(chosen + (sharding,)):
+                    add(chosen + (sharding,), n)
+                    break
+        if found and first is None:
+            first = size
+    return [way for _, _, way in found[:most]]
+
+
+# --- the whole config ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: Device
+    stages: dict[str, StagePlan]
+    verdicts: dict[str, bool]
+    fixes: dict[str, list[str]]
+
+    def message(self, stage: str) -> str:
+        """Why a stage does not fit, and what would make it fit."""
+        plan = self.stages[stage]
+        need = plan.peak * (plan.processes if self.device.kind == "cpu" else 1)
+        text = (f"{stage}: predicted peak {plan.peak / GIB:.1f} GiB per process ({plan.peak_phase})"
+                + (f", {need / GIB:.1f} GiB for its {plan.processes} processes" if need != plan.peak else "")
+                + f", over {self.device.describe()}")
+        ways = self.fixes.get(stage) or []
+        if ways:
+            text += "; it would fit with: " + " | ".join(ways)
+        else:
+            text += "; no combination of LoRA, bf16 frozen models, gradient checkpointing, micro-batches and " \
+                    "sharding over up to 64 processes makes it fit"
+        return text
+
+
+def model_shapes(cfg: PipelineConfig, resolve=lambda location: location) -> dict[str, ModelShape]:
+    """The policy's shape (`sft.model`) and, when the config names one, the reward model's."""
+    shapes = {"policy": model_shape(resolve(cfg.sft.model), cfg.sft.trust_remote_code)}
+    if cfg.reward.model:
+        shapes["reward"] = model_shape(resolve(cfg.reward.model), cfg.reward.trust_remote_code)
+    return shapes
+
+
+def plan(cfg: PipelineConfig, stages: list[str], shapes: dict[str, ModelShape], device: Device,
+         counts: Counts = Counts(), processes: int | None = None) -> Plan:
+    """Every stage's plan on `device`, whether it fits, and for those that do not, what would."""
+    plans = {stage: plan_stage(cfg, stage, shapes, device, counts, processes) for stage in stages}
+    verdicts = {stage: device.fits(p) for stage, p in plans.items()}
+    fixes = {stage: what_fits(cfg, stage, shapes, device, counts) for stage, ok in verdicts.items() if not ok}
+    return Plan(device, plans, verdicts, fixes)
+
+
+def _count_text(n: int) -> str:
+    return next(f"{n / scale:.3g}{unit}" for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k"), (1, ""))
+                if n >= scale or scale == 1)
+
+
+def plan_table(result: Plan) -> str:
+    """The plan as Markdown: per stage, the models held and each part of the peak, in GiB per process."""
+    lines = [f"Device: {result.device.describe()}", ""]
+    for stage, p in result.stages.items():
+        verdict = "fits" if result.verdicts[stage] else "DOES NOT FIT"
+        engine = f"FSDP2 over {p.processes}" if p.sharded else (f"DDP x {p.processes}" if p.processes > 1
+                                                                else "one process")
+        lines += [f"### {stage} ({engine}): peak {p.peak / GIB:.2f} GiB per process in {p.peak_phase}: {verdict}",
+                  "", "| model | parameters | held as | weights (GiB) | gradients | optimizer | gathered |",
+                  "|---|---|---|---|---|---|---|"]
+        for h in p.held:
+            lines.append(f"| {h.name} | {_count_text(h.parameters)} ({_count_text(h.trained)} trained) | {h.how} | {h.weights / GIB:.2f} | "
+                         f"{h.gradients / GIB:.2f} | {h.optimizer / GIB:.2f} | {h.gathered / GIB:.2f} |")
+        lines += ["", "| phase | on top of the resident models (GiB) | total |", "|---|---|---|"]
+        for phase, items in p.phases.items():
+            parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in items.items())
+            lines.append(f"| {phase} | {parts} | {p.phase_total(phase) / GIB:.2f} |")
+        lines += [f"", f"Resident (models, optimizer, runtime {RUNTIME_GIB} GiB): {p.resident / GIB:.2f} GiB"]
+        lines += [f"- {note}" for note in p.notes]
+        if not result.verdicts[stage]:
+            lines.append(f"- {result.message(stage)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plan_json(result: Plan) -> dict:
+    """The plan as plain data (`rlhf plan --json`)."""
+    return {"device": {"kind": result.device.kind, "memory_gib": result.device.memory / GIB},
+            "stages": {stage: {
+                "processes": p.processes, "sharded": p.sharded, "fits": result.verdicts[stage],
+                "predicted_peak_gib": p.peak / GIB, "peak_phase": p.peak_phase,
+                "state_gib": p.state_bytes() / GIB, "resident_gib": p.resident / GIB,
+                "models": [{"name": h.name, "parameters": h.parameters, "trained_parameters": h.trained,
+                            "held_as": h.how, "weights_gib": h.weights / GIB, "gradients_gib": h.gradients / GIB,
+                            "optimizer_gib": h.optimizer / GIB, "gathered_gib": h.gathered / GIB} for h in p.held],
+                "phases": {phase: {k: v / GIB for k, v in items.items()} | {"total": p.phase_total(phase) / GIB}
+                           for phase, items in p.phases.items()},
+                "notes": p.notes, "fixes": result.fixes.get(stage, [])}
+                for stage, p in result.stages.items()}}
