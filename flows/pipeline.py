@@ -28,7 +28,8 @@ from prefect.utilities.urls import url_for
 from pydantic import BaseModel, Field
 
 from flows.form import DPOForm, PPOForm, RewardForm, SFTForm, form_overrides
-from flows.inputs import context_problems, input_problems, is_demo, logged_prompts, train_and_eval_data
+from flows.inputs import (context_problems, input_problems, is_demo, logged_prompts, memory_plan, memory_problems,
+                          train_and_eval_data)
 from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, StageName, StageRecord, cache_key, reused_record,
                            upstream_runs)
 from flows.reports import (STAGE_SECONDS, GoldJudgments, Progress, evaluation_report, finish, log_overhead,
@@ -40,6 +41,7 @@ from rlhf.demo_world import build_world
 from schemas.errors import DataContractError
 from stages.distributed import LaunchError, call_stage
 from stages.errors import RewardGateError, StageUserError
+from stages.memory import GIB, Plan, plan_table
 from stages.models import load_tokenizer, set_determinism
 from stages.reporting import Reporting
 
@@ -52,6 +54,24 @@ class UpstreamRuns(BaseModel):
 
     sft_run_id: str | None = Field(None, description="SFT run whose checkpoint later stages start from.")
     reward_run_id: str | None = Field(None, description="Reward run whose model PPO optimises against.")
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """A stage's memory plan as its run logs it."""
+
+    figures: dict[str, float]
+    """`plan/predicted_peak_gib` (per process), `plan/state_gib` (weights, gradients, optimizer), `plan/fits` (1 or 0)."""
+    table: str
+    """The plan in Markdown (`memory_plan.md` on the run)."""
+
+
+def stage_memory(result: Plan, stage: str) -> StageMemory:
+    planned = result.stages[stage]
+    return StageMemory({"plan/predicted_peak_gib": planned.peak / GIB, "plan/state_gib": planned.state_bytes() / GIB,
+                        "plan/fits": float(result.verdicts[stage])},
+                       plan_table(Plan(result.device, {stage: planned}, {stage: result.verdicts[stage]},
+                                       {stage: result.fixes.get(stage, [])})))
 
 
 @dataclass(frozen=True)
@@ -70,6 +90,8 @@ class StageContext:
     """The Prefect flow run's name (`super-earwig`): every MLflow run of this pipeline run carries it."""
     flow_run_url: str | None
     """The Prefect flow run in the Prefect UI."""
+    memory: StageMemory | None = None
+    """What the memory plan predicted for this stage (logged on its run beside the measured peak)."""
 
     def links(self) -> dict[str, str | None]:
         """Where a stage run's description points: its pipeline run, its upstream runs, the Prefect flow run."""
@@ -154,6 +176,9 @@ def stage_run(stage: StageName, section: BaseModel, ctx: StageContext, unit: str
             mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
             with mlflow.start_run(run_id=run_id, log_system_metrics=True):
                 mlflow.log_params(tracking.redacted(flatten(section)))
+                if ctx.memory is not None:
+                    mlflow.log_metrics(ctx.memory.figures, step=0)
+                    mlflow.log_text(ctx.memory.table, "memory_plan.md")
                 run = StageRun(run_id, workdir.path, tracking.MetricWriter(run_id), Progress(stage, unit), [])
                 try:
                     yield run
@@ -349,6 +374,13 @@ def check_inputs(cfg: PipelineConfig, stages: list[str], world: str | None) -> l
     return input_problems(cfg, stages, world)
 
 
+@task
+def plan_memory(cfg: PipelineConfig, stages: list[str], world: str | None) -> Plan:
+    """The memory each stage needs per process on the device it will use, from the models' configs
+    alone, before any stage trains (`rlhf plan` prints the same)."""
+    return memory_plan(cfg, stages, world)
+
+
 # --- the flow -----------------------------------------------------------------------------------
 
 
@@ -411,9 +443,16 @@ def rlhf(
     bad_inputs = check_inputs(cfg, ordered, world)
     if bad_inputs:
         return refuse("\n\n".join(bad_inputs))
+    memory = plan_memory(cfg, ordered, world)
+    too_big, tight = memory_problems(memory)
+    if too_big:
+        return refuse("the memory plan (`rlhf plan`) predicts that these stages do not fit:\n"
+                      + "\n".join(f"  {problem}" for problem in too_big))
+    for problem in tight:
+        logger.warning("memory plan: %s (on the CPU this is a warning, not a refusal)", problem)
     try:
         tracking.wait_for_server(log=logger.warning)
-        return _run_stages(cfg, ordered, config_file, overrides, upstream, use_cache, world)
+        return _run_stages(cfg, ordered, config_file, overrides, upstream, use_cache, world, memory)
     except tracking.TrackingError as e:
         return refuse(str(e))
     except Exception as e:
@@ -424,7 +463,7 @@ def rlhf(
 
 
 def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str, overrides: dict[str, Any],
-                upstream: UpstreamRuns, use_cache: bool, world: str | None) -> list[StageRecord] | State:
+                upstream: UpstreamRuns, use_cache: bool, world: str | None, memory: Plan) -> list[StageRecord] | State:
     """The stages in pipeline order under one MLflow pipeline run: each starts from the records
     of the stages before it (or the given upstream runs) and is reused from cache or run as a task."""
     logger = get_run_logger()
@@ -459,7 +498,7 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
                                "rerun with use_cache false to register one", name, cached.info.run_id)
             return reused_record(name, cached)
         ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key, flow_run.name,
-                           links["Prefect flow run"])
+                           links["Prefect flow run"], stage_memory(memory, name))
         state = stage_task(ctx, return_state=True)
         if not state.is_completed():
             raise StageFailed(f"stage {name} failed: {state.message}")

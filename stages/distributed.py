@@ -33,6 +33,7 @@ import pandas as pd
 
 from rlhf.config import accelerate_config_path
 from stages.errors import StageUserError
+from stages.memory import measured_peak, with_figures
 from stages.models import set_determinism
 from stages.reporting import Reporting
 
@@ -64,7 +65,9 @@ def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Repor
     """`train(section, inputs, output_dir, reporting)` on `section.launch.num_processes` processes;
     its result. A `StageUserError` raised on rank 0 is raised here as it was."""
     if section.launch.num_processes == 1:
-        return train(section, inputs, output_dir, reporting)
+        with measured_peak() as peak:
+            result = train(section, inputs, output_dir, reporting)
+        return with_figures(result, peak)
     threads = max(1, (num_threads or os.cpu_count() or 1) // section.launch.num_processes)
     spec = _write_spec(StageCall(train, section, inputs, output_dir, deterministic, threads))
     _launch(spec, section.launch, reporting)
@@ -200,7 +203,9 @@ def main(spec: Path) -> None:
         state.distributed_type = DistributedType.MULTI_GPU
     reporting = _event_writer(spec / "events.jsonl") if state.is_main_process else Reporting()
     try:
-        result = call.train(call.section, call.inputs, call.output_dir, reporting)
+        with measured_peak() as peak:  # the main process's: it also holds what the stage hands off
+            result = call.train(call.section, call.inputs, call.output_dir, reporting)
+        result = with_figures(result, peak)
     except StageUserError as e:
         if state.is_main_process:
             (spec / "error.pkl").write_bytes(pickle.dumps(e))

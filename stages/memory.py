@@ -27,9 +27,9 @@ out allocator fragmentation and transient buffers smaller than a layer.
 from __future__ import annotations
 
 import functools
-import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -611,3 +611,49 @@ def plan_json(result: Plan) -> dict:
                            for phase, items in p.phases.items()},
                 "notes": p.notes, "fixes": result.fixes.get(stage, [])}
                 for stage, p in result.stages.items()}}
+
+
+# --- what a stage measured ----------------------------------------------------------------------------------
+
+
+def _peak_rss() -> float | None:
+    """This process's peak resident memory in bytes since the last reset (Linux's VmHWM)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@contextmanager
+def measured_peak() -> Iterator[dict[str, float]]:
+    """The block's peak memory, set in the yielded dict when it ends: `memory/peak_rss_gib`, this
+    process's resident memory (its high-water mark reset at the start through /proc/self/clear_refs,
+    where Linux allows it), and on a GPU `memory/peak_allocated_gib`, torch's peak allocated bytes."""
+    import torch
+
+    figures: dict[str, float] = {}
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # resets VmHWM to the current resident size
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        yield figures
+    finally:
+        if (rss := _peak_rss()) is not None:
+            figures["memory/peak_rss_gib"] = rss / GIB
+        if torch.cuda.is_available():
+            figures["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+
+
+def with_figures(result, figures: dict[str, float]):
+    """A stage's result (a `*Result` dataclass with `metrics`) with `figures` added to its metrics;
+    anything else (None on the other processes) is returned as it is."""
+    if not isinstance(getattr(result, "metrics", None), dict):
+        return result
+    return replace(result, metrics=result.metrics | figures)

@@ -456,3 +456,34 @@ def test_metric_writer_keeps_order_and_a_refused_batch_fails_the_stage(tracking_
             refusing.log({"loss": 0.5}, step)
             time.sleep(0.01)
         refusing.close()
+
+
+def test_every_stage_run_logs_its_memory_plan_beside_the_measured_peak(finished):
+    for record in finished:
+        run = MlflowClient().get_run(record.run_id)
+        metrics = run.data.metrics
+        assert 0 < metrics["plan/state_gib"] < metrics["plan/predicted_peak_gib"] < 2, record.stage
+        assert metrics["plan/fits"] == 1.0
+        assert 0 < metrics["memory/peak_rss_gib"] < 24, record.stage  # the stage's own high-water mark
+        table = mlflow.artifacts.load_text(f"runs:/{record.run_id}/memory_plan.md")
+        assert f"### {record.stage} (one process)" in table and "| update |" in table or record.stage != "ppo"
+
+
+def test_a_config_predicted_not_to_fit_a_gpu_is_refused_before_any_stage_trains(finished, monkeypatch):
+    import flows.inputs
+    from flows.pipeline import rlhf
+    from stages.memory import GIB, Device
+
+    before = len(_runs(""))
+    monkeypatch.setattr(flows.inputs, "this_device", lambda: Device("cuda", 0.5 * GIB))  # a faked, small GPU
+    state = rlhf(config_file="configs/tiny.yaml", return_state=True)
+    assert state.is_failed()
+    assert state.message.startswith("the memory plan (`rlhf plan`) predicts that these stages do not fit:")
+    assert "sft: predicted peak" in state.message and "over one GPU of 0.5 GiB" in state.message
+    assert "no combination of LoRA, bf16 frozen models, gradient checkpointing" in state.message  # the knobs tried
+    assert "Traceback" not in state.message
+    assert len(_runs("")) == before  # refused before any MLflow run, let alone training
+    # On the CPU the same verdict is a warning: the machine's memory is the OS's to manage.
+    monkeypatch.setattr(flows.inputs, "this_device", lambda: Device("cpu", 0.5 * GIB))
+    state = rlhf(stages=["sft"], config_file="configs/tiny.yaml", return_state=True)
+    assert state.is_completed(), state.message

@@ -1,0 +1,138 @@
+"""The memory plan (`stages.memory`, `rlhf plan`): model shapes read off configs on the meta device,
+adapter counts as peft makes them, the verdicts the issue names for an 8B model, and the plan
+against what a tiny PPO run actually holds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from bench.published import PUBLISHED, PUBLISHED_PARAMETERS, write_config
+from rlhf.cli import main as cli
+from rlhf.config import LoRAConfig, load_config
+from stages.memory import GIB, Counts, Device, model_shape, plan, reward_shape
+
+GPU_80GB = ["--device-memory", str(80e9 / GIB), "--device-kind", "gpu"]
+
+
+def test_shapes_from_configs_alone_match_the_published_parameter_counts(tmp_path):
+    for name in PUBLISHED:
+        shape = model_shape(str(write_config(tmp_path / name, name)))  # config.json only: no weights to read
+        assert shape.parameters == pytest.approx(PUBLISHED_PARAMETERS[name], rel=0.01), name
+    llama = model_shape(str(tmp_path / "Llama-3-8B"))
+    assert (llama.layers, llama.hidden, llama.intermediate, llama.kv_width, llama.vocab) == (32, 4096, 14336, 1024,
+                                                                                           128256)
+    assert llama.head_parameters == 128256 * 4096
+    # Qwen2.5-0.5B ties its output head to the embeddings: the reward model drops no weights of its own.
+    qwen = model_shape(str(tmp_path / "Qwen2.5-0.5B"))
+    assert qwen.head_parameters == 0 and reward_shape(qwen).parameters == qwen.parameters + qwen.hidden
+
+
+def test_adapter_and_parameter_counts_are_what_the_built_models_hold(world):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    location = str(world / "model")
+    shape = model_shape(location)
+    model = AutoModelForCausalLM.from_pretrained(location)
+    assert shape.parameters == sum(p.numel() for p in model.parameters())
+    for lora in (LoRAConfig(), LoRAConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])):
+        adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(location),
+                                 LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules)))
+        assert shape.lora_parameters(lora) == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+
+
+def _llama3_8b_config(tmp_path, **ppo) -> str:
+    """A pipeline config whose policy and reward model are Llama-3-8B shaped (read from config.json alone)."""
+    model = write_config(tmp_path / "llama-3-8b", "Llama-3-8B")
+    data = {"path": str(tmp_path / "data.jsonl")}
+    lengths = {"max_prompt_length": 512, "max_length": 1024, "batch_size": 4, "train_data": data, "eval_data": None}
+    config = {"demo": None, "sft": {"model": str(model)} | lengths,
+              "reward": lengths | {"normalization_prompts": data},
+              "ppo": {"prompts": data, "eval_prompts": data, "max_prompt_length": 512, "response_length": 512,
+                      "rollout_batch_size": 512, "micro_batch_size": 2, "micro_rollout_batch_size": 16} | ppo,
+              "dpo": lengths | {"eval_prompts": data}}
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(64)))
+    path = tmp_path / f"llama3-8b-{len(list(tmp_path.glob('*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_an_8b_ppo_fits_one_80gb_gpu_only_with_lora_and_eight_with_fsdp(tmp_path, capsys):
+    full = _llama3_8b_config(tmp_path)
+    assert cli(["plan", full, "--stages", "ppo", *GPU_80GB]) == 1
+    out = capsys.readouterr().out
+    assert "### ppo (one process)" in out and "DOES NOT FIT" in out
+    assert "it would fit with: " in out and "shard over" in out  # names the knobs
+
+    lora = _llama3_8b_config(tmp_path, lora={"r": 8}, critic="reward-lora", frozen_dtype="bfloat16",
+                             gradient_checkpointing=True)
+    assert cli(["plan", lora, "--stages", "ppo", "--json", *GPU_80GB]) == 0
+    planned = json.loads(capsys.readouterr().out)["stages"]["ppo"]
+    assert planned["fits"] and planned["predicted_peak_gib"] < 80e9 / GIB
+    # One copy of the reward model's weights: the critic is adapters and a head on them.
+    assert [m["name"] for m in planned["models"]] == ["policy", "reward model + critic"]
+    assert planned["models"][1]["trained_parameters"] < 0.01 * planned["models"][1]["parameters"]
+
+    sharded = _llama3_8b_config(tmp_path, gradient_checkpointing=True,
+                                launch={"num_processes": 8, "accelerate_config": "configs/accelerate/fsdp.yaml"})
+    assert cli(["plan", sharded, "--stages", "ppo", "--json", *GPU_80GB]) == 0
+    planned = json.loads(capsys.readouterr().out)["stages"]["ppo"]
+    assert planned["fits"] and planned["sharded"] and planned["processes"] == 8
+    # --processes plans the same config on another process count, with its engine.
+    assert cli(["plan", sharded, "--stages", "ppo", "--json", "--processes", "2", *GPU_80GB]) == 1
+    assert not json.loads(capsys.readouterr().out)["stages"]["ppo"]["fits"]
+
+
+def test_full_fine_tuning_trains_on_eight_gpus_sharded(tmp_path):
+    cfg = load_config(_llama3_8b_config(tmp_path, gradient_checkpointing=True))
+    shapes = {"policy": model_shape(cfg.sft.model)}
+    fsdp = {"launch": {"num_processes": 8, "accelerate_config": "configs/accelerate/fsdp.yaml"},
+            "gradient_checkpointing": True}
+    cfg = cfg.model_validate(cfg.model_dump() | {stage: getattr(cfg, stage).model_dump() | fsdp
+                                                  for stage in ("sft", "reward", "ppo", "dpo")})
+    result = plan(cfg, ["sft", "reward", "ppo", "dpo"], shapes, Device("cuda", 80e9), Counts(64, 64, 64))
+    assert result.verdicts["sft"] and result.verdicts["ppo"], {s: p.peak / GIB for s, p in result.stages.items()}
+    # Training fits there too; what does not is the main process's work after it (the reward model's
+    # normalisation loads the SFT policy whole and samples every prompt at once; DPO's evaluation
+    # holds a reference and samples every held-out prompt at once): the plan says where.
+    for stage in ("reward", "dpo"):
+        planned = result.stages[stage]
+        assert planned.phase_total("training") < 80e9 < planned.peak and planned.peak_phase == "hand-off"
+    one_gpu = plan(cfg, ["sft"], shapes, Device("cuda", 80e9), Counts(64, 64, 64), processes=1)
+    assert not one_gpu.verdicts["sft"]  # 16 bytes per parameter: 128 GB before activations
+
+
+def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tmp_path, monkeypatch):
+    """Weights, gradients and AdamW state counted from the tensors after the first update against
+    the plan's `state_bytes`, for a full and a LoRA policy with each critic that loads a model."""
+    import stages.ppo
+    from stages.ppo import PPOInputs, train_ppo
+
+    shapes = {"policy": model_shape(trained["sft"])}
+    real_update = stages.ppo.ppo_update
+    for run, changes in enumerate(({"critic": "reward"}, {"lora": LoRAConfig(), "critic": "shared"})):
+        held: dict[str, int] = {}
+
+        def update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs):
+            figures = real_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args,
+                                  **kwargs)
+            if not held:
+                models = accelerator.unwrap_model(actor_critic).models
+                modules = [models.policy, models.critic, models.reference, models.scorer.model]
+                parameters = {id(p): p for m in modules if m is not None for p in m.parameters()}.values()
+                state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+                held["bytes"] = sum(t.numel() * t.element_size() for t in [*parameters, *state]) + sum(
+                    4 * p.numel() for p in models.trainable())  # gradients, held from backward to the step
+            return figures
+
+        monkeypatch.setattr(stages.ppo, "ppo_update", update)
+        cfg = tiny_config.ppo.model_copy(update={"num_iterations": 1, "eval_every": None} | changes)
+        train_ppo(cfg, PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"]),
+                  tmp_path / str(run))
+        pipeline = tiny_config.model_copy(update={"ppo": cfg})
+        predicted = plan(pipeline, ["ppo"], shapes, Device("cpu", 24 * GIB), Counts(8, 8, 8)).stages["ppo"]
+        assert predicted.state_bytes() == pytest.approx(held["bytes"], rel=0.25), changes
