@@ -472,6 +472,8 @@ def knobs(stage: StageName, section: TrainedStage) -> list[tuple[str, dict]]:
         found.append((f"{stage}.gradient_checkpointing: true", {"gradient_checkpointing": True}))
     if stage in ("ppo", "dpo") and section.frozen_dtype == "float32":
         found.append((f"{stage}.frozen_dtype: bfloat16", {"frozen_dtype": "bfloat16"}))
+    if stage == "ppo" and section.sharded_sampling == "whole":  # acts only when sharded: see `sharding_over`
+        found.append(("ppo.sharded_sampling: per_layer", {"sharded_sampling": "per_layer"}))
     if stage == "ppo" and section.uses_critic and section.critic == "reward":
         found.append(("ppo.critic: reward-lora", {"critic": "reward-lora"}))
     if section.lora is None:

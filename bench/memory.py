@@ -1,0 +1,201 @@
+"""The memory plan against measurement: SFT, reward and PPO, full and LoRA, on Llama-shaped models
+of three sizes built from config, on this machine's CPU.
+
+    python -m bench.memory                  (or: make bench-memory)
+
+1. For each size (`SIZES`: ~10M, ~100M, ~400M parameters) a Llama with random weights and the demo
+   world's tokenizer is saved as a checkpoint; it is the base model, the SFT checkpoint and the
+   reward model's start alike.
+2. Each (size, stage, full or LoRA) runs in a fresh process, as the flow calls a stage
+   (`call_stage`, one process, float32), on the tiny demo world's data with `WORK`'s settings.
+3. In that process, two measures against the plan (`stages.memory.plan` for the same config):
+   - *model-and-optimizer state*: after the first optimizer step, the bytes of every model's
+     parameters, the trained parameters' gradients (held from backward to the step) and AdamW's
+     state, counted from the tensors; against the plan's `state_bytes`. Goal: within 25%.
+   - *overall*: the stage's peak resident memory (Linux's VmHWM, reset when the stage starts) less
+     the resident memory before it (libraries, the process's own), against the plan's peak less its
+     runtime allowance. On CPU there are no allocator statistics: RSS is what can be seen; it also
+     holds freed pages malloc keeps. Goal: within a factor of 2.
+
+Prints a Markdown table and writes `bench/results/memory-<date>.json`. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+SIZES = {"10M": (256, 14), "100M": (768, 16), "400M": (1024, 36)}
+"""(hidden size, decoder layers) of each Llama: 10.5 h^2 parameters per layer (MLP 8/3 h, 4 KV heads per 16)."""
+
+WORK = {
+    "sft": {"max_steps": 2, "batch_size": 4, "eval_steps": 100, "logging_steps": 1, "num_samples": 2,
+            "checkpoint_every": 100},
+    "reward": {"max_steps": 2, "batch_size": 4, "eval_steps": 100, "logging_steps": 1, "normalization_samples": 1,
+               "min_eval_accuracy": 0.0, "checkpoint_every": 100},
+    "ppo": {"num_iterations": 1, "rollout_batch_size": 8, "num_ppo_epochs": 1, "num_minibatches": 1,
+            "response_length": 16, "eval_every": None, "eval_samples_per_prompt": 1, "checkpoint_every": 100,
+            "missing_eos_score": None, "critic": "reward"},
+}
+"""Each stage's settings on top of `configs/tiny.yaml` (float32 on the CPU, one process)."""
+
+LARGE_PPO = {"400M": {"critic": "shared"}}
+"""At 400M, full PPO with a critic of its own would hold ~16 GiB of 24: the shared value head instead."""
+
+LORA = {"lora": {"r": 8}}
+LORA_PPO = {"lora": {"r": 8}, "critic": "shared"}
+"""LoRA runs; PPO's with the shared value head (its critic then loads no model of its own)."""
+
+
+def _state_bytes(modules, optimizer, trained) -> int:
+    import torch
+
+    parameters = {id(p): p for m in modules if m is not None for p in m.parameters()}.values()
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    return (sum(t.numel() * t.element_size() for t in [*parameters, *state])
+            + sum(4 * p.numel() for p in trained))  # gradients: float32, held from backward to the step
+
+
+def _record_state(held: dict) -> None:
+    """Patch the stages so the first optimizer step records the state bytes into `held`."""
+    import stages.ppo
+    import stages.training
+
+    real_update = stages.ppo.ppo_update
+
+    def ppo_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs):
+        figures = real_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs)
+        if not held:
+            models = accelerator.unwrap_model(actor_critic).models
+            held["state"] = _state_bytes([models.policy, models.critic, models.reference, models.scorer.model],
+                                         optimizer, models.trainable())
+        return figures
+
+    real_step_end = stages.training.ForwardLogs.on_step_end
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if not held and model is not None and optimizer is not None:
+            modules = [model] + ([kwargs["ref_model"]] if kwargs.get("ref_model") is not None else [])
+            held["state"] = _state_bytes(modules, optimizer, [p for p in model.parameters() if p.requires_grad])
+        return real_step_end(self, args, state, control, model=model, optimizer=optimizer, **kwargs)
+
+    stages.ppo.ppo_update = ppo_update
+    stages.training.ForwardLogs.on_step_end = on_step_end
+
+
+def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, work: Path) -> dict:
+    """One stage run in this process, measured, beside its plan: the row of the table."""
+    import ctypes
+
+    import psutil
+
+    from rlhf.config import load_config
+    from schemas.validate import LengthBudget, load_validated
+    from stages.distributed import call_stage
+    from stages.memory import GIB, RUNTIME_GIB, Counts, Device, model_shape, plan
+    from stages.models import load_tokenizer
+    from stages.ppo import PPOInputs, train_ppo
+    from stages.reporting import Reporting
+    from stages.reward import RewardInputs, train_reward
+    from stages.sft import SFTInputs, train_sft
+
+    base = load_config("configs/tiny.yaml")
+    section = getattr(base, stage)
+    changes = WORK[stage] | (LARGE_PPO.get(size, {}) if stage == "ppo" else {})
+    section = section.model_validate(section.model_dump() | changes | (
+        (LORA_PPO if stage == "ppo" else LORA) if lora else {}) | {"precision": "fp32"})
+    cfg = base.model_copy(update={stage: section})
+    tokenizer = load_tokenizer(checkpoint)
+    prompt_length = section.max_prompt_length
+    budget = LengthBudget(prompt_length, prompt_length + section.response_length if stage == "ppo"
+                          else section.max_length)
+
+    def data(name: str, kind: str):
+        return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer, budget=budget).frame
+
+    if stage == "sft":
+        train, inputs = train_sft, SFTInputs(checkpoint, data("sft", "sft"), data("sft_eval", "sft"))
+    elif stage == "reward":
+        train, inputs = train_reward, RewardInputs(checkpoint, checkpoint, data("preferences", "preference"),
+                                                   data("preferences_eval", "preference"),
+                                                   data("prompts_eval", "prompt"))
+    else:
+        train, inputs = train_ppo, PPOInputs(checkpoint, checkpoint, data("prompts", "prompt"),
+                                             data("prompts_eval", "prompt"))
+    eval_prompts = len(data("prompts_eval", "prompt"))
+    planned = plan(cfg, [stage], {"policy": model_shape(checkpoint)}, Device("cpu", psutil.virtual_memory().total),
+                   Counts(eval_prompts, eval_prompts, eval_prompts)).stages[stage]
+
+    held: dict = {}
+    _record_state(held)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = psutil.Process().memory_info().rss
+    result = call_stage(train, section, inputs, work, Reporting(), deterministic=True, num_threads=None)
+    measured = result.metrics["memory/peak_rss_gib"] * GIB - before
+    predicted = planned.peak - RUNTIME_GIB * GIB
+    return {"size": size, "stage": stage, "lora": lora, "parameters": model_shape(checkpoint).parameters,
+            "state_measured_gib": held["state"] / GIB, "state_planned_gib": planned.state_bytes() / GIB,
+            "state_error": planned.state_bytes() / held["state"] - 1,
+            "peak_measured_gib": measured / GIB, "peak_planned_gib": predicted / GIB,
+            "peak_ratio": predicted / measured, "planned_peak_phase": planned.peak_phase,
+            "rss_before_gib": before / GIB}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--stages", nargs="+", default=["sft", "reward", "ppo"], choices=["sft", "reward", "ppo"])
+    parser.add_argument("--work", default=str(REPO / ".rlhf" / "bench-memory"))
+    parser.add_argument("--one", nargs=3, metavar=("SIZE", "STAGE", "LORA"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    work = Path(args.work)
+    from rlhf.config import load_config
+    from rlhf.demo_world import build_world
+
+    world = build_world(work / "worlds", load_config("configs/tiny.yaml").demo)
+    if args.one:
+        size, stage, lora = args.one
+        checkpoint = str(work / "models" / size)
+        row = run_one(size, stage, lora == "lora", checkpoint, world, work / "runs" / f"{size}-{stage}-{lora}")
+        print("ROW " + json.dumps(row), flush=True)
+        return
+
+    from bench.scale import build_checkpoint
+
+    rows = []
+    for size in args.sizes:
+        folder = work / "models" / size
+        if not (folder / "config.json").exists():
+            build_checkpoint(world, folder, *SIZES[size])
+        for stage in args.stages:
+            for lora in ("full", "lora"):
+                out = subprocess.run([sys.executable, "-m", "bench.memory", "--work", str(work), "--one", size, stage,
+                                      lora], cwd=REPO, capture_output=True, text=True)
+                found = [line[4:] for line in out.stdout.splitlines() if line.startswith("ROW ")]
+                if out.returncode != 0 or not found:
+                    print(f"{size} {stage} {lora}: failed\n{out.stderr[-3000:]}", flush=True)
+                    continue
+                rows.append(json.loads(found[0]))
+                r = rows[-1]
+                print(f"{size} {stage} {lora}: state {r['state_measured_gib']:.3f} GiB measured, "
+                      f"{r['state_planned_gib']:.3f} planned ({r['state_error']:+.1%}); peak {r['peak_measured_gib']:.3f} "
+                      f"measured, {r['peak_planned_gib']:.3f} planned (x{r['peak_ratio']:.2f})", flush=True)
+    print("\n| size | stage | | state measured (GiB) | planned | error | peak measured (GiB) | planned | planned / measured |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['size']} | {r['stage']} | {'LoRA' if r['lora'] else 'full'} | {r['state_measured_gib']:.3f} | "
+              f"{r['state_planned_gib']:.3f} | {r['state_error']:+.1%} | {r['peak_measured_gib']:.3f} | "
+              f"{r['peak_planned_gib']:.3f} | {r['peak_ratio']:.2f} |")
+    out = REPO / "bench" / "results" / f"memory-{datetime.date.today().isoformat()}.json"
+    out.write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"\nwrote {out.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
