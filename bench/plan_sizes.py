@@ -34,9 +34,9 @@ METHODS: dict[str, tuple[str, dict]] = {
     "PPO, LoRA policy + LoRA critic": ("ppo", PPO | {"lora": {"r": 8}, "critic": "reward-lora"}),
     "GRPO, full (8 per prompt)": ("ppo", PPO | {"advantage_estimator": "grpo", "samples_per_prompt": 8}),
     "DPO, full": ("dpo", TRAINER | {"response_length": 512, "eval_samples_per_prompt": 1,
-                                     "frozen_dtype": "bfloat16"}),
+                                     "frozen_dtype": "bfloat16", "micro_rollout_batch_size": 16}),
     "DPO, LoRA": ("dpo", TRAINER | {"response_length": 512, "eval_samples_per_prompt": 1, "frozen_dtype": "bfloat16",
-                                     "lora": {"r": 8}}),
+                                     "micro_rollout_batch_size": 16, "lora": {"r": 8}}),
 }
 """Each method: the stage it runs and that stage's settings."""
 

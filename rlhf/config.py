@@ -231,6 +231,8 @@ class DPOConfig(TrainingConfig):
     """Mean KL to the SFT policy per sequence on the held-out prompts above which a warning is raised."""
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the frozen reference is held in during the evaluation."""
+    micro_rollout_batch_size: PositiveInt | None = None
+    """Sequences the evaluation samples, and passes through the models without gradients, at once (as PPO's); unset: all of them."""
 
 
 class PPOConfig(TrainedStage):
@@ -245,7 +247,7 @@ class PPOConfig(TrainedStage):
     temperature: PositiveFloat = 1.0
     """Sampling temperature; log-probabilities are taken from the same scaled logits."""
     old_logprobs: Literal["auto", "sampling", "recompute"] = "auto"
-    """Where rollout log-probs and values come from: the sampling pass, a second forward, or auto (sampling in fp32, recompute under bf16)."""
+    """Where rollout log-probs and values come from: the sampling pass, a second forward, or auto (sampling in fp32, recompute in 16 bits: under bf16 autocast, or a LoRA policy whose own weights are bf16 by `frozen_dtype`)."""
     num_iterations: PositiveInt = 100
     """PPO iterations (rollout, score, update)."""
     rollout_batch_size: PositiveInt = 64
@@ -307,7 +309,7 @@ class PPOConfig(TrainedStage):
     freeze_policy_iterations: int = Field(0, ge=0)
     """Critic warm-up: for this many first iterations only the critic learns (no policy loss; a shared value head reads the body without training it), so the policy's first update meets informed values (OpenRLHF's `freezing_actor_steps`)."""
     normalize_critic: bool = True
-    """With `critic: reward`: apply the reward normalisation fitted on the first rollouts to the critic's head as well, so its first values are on the scale of the normalised scores it learns to predict."""
+    """With `critic: reward` or `reward-lora`: apply the reward normalisation fitted on the first rollouts to the critic's head as well, so its first values are on the scale of the normalised scores it learns to predict."""
     checkpoint_every: PositiveInt = 25
     """Full-state checkpoint (for resuming) every this many iterations."""
     sample_every: PositiveInt = 10
@@ -329,7 +331,7 @@ class PPOConfig(TrainedStage):
     warn_ratio_max: PositiveFloat = 10.0
     """Warn when the largest policy ratio exceeds this."""
     warn_initial_ratio_deviation: PositiveFloat | None = None
-    """Warn when max |ratio - 1| before an iteration's first update exceeds this (rollout and training compute different policies); unset: 1e-3 in fp32, 5e-2 under autocast, whose rounding alone reaches ~4e-3 on the demo model."""
+    """Warn when max |ratio - 1| before an iteration's first update exceeds this (rollout and training compute different policies); unset: 1e-3 in fp32, 5e-2 in 16 bits (autocast, or a LoRA policy's bf16 weights), whose rounding alone reaches ~4e-3 on the demo model."""
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the frozen reference and reward models are held in (with `lora`, the policy's own frozen weights, which are the reference); bfloat16 halves their memory."""
     sharded_sampling: Literal["whole", "per_layer"] = "whole"

@@ -362,7 +362,8 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
             "normalization_forward": forward_without_gradients(policy, 1, section.max_length, 1, None)}
     else:
         prompts = _count(counts.dpo_eval_prompts, 64, "dpo.eval_prompts", notes)
-        sequences = prompts * section.eval_samples_per_prompt
+        sequences = min(prompts * section.eval_samples_per_prompt, section.micro_rollout_batch_size or prompts *
+                        section.eval_samples_per_prompt)
         length = section.max_prompt_length + section.response_length
         phases["hand-off"] = whole | {
             "evaluation_reference": model.parameters * _bytes_of(section.frozen_dtype),
@@ -470,6 +471,8 @@ def knobs(stage: StageName, section: TrainedStage) -> list[tuple[str, dict]]:
                        section.gradient_accumulation_steps}))
     if not section.gradient_checkpointing:
         found.append((f"{stage}.gradient_checkpointing: true", {"gradient_checkpointing": True}))
+    if stage == "dpo" and (section.micro_rollout_batch_size or 2) > 1:
+        found.append(("dpo.micro_rollout_batch_size: 1", {"micro_rollout_batch_size": 1}))
     if stage in ("ppo", "dpo") and section.frozen_dtype == "float32":
         found.append((f"{stage}.frozen_dtype: bfloat16", {"frozen_dtype": "bfloat16"}))
     if stage == "ppo" and section.sharded_sampling == "whole":  # acts only when sharded: see `sharding_over`
