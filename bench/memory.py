@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -162,7 +163,9 @@ def main() -> None:
     if args.one:
         size, stage, lora = args.one
         checkpoint = str(work / "models" / size)
-        row = run_one(size, stage, lora == "lora", checkpoint, world, work / "runs" / f"{size}-{stage}-{lora}")
+        folder = work / "runs" / f"{size}-{stage}-{lora}"
+        shutil.rmtree(folder, ignore_errors=True)  # a finished run's full-state checkpoint would be resumed
+        row = run_one(size, stage, lora == "lora", checkpoint, world, folder)
         print("ROW " + json.dumps(row), flush=True)
         return
 
