@@ -25,7 +25,7 @@ from trl import DPOTrainer
 
 from rlhf.config import DPOConfig, PPOConfig
 from stages.models import (device, disable_dropout, dtype_named, encode_pairs, load_causal_lm, load_tokenizer,
-                           resolve_precision, save_trained, stop_token_ids)
+                           lora_config, resolve_precision, save_trained, stop_token_ids, with_lora)
 from stages.ppo import HeldOut, evaluate, warn_over_kl_budget
 from stages.ppo_models import Models
 from stages.reporting import Reporting
@@ -83,7 +83,9 @@ def evaluation_settings(cfg: DPOConfig) -> PPOConfig:
 
 
 def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> DPOTrainer:
-    """TRL's DPOTrainer from our config; the reference is TRL's frozen copy of the SFT model as loaded."""
+    """TRL's DPOTrainer from our config. The reference is TRL's frozen copy of the SFT model as
+    loaded; with `cfg.lora`, TRL wraps the policy with LoRA adapters and the reference is the same
+    model with its adapters disabled (no copy: `trainer.ref_model` is None)."""
     set_seed(cfg.seed)
     tokenizer = load_tokenizer(inputs.sft_location, trust_remote_code=cfg.trust_remote_code)
     model = load_causal_lm(inputs.sft_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
@@ -97,6 +99,7 @@ def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting
         eval_dataset=encoded_pairs(inputs.evaluation, tokenizer),
         processing_class=tokenizer,
         callbacks=[ForwardLogs(reporting)],
+        peft_config=None if cfg.lora is None else lora_config(cfg.lora, "CAUSAL_LM"),
     )
     trainer.remove_callback(PrinterCallback)
     keep_float32_reductions(trainer)
@@ -124,13 +127,13 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Re
     untrained = untrained_evaluation(trainer)
     final = trainer.evaluate()
     tokenizer = trainer.processing_class
-    model, held = trained_model(trainer, lambda: load_causal_lm(inputs.sft_location, tokenizer,
-                                                          trust_remote_code=cfg.trust_remote_code))
+    model, updated, held = trained_model(trainer, lambda: with_lora(
+        load_causal_lm(inputs.sft_location, tokenizer, trust_remote_code=cfg.trust_remote_code),
+        cfg.lora, "CAUSAL_LM"))
     if not PartialState().is_main_process:
         return None
 
-    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location,
-                                    [p for p in model.parameters() if p.requires_grad])
+    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location, updated)
     settings = evaluation_settings(cfg)
     models = evaluation_models(model, cfg, inputs.sft_location)
     held_out = HeldOut.sample(models, inputs.eval_prompts, settings, device())

@@ -15,7 +15,7 @@ import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -23,9 +23,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from stages.errors import ChatTemplateError
 
 if TYPE_CHECKING:  # the modelling half of transformers takes seconds to import; a flow that only validates data never needs it
+    from peft import LoraConfig
     from transformers import PreTrainedModel
 
-    from rlhf.config import StageSettings
+    from rlhf.config import LoRAConfig, StageSettings
 
 
 def load_tokenizer(location: str, *, padding_side: str = "left", trust_remote_code: bool = False,
@@ -149,6 +150,41 @@ def disable_dropout(model: torch.nn.Module) -> None:
         for name, value in vars(module).items():
             if "drop" in name.lower() and isinstance(value, float):
                 setattr(module, name, 0.0)
+
+
+LoRATask = Literal["CAUSAL_LM", "SEQ_CLS"]
+"""What a LoRA-wrapped model is: a causal LM (SFT, DPO, PPO's policy) or a one-output sequence
+classifier (the reward model), whose `score` head peft then trains whole beside the adapters."""
+
+
+def lora_config(settings: LoRAConfig, task_type: LoRATask) -> LoraConfig:
+    """peft's `LoraConfig` for a stage's `lora` settings: every stage builds its adapters here, so
+    they are the same kind everywhere (no dropout, no bias, scale alpha / r). A new object per call:
+    peft writes into the config it is given (`SEQ_CLS` adds the `score` head to `modules_to_save`)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=settings.r, lora_alpha=settings.alpha, target_modules=list(settings.target_modules),
+                      lora_dropout=0.0, bias="none", task_type=task_type)
+
+
+def with_lora(model: PreTrainedModel, settings: LoRAConfig | None, task_type: LoRATask) -> torch.nn.Module:
+    """`model` wrapped with fresh LoRA adapters as TRL's trainers wrap it when handed
+    `lora_config(settings, task_type)` (its own weights frozen), or `model` itself when `settings`
+    is None: the structure a sharded stage gathers its trained state into."""
+    if settings is None:
+        return model
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(settings, task_type))
+
+
+def merged(model: torch.nn.Module) -> PreTrainedModel:
+    """A plain transformers model: a peft model's adapters folded into the weights they adapt and
+    the wrappers removed (`merge_and_unload`; a `score` head trained beside them takes the
+    original's place), in place; any other model as it is."""
+    from accelerate.utils import is_peft_model
+
+    return model.merge_and_unload() if is_peft_model(model) else model
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
 from stages.errors import RewardGateError
 from stages.models import (device, disable_dropout, encode_pairs, encode_replies, fit_to_tokenizer, generate,
-                           load_causal_lm, load_tokenizer, position_ids_for, save_trained, stop_token_ids)
+                           load_causal_lm, load_tokenizer, lora_config, position_ids_for, save_trained, stop_token_ids,
+                           with_lora)
 from stages.ppo_math import is_end, last_token_index
 from stages.reporting import Reporting
 from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
@@ -201,27 +202,40 @@ class RewardResult:
     """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and `rlhf.held_as`."""
 
 
-def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
-                 reporting: Reporting = Reporting()) -> RewardResult | None:
-    """Train on validated pairs, evaluate on held-out pairs, normalise against the SFT policy, and save, unless held-out accuracy is below `cfg.min_eval_accuracy`
-    (then `RewardGateError`, with the figures). On several processes every one trains; only the
-    main one scores, normalises, saves and returns."""
+def build_trainer(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
+                  reporting: Reporting = Reporting()) -> RewardTrainer:
+    """TRL's RewardTrainer from our config, on a freshly headed one-output classifier. With
+    `cfg.lora`, TRL wraps it with LoRA adapters (peft, `SEQ_CLS`): the adapters and a trained copy
+    of the score head train, the body's own weights stay frozen."""
     set_seed(cfg.seed)
-    model_location, evaluation = inputs.model_location, inputs.evaluation
-    tokenizer = load_tokenizer(model_location, padding_side="right", trust_remote_code=cfg.trust_remote_code,
+    tokenizer = load_tokenizer(inputs.model_location, padding_side="right", trust_remote_code=cfg.trust_remote_code,
                                chat_template=cfg.chat_template)
-    model = load_reward_model(model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
+    model = load_reward_model(inputs.model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
     args = TRLRewardConfig(**trainer_arguments(cfg, output_dir), center_rewards_coefficient=cfg.center_rewards_coefficient,
                            disable_dropout=True)
     trainer = RewardTrainer(model=model, args=args, train_dataset=_pairs(inputs.train, tokenizer),
-                            eval_dataset=_pairs(evaluation, tokenizer), processing_class=tokenizer,
-                            callbacks=[ForwardLogs(reporting)])
+                            eval_dataset=_pairs(inputs.evaluation, tokenizer), processing_class=tokenizer,
+                            callbacks=[ForwardLogs(reporting)],
+                            peft_config=None if cfg.lora is None else lora_config(cfg.lora, "SEQ_CLS"))
     trainer.remove_callback(PrinterCallback)
     keep_float32_reductions(trainer)
+    return trainer
+
+
+def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
+                 reporting: Reporting = Reporting()) -> RewardResult | None:
+    """Train on validated pairs (with `cfg.lora`, LoRA adapters and the score head, merged into the
+    saved checkpoint), evaluate on held-out pairs, normalise against the SFT policy, and save, unless
+    held-out accuracy is below `cfg.min_eval_accuracy` (then `RewardGateError`, with the figures).
+    On several processes every one trains; only the main one scores, normalises, saves and returns."""
+    model_location, evaluation = inputs.model_location, inputs.evaluation
+    trainer = build_trainer(cfg, inputs, output_dir, reporting)
+    tokenizer = trainer.processing_class
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     untrained, final = untrained_evaluation(trainer), trainer.evaluate()
-    model, held = trained_model(trainer, lambda: load_reward_model(model_location, tokenizer,
-                                                             trust_remote_code=cfg.trust_remote_code))
+    model, updated, held = trained_model(trainer, lambda: with_lora(
+        load_reward_model(model_location, tokenizer, trust_remote_code=cfg.trust_remote_code),
+        cfg.lora, "SEQ_CLS"))
     if not PartialState().is_main_process:
         return None
 
@@ -258,8 +272,7 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
                 "normalization/reference_std_raw": reference_scores.std().item()}
 
     setattr(model.config, NORMALIZATION_KEY, {"gain": gain, "bias": bias})
-    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, model_location,
-                                    [p for p in model.parameters() if p.requires_grad])
+    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, model_location, updated)
     scores = evaluation.assign(score_chosen=(gain * chosen + bias).numpy(), score_rejected=(gain * rejected + bias).numpy())
     return RewardResult(checkpoint, metrics, scores, calibration(margins, margins > 0, cfg.calibration_buckets),
                         tags | held)

@@ -20,7 +20,8 @@ from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
 from schemas.adapters import last_user_message
-from stages.models import encode_replies, generate_greedy, load_causal_lm, load_tokenizer, save_trained
+from stages.models import (encode_replies, generate_greedy, load_causal_lm, load_tokenizer, lora_config, save_trained,
+                           with_lora)
 from stages.reporting import Reporting
 from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
                              trainer_arguments, untrained_evaluation)
@@ -58,7 +59,8 @@ def _encoded(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> dataset
 
 def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Reporting = Reporting()) -> SFTTrainer:
     """TRL's SFTTrainer set up from our config: completion-only loss, no checkpoints of its own.
-    The model keeps the dropout its config sets: regularisation for supervised learning, as TRL does."""
+    The model keeps the dropout its config sets: regularisation for supervised learning, as TRL does.
+    With `cfg.lora`, TRL wraps it with LoRA adapters (peft) and trains those alone."""
     set_seed(cfg.seed)
     tokenizer = load_tokenizer(inputs.model_location, trust_remote_code=cfg.trust_remote_code,
                                chat_template=cfg.chat_template)
@@ -71,6 +73,7 @@ def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting
         eval_dataset=_encoded(inputs.evaluation, tokenizer),
         processing_class=tokenizer,
         callbacks=[ForwardLogs(reporting)],
+        peft_config=None if cfg.lora is None else lora_config(cfg.lora, "CAUSAL_LM"),
     )
     trainer.remove_callback(PrinterCallback)  # `reporting`, not stdout, receives the logs
     keep_float32_reductions(trainer)
@@ -78,16 +81,18 @@ def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting
 
 
 def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Reporting = Reporting()) -> SFTResult | None:
-    """Fine-tune the base causal LM on validated (prompt, response) records.
-    On several processes every one trains; only the main one samples, saves and returns."""
+    """Fine-tune the base causal LM (or, with `cfg.lora`, LoRA adapters on it, merged into the saved
+    checkpoint) on validated (prompt, response) records. On several processes every one trains;
+    only the main one samples, saves and returns."""
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
     tokenizer = trainer.processing_class
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     untrained_loss = untrained_evaluation(trainer)["eval_loss"]
     reporting.metrics({"eval/loss_untrained": untrained_loss}, 0)
     eval_loss = trainer.evaluate()["eval_loss"]
-    model, held = trained_model(trainer, lambda: load_causal_lm(inputs.model_location, tokenizer,
-                                                          trust_remote_code=cfg.trust_remote_code))
+    model, updated, held = trained_model(trainer, lambda: with_lora(
+        load_causal_lm(inputs.model_location, tokenizer, trust_remote_code=cfg.trust_remote_code),
+        cfg.lora, "CAUSAL_LM"))
     if not PartialState().is_main_process:
         return None
 
@@ -96,8 +101,7 @@ def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Re
     users = [last_user_message(json.loads(m)) for m in picks["prompt_messages"]]
     samples = [{"user": u, "response": a, "reference": r} for u, a, r in zip(users, answers, picks["response"])]
 
-    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, inputs.model_location,
-                                    [p for p in model.parameters() if p.requires_grad])
+    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, inputs.model_location, updated)
     metrics = {
         "eval/loss": float(eval_loss),
         "eval/loss_untrained": float(untrained_loss),

@@ -10,7 +10,7 @@ from transformers import PreTrainedModel, TrainerCallback
 
 from rlhf.config import TrainingConfig
 from stages.holding import held_as, unsharded
-from stages.models import device, resolve_precision
+from stages.models import device, merged, resolve_precision
 from stages.reporting import Reporting
 
 _UNLOGGED = ("epoch", "total_flos", "runtime", "per_second", "preparation_time")
@@ -39,18 +39,26 @@ class ForwardLogs(TrainerCallback):
         self.reporting.progress(state.global_step, state.max_steps)
 
 
-def trained_model(trainer, blank: Callable[[], PreTrainedModel]) -> tuple[PreTrainedModel | None, dict[str, str]]:
-    """The trained model, whole, on the main process (None on the others; collective), and the
-    `rlhf.held_as` tag. Under FSDP2 the trainer's model is sharded: its state is gathered into
-    `blank()`, the model as the stage loaded it before training."""
+def trained_model(trainer, blank: Callable[[], torch.nn.Module]
+                  ) -> tuple[PreTrainedModel | None, list[torch.nn.Parameter], dict[str, str]]:
+    """The trained model, whole and plain, on the main process (None on the others; collective),
+    the parameters its optimizer updated, and the `rlhf.held_as` tag. Under FSDP2 the trainer's
+    model is sharded: its state is gathered into `blank()`, the model as the trainer held it before
+    training (with LoRA, wrapped as the trainer wrapped it: `models.with_lora`). LoRA adapters are
+    merged into the weights they adapt (in place), so every later reader sees a plain model; the
+    updated parameters (adapters, and a reward model's score head) are read before that."""
     from accelerate import PartialState
 
     state = PartialState()
     tags = held_as(trainer.model, state.num_processes)
-    if not trainer.is_fsdp_enabled:
-        return (trainer.model if state.is_main_process else None), tags
-    model = unsharded(trainer.model, blank, state.is_main_process)
-    return (None if model is None else model.to(device())), tags
+    if trainer.is_fsdp_enabled:
+        model = unsharded(trainer.model, blank, state.is_main_process)
+    else:
+        model = trainer.model if state.is_main_process else None
+    if model is None:
+        return None, [], tags
+    updated = [p for p in model.parameters() if p.requires_grad]
+    return merged(model).to(device()), updated, tags
 
 
 def keep_float32_reductions(trainer) -> None:
