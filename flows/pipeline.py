@@ -375,10 +375,15 @@ def check_inputs(cfg: PipelineConfig, stages: list[str], world: str | None) -> l
 
 
 @task
-def plan_memory(cfg: PipelineConfig, stages: list[str], world: str | None) -> Plan:
+def plan_memory(cfg: PipelineConfig, stages: list[str], world: str | None) -> Plan | None:
     """The memory each stage needs per process on the device it will use, from the models' configs
-    alone, before any stage trains (`rlhf plan` prints the same)."""
-    return memory_plan(cfg, stages, world)
+    alone, before any stage trains (`rlhf plan` prints the same); None, with a warning, for a model
+    the planner cannot read (no decoder-layer classes named, a config it cannot build)."""
+    try:
+        return memory_plan(cfg, stages, world)
+    except (ValueError, OSError, TypeError, KeyError, AttributeError) as e:
+        get_run_logger().warning("no memory plan: %s: %s; the stages run unplanned", type(e).__name__, e)
+        return None
 
 
 # --- the flow -----------------------------------------------------------------------------------
@@ -444,7 +449,7 @@ def rlhf(
     if bad_inputs:
         return refuse("\n\n".join(bad_inputs))
     memory = plan_memory(cfg, ordered, world)
-    too_big, tight = memory_problems(memory)
+    too_big, tight = memory_problems(memory) if memory is not None else ([], [])
     if too_big:
         return refuse("the memory plan (`rlhf plan`) predicts that these stages do not fit:\n"
                       + "\n".join(f"  {problem}" for problem in too_big))
@@ -463,7 +468,8 @@ def rlhf(
 
 
 def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str, overrides: dict[str, Any],
-                upstream: UpstreamRuns, use_cache: bool, world: str | None, memory: Plan) -> list[StageRecord] | State:
+                upstream: UpstreamRuns, use_cache: bool, world: str | None,
+                memory: Plan | None) -> list[StageRecord] | State:
     """The stages in pipeline order under one MLflow pipeline run: each starts from the records
     of the stages before it (or the given upstream runs) and is reused from cache or run as a task."""
     logger = get_run_logger()
@@ -498,7 +504,7 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
                                "rerun with use_cache false to register one", name, cached.info.run_id)
             return reused_record(name, cached)
         ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key, flow_run.name,
-                           links["Prefect flow run"], stage_memory(memory, name))
+                           links["Prefect flow run"], memory and stage_memory(memory, name))
         state = stage_task(ctx, return_state=True)
         if not state.is_completed():
             raise StageFailed(f"stage {name} failed: {state.message}")

@@ -79,7 +79,7 @@ def evaluation_settings(cfg: DPOConfig) -> PPOConfig:
     return PPOConfig(eval_prompts=cfg.eval_prompts, response_length=cfg.response_length, temperature=cfg.temperature,
                      eval_seed=cfg.eval_seed, eval_samples_per_prompt=cfg.eval_samples_per_prompt,
                      kl_budget=cfg.kl_budget, frozen_dtype=cfg.frozen_dtype, precision=cfg.precision,
-                     trust_remote_code=cfg.trust_remote_code)
+                     trust_remote_code=cfg.trust_remote_code, micro_rollout_batch_size=cfg.micro_rollout_batch_size)
 
 
 def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> DPOTrainer:
