@@ -440,10 +440,6 @@ def rlhf(
     except ConfigError as e:
         return refuse(str(e))
     ordered = [s for s in AVAILABLE_STAGES if s in stages]
-    if "ppo" in ordered and cfg.ppo.uses_critic and cfg.ppo.critic == "reward-lora":
-        # The memory plan knows this critic; its training is not in this version yet (issue 25).
-        return refuse("ppo.critic 'reward-lora' can be planned (`rlhf plan`) but does not train in this version "
-                      "yet; use ppo.critic 'reward' or 'shared'")
     set_determinism(cfg.deterministic, cfg.num_threads)
     world = build_demo_world(cfg.demo) if cfg.demo is not None else None
     too_long = context_problems(cfg, ordered, world)

@@ -131,13 +131,17 @@ class Sharded:
 
     def _shard(self, model: torch.nn.Module, trained: bool, forward_method: str | None = None) -> None:
         """A unit per decoder layer (if it has any), then the rest of `model` as one unit; with
-        `forward_method`, that method gathers the unit as `forward` does (a critic's `values`)."""
+        `forward_method`, that method gathers the unit as `forward` does (a critic's `values`).
+        Parameters already sharded stay in the unit that holds them: a `reward-lora` critic's
+        adapters are sharded with the reward model they sit in."""
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+        from torch.distributed.tensor import DTensor
 
         policy = self._mp_policy(trained)
+        held = {p for p in model.parameters() if isinstance(p, DTensor)}
         for layer in decoder_layers(model, required=forward_method is None):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=True)
-        fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=held or None)
         if forward_method is not None:
             register_fsdp_forward_method(model, forward_method)
 
@@ -154,7 +158,8 @@ class Sharded:
 
     def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """The reference is sharded like the policy. A reward model is read by its score head
-        after its body's forward, so its body is the unit and the tiny head stays whole."""
+        after its body's forward, so its body is the unit and the tiny head stays whole; adapters
+        on the body (a `reward-lora` critic's, trained) are sharded with it, once."""
         head = getattr(model, "score", None)
         if head is None:
             self._shard(model, trained=False)

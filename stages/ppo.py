@@ -159,12 +159,18 @@ def sample(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig
                    torch.cat(hidden, dim=1))
 
 
+def rounds_to_16_bits(cfg: PPOConfig, precision: Precision) -> bool:
+    """Whether the policy's passes compute in 16 bits: under autocast, or as a LoRA policy whose own
+    weights are held in bf16 (`frozen_dtype`), whatever the precision."""
+    return precision.autocast_dtype is not None or (cfg.lora is not None and cfg.frozen_dtype != "float32")
+
+
 def reuse_sampling_pass(cfg: PPOConfig, precision: Precision) -> bool:
     """Whether old log-probs (and shared-body values) come from the sampling pass: in fp32 they
-    equal a fresh forward up to float rounding; under autocast the KV-cached steps drift
-    further from the full-sequence pass the update uses, so a second forward is taken."""
+    equal a fresh forward up to float rounding; in 16 bits the KV-cached steps drift further from
+    the full-sequence pass the update uses (1e-2 on the demo model), so a second forward is taken."""
     if cfg.old_logprobs == "auto":
-        return precision.autocast_dtype is None
+        return not rounds_to_16_bits(cfg, precision)
     return cfg.old_logprobs == "sampling"
 
 
@@ -556,10 +562,10 @@ def evaluate_midway(models: Models, held_out: HeldOut, cfg: PPOConfig, iteration
 
 def initial_ratio_threshold(cfg: PPOConfig, precision: Precision) -> float:
     """`warn_initial_ratio_deviation`, or its default: in fp32 a rollout and a fresh forward agree to
-    ~1e-6; under autocast, shapes that differ between the rollout and the update round differently."""
+    ~1e-6; in 16 bits, shapes that differ between the rollout and the update round differently."""
     if cfg.warn_initial_ratio_deviation is not None:
         return cfg.warn_initial_ratio_deviation
-    return 1e-3 if precision.autocast_dtype is None else 5e-2
+    return 5e-2 if rounds_to_16_bits(cfg, precision) else 1e-3
 
 
 def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, iteration: int,
@@ -739,7 +745,8 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         return None
     warn_over_kl_budget(metrics, cfg.kl_budget, reporting)
     trained = [p for group in optimizer.param_groups for p in group["params"]]
-    policy = policy.merge_and_unload() if cfg.lora is not None else policy
+    # Merged in float32: into bf16-held weights (`frozen_dtype`) a bf16 merge would round small updates away.
+    policy = policy.float().merge_and_unload() if cfg.lora is not None else policy
     checkpoint, tags = save_trained(policy, models.tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location,
                                     trained)
     metrics |= {"train/iterations": float(loop.iteration), "normalization/gain": models.scorer.gain,

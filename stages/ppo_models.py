@@ -1,10 +1,11 @@
 """The models PPO holds and the passes it takes through them.
 
 The policy (with LoRA adapters or not), its frozen reference, the reward model that scores, and,
-for GAE, the critic: either a value head on the policy's own body (`SharedValueHead`) or a
-separate model started from the reward model (`RewardCritic`). Both critics answer `values(...)`
-the same way, so the rollout and the update never ask which one they have; the critic-free
-estimators (GRPO, RLOO, REINFORCE++) build none, and their values are None.
+for GAE, the critic: a value head on the policy's own body (`SharedValueHead`), a separate model
+started from the reward model (`RewardCritic`), or LoRA adapters and a value head on the reward
+model the scorer holds (`RewardLoRACritic`: one copy of the reward model instead of two). Every
+critic answers `values(...)` the same way, so the rollout and the update never ask which one they
+have; the critic-free estimators (GRPO, RLOO, REINFORCE++) build none, and their values are None.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from rlhf.config import PPOConfig
+from rlhf.config import LoRAConfig, PPOConfig
 from stages.holding import Holding, Replicated
 from stages.models import (Precision, disable_dropout, dtype_named, load_causal_lm, load_tokenizer, position_ids_for,
                            resolve_precision, stop_token_ids)
@@ -72,25 +73,20 @@ class SharedValueHead(torch.nn.Module):
         return None
 
 
-class RewardCritic(torch.nn.Module):
-    """A separate critic started from the reward model (as InstructGPT and TRL do): its own pass
-    over prompt + response, its score head read at every response position. With `rescale`, the
-    reward normalisation PPO fits on its first rollouts is applied to the head too (parameters x
-    gain, bias as a constant `offset`), so its first values are on the scale of the scores."""
+class ScoreHeadCritic(torch.nn.Module):
+    """A critic read off a reward model's score head at every response position, plus a constant
+    `offset` (most families' score heads have no bias): `RewardCritic` and `RewardLoRACritic`, each
+    giving `head` and `values`. With `rescale`, the reward normalisation PPO fits on its first
+    rollouts is applied to the head too (parameters x gain, bias as the offset), so its first
+    values are on the scale of the scores."""
 
     reads_policy_hidden = False
 
-    def __init__(self, model: PreTrainedModel, rescale: bool):
+    def __init__(self, rescale: bool):
         super().__init__()
-        self.model, self.rescale = model, rescale
+        self.rescale = rescale
         self.offset = 0.0
-        """Added to the head's output (most families' score heads have no bias)."""
-
-    def values(self, policy_hidden, queries, query_mask, responses, mask, precision: Precision,
-               detach_body: bool = False) -> torch.Tensor:  # -> (B, T)
-        _, hidden = forward_response(self.model, queries, query_mask, responses, mask, want_hidden=True,
-                                     precision=precision)
-        return self.model.score(hidden).squeeze(-1).float() + self.offset
+        """Added to the head's output."""
 
     @torch.no_grad()
     def adopt_normalization(self, gain: float, bias: float, values: torch.Tensor) -> torch.Tensor:
@@ -98,7 +94,7 @@ class RewardCritic(torch.nn.Module):
         returns `values` (computed before the fit) mapped the same way. # (B, T) -> (B, T)"""
         if not self.rescale:
             return values
-        for parameter in self.model.score.parameters():
+        for parameter in self.head.parameters():
             parameter.mul_(gain)
         self.offset = bias
         return gain * values + bias
@@ -109,7 +105,67 @@ class RewardCritic(torch.nn.Module):
             self.offset = bias
 
 
-Critic = SharedValueHead | RewardCritic
+class RewardCritic(ScoreHeadCritic):
+    """A separate critic started from the reward model (as InstructGPT and TRL do), all of it
+    trained: its own pass over prompt + response, its score head read at every response position."""
+
+    def __init__(self, model: PreTrainedModel, rescale: bool):
+        super().__init__(rescale)
+        self.model = model
+
+    @property
+    def head(self) -> torch.nn.Module:
+        return self.model.score
+
+    def values(self, policy_hidden, queries, query_mask, responses, mask, precision: Precision,
+               detach_body: bool = False) -> torch.Tensor:  # -> (B, T)
+        _, hidden = forward_response(self.model, queries, query_mask, responses, mask, want_hidden=True,
+                                     precision=precision)
+        return self.head(hidden).squeeze(-1).float() + self.offset
+
+
+class RewardLoRACritic(ScoreHeadCritic):
+    """A critic on the scorer's own reward model: LoRA adapters (float32) on its frozen weights
+    (held in `frozen_dtype`), and a float32 value head of its own, a copy of the score head. One
+    copy of the reward model where `RewardCritic` holds two; the scorer switches the adapters off
+    whenever it scores (`RewardScorer.raw_scores`), so scores stay the reward model's own.
+
+    Its registered modules are what it trains, the head and the adapter layers, so DDP, the
+    optimizer and full-state checkpoints see exactly those; the body is placed (and, sharded,
+    split into units, the adapters with it) as the scorer's model. Adapters start as a no-op
+    (peft's B = 0), so the first values are the reward model's score at every position."""
+
+    def __init__(self, scorer: RewardScorer, settings: LoRAConfig, rescale: bool):
+        from peft import LoraConfig
+        from peft.functional import cast_adapter_dtype, inject_adapter_in_model
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        super().__init__(rescale)
+        model = scorer.model
+        inject_adapter_in_model(LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=0.0, bias="none",
+                                           target_modules=list(settings.target_modules)), model)
+        cast_adapter_dtype(model, "default")  # float32: peft gave them the dtype of the weights they adapt
+        self.scorer = scorer
+        """Not a module of this one: the reward model is the scorer's, frozen but for these adapters."""
+        self.head = copy.deepcopy(model.score).float().requires_grad_(True)
+        self.adapters = torch.nn.ModuleList(
+            getattr(layer, name) for layer in model.modules() if isinstance(layer, BaseTunerLayer)
+            for name in layer.adapter_layer_names if len(getattr(layer, name, ())))
+
+    def values(self, policy_hidden, queries, query_mask, responses, mask, precision: Precision,
+               detach_body: bool = False) -> torch.Tensor:  # -> (B, T)
+        input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
+        attention_mask = torch.cat([query_mask, mask.long()], dim=1)
+        with precision.autocast(input_ids.device):
+            hidden = self.scorer.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                                  position_ids=position_ids_for(attention_mask),
+                                                  use_cache=False).last_hidden_state  # (B, Tq + T, H)
+        # The states before each response token, as the policy's logits that predict it.
+        hidden = hidden[:, -(responses.shape[1] + 1):-1].float()  # (B, T, H)
+        return self.head(hidden).squeeze(-1) + self.offset
+
+
+Critic = SharedValueHead | RewardCritic | RewardLoRACritic
 
 
 # --- the models of a run -------------------------------------------------------------------------
@@ -154,23 +210,44 @@ class Models:
 
 
 def build_policy(cfg: PPOConfig, sft_location: str, tokenizer) -> PreTrainedModel:
-    """The policy as PPO trains it, in float32 on the CPU: the SFT checkpoint, dropout off, with
-    LoRA adapters when `cfg.lora` is set."""
-    policy = load_causal_lm(sft_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
+    """The policy as PPO trains it, on the CPU: the SFT checkpoint in float32, dropout off; with
+    `cfg.lora`, float32 LoRA adapters on its own weights, which are the reference and so are held
+    in `cfg.frozen_dtype`."""
+    dtype = torch.float32 if cfg.lora is None else dtype_named(cfg.frozen_dtype)
+    policy = load_causal_lm(sft_location, tokenizer, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     disable_dropout(policy)
     if cfg.lora is not None:
         from peft import LoraConfig, get_peft_model
 
+        # peft casts the adapters of bf16 weights to float32 (`autocast_adapter_dtype`).
         policy = get_peft_model(policy, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
                                                    target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
     return policy
 
 
+def build_critic(cfg: PPOConfig, policy: PreTrainedModel, tokenizer, scorer: RewardScorer,
+                 reward_location: str) -> Critic | None:
+    """GAE's critic as `cfg.critic` asks; None for the critic-free estimators. The critics on the
+    reward model read the policy's token ids, so that model must share the policy's tokenizer."""
+    if not cfg.uses_critic:
+        return None
+    if cfg.critic in ("shared", "detached"):
+        return SharedValueHead(policy.config.hidden_size, detach_body=cfg.critic == "detached")
+    if scorer.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"ppo.critic = {cfg.critic!r} needs the reward model at {reward_location} to share the "
+                         "policy's tokenizer (the critic reads the policy's token ids); use ppo.critic = 'shared'")
+    if cfg.critic == "reward-lora":
+        return RewardLoRACritic(scorer, cfg.critic_lora, rescale=cfg.normalize_critic)
+    return RewardCritic(load_reward_model(reward_location, tokenizer, trust_remote_code=cfg.trust_remote_code,
+                                          fresh_head=False), rescale=cfg.normalize_critic)
+
+
 def load_models(cfg: PPOConfig, sft_location: str, reward_location: str, holding: Holding | None = None) -> Models:
-    """Trained modules (policy, critic) in float32 whatever the checkpoints' dtype; frozen ones
-    (reference, reward model) in `cfg.frozen_dtype`; dropout off in all of them, so a rollout and
-    the update that follows compute the same policy. `holding` (default: whole, on this process)
-    places them: the frozen ones at once, the trained ones when `holding.trained` wraps them."""
+    """Trained weights (policy, critic, adapters) in float32 whatever the checkpoints' dtype; frozen
+    ones (reference, reward model, a LoRA policy's own) in `cfg.frozen_dtype`; dropout off in all of
+    them, so a rollout and the update that follows compute the same policy. `holding` (default:
+    whole, on this process) places them: the frozen ones at once, the trained ones when
+    `holding.trained` wraps them."""
     holding = holding or Replicated()
     frozen = dtype_named(cfg.frozen_dtype)
     tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
@@ -180,20 +257,12 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str, holding
         reference = holding.frozen(copy.deepcopy(policy).to(frozen).eval().requires_grad_(False))
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-    if not cfg.uses_critic:
-        critic = None
-    elif cfg.critic in ("shared", "detached"):
-        critic = SharedValueHead(policy.config.hidden_size, detach_body=cfg.critic == "detached")
-    else:
-        reward_tokenizer = load_tokenizer(reward_location, trust_remote_code=cfg.trust_remote_code)
-        if reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise ValueError(f"ppo.critic = 'reward' needs the reward model at {reward_location} to share the policy's "
-                             "tokenizer (the critic reads the policy's token ids); use ppo.critic = 'shared'")
-        critic = RewardCritic(load_reward_model(reward_location, tokenizer, trust_remote_code=cfg.trust_remote_code,
-                                                fresh_head=False), rescale=cfg.normalize_critic)
+    # Placed once the critic is built: `reward-lora` puts its adapters on this very model, placed with it.
     scorer = RewardScorer.from_pretrained(reward_location, dtype=frozen, trust_remote_code=cfg.trust_remote_code,
-                                          place=holding.frozen)
+                                          place=lambda model: model)
     scorer.model.requires_grad_(False)
+    critic = build_critic(cfg, policy, tokenizer, scorer, reward_location)
+    scorer.model = holding.frozen(scorer.model)
     for module in (policy, critic):
         if module is not None:
             holding.place_trained(module)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,13 +111,33 @@ class RewardScorer:
 
     @torch.no_grad()
     def raw_scores(self, sequences: list[list[int]], batch_size: int = 64) -> torch.Tensor:
-        """Model outputs at the last real token of each id sequence. # -> (N,)"""
+        """Model outputs at the last real token of each id sequence, from the reward model as it was
+        trained: any adapters on it are off while it scores. # -> (N,)"""
         scores = []
-        for start in range(0, len(sequences), batch_size):
-            chunk = sequences[start:start + batch_size]
-            batch = self.tokenizer.pad({"input_ids": chunk}, return_tensors="pt").to(self.model.device)
-            scores.append(last_token_scores(self.model, batch["input_ids"], batch["attention_mask"]).float().cpu())
+        with self.adapters_off():
+            for start in range(0, len(sequences), batch_size):
+                chunk = sequences[start:start + batch_size]
+                batch = self.tokenizer.pad({"input_ids": chunk}, return_tensors="pt").to(self.model.device)
+                scores.append(last_token_scores(self.model, batch["input_ids"], batch["attention_mask"]).float().cpu())
         return torch.cat(scores) if scores else torch.empty(0)
+
+    @contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """The model without the LoRA adapters put on it (PPO's `critic: reward-lora` trains some on
+        this very model), each one as it was afterwards, trainable or not. A no-op without adapters."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
+        trainable = {id(p) for p in self.model.parameters() if p.requires_grad}  # peft's switch sets requires_grad
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)
+            for parameter in self.model.parameters():
+                parameter.requires_grad_(id(parameter) in trainable)
 
     def score(self, prompts: list, responses: list[str], normalized: bool = True,
               complete: list[bool] | None = None) -> torch.Tensor:

@@ -70,9 +70,12 @@ def _setup(tiny_config, trained, critic="reward", lora=False):
     assert lengths.min() < lengths.max(), "responses of equal length would not tell the normalisations apart"
     rewards = token_rewards(scores_of(raw, batch.has_eos, models.scorer, cfg).used, kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05, batch.mask)
     advantages, returns = gae(rewards, batch.values, batch.mask, 1.0, 0.95)
-    # A step away from the rollout policy, so ratios differ from 1 and some tokens are clipped.
+    # A step away from the rollout policy, so ratios differ from 1 and some tokens are clipped; and from
+    # the critic's fresh adapters, whose B = 0 would leave their A without a gradient.
     with torch.no_grad():
         for parameter in models.policy.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter))
+        for parameter in getattr(models.critic, "adapters", torch.nn.Module()).parameters():
             parameter.add_(0.02 * torch.randn_like(parameter))
     return cfg, models, batch, masked_whiten(advantages, batch.mask), returns
 
@@ -125,7 +128,8 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
 
 
 @pytest.mark.parametrize("engine, critic, lora", [("ddp", "reward", False), ("fsdp", "reward", False),
-                                                 ("fsdp", "shared", False), ("fsdp", "reward", True)])
+                                                 ("fsdp", "shared", False), ("fsdp", "reward", True),
+                                                 ("ddp", "reward-lora", False), ("fsdp", "reward-lora", True)])
 def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(tiny_config, trained, tmp_path, engine,
                                                                               critic, lora):
     from accelerate import Accelerator
@@ -156,6 +160,7 @@ def _worker(folder: Path, engine: str) -> None:
     """One rank: its half of the rollout, in micro-batches of 2, under DDP or FSDP2 (each process
     holding half of every parameter); rank 0 saves the gradients."""
     from accelerate import Accelerator, PartialState
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from rlhf.config import PPOConfig
     from stages.holding import Replicated, Sharded
@@ -167,8 +172,10 @@ def _worker(folder: Path, engine: str) -> None:
     accelerator = Accelerator(cpu=True)
     holding = Sharded(accelerator) if engine == "fsdp" else Replicated(accelerator)
     models = load_models(cfg, work["sft"], work["reward"], holding)
-    ActorCritic(models).load_state_dict(work["trained"])  # before sharding: the trained modules are still whole
     actor_critic = holding.trained(ActorCritic(models))
+    # Whole tensors into whatever each process holds of them (a `reward-lora` critic's adapters were
+    # sharded with the reward model as it loaded).
+    set_model_state_dict(actor_critic, work["trained"], options=StateDictOptions(full_state_dict=True))
     sharded = all(hasattr(p, "full_tensor") for p in models.trainable())
     half = len(work["batch"].responses) // state.num_processes
     rows = torch.arange(state.process_index * half, (state.process_index + 1) * half)

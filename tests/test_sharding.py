@@ -86,12 +86,15 @@ def test_sharded_ppo_variants_run_and_hand_over_a_plain_checkpoint(tiny_config, 
     assert not any("lora" in name for name, _ in saved.named_parameters())  # merged: a plain model
 
 
-def test_sharded_ppo_killed_mid_run_resumes_to_the_uninterrupted_weights(tiny_config, trained, tmp_path):
+@pytest.mark.parametrize("settings", [{}, {"critic": "reward-lora", "frozen_dtype": "bfloat16"}])
+def test_sharded_ppo_killed_mid_run_resumes_to_the_uninterrupted_weights(tiny_config, trained, tmp_path, settings):
+    """The critic from the reward model, or LoRA adapters on the reward model's own sharded body
+    (bf16, the float32 adapters in the same units) whose shards the checkpoint holds."""
     from stages.distributed import LaunchError
     from stages.models import folder_digest
     from tests.stand_in_stages import KilledAfterFirstCheckpoint, ppo_killed_after_first_checkpoint
 
-    cfg = tiny_config.ppo.model_copy(update={"launch": FSDP, "num_iterations": 4, "checkpoint_every": 2})
+    cfg = tiny_config.ppo.model_copy(update={"launch": FSDP, "num_iterations": 4, "checkpoint_every": 2, **settings})
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     whole = _run(train_ppo, cfg, inputs, tmp_path / "uninterrupted")
 
