@@ -2,6 +2,7 @@
 same SFT (and reward) checkpoints, prompts and response budget.
 
     python -m bench.methods                 (or: make bench-methods)
+    python -m bench.methods --methods "ppo (gae)" "ppo (gae), reward-lora critic" --seeds 0 1 2 --tag critics
 
 1. SFT and reward checkpoints are trained once with the demo config's sections (`bench.quality`).
 2. Each method runs the demo config's PPO section with its own settings (`METHODS`: the estimator,
@@ -9,12 +10,16 @@ same SFT (and reward) checkpoints, prompts and response budget.
    Every RL method samples the same number of responses per iteration (`rollout_batch_size`) for
    the same number of iterations. DPO runs the config's `dpo` section on the preference pairs
    (no reward model, no sampling while training); its wall time includes its evaluation.
+   `--seeds` runs each method once per training seed (`ppo.seed`, `dpo.seed`).
 3. Each final policy is judged as the flow judges it: the stage's own evaluation against the SFT
    baseline responses on the held-out prompts (common random numbers), then the demo world's gold
    function: gold win rate against SFT with its standard error, and KL to SFT per sequence.
+4. Memory: the process's peak RSS, and for the RL methods the bytes of the tensors the run holds
+   after its first optimizer step, counted from the tensors as `bench.scale` counts them (every
+   model's parameters once, the trained ones' gradients, AdamW's state).
 
-It prints a Markdown table and writes `bench/results/methods-<date>.json`. A benchmark, not a
-test: nothing here asserts.
+It prints a Markdown table and writes `bench/results/methods-<date>[-<tag>].json`. A benchmark,
+not a test: nothing here asserts.
 """
 
 from __future__ import annotations
@@ -40,6 +45,11 @@ METHODS: dict[str, dict] = {
     "reinforce++": {"advantage_estimator": "reinforce++"},
     "reinforce++-baseline": {"advantage_estimator": "reinforce++-baseline", "samples_per_prompt": 4},
     "dpo": {},
+    # The critic as LoRA adapters and a value head on the reward model the scorer holds (one copy of it, not two).
+    "ppo (gae), reward-lora critic": {"advantage_estimator": "gae", "critic": "reward-lora"},
+    # LoRA on the policy (rank 8 defaults): its own weights are the reference.
+    "ppo (gae), lora policy": {"advantage_estimator": "gae", "lora": {}},
+    "ppo (gae), lora policy, reward-lora critic": {"advantage_estimator": "gae", "lora": {}, "critic": "reward-lora"},
 }
 """Each method's settings on top of its config section (`ppo`; `dpo` for DPO)."""
 
@@ -48,6 +58,7 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
     """One method's PPO run (`settings`: `ppo` fields) and its judgement, in this process: the row of the table."""
     import torch
 
+    import stages.ppo
     from rlhf.config import load_config
     from rlhf.demo_world import build_world, gold_comparison, last_user_turns
     from schemas.validate import LengthBudget, load_validated
@@ -56,6 +67,7 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
     from stages.ppo import PPOInputs, train_ppo
 
     from bench.quality import train_upstream
+    from bench.scale import held_bytes
 
     section = "dpo" if method == "dpo" else "ppo"
     cfg = load_config(config, {f"{section}.{key}": value for key, value in settings.items()})
@@ -66,8 +78,17 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
     budget = LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.response_length)
     prompts, eval_prompts = (load_validated(str(world / f"{name}.jsonl"), "prompt", tokenizer=tokenizer,
                                             budget=budget).frame for name in ("prompts", "prompts_eval"))
-    out = state / method.replace(" ", "-").replace("(", "").replace(")", "")
+    out = state / method.replace(" ", "-").replace("(", "").replace(")", "").replace(",", "")
     shutil.rmtree(out, ignore_errors=True)  # a finished run's state there would be resumed, whatever its settings
+    held, real_update = {}, stages.ppo.ppo_update
+
+    def ppo_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs):
+        figures = real_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs)
+        if not held:  # after the first optimizer step: AdamW's state exists
+            held.update(held_bytes(accelerator.unwrap_model(actor_critic).models, optimizer))
+        return figures
+
+    stages.ppo.ppo_update = ppo_update
     clock = time.perf_counter()
     if method == "dpo":
         pairs = [load_validated(str(world / f"{name}.jsonl"), "preference", tokenizer=tokenizer,
@@ -83,19 +104,22 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
                            list(table["sft_response"]))
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"method": method, "settings": settings, "seconds": seconds, "peak_memory_bytes": peak,
-            "memory_kind": "cuda allocated" if torch.cuda.is_available() else "process max RSS",
+    return {"method": method, "settings": settings, "seed": getattr(cfg, section).seed, "seconds": seconds,
+            "peak_memory_bytes": peak, "memory_kind": "cuda allocated" if torch.cuda.is_available() else "process max RSS",
+            **held, "held_bytes": sum(held.values()) if held else None,
             "kl_budget": getattr(cfg, section).kl_budget, **result.metrics, **gold}
 
 
 def table_of(rows: list[dict]) -> str:
-    lines = ["| method | gold win rate vs SFT | KL to SFT (budget) | reward-model win rate | wall time | peak memory |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| method | seed | gold win rate vs SFT | KL to SFT (budget) | reward-model win rate | wall time | "
+             "held tensors | peak memory |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         judged_by_rm = f"{r['eval/win_rate_rm']:.3f}" if "eval/win_rate_rm" in r else "(no reward model)"
-        lines.append(f"| {r['method']} | {r['eval/gold_win_rate']:.3f} ± {r['eval/gold_win_rate_se']:.3f} | "
-                     f"{r['eval/kl']:.2f} ({r['kl_budget']:g}) | {judged_by_rm} | {r['seconds']:.0f} s | "
-                     f"{r['peak_memory_bytes'] / 2**30:.2f} GiB |")
+        held = f"{r['held_bytes'] / 2**20:.2f} MiB" if r.get("held_bytes") else "-"
+        lines.append(f"| {r['method']} | {r.get('seed', '')} | {r['eval/gold_win_rate']:.3f} ± "
+                     f"{r['eval/gold_win_rate_se']:.3f} | {r['eval/kl']:.2f} ({r['kl_budget']:g}) | {judged_by_rm} | "
+                     f"{r['seconds']:.0f} s | {held} | {r['peak_memory_bytes'] / 2**30:.2f} GiB |")
     return "\n".join(lines)
 
 
@@ -107,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=str(REPO / "bench" / "results"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a `ppo` field for every method (YAML value), after the method's own settings")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[None], metavar="SEED",
+                        help="run each method once per training seed (default: the config's)")
+    parser.add_argument("--tag", help="results file methods-<date>-<tag>.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this method, print its row as JSON
     args = parser.parse_args(argv)
     state = Path(args.state)
@@ -118,17 +145,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for method in args.methods:
-        done = subprocess.run([sys.executable, "-m", "bench.methods", "--config", args.config, "--state", str(state),
-                               "--one", method, *(f"--set={item}" for item in args.set)],
-                              capture_output=True, text=True, cwd=REPO)
-        if done.returncode != 0:
-            sys.exit(f"{method} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        print(table_of(rows[-1:]).splitlines()[-1], flush=True)
+        for seed in args.seeds:
+            seeded = [] if seed is None else [f"--set=seed={seed}"]
+            done = subprocess.run([sys.executable, "-m", "bench.methods", "--config", args.config, "--state", str(state),
+                                   "--one", method, *(f"--set={item}" for item in args.set), *seeded],
+                                  capture_output=True, text=True, cwd=REPO)
+            if done.returncode != 0:
+                sys.exit(f"{method} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(table_of(rows[-1:]).splitlines()[-1], flush=True)
     print("\n" + table_of(rows))
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    path = results / f"methods-{datetime.date.today().isoformat()}.json"
+    path = results / f"methods-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps({"config": args.config, "rows": rows}, indent=1))
     print(f"\nwritten to {path}")
     return 0

@@ -3,6 +3,7 @@ and two FSDP2 processes (sampling with the whole policy gathered once per rollou
 layer by layer at every decode step).
 
     python -m bench.scale                  (or: make bench-scale)
+    python -m bench.scale --engines "1 process" "1 process, critic: reward-lora" --tag critics
 
 1. A Llama-shaped model is built from config (`--hidden`, `--layers`; ~100M parameters by default)
    with random weights and the demo world's tokenizer, and saved as the SFT checkpoint; the reward
@@ -10,7 +11,8 @@ layer by layer at every decode step).
    this size, as they do for the models people align.
 2. Each engine runs the same PPO work (all four models: policy, critic started from the reward
    model, reference, reward model; `WORK` below) in fresh processes, through `call_stage` as the
-   flow runs a stage.
+   flow runs a stage. The `critic: reward-lora` engines hold three: their critic is adapters and
+   a value head on the reward model itself.
 3. Every process records, after its first optimizer step: the bytes of the tensors it holds
    (parameters of the four models, gradients of the trained ones, AdamW state; a shard counts its
    local part only), what sampling gathers on top (a sharded policy: all of it, or its largest
@@ -21,7 +23,7 @@ layer by layer at every decode step).
 4. Seconds per iteration and sampling tokens per second (all processes' tokens over the sampling
    time) are means over the iterations after the first.
 
-Prints a Markdown table and writes `bench/results/scale-<date>.json`. A benchmark, not a test.
+Prints a Markdown table and writes `bench/results/scale-<date>[-<tag>].json`. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ ENGINES: dict[str, dict] = {
     "2 x FSDP2, sampling per layer": {"launch": {"num_processes": 2,
                                                  "accelerate_config": "configs/accelerate/fsdp.yaml"},
                                       "sharded_sampling": "per_layer"},
+    # The critic as adapters and a value head on the reward model the scorer holds: one copy of it, not two.
+    "1 process, critic: reward-lora": {"launch": {"num_processes": 1}, "critic": "reward-lora"},
+    "2 x FSDP2, critic: reward-lora": {"launch": {"num_processes": 2, "accelerate_config": "configs/accelerate/fsdp.yaml"},
+                                       "sharded_sampling": "whole", "critic": "reward-lora"},
 }
 """Each engine's `ppo` settings on top of `WORK`."""
 
@@ -71,12 +77,24 @@ def _bytes(tensors) -> int:
     return total
 
 
+def held_bytes(models, optimizer) -> dict[str, int]:
+    """Bytes of the tensors a PPO process holds, counted from the tensors themselves (a shard counts
+    its local part): every model's parameters once (a `reward-lora` critic's body is the reward
+    model's), the trained ones' gradients (held from backward to the step), AdamW's state."""
+    import torch
+
+    held = [models.policy, models.critic, models.reference, models.scorer.model]
+    parameters = {id(p): p for m in held if m is not None for p in m.parameters()}.values()
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {"weights_bytes": _bytes(parameters), "gradients_bytes": _bytes(models.trainable()),
+            "optimizer_bytes": _bytes(state)}
+
+
 def measured_ppo(cfg, inputs: Measured, output_dir: Path, reporting):
     """`train_ppo`, each process recording what it holds after its first optimizer step."""
     import ctypes
 
     import psutil
-    import torch
     from accelerate import PartialState
 
     import stages.ppo
@@ -89,9 +107,6 @@ def measured_ppo(cfg, inputs: Measured, output_dir: Path, reporting):
         path = inputs.figures_dir / f"rank-{accelerator.process_index}.json"
         if not path.exists():
             models = accelerator.unwrap_model(actor_critic).models
-            held = [models.policy, models.critic, models.reference, models.scorer.model]
-            parameters = {id(p): p for m in held if m is not None for p in m.parameters()}.values()
-            state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
             # While sampling a sharded policy also holds what it gathers: all of it, or one layer.
             gathered = 0
             if isinstance(models.holding, Sharded):
@@ -101,9 +116,7 @@ def measured_ppo(cfg, inputs: Measured, output_dir: Path, reporting):
             path.write_text(json.dumps({
                 "gathered_for_sampling_bytes": gathered,
                 "parameters": sum(p.numel() for p in models.policy.parameters()),
-                "weights_bytes": _bytes(parameters),
-                "gradients_bytes": _bytes(models.trainable()),  # held from backward to the step
-                "optimizer_bytes": _bytes(state),
+                **held_bytes(models, optimizer),
                 "rss_bytes": psutil.Process().memory_info().rss}))
         return figures
 
@@ -176,6 +189,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--state", type=Path, default=REPO / ".rlhf" / "bench-scale")
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    parser.add_argument("--tag", help="results file scale-<date>-<tag>.json")
     parser.add_argument("--engine", help="run this one engine here (used by the driver)")
     args = parser.parse_args()
     if args.engine:
@@ -192,7 +207,7 @@ def main() -> None:
     (args.state / "world").symlink_to(world)
     build_checkpoint(world, args.state / "checkpoint", args.hidden, args.layers)
     rows = []
-    for name in ENGINES:  # each in fresh processes: its memory is its own
+    for name in args.engines:  # each in fresh processes: its memory is its own
         done = subprocess.run([sys.executable, "-m", "bench.scale", "--engine", name, "--state", str(args.state),
                                "--hidden", str(args.hidden), "--layers", str(args.layers)],
                               cwd=REPO, capture_output=True, text=True)
@@ -201,10 +216,12 @@ def main() -> None:
         rows.append(json.loads(next(line for line in done.stdout.splitlines() if line.startswith("ROW="))[4:]))
         print(f"{name}: done", flush=True)
 
-    ddp = next(r for r in rows if r["engine"] == "2 x DDP")["model_and_optimizer_gib"]
+    base = next((r for r in rows if r["engine"] == "2 x DDP"), rows[0])  # shares of what a DDP process holds
+    ddp = base["model_and_optimizer_gib"]
     print(f"\nPPO, Llama-shaped, {rows[0]['parameters_per_model'] / 1e6:.0f}M parameters per model "
-          f"(hidden {args.hidden}, {args.layers} layers), four models, CPU fp32\n")
-    print("| engine | held as | model + optimizer per process, GiB | share of DDP's | + gathered while sampling, GiB "
+          f"(hidden {args.hidden}, {args.layers} layers), four models (three with `critic: reward-lora`), CPU fp32\n")
+    print(f"| engine | held as | model + optimizer per process, GiB | share of {base['engine']}'s | "
+          "+ gathered while sampling, GiB "
           "| RSS after first step, GiB | peak RSS, GiB | s / iteration | sampling tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -214,7 +231,7 @@ def main() -> None:
               f"{r['seconds_per_iteration']:.1f} | {r['sampling_tokens_per_second']:.1f} |")
     import torch
 
-    out = REPO / "bench" / "results" / f"scale-{datetime.date.today().isoformat()}.json"
+    out = REPO / "bench" / "results" / f"scale-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     out.write_text(json.dumps({"hidden": args.hidden, "layers": args.layers, "work": WORK, "torch": torch.__version__,
                                "device": "cpu", "rows": rows}, indent=2) + "\n")
     print(f"\nwritten: {out.relative_to(REPO)}")
