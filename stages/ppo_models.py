@@ -21,8 +21,8 @@ from transformers import PreTrainedModel
 
 from rlhf.config import LoRAConfig, PPOConfig
 from stages.holding import Holding, Replicated
-from stages.models import (Precision, disable_dropout, dtype_named, load_causal_lm, load_tokenizer, position_ids_for,
-                           resolve_precision, stop_token_ids)
+from stages.models import (Precision, disable_dropout, dtype_named, load_causal_lm, load_tokenizer, lora_config,
+                           position_ids_for, resolve_precision, stop_token_ids, with_lora)
 from stages.reward import RewardScorer, load_reward_model
 
 
@@ -136,14 +136,14 @@ class RewardLoRACritic(ScoreHeadCritic):
     (peft's B = 0), so the first values are the reward model's score at every position."""
 
     def __init__(self, scorer: RewardScorer, settings: LoRAConfig, rescale: bool):
-        from peft import LoraConfig
         from peft.functional import cast_adapter_dtype, inject_adapter_in_model
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         super().__init__(rescale)
         model = scorer.model
-        inject_adapter_in_model(LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=0.0, bias="none",
-                                           target_modules=list(settings.target_modules)), model)
+        # Injected into the scorer's model, not wrapped (no PeftModel: the score head is not copied into
+        # `modules_to_save`, the value head below is the critic's own).
+        inject_adapter_in_model(lora_config(settings, "SEQ_CLS"), model)
         cast_adapter_dtype(model, "default")  # float32: peft gave them the dtype of the weights they adapt
         self.scorer = scorer
         """Not a module of this one: the reward model is the scorer's, frozen but for these adapters."""
@@ -216,13 +216,8 @@ def build_policy(cfg: PPOConfig, sft_location: str, tokenizer) -> PreTrainedMode
     dtype = torch.float32 if cfg.lora is None else dtype_named(cfg.frozen_dtype)
     policy = load_causal_lm(sft_location, tokenizer, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     disable_dropout(policy)
-    if cfg.lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        # peft casts the adapters of bf16 weights to float32 (`autocast_adapter_dtype`).
-        policy = get_peft_model(policy, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
-                                                   target_modules=list(cfg.lora.target_modules), task_type="CAUSAL_LM"))
-    return policy
+    # peft casts the adapters of bf16 weights to float32 (`autocast_adapter_dtype`).
+    return with_lora(policy, cfg.lora, "CAUSAL_LM")
 
 
 def build_critic(cfg: PPOConfig, policy: PreTrainedModel, tokenizer, scorer: RewardScorer,
