@@ -12,19 +12,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import LoRAConfig
-from stages.ppo import PPOInputs, train_ppo
 from stages.ppo_models import RewardCritic, RewardLoRACritic, load_models
 from stages.reporting import Reporting
 from stages.reward import RewardScorer, last_token_scores
+from tests.test_ppo import _run, killed_and_resumed
 
 
 def _cfg(tiny_config, **changes):
     return tiny_config.ppo.model_copy(update={"critic": "reward-lora"} | changes)
-
-
-def _run(cfg, trained, out, reporting=Reporting()):
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
-    return train_ppo(cfg, inputs, out, reporting)
 
 
 def _held_parameters(models) -> dict[int, torch.nn.Parameter]:
@@ -138,21 +133,7 @@ def test_training_the_critic_leaves_the_reward_model_and_its_scores_as_they_were
 
 def test_a_killed_run_resumes_to_the_same_end(tiny_config, trained, tmp_path):
     cfg = _cfg(tiny_config, num_iterations=6, checkpoint_every=3)
-    reference = _run(cfg, trained, tmp_path / "whole")
-
-    class Killed(Exception):
-        pass
-
-    def die_after_four(figures, iteration):
-        if iteration == 4:
-            raise Killed
-
-    with pytest.raises(Killed):
-        _run(cfg, trained, tmp_path / "interrupted", Reporting(metrics=die_after_four))
-    assert json.loads((tmp_path / "interrupted" / "state" / "loop.json").read_text())["iteration"] == 3
-    messages = []
-    resumed = _run(cfg, trained, tmp_path / "interrupted", Reporting(warning=messages.append))
-    assert "resumed from the full-state checkpoint after iteration 3" in messages[0]
+    reference, resumed = killed_and_resumed(cfg, trained, tmp_path)
 
     untimed = lambda figures: {k: v for k, v in figures.items() if not k.startswith("time/")}  # noqa: E731
     assert [untimed(row) for row in resumed.history] == [untimed(row) for row in reference.history]

@@ -26,6 +26,27 @@ def _run(cfg, trained, out, reporting=Reporting()):
     return train_ppo(cfg, inputs, out, reporting)
 
 
+def killed_and_resumed(cfg, trained, tmp_path):
+    """An uninterrupted run in `tmp_path/whole`, and a run in `tmp_path/interrupted` killed at iteration
+    4 (after its checkpoint at 3), then rerun to the end: (uninterrupted result, resumed result)."""
+    reference = _run(cfg, trained, tmp_path / "whole")
+
+    class Killed(Exception):
+        pass
+
+    def die_after_four(figures, iteration):
+        if iteration == 4:
+            raise Killed
+
+    with pytest.raises(Killed):
+        _run(cfg, trained, tmp_path / "interrupted", Reporting(metrics=die_after_four))
+    assert json.loads((tmp_path / "interrupted" / "state" / "loop.json").read_text())["iteration"] == 3
+    messages = []
+    resumed = _run(cfg, trained, tmp_path / "interrupted", Reporting(warning=messages.append))
+    assert "resumed from the full-state checkpoint after iteration 3" in messages[0]
+    return reference, resumed
+
+
 def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
     cfg = _cfg(tiny_config, num_iterations=24, rollout_batch_size=16, num_minibatches=2, learning_rate=1e-3,
                checkpoint_every=100, target_kl=None, init_kl_coef=0.01, kl_budget=0.05)
@@ -71,21 +92,7 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, tra
                                                                 estimator):
     cfg = _cfg(tiny_config, num_iterations=6, checkpoint_every=3, normalize_critic=normalize_critic,
                advantage_estimator=estimator, samples_per_prompt=1 if estimator == "gae" else 2)
-    reference = _run(cfg, trained, tmp_path / "whole")
-
-    class Killed(Exception):
-        pass
-
-    def die_after_four(figures, iteration):
-        if iteration == 4:
-            raise Killed
-
-    with pytest.raises(Killed):
-        _run(cfg, trained, tmp_path / "interrupted", Reporting(metrics=die_after_four))
-    assert json.loads((tmp_path / "interrupted" / "state" / "loop.json").read_text())["iteration"] == 3
-    messages = []
-    resumed = _run(cfg, trained, tmp_path / "interrupted", Reporting(warning=messages.append))
-    assert "resumed from the full-state checkpoint after iteration 3" in messages[0]
+    reference, resumed = killed_and_resumed(cfg, trained, tmp_path)
     assert [row["rollout/score"] for row in resumed.history] == [row["rollout/score"] for row in reference.history]
     assert resumed.metrics == reference.metrics
     a = (tmp_path / "whole" / "checkpoint" / "model.safetensors").read_bytes()
