@@ -54,13 +54,16 @@ LORA_PPO = {"lora": {"r": 8}, "critic": "shared"}
 """LoRA runs; PPO's with the shared value head (its critic then loads no model of its own)."""
 
 
-def _state_bytes(modules, optimizer, trained) -> int:
+def state_bytes(modules, optimizer, trained) -> int:
+    """Bytes of model-and-optimizer state: every parameter of `modules` (each once), AdamW's state,
+    and the float32 gradients of `trained`, held from backward to the step (a shard counts its part)."""
     import torch
+
+    from bench.scale import _bytes
 
     parameters = {id(p): p for m in modules if m is not None for p in m.parameters()}.values()
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-    return (sum(t.numel() * t.element_size() for t in [*parameters, *state])
-            + sum(4 * p.numel() for p in trained))  # gradients: float32, held from backward to the step
+    return _bytes([*parameters, *state]) + 4 * sum(p.numel() for p in trained)
 
 
 def _record_state(held: dict) -> None:
@@ -74,7 +77,7 @@ def _record_state(held: dict) -> None:
         figures = real_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs)
         if not held:
             models = accelerator.unwrap_model(actor_critic).models
-            held["state"] = _state_bytes([models.policy, models.critic, models.reference, models.scorer.model],
+            held["state"] = state_bytes([models.policy, models.critic, models.reference, models.scorer.model],
                                          optimizer, models.trainable())
         return figures
 
@@ -83,7 +86,7 @@ def _record_state(held: dict) -> None:
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         if not held and model is not None and optimizer is not None:
             modules = [model] + ([kwargs["ref_model"]] if kwargs.get("ref_model") is not None else [])
-            held["state"] = _state_bytes(modules, optimizer, [p for p in model.parameters() if p.requires_grad])
+            held["state"] = state_bytes(modules, optimizer, [p for p in model.parameters() if p.requires_grad])
         return real_step_end(self, args, state, control, model=model, optimizer=optimizer, **kwargs)
 
     stages.ppo.ppo_update = ppo_update

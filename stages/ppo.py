@@ -46,7 +46,7 @@ from rlhf.evaluation import win_rate
 from schemas.adapters import last_user_message
 from stages.collectives import MAX_FIGURES, over_processes, whiten_over_processes
 from stages.errors import NonFiniteLossError
-from stages.models import Precision, left_padded, position_ids_for, resolve_precision, save_trained
+from stages.models import Precision, left_padded, merged, position_ids_for, resolve_precision, save_trained
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss,
                              discounted_returns, entropy_of, explained_variance, gae, group_baselined, grpo_advantages,
                              is_end, kl_estimate, logprobs_of, masked_mean, response_mask, rloo_advantages,
@@ -746,7 +746,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
     warn_over_kl_budget(metrics, cfg.kl_budget, reporting)
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     # Merged in float32: into bf16-held weights (`frozen_dtype`) a bf16 merge would round small updates away.
-    policy = policy.float().merge_and_unload() if cfg.lora is not None else policy
+    policy = merged(policy.float())
     checkpoint, tags = save_trained(policy, models.tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location,
                                     trained)
     metrics |= {"train/iterations": float(loop.iteration), "normalization/gain": models.scorer.gain,

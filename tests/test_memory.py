@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 import yaml
 
+from bench.memory import state_bytes
 from bench.published import PUBLISHED, PUBLISHED_PARAMETERS, write_config
 from rlhf.cli import main as cli
 from rlhf.config import LoRAConfig, load_config
@@ -122,11 +122,8 @@ def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tm
                                   **kwargs)
             if not held:
                 models = accelerator.unwrap_model(actor_critic).models
-                modules = [models.policy, models.critic, models.reference, models.scorer.model]
-                parameters = {id(p): p for m in modules if m is not None for p in m.parameters()}.values()
-                state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-                held["bytes"] = sum(t.numel() * t.element_size() for t in [*parameters, *state]) + sum(
-                    4 * p.numel() for p in models.trainable())  # gradients, held from backward to the step
+                held["bytes"] = state_bytes([models.policy, models.critic, models.reference, models.scorer.model],
+                                            optimizer, models.trainable())
             return figures
 
         monkeypatch.setattr(stages.ppo, "ppo_update", update)
