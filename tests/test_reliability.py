@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from stages.reporting import MEASURED
+
 REPO = Path(__file__).resolve().parent.parent
 RUN = """
 import json, os, pathlib, sys, time
@@ -57,8 +59,8 @@ def _start(home: Path, overrides: dict, hold_marker: Path | None = None) -> subp
 
 
 def _results(metrics: dict) -> dict:
-    """The metrics a rerun must reproduce: all but wall-clock timings."""
-    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+    """The metrics a rerun must reproduce: all but what the machine measured (timings, memory)."""
+    return {k: v for k, v in metrics.items() if not k.startswith(MEASURED)}
 
 
 def _records(process: subprocess.Popen) -> dict:
