@@ -161,3 +161,45 @@ def test_full_deployment_with_every_stage_sharded_registers_a_loadable_policy(st
                                                   order_by=["attributes.start_time DESC"], max_results=1)]
     assert {stage: pipeline.data.tags.get(f"rlhf.reused.{stage}") for stage in runs} == {
         stage: run.info.run_id for stage, run in runs.items()}
+
+
+def test_full_deployment_with_lora_everywhere_hands_plain_checkpoints_downstream(stack, tmp_path):
+    """rlhf/full on the smoke config with LoRA on SFT, reward, PPO and DPO and the reward-lora
+    critic: each stage trains adapters, hands a plain merged folder to the next, and the PPO and
+    DPO policies are registered as such."""
+    lora = {"r": 4, "alpha": 8.0}
+    overrides = {"experiment": "rlhf-lora", "registry.enabled": True, "registry.model_name": "rlhf-policy-lora",
+                 **{f"{stage}.lora": lora for stage in ("sft", "reward", "ppo", "dpo")},
+                 "ppo.critic": "reward-lora"}
+    done = deployment_run(stack, "rlhf/full", config_file="configs/smoke.yaml", overrides=overrides,
+                          stages=["sft", "reward", "ppo", "dpo"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    client = mlflow_client(stack)
+    experiment = client.get_experiment_by_name("rlhf-lora")
+    runs = {r.data.tags["rlhf.stage"]: r for r in client.search_runs([experiment.experiment_id],
+                                                                      filter_string="tags.`rlhf.stage` != ''")}
+    assert set(runs) == {"sft", "reward", "ppo", "dpo"}
+    for run in runs.values():
+        assert run.info.status == "FINISHED" and run.data.params["lora.r"] == "4"
+        assert "plan/predicted_peak_gib" in run.data.metrics and "memory/peak_rss_gib" in run.data.metrics
+    assert runs["ppo"].data.params["critic"] == "reward-lora"
+    assert runs["reward"].data.tags["rlhf.upstream.sft"] == runs["sft"].info.run_id
+    assert runs["dpo"].data.tags["rlhf.upstream.sft"] == runs["sft"].info.run_id
+    assert runs["ppo"].data.tags["rlhf.upstream.reward"] == runs["reward"].info.run_id
+    assert {"eval/gold_win_rate", "eval/kl"} <= set(runs["ppo"].data.metrics) & set(runs["dpo"].data.metrics)
+
+    import mlflow
+    from safetensors import safe_open
+
+    for stage, run in runs.items():  # a plain Hugging Face folder: no adapter, no peft wrapper
+        folder = Path(mlflow.artifacts.download_artifacts(f"runs:/{run.info.run_id}/checkpoint",
+                                                          dst_path=str(tmp_path / stage)))
+        assert not (folder / "adapter_config.json").exists(), stage
+        for weights in folder.glob("*.safetensors"):
+            with safe_open(weights, "pt") as f:
+                assert not [k for k in f.keys() if "lora" in k or "base_layer" in k or "modules_to_save" in k], stage
+    versions = {v.run_id: v.version for v in client.search_model_versions("name = 'rlhf-policy-lora'")}
+    assert set(versions) == {runs["ppo"].info.run_id, runs["dpo"].info.run_id}  # both methods register a policy
+    generate = mlflow.transformers.load_model(f"models:/rlhf-policy-lora/{versions[runs['ppo'].info.run_id]}")
+    assert generate("Describe the cat.", max_new_tokens=4)[0]["generated_text"]
