@@ -1,20 +1,30 @@
-"""Learning-quality benchmark: the KL - gold-reward frontier of our PPO against TRL 1.12's
-PPOTrainer on the demo world, from identical checkpoints, prompts and work per iteration.
+"""Learning-quality benchmark: what our PPO learns, and how fast, against TRL 1.12's PPOTrainer on
+the demo world, from identical checkpoints, prompts and work per iteration.
 
     python -m bench.quality --reference .bench-venv/bin/python      (or: make bench-quality)
 
 1. SFT and reward checkpoints are trained once with the demo config's sections (kept in --state).
-2. For every fixed KL coefficient beta and training seed, each implementation runs the demo
-   config's PPO work (episodes, response length, epochs, minibatches, learning rate, temperature)
-   from those checkpoints and saves its final policy. Ours runs as configured (`target_kl` off,
-   so beta stays fixed); TRL runs in its own environment (bench/trl_quality.py).
-3. One evaluation judges every final policy: `stages.ppo.evaluate` against the SFT reference on
-   the held-out prompts, its SFT baseline sampled with common random numbers (the same responses
-   for every run), then the demo world's gold function: gold reward, gold win rate against SFT
-   with its standard error over prompts, and KL to SFT per sequence.
+2. For every fixed KL coefficient beta and training seed, TRL runs the demo config's PPO work
+   (episodes, response length, epochs, minibatches, learning rate, temperature) from those
+   checkpoints in its own environment (bench/trl_quality.py), and each of our candidate
+   configurations (`CANDIDATES`: the default, and cheaper or faster ones) runs it with the
+   candidate's settings on top (`target_kl` off, so beta stays fixed).
+3. Every run is judged every `--eval-every` iterations and at the end by one evaluation:
+   `stages.ppo.evaluate` against the SFT reference on the held-out prompts, its SFT baseline sampled
+   with common random numbers (the same responses for every run and every point), then the demo
+   world's gold function: gold reward, gold win rate against SFT, KL to SFT per sequence. Ours
+   evaluates in the run (`ppo.eval_every`, training's random stream untouched); TRL's policy is
+   copied at those iterations and judged after training. The clock is training only: ours sums
+   `time/iteration` (rollout, scoring, update), TRL's counts each step from the end of the previous
+   one, the copy excluded; neither counts loading or evaluation.
+4. Time to quality: the target at each beta is TRL's mean final gold reward over the seeds; a run
+   reaches it at the first evaluation whose gold reward is at or above it with KL at most 110% of
+   TRL's mean final KL. Per candidate: training seconds and iterations to target per seed, the
+   ratio to TRL's mean training time to its own final iteration, and seconds per iteration.
 
-It prints the table, writes `bench/results/quality-<date>.json` and a PNG of the frontier beside
-it. A benchmark, not a test: nothing here asserts.
+It prints the tables, writes `bench/results/quality-<date>.json` after every run (`--resume`
+continues an interrupted one), a PNG of gold reward against training time per beta, and the
+frontier and over-optimisation PNGs of the default. A benchmark, not a test: nothing here asserts.
 """
 
 from __future__ import annotations
@@ -87,60 +97,118 @@ def scaled_reward_model(reward_folder: Path, state: Path) -> Path:
     return folder
 
 
-def judge(policy_folder: Path, sft_folder: Path, reward_folder: Path, eval_prompts, ppo_cfg) -> dict[str, float]:
-    """The one evaluation every final policy gets (common random numbers for the SFT baseline)."""
-    import torch
-    from safetensors.torch import load_file
+class Judge:
+    """The one evaluation TRL's policies get, ours's in the run: `stages.ppo.evaluate` against the SFT
+    responses to the held-out prompts (common random numbers), sampled once here."""
 
+    def __init__(self, sft_folder: Path, reward_folder: Path, eval_prompts, ppo_cfg):
+        import torch
+
+        from stages.ppo import HeldOut, load_models
+
+        self.cfg = ppo_cfg
+        self.models = load_models(ppo_cfg, str(sft_folder), str(reward_folder))
+        self.held_out = HeldOut.sample(self.models, eval_prompts, ppo_cfg, torch.device("cpu"))
+
+    def __call__(self, policy_folder: Path):
+        """The evaluation table of the policy saved in `policy_folder`."""
+        from safetensors.torch import load_file
+
+        from stages.ppo import evaluate
+
+        weights = load_file(str(policy_folder / "model.safetensors"))
+        missing, unexpected = self.models.policy.load_state_dict({k: v.float() for k, v in weights.items()},
+                                                                 strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:  # only a tied head may be absent from the file
+            raise ValueError(f"{policy_folder} does not fit the SFT model: missing {missing}, unexpected {unexpected}")
+        return evaluate(self.models, self.held_out, self.cfg)[1]
+
+
+CANDIDATES: dict[str, dict] = {
+    "default": {},
+    # One model trained, not two; three iterations that train only the value head first (no collapse, docs/performance.md).
+    "shared critic, 3 warm-up iterations": {"critic": "shared", "freeze_policy_iterations": 3},
+    # The critic as LoRA adapters and a value head on the reward model the scorer holds.
+    "reward-lora critic": {"critic": "reward-lora"},
+    # No critic: the other responses to the same prompt are the baseline (same 64 responses per iteration).
+    "rloo, 2 per prompt": {"advantage_estimator": "rloo", "samples_per_prompt": 2},
+    "rloo, 4 per prompt": {"advantage_estimator": "rloo", "samples_per_prompt": 4},
+    "reinforce++-baseline, 4 per prompt": {"advantage_estimator": "reinforce++-baseline", "samples_per_prompt": 4},
+    # Less update work per iteration.
+    "2 ppo epochs": {"num_ppo_epochs": 2},
+    "2 minibatches": {"num_minibatches": 2},
+    # Bigger steps, each held closer to the sampling policy (demo: 3e-4, clip 0.2).
+    "learning rate 6e-4, clip 0.1": {"learning_rate": 6.0e-4, "clip_range": 0.1},
+}
+"""Our configurations in the race to TRL's quality: `ppo` settings on top of the config's section."""
+
+
+TRL = "trl 1.12"
+"""The reference's name among the candidates in the results."""
+
+
+def final_figures(table) -> dict[str, float]:
+    """What an evaluation table (policy and SFT responses to the held-out prompts) says under the gold function."""
     from rlhf.demo_world import gold_comparison, last_user_turns
-    from stages.ppo import HeldOut, evaluate, load_models
 
-    models = load_models(ppo_cfg, str(sft_folder), str(reward_folder))
-    held_out = HeldOut.sample(models, eval_prompts, ppo_cfg, torch.device("cpu"))
-    weights = load_file(str(policy_folder / "model.safetensors"))
-    missing, unexpected = models.policy.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:  # only a tied head may be absent from the file
-        raise ValueError(f"{policy_folder} does not fit the SFT model: missing {missing}, unexpected {unexpected}")
-    metrics, table = evaluate(models, held_out, ppo_cfg)
-    return metrics | gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]),
-                                     list(table["sft_response"]))
+    gold = gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]),
+                           list(table["sft_response"]))
+    return {"kl": float(table["kl"].mean()), **{key.removeprefix("eval/"): value for key, value in gold.items()}}
+
+
+def gold_point(table, iteration: int, seconds: float) -> dict:
+    """One point of a run's curve: the evaluation after `iteration`, `seconds` of training in."""
+    figures = final_figures(table)
+    return {"iteration": iteration, "seconds": seconds, "kl": figures["kl"], "gold_reward": figures["gold_reward"],
+            "gold_win_rate": figures["gold_win_rate"]}
 
 
 def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_prompts, out: Path) -> tuple[Path, dict]:
-    """Our PPO as configured; besides its policy, the shape of its run: response lengths, and the
+    """Our PPO as configured, evaluated every `ppo_cfg.eval_every` iterations; besides its policy, the
+    shape of its run: the curve of those evaluations against training time, response lengths, and the
     proxy score, gold reward and KL of every iteration's rollouts (the over-optimisation curve)."""
     from rlhf.demo_world import mean_gold_reward
     from stages.ppo import PPOInputs, train_ppo
     from stages.reporting import Reporting
 
     shutil.rmtree(out, ignore_errors=True)  # a finished run's state there would be resumed, whatever its config
-    gold = {}
+    gold, evaluations = {}, {}
     reporting = Reporting(rollouts=lambda table, i: gold.update({i: mean_gold_reward(list(table["prompt_messages"]),
-                                                                                list(table["response"]))}))
-    result = train_ppo(ppo_cfg, PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts.head(4)), out,
-                       reporting)
+                                                                                list(table["response"]))}),
+                          evaluation=lambda table, i: evaluations.update({i: table}))
+    result = train_ppo(ppo_cfg, PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts), out, reporting)
+    clock = dict(zip([row["iteration"] for row in result.history],
+                     np.cumsum([row["time/iteration"] for row in result.history]).tolist()))
+    evaluations[len(result.history)] = result.evaluation
     lengths = [row["rollout/response_length"] for row in result.history]
     worst_drop = max((a - b) / a for a, b in zip(lengths, lengths[1:]))
-    curve = [{"iteration": row["iteration"], "kl": row["rollout/kl"], "proxy": row["rollout/score"],
-              "gold": gold[row["iteration"]]} for row in result.history]
+    rollouts = [{"iteration": row["iteration"], "kl": row["rollout/kl"], "proxy": row["rollout/score"],
+                 "gold": gold[row["iteration"]]} for row in result.history]
     return result.checkpoint, {"first_length": lengths[0], "min_length": min(lengths), "worst_length_drop": worst_drop,
-                               "curve": curve}
+                               "curve": rollouts, "train_seconds": clock[len(result.history)],
+                               "final_table": result.evaluation,
+                               "evaluations": [gold_point(table, i, clock[i]) for i, table in sorted(evaluations.items())]}
 
 
 def run_trl(reference: str, sft_folder: Path, reward_folder: Path, prompts_file: Path, ppo_cfg, beta: float, seed: int,
-            threads: int, out: Path) -> Path:
+            threads: int, out: Path) -> tuple[Path, dict[int, float]]:
+    """TRL's run; its final policy in `out`, a copy every `ppo_cfg.eval_every` iterations in `out/iteration-<i>`,
+    and its training clock (seconds after each iteration)."""
     settings = {"episodes": ppo_cfg.rollout_batch_size, "iterations": ppo_cfg.num_iterations,
                 "response_length": ppo_cfg.response_length, "ppo_epochs": ppo_cfg.num_ppo_epochs,
                 "minibatches": ppo_cfg.num_minibatches, "learning_rate": ppo_cfg.learning_rate,
                 "temperature": ppo_cfg.temperature, "kl_coef": beta, "seed": seed, "threads": threads,
                 "vf_coef": ppo_cfg.vf_coef, "cliprange": ppo_cfg.clip_range, "cliprange_value": ppo_cfg.clip_range_value,
-                "gamma": ppo_cfg.gamma, "lam": ppo_cfg.lam, "missing_eos_penalty": -(ppo_cfg.missing_eos_score or 0.0)}
+                "gamma": ppo_cfg.gamma, "lam": ppo_cfg.lam, "missing_eos_penalty": -(ppo_cfg.missing_eos_score or 0.0),
+                "snapshot_every": ppo_cfg.eval_every}
+    shutil.rmtree(out, ignore_errors=True)
     command = [reference, str(REPO / "bench" / "trl_quality.py"), "--policy", str(sft_folder), "--reward",
                str(reward_folder), "--prompts", str(prompts_file), "--out", str(out), "--settings", json.dumps(settings)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     if done.returncode != 0:
         sys.exit(f"TRL run failed: {' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
-    return out
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT="))[len("RESULT="):])
+    return out, {int(i): seconds for i, seconds in result["clock"].items()}
 
 
 def frontier_png(rows: list[dict], path: Path) -> None:
@@ -196,9 +264,10 @@ def overoptimization_png(rows: list[dict], path: Path, window: int = 5) -> None:
 
 
 def report(rows: list[dict]) -> str:
-    """The per-seed table, then each beta's comparison at matched KL: TRL's mean point against ours
-    at the same beta when the mean KLs are within 10%, else against our frontier (our per-beta
-    means joined in KL order) read at TRL's KL."""
+    """The default's per-seed table, then each beta's comparison at matched KL: TRL's mean point
+    against ours at the same beta when the mean KLs are within 10%, else against our frontier (our
+    per-beta means joined in KL order) read at TRL's KL."""
+    rows = [r for r in rows if r["candidate"] in ("default", TRL)]
     betas = sorted({r["beta"] for r in rows})
     means = {}
     lines = ["| implementation | beta | final KL (per seed) | gold reward (per seed) | mean KL | mean gold | "
@@ -235,13 +304,126 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+KL_SLACK = 1.1
+"""A run reaches the target only with KL at most this multiple of TRL's mean final KL."""
+
+
+def targets(rows: list[dict]) -> dict[float, dict[str, float]]:
+    """Per beta, from TRL's runs: the gold reward to reach (its mean final), the KL cap, and its mean
+    training time to its own final iteration."""
+    out = {}
+    for beta in sorted({r["beta"] for r in rows if r["candidate"] == TRL}):
+        group = [r for r in rows if r["candidate"] == TRL and r["beta"] == beta]
+        out[beta] = {"gold": float(np.mean([r["gold_reward"] for r in group])),
+                     "kl_cap": KL_SLACK * abs(float(np.mean([r["kl"] for r in group]))),
+                     "seconds": float(np.mean([r["train_seconds"] for r in group])), "seeds": len(group)}
+    return out
+
+
+def reached(run: dict, target: dict[str, float]) -> dict | None:
+    """The first evaluation of `run` at or above the target gold reward within the KL cap, if any."""
+    return next((point for point in run["evaluations"]
+                 if point["gold_reward"] >= target["gold"] and point["kl"] <= target["kl_cap"]), None)
+
+
+def collapsed(run: dict) -> bool:
+    """The run ends below the SFT policy's gold reward, or its rollouts' mean response length fell by
+    more than 40% within one iteration (ppo.warn_length_collapse's default)."""
+    return run["gold_reward"] < run["gold_reward_sft"] or run.get("worst_length_drop", 0.0) > 0.4
+
+
+def time_to_quality(rows: list[dict]) -> tuple[str, list[dict]]:
+    """Per candidate and beta: training time and iterations to TRL's quality on each seed, the worst
+    seed's ratio to TRL's mean training time, work per iteration; the summary rows behind the table."""
+    goals, summary = targets(rows), []
+    lines = ["| candidate | beta | target gold (KL cap) | time to target per seed, s (iteration) | "
+             "worst seed / TRL's time | s per iteration | final gold, KL (mean) | collapsed |",
+             "|---|---|---|---|---|---|---|---|"]
+    for beta, goal in goals.items():
+        for candidate in [TRL, *CANDIDATES]:
+            group = sorted((r for r in rows if r["candidate"] == candidate and r["beta"] == beta),
+                           key=lambda r: r["seed"])
+            if not group:
+                continue
+            hits = [reached(r, goal) for r in group]
+            ratios = [hit["seconds"] / goal["seconds"] if hit else float("inf") for hit in hits]
+            per_iteration = float(np.mean([r["train_seconds"] / r["evaluations"][-1]["iteration"] for r in group]))
+            row = {"candidate": candidate, "beta": beta, "seeds": [r["seed"] for r in group],
+                   "seconds_to_target": [hit["seconds"] if hit else None for hit in hits],
+                   "iterations_to_target": [hit["iteration"] if hit else None for hit in hits],
+                   "worst_ratio": max(ratios), "seconds_per_iteration": per_iteration,
+                   "final_gold": float(np.mean([r["gold_reward"] for r in group])),
+                   "final_kl": float(np.mean([r["kl"] for r in group])),
+                   "collapsed": sum(collapsed(r) for r in group)}
+            summary.append(row)
+            times = " / ".join(f"{hit['seconds']:.1f} ({hit['iteration']})" if hit else "never" for hit in hits)
+            lines.append(f"| {candidate} | {beta} | {goal['gold']:.2f} ({goal['kl_cap']:.2f}) | {times} | "
+                         f"{row['worst_ratio']:.2f} | {per_iteration:.2f} | {row['final_gold']:.2f}, "
+                         f"{row['final_kl']:.2f} | {row['collapsed']} of {len(group)} |")
+    return "\n".join(lines), summary
+
+
+def time_png(rows: list[dict], path: Path) -> None:
+    """Gold reward against training time, a panel per beta: each configuration's mean over seeds at
+    each evaluation, TRL's beside them, the target and a third of TRL's time marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    goals = targets(rows)
+    betas = sorted({r["beta"] for r in rows})
+    figure, axes = plt.subplots(1, len(betas), figsize=(6.4 * len(betas), 4.6), squeeze=False)
+    for axis, beta in zip(axes[0], betas):
+        for candidate in [TRL, *CANDIDATES]:
+            group = [r for r in rows if r["candidate"] == candidate and r["beta"] == beta]
+            if not group:
+                continue
+            points = min(len(r["evaluations"]) for r in group)
+            seconds = [np.mean([r["evaluations"][i]["seconds"] for r in group]) for i in range(points)]
+            gold = [np.mean([r["evaluations"][i]["gold_reward"] for r in group]) for i in range(points)]
+            style = {"color": "black", "linewidth": 2.5} if candidate == TRL else {"linewidth": 1.2, "alpha": 0.85}
+            axis.plot(seconds, gold, marker=".", label=candidate, **style)
+        if beta in goals:
+            axis.axhline(goals[beta]["gold"], color="gray", linestyle="--", linewidth=1)
+            axis.axvline(goals[beta]["seconds"] / 3, color="gray", linestyle=":", linewidth=1)
+        axis.set_title(f"beta {beta}: dashed, TRL's mean final gold; dotted, a third of TRL's time", fontsize=9)
+        axis.set_xlabel("training time, s (evaluations excluded)")
+        axis.set_ylabel("gold reward, held-out prompts (mean over seeds)")
+        axis.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def write_results(path: Path, config: str, overrides: dict, rows: list[dict], seconds: float) -> None:
+    """The results so far, replaced whole (a run that stops keeps every finished row)."""
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps({"config": config, "overrides": overrides, "rows": rows,
+                                     "differences": DIFFERENCES, "seconds": seconds}, indent=1))
+    temporary.replace(path)
+
+
+def print_and_draw(rows: list[dict], stem: Path) -> dict:
+    table, summary = time_to_quality(rows)
+    print(report(rows) + "\n\nTime to TRL's quality (training time only):\n" + table
+          + "\n\nDifferences between the two setups that remain:\n" + "\n".join(f"- {d}" for d in DIFFERENCES))
+    default = [r for r in rows if r["candidate"] in ("default", TRL)]
+    frontier_png(default, stem.with_suffix(".png"))
+    overoptimization_png(default, stem.with_name(f"{stem.name}-overoptimization.png"))
+    time_png(rows, stem.with_name(f"{stem.name}-time.png"))
+    return {"targets": targets(rows), "time_to_quality": summary}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--reference", default=str(REPO / ".bench-venv" / "bin" / "python"),
                         help="python of the environment with TRL 1.12.0; 'none' runs ours only")
-    parser.add_argument("--betas", type=float, nargs="+", default=[0.02, 0.05, 0.2])
+    parser.add_argument("--betas", type=float, nargs="+", default=[0.05, 0.2])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
+    parser.add_argument("--eval-every", type=int, default=5, help="iterations between evaluations of every run")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (YAML value)")
     parser.add_argument("--state", default=str(REPO / ".rlhf" / "bench-quality"))
     parser.add_argument("--results", default=str(REPO / "bench" / "results"))
@@ -249,14 +431,11 @@ def main(argv: list[str] | None = None) -> int:
                         "its PNGs beside it, without training")
     parser.add_argument("--name", default=f"quality-{datetime.date.today().isoformat()}",
                         help="file name (no suffix) of the results JSON and PNGs")
+    parser.add_argument("--resume", action="store_true", help="keep the finished runs in the results JSON of this "
+                        "name and run only the others")
     args = parser.parse_args(argv)
     if args.report:
-        stem = Path(args.report).with_suffix("")
-        rows = json.loads(Path(args.report).read_text())["rows"]
-        print(report(rows) + "\n\nDifferences between the two setups that remain:\n"
-              + "\n".join(f"- {d}" for d in DIFFERENCES))
-        frontier_png(rows, stem.with_suffix(".png"))
-        overoptimization_png(rows, stem.with_name(f"{stem.name}-overoptimization.png"))
+        print_and_draw(json.loads(Path(args.report).read_text())["rows"], Path(args.report).with_suffix(""))
         return 0
     import yaml
 
@@ -269,7 +448,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, overrides)
     threads = cfg.num_threads or 2
     set_determinism(cfg.deterministic, threads)
-    state = Path(args.state)
+    state, results = Path(args.state), Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    stem = results / args.name
+    rows = json.loads(stem.with_suffix(".json").read_text())["rows"] if args.resume else []
+    finished = {(r["candidate"], r["beta"], r["seed"]) for r in rows}
     world = build_world(state / "worlds", cfg.demo)
     started = time.perf_counter()
     sft_folder, reward_folder = train_upstream(cfg, world, state)
@@ -281,48 +464,53 @@ def main(argv: list[str] | None = None) -> int:
     prompts.to_json(prompts_file, orient="records", lines=True)
     print(f"quality benchmark: {args.config}; upstream ready after {time.perf_counter() - started:.0f} s; "
           f"{cfg.ppo.num_iterations} iterations x {cfg.ppo.rollout_batch_size} episodes x {cfg.ppo.response_length} "
-          f"tokens; critic {cfg.ppo.critic}; betas {args.betas}; seeds {args.seeds}", flush=True)
+          f"tokens; evaluated every {args.eval_every}; betas {args.betas}; seeds {args.seeds}", flush=True)
 
-    rows = []
-    for beta in args.betas:
-        for seed in args.seeds:
-            ppo_cfg = cfg.ppo.model_copy(update={"init_kl_coef": beta, "target_kl": None, "seed": seed,
-                                                 "checkpoint_every": 10_000, "sample_every": 10_000})
-            runs = {}
-            clock = time.perf_counter()
-            folder, shape = run_ours(ppo_cfg, sft_folder, reward_folder, prompts, eval_prompts,
-                                     state / f"ours-b{beta}-s{seed}")
-            runs["ours"] = (folder, shape, time.perf_counter() - clock)
-            if args.reference != "none":
-                clock = time.perf_counter()
-                folder = run_trl(args.reference, sft_folder, scaled_reward_model(reward_folder, state), prompts_file,
-                                 ppo_cfg, beta, seed, threads, state / f"trl-b{beta}-s{seed}")
-                runs["trl"] = (folder, {}, time.perf_counter() - clock)
-            for implementation, (folder, shape, seconds) in runs.items():
-                figures = judge(folder, sft_folder, reward_folder, eval_prompts, ppo_cfg)
-                row = {"implementation": implementation, "beta": beta, "seed": seed, "critic": cfg.ppo.critic,
-                       "normalize_critic": cfg.ppo.normalize_critic,
-                       "kl": figures["eval/kl"], "gold_reward": figures["eval/gold_reward"],
-                       "gold_reward_sft": figures["eval/gold_reward_sft"], "gold_win_rate": figures["eval/gold_win_rate"],
-                       "gold_win_rate_se": figures["eval/gold_win_rate_se"], "win_rate_rm": figures["eval/win_rate_rm"],
-                       "response_length": figures["eval/response_length"], "train_seconds": seconds, **shape}
-                rows.append(row)
-                print(f"  {implementation:>4} beta {beta:<5} seed {seed}: KL {row['kl']:6.2f}  gold {row['gold_reward']:5.2f} "
-                      f"(SFT {row['gold_reward_sft']:.2f})  gold win {row['gold_win_rate']:.3f} ± {row['gold_win_rate_se']:.3f}  "
-                      f"length {row['response_length']:.1f}  {seconds:.0f} s", flush=True)
+    def fixed(settings: dict, beta: float, seed: int):
+        """The PPO section a run trains with: the candidate's settings, beta fixed, evaluated every `eval_every`."""
+        run = {"init_kl_coef": beta, "target_kl": None, "seed": seed, "checkpoint_every": 10_000,
+               "sample_every": 10_000, "eval_every": args.eval_every}
+        return load_config(args.config, overrides | {f"ppo.{k}": v for k, v in (settings | run).items()}).ppo
 
-    print(report(rows))
-    print("\nDifferences between the two setups that remain:\n" + "\n".join(f"- {d}" for d in DIFFERENCES))
-    results = Path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
-    stem = results / args.name
-    stem.with_suffix(".json").write_text(json.dumps({"config": args.config, "overrides": overrides, "rows": rows,
-                                                      "differences": DIFFERENCES,
-                                                      "seconds": time.perf_counter() - started}, indent=1))
-    frontier_png(rows, stem.with_suffix(".png"))
-    overoptimization_png(rows, stem.with_name(f"{stem.name}-overoptimization.png"))
-    print(f"\nwrote {stem.with_suffix('.json')}, {stem.with_suffix('.png')} (frontier) and "
-          f"{stem.name}-overoptimization.png in {time.perf_counter() - started:.0f} s")
+    judge = None
+    runs = [(TRL, beta, seed) for beta in args.betas for seed in args.seeds if args.reference != "none"]
+    runs += [(candidate, beta, seed) for candidate in args.candidates for beta in args.betas for seed in args.seeds]
+    for candidate, beta, seed in runs:
+        if (candidate, beta, seed) in finished:
+            continue
+        ppo_cfg = fixed({} if candidate == TRL else CANDIDATES[candidate], beta, seed)
+        clock = time.perf_counter()
+        if candidate == TRL:
+            judge = judge or Judge(sft_folder, reward_folder, eval_prompts, ppo_cfg)
+            out, trained = run_trl(args.reference, sft_folder, scaled_reward_model(reward_folder, state), prompts_file,
+                                   ppo_cfg, beta, seed, threads, state / f"trl-b{beta}-s{seed}")
+            folders = {i: out / f"iteration-{i}" for i in trained
+                       if i % ppo_cfg.eval_every == 0 and i < ppo_cfg.num_iterations}
+            folders[ppo_cfg.num_iterations] = out
+            tables = {i: judge(folder) for i, folder in sorted(folders.items())}
+            shape = {"train_seconds": trained[ppo_cfg.num_iterations],
+                     "evaluations": [gold_point(table, i, trained[i]) for i, table in tables.items()]}
+            final = tables[ppo_cfg.num_iterations]
+        else:
+            out = state / f"ours-{candidate.replace(' ', '-').replace(',', '')}-b{beta}-s{seed}"
+            _, shape = run_ours(ppo_cfg, sft_folder, reward_folder, prompts, eval_prompts, out)
+            final = shape.pop("final_table")
+        seconds = time.perf_counter() - clock
+        figures = final_figures(final)
+        row = {"implementation": "trl" if candidate == TRL else "ours", "candidate": candidate,
+               "settings": {} if candidate == TRL else CANDIDATES[candidate], "beta": beta, "seed": seed,
+               **figures, "wall_seconds": seconds, **shape}
+        rows.append(row)
+        write_results(stem.with_suffix(".json"), args.config, overrides, rows, time.perf_counter() - started)
+        print(f"  {candidate:>36} beta {beta:<5} seed {seed}: KL {row['kl']:6.2f}  gold {row['gold_reward']:5.2f} "
+              f"(SFT {row['gold_reward_sft']:.2f})  gold win {row['gold_win_rate']:.3f} ± {row['gold_win_rate_se']:.3f}"
+              f"  training {row['train_seconds']:.1f} s ({seconds:.0f} s in all)", flush=True)
+
+    summary = print_and_draw(rows, stem)
+    write_results(stem.with_suffix(".json"), args.config, overrides, rows, time.perf_counter() - started)
+    stem.with_name(f"{stem.name}-time-to-quality.json").write_text(json.dumps(summary, indent=1))
+    print(f"\nwrote {stem.with_suffix('.json')}, its -time-to-quality.json summary, and PNGs: {stem.name}.png (frontier), "
+          f"{stem.name}-overoptimization.png, {stem.name}-time.png, in {time.perf_counter() - started:.0f} s")
     return 0
 
 

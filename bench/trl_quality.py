@@ -1,5 +1,7 @@
 """The reference side of `bench/quality.py`: TRL 1.12.0's PPOTrainer trained to the end, its final
-policy saved for the shared evaluation.
+policy, and a copy every `snapshot_every` iterations, saved for the shared evaluation, with its
+training clock: seconds after each iteration, each counted from the end of the one before (from
+the start of training for the first), so taking the copies does not count.
 
 Runs in the benchmark's own environment (.bench-venv, bench/requirements-trl.txt), which has
 TRL 1.12.0 but not this project. Policy and reference start from the SFT folder; reward and
@@ -13,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -30,8 +33,27 @@ def main() -> int:
 
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    class Snapshots(TrainerCallback):
+        """One PPOTrainer step is one PPO iteration: the clock after each, the policy's weights every `every`."""
+
+        def __init__(self, policy, every: int | None):
+            self.policy, self.every = policy, every
+            self.clock: dict[int, float] = {}
+            self.copies: dict[int, dict] = {}
+            self.elapsed, self.mark = 0.0, 0.0
+
+        def on_train_begin(self, *_, **__):
+            self.mark = time.perf_counter()
+
+        def on_step_end(self, _args, state, *_, **__):
+            self.elapsed += time.perf_counter() - self.mark
+            self.clock[state.global_step] = self.elapsed
+            if self.every and state.global_step % self.every == 0:
+                self.copies[state.global_step] = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+            self.mark = time.perf_counter()
 
     torch.set_num_threads(s["threads"])
     tokenizer = AutoTokenizer.from_pretrained(args.policy, padding_side="left")
@@ -47,17 +69,22 @@ def main() -> int:
             lam=s["lam"], missing_eos_penalty=s["missing_eos_penalty"] or None, num_sample_generations=0,
             report_to=[], save_strategy="no", logging_steps=10_000, use_cpu=True, seed=s["seed"],
             dataloader_num_workers=0)
+        policy = AutoModelForCausalLM.from_pretrained(args.policy)
+        snapshots = Snapshots(policy, s.get("snapshot_every"))
         trainer = PPOTrainer(
-            args=config, processing_class=tokenizer,
-            model=AutoModelForCausalLM.from_pretrained(args.policy),
+            args=config, processing_class=tokenizer, model=policy,
             ref_model=AutoModelForCausalLM.from_pretrained(args.policy),
             reward_model=AutoModelForSequenceClassification.from_pretrained(args.reward, num_labels=1),
             value_model=AutoModelForSequenceClassification.from_pretrained(args.reward, num_labels=1),
-            train_dataset=dataset, eval_dataset=dataset.select(range(8)))
+            train_dataset=dataset, eval_dataset=dataset.select(range(8)), callbacks=[snapshots])
         trainer.train()
-        trainer.policy_model.save_pretrained(args.out)
+        assert trainer.policy_model is policy
+        policy.save_pretrained(args.out)
         tokenizer.save_pretrained(args.out)
-    print("RESULT=" + json.dumps({"out": args.out}))
+        for iteration, weights in snapshots.copies.items():
+            policy.load_state_dict(weights)
+            policy.save_pretrained(Path(args.out) / f"iteration-{iteration}")
+    print("RESULT=" + json.dumps({"out": args.out, "clock": snapshots.clock}))
     return 0
 
 
