@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, ValidationError,
+                      model_validator)
 
 from rlhf.demo_locations import DEMO_SCHEME, DemoWorldConfig
 
@@ -254,8 +255,8 @@ class PPOConfig(TrainedStage):
     """Responses per iteration, over all processes together: `rollout_batch_size / samples_per_prompt` prompts, each answered `samples_per_prompt` times."""
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce++", "reinforce++-baseline"] = "gae"
     """How a response's tokens get their advantages: GAE with a critic (`gae`), or critic-free from the scores alone: group-normalised (`grpo`, its KL to the reference a k3 loss term weighted by beta), leave-one-out (`rloo`), or discounted returns with the per-token KL reward whitened over the batch (`reinforce++`; `reinforce++-baseline` subtracts each prompt's mean score first). README, "Choosing a method"."""
-    samples_per_prompt: PositiveInt = 1
-    """Responses sampled for each prompt per iteration (a group); `grpo`, `rloo` and `reinforce++-baseline` need at least 2."""
+    samples_per_prompt: PositiveInt | Literal["auto"] = "auto"
+    """Responses sampled for each prompt per iteration (a group); `grpo`, `rloo` and `reinforce++-baseline` need at least 2. `auto`: 1 for `gae` and `reinforce++`, `GROUP_SIZE` (4) for the group estimators."""
     group_std_normalize: bool = True
     """With `grpo`: divide by the group's score std as well as subtracting its mean; false is Dr. GRPO (mean only)."""
     num_ppo_epochs: PositiveInt = 4
@@ -286,8 +287,8 @@ class PPOConfig(TrainedStage):
     """GAE lambda."""
     kl_estimator: Literal["k1", "k3"] = "k1"
     """Per-token KL estimator in the reward."""
-    init_kl_coef: float = Field(0.05, ge=0)
-    """Initial (or fixed) KL coefficient beta: of the per-token KL penalty in the reward, or with `grpo` of the k3 KL loss term."""
+    init_kl_coef: NonNegativeFloat | Literal["auto"] = "auto"
+    """Initial (or fixed) KL coefficient beta: of the per-token KL penalty in the reward, or with `grpo` of the k3 KL loss term. `auto`: 0.05, and 0.2 with `grpo`, whose loss term averages over tokens and needs the larger beta for the same KL (demo: 0.05 reaches KL 25, 0.2 4.75)."""
     target_kl: PositiveFloat | None = 6.0
     """Adaptive KL control target per sequence (Ziegler et al.); unset keeps beta fixed."""
     kl_horizon: PositiveFloat = 10000.0
@@ -338,6 +339,19 @@ class PPOConfig(TrainedStage):
     """With a sharded launch (FSDP2): gather the whole policy once per rollout for sampling (`whole`: one full copy while sampling), or gather each layer at every decode step (`per_layer`: least memory, one all-gather per layer per token); docs/scaling.md has the figures."""
     refit_normalization: bool = True
     """Refit the reward normalisation (gain, bias) on the first iteration's rollouts, so PPO's scores start at mean 0, std 1 under its own sampling settings."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_auto(cls, data: Any) -> Any:
+        """`auto` fields take the value their advantage estimator needs; explicit values stay as given."""
+        if not isinstance(data, dict):
+            return data
+        estimator = data.get("advantage_estimator", "gae")
+        if data.get("samples_per_prompt", "auto") == "auto":
+            data = data | {"samples_per_prompt": GROUP_SIZE if estimator in GROUP_ESTIMATORS else 1}
+        if data.get("init_kl_coef", "auto") == "auto":
+            data = data | {"init_kl_coef": KL_COEF.get(estimator, 0.05)}
+        return data
 
     @model_validator(mode="after")
     def _batches_divide(self) -> PPOConfig:
@@ -390,6 +404,10 @@ class PPOConfig(TrainedStage):
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce++-baseline")
 """Advantage estimators whose baseline is the other responses to the same prompt."""
+GROUP_SIZE = 4
+"""`samples_per_prompt: auto` for a group estimator (README, "Choosing a method"; docs/performance.md)."""
+KL_COEF = {"grpo": 0.2}
+"""`init_kl_coef: auto` where an estimator needs other than 0.05."""
 
 
 class RegistryConfig(_Frozen):

@@ -239,12 +239,26 @@ def test_critic_free_estimators_sample_groups_and_train_no_critic(tiny_config, t
 
 def test_group_estimators_need_groups_of_whole_responses():
     with pytest.raises(ValueError, match="samples_per_prompt to 2 or more"):
-        PPOConfig(advantage_estimator="rloo")
+        PPOConfig(advantage_estimator="rloo", samples_per_prompt=1)
     with pytest.raises(ValueError, match=r"samples_per_prompt \(3\) must divide rollout_batch_size \(64\)"):
         PPOConfig(advantage_estimator="grpo", samples_per_prompt=3)
     with pytest.raises(ValueError, match="warms up a critic"):
         PPOConfig(advantage_estimator="reinforce++", freeze_policy_iterations=1)
     assert PPOConfig(advantage_estimator="reinforce++").samples_per_prompt == 1  # the batch is its baseline
+
+
+@pytest.mark.parametrize("estimator, group, beta", [("gae", 1, 0.05), ("reinforce++", 1, 0.05), ("grpo", 4, 0.2),
+                                                    ("rloo", 4, 0.05), ("reinforce++-baseline", 4, 0.05)])
+def test_choosing_an_estimator_alone_gives_a_config_that_runs(estimator, group, beta):
+    """The run form's one field: `auto` group size and KL coefficient follow the estimator, explicit ones stay."""
+    from rlhf.config import load_config
+
+    cfg = load_config("configs/demo.yaml", {"ppo.advantage_estimator": estimator})
+    assert (cfg.ppo.samples_per_prompt, cfg.ppo.init_kl_coef) == (group, beta)
+    explicit = load_config("configs/demo.yaml", {"ppo.advantage_estimator": estimator, "ppo.samples_per_prompt": 8,
+                                                 "ppo.init_kl_coef": 0.1})
+    assert (explicit.ppo.samples_per_prompt, explicit.ppo.init_kl_coef) == (8, 0.1)
+    assert PPOConfig.model_validate(cfg.ppo.model_dump()) == cfg.ppo  # resolved once: a dumped config reads back the same
 
 
 def test_warm_up_must_leave_iterations_to_train():
