@@ -1,13 +1,18 @@
 """Lineage: what a stage run depends on (its cache key), which upstream runs it starts from, and
-the small record a stage hands to the next. No training, no validation here."""
+the small record a stage hands to the next. No training, no validation here.
+
+Which upstream runs a stage starts from (`upstream_runs`) is decided along lineage, not stage by
+stage: PPO's SFT run is the one its reward run was trained from, and a stage run alone starts
+from the latest runs made with the config's own upstream sections (their `rlhf.config_hash`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel
 
@@ -87,16 +92,189 @@ def reused_record(stage: StageName, run) -> StageRecord:
                        warnings=int(tags.get(tracking.TAG_WARNINGS, 0)), reused=True)
 
 
+class Runs(Protocol):
+    """Where `upstream_runs` finds runs: `ExperimentRuns` (the MLflow experiment), or a test's own list."""
+
+    experiment: str
+
+    def finished(self, stage: str, tags: dict[str, str] | None = None) -> list[Any]:
+        """The FINISHED runs of `stage` (MLflow `Run`s) whose tags have these values, most recent first."""
+
+    def get(self, run_id: str) -> Any | None:
+        """The run with this id, or None when there is none."""
+
+
+@dataclass(frozen=True)
+class ExperimentRuns:
+    """The runs of an MLflow experiment, as `upstream_runs` reads them."""
+
+    experiment: str
+
+    def finished(self, stage: str, tags: dict[str, str] | None = None) -> list[Any]:
+        return tracking.finished_runs(self.experiment, stage, tags)
+
+    def get(self, run_id: str) -> Any | None:
+        return tracking.find_run(run_id)
+
+
+LABELS = {"sft": "SFT", "reward": "reward"}
+THIS_PIPELINE = "this pipeline run"
+GIVEN = "given"
+LATEST = "latest with this config"
+LATEST_ANY = "latest, whatever its config (upstream.any_config)"
+FROM_SFT = "latest with this config trained from that SFT run"
+FROM_SFT_ANY = "latest trained from that SFT run, whatever its config (upstream.any_config)"
+OWN = "its own upstream"
+SEPARATE_REWARD_MODEL = "reward.model makes the reward model a separate model, so its run need not come from this SFT run"
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """An upstream run a stage starts from, and why that one."""
+
+    run: Any
+    """The MLflow `Run`."""
+    why: str
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """The upstream runs a stage starts from, by stage name, in the order they were decided."""
+
+    chosen: dict[str, Chosen]
+
+    @property
+    def run_ids(self) -> dict[str, str]:
+        return {name: c.run.info.run_id for name, c in self.chosen.items()}
+
+    def describe(self) -> str:
+        """`reward run `reward · mature-goose` (latest with this config); SFT run `sft · mature-goose` (its own upstream)`."""
+        return "; ".join(f"{LABELS[name]} run `{_name(c.run)}` ({c.why})" for name, c in self.chosen.items())
+
+
 def upstream_runs(stage: StageName, records: dict[str, StageRecord], given: dict[str, str | None],
-                  experiment: str) -> dict[str, str]:
-    """Run ids of `stage`'s upstream stages: from this pipeline run, else as `given` by stage name,
-    else the latest finished run. LookupError when there is none."""
-    resolved = {}
-    for name in UPSTREAM[stage]:
-        run_id = records[name].run_id if name in records else given.get(name)
-        run_id = run_id or tracking.latest_finished_run_id(experiment, name)
-        if run_id is None:
-            raise LookupError(f"stage {stage} needs a finished {name} run; none is in experiment {experiment!r}. "
-                              f"Run rlhf/{name} first or pass upstream.{name}_run_id")
-        resolved[name] = run_id
-    return resolved
+                  cfg: PipelineConfig, runs: Runs, any_config: bool = False) -> Upstream:
+    """The runs `stage` starts from, decided along lineage. Each upstream stage's run comes from
+    this pipeline run (`records`), else as `given` by stage name, else by recency:
+
+    - reward, dpo: the latest finished SFT run made with `cfg.sft` (its `rlhf.config_hash`).
+    - ppo: a reward run and the SFT run it was trained from (its `rlhf.upstream.sft` tag). With
+      neither named, the latest reward run made with `cfg.reward` whose own SFT run was made with
+      `cfg.sft`; with the SFT run named, the latest reward run made with `cfg.reward` trained from
+      it; with the reward run named, its own SFT run. A named pair whose reward run was not trained
+      from that SFT run is refused, unless `cfg.reward.model` makes the reward model a separate model.
+
+    `any_config` drops the config condition (still a coherent pair for PPO). LookupError, with the
+    message for the user, when no run fits, a named run does not exist or the named pair does not
+    belong together; nothing is downloaded here."""
+    needs = UPSTREAM[stage]
+    named: dict[str, Chosen] = {}
+    for name in needs:
+        if name in records:
+            named[name] = Chosen(_named_run(runs, name, records[name].run_id, THIS_PIPELINE), THIS_PIPELINE)
+        elif given.get(name):
+            named[name] = Chosen(_named_run(runs, name, given[name], f"upstream.{name}_run_id"), GIVEN)
+    wanted = {name: {} if any_config else {tracking.TAG_CONFIG_HASH: config_hash(getattr(cfg, name))} for name in needs}
+    if "reward" not in needs:
+        if needs and "sft" not in named:
+            latest = runs.finished("sft", wanted["sft"])
+            if not latest:
+                raise LookupError(_nothing_fits(stage, "sft", cfg, runs, any_config))
+            named["sft"] = Chosen(latest[0], LATEST_ANY if any_config else LATEST)
+        return Upstream(named)
+
+    reward, sft = named.get("reward"), named.get("sft")
+    if reward is not None:
+        own_id = reward.run.data.tags.get(tracking.TAG_UPSTREAM + "sft")
+        if sft is None:
+            own = runs.get(own_id) if own_id else None
+            if own is None:
+                raise LookupError(f"stage {stage}: reward run `{_name(reward.run)}` ({reward.run.info.run_id}) names no "
+                                  f"SFT run that still exists as the one it was trained from (tag "
+                                  f"{tracking.TAG_UPSTREAM}sft: {own_id or 'none'}); pass upstream.sft_run_id")
+            return Upstream({"reward": reward, "sft": Chosen(own, OWN)})
+        if sft.run.info.run_id != own_id:
+            if cfg.reward.model is None:
+                raise LookupError(_mismatch(stage, sft, reward, own_id, runs))
+            sft = Chosen(sft.run, f"{sft.why}; {SEPARATE_REWARD_MODEL}")
+        return Upstream({"reward": reward, "sft": sft})
+
+    if sft is not None:
+        trained = runs.finished("reward", wanted["reward"] | {tracking.TAG_UPSTREAM + "sft": sft.run.info.run_id})
+        if not trained:
+            raise LookupError(_nothing_fits(stage, "reward", cfg, runs, any_config, sft))
+        return Upstream({"sft": sft, "reward": Chosen(trained[0], FROM_SFT_ANY if any_config else FROM_SFT)})
+
+    fitting_sft = {run.info.run_id: run for run in runs.finished("sft", wanted["sft"])}
+    for candidate in runs.finished("reward", wanted["reward"]):
+        own = fitting_sft.get(candidate.data.tags.get(tracking.TAG_UPSTREAM + "sft", ""))
+        if own is not None:
+            return Upstream({"reward": Chosen(candidate, LATEST_ANY if any_config else LATEST), "sft": Chosen(own, OWN)})
+    raise LookupError(_nothing_fits(stage, "reward", cfg, runs, any_config))
+
+
+def _name(run) -> str:
+    return run.info.run_name or run.info.run_id
+
+
+def _named_run(runs: Runs, stage: str, run_id: str, source: str):
+    """The run a user (or this pipeline run) named as `stage`'s; LookupError when it is none, or another stage's."""
+    run = runs.get(run_id)
+    if run is None:
+        raise LookupError(f"{source} {run_id}: no such run on the tracking server")
+    if run.data.tags.get(tracking.TAG_STAGE) != stage:
+        raise LookupError(f"{source} {run_id} is not an {stage} run: `{_name(run)}` is a "
+                          f"{run.data.tags.get(tracking.TAG_STAGE) or 'non-stage'} run")
+    return run
+
+
+def _mismatch(stage: str, sft: Chosen, reward: Chosen, own_id: str | None, runs: Runs) -> str:
+    own = runs.get(own_id) if own_id else None
+    own_text = f"SFT run `{_name(own)}` ({own_id})" if own is not None else f"SFT run {own_id or '(none recorded)'}"
+    sft_source = "given as upstream.sft_run_id" if sft.why == GIVEN else f"from {sft.why}"
+    return (f"stage {stage}: reward run `{_name(reward.run)}` ({reward.run.info.run_id}) was trained from {own_text}, "
+            f"not from SFT run `{_name(sft.run)}` ({sft.run.info.run_id}), {sft_source}; a policy and a reward "
+            f"model that do not belong together are refused before anything is downloaded. Pass only "
+            f"upstream.reward_run_id to start from its own SFT run, only upstream.sft_run_id to start from the "
+            f"latest reward run trained from that SFT run, or set reward.model when the reward model is a separate "
+            f"model (its tokenizer is then checked against the policy's)")
+
+
+def _nothing_fits(stage: str, name: str, cfg: PipelineConfig, runs: Runs, any_config: bool,
+                  sft: Chosen | None = None) -> str:
+    """Why no `name` run fits, the nearest candidates and what to do."""
+    recent = runs.finished(name)
+    if sft is not None:
+        recent = [run for run in recent if run.data.tags.get(tracking.TAG_UPSTREAM + "sft") == sft.run.info.run_id] or recent
+    wanted = "" if any_config else f" made with this config's {name} section (rlhf.config_hash {config_hash(getattr(cfg, name))})"
+    if sft is not None:
+        wanted += f" trained from SFT run `{_name(sft.run)}` ({sft.run.info.run_id})"
+    elif name == "reward" and not any_config:
+        wanted += f" from an SFT run made with its sft section (rlhf.config_hash {config_hash(cfg.sft)})"
+    todo = (f"Run rlhf/{name} with this config first" + (" (rlhf/full for both stages)" if name == "reward" and sft is None else "")
+            + (f" with upstream.sft_run_id {sft.run.info.run_id}" if sft is not None else "")
+            + f", or pass upstream.{name}_run_id" + ("" if any_config else "; upstream.any_config takes the latest "
+                                                     "run whatever its config"))
+    if not recent:
+        return f"stage {stage} needs a finished {name} run{wanted}; none is in experiment {runs.experiment!r}. {todo}"
+    nearest = "\n".join(f"  - {_candidate(run, runs)}" for run in recent[:3])
+    return (f"stage {stage} needs a finished {name} run{wanted}; none of the {len(recent)} finished {name} runs in "
+            f"experiment {runs.experiment!r} is. The most recent:\n{nearest}\n{todo}")
+
+
+def _candidate(run, runs: Runs) -> str:
+    """`reward · mature-goose` (configs/tiny.yaml, 2026-11-23 18:02 UTC, reward section 1a2b3c4d5e6f, from SFT run ...)."""
+    tags = run.data.tags
+    pipeline = runs.get(tags[tracking.TAG_PIPELINE]) if tags.get(tracking.TAG_PIPELINE) else None
+    made_with = pipeline.data.tags.get(tracking.TAG_CONFIG_FILE, "config unknown") if pipeline is not None else "config unknown"
+    overrides = pipeline.data.tags.get(tracking.TAG_OVERRIDES, "{}") if pipeline is not None else "{}"
+    made_with += f" with overrides {overrides}" if overrides not in ("{}", "") else ""
+    when = datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stage = tags.get(tracking.TAG_STAGE, "?")
+    text = f"`{_name(run)}` ({made_with}, {when}, {stage} section {tags.get(tracking.TAG_CONFIG_HASH, '?')[:12]}"
+    own_id = tags.get(tracking.TAG_UPSTREAM + "sft")
+    if own_id:
+        own = runs.get(own_id)
+        text += (f", from SFT run `{_name(own)}` (sft section {own.data.tags.get(tracking.TAG_CONFIG_HASH, '?')[:12]})"
+                 if own is not None else f", from SFT run {own_id}")
+    return text + ")"

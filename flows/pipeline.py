@@ -30,10 +30,10 @@ from pydantic import BaseModel, Field
 from flows.form import DPOForm, PPOForm, RewardForm, SFTForm, form_overrides
 from flows.inputs import (context_problems, input_problems, is_demo, logged_prompts, memory_plan, memory_problems,
                           train_and_eval_data)
-from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, StageName, StageRecord, cache_key, reused_record,
-                           upstream_runs)
-from flows.reports import (STAGE_SECONDS, GoldJudgments, Progress, evaluation_report, finish, log_overhead,
-                           pipeline_note, pipeline_summary, ppo_report, reward_report)
+from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, ExperimentRuns, StageName, StageRecord, cache_key,
+                           reused_record, upstream_runs)
+from flows.reports import (STAGE_SECONDS, GoldJudgments, Progress, evaluation_report, finish, lineage_note,
+                           log_overhead, pipeline_note, pipeline_summary, ppo_report, reward_report)
 from rlhf import tracking
 from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
 from rlhf.demo_locations import DemoWorldConfig, resolve_location
@@ -50,10 +50,20 @@ SYSTEM_METRICS_INTERVAL_S = 5.0
 
 
 class UpstreamRuns(BaseModel):
-    """MLflow run ids of upstream stages for single-stage reruns; empty means the latest finished run."""
+    """MLflow run ids of upstream stages for single-stage reruns. Empty fields are resolved along
+    lineage (`flows.lineage.upstream_runs`): the latest finished runs made with this config's
+    upstream sections, and for PPO a reward run with the SFT run it was trained from."""
 
-    sft_run_id: str | None = Field(None, description="SFT run whose checkpoint later stages start from.")
-    reward_run_id: str | None = Field(None, description="Reward run whose model PPO optimises against.")
+    sft_run_id: str | None = Field(None, description=(
+        "SFT run to start from. Empty: for reward and DPO, the latest finished SFT run made with this config's "
+        "sft section; for PPO, the SFT run its reward run was trained from."))
+    reward_run_id: str | None = Field(None, description=(
+        "Reward run PPO optimises against. Empty: the latest finished reward run made with this config's reward "
+        "section whose SFT run was made with its sft section, or, with an SFT run given, the latest trained from "
+        "that one. Given with an SFT run it was not trained from, the pair is refused (unless reward.model is set)."))
+    any_config: bool = Field(False, description=(
+        "Take the latest runs whatever config made them (PPO still gets a reward run and the SFT run it was "
+        "trained from). Off: only runs made with this config's sft and reward sections are candidates."))
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,8 @@ class StageContext:
     """The Prefect flow run in the Prefect UI."""
     memory: StageMemory | None = None
     """What the memory plan predicted for this stage (logged on its run beside the measured peak)."""
+    lineage: str = ""
+    """Which upstream runs the stage starts from and why (`flows.lineage.Upstream.describe`), for its description."""
 
     def links(self) -> dict[str, str | None]:
         """Where a stage run's description points: its pipeline run, its upstream runs, the Prefect flow run."""
@@ -169,6 +181,8 @@ def stage_run(stage: StageName, section: BaseModel, ctx: StageContext, unit: str
         try:
             run_id = tracking.create_stage_run(ctx.experiment_id, ctx.parent_run_id, stage, f"{stage} · {ctx.label}",
                                                tags)
+            if ctx.lineage:  # until `finish` writes the whole description; a failed run keeps this
+                tracking.set_note(run_id, lineage_note(ctx.lineage))
             if workdir.owned:
                 for abandoned in tracking.close_abandoned_runs(ctx.experiment_id, stage, ctx.cache_key, run_id):
                     get_run_logger().warning("%s: run %s of an interrupted attempt marked KILLED; this run "
@@ -256,7 +270,7 @@ def run_reward(ctx: StageContext) -> StageRecord | State:
             demo = is_demo(section.eval_data) or (section.eval_data is None and is_demo(section.train_data))
             samples = reward_report(result, metrics, section.num_table_rows, demo)
             return finish("reward", run.run_id, section, train, metrics, result.checkpoint, samples,
-                          int(metrics["train/steps"]), run.warnings, ctx.links())
+                          int(metrics["train/steps"]), run.warnings, ctx.links(), ctx.lineage)
     except DataContractError as e:
         return refuse(e.report())
     except (StageUserError, LaunchError, tracking.TrackingError) as e:
@@ -292,7 +306,7 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
             mlflow.set_tags(result.tags)
             samples = ppo_report(result, metrics, run.warnings, gold, demo_evaluation)
             record = finish("ppo", run.run_id, section, train, metrics, result.checkpoint, samples,
-                            int(metrics["train/iterations"]), run.warnings, ctx.links())
+                            int(metrics["train/iterations"]), run.warnings, ctx.links(), ctx.lineage)
             if ctx.config.registry.enabled:
                 register(ctx, "ppo", run.run_id, result.checkpoint, metrics, evaluation.digest)
             return record
@@ -322,7 +336,7 @@ def run_dpo(ctx: StageContext) -> StageRecord | State:
             mlflow.set_tags(result.tags)
             samples = evaluation_report(result.evaluation, metrics, run.warnings, is_demo(section.eval_prompts))
             record = finish("dpo", run.run_id, section, train, metrics, result.checkpoint, samples,
-                            int(metrics["train/steps"]), run.warnings, ctx.links())
+                            int(metrics["train/steps"]), run.warnings, ctx.links(), ctx.lineage)
             if ctx.config.registry.enabled:
                 register(ctx, "dpo", run.run_id, result.checkpoint, metrics, evaluation.digest)
             return record
@@ -427,7 +441,7 @@ def rlhf(
         ppo: PPO settings for this run; empty fields keep the config file's values.
         dpo: DPO settings for this run; empty fields keep the config file's values.
         overrides: Any other config field by dotted name, applied last, e.g. {"ppo.kl_budget": 8, "ppo.lora": {"r": 16}}; the README's configuration reference lists every field.
-        upstream: Run ids of upstream stages for a stage run alone; empty: the latest finished run of each.
+        upstream: Upstream runs for a stage run alone; empty: the latest finished runs made with this config's sft and reward sections that belong together (PPO: a reward run and the SFT run it was trained from); the flow's log and the stage run's description say which and why.
         use_cache: Reuse a finished run with the same config, data, code and upstream runs instead of running the stage again.
     """
     logger = get_run_logger()
@@ -479,20 +493,25 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
     links = {"Prefect flow run": url_for(flow_run)}
     parent_run_id = tracking.start_pipeline_run(
         experiment_id, f"{Path(config_file).stem} · {flow_run.name}", {
-            "rlhf.stages": ",".join(ordered), "rlhf.config_file": config_file, "rlhf.overrides": json.dumps(overrides),
+            "rlhf.stages": ",".join(ordered), tracking.TAG_CONFIG_FILE: config_file,
+            tracking.TAG_OVERRIDES: json.dumps(overrides),
             tracking.TAG_CONFIG_HASH: config_hash(cfg), tracking.TAG_CODE_VERSION: version,
             tracking.TAG_GIT_COMMIT: commit, tracking.TAG_PREFECT_FLOW_RUN: str(flow_run.id),
             tracking.TAG_NOTE: pipeline_note(config_file, overrides, [], links)},
         flatten(cfg), yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     logger.info("MLflow pipeline run %s", tracking.run_url(parent_run_id) or parent_run_id)
     given = {"sft": upstream.sft_run_id, "reward": upstream.reward_run_id}
+    runs = ExperimentRuns(cfg.experiment)
     records: dict[str, StageRecord] = {}
 
     def run_or_reuse(name: StageName, stage_task) -> StageRecord:
         try:
-            upstream_ids = upstream_runs(name, records, given, cfg.experiment)
+            resolved = upstream_runs(name, records, given, cfg, runs, upstream.any_config)
         except LookupError as e:
             raise StageRefused(str(e)) from e
+        upstream_ids = resolved.run_ids
+        if resolved.chosen:
+            logger.info("%s starts from %s", name, resolved.describe())
         key = cache_key(name, cfg, world, upstream_ids)
         cached = tracking.latest_finished_run(cfg.experiment, name, key) if use_cache else None
         if cached is not None:
@@ -504,7 +523,7 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
                                "rerun with use_cache false to register one", name, cached.info.run_id)
             return reused_record(name, cached)
         ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key, flow_run.name,
-                           links["Prefect flow run"], memory and stage_memory(memory, name))
+                           links["Prefect flow run"], memory and stage_memory(memory, name), resolved.describe())
         state = stage_task(ctx, return_state=True)
         if not state.is_completed():
             raise StageFailed(f"stage {name} failed: {state.message}")

@@ -45,10 +45,10 @@ def headline(stage: str, metrics: dict[str, float]) -> str:
 
 def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedData, metrics: dict[str, float],
            checkpoint: Path, samples: list[dict[str, str]], last_step: int, warnings: list[str],
-           links: dict[str, str]) -> StageRecord:
+           links: dict[str, str], lineage: str = "") -> StageRecord:
     """Log final metrics and the checkpoint (inside the active run), describe the run (its note:
-    headline figures, warnings, `links` by name), publish the Prefect summary. `samples`: what the
-    user said last and the response."""
+    headline figures, the upstream runs it started from and why (`lineage`), warnings, `links` by
+    name), publish the Prefect summary. `samples`: what the user said last and the response."""
     # At the last training step, so these (and not a trainer's running average of the same name)
     # are what MLflow shows as each metric's latest value.
     mlflow.log_metrics(metrics, step=last_step)
@@ -62,7 +62,7 @@ def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedDat
             f"after retries ({type(e).__name__}: {str(e)[:300]}); the run is not marked finished and the checkpoint "
             f"is kept in {checkpoint} until a rerun uploads it") from e
     mlflow.set_tag(tracking.TAG_WARNINGS, str(len(warnings)))
-    tracking.set_note(run_id, stage_note(stage, metrics, warnings, links))
+    tracking.set_note(run_id, stage_note(stage, metrics, warnings, links, lineage))
     rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()))
     shown = "\n".join(f"| {_cell(s['user'])} | {_cell(s['response'])} |" for s in samples)
     create_markdown_artifact(
@@ -94,9 +94,17 @@ def _links(links: dict[str, str]) -> str:
     return " · ".join(f"[{name}]({url})" for name, url in links.items() if url)
 
 
-def stage_note(stage: str, metrics: dict[str, float], warnings: list[str], links: dict[str, str]) -> str:
-    """A stage run's description: its headline figures, its warnings, and links (upstream runs, the Prefect run)."""
-    return f"**{stage}**: {headline(stage, metrics) or 'no evaluation figures'}\n\n{_warnings_section(warnings)}{_links(links)}\n"
+def lineage_note(lineage: str) -> str:
+    """Which upstream runs a stage run started from and why, as its description says it."""
+    return f"Started from {lineage}.\n\n" if lineage else ""
+
+
+def stage_note(stage: str, metrics: dict[str, float], warnings: list[str], links: dict[str, str],
+               lineage: str = "") -> str:
+    """A stage run's description: its headline figures, the upstream runs it started from and why,
+    its warnings, and links (upstream runs, the Prefect run)."""
+    return (f"**{stage}**: {headline(stage, metrics) or 'no evaluation figures'}\n\n{lineage_note(lineage)}"
+            f"{_warnings_section(warnings)}{_links(links)}\n")
 
 
 def stage_table(records: list[StageRecord]) -> str:

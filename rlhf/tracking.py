@@ -34,6 +34,8 @@ from rlhf.config import REPO_ROOT
 TAG_STAGE = "rlhf.stage"
 TAG_PIPELINE = "rlhf.pipeline_run_id"
 TAG_CONFIG_HASH = "rlhf.config_hash"
+TAG_CONFIG_FILE = "rlhf.config_file"  # on a pipeline run: the config file it ran
+TAG_OVERRIDES = "rlhf.overrides"  # on a pipeline run: the overrides applied to that file (JSON)
 TAG_DATA_DIGEST = "rlhf.data_digest"
 TAG_CHECKPOINT_DIGEST = "rlhf.checkpoint_digest"
 TAG_CODE_VERSION = "rlhf.code_version"
@@ -235,17 +237,32 @@ def download_checkpoint(run_id: str, dst: Path) -> Path:
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=f"runs:/{run_id}/{CHECKPOINT_PATH}", dst_path=str(dst)))
 
 
-def latest_finished_run(experiment_name: str, stage: str, cache_key: str | None = None):
-    """The most recent FINISHED run of `stage` (with `cache_key`, when given), or None."""
+def finished_runs(experiment_name: str, stage: str, tags: dict[str, str] | None = None, max_results: int = 1000):
+    """The FINISHED runs of `stage` whose tags have the given values, most recent first."""
     experiment = MlflowClient().get_experiment_by_name(experiment_name)
     if experiment is None:
-        return None
+        return []
     wanted = f"tags.`{TAG_STAGE}` = '{stage}' and attributes.status = 'FINISHED'"
-    if cache_key is not None:
-        wanted += f" and tags.`{TAG_CACHE_KEY}` = '{cache_key}'"
-    runs = MlflowClient().search_runs([experiment.experiment_id], filter_string=wanted,
-                                      order_by=["attributes.start_time DESC"], max_results=1)
+    for key, value in (tags or {}).items():
+        wanted += f" and tags.`{key}` = '{value}'"
+    return MlflowClient().search_runs([experiment.experiment_id], filter_string=wanted,
+                                      order_by=["attributes.start_time DESC"], max_results=max_results)
+
+
+def latest_finished_run(experiment_name: str, stage: str, cache_key: str | None = None):
+    """The most recent FINISHED run of `stage` (with `cache_key`, when given), or None."""
+    runs = finished_runs(experiment_name, stage, {TAG_CACHE_KEY: cache_key} if cache_key is not None else None, 1)
     return runs[0] if runs else None
+
+
+def find_run(run_id: str):
+    """The run with this id, or None when the tracking server has none (other errors are raised)."""
+    try:
+        return MlflowClient().get_run(run_id)
+    except mlflow.exceptions.MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
 
 
 def latest_finished_run_id(experiment_name: str, stage: str) -> str | None:
