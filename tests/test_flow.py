@@ -281,6 +281,59 @@ def test_ppo_alone_reruns_against_the_latest_sft_and_reward_runs(finished):
     assert MlflowClient().get_model_version(model, version).tags["rlhf.method"] == "ppo-rloo"
 
 
+def test_stages_alone_start_from_coherent_runs_of_their_own_config_among_other_models_and_configs(
+        tracking_store, tmp_path, monkeypatch):
+    """One experiment, three pipelines: the tiny config, another model (GPT-2: another tokenizer)
+    and the same model with another SFT section, each newer than the last. rlhf/ppo, rlhf/reward and
+    rlhf/dpo on the tiny config start from the tiny config's runs (PPO: a reward run and the SFT
+    run it was trained from) and finish; a named pair that does not belong together is refused
+    before anything is downloaded, naming both runs."""
+    from flows.pipeline import UpstreamRuns, rlhf
+    from tests.model_families import CHATML_TEMPLATE, build_family
+
+    own = {"experiment": "rlhf-lineage", "registry.enabled": False}
+    gpt2 = {"sft.model": str(build_family("gpt2", tmp_path)), "sft.chat_template": CHATML_TEMPLATE,
+            "sft.max_length": 96, "reward.max_length": 96,
+            **{f"{stage}.max_prompt_length": 48 for stage in ("sft", "reward", "ppo")}}
+    short = {"sft.max_steps": 2}
+    tiny = rlhf(stages=["sft", "reward"], config_file="configs/tiny.yaml", overrides=own)
+    other_model = rlhf(stages=["sft", "reward"], config_file="configs/tiny.yaml", overrides={**own, **gpt2})
+    other_config = rlhf(stages=["sft", "reward"], config_file="configs/tiny.yaml", overrides={**own, **short})
+    client = MlflowClient()
+
+    def upstream(record) -> dict[str, str]:
+        tags = client.get_run(record.run_id).data.tags
+        return {k.removeprefix(tracking.TAG_UPSTREAM): v for k, v in tags.items() if k.startswith(tracking.TAG_UPSTREAM)}
+
+    def name(record) -> str:
+        return client.get_run(record.run_id).info.run_name
+
+    (ppo,) = rlhf(stages=["ppo"], config_file="configs/tiny.yaml", overrides=own)
+    assert upstream(ppo) == {"sft": tiny[0].run_id, "reward": tiny[1].run_id}
+    note = client.get_run(ppo.run_id).data.tags[tracking.TAG_NOTE]
+    assert (f"Started from reward run `{name(tiny[1])}` (latest with this config); "
+            f"SFT run `{name(tiny[0])}` (its own upstream).") in note
+    (ppo_short,) = rlhf(stages=["ppo"], config_file="configs/tiny.yaml", overrides={**own, **short})
+    assert upstream(ppo_short) == {"sft": other_config[0].run_id, "reward": other_config[1].run_id}
+    (dpo,) = rlhf(stages=["dpo"], config_file="configs/tiny.yaml", overrides=own)
+    assert upstream(dpo) == {"sft": tiny[0].run_id}
+    (reward,) = rlhf(stages=["reward"], config_file="configs/tiny.yaml", overrides=own, use_cache=False)
+    assert upstream(reward) == {"sft": tiny[0].run_id}
+    assert "(latest with this config)." in client.get_run(reward.run_id).data.tags[tracking.TAG_NOTE]
+
+    downloads = []
+    monkeypatch.setattr(tracking, "download_checkpoint", lambda *args: downloads.append(args))
+    experiment = client.get_experiment_by_name("rlhf-lineage").experiment_id
+    stage_runs = len(client.search_runs([experiment], f"tags.`{tracking.TAG_STAGE}` != ''"))
+    mismatched = UpstreamRuns(sft_run_id=tiny[0].run_id, reward_run_id=other_model[1].run_id)
+    state = rlhf(stages=["ppo"], config_file="configs/tiny.yaml", overrides=own, upstream=mismatched, return_state=True)
+    assert state.is_failed() and "Traceback" not in state.message
+    assert (f"reward run `{name(other_model[1])}` ({other_model[1].run_id}) was trained from SFT run "
+            f"`{name(other_model[0])}` ({other_model[0].run_id}), not from SFT run `{name(tiny[0])}` "
+            f"({tiny[0].run_id}), given as upstream.sft_run_id") in state.message
+    assert downloads == [] and len(client.search_runs([experiment], f"tags.`{tracking.TAG_STAGE}` != ''")) == stage_runs
+
+
 def test_sft_then_dpo_is_a_pipeline_with_lineage_caching_and_a_registered_dpo_policy(tracking_store):
     from flows.pipeline import rlhf
 

@@ -221,3 +221,17 @@ def test_any_config_takes_the_latest_runs_whatever_their_config_and_keeps_the_pa
         "reward run `reward · again` (latest, whatever its config (upstream.any_config)); "
         "SFT run `sft · demo` (its own upstream)")
     assert resolve("ppo", GPT2, runs) == {"reward": "reward · gpt2", "sft": "sft · gpt2"}  # off by default
+
+
+def test_the_run_form_says_the_rule_and_offers_the_escape_hatch_off_by_default():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import rlhf
+
+    schema = parameter_schema(rlhf.fn).model_dump_for_openapi()
+    fields = schema["definitions"]["UpstreamRuns"]["properties"]
+    assert "for PPO, the SFT run its reward run was trained from" in fields["sft_run_id"]["description"]
+    assert "made with this config's reward section" in fields["reward_run_id"]["description"]
+    assert "the pair is refused" in fields["reward_run_id"]["description"]
+    assert fields["any_config"]["default"] is False and "whatever config" in fields["any_config"]["description"]
+    assert "belong together" in schema["properties"]["upstream"]["description"]
