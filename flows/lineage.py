@@ -121,9 +121,9 @@ LABELS = {"sft": "SFT", "reward": "reward"}
 THIS_PIPELINE = "this pipeline run"
 GIVEN = "given"
 LATEST = "latest with this config"
-LATEST_ANY = "latest, whatever its config (upstream.any_config)"
+LATEST_ANY = "latest whatever its config, as upstream.any_config asks"
 FROM_SFT = "latest with this config trained from that SFT run"
-FROM_SFT_ANY = "latest trained from that SFT run, whatever its config (upstream.any_config)"
+FROM_SFT_ANY = "latest trained from that SFT run whatever its config, as upstream.any_config asks"
 OWN = "its own upstream"
 SEPARATE_REWARD_MODEL = "reward.model makes the reward model a separate model, so its run need not come from this SFT run"
 

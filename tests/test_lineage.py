@@ -218,7 +218,7 @@ def test_any_config_takes_the_latest_runs_whatever_their_config_and_keeps_the_pa
     assert resolve("dpo", TINY, runs, any_config=True) == {"sft": "sft · gpt2"}
     assert resolve("ppo", GPT2, runs, any_config=True) == {"reward": "reward · again", "sft": "sft · demo"}
     assert upstream_runs("ppo", {}, {}, GPT2, runs, any_config=True).describe() == (
-        "reward run `reward · again` (latest, whatever its config (upstream.any_config)); "
+        "reward run `reward · again` (latest whatever its config, as upstream.any_config asks); "
         "SFT run `sft · demo` (its own upstream)")
     assert resolve("ppo", GPT2, runs) == {"reward": "reward · gpt2", "sft": "sft · gpt2"}  # off by default
 
