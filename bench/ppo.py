@@ -7,6 +7,12 @@ prompts, episodes per iteration, response length, PPO epochs and minibatches, ea
 process with the same thread count. Each runs `warmup` untimed iterations, then `iterations`
 timed ones per round; the figure is the median timed iteration. The last line is `PPO speedup_vs_trl=<ratio>`.
 The two sides alternate for `rounds` rounds. This is a benchmark, not a test: nothing here asserts a speed.
+
+How close our training step is to the machine: the floating-point work of one iteration's
+update (every epoch and minibatch, policy and critic, forward and backward) is counted by torch's
+`FlopCounterMode` on the untimed warm-up iteration, and divided by the median timed `train` phase;
+the float32 matrix-multiply peak of this machine, at the same thread count, is measured in the same
+invocation (the best of repeated square products, before and after the runs).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -110,6 +117,23 @@ def summarize(rows: list[dict[str, float]], work: Work, name: str, peak_memory_m
             "peak_memory_mb": peak_memory_mb}
 
 
+def matmul_peak_flops(threads: int, size: int = 1024, repeats: int = 30) -> float:
+    """This machine's float32 matrix-multiply rate at `threads` threads: the best of `repeats` square
+    products of `size`, after a warm-up (2 size^3 floating-point operations each)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
 # --- ours -------------------------------------------------------------------------------------
 
 
@@ -117,11 +141,26 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
              threads: int) -> dict:
     import pandas as pd
     import torch
+    from torch.utils.flop_counter import FlopCounterMode
 
+    import stages.ppo
     from rlhf.config import load_config
     from stages.models import set_determinism
     from stages.ppo import PPOInputs, train_ppo
     from stages.reporting import Reporting
+
+    counted, real_update = {}, stages.ppo.ppo_update
+
+    def ppo_update(*args, **kwargs):
+        """The first update (the warm-up iteration's, untimed) under torch's FLOP counter."""
+        if counted:
+            return real_update(*args, **kwargs)
+        with FlopCounterMode(display=False) as counter:
+            figures = real_update(*args, **kwargs)
+        counted["train_flops"] = counter.get_total_flops()
+        return figures
+
+    stages.ppo.ppo_update = ppo_update
 
     set_determinism(False, threads)
     cfg = load_config(config_file, overrides | {"ppo.num_iterations": warmup + iterations}).ppo
@@ -140,7 +179,7 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
         train_ppo(cfg, PPOInputs(str(assets / "policy"), str(assets / "reward"), prompts, eval_prompts), Path(out),
                   Reporting(metrics=record))
     assert torch.get_num_threads() == threads
-    return {"rows": rows, "peak_memory_mb": peak_memory_mb()}
+    return {"rows": rows, "peak_memory_mb": peak_memory_mb(), **counted}
 
 
 # --- the orchestration ------------------------------------------------------------------------
@@ -202,16 +241,24 @@ def main(argv: list[str] | None = None) -> int:
     # Alternating rounds, so that a slow spell of a shared machine falls on both sides.
     rows = {name: [] for name in commands}
     peaks = {name: 0.0 for name in commands}
+    peak_flops = matmul_peak_flops(threads)
+    train_flops = None
     for _ in range(args.rounds):
         for name, command in commands.items():
             result = _child(command)
             rows[name] += result["rows"]
             peaks[name] = max(peaks[name], result["peak_memory_mb"])
+            train_flops = result.get("train_flops", train_flops)
+    peak_flops = max(peak_flops, matmul_peak_flops(threads))
     results = {name: summarize(rows[name], work, name, peaks[name]) for name in commands}
     if args.rows:
         Path(args.rows).write_text(json.dumps(rows["ours"]))
     for result in results.values():
         _report(result)
+    achieved = train_flops / results["ours"]["split"]["train"]
+    print(f"  ours: training phase {train_flops / 1e9:.2f} GFLOP per iteration at {achieved / 1e9:.2f} GFLOP/s, "
+          f"{achieved / peak_flops:.0%} of this machine's float32 matrix-multiply peak ({peak_flops / 1e9:.1f} GFLOP/s "
+          f"at {threads} threads, measured in this run)")
     if "trl" in results:
         print(f"PPO speedup_vs_trl={results['ours']['episodes_per_second'] / results['trl']['episodes_per_second']:.2f}")
     return 0

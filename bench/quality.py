@@ -126,6 +126,9 @@ class Judge:
 
 CANDIDATES: dict[str, dict] = {
     "default": {},
+    # The demo's PPO settings before this benchmark chose lr 1e-3 with clip 0.1 (the rows named "default" in
+    # bench/results/quality-2026-11-23.json are these).
+    "learning rate 3e-4, clip 0.2": {"learning_rate": 3.0e-4, "clip_range": 0.2},
     # One model trained, not two; three iterations that train only the value head first (no collapse, docs/performance.md).
     "shared critic, 3 warm-up iterations": {"critic": "shared", "freeze_policy_iterations": 3},
     # The critic as LoRA adapters and a value head on the reward model the scorer holds.
@@ -139,6 +142,13 @@ CANDIDATES: dict[str, dict] = {
     "2 minibatches": {"num_minibatches": 2},
     # Bigger steps, each held closer to the sampling policy (demo: 3e-4, clip 0.2).
     "learning rate 6e-4, clip 0.1": {"learning_rate": 6.0e-4, "clip_range": 0.1},
+    # Half the optimizer steps (or passes), each twice as large: the same distance per iteration for less work?
+    "2 minibatches, learning rate 6e-4": {"num_minibatches": 2, "learning_rate": 6.0e-4},
+    "2 ppo epochs, learning rate 6e-4": {"num_ppo_epochs": 2, "learning_rate": 6.0e-4},
+    # The two that helped, together; and a larger step still.
+    "learning rate 6e-4, clip 0.1, 2 minibatches": {"learning_rate": 6.0e-4, "clip_range": 0.1, "num_minibatches": 2},
+    "learning rate 1e-3, clip 0.1": {"learning_rate": 1.0e-3, "clip_range": 0.1},
+    "learning rate 1e-3, clip 0.1, 2 minibatches": {"learning_rate": 1.0e-3, "clip_range": 0.1, "num_minibatches": 2},
 }
 """Our configurations in the race to TRL's quality: `ppo` settings on top of the config's section."""
 
