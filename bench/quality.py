@@ -384,15 +384,17 @@ def time_png(rows: list[dict], path: Path) -> None:
     goals = targets(rows)
     betas = sorted({r["beta"] for r in rows})
     figure, axes = plt.subplots(1, len(betas), figsize=(6.4 * len(betas), 4.6), squeeze=False)
+    colors = plt.cm.tab20.colors  # one per candidate: the default cycle's ten repeat
     for axis, beta in zip(axes[0], betas):
-        for candidate in [TRL, *CANDIDATES]:
+        for index, candidate in enumerate([TRL, *CANDIDATES]):
             group = [r for r in rows if r["candidate"] == candidate and r["beta"] == beta]
             if not group:
                 continue
             points = min(len(r["evaluations"]) for r in group)
             seconds = [np.mean([r["evaluations"][i]["seconds"] for r in group]) for i in range(points)]
             gold = [np.mean([r["evaluations"][i]["gold_reward"] for r in group]) for i in range(points)]
-            style = {"color": "black", "linewidth": 2.5} if candidate == TRL else {"linewidth": 1.2, "alpha": 0.85}
+            style = ({"color": "black", "linewidth": 2.5} if candidate == TRL
+                     else {"color": colors[index % len(colors)], "linewidth": 1.2, "alpha": 0.9})
             axis.plot(seconds, gold, marker=".", label=candidate, **style)
         if beta in goals:
             axis.axhline(goals[beta]["gold"], color="gray", linestyle="--", linewidth=1)
