@@ -60,7 +60,7 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
 
     import stages.ppo
     from rlhf.config import load_config
-    from rlhf.demo_world import build_world, gold_comparison, last_user_turns
+    from rlhf.demo_world import build_world, judge_evaluation
     from schemas.validate import LengthBudget, load_validated
     from stages.models import load_tokenizer, set_determinism
     from stages.dpo import DPOInputs, train_dpo
@@ -100,8 +100,7 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
                            PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts), out)
     seconds = time.perf_counter() - clock
     table = result.evaluation
-    gold = gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]),
-                           list(table["sft_response"]))
+    gold = judge_evaluation(table)
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"method": method, "settings": settings, "seed": getattr(cfg, section).seed, "seconds": seconds,

@@ -159,10 +159,9 @@ TRL = "trl 1.12"
 
 def final_figures(table) -> dict[str, float]:
     """What an evaluation table (policy and SFT responses to the held-out prompts) says under the gold function."""
-    from rlhf.demo_world import gold_comparison, last_user_turns
+    from rlhf.demo_world import judge_evaluation
 
-    gold = gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]),
-                           list(table["sft_response"]))
+    gold = judge_evaluation(table)
     return {"kl": float(table["kl"].mean()), **{key.removeprefix("eval/"): value for key, value in gold.items()}}
 
 

@@ -266,8 +266,9 @@ def _candidate(run, runs: Runs) -> str:
     """`reward · mature-goose` (configs/tiny.yaml, 2026-11-23 18:02 UTC, reward section 1a2b3c4d5e6f, from SFT run ...)."""
     tags = run.data.tags
     pipeline = runs.get(tags[tracking.TAG_PIPELINE]) if tags.get(tracking.TAG_PIPELINE) else None
-    made_with = pipeline.data.tags.get(tracking.TAG_CONFIG_FILE, "config unknown") if pipeline is not None else "config unknown"
-    overrides = pipeline.data.tags.get(tracking.TAG_OVERRIDES, "{}") if pipeline is not None else "{}"
+    made = pipeline.data.tags if pipeline is not None else {}
+    made_with = made.get(tracking.TAG_CONFIG_FILE, "config unknown")
+    overrides = made.get(tracking.TAG_OVERRIDES, "{}")
     made_with += f" with overrides {overrides}" if overrides not in ("{}", "") else ""
     when = datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     stage = tags.get(tracking.TAG_STAGE, "?")

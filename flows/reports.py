@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from flows.lineage import StageName, StageRecord
 from rlhf import tracking
 from rlhf.config import config_hash
-from rlhf.demo_world import gold_accuracy, gold_comparison, last_user_turns, mean_gold_reward
+from rlhf.demo_world import gold_accuracy, judge_evaluation, last_user_turns, mean_gold_reward
 from schemas.adapters import last_user_message
 from schemas.validate import ValidatedData
 from stages.models import folder_digest
@@ -201,8 +201,7 @@ class GoldJudgments:
     @classmethod
     def of_evaluations(cls, folder: Path, log) -> GoldJudgments:
         """`eval/gold_win_rate` and the rest of `gold_comparison` for every evaluation before the last."""
-        return cls(folder / "evaluation-gold.jsonl", log, lambda table: gold_comparison(
-            last_user_turns(table["prompt_messages"]), list(table["policy_response"]), list(table["sft_response"])))
+        return cls(folder / "evaluation-gold.jsonl", log, judge_evaluation)
 
 
 def evaluation_report(table: pd.DataFrame, metrics: dict[str, float], warnings: list[str],
@@ -210,8 +209,7 @@ def evaluation_report(table: pd.DataFrame, metrics: dict[str, float], warnings: 
     """A policy's held-out evaluation (PPO's or DPO's) as a table, its warnings, and the gold figures
     of the evaluation (into `metrics`) when its prompts are the demo world's. Returns samples to show."""
     if demo_evaluation:
-        metrics |= gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]),
-                                   list(table["sft_response"]))
+        metrics |= judge_evaluation(table)
     users = [last_user_message(json.loads(m)) for m in table["prompt_messages"]]
     mlflow.log_table(table.drop(columns=["prompt", "prompt_messages"]).assign(user=users), "evaluation.json")
     mlflow.log_text("\n".join(warnings) or "no warnings", "warnings.txt")

@@ -285,3 +285,10 @@ def gold_comparison(prompts: list[str], responses: list[str], baseline: list[str
     n = max(len(ours), 1)
     return {"eval/gold_reward": sum(ours) / n, "eval/gold_reward_sft": sum(theirs) / n, "eval/gold_win_rate": wins,
             "eval/gold_win_rate_se": wins_se}
+
+
+def judge_evaluation(table) -> dict[str, float]:
+    """`gold_comparison` of a policy's held-out evaluation table (the stages' `evaluate`: columns
+    `prompt_messages`, `policy_response`, `sft_response`): the policy against the SFT responses."""
+    return gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]),
+                           list(table["sft_response"]))
