@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quality bench-methods bench-scale bench-memory plan-sizes up down status install clean-state screenshots
+.PHONY: demo test bench bench-quality bench-methods bench-scale bench-memory plan-sizes stress-launch up down status install clean-state screenshots
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -38,6 +38,9 @@ bench-scale: $(STAMP)  ## PPO on 1 process, 2 DDP and 2 FSDP2 processes: memory 
 
 bench-memory: $(STAMP)  ## the memory plan against measurement: SFT, reward, PPO (full and LoRA) on ~10M, ~100M, ~400M Llamas
 	$(PY) -m bench.memory
+
+stress-launch: $(STAMP)  ## every 2-process job of the test suite, 20 times each: how each one ended (clean, aborted after done, failed)
+	$(PY) -m bench.launch_stress --runs $${RUNS:-20}
 
 plan-sizes: $(STAMP)  ## the fewest 80 GB GPUs the memory plan gives each method, Qwen2.5 0.5B to Llama-3 70B (configs only)
 	$(PY) -m bench.plan_sizes

@@ -11,10 +11,24 @@ and forwards what rank 0 reports (metrics, sample tables, warnings) to the calle
 result object either way. Every rank runs the same stage function: the TRL trainers and our
 PPO loop split the work by `PartialState().process_index`, and only rank 0 returns a result.
 The spec folder is the stage's own work folder: nothing but this module writes or reads it.
+
+How a rank ends. Once its work is over (rank 0: and its result written) each rank records it
+(`done_marker`), waits for the others, tears the process group down, runs the `atexit` handlers
+and ends with `os._exit`, skipping the interpreter's finalization. That finalization is where a
+finished job used to die: gloo's worker threads keep the last reference to a completed
+collective's tensors a moment after the caller's `wait()` returns, and dropping it takes the
+GIL to free the tensors' Python objects; once finalization has begun, taking the GIL ends the
+thread with `pthread_exit`, whose forced unwind through gloo's `noexcept` run loop calls
+`std::terminate` ("terminate called without an active exception", SIGABRT), and the launcher then
+stopped the other ranks. (`destroy_process_group` does not end those threads while FSDP2's and
+the trainers' objects still hold the group.) A crash after every rank recorded "done" cannot
+have touched the result: the caller takes it with a warning and the log. A crash before is the
+job's failure, reported with the ranks that had not finished.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -80,7 +94,7 @@ def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Repor
 def _write_spec(call: StageCall) -> Path:
     spec = call.output_dir / "launch"
     spec.mkdir(parents=True, exist_ok=True)
-    for stale in ("events.jsonl", "result.pkl", "error.pkl"):
+    for stale in ("events.jsonl", "result.pkl", "error.pkl", *(p.name for p in spec.glob("rank-*.done"))):
         (spec / stale).unlink(missing_ok=True)
     (spec / "call.pkl").write_bytes(pickle.dumps(call))
     return spec
@@ -130,20 +144,33 @@ def _launch(spec: Path, launch, reporting: Reporting) -> None:
     error = spec / "error.pkl"
     if error.exists():
         raise pickle.loads(error.read_bytes())
-    if process.returncode != 0 or not (spec / "result.pkl").exists():
-        lines = log.read_text(errors="replace").splitlines()
-        tail = "\n".join(lines[-30:])
-        raise LaunchError(f"the {launch.num_processes}-process job (accelerate launch) exited with code "
-                          f"{process.returncode}{_failed_ranks(lines)}; its log is {log}; last lines:\n{tail}")
+    if process.returncode == 0 and (spec / "result.pkl").exists():
+        return
+    lines = log.read_text(errors="replace").splitlines()
+    tail = "\n".join(lines[-30:])
+    unfinished = [rank for rank in range(launch.num_processes) if not done_marker(spec, rank).exists()]
+    if (spec / "result.pkl").exists() and not unfinished:
+        reporting.warning(f"the {launch.num_processes}-process job finished its work (every rank recorded it done "
+                          f"after rank 0 wrote the result), then exited with code {process.returncode} in teardown"
+                          f"{_failed_ranks(lines)}; the result stands. Its log is {log}; last lines:\n{tail}")
+        return
+    raise LaunchError(f"the {launch.num_processes}-process job (accelerate launch) exited with code "
+                      f"{process.returncode}{_failed_ranks(lines)}; ranks that had not recorded their work done: "
+                      f"{', '.join(map(str, unfinished)) or 'none'}; its log is {log}; last lines:\n{tail}")
 
 
 def _failed_ranks(lines: list[str]) -> str:
-    """Each failed process's exception, as torch.distributed prefixes its traceback lines ("[rank1]: RuntimeError: ..."):
-    the launcher's own report, which ends the log, leaves the cause out."""
-    raised = {}
+    """Each failed process's exception, as torch.distributed prefixes its traceback lines ("[rank1]: RuntimeError: ..."),
+    or the signal that killed it, from the launcher's report ("rank : 1 (local_rank: 1)" ... "Signal 6 (SIGABRT)
+    received by PID ..."), which otherwise leaves the cause out."""
+    raised, rank = {}, None
     for line in lines:
         if found := re.match(r"\[rank(\d+)\]: ((?:\w+\.)*\w*(?:Error|Exception|Exit|Interrupt)\b.*)", line):
             raised[int(found[1])] = found[2]  # the last one: with chained exceptions, the one the process died of
+        elif found := re.match(r"\s*rank\s*: (\d+) \(local_rank", line):
+            rank = int(found[1])
+        elif rank is not None and (found := re.search(r"(Signal \d+ \(\w+\)) received by PID", line)):
+            raised.setdefault(rank, f"killed by {found[1]}")
     return "".join(f"; rank {rank}: {message}" for rank, message in sorted(raised.items()))
 
 
@@ -167,6 +194,11 @@ def _forward_events(events: Path, read: int, reporting: Reporting) -> int:
 
 
 # --- each process's side ----------------------------------------------------------------------
+
+
+def done_marker(spec: Path, rank: int) -> Path:
+    """The file rank `rank` writes once its work is over (rank 0: once its result is written)."""
+    return spec / f"rank-{rank}.done"
 
 
 def _write_result(result, spec: Path) -> None:
@@ -212,12 +244,22 @@ def main(spec: Path) -> None:
         raise
     if state.is_main_process:
         _write_result(result, spec)
+    done_marker(spec, state.process_index).write_text(f"{os.getpid()} {time.time()}\n")
     # The ranks leave together, once rank 0 has saved and written its result (the others wait up to
-    # `launch.timeout_seconds`), and the process group is torn down first: a rank that exited while it
-    # was alive could abort in gloo's threads ("terminate called without an active exception"), and
-    # the launcher then killed rank 0 mid-save.
+    # `launch.timeout_seconds`): a rank that ended first would have the launcher stop the others mid-save.
     state.wait_for_everyone()
     state.destroy_process_group()
+    _leave()
+
+
+def _leave() -> None:
+    """End this process as a normal exit would, less the interpreter's finalization (see the module's
+    docstring): `atexit` handlers run, output is flushed, and no thread of a library is left to take
+    the GIL from a finalizing interpreter."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

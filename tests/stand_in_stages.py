@@ -52,3 +52,24 @@ def ppo_killed_after_first_checkpoint(cfg, inputs: KilledAfterFirstCheckpoint, o
 
     stages.ppo.save_state_everywhere, stages.ppo.rollout = save_state, rollout
     return stages.ppo.train_ppo(cfg, inputs.ppo_inputs, output_dir, reporting)
+
+
+@dataclass(frozen=True)
+class Abort:
+    rank: int
+    """The rank that dies by SIGABRT."""
+    after_done: bool
+    """In teardown, after it recorded its work done (an `atexit` handler, as a library's thread did);
+    else in its work."""
+
+
+def abort_on_a_rank(cfg, inputs: Abort, output_dir: Path, reporting) -> dict | None:
+    """A stage that has one rank abort (SIGABRT), in its work or in teardown; the main process
+    returns a result either way."""
+    import os
+
+    if PartialState().process_index == inputs.rank:
+        if not inputs.after_done:
+            os.abort()
+        atexit.register(os.abort)
+    return {"aborted": inputs.rank} if PartialState().is_main_process else None

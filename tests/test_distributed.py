@@ -137,3 +137,28 @@ def test_a_main_process_slower_than_the_process_group_timeout_fails_the_stage(ti
         call_stage(pause_on_the_main_process, cfg, Pause(60.0), tmp_path / "run", Reporting(), deterministic=True,
                    num_threads=2)
     assert re.search(r"rank 1: RuntimeError: .*Timed out waiting 15000ms", str(raised.value))  # at the final wait
+
+
+def test_a_rank_that_aborts_after_every_rank_recorded_its_work_done_leaves_the_result_with_a_warning(tiny_config,
+                                                                                                   tmp_path):
+    from tests.stand_in_stages import Abort, abort_on_a_rank
+
+    warnings = []
+    result = call_stage(abort_on_a_rank, tiny_config.sft.model_copy(update={"launch": TWO}), Abort(1, after_done=True),
+                        tmp_path / "run", Reporting(warning=warnings.append), deterministic=True, num_threads=2)
+    assert result == {"aborted": 1}
+    assert len(warnings) == 1
+    assert re.search(r"finished its work .* then exited with code 1 in teardown; rank 1: killed by Signal 6 \(SIGABRT\); "
+                     r"the result stands\. Its log is .*launch\.log", warnings[0]), warnings[0]
+
+
+def test_a_rank_that_aborts_in_its_work_fails_the_stage_naming_it(tiny_config, tmp_path):
+    from stages.distributed import LaunchError
+    from tests.stand_in_stages import Abort, abort_on_a_rank
+
+    with pytest.raises(LaunchError) as raised:
+        call_stage(abort_on_a_rank, tiny_config.sft.model_copy(update={"launch": TWO}), Abort(1, after_done=False),
+                   tmp_path / "run", Reporting(), deterministic=True, num_threads=2)
+    # Rank 0 may see its peer gone at the final barrier (a RuntimeError), or be stopped before it records "done".
+    assert re.search(r"exited with code 1; (rank 0: .*; )?rank 1: killed by Signal 6 \(SIGABRT\); "
+                     r"ranks that had not recorded their work done: (0, )?1;", str(raised.value)), str(raised.value)
