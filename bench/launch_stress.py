@@ -82,7 +82,7 @@ def _outcome(call: Callable[[list[str]], object], folder: Path) -> str:
         return f"failed in the work: {str(e)[:2000]}"
     except Exception as e:  # noqa: BLE001 - a benchmark counts every way a job fails
         return f"failed in the work: {type(e).__name__}: {e}"[:2000]
-    return "abort after done" if any("after every rank recorded" in w for w in warnings) else "clean"
+    return "abort after done" if any("finished its work" in w for w in warnings) else "clean"
 
 
 def jobs(root: Path) -> dict[str, Job]:
