@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -72,6 +73,9 @@ class StageCall:
     deterministic: bool
     num_threads: int
     """This process's share of the CPU threads the pipeline may use."""
+    attempt: str
+    """This launch's own id, which each rank writes into its done marker: a marker that a process of an
+    earlier attempt in the same folder left never counts."""
 
 
 def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Reporting, *, deterministic: bool,
@@ -83,8 +87,9 @@ def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Repor
             result = train(section, inputs, output_dir, reporting)
         return with_figures(result, peak)
     threads = max(1, (num_threads or os.cpu_count() or 1) // section.launch.num_processes)
-    spec = _write_spec(StageCall(train, section, inputs, output_dir, deterministic, threads))
-    _launch(spec, section.launch, reporting)
+    call = StageCall(train, section, inputs, output_dir, deterministic, threads, attempt=uuid.uuid4().hex)
+    spec = _write_spec(call)
+    _launch(spec, call, reporting)
     return pickle.loads((spec / "result.pkl").read_bytes())
 
 
@@ -119,9 +124,10 @@ def launch_command(spec: Path, launch) -> list[str]:
     return command + ["-m", "stages.distributed", str(spec)]
 
 
-def _launch(spec: Path, launch, reporting: Reporting) -> None:
+def _launch(spec: Path, call: StageCall, reporting: Reporting) -> None:
     import torch
 
+    launch = call.section.launch
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"  # torch.distributed over gloo between CPU processes
@@ -139,7 +145,7 @@ def _launch(spec: Path, launch, reporting: Reporting) -> None:
                     break
                 time.sleep(0.5)
         except BaseException:
-            process.kill()  # the caller stops (or its reporting failed): so do the processes
+            _stop(process)  # the caller stops (or its reporting failed): so do the processes
             raise
     error = spec / "error.pkl"
     if error.exists():
@@ -148,7 +154,7 @@ def _launch(spec: Path, launch, reporting: Reporting) -> None:
         return
     lines = log.read_text(errors="replace").splitlines()
     tail = "\n".join(lines[-30:])
-    unfinished = [rank for rank in range(launch.num_processes) if not done_marker(spec, rank).exists()]
+    unfinished = [rank for rank in range(launch.num_processes) if not _recorded_done(spec, rank, call.attempt)]
     if (spec / "result.pkl").exists() and not unfinished:
         reporting.warning(f"the {launch.num_processes}-process job finished its work (every rank recorded it done "
                           f"after rank 0 wrote the result), then exited with code {process.returncode} in teardown"
@@ -157,6 +163,29 @@ def _launch(spec: Path, launch, reporting: Reporting) -> None:
     raise LaunchError(f"the {launch.num_processes}-process job (accelerate launch) exited with code "
                       f"{process.returncode}{_failed_ranks(lines)}; ranks that had not recorded their work done: "
                       f"{', '.join(map(str, unfinished)) or 'none'}; its log is {log}; last lines:\n{tail}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Kill the launcher and every process under it: torch's launcher starts each rank in a session
+    of its own, out of reach of the launcher's process group."""
+    import psutil
+
+    try:
+        processes = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        processes = []
+    for child in processes:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    process.kill()
+    process.wait()
+
+
+def _recorded_done(spec: Path, rank: int, attempt: str) -> bool:
+    marker = done_marker(spec, rank)
+    return marker.exists() and marker.read_text().split()[:1] == [attempt]
 
 
 def _failed_ranks(lines: list[str]) -> str:
@@ -244,7 +273,7 @@ def main(spec: Path) -> None:
         raise
     if state.is_main_process:
         _write_result(result, spec)
-    done_marker(spec, state.process_index).write_text(f"{os.getpid()} {time.time()}\n")
+    done_marker(spec, state.process_index).write_text(f"{call.attempt} {os.getpid()} {time.time()}\n")
     # The ranks leave together, once rank 0 has saved and written its result (the others wait up to
     # `launch.timeout_seconds`): a rank that ended first would have the launcher stop the others mid-save.
     state.wait_for_everyone()

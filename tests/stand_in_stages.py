@@ -25,6 +25,20 @@ def pause_on_the_main_process(cfg, inputs: Pause, output_dir: Path, reporting) -
     return {"paused": inputs.seconds}
 
 
+def report_then_pause(cfg, inputs: Pause, output_dir: Path, reporting) -> None:
+    """A stage whose processes record their pids, then pause; the main process reports a warning first
+    (after every process has recorded its pid)."""
+    import os
+
+    state = PartialState()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / f"pid-{state.process_index}").write_text(str(os.getpid()))
+    state.wait_for_everyone()
+    if state.is_main_process:
+        reporting.warning("paused")
+    time.sleep(inputs.seconds)
+
+
 @dataclass(frozen=True)
 class KilledAfterFirstCheckpoint:
     ppo_inputs: object

@@ -148,7 +148,9 @@ def test_a_rank_that_aborts_after_every_rank_recorded_its_work_done_leaves_the_r
                         tmp_path / "run", Reporting(warning=warnings.append), deterministic=True, num_threads=2)
     assert result == {"aborted": 1}
     assert len(warnings) == 1
-    assert re.search(r"finished its work .* then exited with code 1 in teardown; rank 1: killed by Signal 6 \(SIGABRT\); "
+    # The launcher may stop rank 0 (SIGTERM) while it still runs its own exit handlers: the result stands all the same.
+    assert re.search(r"finished its work .* then exited with code 1 in teardown; (rank 0: .*; )?"
+                     r"rank 1: killed by Signal 6 \(SIGABRT\); "
                      r"the result stands\. Its log is .*launch\.log", warnings[0]), warnings[0]
 
 
@@ -162,3 +164,21 @@ def test_a_rank_that_aborts_in_its_work_fails_the_stage_naming_it(tiny_config, t
     # Rank 0 may see its peer gone at the final barrier (a RuntimeError), or be stopped before it records "done".
     assert re.search(r"exited with code 1; (rank 0: .*; )?rank 1: killed by Signal 6 \(SIGABRT\); "
                      r"ranks that had not recorded their work done: (0, )?1;", str(raised.value)), str(raised.value)
+
+
+def test_a_caller_that_stops_stops_every_process_of_the_launch(tiny_config, tmp_path):
+    """The ranks run in sessions of their own under torch's launcher: killing the launcher alone left them running."""
+    import psutil
+
+    from tests.stand_in_stages import Pause, report_then_pause
+
+    def stop(message: str) -> None:
+        raise RuntimeError(f"the caller stops at: {message}")
+
+    with pytest.raises(RuntimeError, match="the caller stops at: paused"):
+        call_stage(report_then_pause, tiny_config.sft.model_copy(update={"launch": TWO}), Pause(600.0),
+                   tmp_path / "run", Reporting(warning=stop), deterministic=True, num_threads=2)
+    ranks = [psutil.Process(int(f.read_text())) for f in sorted((tmp_path / "run").glob("pid-*"))]
+    assert len(ranks) == 2
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive
