@@ -14,8 +14,9 @@ Each run ends as one of:
 - `clean`: every process exited 0 and the stage returned its result;
 - `abort after done`: every rank had recorded its work done (`stages.distributed.DONE`) and one
   then died in teardown: the stage returned its result with a warning naming the rank and the log;
-- `abort in teardown`: the job was reported failed although rank 0 had written its result (what
-  `stages.distributed` did before ranks recorded "done": the failure issue #38 is about);
+- `abort in teardown`: the job was reported failed although rank 0 had written its result, and a
+  process aborted with "terminate called ..." (what `stages.distributed` did before ranks recorded
+  "done": the failure issue #38 is about);
 - `failed in the work`: any other failure (the error is kept).
 The killed leg of the kill-and-resume pair counts as `clean` when it ends by the kill after its
 first checkpoint, as the test expects.
@@ -77,7 +78,8 @@ def _outcome(call: Callable[[list[str]], object], folder: Path) -> str:
     try:
         call(warnings)
     except LaunchError as e:
-        if (folder / "launch" / "result.pkl").exists():
+        log = folder / "launch" / "launch.log"
+        if (folder / "launch" / "result.pkl").exists() and "terminate called" in log.read_text(errors="replace"):
             return "abort in teardown"
         return f"failed in the work: {str(e)[:2000]}"
     except Exception as e:  # noqa: BLE001 - a benchmark counts every way a job fails
