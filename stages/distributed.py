@@ -278,10 +278,10 @@ def main(spec: Path) -> None:
     # `launch.timeout_seconds`): a rank that ended first would have the launcher stop the others mid-save.
     state.wait_for_everyone()
     state.destroy_process_group()
-    _leave()
+    leave()
 
 
-def _leave() -> None:
+def leave() -> None:
     """End this process as a normal exit would, less the interpreter's finalization (see the module's
     docstring): `atexit` handlers run, output is flushed, and no thread of a library is left to take
     the GIL from a finalizing interpreter."""

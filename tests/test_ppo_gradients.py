@@ -187,6 +187,9 @@ def _worker(folder: Path, engine: str) -> None:
     state.destroy_process_group()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # ends as a stage's rank does: no finalization for gloo's threads to abort in
     sys.path.insert(0, str(REPO))
+    from stages.distributed import leave
+
     _worker(Path(sys.argv[1]), sys.argv[2])
+    leave()
