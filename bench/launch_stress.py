@@ -44,31 +44,16 @@ Job = Callable[[Path], str]
 
 
 def _upstream(root: Path):
-    """The tiny world, its tokenizer, and SFT and reward checkpoints trained as tests/conftest.py's
-    `trained` fixture trains them."""
+    """The tiny world, its datasets, and SFT and reward checkpoints trained as the tests' `trained` fixture trains them."""
     from rlhf.config import load_config
     from rlhf.demo_world import build_world
-    from schemas.validate import LengthBudget, load_validated
     from stages.models import load_tokenizer
-    from stages.reward import RewardInputs, train_reward
-    from stages.sft import SFTInputs, train_sft
+    from tests.helpers import train_upstream, world_frames
 
     cfg = load_config(REPO / "configs/tiny.yaml")
     world = build_world(root / "worlds", cfg.demo)
-    tokenizer = load_tokenizer(str(world / "model"))
-
-    def data(name, kind):
-        return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer, budget=LengthBudget(32, 64)).frame
-
-    frames = {name: data(name, kind) for name, kind in (
-        ("sft", "sft"), ("sft_eval", "sft"), ("preferences", "preference"), ("preferences_eval", "preference"),
-        ("prompts", "prompt"), ("prompts_eval", "prompt"))}
-    sft = train_sft(cfg.sft.model_copy(update={"max_steps": 40}),
-                    SFTInputs(str(world / "model"), frames["sft"], frames["sft_eval"]), root / "sft")
-    reward = train_reward(cfg.reward.model_copy(update={"max_steps": 30}),
-                          RewardInputs(str(sft.checkpoint), str(sft.checkpoint), frames["preferences"],
-                                       frames["preferences_eval"], frames["prompts_eval"]), root / "reward")
-    return cfg, world, frames, str(sft.checkpoint), str(reward.checkpoint)
+    frames = world_frames(world, load_tokenizer(str(world / "model")))
+    return (cfg, world, frames, *train_upstream(cfg, world, frames, root))
 
 
 def _outcome(call: Callable[[list[str]], object], folder: Path) -> str:

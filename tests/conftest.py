@@ -37,21 +37,8 @@ def tokenizer(world):
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, world, tiny_config, tokenizer):
     """Tiny SFT and reward checkpoints, trained once per session, for the PPO tests."""
-    from schemas.validate import LengthBudget, load_validated
-    from stages.reward import RewardInputs, train_reward
-    from stages.sft import SFTInputs, train_sft
+    from tests.helpers import train_upstream, world_frames
 
-    root = tmp_path_factory.mktemp("trained")
-    budget = LengthBudget(32, 64)
-
-    def data(name, kind):
-        return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer, budget=budget).frame
-
-    sft_cfg = tiny_config.sft.model_copy(update={"max_steps": 40})
-    sft = train_sft(sft_cfg, SFTInputs(str(world / "model"), data("sft", "sft"), data("sft_eval", "sft")), root / "sft")
-    reward_cfg = tiny_config.reward.model_copy(update={"max_steps": 30})
-    reward = train_reward(reward_cfg, RewardInputs(str(sft.checkpoint), str(sft.checkpoint), data("preferences", "preference"),
-                                                   data("preferences_eval", "preference"), data("prompts_eval", "prompt")),
-                          root / "reward")
-    return {"sft": str(sft.checkpoint), "reward": str(reward.checkpoint),
-            "prompts": data("prompts", "prompt"), "eval_prompts": data("prompts_eval", "prompt")}
+    frames = world_frames(world, tokenizer)
+    sft, reward = train_upstream(tiny_config, world, frames, tmp_path_factory.mktemp("trained"))
+    return {"sft": sft, "reward": reward, "prompts": frames["prompts"], "eval_prompts": frames["prompts_eval"]}
