@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-quality bench-methods bench-scale bench-memory plan-sizes stress-launch up down status install clean-state screenshots
+.PHONY: demo test test-fast bench bench-quality bench-methods bench-scale bench-memory plan-sizes stress-launch up down status install clean-state screenshots
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -67,6 +67,9 @@ screenshots:  ## after `make demo`, with the stack up: what the UIs show, into d
 
 test: $(STAMP)  ## run the whole test suite
 	$(PY) -m pytest
+
+test-fast: $(STAMP)  ## the tests that start no other process (-m "not multiprocess"): the subset to iterate with
+	$(PY) -m pytest -m "not multiprocess"
 
 clean-state: down  ## delete all local run state (.rlhf/)
 	rm -rf $${RLHF_HOME:-.rlhf}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from rlhf.config import load_config  # noqa: E402
 from rlhf.demo_world import build_world  # noqa: E402
 
-DATA = Path(__file__).parent / "data"
+
+def _starts_python(args) -> bool:
+    program = Path(str(args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]))
+    return program.name.startswith("python") or program.parent == Path(sys.executable).parent
+
+
+@pytest.fixture(autouse=True)
+def _marked_multiprocess_if_it_starts_processes(request, monkeypatch):
+    """Fails a test that starts a Python process (a stage's ranks, a server, a pipeline in a child
+    process) without the `multiprocess` marker, so `make test-fast` (`-m "not multiprocess"`) is
+    what it says. Processes a module or session fixture starts are its tests' to declare."""
+    started = []
+    original = subprocess.Popen.__init__
+
+    def recording(self, args, *rest, **options):
+        if _starts_python(args):
+            started.append(args)
+        original(self, args, *rest, **options)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording)
+    yield
+    if started and request.node.get_closest_marker("multiprocess") is None:
+        pytest.fail(f"started {len(started)} Python process(es) without the `multiprocess` marker: {started[0]}")
 
 
 @pytest.fixture(scope="session")

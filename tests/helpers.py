@@ -2,22 +2,106 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
+import pytest
+
+DATA = Path(__file__).parent / "data"
+"""Hand-written data files: `good/` that each contract accepts, `bad/` that each refuses."""
+BAD = DATA / "bad"
+GOOD = DATA / "good"
+
+BAD_CASES = [
+    # file, kind, expected lines of the report (each must appear)
+    ("sft_missing_column.jsonl", "sft", ["column 'response': missing column"]),
+    ("sft_null.jsonl", "sft", ["line 2, column 'prompt': missing value (null)"]),
+    ("sft_blank.jsonl", "sft", ["line 2, column 'response': must not be blank"]),
+    ("sft_wrong_type.jsonl", "sft", ["line 2, column 'prompt': must be a string"]),
+    ("pairs_identical.jsonl", "preference", ["line 2: chosen is identical to rejected"]),
+    ("sft_malformed_line.jsonl", "sft", ["line 2: malformed JSON"]),
+    ("sft_bad_encoding.jsonl", "sft", ["line 2: not valid UTF-8"]),
+    ("sft_empty.jsonl", "sft", ["file: empty file"]),
+    ("sft_duplicate.jsonl", "sft", ["line 3: duplicate of line 1"]),
+    ("pairs_chat_unknown_role.jsonl", "preference", ["line 1, column 'chosen': message 2 has unknown role 'narrator'"]),
+    ("pairs_chat_no_final_reply.jsonl", "preference", ["line 1, column 'rejected': conversation does not end with an assistant reply"]),
+    ("pairs_hh_prompts_differ.jsonl", "preference", ["line 1: chosen and rejected continue different prompts"]),
+    ("pairs_not_a_list.json", "preference", ["file: expected a JSON list of objects"]),
+    ("sft_not_an_object.jsonl", "sft", ["line 2: expected a JSON object, got list"]),
+    ("pairs_margin_not_number.jsonl", "preference", ["line 1, column 'margin': wrong type"]),
+    ("prompts_blank.jsonl", "prompt", ["line 2, column 'prompt': must not be blank"]),
+]
 
 # The demo world's datasets, with the contract each is validated against.
-DATASETS = (("sft", "sft"), ("sft_eval", "sft"), ("preferences", "preference"), ("preferences_eval", "preference"),
-            ("prompts", "prompt"), ("prompts_eval", "prompt"))
+DATASETS = {"sft": "sft", "sft_eval": "sft", "preferences": "preference", "preferences_eval": "preference",
+            "prompts": "prompt", "prompts_eval": "prompt"}
+
+
+def dataset(world: Path, tokenizer, name: str) -> pd.DataFrame:
+    """One demo-world dataset, validated under the tiny config's length budget (32 prompt, 64 total tokens)."""
+    from schemas.validate import LengthBudget, load_validated
+
+    return load_validated(str(world / f"{name}.jsonl"), DATASETS[name], tokenizer=tokenizer,
+                          budget=LengthBudget(32, 64)).frame
 
 
 def world_frames(world: Path, tokenizer) -> dict[str, pd.DataFrame]:
-    """Every demo-world dataset, validated under the tiny config's length budget (32 prompt, 64 total tokens)."""
-    from schemas.validate import LengthBudget, load_validated
+    """Every demo-world dataset, as `dataset` validates it."""
+    return {name: dataset(world, tokenizer, name) for name in DATASETS}
 
-    budget = LengthBudget(32, 64)
-    return {name: load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer, budget=budget).frame
-            for name, kind in DATASETS}
+
+def close(a: float, b: float, rel: float = 0.005) -> bool:
+    """Equal up to float reduction order: the tolerance of the one- against several-process tests."""
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-3)
+
+
+def sft_inputs(world: Path, tokenizer, model_location: str | None = None):
+    """The tiny world's demonstrations, from its base model (or `model_location`)."""
+    from stages.sft import SFTInputs
+
+    return SFTInputs(model_location or str(world / "model"), dataset(world, tokenizer, "sft"),
+                     dataset(world, tokenizer, "sft_eval"))
+
+
+def reward_inputs(world: Path, tokenizer, trained: dict):
+    """The tiny world's preference pairs, from the session's SFT checkpoint."""
+    from stages.reward import RewardInputs
+
+    return RewardInputs(trained["sft"], trained["sft"], dataset(world, tokenizer, "preferences"),
+                        dataset(world, tokenizer, "preferences_eval"), dataset(world, tokenizer, "prompts_eval"))
+
+
+def run_ppo(cfg, trained: dict, out: Path, reporting=None):
+    """PPO in this process from the session's SFT and reward checkpoints."""
+    from stages.ppo import PPOInputs, train_ppo
+    from stages.reporting import Reporting
+
+    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    return train_ppo(cfg, inputs, out, reporting or Reporting())
+
+
+def killed_and_resumed(cfg, trained: dict, tmp_path: Path):
+    """An uninterrupted run in `tmp_path/whole`, and a run in `tmp_path/interrupted` killed at iteration
+    4 (after its checkpoint at 3), then rerun to the end: (uninterrupted result, resumed result)."""
+    from stages.reporting import Reporting
+
+    reference = run_ppo(cfg, trained, tmp_path / "whole")
+
+    class Killed(Exception):
+        pass
+
+    def die_after_four(figures, iteration):
+        if iteration == 4:
+            raise Killed
+
+    with pytest.raises(Killed):
+        run_ppo(cfg, trained, tmp_path / "interrupted", Reporting(metrics=die_after_four))
+    assert json.loads((tmp_path / "interrupted" / "state" / "loop.json").read_text())["iteration"] == 3
+    messages = []
+    resumed = run_ppo(cfg, trained, tmp_path / "interrupted", Reporting(warning=messages.append))
+    assert "resumed from the full-state checkpoint after iteration 3" in messages[0]
+    return reference, resumed
 
 
 def train_upstream(cfg, world: Path, frames: dict[str, pd.DataFrame], root: Path) -> tuple[str, str]:

@@ -53,6 +53,7 @@ def test_each_layer_imports_only_what_it_may(path):
         assert not outside, f"{path.relative_to(REPO)} imports {outside}: stages never talk to MLflow or Prefect"
 
 
+@pytest.mark.multiprocess
 def test_the_config_does_not_load_the_demo_worlds_gold_function():
     import subprocess
     import sys
@@ -61,3 +62,15 @@ def test_the_config_does_not_load_the_demo_worlds_gold_function():
                              "print('rlhf.demo_world' in sys.modules)"], capture_output=True, text=True, cwd=REPO,
                             check=True).stdout.strip()
     assert loaded == "False"
+
+
+SHARED_TEST_MODULES = ("tests.helpers", "tests.model_families", "tests.stand_in_stages", "tests.stack")
+"""What test files may import of each other: the shared modules, never another test file or conftest."""
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "tests").glob("*.py")) + sorted((REPO / "bench").glob("*.py")),
+                         ids=lambda p: p.relative_to(REPO).as_posix())
+def test_test_files_share_helpers_only_through_the_shared_modules(path):
+    borrowed = {m for m in imports_of(path) if m.startswith("tests.") and m not in SHARED_TEST_MODULES}
+    assert not borrowed, f"{path.relative_to(REPO)} imports {borrowed}: move what it borrows into tests/helpers.py"
+

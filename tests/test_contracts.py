@@ -10,30 +10,7 @@ import pytest
 from rlhf.cli import main as cli
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, load_validated
-from tests.conftest import DATA
-
-BAD = DATA / "bad"
-GOOD = DATA / "good"
-
-# file, kind, expected lines of the report (each must appear)
-BAD_CASES = [
-    ("sft_missing_column.jsonl", "sft", ["column 'response': missing column"]),
-    ("sft_null.jsonl", "sft", ["line 2, column 'prompt': missing value (null)"]),
-    ("sft_blank.jsonl", "sft", ["line 2, column 'response': must not be blank"]),
-    ("sft_wrong_type.jsonl", "sft", ["line 2, column 'prompt': must be a string"]),
-    ("pairs_identical.jsonl", "preference", ["line 2: chosen is identical to rejected"]),
-    ("sft_malformed_line.jsonl", "sft", ["line 2: malformed JSON"]),
-    ("sft_bad_encoding.jsonl", "sft", ["line 2: not valid UTF-8"]),
-    ("sft_empty.jsonl", "sft", ["file: empty file"]),
-    ("sft_duplicate.jsonl", "sft", ["line 3: duplicate of line 1"]),
-    ("pairs_chat_unknown_role.jsonl", "preference", ["line 1, column 'chosen': message 2 has unknown role 'narrator'"]),
-    ("pairs_chat_no_final_reply.jsonl", "preference", ["line 1, column 'rejected': conversation does not end with an assistant reply"]),
-    ("pairs_hh_prompts_differ.jsonl", "preference", ["line 1: chosen and rejected continue different prompts"]),
-    ("pairs_not_a_list.json", "preference", ["file: expected a JSON list of objects"]),
-    ("sft_not_an_object.jsonl", "sft", ["line 2: expected a JSON object, got list"]),
-    ("pairs_margin_not_number.jsonl", "preference", ["line 1, column 'margin': wrong type"]),
-    ("prompts_blank.jsonl", "prompt", ["line 2, column 'prompt': must not be blank"]),
-]
+from tests.helpers import BAD, BAD_CASES, GOOD
 
 
 @pytest.mark.parametrize("name,kind,expected", BAD_CASES, ids=[c[0] for c in BAD_CASES])

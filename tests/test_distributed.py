@@ -18,31 +18,16 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import LaunchConfig
-from schemas.validate import LengthBudget, load_validated
 from stages.distributed import call_stage
 from stages.ppo import PPOInputs, train_ppo
 from stages.reporting import Reporting
-from stages.reward import RewardInputs, train_reward
-from stages.sft import SFTInputs, train_sft
+from stages.reward import train_reward
+from stages.sft import train_sft
+from tests.helpers import close, reward_inputs, sft_inputs
+
+pytestmark = pytest.mark.multiprocess  # every test launches a stage on two processes
 
 TWO = LaunchConfig(num_processes=2)
-
-
-def _data(world, tokenizer, name, kind):
-    return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer, budget=LengthBudget(32, 64)).frame
-
-
-def sft_inputs(world, tokenizer, model_location=None) -> SFTInputs:
-    """The tiny world's demonstrations, from its base model (or `model_location`)."""
-    return SFTInputs(model_location or str(world / "model"), _data(world, tokenizer, "sft", "sft"),
-                     _data(world, tokenizer, "sft_eval", "sft"))
-
-
-def reward_inputs(world, tokenizer, trained) -> RewardInputs:
-    """The tiny world's preference pairs, from the session's SFT checkpoint."""
-    return RewardInputs(trained["sft"], trained["sft"], _data(world, tokenizer, "preferences", "preference"),
-                        _data(world, tokenizer, "preferences_eval", "preference"),
-                        _data(world, tokenizer, "prompts_eval", "prompt"))
 
 
 def _run(train, section, inputs, folder):
@@ -50,10 +35,6 @@ def _run(train, section, inputs, folder):
     reporting = Reporting(metrics=lambda metrics, step: logged.append((step, metrics)))
     result = call_stage(train, section, inputs, folder, reporting, deterministic=True, num_threads=2)
     return result, logged
-
-
-def _close(a: float, b: float, rel: float = 0.005) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-3)
 
 
 def test_sft_on_two_processes_matches_one_at_the_same_global_batch(world, tiny_config, tokenizer, tmp_path):
@@ -64,7 +45,7 @@ def test_sft_on_two_processes_matches_one_at_the_same_global_batch(world, tiny_c
     two, two_logged = _run(train_sft, two_cfg, inputs, tmp_path / "two")
     assert two.metrics["train/steps"] == one.metrics["train/steps"] == 12
     for key in ("train/loss", "eval/loss", "eval/loss_untrained"):
-        assert _close(two.metrics[key], one.metrics[key]), (key, one.metrics[key], two.metrics[key])
+        assert close(two.metrics[key], one.metrics[key]), (key, one.metrics[key], two.metrics[key])
     assert two.metrics["eval/loss"] < 0.8 * two.metrics["eval/loss_untrained"]
     # rank 0 alone reports, once per logging step, as one process does
     assert [step for step, _ in two_logged] == [step for step, _ in one_logged]
@@ -78,7 +59,7 @@ def test_reward_on_two_processes_matches_one_at_the_same_global_batch(world, tin
     one, _ = _run(train_reward, one_cfg, inputs, tmp_path / "one")
     two, _ = _run(train_reward, two_cfg, inputs, tmp_path / "two")
     for key in ("train/loss", "eval/loss", "eval/margin", "eval/accuracy", "normalization/gain"):
-        assert _close(two.metrics[key], one.metrics[key]), (key, one.metrics[key], two.metrics[key])
+        assert close(two.metrics[key], one.metrics[key]), (key, one.metrics[key], two.metrics[key])
     assert list(two.eval_scores.columns) == list(one.eval_scores.columns)
     assert len(two.calibration) == len(one.calibration)
 

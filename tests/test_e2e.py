@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import BAD, BAD_CASES
 from tests.stack import deployment_run, mlflow_client, running_stack, submit_and_wait
-from tests.test_contracts import BAD, BAD_CASES
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.multiprocess]
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ from prefect.testing.utilities import prefect_test_harness
 from transformers import AutoModelForCausalLM
 
 from rlhf import tracking
-from tests.conftest import DATA
+from tests.helpers import DATA
+
+pytestmark = pytest.mark.multiprocess  # a Prefect test server runs beside every test
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from rlhf.config import LoRAConfig
 from stages.ppo_models import RewardCritic, RewardLoRACritic, load_models
 from stages.reporting import Reporting
 from stages.reward import RewardScorer, last_token_scores
-from tests.test_ppo import _run, killed_and_resumed
+from tests.helpers import killed_and_resumed, run_ppo
 
 
 def _cfg(tiny_config, **changes):
@@ -104,7 +104,7 @@ def test_training_the_critic_leaves_the_reward_model_and_its_scores_as_they_were
 
     kept, real_load = {}, stages.ppo.load_models
     monkeypatch.setattr(stages.ppo, "load_models", lambda *a, **k: kept.setdefault("models", real_load(*a, **k)))
-    result = _run(_cfg(tiny_config, num_iterations=3, learning_rate=3e-3), trained, tmp_path)
+    result = run_ppo(_cfg(tiny_config, num_iterations=3, learning_rate=3e-3), trained, tmp_path)
     models = kept["models"]
     fresh = RewardScorer.from_pretrained(trained["reward"])
     # The reward model's own weights, bit for bit (peft renames an adapted weight `base_layer`).
@@ -150,7 +150,7 @@ def test_a_lora_policy_holds_its_own_weights_in_frozen_dtype_and_hands_over_a_pl
     assert {p.dtype for p in models.policy.parameters() if not p.requires_grad} == {torch.bfloat16}
     assert {p.dtype for p in models.trainable()} == {torch.float32}
     warnings = []
-    result = _run(cfg, trained, tmp_path, Reporting(warning=warnings.append))
+    result = run_ppo(cfg, trained, tmp_path, Reporting(warning=warnings.append))
     # The policy computes in bf16, so the rollout's log-probs are recomputed as the update computes them.
     assert max(row["train/initial_ratio_deviation"] for row in result.history) < 1e-2
     assert not [w for w in warnings if "policy ratio was already" in w]

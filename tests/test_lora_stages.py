@@ -25,11 +25,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
 from rlhf.config import LaunchConfig, LoRAConfig
-from schemas.validate import LengthBudget, load_validated
 from stages import dpo, reward, sft
 from stages.distributed import call_stage
 from stages.models import load_tokenizer
 from stages.reporting import Reporting
+from tests.helpers import close, dataset
 
 LORA = LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                    "down_proj"])
@@ -37,18 +37,13 @@ LORA = LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", 
 TARGETS = tuple(LORA.target_modules)
 
 
-def _data(world, name, kind):
-    tokenizer = load_tokenizer(str(world / "model"))
-    return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer, budget=LengthBudget(32, 64)).frame
-
-
 @pytest.fixture(scope="module")
-def inputs(world):
+def inputs(world, tokenizer):
     """Every stage's inputs on the tiny world, each starting from the demo base model."""
     base = str(world / "model")
-    pairs, pairs_eval = _data(world, "preferences", "preference"), _data(world, "preferences_eval", "preference")
-    prompts_eval = _data(world, "prompts_eval", "prompt")
-    return {"sft": sft.SFTInputs(base, _data(world, "sft", "sft"), _data(world, "sft_eval", "sft")),
+    pairs, pairs_eval = dataset(world, tokenizer, "preferences"), dataset(world, tokenizer, "preferences_eval")
+    prompts_eval = dataset(world, tokenizer, "prompts_eval")
+    return {"sft": sft.SFTInputs(base, dataset(world, tokenizer, "sft"), dataset(world, tokenizer, "sft_eval")),
             "reward": reward.RewardInputs(base, base, pairs, pairs_eval, prompts_eval),
             "dpo": dpo.DPOInputs(base, pairs, pairs_eval, prompts_eval)}
 
@@ -219,11 +214,11 @@ def test_sft_with_lora_resumes_from_its_adapter_checkpoint(tiny_config, inputs, 
         whole.checkpoint / "model.safetensors").keys()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo"])
 def test_lora_sharded_matches_one_process(stage, tiny_config, inputs, world, tmp_path):
     """Two FSDP2 processes train the adapters as one process does, at the same global batch, and
     gather them (into `blank()` wrapped as the trainer wrapped it) into the same plain checkpoint."""
-    from tests.test_distributed import _close
 
     train = {"sft": sft.train_sft, "reward": reward.train_reward, "dpo": dpo.train_dpo}[stage]
     one_cfg = _config(tiny_config, stage, max_steps=6, batch_size=16, learning_rate=1e-2)
@@ -234,7 +229,7 @@ def test_lora_sharded_matches_one_process(stage, tiny_config, inputs, world, tmp
     one, two = run(one_cfg, tmp_path / "one"), run(two_cfg, tmp_path / "two")
     assert (one.tags["rlhf.held_as"], two.tags["rlhf.held_as"]) == ("one process", "fsdp2 x 2")
     for key in ("train/loss", "eval/loss", "eval/loss_untrained"):
-        assert _close(two.metrics[key], one.metrics[key]), (key, one.metrics[key], two.metrics[key])
+        assert close(two.metrics[key], one.metrics[key]), (key, one.metrics[key], two.metrics[key])
     assert two.metrics["eval/loss"] < two.metrics["eval/loss_untrained"]
     saved = _assert_plain(two.checkpoint)
     assert _merged_only_where_targeted(load_file(world / "model" / "model.safetensors"), saved) == 14

@@ -12,46 +12,21 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.config import LoRAConfig, PPOConfig
 from stages.models import load_tokenizer, position_ids_for
-from stages.ppo import NonFiniteLossError, PPOInputs, train_ppo
+from stages.ppo import NonFiniteLossError
 from stages.ppo_models import forward_response, load_models, reference_policy
 from stages.reporting import Reporting
+from tests.helpers import killed_and_resumed, run_ppo
 
 
 def _cfg(tiny_config, **changes):
     return tiny_config.ppo.model_copy(update=changes)
 
 
-def _run(cfg, trained, out, reporting=Reporting()):
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
-    return train_ppo(cfg, inputs, out, reporting)
-
-
-def killed_and_resumed(cfg, trained, tmp_path):
-    """An uninterrupted run in `tmp_path/whole`, and a run in `tmp_path/interrupted` killed at iteration
-    4 (after its checkpoint at 3), then rerun to the end: (uninterrupted result, resumed result)."""
-    reference = _run(cfg, trained, tmp_path / "whole")
-
-    class Killed(Exception):
-        pass
-
-    def die_after_four(figures, iteration):
-        if iteration == 4:
-            raise Killed
-
-    with pytest.raises(Killed):
-        _run(cfg, trained, tmp_path / "interrupted", Reporting(metrics=die_after_four))
-    assert json.loads((tmp_path / "interrupted" / "state" / "loop.json").read_text())["iteration"] == 3
-    messages = []
-    resumed = _run(cfg, trained, tmp_path / "interrupted", Reporting(warning=messages.append))
-    assert "resumed from the full-state checkpoint after iteration 3" in messages[0]
-    return reference, resumed
-
-
 def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
     cfg = _cfg(tiny_config, num_iterations=24, rollout_batch_size=16, num_minibatches=2, learning_rate=1e-3,
                checkpoint_every=100, target_kl=None, init_kl_coef=0.01, kl_budget=0.05)
     samples, warnings, rollouts = [], [], {}
-    result = _run(cfg, trained, tmp_path, Reporting(samples=lambda t, i: samples.append(i), warning=warnings.append,
+    result = run_ppo(cfg, trained, tmp_path, Reporting(samples=lambda t, i: samples.append(i), warning=warnings.append,
                                                      rollouts=lambda t, i: rollouts.update({i: t})))
     scores = [row["rollout/score"] for row in result.history]
     assert np.mean(scores[-6:]) > np.mean(scores[:6]) + 0.3, scores
@@ -101,10 +76,10 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, tra
 
 
 def test_evaluations_every_eval_every_iterations_leave_training_as_it_was(tiny_config, trained, tmp_path):
-    plain = _run(_cfg(tiny_config, num_iterations=4, eval_every=None), trained, tmp_path / "plain")
+    plain = run_ppo(_cfg(tiny_config, num_iterations=4, eval_every=None), trained, tmp_path / "plain")
     logged, tables, progress = {}, {}, []
     cfg = _cfg(tiny_config, num_iterations=4, eval_every=2)
-    result = _run(cfg, trained, tmp_path / "evaluated", Reporting(
+    result = run_ppo(cfg, trained, tmp_path / "evaluated", Reporting(
         metrics=lambda figures, i: logged.setdefault(i, {}).update(figures),
         evaluation=lambda table, i: tables.update({i: table}), progress=lambda done, total: progress.append((done, total))))
     assert sorted(tables) == [2]  # the last evaluation is the stage's result, not a midway report
@@ -118,7 +93,7 @@ def test_evaluations_every_eval_every_iterations_leave_training_as_it_was(tiny_c
     assert ((tmp_path / "plain" / "checkpoint" / "model.safetensors").read_bytes()
             == (tmp_path / "evaluated" / "checkpoint" / "model.safetensors").read_bytes())
     # The baseline is the SFT policy's, even when the reference is refreshed along the way.
-    refreshed = _run(_cfg(tiny_config, num_iterations=2, ref_refresh_every=1), trained, tmp_path / "refreshed")
+    refreshed = run_ppo(_cfg(tiny_config, num_iterations=2, ref_refresh_every=1), trained, tmp_path / "refreshed")
     assert list(refreshed.evaluation["sft_response"]) == list(plain.evaluation["sft_response"])
 
 
@@ -169,7 +144,7 @@ def test_lora_reference_is_the_policy_with_adapters_disabled(tiny_config, traine
     assert trainable < 0.2 * sum(p.numel() for p in models.policy.parameters())
     with reference_policy(models) as reference:
         assert reference is models.policy
-    result = _run(cfg, trained, tmp_path)
+    result = run_ppo(cfg, trained, tmp_path)
     from safetensors import safe_open
 
     with safe_open(str(result.checkpoint / "model.safetensors"), "pt") as weights:
@@ -182,7 +157,7 @@ def test_lora_reference_is_the_policy_with_adapters_disabled(tiny_config, traine
 
 
 def test_value_head_on_the_policy_body(tiny_config, trained, tmp_path):
-    result = _run(_cfg(tiny_config, critic="shared", num_iterations=2), trained, tmp_path)
+    result = run_ppo(_cfg(tiny_config, critic="shared", num_iterations=2), trained, tmp_path)
     assert np.isfinite(result.history[-1]["train/value_loss"])
 
 
@@ -200,7 +175,7 @@ def test_critic_warm_up_trains_the_critic_and_leaves_the_policy_as_it_was(tiny_c
                           critic=load_file(str(tmp_path / "state" / "critic.safetensors")),
                           optimizer=torch.load(tmp_path / "state" / "optimizer.pt"))
 
-    result = _run(cfg, trained, tmp_path, Reporting(metrics=keep_state))
+    result = run_ppo(cfg, trained, tmp_path, Reporting(metrics=keep_state))
     critic_after_two, optimizer_after_two = states.pop("critic"), states.pop("optimizer")
     models = load_models(cfg, trained["sft"], trained["reward"])
     # Adam stepped only the critic: the policy's parameters (first in the optimizer) have no state yet,
@@ -223,7 +198,7 @@ def test_critic_free_estimators_sample_groups_and_train_no_critic(tiny_config, t
     models = load_models(cfg, trained["sft"], trained["reward"])
     assert models.critic is None and models.trainable() == [p for p in models.policy.parameters() if p.requires_grad]
     rollouts = {}
-    result = _run(cfg, trained, tmp_path, Reporting(rollouts=lambda t, i: rollouts.update({i: t})))
+    result = run_ppo(cfg, trained, tmp_path, Reporting(rollouts=lambda t, i: rollouts.update({i: t})))
     for table in rollouts.values():  # 2 prompts a batch, each answered 4 times on consecutive rows
         prompts = list(table["prompt_messages"])
         assert len(prompts) == 8 and all(len(set(prompts[g:g + 4])) == 1 for g in (0, 4)) and prompts[0] != prompts[4]
@@ -286,13 +261,13 @@ def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_checkpoin
     monkeypatch.setattr(RewardScorer, "raw_scores", poisoned)
     with pytest.raises(NonFiniteLossError, match="at iteration 3"):
         # no evaluations between iterations: they would score too, and move the poisoned call
-        _run(_cfg(tiny_config, num_iterations=4, checkpoint_every=2, eval_every=None), trained, tmp_path)
+        run_ppo(_cfg(tiny_config, num_iterations=4, checkpoint_every=2, eval_every=None), trained, tmp_path)
     assert json.loads((tmp_path / "state" / "loop.json").read_text())["iteration"] == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_ppo_runs_on_cuda_with_bf16(tiny_config, trained, tmp_path):
-    result = _run(_cfg(tiny_config, num_iterations=3), trained, tmp_path)
+    result = run_ppo(_cfg(tiny_config, num_iterations=3), trained, tmp_path)
     assert np.isfinite(result.history[-1]["train/policy_loss"])
 
 
@@ -321,7 +296,7 @@ def test_bf16_autocast_on_the_cpu_keeps_float32_weights_and_a_bf16_reference(tin
     models = load_models(cfg, trained["sft"], trained["reward"])
     assert {p.dtype for p in models.trainable()} == {torch.float32}
     assert models.reference.dtype == torch.bfloat16 and models.scorer.model.dtype == torch.bfloat16
-    result = _run(cfg, trained, tmp_path)
+    result = run_ppo(cfg, trained, tmp_path)
     assert result.tags == {"rlhf.trainable_dtype": "float32", "rlhf.autocast_dtype": "bfloat16",
                            "rlhf.checkpoint_dtype": "float32", "rlhf.held_as": "one process"}
     # old_logprobs: auto recomputes them under autocast; what is left is bf16 rounding (measured 0 with the
@@ -381,8 +356,8 @@ def test_draw_samples_the_categorical_it_is_given():
 def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, trained):
     """What the rollout reuses from the KV-cached sampling steps is what a full forward computes."""
     from stages.ppo import sample
-    from stages.ppo_models import policy_and_values
     from stages.ppo_math import entropy_of, logprobs_of, response_mask
+    from stages.ppo_models import policy_and_values
 
     cfg = _cfg(tiny_config, temperature=0.7, critic="shared")
     models = load_models(cfg, trained["sft"], trained["reward"])
@@ -429,8 +404,8 @@ def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_
     """`micro_rollout_batch_size`: pieces sampled and scored apart, then padded into one batch, hold
     the log-probs and values one pass over the joined batch computes (padding changes nothing)."""
     from stages.ppo import rollout
-    from stages.ppo_models import policy_and_values
     from stages.ppo_math import logprobs_of
+    from stages.ppo_models import policy_and_values
 
     cfg = _cfg(tiny_config, micro_rollout_batch_size=3, response_length=12)
     models = load_models(cfg, trained["sft"], trained["reward"])

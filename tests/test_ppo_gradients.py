@@ -127,6 +127,7 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
     _assert_same(dict(heavy_models.policy.named_parameters()), dict(light_models.policy.named_parameters()))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("engine, critic, lora", [("ddp", "reward", False), ("fsdp", "reward", False),
                                                  ("fsdp", "shared", False), ("fsdp", "reward", True),
                                                  ("ddp", "reward-lora", False), ("fsdp", "reward-lora", True)])

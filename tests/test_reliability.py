@@ -20,6 +20,8 @@ import json, os, pathlib, sys, time
 from flows.pipeline import rlhf
 import stages.ppo
 
+pytestmark = pytest.mark.multiprocess  # every test runs the pipeline in child processes
+
 if os.environ.get("HOLD_MARKER"):
     # Park the run inside the PPO iteration after its first full-state checkpoint, so the test's
     # SIGKILL lands mid-iteration whatever the machine's speed (polling for the checkpoint raced

@@ -13,7 +13,6 @@ import json
 import math
 
 import pytest
-
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import LaunchConfig
@@ -23,7 +22,9 @@ from stages.ppo import PPOInputs, train_ppo
 from stages.reporting import MEASURED, Reporting
 from stages.reward import train_reward
 from stages.sft import train_sft
-from tests.test_distributed import _close, _data, reward_inputs, sft_inputs
+from tests.helpers import close, dataset, reward_inputs, sft_inputs
+
+pytestmark = pytest.mark.multiprocess  # every test launches a stage on two FSDP2 processes
 
 FSDP = LaunchConfig(num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml")
 
@@ -34,7 +35,7 @@ def _run(train, section, inputs, folder):
 
 def _agree(one: dict, two: dict, keys) -> None:
     for key in keys:
-        assert _close(two[key], one[key]), (key, one[key], two[key])
+        assert close(two[key], one[key]), (key, one[key], two[key])
 
 
 def test_sft_sharded_matches_one_process(world, tiny_config, tokenizer, tmp_path):
@@ -61,8 +62,8 @@ def test_reward_sharded_matches_one_process(world, tiny_config, tokenizer, train
 def test_dpo_sharded_matches_one_process(world, tiny_config, tokenizer, trained, tmp_path):
     one_cfg = tiny_config.dpo.model_copy(update={"max_steps": 8, "batch_size": 16})
     two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": FSDP})
-    inputs = DPOInputs(trained["sft"], _data(world, tokenizer, "preferences", "preference"),
-                       _data(world, tokenizer, "preferences_eval", "preference"), trained["eval_prompts"])
+    inputs = DPOInputs(trained["sft"], dataset(world, tokenizer, "preferences"),
+                       dataset(world, tokenizer, "preferences_eval"), trained["eval_prompts"])
     one, two = _run(train_dpo, one_cfg, inputs, tmp_path / "one"), _run(train_dpo, two_cfg, inputs, tmp_path / "two")
     _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/loss_untrained", "eval/preference_accuracy"))
     assert two.tags["rlhf.held_as"] == "fsdp2 x 2"
