@@ -10,7 +10,7 @@ the demo world, from identical checkpoints, prompts and work per iteration.
    configurations (`CANDIDATES`: the default, and cheaper or faster ones) runs it with the
    candidate's settings on top (`target_kl` off, so beta stays fixed).
 3. Every run is judged every `--eval-every` iterations and at the end by one evaluation:
-   `stages.ppo.evaluate` against the SFT reference on the held-out prompts, its SFT baseline sampled
+   `stages.evaluation.evaluate` against the SFT reference on the held-out prompts, its SFT baseline sampled
    with common random numbers (the same responses for every run and every point), then the demo
    world's gold function: gold reward, gold win rate against SFT, KL to SFT per sequence. Ours
    evaluates in the run (`ppo.eval_every`, training's random stream untouched); TRL's policy is
@@ -98,13 +98,14 @@ def scaled_reward_model(reward_folder: Path, state: Path) -> Path:
 
 
 class Judge:
-    """The one evaluation TRL's policies get, ours's in the run: `stages.ppo.evaluate` against the SFT
+    """The one evaluation TRL's policies get, ours's in the run: `stages.evaluation.evaluate` against the SFT
     responses to the held-out prompts (common random numbers), sampled once here."""
 
     def __init__(self, sft_folder: Path, reward_folder: Path, eval_prompts, ppo_cfg):
         import torch
 
-        from stages.ppo import HeldOut, load_models
+        from stages.evaluation import HeldOut
+        from stages.ppo_models import load_models
 
         self.cfg = ppo_cfg
         self.models = load_models(ppo_cfg, str(sft_folder), str(reward_folder))
@@ -114,14 +115,15 @@ class Judge:
         """The evaluation table of the policy saved in `policy_folder`."""
         from safetensors.torch import load_file
 
-        from stages.ppo import evaluate
+        from stages.evaluation import evaluate
+        from stages.ppo_rollout import policy_sampler
 
         weights = load_file(str(policy_folder / "model.safetensors"))
         missing, unexpected = self.models.policy.load_state_dict({k: v.float() for k, v in weights.items()},
                                                                  strict=False)
         if unexpected or set(missing) - {"lm_head.weight"}:  # only a tied head may be absent from the file
             raise ValueError(f"{policy_folder} does not fit the SFT model: missing {missing}, unexpected {unexpected}")
-        return evaluate(self.models, self.held_out, self.cfg)[1]
+        return evaluate(self.models, policy_sampler(self.models), self.held_out, self.cfg)[1]
 
 
 CANDIDATES: dict[str, dict] = {

@@ -6,7 +6,7 @@ The policy starts from the SFT checkpoint and the reference is the SFT model, fr
 encoded as the reward stage encodes them (`encode_pairs`: the prompt rendered with the chat
 template, each reply ended by the token that ends a reply), so DPO trains on the very token
 sequences the reward model would score. After training the policy is judged by PPO's own
-evaluation (`stages.ppo.evaluate`): held-out prompts, the SFT policy's responses from `eval_seed`
+evaluation (`stages.evaluation.evaluate`): held-out prompts, the SFT policy's responses from `eval_seed`
 as the baseline, KL to SFT per sequence.
 """
 
@@ -26,9 +26,10 @@ from trl import DPOTrainer
 from rlhf.config import DPOConfig, PPOConfig
 from stages.models import (device, disable_dropout, dtype_named, encode_pairs, load_causal_lm, load_tokenizer,
                            lora_config, resolve_precision, save_trained, stop_token_ids, with_lora)
-from stages.ppo import HeldOut, evaluate, warn_over_kl_budget
+from stages.evaluation import HeldOut, evaluate, warn_over_kl_budget
 from stages.ppo_models import Models
 from stages.reporting import Reporting
+from stages.ppo_rollout import policy_sampler
 from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
                              trainer_arguments, untrained_evaluation)
 
@@ -137,7 +138,7 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Re
     settings = evaluation_settings(cfg)
     models = evaluation_models(model, cfg, inputs.sft_location)
     held_out = HeldOut.sample(models, inputs.eval_prompts, settings, device())
-    metrics, evaluation = evaluate(models, held_out, settings)
+    metrics, evaluation = evaluate(models, policy_sampler(models), held_out, settings)
     warn_over_kl_budget(metrics, cfg.kl_budget, reporting)
     metrics |= {
         "eval/loss": float(final["eval_loss"]),

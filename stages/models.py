@@ -273,31 +273,6 @@ def left_padded(tokenizer: PreTrainedTokenizerBase, prompts: list[str], on: torc
                      padding_side="left").to(on)
 
 
-@torch.inference_mode()
-def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int,
-             temperature: float | None = None, num_return_sequences: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids, their attention mask, and the new tokens: greedy when `temperature`
-    is None, else sampled from the full temperature-scaled distribution (no top-k or top-p).
-    # -> (B, Tq), (B, Tq), (B * num_return_sequences, T)"""
-    batch = left_padded(tokenizer, prompts, model.device)
-    sampling = {"do_sample": False} if temperature is None else {
-        "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-    out = model.generate(**batch, **sampling, max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(model))  # (B, Tq + T)
-    return batch["input_ids"], batch["attention_mask"], out[:, batch["input_ids"].shape[1]:]
-
-
-def generate_greedy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int) -> list[str]:
-    """Greedy completions of rendered prompts, decoded without special tokens."""
-    if not prompts:
-        return []
-    was_training = model.training
-    model.eval()
-    _, _, new_tokens = generate(model, tokenizer, prompts, max_new_tokens)
-    model.train(was_training)
-    return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-
-
 def encode_replies(tokenizer: PreTrainedTokenizerBase, prompts: list[str], replies: list[str],
                    complete: list[bool] | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids of rendered prompts and of replies closed by the reply-end token, the way every

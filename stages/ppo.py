@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -39,24 +38,23 @@ import numpy as np
 import pandas as pd
 import torch
 from accelerate import Accelerator
-from transformers import DynamicCache, PreTrainedModel, get_scheduler
+from transformers import get_scheduler
 
 from rlhf.config import PPOConfig
-from rlhf.evaluation import win_rate
 from schemas.adapters import last_user_message
 from stages.collectives import MAX_FIGURES, over_processes, whiten_over_processes
 from stages.errors import NonFiniteLossError
-from stages.models import Precision, left_padded, merged, position_ids_for, resolve_precision, save_trained
+from stages.evaluation import HeldOut, evaluate, evaluate_midway, warn_over_kl_budget
+from stages.models import Precision, merged, resolve_precision, save_trained
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss,
                              discounted_returns, entropy_of, explained_variance, gae, group_baselined, grpo_advantages,
-                             is_end, kl_estimate, logprobs_of, masked_mean, response_mask, rloo_advantages,
-                             sequence_rewards, token_rewards, truncate_after_eos)
-from stages.holding import Holding, Replicated, held_as, holding_for
-from stages.ppo_models import (ActorCritic, Models, build_policy, forward_response, load_models, policy_and_values,
-                               reference_policy)
+                             kl_estimate, logprobs_of, masked_mean, rloo_advantages, sequence_rewards, token_rewards)
+from stages.holding import held_as, holding_for
+from stages.ppo_models import ActorCritic, Models, build_policy, load_models
 from stages.ppo_state import LoopState, Normalization, load_state, save_state_everywhere
 from stages.reporting import Reporting
 from stages.reward import RewardScorer, fit_normalization
+from stages.ppo_rollout import Rollout, policy_sampler, rollout, rounds_to_16_bits
 
 
 @dataclass(frozen=True)
@@ -85,166 +83,6 @@ class PPOResult:
 
 
 # --- rollout ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Rollout:
-    """One iteration's episodes; every tensor is (B, T) over response tokens unless noted."""
-
-    queries: torch.Tensor  # (B, Tq) left-padded prompt ids
-    query_mask: torch.Tensor  # (B, Tq)
-    responses: torch.Tensor  # truncated after the first EOS, then padding
-    mask: torch.Tensor
-    logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    values: torch.Tensor | None  # None without a critic
-    entropy: torch.Tensor
-    has_eos: torch.Tensor  # (B,) the response ended with an end token
-    texts: list[str]
-    prompts: list[str]
-
-
-@dataclass
-class Samples:
-    """Sampled responses with what the sampling pass saw; (B, T) over response tokens unless noted."""
-
-    queries: torch.Tensor  # (B, Tq) left-padded prompt ids
-    query_mask: torch.Tensor  # (B, Tq)
-    responses: torch.Tensor  # truncated after the first EOS, then padding
-    logprobs: torch.Tensor  # log pi(token) under the temperature-scaled logits it was drawn from
-    entropy: torch.Tensor
-    hidden: torch.Tensor  # (B, T, H) final hidden states at the positions that predicted each token
-
-
-def draw(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row from categorical `probs` by inverse-CDF sampling: one uniform number per
-    row, where torch.multinomial draws one per vocabulary entry. # (B, V) -> (B, 1)"""
-    cdf = probs.cumsum(dim=-1)  # (B, V)
-    u = torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]  # scaled: cdf[-1] may round below 1
-    return torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)
-
-
-@torch.no_grad()
-def sample(model: PreTrainedModel, tokenizer, prompts: list[str], cfg: PPOConfig, precision: Precision,
-           stop_ids: list[int], holding: Holding | None = None) -> Samples:
-    """Sample up to `response_length` tokens per prompt from the full temperature-scaled
-    distribution, one KV-cached step at a time, keeping each token's log-prob, the entropy and
-    the final hidden state of the step that produced it: the rollout then needs no second
-    policy pass for old log-probs and (shared-body) values. Stops early once every row has an end
-    token (on every process, when the model is sharded). `holding` gathers a sharded model for it."""
-    holding = holding or Replicated()
-    batch = left_padded(tokenizer, prompts, model.device)
-    queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
-    attention_mask, positions = query_mask, position_ids_for(query_mask)
-    step_ids, cache = queries, DynamicCache()
-    tokens, logprobs, entropy, hidden = [], [], [], []
-    finished = torch.zeros(len(prompts), dtype=torch.bool, device=model.device)
-    with precision.autocast(model.device), holding.sampling(model):
-        for _ in range(cfg.response_length):
-            out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
-                        past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-            logits = out.logits[:, -1:].float()  # (B, 1, V)
-            token = draw(torch.softmax(logits[:, -1] / cfg.temperature, dim=-1))  # (B, 1)
-            tokens.append(token)
-            logprobs.append(logprobs_of(logits, token, cfg.temperature))
-            entropy.append(entropy_of(logits, cfg.temperature))
-            hidden.append(out.hidden_states[-1][:, -1:])
-            finished |= is_end(token.squeeze(1), stop_ids)
-            if holding.all_finished(finished):
-                break
-            step_ids, positions = token, positions[:, -1:] + 1
-            attention_mask = torch.cat([attention_mask, torch.ones_like(token)], dim=1)
-    responses = truncate_after_eos(torch.cat(tokens, dim=1), stop_ids, tokenizer.pad_token_id)
-    return Samples(queries, query_mask, responses, torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1),
-                   torch.cat(hidden, dim=1))
-
-
-def rounds_to_16_bits(cfg: PPOConfig, precision: Precision) -> bool:
-    """Whether the policy's passes compute in 16 bits: under autocast, or as a LoRA policy whose own
-    weights are held in bf16 (`frozen_dtype`), whatever the precision."""
-    return precision.autocast_dtype is not None or (cfg.lora is not None and cfg.frozen_dtype != "float32")
-
-
-def reuse_sampling_pass(cfg: PPOConfig, precision: Precision) -> bool:
-    """Whether old log-probs (and shared-body values) come from the sampling pass: in fp32 they
-    equal a fresh forward up to float rounding; in 16 bits the KV-cached steps drift further from
-    the full-sequence pass the update uses (1e-2 on the demo model), so a second forward is taken."""
-    if cfg.old_logprobs == "auto":
-        return not rounds_to_16_bits(cfg, precision)
-    return cfg.old_logprobs == "sampling"
-
-
-def in_chunks(items: list, cfg: PPOConfig) -> list[list]:
-    """`items` in runs of `micro_rollout_batch_size` (one run when unset): what a process samples at once."""
-    size = cfg.micro_rollout_batch_size or max(len(items), 1)
-    return [items[start:start + size] for start in range(0, len(items), size)]
-
-
-@torch.no_grad()
-def rollout(models: Models, prompts: list[str], cfg: PPOConfig, timings: dict[str, float]) -> Rollout:
-    """Sample responses, then the passes PPO needs besides: old log-probs and values (from the
-    sampling pass when `reuse_sampling_pass`), and the reference's log-probs; `micro_rollout_batch_size`
-    prompts at a time, the pieces then padded into one batch."""
-    models.train(False)
-    timings["generate"] = timings["forward"] = 0.0
-    return concat_rollouts([_rollout_chunk(models, chunk, cfg, timings) for chunk in in_chunks(prompts, cfg)],
-                           models.tokenizer.pad_token_id)
-
-
-def _rollout_chunk(models: Models, prompts: list[str], cfg: PPOConfig, timings: dict[str, float]) -> Rollout:
-    start = time.perf_counter()
-    sampled = sample(models.policy, models.tokenizer, prompts, cfg, models.precision, models.stop_ids, models.holding)
-    queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
-    timings["generate"] += time.perf_counter() - start
-
-    start = time.perf_counter()
-    mask = response_mask(responses, models.stop_ids)
-    if reuse_sampling_pass(cfg, models.precision):
-        logprobs, entropy = sampled.logprobs, sampled.entropy
-        values = None if models.critic is None else models.critic.values(sampled.hidden, queries, query_mask, responses,
-                                                                          mask, models.precision)
-    else:
-        logits, values = policy_and_values(models, queries, query_mask, responses, mask)
-        logprobs, entropy = logprobs_of(logits, responses, cfg.temperature), entropy_of(logits, cfg.temperature)
-    with reference_policy(models) as reference:
-        ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
-                                         precision=models.precision)
-    ref_logprobs = logprobs_of(ref_logits, responses, cfg.temperature)
-    timings["forward"] += time.perf_counter() - start
-    return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask,
-                   None if values is None else values * mask, entropy,
-                   has_eos=is_end(responses, models.stop_ids).any(dim=1),
-                   texts=models.tokenizer.batch_decode(responses, skip_special_tokens=True), prompts=prompts)
-
-
-def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
-    """Rollouts of consecutive prompts as one: prompts padded on the left, responses on the right,
-    to the widest of them (padding is masked out, and position ids count real tokens only)."""
-    if len(chunks) == 1:
-        return chunks[0]
-    width = max(c.queries.shape[1] for c in chunks)
-    steps = max(c.responses.shape[1] for c in chunks)
-
-    def left(x: torch.Tensor, value) -> torch.Tensor:  # (b, tq) -> (b, width)
-        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
-
-    def right(x: torch.Tensor | None, value) -> torch.Tensor | None:  # (b, t) -> (b, steps)
-        return None if x is None else torch.nn.functional.pad(x, (0, steps - x.shape[1]), value=value)
-
-    def joined(pieces: list) -> torch.Tensor | None:
-        return None if pieces[0] is None else torch.cat(pieces)
-
-    return Rollout(
-        queries=joined([left(c.queries, pad_id) for c in chunks]),
-        query_mask=joined([left(c.query_mask, 0) for c in chunks]),
-        responses=joined([right(c.responses, pad_id) for c in chunks]),
-        mask=joined([right(c.mask, 0) for c in chunks]),
-        logprobs=joined([right(c.logprobs, 0.0) for c in chunks]),
-        ref_logprobs=joined([right(c.ref_logprobs, 0.0) for c in chunks]),
-        values=joined([right(c.values, 0.0) for c in chunks]),
-        entropy=joined([right(c.entropy, 0.0) for c in chunks]),
-        has_eos=torch.cat([c.has_eos for c in chunks]),
-        texts=[t for c in chunks for t in c.texts], prompts=[p for c in chunks for p in c.prompts])
 
 
 # --- score ------------------------------------------------------------------------------------
@@ -474,89 +312,6 @@ def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPO
                           ratio_deviation_max=((ratio - 1).abs() * mask).max().item())
 
 
-# --- evaluate ---------------------------------------------------------------------------------
-
-
-@contextmanager
-def own_random_stream(device: torch.device):
-    """A block whose seeding and sampling leave the caller's random stream (CPU, and the GPU's) as it was."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-        yield
-
-
-@dataclass(frozen=True)
-class HeldOut:
-    """The held-out prompts, each `eval_samples_per_prompt` times, and the SFT policy's responses to
-    them, which every evaluation judges the policy against."""
-
-    prompts: list[str]
-    messages: list[list[dict]]
-    sft_texts: list[str]
-    sft_complete: list[bool]
-    """False where the SFT response was cut off at `response_length` without an end token."""
-
-    @classmethod
-    @torch.no_grad()
-    def sample(cls, models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig, device: torch.device) -> HeldOut:
-        """The SFT responses, sampled before training starts (so from the SFT policy even when the
-        reference is refreshed later, or the run resumes), from `eval_seed` alone: every PPO run from
-        the same SFT checkpoint and prompts, whatever its training seed or settings, is judged against
-        the same responses (common random numbers)."""
-        repeat = cfg.eval_samples_per_prompt
-        prompts = [p for p in eval_prompts["prompt"] for _ in range(repeat)]
-        messages = [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)]
-        models.train(False)
-        texts, complete = [], []
-        with own_random_stream(device), reference_policy(models) as reference:
-            torch.manual_seed(cfg.eval_seed)
-            for chunk in in_chunks(prompts, cfg):
-                responses = sample(reference, models.tokenizer, chunk, cfg, models.precision, models.stop_ids,
-                                   models.holding).responses
-                texts += models.tokenizer.batch_decode(responses, skip_special_tokens=True)
-                complete += is_end(responses, models.stop_ids).any(dim=1).tolist()
-        return cls(prompts, messages, texts, complete)
-
-
-@torch.no_grad()
-def evaluate(models: Models, held_out: HeldOut, cfg: PPOConfig) -> tuple[dict[str, float], pd.DataFrame]:
-    """The policy against the SFT responses on the held-out prompts: KL(policy || SFT) on the
-    policy's responses, sampled from `eval_seed + 1`, their length and EOS rate; with a reward
-    model, the scores of both (on the normalisation in force) and the win rate with its standard
-    error. Training's random stream is the caller's to keep (`own_random_stream`) when training goes on."""
-    prompts, messages = held_out.prompts, held_out.messages
-    torch.manual_seed(cfg.eval_seed + 1)
-    policy = rollout(models, prompts, cfg, {})
-    kl = (kl_estimate(policy.logprobs, policy.ref_logprobs) * policy.mask).sum(1)
-    table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
-                          "policy_response": policy.texts, "sft_response": held_out.sft_texts, "kl": kl.cpu().numpy()})
-    metrics = {"eval/kl": table["kl"].mean(), "eval/response_length": policy.mask.sum(1).float().mean().item(),
-               "eval/eos_rate": policy.has_eos.float().mean().item()}
-    if models.scorer is not None:
-        table["policy_score"] = models.scorer.score(messages, policy.texts, complete=policy.has_eos.tolist()).numpy()
-        table["sft_score"] = models.scorer.score(messages, held_out.sft_texts, complete=held_out.sft_complete).numpy()
-        wins, wins_se = win_rate(list(table["policy_score"]), list(table["sft_score"]), prompts)
-        metrics |= {"eval/score": table["policy_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
-                    "eval/win_rate_rm": wins, "eval/win_rate_rm_se": wins_se}
-    return {k: float(v) for k, v in metrics.items()}, table
-
-
-def warn_over_kl_budget(metrics: dict[str, float], kl_budget: float, reporting: Reporting) -> None:
-    """The final policy's KL to SFT on the held-out prompts against the budget (PPO's and DPO's alike)."""
-    if metrics["eval/kl"] > kl_budget:
-        reporting.warning(f"the final policy's mean KL per sequence on the held-out prompts, {metrics['eval/kl']:.2f}, "
-                          f"is over the budget of {kl_budget}")
-
-
-def evaluate_midway(models: Models, held_out: HeldOut, cfg: PPOConfig, iteration: int, device: torch.device,
-                    reporting: Reporting) -> dict[str, float]:
-    """An evaluation between iterations, reported at `iteration`, leaving training's random stream as it was."""
-    with own_random_stream(device):
-        metrics, table = evaluate(models, held_out, cfg)
-    reporting.metrics(metrics, iteration)
-    reporting.evaluation(table, iteration)
-    return metrics
-
-
 # --- the stage --------------------------------------------------------------------------------
 
 
@@ -691,6 +446,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
     loop = LoopState(kl=KLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
     if (state_dir / "loop.json").exists():
         loop = resume(state_dir, models, optimizer, scheduler, scaler, rank, reporting)
+    sampler = policy_sampler(models)  # built on the policy as resumed
     prompt_texts = list(inputs.prompts["prompt"])
     prompt_messages = [json.loads(m) for m in inputs.prompts["prompt_messages"]]
     prompts_per_iteration = cfg.rollout_batch_size // cfg.samples_per_prompt
@@ -701,7 +457,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, prompts_per_iteration)[rank * local:][:local]
         picks = [i for i in picks for _ in range(cfg.samples_per_prompt)]  # a prompt's group on consecutive rows
         messages = [prompt_messages[i] for i in picks]
-        batch = rollout(models, [prompt_texts[i] for i in picks], cfg, timings)
+        batch = rollout(models, sampler, [prompt_texts[i] for i in picks], cfg, timings)
         raw = raw_scores(models.scorer, batch, messages, timings)
         if loop.normalization is None:
             loop.normalization = first_normalization(accelerator, models.scorer, raw, cfg)
@@ -716,6 +472,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         start = time.perf_counter()
         train = ppo_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, scheduler, scaler,
                            iteration, kl_loss_coef)
+        sampler.sync(models.policy)
         timings["train"] = time.perf_counter() - start
 
         figures = over_processes(accelerator, iteration_figures(accelerator, batch, scores, kl, beta, reward_beta,
@@ -729,7 +486,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         report_iteration(reporting, cfg, loop, iteration, figures, batch, messages, scores, kl)
         loop.iteration, loop.cursor = iteration, loop.cursor + prompts_per_iteration
         if cfg.eval_every and iteration % cfg.eval_every == 0 and iteration < cfg.num_iterations:
-            figures |= evaluate_midway(models, held_out, cfg, iteration, accelerator.device, reporting)
+            figures |= evaluate_midway(models, sampler, held_out, cfg, iteration, reporting)
         loop.history = loop.history + [{"iteration": iteration, **figures}]
         reporting.progress(iteration, cfg.num_iterations)
         if iteration % cfg.checkpoint_every == 0 or iteration == cfg.num_iterations:
@@ -738,7 +495,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
 
     holding.check_weights_agree(actor_critic)
     held = held_as(models.policy, accelerator.num_processes)
-    metrics, evaluation = evaluate(models, held_out, cfg)
+    metrics, evaluation = evaluate(models, sampler, held_out, cfg)
     # Rank 0: the policy with its trained weights, unsharded (gathered from every process when sharded).
     policy = holding.whole(models.policy, lambda: build_policy(cfg, inputs.sft_location, models.tokenizer))
     if not accelerator.is_main_process:

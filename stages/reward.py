@@ -30,11 +30,12 @@ from trl import RewardTrainer
 from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
 from stages.errors import RewardGateError
-from stages.models import (device, disable_dropout, encode_pairs, encode_replies, fit_to_tokenizer, generate,
+from stages.models import (device, disable_dropout, encode_pairs, encode_replies, fit_to_tokenizer,
                            load_causal_lm, load_tokenizer, lora_config, position_ids_for, save_trained, stop_token_ids,
                            with_lora)
 from stages.ppo_math import is_end, last_token_index
 from stages.reporting import Reporting
+from stages.rollout import HFSampler, Sampling
 from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
                              trainer_arguments, untrained_evaluation)
 
@@ -189,10 +190,11 @@ def sample_references(policy_location: str, prompts: list[str], samples_per_prom
     tokenizer = load_tokenizer(policy_location, trust_remote_code=trust_remote_code)
     policy = load_causal_lm(policy_location, tokenizer, trust_remote_code=trust_remote_code).to(device()).eval()
     torch.manual_seed(seed)
-    _, _, new_tokens = generate(policy, tokenizer, prompts, max_new_tokens, temperature=1.0,
-                                num_return_sequences=samples_per_prompt)  # (P * S, T)
-    texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
-    complete = is_end(new_tokens, stop_token_ids(policy)).any(dim=1)
+    repeated = [p for p in prompts for _ in range(samples_per_prompt)]  # a prompt's samples on consecutive rows
+    sampler = HFSampler(policy, tokenizer, stop_token_ids(policy))
+    responses = sampler.generate(repeated, Sampling(max_new_tokens, temperature=1.0, logprobs=False)).responses  # (P * S, T)
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    complete = is_end(responses, stop_token_ids(policy)).any(dim=1)
     return [(i // samples_per_prompt, text, bool(done)) for i, (text, done) in enumerate(zip(texts, complete))]
 
 

@@ -20,9 +20,10 @@ from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
 from schemas.adapters import last_user_message
-from stages.models import (encode_replies, generate_greedy, load_causal_lm, load_tokenizer, lora_config, save_trained,
+from stages.models import (encode_replies, load_causal_lm, load_tokenizer, lora_config, save_trained, stop_token_ids,
                            with_lora)
 from stages.reporting import Reporting
+from stages.rollout import HFSampler, Sampling
 from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
                              trainer_arguments, untrained_evaluation)
 
@@ -97,7 +98,11 @@ def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Re
         return None
 
     picks = inputs.evaluation.head(cfg.num_samples)
-    answers = generate_greedy(model, tokenizer, list(picks["prompt"]), max_new_tokens=cfg.max_length - cfg.max_prompt_length)
+    answers = []
+    if len(picks):
+        greedy = Sampling(cfg.max_length - cfg.max_prompt_length, temperature=None, logprobs=False)
+        responses = HFSampler(model, tokenizer, stop_token_ids(model)).generate(list(picks["prompt"]), greedy).responses
+        answers = tokenizer.batch_decode(responses, skip_special_tokens=True)
     users = [last_user_message(json.loads(m)) for m in picks["prompt_messages"]]
     samples = [{"user": u, "response": a, "reference": r} for u, a, r in zip(users, answers, picks["response"])]
 

@@ -132,13 +132,13 @@ def test_left_padding_does_not_change_log_probs(tiny_config, trained):
 
 
 def test_lora_reference_is_the_policy_with_adapters_disabled(tiny_config, trained, tmp_path):
-    from stages.ppo import rollout
+    from stages.ppo_rollout import policy_sampler, rollout
 
     cfg = _cfg(tiny_config, lora=LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"]), num_iterations=2)
     models = load_models(cfg, trained["sft"], trained["reward"])
     assert models.reference is None
     frame = trained["prompts"].head(4)
-    batch = rollout(models, list(frame["prompt"]), cfg, {})
+    batch = rollout(models, policy_sampler(models), list(frame["prompt"]), cfg, {})
     assert torch.allclose(batch.logprobs, batch.ref_logprobs, atol=1e-5)  # LoRA starts as a no-op
     trainable = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
     assert trainable < 0.2 * sum(p.numel() for p in models.policy.parameters())
@@ -272,14 +272,15 @@ def test_ppo_runs_on_cuda_with_bf16(tiny_config, trained, tmp_path):
 
 
 def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, trained):
-    from stages.ppo import raw_scores, rollout, scores_of
+    from stages.ppo import raw_scores, scores_of
+    from stages.ppo_rollout import policy_sampler, rollout
 
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(4)
     messages = [json.loads(m) for m in prompts["prompt_messages"]]
     torch.manual_seed(0)
     cfg = _cfg(tiny_config, response_length=2)
-    batch = rollout(models, list(prompts["prompt"]), cfg, {})
+    batch = rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg, {})
     assert not batch.has_eos.any()  # two tokens never finish a demo reply
     as_they_are = models.scorer.score(messages, batch.texts, normalized=False, complete=[False] * 4)
     completed = models.scorer.score(messages, batch.texts, normalized=False)
@@ -344,7 +345,7 @@ def test_critic_from_a_reward_model_with_another_tokenizer_is_refused(tiny_confi
 
 
 def test_draw_samples_the_categorical_it_is_given():
-    from stages.ppo import draw
+    from stages.rollout import draw
 
     torch.manual_seed(0)
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(20000, 4)
@@ -355,16 +356,17 @@ def test_draw_samples_the_categorical_it_is_given():
 
 def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, trained):
     """What the rollout reuses from the KV-cached sampling steps is what a full forward computes."""
-    from stages.ppo import sample
     from stages.ppo_math import entropy_of, logprobs_of, response_mask
     from stages.ppo_models import policy_and_values
+    from stages.ppo_rollout import policy_sampler
+    from stages.rollout import Sampling
 
     cfg = _cfg(tiny_config, temperature=0.7, critic="shared")
     models = load_models(cfg, trained["sft"], trained["reward"])
     models.train(False)
     torch.manual_seed(0)
     prompts = list(trained["prompts"]["prompt"][:8])  # prompts of different lengths: left padding
-    sampled = sample(models.policy, models.tokenizer, prompts, cfg, models.precision, models.stop_ids)
+    sampled = policy_sampler(models).generate(prompts, Sampling(cfg.response_length, cfg.temperature))
     mask = response_mask(sampled.responses, models.stop_ids)
     assert (mask.sum(1) < sampled.responses.shape[1]).any()  # some responses ended early: truncation is covered
     with torch.inference_mode():
@@ -377,7 +379,8 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
 
 
 def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_config, trained):
-    from stages.ppo import Rollout, micro_batch
+    from stages.ppo import micro_batch
+    from stages.ppo_rollout import Rollout
 
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
     pad, eos = models.tokenizer.pad_token_id, models.tokenizer.eos_token_id
@@ -403,7 +406,7 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
 def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_config, trained):
     """`micro_rollout_batch_size`: pieces sampled and scored apart, then padded into one batch, hold
     the log-probs and values one pass over the joined batch computes (padding changes nothing)."""
-    from stages.ppo import rollout
+    from stages.ppo_rollout import policy_sampler, rollout
     from stages.ppo_math import logprobs_of
     from stages.ppo_models import policy_and_values
 
@@ -412,7 +415,7 @@ def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_
     prompts = list(trained["prompts"]["prompt"][:8])
     torch.manual_seed(0)
     timings: dict[str, float] = {}
-    batch = rollout(models, prompts, cfg, timings)
+    batch = rollout(models, policy_sampler(models), prompts, cfg, timings)
     assert len(batch.texts) == 8 and batch.queries.shape[0] == 8 and timings["generate"] > 0
     assert batch.prompts == prompts
     with torch.no_grad():

@@ -53,9 +53,10 @@ def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg
 
 
 def _setup(tiny_config, trained, critic="reward", lora=False):
-    from stages.ppo import raw_scores, rollout, scores_of
+    from stages.ppo import raw_scores, scores_of
     from stages.ppo_math import gae, kl_estimate, masked_whiten, token_rewards
     from stages.ppo_models import load_models
+    from stages.ppo_rollout import policy_sampler, rollout
 
     from rlhf.config import LoRAConfig
 
@@ -64,7 +65,7 @@ def _setup(tiny_config, trained, critic="reward", lora=False):
     torch.manual_seed(0)
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(8)
-    batch = rollout(models, list(prompts["prompt"]), cfg, {})
+    batch = rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg, {})
     raw = raw_scores(models.scorer, batch, [json.loads(m) for m in prompts["prompt_messages"]], {})
     lengths = batch.mask.sum(1)
     assert lengths.min() < lengths.max(), "responses of equal length would not tell the normalisations apart"

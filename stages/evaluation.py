@@ -1,0 +1,104 @@
+"""Judging a policy on held-out prompts: PPO's evaluations (midway and final) and DPO's final one.
+
+The policy answers the held-out prompts (from `eval_seed + 1`) and is compared with the SFT
+policy's responses to the same prompts (`HeldOut`, sampled once from `eval_seed` before training
+starts): KL(policy || SFT) per sequence on the policy's responses, their length and EOS rate, and
+with a reward model the scores of both and the win rate with its standard error.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from rlhf.config import PPOConfig
+from rlhf.evaluation import win_rate
+from stages.ppo_math import is_end, kl_estimate
+from stages.ppo_models import Models, reference_policy
+from stages.reporting import Reporting
+from stages.ppo_rollout import in_chunks, reference_sampler, rollout
+from stages.rollout import Sampler, Sampling
+
+
+@contextmanager
+def own_random_stream(device: torch.device):
+    """A block whose seeding and sampling leave the caller's random stream (CPU, and the GPU's) as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        yield
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out prompts, each `eval_samples_per_prompt` times, and the SFT policy's responses to
+    them, which every evaluation judges the policy against."""
+
+    prompts: list[str]
+    messages: list[list[dict]]
+    sft_texts: list[str]
+    sft_complete: list[bool]
+    """False where the SFT response was cut off at `response_length` without an end token."""
+
+    @classmethod
+    @torch.no_grad()
+    def sample(cls, models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig, device: torch.device) -> HeldOut:
+        """The SFT responses, sampled before training starts (so from the SFT policy even when the
+        reference is refreshed later, or the run resumes), from `eval_seed` alone: every PPO run from
+        the same SFT checkpoint and prompts, whatever its training seed or settings, is judged against
+        the same responses (common random numbers)."""
+        repeat = cfg.eval_samples_per_prompt
+        prompts = [p for p in eval_prompts["prompt"] for _ in range(repeat)]
+        messages = [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)]
+        models.train(False)
+        texts, complete = [], []
+        with own_random_stream(device), reference_policy(models) as reference:
+            torch.manual_seed(cfg.eval_seed)
+            sampler = reference_sampler(models, reference)
+            for chunk in in_chunks(prompts, cfg):
+                responses = sampler.generate(chunk, Sampling(cfg.response_length, cfg.temperature)).responses
+                texts += models.tokenizer.batch_decode(responses, skip_special_tokens=True)
+                complete += is_end(responses, models.stop_ids).any(dim=1).tolist()
+        return cls(prompts, messages, texts, complete)
+
+
+@torch.no_grad()
+def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, cfg: PPOConfig) -> tuple[dict[str, float], pd.DataFrame]:
+    """The policy against the SFT responses on the held-out prompts: KL(policy || SFT) on the
+    policy's responses, sampled from `eval_seed + 1`, their length and EOS rate; with a reward
+    model, the scores of both (on the normalisation in force) and the win rate with its standard
+    error. Training's random stream is the caller's to keep (`own_random_stream`) when training goes on."""
+    prompts, messages = held_out.prompts, held_out.messages
+    torch.manual_seed(cfg.eval_seed + 1)
+    policy = rollout(models, sampler, prompts, cfg, {})
+    kl = (kl_estimate(policy.logprobs, policy.ref_logprobs) * policy.mask).sum(1)
+    table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
+                          "policy_response": policy.texts, "sft_response": held_out.sft_texts, "kl": kl.cpu().numpy()})
+    metrics = {"eval/kl": table["kl"].mean(), "eval/response_length": policy.mask.sum(1).float().mean().item(),
+               "eval/eos_rate": policy.has_eos.float().mean().item()}
+    if models.scorer is not None:
+        table["policy_score"] = models.scorer.score(messages, policy.texts, complete=policy.has_eos.tolist()).numpy()
+        table["sft_score"] = models.scorer.score(messages, held_out.sft_texts, complete=held_out.sft_complete).numpy()
+        wins, wins_se = win_rate(list(table["policy_score"]), list(table["sft_score"]), prompts)
+        metrics |= {"eval/score": table["policy_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
+                    "eval/win_rate_rm": wins, "eval/win_rate_rm_se": wins_se}
+    return {k: float(v) for k, v in metrics.items()}, table
+
+
+def warn_over_kl_budget(metrics: dict[str, float], kl_budget: float, reporting: Reporting) -> None:
+    """The final policy's KL to SFT on the held-out prompts against the budget (PPO's and DPO's alike)."""
+    if metrics["eval/kl"] > kl_budget:
+        reporting.warning(f"the final policy's mean KL per sequence on the held-out prompts, {metrics['eval/kl']:.2f}, "
+                          f"is over the budget of {kl_budget}")
+
+
+def evaluate_midway(models: Models, sampler: Sampler, held_out: HeldOut, cfg: PPOConfig, iteration: int,
+                    reporting: Reporting) -> dict[str, float]:
+    """An evaluation between iterations, reported at `iteration`, leaving training's random stream as it was."""
+    with own_random_stream(models.policy.device):
+        metrics, table = evaluate(models, sampler, held_out, cfg)
+    reporting.metrics(metrics, iteration)
+    reporting.evaluation(table, iteration)
+    return metrics

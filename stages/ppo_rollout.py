@@ -1,0 +1,144 @@
+"""PPO's rollout on a sampler: sample, then the passes PPO needs besides (old log-probs and values
+unless the sampling pass gave them, and the reference's log-probs). PPO's iterations and every
+evaluation of a policy (`stages.evaluation`, PPO's and DPO's) call `rollout`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedModel
+
+from stages.models import Precision
+from stages.ppo_math import entropy_of, is_end, logprobs_of, response_mask
+from stages.ppo_models import Models, forward_response, policy_and_values, reference_policy
+from stages.rollout import Generation, HFSampler, Sampler, Sampling
+
+if TYPE_CHECKING:
+    from rlhf.config import PPOConfig
+
+
+def policy_sampler(models: Models) -> HFSampler:
+    """The sampler of a PPO run's policy."""
+    return HFSampler(models.policy, models.tokenizer, models.stop_ids, models.precision, models.holding)
+
+
+def reference_sampler(models: Models, reference: PreTrainedModel) -> HFSampler:
+    """A sampler of the frozen reference (`reference_policy(models)`), held as the policy is."""
+    return HFSampler(reference, models.tokenizer, models.stop_ids, models.precision, models.holding)
+
+
+@dataclass
+class Rollout:
+    """One iteration's episodes; every tensor is (B, T) over response tokens unless noted."""
+
+    queries: torch.Tensor  # (B, Tq) left-padded prompt ids
+    query_mask: torch.Tensor  # (B, Tq)
+    responses: torch.Tensor  # truncated after the first EOS, then padding
+    mask: torch.Tensor
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor | None  # None without a critic
+    entropy: torch.Tensor
+    has_eos: torch.Tensor  # (B,) the response ended with an end token
+    texts: list[str]
+    prompts: list[str]
+
+
+def rounds_to_16_bits(cfg: PPOConfig, precision: Precision) -> bool:
+    """Whether the policy's passes compute in 16 bits: under autocast, or as a LoRA policy whose own
+    weights are held in bf16 (`frozen_dtype`), whatever the precision."""
+    return precision.autocast_dtype is not None or (cfg.lora is not None and cfg.frozen_dtype != "float32")
+
+
+def reuse_sampling_pass(cfg: PPOConfig, precision: Precision) -> bool:
+    """Whether old log-probs (and shared-body values) come from the sampling pass: in fp32 they
+    equal a fresh forward up to float rounding; in 16 bits the KV-cached steps drift further from
+    the full-sequence pass the update uses (1e-2 on the demo model), so a second forward is taken."""
+    if cfg.old_logprobs == "auto":
+        return not rounds_to_16_bits(cfg, precision)
+    return cfg.old_logprobs == "sampling"
+
+
+def in_chunks(items: list, cfg: PPOConfig) -> list[list]:
+    """`items` in runs of `micro_rollout_batch_size` (one run when unset): what a process samples at once."""
+    size = cfg.micro_rollout_batch_size or max(len(items), 1)
+    return [items[start:start + size] for start in range(0, len(items), size)]
+
+
+@torch.no_grad()
+def rollout(models: Models, sampler: Sampler, prompts: list[str], cfg: PPOConfig,
+            timings: dict[str, float]) -> Rollout:
+    """Sample responses, then the passes PPO needs besides: old log-probs and values (from the
+    sampling pass when `reuse_sampling_pass` and the sampler gave them), and the reference's
+    log-probs; `micro_rollout_batch_size` prompts at a time, the pieces then padded into one batch."""
+    models.train(False)
+    timings["generate"] = timings["forward"] = 0.0
+    return concat_rollouts([_rollout_chunk(models, sampler, chunk, cfg, timings) for chunk in in_chunks(prompts, cfg)],
+                           models.tokenizer.pad_token_id)
+
+
+def _gave_what_the_update_needs(models: Models, sampled: Generation) -> bool:
+    """Whether the sampling pass holds the old log-probs and, for a critic on the policy's body, its hidden states."""
+    wants_hidden = models.critic is not None and models.critic.reads_policy_hidden
+    return sampled.logprobs is not None and (sampled.hidden is not None or not wants_hidden)
+
+
+def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], cfg: PPOConfig,
+                   timings: dict[str, float]) -> Rollout:
+    start = time.perf_counter()
+    sampled = sampler.generate(prompts, Sampling(cfg.response_length, cfg.temperature))
+    queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
+    timings["generate"] += time.perf_counter() - start
+
+    start = time.perf_counter()
+    mask = response_mask(responses, models.stop_ids)
+    if reuse_sampling_pass(cfg, models.precision) and _gave_what_the_update_needs(models, sampled):
+        logprobs, entropy = sampled.logprobs, sampled.entropy
+        values = None if models.critic is None else models.critic.values(sampled.hidden, queries, query_mask, responses,
+                                                                          mask, models.precision)
+    else:
+        logits, values = policy_and_values(models, queries, query_mask, responses, mask)
+        logprobs, entropy = logprobs_of(logits, responses, cfg.temperature), entropy_of(logits, cfg.temperature)
+    with reference_policy(models) as reference:
+        ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
+                                         precision=models.precision)
+    ref_logprobs = logprobs_of(ref_logits, responses, cfg.temperature)
+    timings["forward"] += time.perf_counter() - start
+    return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask,
+                   None if values is None else values * mask, entropy,
+                   has_eos=is_end(responses, models.stop_ids).any(dim=1),
+                   texts=models.tokenizer.batch_decode(responses, skip_special_tokens=True), prompts=prompts)
+
+
+def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
+    """Rollouts of consecutive prompts as one: prompts padded on the left, responses on the right,
+    to the widest of them (padding is masked out, and position ids count real tokens only)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    width = max(c.queries.shape[1] for c in chunks)
+    steps = max(c.responses.shape[1] for c in chunks)
+
+    def left(x: torch.Tensor, value) -> torch.Tensor:  # (b, tq) -> (b, width)
+        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+    def right(x: torch.Tensor | None, value) -> torch.Tensor | None:  # (b, t) -> (b, steps)
+        return None if x is None else torch.nn.functional.pad(x, (0, steps - x.shape[1]), value=value)
+
+    def joined(pieces: list) -> torch.Tensor | None:
+        return None if pieces[0] is None else torch.cat(pieces)
+
+    return Rollout(
+        queries=joined([left(c.queries, pad_id) for c in chunks]),
+        query_mask=joined([left(c.query_mask, 0) for c in chunks]),
+        responses=joined([right(c.responses, pad_id) for c in chunks]),
+        mask=joined([right(c.mask, 0) for c in chunks]),
+        logprobs=joined([right(c.logprobs, 0.0) for c in chunks]),
+        ref_logprobs=joined([right(c.ref_logprobs, 0.0) for c in chunks]),
+        values=joined([right(c.values, 0.0) for c in chunks]),
+        entropy=joined([right(c.entropy, 0.0) for c in chunks]),
+        has_eos=torch.cat([c.has_eos for c in chunks]),
+        texts=[t for c in chunks for t in c.texts], prompts=[p for c in chunks for p in c.prompts])

@@ -1,0 +1,145 @@
+"""Generation: one way for every stage to sample responses.
+
+A `Sampler` answers prompts with responses (token ids, and where the engine can give them each
+token's log-prob, the entropy and the final hidden state that predicted it) and receives the
+policy's current weights (`sync`). What an engine cannot give is None, and the caller recomputes
+it with a forward pass. `HFSampler` is transformers' model itself: it samples the live policy,
+so `sync` has nothing to do, and it owns what is HF-specific (the KV-cached decode loop, a sharded
+model's gathering for it and the "every process finished?" check).
+
+PPO's rollout (`stages.ppo_rollout`) samples through it, for training and for every evaluation
+(PPO's and DPO's); the reward stage's normalisation samples and SFT's greedy samples too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from stages.holding import Holding, Replicated
+from stages.models import Precision, left_padded, position_ids_for
+from stages.ppo_math import entropy_of, is_end, logprobs_of, truncate_after_eos
+
+
+# --- the sampler --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What one `generate` call asks for."""
+
+    max_new_tokens: int
+    """Tokens per response at most."""
+    temperature: float | None = 1.0
+    """Sample from the full temperature-scaled distribution (no top-k, no top-p); None: greedy."""
+    logprobs: bool = True
+    """Keep each token's log-prob, the entropy and (where the engine can) the hidden state. HF draws
+    these responses with its own decode loop, and the others with transformers' `generate`: the two
+    consume the random stream differently, so a caller keeps the one its recorded figures came from."""
+
+
+@dataclass
+class Generation:
+    """Sampled responses; (B, T) over response tokens unless noted. None: the engine cannot give it."""
+
+    queries: torch.Tensor  # (B, Tq) left-padded prompt ids
+    query_mask: torch.Tensor  # (B, Tq)
+    responses: torch.Tensor  # truncated after the first end token, then padding
+    logprobs: torch.Tensor | None = None  # log pi(token) under the temperature-scaled logits it was drawn from
+    entropy: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None  # (B, T, H) final hidden states at the positions that predicted each token
+
+
+class Sampler(Protocol):
+    """An engine that answers prompts from the policy's current weights."""
+
+    def generate(self, prompts: list[str], sampling: Sampling) -> Generation:
+        """Responses to rendered `prompts`, one per prompt (repeat a prompt for several)."""
+        ...
+
+    def sync(self, policy: torch.nn.Module) -> None:
+        """Take the policy's current weights (every process calls it after each update)."""
+        ...
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row from categorical `probs` by inverse-CDF sampling: one uniform number per
+    row, where torch.multinomial draws one per vocabulary entry. # (B, V) -> (B, 1)"""
+    cdf = probs.cumsum(dim=-1)  # (B, V)
+    u = torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]  # scaled: cdf[-1] may round below 1
+    return torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)
+
+
+@dataclass
+class HFSampler:
+    """A transformers model sampling itself: it holds the live weights, so `sync` is a no-op."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    stop_ids: list[int]
+    """Every token id that ends a response (`stages.models.stop_token_ids`)."""
+    precision: Precision = Precision("fp32", None)
+    """Autocast for the decode loop; transformers' `generate` runs as the model is held."""
+    holding: Holding = field(default_factory=Replicated)
+    """How the processes hold the model: a sharded one is gathered for sampling."""
+
+    def sync(self, policy: torch.nn.Module) -> None:
+        return None
+
+    def generate(self, prompts: list[str], sampling: Sampling) -> Generation:
+        if sampling.logprobs:
+            return self._decode(prompts, sampling)
+        return self._transformers_generate(prompts, sampling)
+
+    @torch.no_grad()
+    def _decode(self, prompts: list[str], sampling: Sampling) -> Generation:
+        """Up to `max_new_tokens` tokens per prompt, one KV-cached step at a time, keeping each
+        token's log-prob, the entropy and the final hidden state of the step that produced it: the
+        rollout then needs no second policy pass for old log-probs and (shared-body) values. Stops
+        early once every row has an end token (on every process, when the model is sharded)."""
+        model = self.model
+        batch = left_padded(self.tokenizer, prompts, model.device)
+        queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
+        attention_mask, positions = query_mask, position_ids_for(query_mask)
+        step_ids, cache = queries, DynamicCache()
+        tokens, logprobs, entropy, hidden = [], [], [], []
+        finished = torch.zeros(len(prompts), dtype=torch.bool, device=model.device)
+        with self.precision.autocast(model.device), self.holding.sampling(model):
+            for _ in range(sampling.max_new_tokens):
+                out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+                logits = out.logits[:, -1:].float()  # (B, 1, V)
+                token = (logits[:, -1].argmax(-1, keepdim=True) if sampling.temperature is None
+                         else draw(torch.softmax(logits[:, -1] / sampling.temperature, dim=-1)))  # (B, 1)
+                tokens.append(token)
+                logprobs.append(logprobs_of(logits, token, sampling.temperature or 1.0))
+                entropy.append(entropy_of(logits, sampling.temperature or 1.0))
+                hidden.append(out.hidden_states[-1][:, -1:])
+                finished |= is_end(token.squeeze(1), self.stop_ids)
+                if self.holding.all_finished(finished):
+                    break
+                step_ids, positions = token, positions[:, -1:] + 1
+                attention_mask = torch.cat([attention_mask, torch.ones_like(token)], dim=1)
+        responses = truncate_after_eos(torch.cat(tokens, dim=1), self.stop_ids, self.tokenizer.pad_token_id)
+        return Generation(queries, query_mask, responses, torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1),
+                          torch.cat(hidden, dim=1))
+
+    @torch.inference_mode()
+    def _transformers_generate(self, prompts: list[str], sampling: Sampling) -> Generation:
+        """transformers' `generate`, the model in eval mode for it (dropout off)."""
+        model = self.model
+        batch = left_padded(self.tokenizer, prompts, model.device)
+        options = {"do_sample": False} if sampling.temperature is None else {
+            "do_sample": True, "temperature": sampling.temperature, "top_k": 0, "top_p": 1.0}
+        was_training = model.training
+        model.eval()
+        with self.holding.sampling(model):
+            out = model.generate(**batch, **options, max_new_tokens=sampling.max_new_tokens,
+                                 pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.stop_ids)  # (B, Tq + T)
+        model.train(was_training)
+        new_tokens = out[:, batch["input_ids"].shape[1]:]  # (B, T)
+        return Generation(batch["input_ids"], batch["attention_mask"],
+                          truncate_after_eos(new_tokens, self.stop_ids, self.tokenizer.pad_token_id))
