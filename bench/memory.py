@@ -73,12 +73,12 @@ def _record_state(held: dict) -> None:
 
     real_update = stages.ppo.ppo_update
 
-    def ppo_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs):
-        figures = real_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs)
+    def ppo_update(trainer, episodes):
+        figures = real_update(trainer, episodes)
         if not held:
-            models = accelerator.unwrap_model(actor_critic).models
+            models = trainer.models
             held["state"] = state_bytes([models.policy, models.critic, models.reference, models.scorer.model],
-                                         optimizer, models.trainable())
+                                         trainer.optimizer, models.trainable())
         return figures
 
     real_step_end = stages.training.ForwardLogs.on_step_end

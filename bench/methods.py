@@ -82,10 +82,10 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)  # a finished run's state there would be resumed, whatever its settings
     held, real_update = {}, stages.ppo.ppo_update
 
-    def ppo_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs):
-        figures = real_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs)
+    def ppo_update(trainer, episodes):
+        figures = real_update(trainer, episodes)
         if not held:  # after the first optimizer step: AdamW's state exists
-            held.update(held_bytes(accelerator.unwrap_model(actor_critic).models, optimizer))
+            held.update(held_bytes(trainer.models, trainer.optimizer))
         return figures
 
     stages.ppo.ppo_update = ppo_update

@@ -102,11 +102,11 @@ def measured_ppo(cfg, inputs: Measured, output_dir: Path, reporting):
 
     real_update = stages.ppo.ppo_update
 
-    def ppo_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs):
-        figures = real_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs)
-        path = inputs.figures_dir / f"rank-{accelerator.process_index}.json"
+    def ppo_update(trainer, episodes):
+        figures = real_update(trainer, episodes)
+        path = inputs.figures_dir / f"rank-{trainer.accelerator.process_index}.json"
         if not path.exists():
-            models = accelerator.unwrap_model(actor_critic).models
+            models = trainer.models
             # While sampling a sharded policy also holds what it gathers: all of it, or one layer.
             gathered = 0
             if isinstance(models.holding, Sharded):
@@ -116,7 +116,7 @@ def measured_ppo(cfg, inputs: Measured, output_dir: Path, reporting):
             path.write_text(json.dumps({
                 "gathered_for_sampling_bytes": gathered,
                 "parameters": sum(p.numel() for p in models.policy.parameters()),
-                **held_bytes(models, optimizer),
+                **held_bytes(models, trainer.optimizer),
                 "rss_bytes": psutil.Process().memory_info().rss}))
         return figures
 

@@ -27,6 +27,20 @@ def over_processes(accelerator: Accelerator, figures: dict[str, float]) -> dict[
             for i, k in enumerate(keys)}
 
 
+def sum_over_processes(accelerator: Accelerator, x: torch.Tensor) -> torch.Tensor:
+    """`x` summed over processes (collective); `x` itself on one process."""
+    if accelerator.num_processes == 1:
+        return x
+    total = x.clone()
+    torch.distributed.all_reduce(total)
+    return total
+
+
+def gathered(accelerator: Accelerator, x: torch.Tensor) -> torch.Tensor:
+    """Every process's `x` concatenated along the first dimension, in rank order (collective). # (B, ...) -> (P * B, ...)"""
+    return x if accelerator.num_processes == 1 else accelerator.gather(x)
+
+
 def check_weights_agree(accelerator: Accelerator, module: torch.nn.Module) -> None:
     """Fail loudly if the processes' trained weights differ: gradients were not synchronised (collective)."""
     if accelerator.num_processes == 1:

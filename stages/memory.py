@@ -263,14 +263,18 @@ def kv_cache(shape: ModelShape, sequences: int, length: int, autocast: str | Non
 # --- holding models ------------------------------------------------------------------------------------
 
 
-def _held(name: str, shape: ModelShape, *, lora: LoRAConfig | None, trained: bool, frozen_dtype: str,
-          sharding: int, compute_bytes: int, head_trains: bool = False) -> Held:
-    """A model as one of `sharding` processes holds it (`sharding` 1: whole)."""
-    if not trained:
-        params, how = shape.parameters, f"frozen {frozen_dtype}"
-        weights, trained_params = params * _bytes_of(frozen_dtype), 0
-        gathered_dtype = _bytes_of(frozen_dtype)
-    elif lora is None:
+def _frozen(name: str, shape: ModelShape, dtype: str, sharding: int) -> Held:
+    """A frozen model held in `dtype` by one of `sharding` processes (`sharding` 1: whole)."""
+    gathered = shape.outside_layers * _bytes_of(dtype) if sharding > 1 else 0.0
+    return Held(name, shape.parameters, 0, shape.parameters * _bytes_of(dtype) / sharding, 0.0, 0.0, gathered,
+                f"frozen {dtype}")
+
+
+def _trained(name: str, shape: ModelShape, lora: LoRAConfig | None, frozen_dtype: str, sharding: int,
+             compute_bytes: int, head_trains: bool = False) -> Held:
+    """A trained model as one of `sharding` processes holds it: whole in float32, or with `lora` its
+    adapters (and with `head_trains` a score head) in float32 on weights held in `frozen_dtype`."""
+    if lora is None:
         trained_params, how = shape.parameters, "trained float32"
         weights, gathered_dtype = 4 * shape.parameters, compute_bytes
     else:
@@ -333,12 +337,11 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
     compute = 2 if autocast else 4
     sharding = n if sharded else 1
     notes: list[str] = []
-    trained = _held("reward model" if stage == "reward" else "policy", model, lora=section.lora, trained=True,
-                    frozen_dtype="float32", sharding=sharding, compute_bytes=compute, head_trains=stage == "reward")
+    trained = _trained("reward model" if stage == "reward" else "policy", model, section.lora, "float32", sharding, compute,
+                       head_trains=stage == "reward")
     held = [trained]
     if stage == "dpo" and section.lora is None:  # TRL's reference: a frozen copy (LoRA: the adapters disabled)
-        held.append(_held("reference", model, lora=None, trained=False, frozen_dtype="float32", sharding=sharding,
-                          compute_bytes=compute))
+        held.append(_frozen("reference", model, "float32", sharding))
     sequences = section.batch_size * (2 if stage in ("reward", "dpo") else 1)
     logits_positions = 0 if stage == "reward" else section.max_length
     largest_layer = model.layer_parameters * compute
@@ -384,22 +387,18 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device:
     sharding = n if sharded else 1
     notes: list[str] = []
     frozen = section.frozen_dtype
-    pol = _held("policy", policy, lora=section.lora, trained=True, frozen_dtype=frozen, sharding=sharding,
-                compute_bytes=compute)
+    pol = _trained("policy", policy, section.lora, frozen, sharding, compute)
     held = [pol]
     if section.lora is None:
-        held.append(_held("reference", policy, lora=None, trained=False, frozen_dtype=frozen, sharding=sharding,
-                          compute_bytes=compute))
+        held.append(_frozen("reference", policy, frozen, sharding))
     critic_kind = section.critic if section.uses_critic else None
     if critic_kind == "reward-lora":
-        held.append(_held("reward model + critic", reward, lora=section.critic_lora, trained=True,
-                          frozen_dtype=frozen, sharding=sharding, compute_bytes=compute, head_trains=True))
+        held.append(_trained("reward model + critic", reward, section.critic_lora, frozen, sharding, compute,
+                             head_trains=True))
     else:
-        held.append(_held("reward model", reward, lora=None, trained=False, frozen_dtype=frozen, sharding=sharding,
-                          compute_bytes=compute))
+        held.append(_frozen("reward model", reward, frozen, sharding))
     if critic_kind == "reward":
-        held.append(_held("critic", reward, lora=None, trained=True, frozen_dtype=frozen, sharding=sharding,
-                          compute_bytes=compute))
+        held.append(_trained("critic", reward, None, frozen, sharding, compute))
     elif critic_kind in ("shared", "detached"):
         notes.append("critic: a value head on the policy's body (hidden + 1 parameters)")
 

@@ -42,7 +42,7 @@ from transformers import get_scheduler
 
 from rlhf.config import PPOConfig
 from schemas.adapters import last_user_message
-from stages.collectives import MAX_FIGURES, over_processes, whiten_over_processes
+from stages.collectives import MAX_FIGURES, gathered, over_processes, sum_over_processes, whiten_over_processes
 from stages.errors import NonFiniteLossError
 from stages.evaluation import HeldOut, evaluate, evaluate_midway, warn_over_kl_budget
 from stages.models import Precision, merged, resolve_precision, save_trained
@@ -55,6 +55,7 @@ from stages.ppo_state import LoopState, Normalization, load_state, save_state_ev
 from stages.reporting import Reporting
 from stages.reward import RewardScorer, fit_normalization
 from stages.ppo_rollout import Rollout, policy_sampler, rollout, rounds_to_16_bits
+from stages.rollout import Sampler
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,6 @@ class PPOResult:
     """Held-out prompts with PPO and SFT responses, their scores and the KL of the PPO response."""
     tags: dict[str, str] = field(default_factory=dict)
     """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and `rlhf.held_as`."""
-
-
-# --- rollout ----------------------------------------------------------------------------------
 
 
 # --- score ------------------------------------------------------------------------------------
@@ -132,7 +130,7 @@ def first_normalization(accelerator: Accelerator, scorer: RewardScorer, raw: tor
     `missing_eos_score` is a score on this same scale."""
     if not cfg.refit_normalization:
         return Normalization(scorer.gain, scorer.bias)
-    return Normalization(*fit_normalization(accelerator.gather(raw.float())))
+    return Normalization(*fit_normalization(gathered(accelerator, raw.float())))
 
 
 # --- advantage --------------------------------------------------------------------------------
@@ -162,6 +160,45 @@ def advantages_and_returns(accelerator: Accelerator, batch: Rollout, kl: torch.T
 
 
 # --- update -----------------------------------------------------------------------------------
+
+
+@dataclass
+class PPOTrainer:
+    """What every process of a PPO run trains with, built once by `build_trainer`."""
+
+    cfg: PPOConfig
+    accelerator: Accelerator
+    models: Models
+    actor_critic: torch.nn.Module
+    """Policy and critic as one module: wrapped by DDP or FSDP2 on several processes, as is on one."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    """Loss scaling for fp16 autocast only; disabled, it passes losses and steps through unchanged."""
+    sampler: Sampler
+    """What the rollouts and evaluations sample the policy with."""
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """One iteration's rollout with what was scored and estimated on it: what the update trains on
+    and the iteration's figures report."""
+
+    iteration: int
+    batch: Rollout
+    messages: list[list[dict]]
+    """Each episode's prompt as chat messages."""
+    scores: Scores
+    kl: torch.Tensor
+    """(B, T) the per-token KL estimate (`kl_estimator`) to the reference, masked."""
+    beta: float
+    """The KL controller's coefficient this iteration."""
+    reward_beta: float
+    """The KL coefficient in the reward: `beta`, or 0 when the KL is a loss term (`kl_in_loss`)."""
+    kl_loss_coef: float
+    """The weight of the k3 KL loss term."""
+    advantages: torch.Tensor  # (B, T)
+    returns: torch.Tensor | None  # (B, T), GAE only
 
 
 @dataclass
@@ -208,30 +245,25 @@ def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor 
                       responses_of(batch.values), responses_of(advantages), responses_of(returns))
 
 
-def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: Rollout, advantages: torch.Tensor,
-               returns: torch.Tensor | None, cfg: PPOConfig, optimizer: torch.optim.Optimizer, scheduler,
-               scaler: torch.amp.GradScaler, iteration: int, kl_loss_coef: float) -> dict[str, float]:
+def ppo_update(trainer: PPOTrainer, episodes: Episodes) -> dict[str, float]:
     """num_ppo_epochs passes of shuffled minibatches over this process's rollout, one optimizer step each.
     `initial_ratio_deviation`, max |ratio - 1| over the first minibatch before any step, checks that
-    the update computes the policy the rollout sampled from (dropout off, same precision).
-    `kl_loss_coef` weighs the k3 KL term of the loss."""
-    actor_critic.train(True)
+    the update computes the policy the rollout sampled from (dropout off, same precision)."""
+    cfg, optimizer, scaler, holding = trainer.cfg, trainer.optimizer, trainer.scaler, trainer.models.holding
+    trainer.actor_critic.train(True)
     trained = [p for group in optimizer.param_groups for p in group["params"]]
-    unwrapped = accelerator.unwrap_model(actor_critic)
-    holding = unwrapped.models.holding
-    policy_parameters = list(unwrapped.policy.parameters())
+    policy_parameters = list(trainer.models.policy.parameters())
     in_policy = {id(p) for p in policy_parameters}
     critic_parameters = [p for p in trained if id(p) not in in_policy]  # the value head or the critic model
-    n = len(batch.responses)
+    n = len(episodes.batch.responses)
     stats = UpdateStats()
     for epoch in range(cfg.num_ppo_epochs):
         for index, minibatch in enumerate(torch.randperm(n).split(n // cfg.num_minibatches)):
-            figures = accumulate_gradients(actor_critic, accelerator, batch, advantages, returns,
-                                           minibatch.to(batch.responses.device), cfg, scaler, iteration, kl_loss_coef)
+            figures = accumulate_gradients(trainer, episodes, minibatch.to(episodes.batch.responses.device))
             deviation = figures.pop("ratio_deviation_max")
             if epoch == 0 and index == 0:
                 stats.add(initial_ratio_deviation=deviation)
-            if iteration <= cfg.freeze_policy_iterations:  # no step at all: Adam's moments and step count stay fresh
+            if episodes.iteration <= cfg.freeze_policy_iterations:  # no step at all: Adam's moments and step count stay fresh
                 for parameter in policy_parameters:
                     parameter.grad = None
             scaler.unscale_(optimizer)  # clipping reads true gradient norms (no-op without fp16 loss scaling)
@@ -241,15 +273,13 @@ def ppo_update(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: R
                 figures["critic_grad_norm"] = holding.clip_grad_norm(critic_parameters, cfg.max_grad_norm)
             scaler.step(optimizer)
             scaler.update()
-            scheduler.step()
+            trainer.scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             stats.add(**figures, grad_norm=grad_norm)
     return stats.means()
 
 
-def accumulate_gradients(actor_critic: torch.nn.Module, accelerator: Accelerator, batch: Rollout,
-                         advantages: torch.Tensor, returns: torch.Tensor | None, rows: torch.Tensor, cfg: PPOConfig,
-                         scaler: torch.amp.GradScaler, iteration: int, kl_loss_coef: float) -> dict[str, float]:
+def accumulate_gradients(trainer: PPOTrainer, episodes: Episodes, rows: torch.Tensor) -> dict[str, float]:
     """Gradients of one minibatch (these `rows` of this process's rollout), accumulated over its
     micro-batches and averaged over processes (DDP: at the last one; FSDP2: at each, into shards).
 
@@ -258,31 +288,29 @@ def accumulate_gradients(actor_critic: torch.nn.Module, accelerator: Accelerator
     because DDP and FSDP2 divide the summed gradients by P. The gradient is then the same for every
     `micro_batch_size` and process count (tested to 1e-5). Returned figures are this process's
     sums on the same scale, so their mean over processes is the minibatch's token mean."""
-    num_tokens = batch.mask[rows].sum()
-    if accelerator.num_processes > 1:
-        torch.distributed.all_reduce(num_tokens)
+    accelerator = trainer.accelerator
+    num_tokens = sum_over_processes(accelerator, episodes.batch.mask[rows].sum())
     num_tokens = num_tokens.clamp(min=1.0) / accelerator.num_processes
-    micro_batches = rows.split(cfg.micro_batch_size or len(rows))
-    holding = accelerator.unwrap_model(actor_critic).models.holding
+    micro_batches = rows.split(trainer.cfg.micro_batch_size or len(rows))
     totals: dict[str, float] = {}
     for position, micro_rows in enumerate(micro_batches):
-        with holding.accumulating(actor_critic, last=position == len(micro_batches) - 1):
-            figures = _micro_batch_step(actor_critic, micro_batch(batch, advantages, returns, micro_rows), cfg,
-                                        num_tokens, scaler, iteration, kl_loss_coef)
+        with trainer.models.holding.accumulating(trainer.actor_critic, last=position == len(micro_batches) - 1):
+            micro = micro_batch(episodes.batch, episodes.advantages, episodes.returns, micro_rows)
+            figures = _micro_batch_step(trainer, micro, num_tokens, episodes.iteration, episodes.kl_loss_coef)
         for key, value in figures.items():
             totals[key] = max(totals.get(key, 0.0), value) if key.endswith(MAX_FIGURES) else totals.get(key, 0.0) + value
     return totals
 
 
-def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPOConfig, num_tokens: torch.Tensor,
-                      scaler: torch.amp.GradScaler, iteration: int, kl_loss_coef: float) -> dict[str, float]:
+def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.Tensor, iteration: int,
+                      kl_loss_coef: float) -> dict[str, float]:
     """Forward and backward of one micro-batch: its masked loss sums over the minibatch's `num_tokens`;
     the value loss only with a critic."""
-    mask = micro.mask
+    cfg, mask = trainer.cfg, micro.mask
     # Critic warm-up: the policy terms stay in the graph at weight 0 (every parameter gets a
     # gradient, as DDP needs); `ppo_update` then drops the policy's gradients before the step.
     warming_up = iteration <= cfg.freeze_policy_iterations
-    logits, values = actor_critic(micro.queries, micro.query_mask, micro.responses, mask, warming_up)
+    logits, values = trainer.actor_critic(micro.queries, micro.query_mask, micro.responses, mask, warming_up)
     logprobs = logprobs_of(logits, micro.responses, cfg.temperature)
     policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range, num_tokens)
     # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
@@ -303,7 +331,7 @@ def _micro_batch_step(actor_critic: torch.nn.Module, micro: MicroBatch, cfg: PPO
     if not torch.isfinite(loss):
         raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
                                  "the last full-state checkpoint is kept")
-    scaler.scale(loss).backward()
+    trainer.scaler.scale(loss).backward()
     ratio = policy.ratio.detach()
     return figures | dict(policy_loss=policy.loss.item(), entropy=entropy.item(),
                           clip_fraction=policy.clip_fraction.item(), approx_kl=policy.approx_kl.item(),
@@ -360,45 +388,44 @@ def _prompt_batch(order_seed: int, n_prompts: int, cursor: int, size: int) -> li
     return picks
 
 
-
-
-def iteration_figures(accelerator: Accelerator, batch: Rollout, scores: Scores, kl: torch.Tensor, beta: float,
-                      reward_beta: float, returns: torch.Tensor | None, train: dict[str, float], learning_rate: float,
-                      timings: dict[str, float], started: float) -> dict[str, float]:
+def iteration_figures(trainer: PPOTrainer, episodes: Episodes, train: dict[str, float], timings: dict[str, float],
+                      started: float) -> dict[str, float]:
     """What one iteration logs, this process's share (`over_processes` combines them); `started`:
     the iteration's start on the `time.perf_counter` clock."""
+    batch, scores, kl, accelerator = episodes.batch, episodes.scores, episodes.kl, trainer.accelerator
     figures = {
         "rollout/score": scores.normalized.mean().item(),
-        "rollout/score_std": accelerator.gather(scores.normalized).std().item(),  # over all processes' scores
+        "rollout/score_std": gathered(accelerator, scores.normalized).std().item(),  # over all processes' scores
         "rollout/score_raw": scores.raw.mean().item(),
         "rollout/score_used": scores.used.mean().item(),
-        "rollout/non_score_reward": (-reward_beta * kl).sum(1).mean().item(),
+        "rollout/non_score_reward": (-episodes.reward_beta * kl).sum(1).mean().item(),
         "rollout/kl": kl.sum(1).mean().item(),
-        "rollout/kl_coef": beta,
+        "rollout/kl_coef": episodes.beta,
         "rollout/entropy": masked_mean(batch.entropy, batch.mask).item(),
         "rollout/response_length": batch.mask.sum(1).float().mean().item(),
         "rollout/eos_rate": batch.has_eos.float().mean().item(),
         **{f"train/{k}": v for k, v in train.items()},
-        "train/learning_rate": learning_rate,
+        "train/learning_rate": trainer.scheduler.get_last_lr()[0],
         **{f"time/{k}": v for k, v in timings.items()},
     }
-    if returns is not None:
-        figures["train/explained_variance"] = explained_variance(batch.values, returns, batch.mask)
+    if episodes.returns is not None:
+        figures["train/explained_variance"] = explained_variance(batch.values, episodes.returns, batch.mask)
     elapsed = time.perf_counter() - started
     return figures | {"time/iteration": elapsed,
                       "time/tokens_per_second": batch.mask.sum().item() * accelerator.num_processes / elapsed}
 
 
-def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, iteration: int, figures: dict[str, float],
-                     batch: Rollout, messages: list, scores: Scores, kl: torch.Tensor) -> None:
+def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, episodes: Episodes,
+                     figures: dict[str, float]) -> None:
     """Warnings, figures, every episode, and now and then a few samples to read."""
+    iteration, batch, messages, scores = episodes.iteration, episodes.batch, episodes.messages, episodes.scores
     previous_length = loop.history[-1]["rollout/response_length"] if loop.history else None
     for message in warnings_of(cfg, figures, loop.first_length, iteration, previous_length):
         reporting.warning(message)
     reporting.metrics(figures, iteration)
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
-                                     "score": scores.normalized.cpu().numpy(), "kl": kl.sum(1).cpu().numpy()}),
-                       iteration)
+                                     "score": scores.normalized.cpu().numpy(),
+                                     "kl": episodes.kl.sum(1).cpu().numpy()}), iteration)
     if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
         shown = slice(0, cfg.num_logged_samples)
         reporting.samples(pd.DataFrame({"user": [last_user_message(m) for m in messages[shown]],
@@ -406,47 +433,83 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, iter
                                         "score": scores.normalized[shown].cpu().numpy()}), iteration)
 
 
-def resume(state_dir: Path, models: Models, optimizer, scheduler, scaler, rank: int, reporting: Reporting) -> LoopState:
+def build_trainer(cfg: PPOConfig, inputs: PPOInputs) -> PPOTrainer:
+    """This process's models, held as `cfg.launch` says (`stages.holding`), with their optimizer,
+    schedule and sampler. Rank 0 keeps the single-process random stream; the others sample with their own."""
+    accelerator = Accelerator()
+    torch.manual_seed(cfg.seed)
+    holding = holding_for(accelerator, cfg.launch.sharded, cfg.sharded_sampling,
+                          resolve_precision(cfg.precision).autocast_dtype)
+    models = load_models(cfg, inputs.sft_location, inputs.reward_location, holding)
+    if accelerator.process_index > 0:
+        torch.manual_seed(cfg.seed + accelerator.process_index)
+    actor_critic = holding.trained(ActorCritic(models))  # DDP or FSDP2 on several processes; as is on one
+    # Built on the parameters as held (FSDP2 replaces them with shards), so its state is sharded too.
+    optimizer = torch.optim.AdamW(models.trainable(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, eps=1e-5,
+                                  fused=True)  # one kernel per step instead of several per parameter
+    scaler = torch.amp.GradScaler(accelerator.device.type, enabled=models.precision.autocast_dtype == torch.float16)
+    total_steps = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
+                              num_training_steps=total_steps)
+    return PPOTrainer(cfg, accelerator, models, actor_critic, optimizer, scheduler, scaler, policy_sampler(models))
+
+
+def resume(trainer: PPOTrainer, state_dir: Path, reporting: Reporting) -> LoopState:
     """The loop state of an earlier, interrupted attempt, its models and optimizer restored; its
     figures replayed, so this run's curves start at iteration 1, not at the resume point."""
-    loop = load_state(state_dir, models, optimizer, scheduler, scaler, rank)
+    models = trainer.models
+    loop = load_state(state_dir, models, trainer.optimizer, trainer.scheduler, trainer.scaler,
+                      trainer.accelerator.process_index)
     if loop.normalization is not None:
         models.restore_normalization(loop.normalization.gain, loop.normalization.bias)
+    trainer.sampler.sync(models.policy)
     reporting.warning(f"resumed from the full-state checkpoint after iteration {loop.iteration}")
     for past in loop.history:
         reporting.metrics({k: v for k, v in past.items() if k != "iteration"}, int(past["iteration"]))
     return loop
 
 
+def save_state(trainer: PPOTrainer, state_dir: Path, loop: LoopState) -> None:
+    """A full-state checkpoint of every process (collective)."""
+    save_state_everywhere(trainer.accelerator, state_dir, trainer.models, trainer.optimizer, trainer.scheduler,
+                          trainer.scaler, loop)
+
+
+def hand_off(trainer: PPOTrainer, loop: LoopState, held_out: HeldOut, inputs: PPOInputs, output_dir: Path,
+             reporting: Reporting) -> PPOResult | None:
+    """The final evaluation (every process: a sharded model needs them all), then on rank 0 the
+    trained policy saved as a plain Hugging Face folder, and the stage's result."""
+    cfg, models, holding = trainer.cfg, trainer.models, trainer.models.holding
+    holding.check_weights_agree(trainer.actor_critic)
+    held = held_as(models.policy, trainer.accelerator.num_processes)
+    metrics, evaluation = evaluate(models, trainer.sampler, held_out, cfg)
+    # Rank 0: the policy with its trained weights, unsharded (gathered from every process when sharded).
+    policy = holding.whole(models.policy, lambda: build_policy(cfg, inputs.sft_location, models.tokenizer))
+    if not trainer.accelerator.is_main_process:
+        return None
+    warn_over_kl_budget(metrics, cfg.kl_budget, reporting)
+    trained = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    # Merged in float32: into bf16-held weights (`frozen_dtype`) a bf16 merge would round small updates away.
+    policy = merged(policy.float())
+    checkpoint, tags = save_trained(policy, models.tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location,
+                                    trained)
+    metrics |= {"train/iterations": float(loop.iteration), "normalization/gain": models.scorer.gain,
+                "normalization/bias": models.scorer.bias}
+    return PPOResult(checkpoint, metrics, loop.history, evaluation, tags | held)
+
+
 def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> PPOResult | None:
     """Run PPO and evaluate against the SFT policy. Resumes from `output_dir/state` when a
     full-state checkpoint of an earlier, interrupted run is there. On several processes every
     one trains and evaluates (a sharded model needs them all); only the main one reports, saves and returns."""
-    accelerator = Accelerator()
-    rank = accelerator.process_index
-    torch.manual_seed(cfg.seed)
-    holding = holding_for(accelerator, cfg.launch.sharded, cfg.sharded_sampling,
-                          resolve_precision(cfg.precision).autocast_dtype)
-    models = load_models(cfg, inputs.sft_location, inputs.reward_location, holding)
-    if rank > 0:  # its own sampling noise; rank 0 keeps the single-process stream
-        torch.manual_seed(cfg.seed + rank)
-    actor_critic = holding.trained(ActorCritic(models))  # DDP or FSDP2 on several processes; as is on one
-    # Built on the parameters as held (FSDP2 replaces them with shards), so its state is sharded too.
-    optimizer = torch.optim.AdamW(models.trainable(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, eps=1e-5,
-                                  fused=True)  # one kernel per step instead of several per parameter
-    # Loss scaling for fp16 autocast only; disabled, it passes losses and steps through unchanged.
-    scaler = torch.amp.GradScaler(accelerator.device.type, enabled=models.precision.autocast_dtype == torch.float16)
-    total_steps = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
-                              num_training_steps=total_steps)
+    trainer = build_trainer(cfg, inputs)
+    accelerator, models, rank = trainer.accelerator, trainer.models, trainer.accelerator.process_index
     # Before a resume or a reference refresh can change the reference: it is the SFT policy now.
-    # Every process evaluates (a sharded model needs them all); only the main one reports.
     held_out = HeldOut.sample(models, inputs.eval_prompts, cfg, accelerator.device)
     state_dir = output_dir / "state"
     loop = LoopState(kl=KLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
     if (state_dir / "loop.json").exists():
-        loop = resume(state_dir, models, optimizer, scheduler, scaler, rank, reporting)
-    sampler = policy_sampler(models)  # built on the policy as resumed
+        loop = resume(trainer, state_dir, reporting)
     prompt_texts = list(inputs.prompts["prompt"])
     prompt_messages = [json.loads(m) for m in inputs.prompts["prompt_messages"]]
     prompts_per_iteration = cfg.rollout_batch_size // cfg.samples_per_prompt
@@ -457,7 +520,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, prompts_per_iteration)[rank * local:][:local]
         picks = [i for i in picks for _ in range(cfg.samples_per_prompt)]  # a prompt's group on consecutive rows
         messages = [prompt_messages[i] for i in picks]
-        batch = rollout(models, sampler, [prompt_texts[i] for i in picks], cfg, timings)
+        batch = rollout(models, trainer.sampler, [prompt_texts[i] for i in picks], cfg, timings)
         raw = raw_scores(models.scorer, batch, messages, timings)
         if loop.normalization is None:
             loop.normalization = first_normalization(accelerator, models.scorer, raw, cfg)
@@ -468,44 +531,26 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         reward_beta, kl_loss_coef = (0.0, cfg.kl_loss_coef + beta) if cfg.kl_in_loss else (beta, cfg.kl_loss_coef)
         kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * batch.mask  # (B, T)
         advantages, returns = advantages_and_returns(accelerator, batch, kl, scores, reward_beta, cfg)
+        episodes = Episodes(iteration, batch, messages, scores, kl, beta, reward_beta, kl_loss_coef, advantages, returns)
 
         start = time.perf_counter()
-        train = ppo_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, scheduler, scaler,
-                           iteration, kl_loss_coef)
-        sampler.sync(models.policy)
+        train = ppo_update(trainer, episodes)
+        trainer.sampler.sync(models.policy)
         timings["train"] = time.perf_counter() - start
 
-        figures = over_processes(accelerator, iteration_figures(accelerator, batch, scores, kl, beta, reward_beta,
-                                                                returns, train, scheduler.get_last_lr()[0], timings,
-                                                                started))
+        figures = over_processes(accelerator, iteration_figures(trainer, episodes, train, timings, started))
         loop.kl.update(figures["rollout/kl"], cfg.rollout_batch_size)
         if cfg.ref_refresh_every and iteration % cfg.ref_refresh_every == 0:
             models.reference.load_state_dict(models.policy.state_dict())
 
         loop.first_length = loop.first_length or figures["rollout/response_length"]
-        report_iteration(reporting, cfg, loop, iteration, figures, batch, messages, scores, kl)
+        report_iteration(reporting, cfg, loop, episodes, figures)
         loop.iteration, loop.cursor = iteration, loop.cursor + prompts_per_iteration
         if cfg.eval_every and iteration % cfg.eval_every == 0 and iteration < cfg.num_iterations:
-            figures |= evaluate_midway(models, sampler, held_out, cfg, iteration, reporting)
+            figures |= evaluate_midway(models, trainer.sampler, held_out, cfg, iteration, reporting)
         loop.history = loop.history + [{"iteration": iteration, **figures}]
         reporting.progress(iteration, cfg.num_iterations)
         if iteration % cfg.checkpoint_every == 0 or iteration == cfg.num_iterations:
-            # The last one too: if the upload fails, a rerun goes straight to evaluation.
-            save_state_everywhere(accelerator, state_dir, models, optimizer, scheduler, scaler, loop)
+            save_state(trainer, state_dir, loop)  # the last one too: if the upload fails, a rerun goes straight to evaluation
 
-    holding.check_weights_agree(actor_critic)
-    held = held_as(models.policy, accelerator.num_processes)
-    metrics, evaluation = evaluate(models, sampler, held_out, cfg)
-    # Rank 0: the policy with its trained weights, unsharded (gathered from every process when sharded).
-    policy = holding.whole(models.policy, lambda: build_policy(cfg, inputs.sft_location, models.tokenizer))
-    if not accelerator.is_main_process:
-        return None
-    warn_over_kl_budget(metrics, cfg.kl_budget, reporting)
-    trained = [p for group in optimizer.param_groups for p in group["params"]]
-    # Merged in float32: into bf16-held weights (`frozen_dtype`) a bf16 merge would round small updates away.
-    policy = merged(policy.float())
-    checkpoint, tags = save_trained(policy, models.tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location,
-                                    trained)
-    metrics |= {"train/iterations": float(loop.iteration), "normalization/gain": models.scorer.gain,
-                "normalization/bias": models.scorer.bias}
-    return PPOResult(checkpoint, metrics, loop.history, evaluation, tags | held)
+    return hand_off(trainer, loop, held_out, inputs, output_dir, reporting)

@@ -117,13 +117,12 @@ def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tm
     for run, changes in enumerate(({"critic": "reward"}, {"lora": LoRAConfig(), "critic": "shared"})):
         held: dict[str, int] = {}
 
-        def update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args, **kwargs):
-            figures = real_update(actor_critic, accelerator, batch, advantages, returns, cfg, optimizer, *args,
-                                  **kwargs)
+        def update(trainer, episodes):
+            figures = real_update(trainer, episodes)
             if not held:
-                models = accelerator.unwrap_model(actor_critic).models
+                models = trainer.models
                 held["bytes"] = state_bytes([models.policy, models.critic, models.reference, models.scorer.model],
-                                            optimizer, models.trainable())
+                                            trainer.optimizer, models.trainable())
             return figures
 
         monkeypatch.setattr(stages.ppo, "ppo_update", update)

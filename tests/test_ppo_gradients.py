@@ -42,14 +42,30 @@ def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg
 
     for parameter in models.trainable():
         parameter.grad = None
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    accumulate_gradients(actor_critic, accelerator, batch, advantages, returns, torch.arange(len(batch.responses)),
-                         cfg, scaler, iteration=1, kl_loss_coef=cfg.kl_loss_coef)
+    trainer = _trainer(cfg, accelerator, models, actor_critic)
+    accumulate_gradients(trainer, _episodes(cfg, batch, advantages, returns), torch.arange(len(batch.responses)))
     from stages.ppo_models import ActorCritic
 
     # A sharded gradient is gathered whole (collective) to compare it with the one-process gradient.
     return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
             for name, p in ActorCritic(models).named_parameters() if p.requires_grad}
+
+
+def _trainer(cfg, accelerator, models, actor_critic, optimizer=None, scheduler=None):
+    """What the update reads of a trainer; no optimizer where only gradients are wanted."""
+    from stages.ppo import PPOTrainer
+    from stages.ppo_rollout import policy_sampler
+
+    return PPOTrainer(cfg, accelerator, models, actor_critic, optimizer, scheduler,
+                      torch.amp.GradScaler("cpu", enabled=False), policy_sampler(models))
+
+
+def _episodes(cfg, batch, advantages, returns):
+    """What the update reads of an iteration's episodes (no scores or KL figures)."""
+    from stages.ppo import Episodes
+
+    return Episodes(1, batch, [], None, torch.zeros_like(batch.logprobs), 0.0, 0.0, cfg.kl_loss_coef, advantages,
+                    returns)
 
 
 def _setup(tiny_config, trained, critic="reward", lora=False):
@@ -116,9 +132,8 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
         cfg = cfg.model_copy(update={"vf_coef": vf_coef, "num_ppo_epochs": 1})
         optimizer = torch.optim.SGD(models.trainable(), lr=1e-2)  # Adam would hide a rescaled gradient
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        figures = ppo_update(ActorCritic(models), Accelerator(cpu=True), batch, advantages, returns, cfg, optimizer,
-                             scheduler, torch.amp.GradScaler("cpu", enabled=False), iteration=1,
-                             kl_loss_coef=cfg.kl_loss_coef)
+        trainer = _trainer(cfg, Accelerator(cpu=True), models, ActorCritic(models), optimizer, scheduler)
+        figures = ppo_update(trainer, _episodes(cfg, batch, advantages, returns))
         return figures, models
 
     light, light_models = one_update(0.1)
