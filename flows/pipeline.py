@@ -8,11 +8,7 @@ stage function, logs what it produced (`flows.reports`), and returns a small `St
 
 from __future__ import annotations
 
-import hashlib
 import json
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,21 +28,15 @@ from flows.inputs import (context_problems, input_problems, is_demo, logged_prom
                           train_and_eval_data)
 from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, ExperimentRuns, StageName, StageRecord, cache_key,
                            reused_record, upstream_runs)
-from flows.reports import (STAGE_SECONDS, GoldJudgments, Progress, evaluation_report, finish, lineage_note,
-                           log_overhead, pipeline_note, pipeline_summary, ppo_report, reward_report)
+from flows.reports import (GoldJudgments, evaluation_report, log_overhead, pipeline_note, pipeline_summary, ppo_report,
+                           reward_report)
+from flows.stage_runs import StageContext, StageJob, StageRun, refuse, run_stage, stage_memory
 from rlhf import tracking
 from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
 from rlhf.demo_locations import DemoWorldConfig, resolve_location
 from rlhf.demo_world import build_world
-from schemas.errors import DataContractError
-from stages.distributed import LaunchError, call_stage
-from stages.errors import RewardGateError, StageUserError
-from stages.memory import GIB, Plan, plan_table
+from stages.memory import Plan
 from stages.models import load_tokenizer, set_determinism
-from stages.reporting import Reporting
-
-SYSTEM_METRICS_INTERVAL_S = 5.0
-"""Seconds between samples of a stage run's system metrics (`system/cpu_utilization_percentage`, ...)."""
 
 
 class UpstreamRuns(BaseModel):
@@ -67,54 +57,14 @@ class UpstreamRuns(BaseModel):
 
 
 @dataclass(frozen=True)
-class StageMemory:
-    """A stage's memory plan as its run logs it."""
+class Request:
+    """What the flow run was asked for, beside the config it loaded: the pipeline run records it."""
 
-    figures: dict[str, float]
-    """`plan/predicted_peak_gib` (per process), `plan/state_gib` (weights, gradients, optimizer), `plan/fits` (1 or 0)."""
-    table: str
-    """The plan in Markdown (`memory_plan.md` on the run)."""
-
-
-def stage_memory(result: Plan, stage: str) -> StageMemory:
-    planned = result.stages[stage]
-    return StageMemory({"plan/predicted_peak_gib": planned.peak / GIB, "plan/state_gib": planned.state_bytes() / GIB,
-                        "plan/fits": float(result.verdicts[stage])},
-                       plan_table(Plan(result.device, {stage: planned}, {stage: result.verdicts[stage]},
-                                       {stage: result.fixes.get(stage, [])})))
-
-
-@dataclass(frozen=True)
-class StageContext:
-    """What a stage task gets from the flow."""
-
-    config: PipelineConfig
-    world: str | None
-    experiment_id: str
-    parent_run_id: str
-    upstream: dict[str, str]
-    """Run id of each upstream stage, by stage name."""
-    cache_key: str
-    """Identity of the stage's work: see `flows.lineage.cache_key`."""
-    label: str
-    """The Prefect flow run's name (`super-earwig`): every MLflow run of this pipeline run carries it."""
-    flow_run_url: str | None
-    """The Prefect flow run in the Prefect UI."""
-    memory: StageMemory | None = None
-    """What the memory plan predicted for this stage (logged on its run beside the measured peak)."""
-    lineage: str = ""
-    """Which upstream runs the stage starts from and why (`flows.lineage.Upstream.describe`), for its description."""
-
-    def links(self) -> dict[str, str | None]:
-        """Where a stage run's description points: its pipeline run, its upstream runs, the Prefect flow run."""
-        return ({"pipeline run": tracking.run_url(self.parent_run_id)}
-                | {f"upstream {name} run": tracking.run_url(run_id) for name, run_id in self.upstream.items()}
-                | {"Prefect flow run": self.flow_run_url})
-
-    def call(self, train, section, inputs, scratch: Path, reporting: Reporting):
-        """The stage function on the processes its config asks for, as this process set itself up."""
-        return call_stage(train, section, inputs, scratch, reporting, deterministic=self.config.deterministic,
-                          num_threads=self.config.num_threads)
+    config_file: str
+    overrides: dict[str, Any]
+    """Every override applied to the config file: the form's fields, then the explicit ones."""
+    upstream: UpstreamRuns
+    use_cache: bool
 
 
 class StageRefused(Exception):
@@ -125,90 +75,10 @@ class StageFailed(Exception):
     """A stage task ended failed (its task has logged why); the flow run fails with this message."""
 
 
-def refuse(message: str) -> State:
-    """A user error (bad data, bad config, a failed gate): logged as the message alone, without a
-    traceback, and with any secret in it (a password in a URI, a token) redacted."""
-    message = tracking.redact(message)
-    get_run_logger().error(message)
-    return Failed(message=message)
-
-
 @task(retries=1, retry_delay_seconds=5)
 def build_demo_world(demo: DemoWorldConfig) -> str:
     """Build (or reuse) the embedded demo world; returns its folder."""
     return str(build_world(tracking.state_dir() / "worlds", demo))
-
-
-@dataclass
-class StageRun:
-    """A stage's open MLflow run, as its task uses it."""
-
-    run_id: str
-    scratch: Path
-    """The work folder, keyed by the cache key: an interrupted attempt's checkpoints are found here again."""
-    metrics: tracking.MetricWriter
-    progress: Progress
-    warnings: list[str]
-
-    def warn(self, message: str) -> None:
-        self.warnings.append(message)
-        get_run_logger().warning(message)
-
-    def reporting(self, **callbacks) -> Reporting:
-        """The stage's `Reporting`: metrics to MLflow, warnings to the log and the run's description,
-        progress to Prefect; `callbacks` adds the stage's own."""
-        return Reporting(metrics=self.metrics.log, warning=self.warn, progress=self.progress, **callbacks)
-
-
-@contextmanager
-def stage_run(stage: StageName, section: BaseModel, ctx: StageContext, unit: str) -> Iterator[StageRun]:
-    """A child MLflow run named `<stage> · <flow run>`, with the stage's config as params, lineage
-    tags and system metrics (CPU, memory; GPU where present), active inside the block; the work
-    folder keyed by the cache key (removed only when the block succeeds); a Prefect progress
-    artifact counting `unit`s; and the run's background metric writer (drained before the run can
-    end FINISHED).
-
-    An exception leaves the run FAILED and the folder with whatever the stage wrote, so a rerun
-    resumes from it. When the tracking server stopped answering, the error says so and where the
-    work is kept; the run then stays unfinished, never FINISHED.
-    """
-    version, commit = tracking.code_version()
-    tags = {tracking.TAG_CONFIG_HASH: config_hash(section), tracking.TAG_CODE_VERSION: version,
-            tracking.TAG_GIT_COMMIT: commit, tracking.TAG_CACHE_KEY: ctx.cache_key,
-            tracking.TAG_PREFECT_FLOW_RUN: str(get_run_context().task_run.flow_run_id)}
-    tags |= {tracking.TAG_UPSTREAM + name: run_id for name, run_id in ctx.upstream.items()}
-    with tracking.claimed_workdir(f"{stage}-{ctx.cache_key[:16]}") as workdir:
-        try:
-            run_id = tracking.create_stage_run(ctx.experiment_id, ctx.parent_run_id, stage, f"{stage} · {ctx.label}",
-                                               tags)
-            if ctx.lineage:  # until `finish` writes the whole description; a failed run keeps this
-                tracking.set_note(run_id, lineage_note(ctx.lineage))
-            if workdir.owned:
-                for abandoned in tracking.close_abandoned_runs(ctx.experiment_id, stage, ctx.cache_key, run_id):
-                    get_run_logger().warning("%s: run %s of an interrupted attempt marked KILLED; this run "
-                                             "continues its work from %s", stage, abandoned, workdir.path)
-            mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
-            with mlflow.start_run(run_id=run_id, log_system_metrics=True):
-                mlflow.log_params(tracking.redacted(flatten(section)))
-                if ctx.memory is not None:
-                    mlflow.log_metrics(ctx.memory.figures, step=0)
-                    mlflow.log_text(ctx.memory.table, "memory_plan.md")
-                run = StageRun(run_id, workdir.path, tracking.MetricWriter(run_id), Progress(stage, unit), [])
-                try:
-                    yield run
-                except BaseException:
-                    run.metrics.close_after_failure()
-                    raise
-                run.metrics.close()
-        except (DataContractError, tracking.TrackingError):
-            raise
-        except Exception as e:
-            if tracking.server_answers():
-                raise
-            raise tracking.TrackingError(
-                f"stage {stage}: the MLflow tracking server {mlflow.get_tracking_uri()} stopped answering "
-                f"({type(e).__name__}); the stage's local work is kept in {workdir.path} and a rerun "
-                f"resumes from it") from e
 
 
 # --- stage tasks ----------------------------------------------------------------------------
@@ -220,25 +90,22 @@ def run_sft(ctx: StageContext) -> StageRecord | State:
     from stages.sft import SFTInputs, train_sft  # here: the training libraries take seconds to import
 
     section = ctx.config.sft
-    model_location = resolve_location(section.model, ctx.world)
-    try:
-        with stage_run("sft", section, ctx, "step") as run:
-            mlflow.set_tag("rlhf.base_model", tracking.redact(section.model))
-            tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code,
-                                       chat_template=section.chat_template)
-            train, evaluation = train_and_eval_data(ctx.config, "sft", ctx.world, tokenizer)
-            started = time.perf_counter()
-            result = ctx.call(train_sft, section, SFTInputs(model_location, train.frame, evaluation.frame), run.scratch,
-                              run.reporting())
-            metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
-            mlflow.set_tags(result.tags)
+
+    def prepare(run: StageRun) -> StageJob:
+        model_location = resolve_location(section.model, ctx.world)
+        mlflow.set_tag("rlhf.base_model", tracking.redact(section.model))
+        tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code,
+                                   chat_template=section.chat_template)
+        train, evaluation = train_and_eval_data(ctx.config, "sft", ctx.world, tokenizer)
+
+        def report(result, metrics: dict[str, float]) -> list[dict[str, str]]:
             mlflow.log_table(pd.DataFrame(result.samples), "samples.json")
-            return finish("sft", run.run_id, section, train, metrics, result.checkpoint, result.samples,
-                          int(result.metrics["train/steps"]), run.warnings, ctx.links())
-    except DataContractError as e:
-        return refuse(e.report())
-    except (LaunchError, tracking.TrackingError) as e:
-        return refuse(str(e))
+            return result.samples
+
+        return StageJob(train_sft, SFTInputs(model_location, train.frame, evaluation.frame), train, run.reporting(),
+                        report)
+
+    return run_stage("sft", ctx, "step", prepare)
 
 
 @task(name="reward")
@@ -247,34 +114,22 @@ def run_reward(ctx: StageContext) -> StageRecord | State:
     from stages.reward import RewardInputs, train_reward
 
     section = ctx.config.reward
-    try:
-        with stage_run("reward", section, ctx, "step") as run:
-            policy_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
-            model_location = resolve_location(section.model, ctx.world) if section.model else policy_location
-            mlflow.set_tag("rlhf.base_model", tracking.redact(section.model or f"runs:/{ctx.upstream['sft']}/checkpoint"))
-            tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code,
-                                       chat_template=section.chat_template)
-            train, evaluation = train_and_eval_data(ctx.config, "reward", ctx.world, tokenizer)
-            prompts = logged_prompts(ctx.config, "reward", "normalization", "normalization-prompts", ctx.world,
-                                     load_tokenizer(policy_location))
-            started = time.perf_counter()
-            try:
-                result = ctx.call(train_reward, section, RewardInputs(model_location, policy_location, train.frame,
-                                                                       evaluation.frame, prompts.frame),
-                                  run.scratch, run.reporting())
-            except RewardGateError as gate:
-                mlflow.log_metrics(gate.metrics)
-                raise
-            metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
-            mlflow.set_tags(result.tags)
-            demo = is_demo(section.eval_data) or (section.eval_data is None and is_demo(section.train_data))
-            samples = reward_report(result, metrics, section.num_table_rows, demo)
-            return finish("reward", run.run_id, section, train, metrics, result.checkpoint, samples,
-                          int(metrics["train/steps"]), run.warnings, ctx.links(), ctx.lineage)
-    except DataContractError as e:
-        return refuse(e.report())
-    except (StageUserError, LaunchError, tracking.TrackingError) as e:
-        return refuse(str(e))
+
+    def prepare(run: StageRun) -> StageJob:
+        policy_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
+        model_location = resolve_location(section.model, ctx.world) if section.model else policy_location
+        mlflow.set_tag("rlhf.base_model", tracking.redact(section.model or f"runs:/{ctx.upstream['sft']}/checkpoint"))
+        tokenizer = load_tokenizer(model_location, trust_remote_code=section.trust_remote_code,
+                                   chat_template=section.chat_template)
+        train, evaluation = train_and_eval_data(ctx.config, "reward", ctx.world, tokenizer)
+        prompts = logged_prompts(ctx.config, "reward", "normalization", "normalization-prompts", ctx.world,
+                                 load_tokenizer(policy_location))
+        demo = is_demo(section.eval_data) or (section.eval_data is None and is_demo(section.train_data))
+        inputs = RewardInputs(model_location, policy_location, train.frame, evaluation.frame, prompts.frame)
+        return StageJob(train_reward, inputs, train, run.reporting(),
+                        lambda result, metrics: reward_report(result, metrics, section.num_table_rows, demo))
+
+    return run_stage("reward", ctx, "step", prepare)
 
 
 @task(name="ppo")
@@ -284,36 +139,27 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
     from stages.ppo import PPOInputs, train_ppo
 
     section = ctx.config.ppo
-    try:
-        with stage_run("ppo", section, ctx, "iteration") as run:
-            sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
-            reward_location = str(tracking.download_checkpoint(ctx.upstream["reward"], run.scratch / "reward"))
-            tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
-            train = logged_prompts(ctx.config, "ppo", "prompts", "prompts", ctx.world, tokenizer)
-            evaluation = logged_prompts(ctx.config, "ppo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)
-            mlflow.set_tag(tracking.TAG_DATA_DIGEST, train.digest)
-            gold = GoldJudgments.of_rollouts(run.scratch, run.metrics.log) if is_demo(section.prompts) else None
-            demo_evaluation = is_demo(section.eval_prompts)
-            judged = {"rollouts": gold} if gold else {}
-            if demo_evaluation:
-                judged["evaluation"] = GoldJudgments.of_evaluations(run.scratch, run.metrics.log)
-            reporting = run.reporting(
-                samples=lambda table, i: mlflow.log_table(table, f"samples/iteration_{i:05d}.json"), **judged)
-            started = time.perf_counter()
-            result = ctx.call(train_ppo, section, PPOInputs(sft_location, reward_location, train.frame,
-                                                             evaluation.frame), run.scratch, reporting)
-            metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
-            mlflow.set_tags(result.tags)
-            samples = ppo_report(result, metrics, run.warnings, gold, demo_evaluation)
-            record = finish("ppo", run.run_id, section, train, metrics, result.checkpoint, samples,
-                            int(metrics["train/iterations"]), run.warnings, ctx.links(), ctx.lineage)
-            if ctx.config.registry.enabled:
-                register(ctx, "ppo", run.run_id, result.checkpoint, metrics, evaluation.digest)
-            return record
-    except DataContractError as e:
-        return refuse(e.report())
-    except (StageUserError, LaunchError, tracking.TrackingError) as e:
-        return refuse(str(e))
+
+    def prepare(run: StageRun) -> StageJob:
+        sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
+        reward_location = str(tracking.download_checkpoint(ctx.upstream["reward"], run.scratch / "reward"))
+        tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
+        train = logged_prompts(ctx.config, "ppo", "prompts", "prompts", ctx.world, tokenizer)
+        evaluation = logged_prompts(ctx.config, "ppo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)
+        mlflow.set_tag(tracking.TAG_DATA_DIGEST, train.digest)
+        gold = GoldJudgments.of_rollouts(run.scratch, run.metrics.log) if is_demo(section.prompts) else None
+        demo_evaluation = is_demo(section.eval_prompts)
+        judged = {"rollouts": gold} if gold else {}
+        if demo_evaluation:
+            judged["evaluation"] = GoldJudgments.of_evaluations(run.scratch, run.metrics.log)
+        reporting = run.reporting(
+            samples=lambda table, i: mlflow.log_table(table, f"samples/iteration_{i:05d}.json"), **judged)
+        return StageJob(train_ppo, PPOInputs(sft_location, reward_location, train.frame, evaluation.frame), train,
+                        reporting, lambda result, metrics: ppo_report(result, metrics, run.warnings, gold,
+                                                                      demo_evaluation),
+                        registered_on=evaluation.digest)
+
+    return run_stage("ppo", ctx, "iteration", prepare)
 
 
 @task(name="dpo")
@@ -323,62 +169,19 @@ def run_dpo(ctx: StageContext) -> StageRecord | State:
     from stages.dpo import DPOInputs, train_dpo
 
     section = ctx.config.dpo
-    try:
-        with stage_run("dpo", section, ctx, "step") as run:
-            sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
-            tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
-            train, pairs_eval = train_and_eval_data(ctx.config, "dpo", ctx.world, tokenizer)
-            evaluation = logged_prompts(ctx.config, "dpo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)
-            started = time.perf_counter()
-            result = ctx.call(train_dpo, section, DPOInputs(sft_location, train.frame, pairs_eval.frame,
-                                                             evaluation.frame), run.scratch, run.reporting())
-            metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
-            mlflow.set_tags(result.tags)
-            samples = evaluation_report(result.evaluation, metrics, run.warnings, is_demo(section.eval_prompts))
-            record = finish("dpo", run.run_id, section, train, metrics, result.checkpoint, samples,
-                            int(metrics["train/steps"]), run.warnings, ctx.links(), ctx.lineage)
-            if ctx.config.registry.enabled:
-                register(ctx, "dpo", run.run_id, result.checkpoint, metrics, evaluation.digest)
-            return record
-    except DataContractError as e:
-        return refuse(e.report())
-    except (StageUserError, LaunchError, tracking.TrackingError) as e:
-        return refuse(str(e))
 
+    def prepare(run: StageRun) -> StageJob:
+        sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
+        tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
+        train, pairs_eval = train_and_eval_data(ctx.config, "dpo", ctx.world, tokenizer)
+        evaluation = logged_prompts(ctx.config, "dpo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)
+        demo = is_demo(section.eval_prompts)
+        return StageJob(train_dpo, DPOInputs(sft_location, train.frame, pairs_eval.frame, evaluation.frame), train,
+                        run.reporting(),
+                        lambda result, metrics: evaluation_report(result.evaluation, metrics, run.warnings, demo),
+                        registered_on=evaluation.digest)
 
-def register(ctx: StageContext, method: StageName, run_id: str, checkpoint: Path, metrics: dict[str, float],
-             eval_digest: str) -> None:
-    """The policy `method` (ppo, dpo) made as a new version of the registry's model, tagged with how
-    it was made and judged; the champion alias moves to it only when it beats the holder on the
-    same evaluation."""
-    registry, section = ctx.config.registry, getattr(ctx.config, method)
-    figure = "eval/gold_win_rate" if "eval/gold_win_rate" in metrics else "eval/win_rate_rm"
-    # What the win rate was measured on: the same held-out prompts, sampling and SFT baseline, and
-    # the same judge, so two versions with equal keys have comparable figures whatever method made
-    # them. The gold function judges alike for every version; a reward model's judgement depends
-    # on the reward run and the precision it scores in.
-    judged_on = {"eval_prompts": eval_digest, "sft": ctx.upstream["sft"]} | {
-        name: getattr(section, name) for name in ("eval_seed", "eval_samples_per_prompt", "response_length",
-                                                  "temperature")}
-    if figure == "eval/win_rate_rm" and method == "ppo":  # DPO has no reward model to judge by
-        judged_on |= {"reward": ctx.upstream["reward"]} | {
-            name: getattr(section, name) for name in ("missing_eos_score", "precision", "frozen_dtype")}
-    evaluation_key = hashlib.sha256(json.dumps(judged_on, sort_keys=True).encode()).hexdigest()
-    tags = {"rlhf.method": method_name(ctx.config, method), tracking.TAG_PIPELINE: ctx.parent_run_id,
-            tracking.TAG_CONFIG_HASH: config_hash(section),
-            **{tracking.TAG_UPSTREAM + name: run for name, run in ctx.upstream.items()},
-            **{key: f"{value:.6g}" for key, value in metrics.items() if key.startswith("eval/")}}
-    registration = tracking.register_policy(run_id, checkpoint, registry.model_name, registry.champion_alias, tags,
-                                            evaluation_key, figure, metrics.get(figure, float("nan")))
-    mlflow.set_tag(tracking.TAG_REGISTERED_MODEL, f"{registry.model_name}/{registration.version}")
-    get_run_logger().info("registered %s version %s; %s", registry.model_name, registration.version, registration.reason)
-
-
-def method_name(cfg: PipelineConfig, stage: StageName) -> str:
-    """How a policy was made, as the registry tags it: `dpo`, `ppo`, or PPO's critic-free estimator (`ppo-grpo`)."""
-    if stage == "ppo" and cfg.ppo.advantage_estimator != "gae":
-        return f"ppo-{cfg.ppo.advantage_estimator}"
-    return stage
+    return run_stage("dpo", ctx, "step", prepare)
 
 
 @task
@@ -471,7 +274,7 @@ def rlhf(
         logger.warning("memory plan: %s (on the CPU this is a warning, not a refusal)", problem)
     try:
         tracking.wait_for_server(log=logger.warning)
-        return _run_stages(cfg, ordered, config_file, overrides, upstream, use_cache, world, memory)
+        return _run_stages(cfg, ordered, Request(config_file, overrides, upstream, use_cache), world, memory)
     except tracking.TrackingError as e:
         return refuse(str(e))
     except Exception as e:
@@ -481,11 +284,11 @@ def rlhf(
                       f"({type(e).__name__}: {str(e)[:300]}); rerun when it is back: finished stages are reused")
 
 
-def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str, overrides: dict[str, Any],
-                upstream: UpstreamRuns, use_cache: bool, world: str | None,
+def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request, world: str | None,
                 memory: Plan | None) -> list[StageRecord] | State:
     """The stages in pipeline order under one MLflow pipeline run: each starts from the records
     of the stages before it (or the given upstream runs) and is reused from cache or run as a task."""
+    config_file, overrides, upstream = request.config_file, request.overrides, request.upstream
     logger = get_run_logger()
     experiment_id = tracking.ensure_experiment(cfg.experiment)
     version, commit = tracking.code_version()
@@ -513,7 +316,7 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], config_file: str,
         if resolved.chosen:
             logger.info("%s starts from %s", name, resolved.describe())
         key = cache_key(name, cfg, world, upstream_ids)
-        cached = tracking.latest_finished_run(cfg.experiment, name, key) if use_cache else None
+        cached = tracking.latest_finished_run(cfg.experiment, name, key) if request.use_cache else None
         if cached is not None:
             MlflowClient().set_tag(parent_run_id, tracking.TAG_REUSED + name, cached.info.run_id)
             logger.info("%s: reusing finished run %s (same config, data, code and upstream runs)", name,

@@ -8,6 +8,7 @@ import time
 from datetime import datetime, timezone
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlflow
 import pandas as pd
@@ -16,7 +17,6 @@ from mlflow.tracking import MlflowClient
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.context import get_run_context
-from pydantic import BaseModel
 
 from flows.lineage import StageName, StageRecord
 from rlhf import tracking
@@ -25,6 +25,9 @@ from rlhf.demo_world import gold_accuracy, judge_evaluation, last_user_turns, me
 from schemas.adapters import last_user_message
 from schemas.validate import ValidatedData
 from stages.models import folder_digest
+
+if TYPE_CHECKING:  # the stage task wrapper, which calls `finish`
+    from flows.stage_runs import StageContext, StageRun
 
 STAGE_SECONDS = "time/stage_seconds"
 """Metric: wall time of the stage's own work (training, evaluation, samples), without the wiring around it."""
@@ -43,12 +46,13 @@ def headline(stage: str, metrics: dict[str, float]) -> str:
     return ", ".join(f"{key.removeprefix('eval/')} {metrics[key]:.4g}" for key in HEADLINES[stage] if key in metrics)
 
 
-def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedData, metrics: dict[str, float],
-           checkpoint: Path, samples: list[dict[str, str]], last_step: int, warnings: list[str],
-           links: dict[str, str], lineage: str = "") -> StageRecord:
-    """Log final metrics and the checkpoint (inside the active run), describe the run (its note:
-    headline figures, the upstream runs it started from and why (`lineage`), warnings, `links` by
-    name), publish the Prefect summary. `samples`: what the user said last and the response."""
+def finish(stage: StageName, run: StageRun, ctx: StageContext, data: ValidatedData, metrics: dict[str, float],
+           checkpoint: Path, samples: list[dict[str, str]]) -> StageRecord:
+    """Log final metrics (at the last step or iteration) and the checkpoint inside the active run,
+    describe the run (its note: headline figures, the upstream runs it started from and why, its
+    warnings, its links), publish the Prefect summary. `samples`: what the user said last and the response."""
+    run_id, warnings, section = run.run_id, run.warnings, getattr(ctx.config, stage)
+    last_step = int(metrics[f"train/{run.progress.unit}s"])
     # At the last training step, so these (and not a trainer's running average of the same name)
     # are what MLflow shows as each metric's latest value.
     mlflow.log_metrics(metrics, step=last_step)
@@ -62,7 +66,7 @@ def finish(stage: StageName, run_id: str, section: BaseModel, data: ValidatedDat
             f"after retries ({type(e).__name__}: {str(e)[:300]}); the run is not marked finished and the checkpoint "
             f"is kept in {checkpoint} until a rerun uploads it") from e
     mlflow.set_tag(tracking.TAG_WARNINGS, str(len(warnings)))
-    tracking.set_note(run_id, stage_note(stage, metrics, warnings, links, lineage))
+    tracking.set_note(run_id, stage_note(stage, metrics, warnings, ctx.links(), ctx.lineage))
     rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()))
     shown = "\n".join(f"| {_cell(s['user'])} | {_cell(s['response'])} |" for s in samples)
     create_markdown_artifact(

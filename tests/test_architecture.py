@@ -74,3 +74,31 @@ def test_test_files_share_helpers_only_through_the_shared_modules(path):
     borrowed = {m for m in imports_of(path) if m.startswith("tests.") and m not in SHARED_TEST_MODULES}
     assert not borrowed, f"{path.relative_to(REPO)} imports {borrowed}: move what it borrows into tests/helpers.py"
 
+
+MAX_LINES, MAX_PARAMETERS = 80, 7
+
+
+def _is_flow(node: ast.FunctionDef) -> bool:
+    """A Prefect flow's parameters are its run form, one section each: they are the user's, not a design choice."""
+    return any(isinstance(d, ast.Call) and getattr(d.func, "id", None) == "flow" for d in node.decorator_list)
+
+
+@pytest.mark.parametrize("path", sorted(p for folder in ("stages", "flows") for p in (REPO / folder).glob("*.py")),
+                         ids=lambda p: p.relative_to(REPO).as_posix())
+def test_no_function_is_over_80_lines_or_7_parameters(path):
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_flow(node):
+            arguments = node.args
+            names = [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+            count = len([n for n in names if n not in ("self", "cls")]) + bool(arguments.vararg) + bool(arguments.kwarg)
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_LINES or count > MAX_PARAMETERS:
+                found.append(f"{node.name} ({lines} lines, {count} parameters)")
+    assert not found, f"{path.relative_to(REPO)}: {found}: split it, or bundle what travels together"
+
+
+def test_the_pipeline_module_stays_small():
+    lines = len((REPO / "flows" / "pipeline.py").read_text().splitlines())
+    assert lines < 450, f"flows/pipeline.py has {lines} lines: what is not the flow's wiring belongs in another module"
+

@@ -40,10 +40,10 @@ def tracking_store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def finished(tracking_store):
-    import flows.pipeline
+    import flows.stage_runs
     from flows.pipeline import rlhf
 
-    flows.pipeline.SYSTEM_METRICS_INTERVAL_S = 1.0  # the tiny stages take seconds
+    flows.stage_runs.SYSTEM_METRICS_INTERVAL_S = 1.0  # the tiny stages take seconds
     state = rlhf(config_file="configs/tiny.yaml", return_state=True)
     assert state.is_completed(), state.message
     return state.result()
@@ -542,3 +542,20 @@ def test_a_config_predicted_not_to_fit_a_gpu_is_refused_before_any_stage_trains(
     monkeypatch.setattr(flows.inputs, "this_device", lambda: Device("cpu", 0.5 * GIB))
     state = rlhf(stages=["sft"], config_file="configs/tiny.yaml", return_state=True)
     assert state.is_completed(), state.message
+
+
+def test_a_stage_user_error_fails_the_run_with_its_message_alone(tracking_store, monkeypatch):
+    """Every stage task shares one wrapper (`flows.stage_runs.run_stage`), so SFT refuses a user error as
+    the others do: a Failed state with the message, no traceback (SFT once let it through as a crash)."""
+    import stages.sft
+    from flows.pipeline import rlhf
+    from stages.errors import StageUserError
+
+    def refuse_to_train(*args, **kwargs):
+        raise StageUserError("these demonstrations are not what this model can learn from")
+
+    monkeypatch.setattr(stages.sft, "train_sft", refuse_to_train)
+    state = rlhf(config_file="configs/tiny.yaml", stages=["sft"], use_cache=False, return_state=True)
+    assert state.is_failed()
+    assert "stage sft failed: these demonstrations are not what this model can learn from" in state.message
+

@@ -1,0 +1,250 @@
+"""One wrapper for every stage task: its MLflow run, the stage call, its timing and tags, the
+finished record, the registry, and one set of error handlers.
+
+A stage task in `flows.pipeline` only says what is particular to its stage: inside the run it
+fetches the stage's inputs (validated data, upstream checkpoints through MLflow) and returns a
+`StageJob`, the stage call with how to report its result; `run_stage` does the rest the same
+way for every stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from prefect import get_run_logger
+from prefect.context import get_run_context
+from prefect.states import Failed, State
+from pydantic import BaseModel
+
+from flows.lineage import StageName, StageRecord
+from flows.reports import STAGE_SECONDS, Progress, finish, lineage_note
+from rlhf import tracking
+from rlhf.config import PipelineConfig, config_hash, flatten
+from schemas.errors import DataContractError
+from schemas.validate import ValidatedData
+from stages.distributed import LaunchError, call_stage
+from stages.errors import RewardGateError, StageUserError
+from stages.memory import GIB, Plan, plan_table
+from stages.reporting import Reporting
+
+SYSTEM_METRICS_INTERVAL_S = 5.0
+"""Seconds between samples of a stage run's system metrics (`system/cpu_utilization_percentage`, ...)."""
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """A stage's memory plan as its run logs it."""
+
+    figures: dict[str, float]
+    """`plan/predicted_peak_gib` (per process), `plan/state_gib` (weights, gradients, optimizer), `plan/fits` (1 or 0)."""
+    table: str
+    """The plan in Markdown (`memory_plan.md` on the run)."""
+
+
+def stage_memory(result: Plan, stage: str) -> StageMemory:
+    planned = result.stages[stage]
+    return StageMemory({"plan/predicted_peak_gib": planned.peak / GIB, "plan/state_gib": planned.state_bytes() / GIB,
+                        "plan/fits": float(result.verdicts[stage])},
+                       plan_table(Plan(result.device, {stage: planned}, {stage: result.verdicts[stage]},
+                                       {stage: result.fixes.get(stage, [])})))
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What a stage task gets from the flow."""
+
+    config: PipelineConfig
+    world: str | None
+    experiment_id: str
+    parent_run_id: str
+    upstream: dict[str, str]
+    """Run id of each upstream stage, by stage name."""
+    cache_key: str
+    """Identity of the stage's work: see `flows.lineage.cache_key`."""
+    label: str
+    """The Prefect flow run's name (`super-earwig`): every MLflow run of this pipeline run carries it."""
+    flow_run_url: str | None
+    """The Prefect flow run in the Prefect UI."""
+    memory: StageMemory | None = None
+    """What the memory plan predicted for this stage (logged on its run beside the measured peak)."""
+    lineage: str = ""
+    """Which upstream runs the stage starts from and why (`flows.lineage.Upstream.describe`), for its description."""
+
+    def links(self) -> dict[str, str | None]:
+        """Where a stage run's description points: its pipeline run, its upstream runs, the Prefect flow run."""
+        return ({"pipeline run": tracking.run_url(self.parent_run_id)}
+                | {f"upstream {name} run": tracking.run_url(run_id) for name, run_id in self.upstream.items()}
+                | {"Prefect flow run": self.flow_run_url})
+
+    def call(self, train, section, inputs, scratch: Path, reporting: Reporting):
+        """The stage function on the processes its config asks for, as this process set itself up."""
+        return call_stage(train, section, inputs, scratch, reporting, deterministic=self.config.deterministic,
+                          num_threads=self.config.num_threads)
+
+
+def refuse(message: str) -> State:
+    """A user error (bad data, bad config, a failed gate): logged as the message alone, without a
+    traceback, and with any secret in it (a password in a URI, a token) redacted."""
+    message = tracking.redact(message)
+    get_run_logger().error(message)
+    return Failed(message=message)
+
+
+@dataclass
+class StageRun:
+    """A stage's open MLflow run, as its task uses it."""
+
+    run_id: str
+    scratch: Path
+    """The work folder, keyed by the cache key: an interrupted attempt's checkpoints are found here again."""
+    metrics: tracking.MetricWriter
+    progress: Progress
+    warnings: list[str]
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+        get_run_logger().warning(message)
+
+    def reporting(self, **callbacks) -> Reporting:
+        """The stage's `Reporting`: metrics to MLflow, warnings to the log and the run's description,
+        progress to Prefect; `callbacks` adds the stage's own."""
+        return Reporting(metrics=self.metrics.log, warning=self.warn, progress=self.progress, **callbacks)
+
+
+@contextmanager
+def stage_run(stage: StageName, section: BaseModel, ctx: StageContext, unit: str) -> Iterator[StageRun]:
+    """A child MLflow run named `<stage> · <flow run>`, with the stage's config as params, lineage
+    tags and system metrics (CPU, memory; GPU where present), active inside the block; the work
+    folder keyed by the cache key (removed only when the block succeeds); a Prefect progress
+    artifact counting `unit`s; and the run's background metric writer (drained before the run can
+    end FINISHED).
+
+    An exception leaves the run FAILED and the folder with whatever the stage wrote, so a rerun
+    resumes from it. When the tracking server stopped answering, the error says so and where the
+    work is kept; the run then stays unfinished, never FINISHED.
+    """
+    version, commit = tracking.code_version()
+    tags = {tracking.TAG_CONFIG_HASH: config_hash(section), tracking.TAG_CODE_VERSION: version,
+            tracking.TAG_GIT_COMMIT: commit, tracking.TAG_CACHE_KEY: ctx.cache_key,
+            tracking.TAG_PREFECT_FLOW_RUN: str(get_run_context().task_run.flow_run_id)}
+    tags |= {tracking.TAG_UPSTREAM + name: run_id for name, run_id in ctx.upstream.items()}
+    with tracking.claimed_workdir(f"{stage}-{ctx.cache_key[:16]}") as workdir:
+        try:
+            run_id = tracking.create_stage_run(ctx.experiment_id, ctx.parent_run_id, stage, f"{stage} · {ctx.label}",
+                                               tags)
+            if ctx.lineage:  # until `finish` writes the whole description; a failed run keeps this
+                tracking.set_note(run_id, lineage_note(ctx.lineage))
+            if workdir.owned:
+                for abandoned in tracking.close_abandoned_runs(ctx.experiment_id, stage, ctx.cache_key, run_id):
+                    get_run_logger().warning("%s: run %s of an interrupted attempt marked KILLED; this run "
+                                             "continues its work from %s", stage, abandoned, workdir.path)
+            mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
+            with mlflow.start_run(run_id=run_id, log_system_metrics=True):
+                mlflow.log_params(tracking.redacted(flatten(section)))
+                if ctx.memory is not None:
+                    mlflow.log_metrics(ctx.memory.figures, step=0)
+                    mlflow.log_text(ctx.memory.table, "memory_plan.md")
+                run = StageRun(run_id, workdir.path, tracking.MetricWriter(run_id), Progress(stage, unit), [])
+                try:
+                    yield run
+                except BaseException:
+                    run.metrics.close_after_failure()
+                    raise
+                run.metrics.close()
+        except (DataContractError, tracking.TrackingError):
+            raise
+        except Exception as e:
+            if tracking.server_answers():
+                raise
+            raise tracking.TrackingError(
+                f"stage {stage}: the MLflow tracking server {mlflow.get_tracking_uri()} stopped answering "
+                f"({type(e).__name__}); the stage's local work is kept in {workdir.path} and a rerun "
+                f"resumes from it") from e
+
+@dataclass(frozen=True)
+class StageJob:
+    """What a stage task prepares inside its run: the stage call, and how to report its result."""
+
+    train: Callable
+    """The stage function, `train_<stage>(cfg, inputs, output_dir, reporting)`."""
+    inputs: Any
+    """Its typed inputs (`SFTInputs`, ...)."""
+    data: ValidatedData
+    """The training data: its digest goes into the stage's record."""
+    reporting: Reporting
+    report: Callable[[Any, dict[str, float]], list[dict[str, str]]]
+    """Logs what the stage produced besides its metrics, given its result and final metrics; returns
+    the samples its summary shows (what the user said last, and the response)."""
+    registered_on: str | None = None
+    """The held-out prompts' digest a policy is registered under (PPO, DPO); None: nothing to register."""
+
+
+def run_stage(stage: StageName, ctx: StageContext, unit: str, prepare: Callable[[StageRun], StageJob]) -> StageRecord | State:
+    """The stage's task body: its run (`stage_run`), `prepare` inside it, the stage called on the
+    processes its config asks for and timed (`time/stage_seconds`), its tags, report and `finish`,
+    the policy registered when `prepare` says so and the config allows. A user error (bad data, a
+    failed gate, a failed launch, the tracking server gone) fails the task with its message alone."""
+    section = getattr(ctx.config, stage)
+    try:
+        with stage_run(stage, section, ctx, unit) as run:
+            job = prepare(run)
+            started = time.perf_counter()
+            try:
+                result = ctx.call(job.train, section, job.inputs, run.scratch, job.reporting)
+            except RewardGateError as gate:
+                mlflow.log_metrics(gate.metrics)
+                raise
+            metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
+            mlflow.set_tags(result.tags)
+            samples = job.report(result, metrics)
+            record = finish(stage, run, ctx, job.data, metrics, result.checkpoint, samples)
+            if job.registered_on is not None and ctx.config.registry.enabled:
+                register(ctx, stage, run.run_id, result.checkpoint, metrics, job.registered_on)
+            return record
+    except DataContractError as e:
+        return refuse(e.report())
+    except (StageUserError, LaunchError, tracking.TrackingError) as e:
+        return refuse(str(e))
+
+
+def register(ctx: StageContext, method: StageName, run_id: str, checkpoint: Path, metrics: dict[str, float],
+             eval_digest: str) -> None:
+    """The policy `method` (ppo, dpo) made as a new version of the registry's model, tagged with how
+    it was made and judged; the champion alias moves to it only when it beats the holder on the
+    same evaluation."""
+    registry, section = ctx.config.registry, getattr(ctx.config, method)
+    figure = "eval/gold_win_rate" if "eval/gold_win_rate" in metrics else "eval/win_rate_rm"
+    # What the win rate was measured on: the same held-out prompts, sampling and SFT baseline, and
+    # the same judge, so two versions with equal keys have comparable figures whatever method made
+    # them. The gold function judges alike for every version; a reward model's judgement depends
+    # on the reward run and the precision it scores in.
+    judged_on = {"eval_prompts": eval_digest, "sft": ctx.upstream["sft"]} | {
+        name: getattr(section, name) for name in ("eval_seed", "eval_samples_per_prompt", "response_length",
+                                                  "temperature")}
+    if figure == "eval/win_rate_rm" and method == "ppo":  # DPO has no reward model to judge by
+        judged_on |= {"reward": ctx.upstream["reward"]} | {
+            name: getattr(section, name) for name in ("missing_eos_score", "precision", "frozen_dtype")}
+    evaluation_key = hashlib.sha256(json.dumps(judged_on, sort_keys=True).encode()).hexdigest()
+    tags = {"rlhf.method": method_name(ctx.config, method), tracking.TAG_PIPELINE: ctx.parent_run_id,
+            tracking.TAG_CONFIG_HASH: config_hash(section),
+            **{tracking.TAG_UPSTREAM + name: run for name, run in ctx.upstream.items()},
+            **{key: f"{value:.6g}" for key, value in metrics.items() if key.startswith("eval/")}}
+    registration = tracking.register_policy(run_id, checkpoint, registry.model_name, registry.champion_alias, tags,
+                                            evaluation_key, figure, metrics.get(figure, float("nan")))
+    mlflow.set_tag(tracking.TAG_REGISTERED_MODEL, f"{registry.model_name}/{registration.version}")
+    get_run_logger().info("registered %s version %s; %s", registry.model_name, registration.version, registration.reason)
+
+
+def method_name(cfg: PipelineConfig, stage: StageName) -> str:
+    """How a policy was made, as the registry tags it: `dpo`, `ppo`, or PPO's critic-free estimator (`ppo-grpo`)."""
+    if stage == "ppo" and cfg.ppo.advantage_estimator != "gae":
+        return f"ppo-{cfg.ppo.advantage_estimator}"
+    return stage
