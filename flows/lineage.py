@@ -12,16 +12,15 @@ import json
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
 from rlhf import tracking
-from rlhf.config import DataSource, PipelineConfig, config_hash
+from rlhf.config import DataSource, PipelineConfig, StageName, config_hash
 from rlhf.demo_locations import resolve_location
 from stages.models import folder_digest
 
-StageName = Literal["sft", "reward", "ppo", "dpo"]
 AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo", "dpo")
 """Stages in pipeline order; `dpo` is the alternative to reward + PPO (`stages: [sft, dpo]`)."""
 RLHF_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo")

@@ -26,13 +26,13 @@ from pydantic import BaseModel, Field
 from flows.form import DPOForm, PPOForm, RewardForm, SFTForm, form_overrides
 from flows.inputs import (context_problems, input_problems, is_demo, logged_prompts, memory_plan, memory_problems,
                           train_and_eval_data)
-from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, ExperimentRuns, StageName, StageRecord, cache_key,
-                           reused_record, upstream_runs)
+from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, ExperimentRuns, StageRecord, cache_key, reused_record,
+                           upstream_runs)
 from flows.reports import (GoldJudgments, evaluation_report, log_overhead, pipeline_note, pipeline_summary, ppo_report,
                            reward_report)
 from flows.stage_runs import StageContext, StageJob, StageRun, refuse, run_stage, stage_memory
 from rlhf import tracking
-from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
+from rlhf.config import ConfigError, PipelineConfig, StageName, config_hash, flatten, load_config
 from rlhf.demo_locations import DemoWorldConfig, resolve_location
 from rlhf.demo_world import build_world
 from stages.memory import Plan

@@ -18,9 +18,9 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.context import get_run_context
 
-from flows.lineage import StageName, StageRecord
+from flows.lineage import StageRecord
 from rlhf import tracking
-from rlhf.config import config_hash
+from rlhf.config import StageName, config_hash
 from rlhf.demo_world import gold_accuracy, judge_evaluation, last_user_turns, mean_gold_reward
 from schemas.adapters import last_user_message
 from schemas.validate import ValidatedData

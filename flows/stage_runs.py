@@ -24,10 +24,10 @@ from prefect.context import get_run_context
 from prefect.states import Failed, State
 from pydantic import BaseModel
 
-from flows.lineage import StageName, StageRecord
+from flows.lineage import StageRecord
 from flows.reports import STAGE_SECONDS, Progress, finish, lineage_note
 from rlhf import tracking
-from rlhf.config import PipelineConfig, config_hash, flatten
+from rlhf.config import PipelineConfig, StageName, config_hash, flatten
 from schemas.errors import DataContractError
 from schemas.validate import ValidatedData
 from stages.distributed import LaunchError, call_stage

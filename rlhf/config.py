@@ -21,6 +21,10 @@ from rlhf.demo_locations import DEMO_SCHEME, DemoWorldConfig
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+StageName = Literal["sft", "reward", "ppo", "dpo"]
+"""The stages, by the names of their config sections."""
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 

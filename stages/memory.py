@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rlhf.config import (DPOConfig, LaunchConfig, LoRAConfig, PipelineConfig, PPOConfig, RewardConfig, SFTConfig,
-                         TrainedStage)
+                         StageName, TrainedStage)
 
 GIB = 1024 ** 3
 ADAM_BYTES = 8
@@ -46,7 +46,8 @@ RUNTIME_GIB = 0.75
 """Per process, besides tensors: the libraries, the CUDA context, allocator slack."""
 FSDP_CONFIG = "configs/accelerate/fsdp.yaml"
 
-StageName = Literal["sft", "reward", "ppo", "dpo"]
+SCORING_BATCH = 64
+"""Sequences the reward model scores in one pass (`stages.reward.RewardScorer.raw_scores`)."""
 
 
 # --- model shapes -------------------------------------------------------------------------------
@@ -420,7 +421,7 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device:
     evaluated = eval_prompts * section.eval_samples_per_prompt  # every process evaluates every held-out prompt
     at_once = section.micro_rollout_batch_size or max(local, evaluated)
     rolled, judged = min(local, at_once), min(evaluated, at_once)
-    scored = min(rolled, 64)  # `RewardScorer.raw_scores` scores 64 sequences at a time
+    scored = min(rolled, SCORING_BATCH)
     phases = {
         "sampling": gathered_policy | {"kv_cache": kv_cache(policy, rolled, length, autocast)},
         "rollout_forwards": {"logits": forward_without_gradients(policy, rolled, length, section.response_length + 1,

@@ -30,6 +30,7 @@ from trl import RewardTrainer
 from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
 from stages.errors import RewardGateError
+from stages.memory import SCORING_BATCH
 from stages.models import (device, disable_dropout, encode_pairs, encode_replies, fit_to_tokenizer,
                            load_causal_lm, load_tokenizer, lora_config, position_ids_for, save_trained, stop_token_ids,
                            with_lora)
@@ -111,7 +112,7 @@ class RewardScorer:
         return [p + r for p, r in zip(prompt_ids, reply_ids, strict=True)]
 
     @torch.no_grad()
-    def raw_scores(self, sequences: list[list[int]], batch_size: int = 64) -> torch.Tensor:
+    def raw_scores(self, sequences: list[list[int]], batch_size: int = SCORING_BATCH) -> torch.Tensor:
         """Model outputs at the last real token of each id sequence, from the reward model as it was
         trained: any adapters on it are off while it scores. # -> (N,)"""
         scores = []
