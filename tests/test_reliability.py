@@ -14,13 +14,13 @@ import pytest
 
 from stages.reporting import MEASURED
 
+pytestmark = pytest.mark.multiprocess  # every test runs the pipeline in child processes
+
 REPO = Path(__file__).resolve().parent.parent
 RUN = """
 import json, os, pathlib, sys, time
 from flows.pipeline import rlhf
 import stages.ppo
-
-pytestmark = pytest.mark.multiprocess  # every test runs the pipeline in child processes
 
 if os.environ.get("HOLD_MARKER"):
     # Park the run inside the PPO iteration after its first full-state checkpoint, so the test's
