@@ -73,7 +73,7 @@ def _outcome(call: Callable[[list[str]], object], folder: Path) -> str:
 
 
 def jobs(root: Path) -> dict[str, Job]:
-    from rlhf.config import LaunchConfig
+    from rlhf.config import LaunchConfig, with_overrides
     from stages.distributed import LaunchError, call_stage
     from stages.dpo import DPOInputs, train_dpo
     from stages.ppo import PPOInputs, train_ppo
@@ -99,7 +99,7 @@ def jobs(root: Path) -> dict[str, Job]:
         return run
 
     def ppo(launch, **settings):
-        return cfg.ppo.model_validate(cfg.ppo.model_dump() | settings | {"launch": launch.model_dump()})
+        return with_overrides(cfg.ppo, settings | {"launch": launch})
 
     def killed_then_resumed(folder: Path) -> str:
         section = ppo(fsdp, num_iterations=4, checkpoint_every=2)
@@ -118,15 +118,15 @@ def jobs(root: Path) -> dict[str, Job]:
         "sft-ddp": stage(train_sft, sft_small.model_copy(update={"launch": ddp}), sft_inputs),
         "reward-ddp": stage(train_reward, reward_small.model_copy(update={"launch": ddp}), reward_inputs),
         "ppo-ddp": stage(train_ppo, ppo(ddp, num_iterations=6, rollout_batch_size=16, learning_rate=1e-3,
-                                        eval_samples_per_prompt=4), ppo_inputs),
+                                        evaluation={"samples_per_prompt": 4}), ppo_inputs),
         "sft-fsdp": stage(train_sft, sft_small.model_copy(update={"launch": fsdp}), sft_inputs),
         "reward-fsdp": stage(train_reward, reward_small.model_copy(update={"launch": fsdp}), reward_inputs),
         "dpo-fsdp": stage(train_dpo, cfg.dpo.model_copy(update={"max_steps": 8, "batch_size": 8, "launch": fsdp}),
                           dpo_inputs),
         "ppo-fsdp": stage(train_ppo, ppo(fsdp, num_iterations=4, checkpoint_every=2), ppo_inputs),
-        "ppo-fsdp-reward-lora": stage(train_ppo, ppo(fsdp, num_iterations=4, checkpoint_every=2, critic="reward-lora",
+        "ppo-fsdp-reward-lora": stage(train_ppo, ppo(fsdp, num_iterations=4, checkpoint_every=2, critic={"kind": "reward-lora"},
                                                      frozen_dtype="bfloat16"), ppo_inputs),
-        "ppo-fsdp-shared": stage(train_ppo, ppo(fsdp, critic="shared", ref_refresh_every=2,
+        "ppo-fsdp-shared": stage(train_ppo, ppo(fsdp, critic={"kind": "shared"}, ref_refresh_every=2,
                                                 sharded_sampling="per_layer"), ppo_inputs),
         "ppo-fsdp-killed-resumed": killed_then_resumed,
         "sft-lora-fsdp": stage(train_sft, sft_small.model_validate(sft_small.model_dump() | {"lora": {"r": 4}, "launch": fsdp.model_dump()}), sft_inputs),

@@ -41,16 +41,16 @@ WORK = {
     "reward": {"max_steps": 2, "batch_size": 4, "eval_steps": 100, "logging_steps": 1, "normalization_samples": 1,
                "min_eval_accuracy": 0.0, "checkpoint_every": 100},
     "ppo": {"num_iterations": 1, "rollout_batch_size": 8, "num_ppo_epochs": 1, "num_minibatches": 1,
-            "response_length": 16, "eval_every": None, "eval_samples_per_prompt": 1, "checkpoint_every": 100,
-            "missing_eos_score": None, "critic": "reward"},
+            "sampling.response_length": 16, "evaluation.every": None, "evaluation.samples_per_prompt": 1,
+            "checkpoint_every": 100, "missing_eos_score": None, "critic.kind": "reward"},
 }
 """Each stage's settings on top of `configs/tiny.yaml` (float32 on the CPU, one process)."""
 
-LARGE_PPO = {"400M": {"critic": "shared"}}
+LARGE_PPO = {"400M": {"critic.kind": "shared"}}
 """At 400M, full PPO with a critic of its own would hold ~16 GiB of 24: the shared value head instead."""
 
 LORA = {"lora": {"r": 8}}
-LORA_PPO = {"lora": {"r": 8}, "critic": "shared"}
+LORA_PPO = {"lora": {"r": 8}, "critic.kind": "shared"}
 """LoRA runs; PPO's with the shared value head (its critic then loads no model of its own)."""
 
 
@@ -99,7 +99,7 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
 
     import psutil
 
-    from rlhf.config import load_config
+    from rlhf.config import load_config, with_overrides
     from schemas.validate import LengthBudget, load_validated
     from stages.distributed import call_stage
     from stages.memory import GIB, RUNTIME_GIB, Counts, Device, model_shape, plan
@@ -112,12 +112,12 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
     base = load_config("configs/tiny.yaml")
     section = getattr(base, stage)
     changes = WORK[stage] | (LARGE_PPO.get(size, {}) if stage == "ppo" else {})
-    section = section.model_validate(section.model_dump() | changes | (
-        (LORA_PPO if stage == "ppo" else LORA) if lora else {}) | {"precision": "fp32"})
+    section = with_overrides(section, changes | ((LORA_PPO if stage == "ppo" else LORA) if lora else {})
+                             | {"precision": "fp32"})
     cfg = base.model_copy(update={stage: section})
     tokenizer = load_tokenizer(checkpoint)
     prompt_length = section.max_prompt_length
-    budget = LengthBudget(prompt_length, prompt_length + section.response_length if stage == "ppo"
+    budget = LengthBudget(prompt_length, prompt_length + section.sampling.response_length if stage == "ppo"
                           else section.max_length)
 
     def data(name: str, kind: str):

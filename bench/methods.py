@@ -40,16 +40,16 @@ METHODS: dict[str, dict] = {
     "ppo (gae)": {"advantage_estimator": "gae"},
     # GRPO's beta weighs a k3 loss term averaged over tokens, not a penalty summed into each return:
     # the same KL takes a larger beta (demo sweep, KL to SFT: 0.05 -> 25.4, 0.1 -> 17.2, 0.2 -> 4.75, 0.3 -> 1.85).
-    "grpo": {"advantage_estimator": "grpo", "samples_per_prompt": 4, "init_kl_coef": 0.2},
+    "grpo": {"advantage_estimator": "grpo", "samples_per_prompt": 4, "kl.init_coef": 0.2},
     "rloo": {"advantage_estimator": "rloo", "samples_per_prompt": 4},
     "reinforce++": {"advantage_estimator": "reinforce++"},
     "reinforce++-baseline": {"advantage_estimator": "reinforce++-baseline", "samples_per_prompt": 4},
     "dpo": {},
     # The critic as LoRA adapters and a value head on the reward model the scorer holds (one copy of it, not two).
-    "ppo (gae), reward-lora critic": {"advantage_estimator": "gae", "critic": "reward-lora"},
+    "ppo (gae), reward-lora critic": {"advantage_estimator": "gae", "critic.kind": "reward-lora"},
     # LoRA on the policy (rank 8 defaults): its own weights are the reference.
     "ppo (gae), lora policy": {"advantage_estimator": "gae", "lora": {}},
-    "ppo (gae), lora policy, reward-lora critic": {"advantage_estimator": "gae", "lora": {}, "critic": "reward-lora"},
+    "ppo (gae), lora policy, reward-lora critic": {"advantage_estimator": "gae", "lora": {}, "critic.kind": "reward-lora"},
 }
 """Each method's settings on top of its config section (`ppo`; `dpo` for DPO)."""
 
@@ -59,7 +59,7 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
     import torch
 
     import stages.ppo
-    from rlhf.config import load_config
+    from rlhf.config import load_config, with_overrides
     from rlhf.demo_world import build_world, judge_evaluation
     from schemas.validate import LengthBudget, load_validated
     from stages.models import load_tokenizer, set_determinism
@@ -75,7 +75,7 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
     world = build_world(state / "worlds", cfg.demo)
     sft_folder, reward_folder = train_upstream(cfg, world, state)
     tokenizer = load_tokenizer(str(sft_folder))
-    budget = LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.response_length)
+    budget = LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.sampling.response_length)
     prompts, eval_prompts = (load_validated(str(world / f"{name}.jsonl"), "prompt", tokenizer=tokenizer,
                                             budget=budget).frame for name in ("prompts", "prompts_eval"))
     out = state / method.replace(" ", "-").replace("(", "").replace(")", "").replace(",", "")
@@ -96,7 +96,7 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
                  for name in ("preferences", "preferences_eval")]
         result = train_dpo(cfg.dpo, DPOInputs(str(sft_folder), *pairs, eval_prompts), out)
     else:
-        result = train_ppo(cfg.ppo.model_copy(update={"eval_every": None}),
+        result = train_ppo(with_overrides(cfg.ppo, {"evaluation.every": None}),
                            PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts), out)
     seconds = time.perf_counter() - clock
     table = result.evaluation
@@ -106,7 +106,7 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
     return {"method": method, "settings": settings, "seed": getattr(cfg, section).seed, "seconds": seconds,
             "peak_memory_bytes": peak, "memory_kind": "cuda allocated" if torch.cuda.is_available() else "process max RSS",
             **held, "held_bytes": sum(held.values()) if held else None,
-            "kl_budget": getattr(cfg, section).kl_budget, **result.metrics, **gold}
+            "kl_budget": getattr(cfg, section).evaluation.kl_budget, **result.metrics, **gold}
 
 
 def table_of(rows: list[dict]) -> str:

@@ -24,19 +24,21 @@ COMMON = {
     "precision": "bf16-mixed", "gradient_checkpointing": True, "frozen_dtype": "bfloat16",
     "launch": {"num_processes": 1, "accelerate_config": "configs/accelerate/fsdp.yaml"},
 }
-PPO = COMMON | {"max_prompt_length": 512, "response_length": 512, "rollout_batch_size": 512, "num_minibatches": 4,
-                "micro_batch_size": 2, "micro_rollout_batch_size": 16, "eval_samples_per_prompt": 1}
+PPO = COMMON | {"max_prompt_length": 512, "sampling": {"response_length": 512, "micro_batch_size": 16},
+                "rollout_batch_size": 512, "num_minibatches": 4, "micro_batch_size": 2,
+                "evaluation": {"samples_per_prompt": 1}}
 TRAINER = {k: v for k, v in COMMON.items() if k != "frozen_dtype"} | {
     "max_prompt_length": 512, "max_length": 1024, "batch_size": 2}
 
 METHODS: dict[str, tuple[str, dict]] = {
-    "PPO, full (critic: reward)": ("ppo", PPO | {"critic": "reward"}),
-    "PPO, LoRA policy + LoRA critic": ("ppo", PPO | {"lora": {"r": 8}, "critic": "reward-lora"}),
+    "PPO, full (critic: reward)": ("ppo", PPO | {"critic": {"kind": "reward"}}),
+    "PPO, LoRA policy + LoRA critic": ("ppo", PPO | {"lora": {"r": 8}, "critic": {"kind": "reward-lora"}}),
     "GRPO, full (8 per prompt)": ("ppo", PPO | {"advantage_estimator": "grpo", "samples_per_prompt": 8}),
-    "DPO, full": ("dpo", TRAINER | {"response_length": 512, "eval_samples_per_prompt": 1,
-                                     "frozen_dtype": "bfloat16", "micro_rollout_batch_size": 16}),
-    "DPO, LoRA": ("dpo", TRAINER | {"response_length": 512, "eval_samples_per_prompt": 1, "frozen_dtype": "bfloat16",
-                                     "micro_rollout_batch_size": 16, "lora": {"r": 8}}),
+    "DPO, full": ("dpo", TRAINER | {"sampling": {"response_length": 512, "micro_batch_size": 16},
+                                     "evaluation": {"samples_per_prompt": 1}, "frozen_dtype": "bfloat16"}),
+    "DPO, LoRA": ("dpo", TRAINER | {"sampling": {"response_length": 512, "micro_batch_size": 16},
+                                     "evaluation": {"samples_per_prompt": 1}, "frozen_dtype": "bfloat16",
+                                     "lora": {"r": 8}}),
 }
 """Each method: the stage it runs and that stage's settings."""
 
@@ -50,9 +52,10 @@ def fewest_gpus(model: str, stage: str, settings: dict, folder: Path) -> tuple[i
     data = {"path": str(folder / "data.jsonl")}
     sources = {"sft": {"model": location, "train_data": data, "eval_data": None},
                "reward": {"train_data": data, "eval_data": None, "normalization_prompts": data},
-               "ppo": {"prompts": data, "eval_prompts": data},
-               "dpo": {"train_data": data, "eval_data": None, "eval_prompts": data}}
-    sources[stage] |= settings
+               "ppo": {"prompts": data, "evaluation": {"prompts": data}},
+               "dpo": {"train_data": data, "eval_data": None, "evaluation": {"prompts": data}}}
+    sources[stage] = {key: (sources[stage].get(key, {}) | value if isinstance(value, dict) else value)
+                      for key, value in (sources[stage] | settings).items()}
     cfg = load_config(None, {"demo": None} | sources)
     shapes = {"policy": model_shape(location)}
     for n in COUNTS:

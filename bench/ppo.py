@@ -84,12 +84,12 @@ def build_assets(config_file: str, overrides: dict, shape: ModelShape, root: Pat
             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
         save_checkpoint(policy, tokenizer, folder / "policy")
         save_checkpoint(load_reward_model(str(folder / "policy"), tokenizer), tokenizer, folder / "reward")
-    budget = LengthBudget(ppo.max_prompt_length, ppo.max_prompt_length + ppo.response_length)
-    for name, source in (("prompts", ppo.prompts), ("eval_prompts", ppo.eval_prompts)):
+    budget = LengthBudget(ppo.max_prompt_length, ppo.max_prompt_length + ppo.sampling.response_length)
+    for name, source in (("prompts", ppo.prompts), ("eval_prompts", ppo.evaluation.prompts)):
         data = load_validated(resolve_location(source.path, str(world)), "prompt", tokenizer=tokenizer, budget=budget)
         data.frame.to_json(folder / f"{name}.jsonl", orient="records", lines=True)
-    work = Work(ppo.rollout_batch_size, ppo.response_length, ppo.num_ppo_epochs, ppo.num_minibatches,
-                ppo.temperature, ppo.learning_rate, ppo.init_kl_coef, ppo.seed)
+    work = Work(ppo.rollout_batch_size, ppo.sampling.response_length, ppo.num_ppo_epochs, ppo.num_minibatches,
+                ppo.sampling.temperature, ppo.learning_rate, ppo.kl.init_coef, ppo.seed)
     return folder, work, cfg.num_threads or 2
 
 

@@ -8,12 +8,12 @@ the demo world, from identical checkpoints, prompts and work per iteration.
    (episodes, response length, epochs, minibatches, learning rate, temperature) from those
    checkpoints in its own environment (bench/trl_quality.py), and each of our candidate
    configurations (`CANDIDATES`: the default, and cheaper or faster ones) runs it with the
-   candidate's settings on top (`target_kl` off, so beta stays fixed).
+   candidate's settings on top (`kl.target` off, so beta stays fixed).
 3. Every run is judged every `--eval-every` iterations and at the end by one evaluation:
    `stages.evaluation.evaluate` against the SFT reference on the held-out prompts, its SFT baseline sampled
    with common random numbers (the same responses for every run and every point), then the demo
    world's gold function: gold reward, gold win rate against SFT, KL to SFT per sequence. Ours
-   evaluates in the run (`ppo.eval_every`, training's random stream untouched); TRL's policy is
+   evaluates in the run (`ppo.evaluation.every`, training's random stream untouched); TRL's policy is
    copied at those iterations and judged after training. The clock is training only: ours sums
    `time/iteration` (rollout, scoring, update), TRL's counts each step from the end of the previous
    one, the copy excluded; neither counts loading or evaluation.
@@ -48,7 +48,7 @@ DIFFERENCES = [
     "(its Llama score head has no bias, so no shift: about mean -0.27, std 0.96 at the start).",
     "A response without EOS: ours scores it -3 (ppo.missing_eos_score replaces the score); TRL subtracts "
     "missing_eos_penalty=3 from the reward model's score.",
-    "Critic: ours as configured (`critic`, `normalize_critic` columns: by default the reward model with the refitted "
+    "Critic: ours as configured (`critic.kind`, `critic.normalize` columns: by default the reward model with the refitted "
     "gain and bias applied to its head); TRL's value model is the same gain-scaled reward model, without a bias.",
     "Optimiser: ours clips the gradient norm at 1.0 and uses AdamW eps 1e-5 (ppo.max_grad_norm; CleanRL's and "
     "OpenAI's PPO eps); TRL's PPOTrainer does not clip and uses eps 1e-8. Both decay the learning rate linearly "
@@ -109,7 +109,8 @@ class Judge:
 
         self.cfg = ppo_cfg
         self.models = load_models(ppo_cfg, str(sft_folder), str(reward_folder))
-        self.held_out = HeldOut.sample(self.models, eval_prompts, ppo_cfg, torch.device("cpu"))
+        self.held_out = HeldOut.sample(self.models, eval_prompts, ppo_cfg.evaluation, ppo_cfg.sampling,
+                                       torch.device("cpu"))
 
     def __call__(self, policy_folder: Path):
         """The evaluation table of the policy saved in `policy_folder`."""
@@ -123,7 +124,8 @@ class Judge:
                                                                  strict=False)
         if unexpected or set(missing) - {"lm_head.weight"}:  # only a tied head may be absent from the file
             raise ValueError(f"{policy_folder} does not fit the SFT model: missing {missing}, unexpected {unexpected}")
-        return evaluate(self.models, policy_sampler(self.models), self.held_out, self.cfg)[1]
+        return evaluate(self.models, policy_sampler(self.models), self.held_out, self.cfg.evaluation,
+                        self.cfg.sampling)[1]
 
 
 CANDIDATES: dict[str, dict] = {
@@ -132,9 +134,9 @@ CANDIDATES: dict[str, dict] = {
     # bench/results/quality-2026-11-23.json are these).
     "learning rate 3e-4, clip 0.2": {"learning_rate": 3.0e-4, "clip_range": 0.2},
     # One model trained, not two; three iterations that train only the value head first (no collapse, docs/performance.md).
-    "shared critic, 3 warm-up iterations": {"critic": "shared", "freeze_policy_iterations": 3},
+    "shared critic, 3 warm-up iterations": {"critic.kind": "shared", "critic.freeze_policy_iterations": 3},
     # The critic as LoRA adapters and a value head on the reward model the scorer holds.
-    "reward-lora critic": {"critic": "reward-lora"},
+    "reward-lora critic": {"critic.kind": "reward-lora"},
     # No critic: the other responses to the same prompt are the baseline (same 64 responses per iteration).
     "rloo, 2 per prompt": {"advantage_estimator": "rloo", "samples_per_prompt": 2},
     "rloo, 4 per prompt": {"advantage_estimator": "rloo", "samples_per_prompt": 4},
@@ -175,7 +177,7 @@ def gold_point(table, iteration: int, seconds: float) -> dict:
 
 
 def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_prompts, out: Path) -> tuple[Path, dict]:
-    """Our PPO as configured, evaluated every `ppo_cfg.eval_every` iterations; besides its policy, the
+    """Our PPO as configured, evaluated every `ppo_cfg.evaluation.every` iterations; besides its policy, the
     shape of its run: the curve of those evaluations against training time, response lengths, and the
     proxy score, gold reward and KL of every iteration's rollouts (the over-optimisation curve)."""
     from rlhf.demo_world import mean_gold_reward
@@ -203,15 +205,15 @@ def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_promp
 
 def run_trl(reference: str, sft_folder: Path, reward_folder: Path, prompts_file: Path, ppo_cfg, beta: float, seed: int,
             threads: int, out: Path) -> tuple[Path, dict[int, float]]:
-    """TRL's run; its final policy in `out`, a copy every `ppo_cfg.eval_every` iterations in `out/iteration-<i>`,
+    """TRL's run; its final policy in `out`, a copy every `ppo_cfg.evaluation.every` iterations in `out/iteration-<i>`,
     and its training clock (seconds after each iteration)."""
     settings = {"episodes": ppo_cfg.rollout_batch_size, "iterations": ppo_cfg.num_iterations,
-                "response_length": ppo_cfg.response_length, "ppo_epochs": ppo_cfg.num_ppo_epochs,
+                "response_length": ppo_cfg.sampling.response_length, "ppo_epochs": ppo_cfg.num_ppo_epochs,
                 "minibatches": ppo_cfg.num_minibatches, "learning_rate": ppo_cfg.learning_rate,
-                "temperature": ppo_cfg.temperature, "kl_coef": beta, "seed": seed, "threads": threads,
-                "vf_coef": ppo_cfg.vf_coef, "cliprange": ppo_cfg.clip_range, "cliprange_value": ppo_cfg.clip_range_value,
-                "gamma": ppo_cfg.gamma, "lam": ppo_cfg.lam, "missing_eos_penalty": -(ppo_cfg.missing_eos_score or 0.0),
-                "snapshot_every": ppo_cfg.eval_every}
+                "temperature": ppo_cfg.sampling.temperature, "kl_coef": beta, "seed": seed, "threads": threads,
+                "vf_coef": ppo_cfg.critic.vf_coef, "cliprange": ppo_cfg.clip_range,
+                "cliprange_value": ppo_cfg.critic.clip_range_value, "gamma": ppo_cfg.gamma, "lam": ppo_cfg.critic.lam,
+                "missing_eos_penalty": -(ppo_cfg.missing_eos_score or 0.0), "snapshot_every": ppo_cfg.evaluation.every}
     shutil.rmtree(out, ignore_errors=True)
     command = [reference, str(REPO / "bench" / "trl_quality.py"), "--policy", str(sft_folder), "--reward",
                str(reward_folder), "--prompts", str(prompts_file), "--out", str(out), "--settings", json.dumps(settings)]
@@ -470,19 +472,19 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     sft_folder, reward_folder = train_upstream(cfg, world, state)
     tokenizer = load_tokenizer(str(sft_folder))
-    budget = LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.response_length)
+    budget = LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.sampling.response_length)
     prompts = load_validated(str(world / "prompts.jsonl"), "prompt", tokenizer=tokenizer, budget=budget).frame
     eval_prompts = load_validated(str(world / "prompts_eval.jsonl"), "prompt", tokenizer=tokenizer, budget=budget).frame
     prompts_file = state / "prompts.jsonl"
     prompts.to_json(prompts_file, orient="records", lines=True)
     print(f"quality benchmark: {args.config}; upstream ready after {time.perf_counter() - started:.0f} s; "
-          f"{cfg.ppo.num_iterations} iterations x {cfg.ppo.rollout_batch_size} episodes x {cfg.ppo.response_length} "
+          f"{cfg.ppo.num_iterations} iterations x {cfg.ppo.rollout_batch_size} episodes x {cfg.ppo.sampling.response_length} "
           f"tokens; evaluated every {args.eval_every}; betas {args.betas}; seeds {args.seeds}", flush=True)
 
     def fixed(settings: dict, beta: float, seed: int):
         """The PPO section a run trains with: the candidate's settings, beta fixed, evaluated every `eval_every`."""
-        run = {"init_kl_coef": beta, "target_kl": None, "seed": seed, "checkpoint_every": 10_000,
-               "sample_every": 10_000, "eval_every": args.eval_every}
+        run = {"kl.init_coef": beta, "kl.target": None, "seed": seed, "checkpoint_every": 10_000,
+               "sample_every": 10_000, "evaluation.every": args.eval_every}
         return load_config(args.config, overrides | {f"ppo.{k}": v for k, v in (settings | run).items()}).ppo
 
     judge = None
@@ -498,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             out, trained = run_trl(args.reference, sft_folder, scaled_reward_model(reward_folder, state), prompts_file,
                                    ppo_cfg, beta, seed, threads, state / f"trl-b{beta}-s{seed}")
             folders = {i: out / f"iteration-{i}" for i in trained
-                       if i % ppo_cfg.eval_every == 0 and i < ppo_cfg.num_iterations}
+                       if i % ppo_cfg.evaluation.every == 0 and i < ppo_cfg.num_iterations}
             folders[ppo_cfg.num_iterations] = out
             tables = {i: judge(folder) for i, folder in sorted(folders.items())}
             shape = {"train_seconds": trained[ppo_cfg.num_iterations],

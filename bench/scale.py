@@ -49,15 +49,15 @@ ENGINES: dict[str, dict] = {
                                                  "accelerate_config": "configs/accelerate/fsdp.yaml"},
                                       "sharded_sampling": "per_layer"},
     # The critic as adapters and a value head on the reward model the scorer holds: one copy of it, not two.
-    "1 process, critic: reward-lora": {"launch": {"num_processes": 1}, "critic": "reward-lora"},
+    "1 process, critic: reward-lora": {"launch": {"num_processes": 1}, "critic.kind": "reward-lora"},
     "2 x FSDP2, critic: reward-lora": {"launch": {"num_processes": 2, "accelerate_config": "configs/accelerate/fsdp.yaml"},
-                                       "sharded_sampling": "whole", "critic": "reward-lora"},
+                                       "sharded_sampling": "whole", "critic.kind": "reward-lora"},
 }
 """Each engine's `ppo` settings on top of `WORK`."""
 
-WORK = {"response_length": 16, "rollout_batch_size": 8, "num_iterations": 3, "num_ppo_epochs": 1,
-        "num_minibatches": 1, "eval_every": None, "eval_samples_per_prompt": 1, "checkpoint_every": 100,
-        "critic": "reward", "missing_eos_score": None, "precision": "fp32"}
+WORK = {"sampling.response_length": 16, "rollout_batch_size": 8, "num_iterations": 3, "num_ppo_epochs": 1,
+        "num_minibatches": 1, "evaluation.every": None, "evaluation.samples_per_prompt": 1, "checkpoint_every": 100,
+        "critic.kind": "reward", "missing_eos_score": None, "precision": "fp32"}
 """The PPO work every engine does: short responses, one optimizer step per iteration."""
 
 
@@ -147,7 +147,7 @@ def build_checkpoint(world: Path, folder: Path, hidden: int, layers: int) -> str
 
 def run_engine(name: str, checkpoint: str, world: Path, work: Path) -> dict:
     """One engine's PPO run in this process (one process) or its launch (two); its row."""
-    from rlhf.config import load_config
+    from rlhf.config import load_config, with_overrides
     from schemas.validate import LengthBudget, load_validated
     from stages.distributed import call_stage
     from stages.models import load_tokenizer
@@ -157,10 +157,9 @@ def run_engine(name: str, checkpoint: str, world: Path, work: Path) -> dict:
     # By their importable name: the launched processes unpickle the call, and `python -m` runs this as __main__.
     from bench.scale import Measured, measured_ppo
 
-    cfg = load_config("configs/tiny.yaml").ppo.model_copy(update=WORK)
-    cfg = cfg.model_validate(cfg.model_dump() | ENGINES[name])
+    cfg = with_overrides(load_config("configs/tiny.yaml").ppo, WORK | ENGINES[name])
     tokenizer = load_tokenizer(checkpoint)
-    budget = LengthBudget(cfg.max_prompt_length, cfg.max_prompt_length + cfg.response_length)
+    budget = LengthBudget(cfg.max_prompt_length, cfg.max_prompt_length + cfg.sampling.response_length)
     prompts = load_validated(str(world / "prompts.jsonl"), "prompt", tokenizer=tokenizer, budget=budget).frame
     eval_prompts = load_validated(str(world / "prompts_eval.jsonl"), "prompt", tokenizer=tokenizer, budget=budget).frame
     shutil.rmtree(work, ignore_errors=True)  # a fresh run: an earlier one's full-state checkpoint would be resumed

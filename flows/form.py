@@ -1,11 +1,12 @@
 """The deployments' run form: the settings users change most, as typed, described fields.
 
 Prefect renders a flow's parameters as a form; a pydantic model becomes a section of it. Each
-section here lists a few fields of a stage's config under the same names, types and descriptions
-(taken from `rlhf.config`, so they cannot drift apart). A field left empty keeps the config
-file's value; a filled one becomes the override `<stage>.<field>` (for data, `<stage>.<field>.path`).
-Anything else, and unsetting a field the file sets (`ppo.eval_every: null`), goes through the
-flow's `overrides` parameter.
+section here lists a few fields of a stage's config with the same types and descriptions (taken
+from `rlhf.config`, so they cannot drift apart), named as in the config (a field of a section
+inside the stage's, `kl.target`, as `kl_target`). A field left empty keeps the config file's
+value; a filled one becomes the override `<stage>.<field>` (for data, `<stage>.<field>.path`).
+Anything else, and unsetting a field the file sets (`ppo.evaluation.every: null`), goes through
+the flow's `overrides` parameter.
 """
 
 from __future__ import annotations
@@ -25,19 +26,30 @@ class StageForm(BaseModel):
     """The config section the fields belong to."""
     data_fields: ClassVar[frozenset[str]]
     """Fields that stand for a `DataSource`'s path."""
+    paths: ClassVar[dict[str, str]]
+    """Each field's dotted name in the stage's section (`kl_target`: `kl.target`)."""
 
     def overrides(self) -> dict[str, Any]:
-        """The filled fields as dotted overrides (`ppo.learning_rate`, `sft.train_data.path`)."""
-        return {f"{self.stage}.{name}.path" if name in self.data_fields else f"{self.stage}.{name}": value
+        """The filled fields as dotted overrides (`ppo.learning_rate`, `ppo.kl.target`, `sft.train_data.path`)."""
+        return {f"{self.stage}.{self.paths[name]}" + (".path" if name in self.data_fields else ""): value
                 for name, value in self if value is not None}
 
 
-def _form(title: str, stage: str, config: type[BaseModel], names: list[str]) -> type[StageForm]:
-    """A form section with `config`'s fields `names`: their types with constraints (a PositiveFloat
-    keeps its `gt=0`) and descriptions; a data source as its path."""
-    fields, data_fields = {}, set()
-    for name in names:
-        field = config.model_fields[name]
+def _field(config: type[BaseModel], dotted: str):
+    """The pydantic field `dotted` (`kl.target`) of `config`, through its sections."""
+    *sections, leaf = dotted.split(".")
+    for section in sections:
+        config = config.model_fields[section].annotation
+    return config.model_fields[leaf]
+
+
+def _form(title: str, stage: str, config: type[BaseModel], dotted_names: list[str]) -> type[StageForm]:
+    """A form section with `config`'s fields `dotted_names`: their types with constraints (a
+    PositiveFloat keeps its `gt=0`) and descriptions; a data source as its path."""
+    fields, data_fields, paths = {}, set(), {}
+    for dotted in dotted_names:
+        name, field = dotted.replace(".", "_"), _field(config, dotted)
+        paths[name] = dotted
         if field.annotation is DataSource:
             data_fields.add(name)
             annotation = str
@@ -48,7 +60,7 @@ def _form(title: str, stage: str, config: type[BaseModel], names: list[str]) -> 
         fields[name] = (Optional[annotation], Field(None, description=description))
     form = create_model(title, __base__=StageForm,
                         __doc__=f"{stage} settings for this run: empty fields keep the config file's values.", **fields)
-    form.stage, form.data_fields = stage, frozenset(data_fields)
+    form.stage, form.data_fields, form.paths = stage, frozenset(data_fields), paths
     return form
 
 
@@ -58,10 +70,11 @@ RewardForm = _form("RewardForm", "reward", RewardConfig, ["model", "train_data",
                                                           "max_steps", "batch_size", "min_eval_accuracy"])
 PPOForm = _form("PPOForm", "ppo", PPOConfig, ["prompts", "advantage_estimator", "samples_per_prompt", "learning_rate",
                                               "num_iterations", "rollout_batch_size", "num_minibatches",
-                                              "init_kl_coef", "target_kl", "clip_range", "response_length",
-                                              "eval_every"])
+                                              "kl.init_coef", "kl.target", "clip_range", "sampling.response_length",
+                                              "evaluation.every"])
 DPOForm = _form("DPOForm", "dpo", DPOConfig, ["train_data", "beta", "loss_type", "learning_rate",
-                                              "num_train_epochs", "max_steps", "batch_size", "response_length"])
+                                              "num_train_epochs", "max_steps", "batch_size",
+                                              "sampling.response_length"])
 
 
 def form_overrides(*forms: StageForm) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from stages.models import load_tokenizer, tokenizer_digest
 def length_budget(cfg: PipelineConfig, stage: str) -> LengthBudget:
     """The token budget `stage`'s records must fit: PPO's prompts leave room for the response."""
     if stage == "ppo":
-        return LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.response_length)
+        return LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.sampling.response_length)
     section = getattr(cfg, stage)
     return LengthBudget(section.max_prompt_length, section.max_length)
 
@@ -55,18 +55,19 @@ class DataInput:
 
 def data_inputs(cfg: PipelineConfig, stage: str) -> dict[str, DataInput]:
     """Every data source `stage` reads, by its role: `train` and `eval` (absent: split off `train`),
-    the reward stage's `normalization` prompts, PPO's `prompts` and `eval_prompts`, DPO's `eval_prompts`.
+    the reward stage's `normalization` prompts, PPO's `prompts` and `eval_prompts` (`evaluation.prompts`),
+    DPO's `eval_prompts`.
     The SFT checkpoint carries the SFT tokenizer (and its template) to the later stages."""
     sft, reward, ppo = cfg.sft, cfg.reward, cfg.ppo
     policy = TokenizerSource(sft.model, sft.trust_remote_code, sft.chat_template)
     if stage == "ppo":
         return {"prompts": DataInput(ppo.prompts, "prompt", policy),
-                "eval_prompts": DataInput(ppo.eval_prompts, "prompt", policy)}
+                "eval_prompts": DataInput(ppo.evaluation.prompts, "prompt", policy)}
     if stage == "sft":
         kind, measured_by, extra = "sft", policy, {}
     elif stage == "dpo":
-        kind, measured_by, extra = "preference", policy, {"eval_prompts": DataInput(cfg.dpo.eval_prompts, "prompt",
-                                                                                   policy)}
+        kind, measured_by, extra = "preference", policy, {"eval_prompts": DataInput(cfg.dpo.evaluation.prompts,
+                                                                                   "prompt", policy)}
     else:
         kind, extra = "preference", {"normalization": DataInput(reward.normalization_prompts, "prompt", policy)}
         measured_by = (TokenizerSource(reward.model, reward.trust_remote_code, reward.chat_template) if reward.model
@@ -148,7 +149,7 @@ def context_problems(cfg: PipelineConfig, stages: list[str], world: str | None) 
     needs = {"sft": ("sft.max_length", cfg.sft.model, base),
              "reward": ("reward.max_length", cfg.reward.model or cfg.sft.model,
                         context(cfg.reward.model, cfg.reward.trust_remote_code) if cfg.reward.model else base),
-             "ppo": ("ppo.response_length", cfg.sft.model, base),
+             "ppo": ("ppo.sampling.response_length", cfg.sft.model, base),
              "dpo": ("dpo.max_length", cfg.sft.model, base)}
     problems = []
     for stage in stages:
@@ -206,7 +207,7 @@ def data_counts(cfg: PipelineConfig, world: str | None) -> Counts:
         except (DataContractError, ValueError):
             return None
 
-    return Counts(ppo_eval_prompts=count(cfg.ppo.eval_prompts), dpo_eval_prompts=count(cfg.dpo.eval_prompts),
+    return Counts(ppo_eval_prompts=count(cfg.ppo.evaluation.prompts), dpo_eval_prompts=count(cfg.dpo.evaluation.prompts),
                   reward_normalization_prompts=count(cfg.reward.normalization_prompts))
 
 

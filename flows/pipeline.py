@@ -148,7 +148,7 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
         evaluation = logged_prompts(ctx.config, "ppo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)
         mlflow.set_tag(tracking.TAG_DATA_DIGEST, train.digest)
         gold = GoldJudgments.of_rollouts(run.scratch, run.metrics.log) if is_demo(section.prompts) else None
-        demo_evaluation = is_demo(section.eval_prompts)
+        demo_evaluation = is_demo(section.evaluation.prompts)
         judged = {"rollouts": gold} if gold else {}
         if demo_evaluation:
             judged["evaluation"] = GoldJudgments.of_evaluations(run.scratch, run.metrics.log)
@@ -175,7 +175,7 @@ def run_dpo(ctx: StageContext) -> StageRecord | State:
         tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
         train, pairs_eval = train_and_eval_data(ctx.config, "dpo", ctx.world, tokenizer)
         evaluation = logged_prompts(ctx.config, "dpo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)
-        demo = is_demo(section.eval_prompts)
+        demo = is_demo(section.evaluation.prompts)
         return StageJob(train_dpo, DPOInputs(sft_location, train.frame, pairs_eval.frame, evaluation.frame), train,
                         run.reporting(),
                         lambda result, metrics: evaluation_report(result.evaluation, metrics, run.warnings, demo),
@@ -243,7 +243,7 @@ def rlhf(
         reward: Reward-model settings for this run; empty fields keep the config file's values.
         ppo: PPO settings for this run; empty fields keep the config file's values.
         dpo: DPO settings for this run; empty fields keep the config file's values.
-        overrides: Any other config field by dotted name, applied last, e.g. {"ppo.kl_budget": 8, "ppo.lora": {"r": 16}}; the README's configuration reference lists every field.
+        overrides: Any other config field by dotted name, applied last, e.g. {"ppo.evaluation.kl_budget": 8, "ppo.lora": {"r": 16}}; the README's configuration reference lists every field.
         upstream: Upstream runs for a stage run alone; empty: the latest finished runs made with this config's sft and reward sections that belong together (PPO: a reward run and the SFT run it was trained from); the flow's log and the stage run's description say which and why.
         use_cache: Reuse a finished run with the same config, data, code and upstream runs instead of running the stage again.
     """

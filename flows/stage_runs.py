@@ -226,9 +226,10 @@ def register(ctx: StageContext, method: StageName, run_id: str, checkpoint: Path
     # the same judge, so two versions with equal keys have comparable figures whatever method made
     # them. The gold function judges alike for every version; a reward model's judgement depends
     # on the reward run and the precision it scores in.
-    judged_on = {"eval_prompts": eval_digest, "sft": ctx.upstream["sft"]} | {
-        name: getattr(section, name) for name in ("eval_seed", "eval_samples_per_prompt", "response_length",
-                                                  "temperature")}
+    # Under the names the settings had before they moved into sections, so keys made before stay comparable.
+    judged_on = {"eval_prompts": eval_digest, "sft": ctx.upstream["sft"], "eval_seed": section.evaluation.seed,
+                 "eval_samples_per_prompt": section.evaluation.samples_per_prompt,
+                 "response_length": section.sampling.response_length, "temperature": section.sampling.temperature}
     if figure == "eval/win_rate_rm" and method == "ppo":  # DPO has no reward model to judge by
         judged_on |= {"reward": ctx.upstream["reward"]} | {
             name: getattr(section, name) for name in ("missing_eos_score", "precision", "frozen_dtype")}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, ValidationError,
@@ -207,6 +207,37 @@ class RewardConfig(TrainingConfig):
     """Highest- and lowest-scored held-out responses logged as a table."""
 
 
+class SamplingConfig(_Frozen):
+    """How a policy's responses are sampled: PPO's rollouts, and every evaluation of a policy (PPO's and DPO's)."""
+
+    response_length: PositiveInt = 32
+    """New tokens generated per response at most."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature (full distribution: no top-k, no top-p); log-probabilities are taken from the same scaled logits."""
+    micro_batch_size: PositiveInt | None = None
+    """Sequences a process samples, and passes through its models without gradients, at once (bounds the KV cache and the logits of those passes; OpenRLHF's `micro_rollout_batch_size`); unset: a process's whole rollout batch, and a whole evaluation, at once."""
+
+
+class EvaluationConfig(_Frozen):
+    """The judgement of a trained policy on held-out prompts against the SFT policy's responses to them, PPO's and DPO's alike."""
+
+    prompts: DataSource = DataSource(path="demo:prompts_eval")
+    """Held-out prompts."""
+    seed: int = 0
+    """Seeds the evaluation's sampling apart from the stage's `seed`: every run from the same SFT checkpoint and prompts is judged against the same SFT baseline responses (from this seed; the policy's own from seed + 1)."""
+    samples_per_prompt: PositiveInt = 4
+    """Responses per held-out prompt, the policy's and the SFT baseline's."""
+    kl_budget: PositiveFloat = 12.0
+    """Mean KL to the SFT policy per sequence above which the final evaluation warns: `eval/kl`, the k1 estimate (log-ratio) summed over each of the policy's held-out responses, whatever `ppo.kl.estimator` says. PPO checks each iteration's `rollout/kl` against it too."""
+
+
+class PPOEvaluationConfig(EvaluationConfig):
+    """PPO's evaluations: at the end, and every `every` iterations."""
+
+    every: PositiveInt | None = 10
+    """Evaluate every this many iterations as well as at the end, so `eval/*` are curves; unset: at the end only (the SFT baseline is sampled once either way)."""
+
+
 class DPOConfig(TrainingConfig):
     """Direct preference optimisation of the SFT policy on preference pairs (TRL `DPOTrainer`): no
     reward model and no sampling while training; the SFT model is the reference. Its final
@@ -222,35 +253,82 @@ class DPOConfig(TrainingConfig):
     """DPO's loss on the log-ratio margin: sigmoid (Rafailov et al.), ipo, hinge (SLiC), robust (noisy labels, with `label_smoothing`)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """Assumed share of flipped preference labels (conservative DPO, robust loss)."""
-    eval_prompts: DataSource = DataSource(path="demo:prompts_eval")
-    """Held-out prompts for the final evaluation against the SFT policy (as PPO's `eval_prompts`)."""
-    response_length: PositiveInt = 32
-    """New tokens per response in the evaluation; the same as PPO's to compare the two on one evaluation."""
-    temperature: PositiveFloat = 1.0
-    """Sampling temperature of the evaluation."""
-    eval_seed: int = 0
-    """Seeds the evaluation's sampling: with PPO's `eval_seed`, the same SFT baseline responses."""
-    eval_samples_per_prompt: PositiveInt = 4
-    """Responses per held-out prompt in the evaluation."""
-    kl_budget: PositiveFloat = 12.0
-    """Mean KL to the SFT policy per sequence on the held-out prompts above which a warning is raised."""
+    sampling: SamplingConfig = SamplingConfig()
+    """How the final evaluation samples: the same as PPO's to compare the two on one evaluation."""
+    evaluation: EvaluationConfig = EvaluationConfig()
+    """The final evaluation against the SFT policy (as PPO's)."""
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the frozen reference is held in during the evaluation."""
-    micro_rollout_batch_size: PositiveInt | None = None
-    """Sequences the evaluation samples, and passes through the models without gradients, at once (as PPO's); unset: all of them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        return _refuse_moved(data, DPO_MOVED, "dpo")
+
+
+class CriticConfig(_Frozen):
+    """The value function GAE learns (`advantage_estimator: gae`; the other estimators have none)."""
+
+    kind: Literal["reward", "reward-lora", "shared", "detached"] = "reward"
+    """A separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), LoRA adapters and a value head on the reward model's own frozen weights, which score with the adapters off (`reward-lora`: one copy of the reward model instead of two), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
+    lora: LoRAConfig = LoRAConfig()
+    """The adapters of the `reward-lora` critic on the reward model."""
+    vf_coef: float = Field(0.1, ge=0)
+    """c1: weight of the value loss."""
+    clip_range_value: PositiveFloat = 0.2
+    """Value clip epsilon around the rollout values."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda."""
+    whiten_rewards: bool = False
+    """Whiten per-token rewards (keeping their mean) before GAE."""
+    normalize: bool = True
+    """With `reward` or `reward-lora`: apply the reward normalisation fitted on the first rollouts to the critic's head as well, so its first values are on the scale of the normalised scores it learns to predict."""
+    freeze_policy_iterations: int = Field(0, ge=0)
+    """Warm-up: for this many first iterations only the critic learns (no policy loss; a shared value head reads the body without training it), so the policy's first update meets informed values (OpenRLHF's `freezing_actor_steps`)."""
+
+
+class KLConfig(_Frozen):
+    """PPO's KL to the reference: the penalty, its coefficient's control, and an optional loss term.
+
+    `rollout/kl` is the `estimator`'s per-token KL summed over each rollout response; it is what the
+    reward's penalty takes, what the adaptive controller steers to `target`, and what each
+    iteration's budget check (`evaluation.kl_budget`) reads. The loss term is always k3 (its
+    gradient is unbiased on the policy's own samples); `eval/kl` is always k1 (the log-ratio)."""
+
+    estimator: Literal["k1", "k3"] = "k1"
+    """Per-token KL estimator of the reward's penalty and of `rollout/kl`: k1 the log-ratio, k3 (ratio - 1) - log-ratio (never negative)."""
+    init_coef: NonNegativeFloat | Literal["auto"] = "auto"
+    """Initial (or fixed) coefficient beta: of the per-token KL penalty in the reward, or with `grpo` of the k3 KL loss term. `auto`: 0.05, and 0.2 with `grpo`, whose loss term averages over tokens and needs the larger beta for the same KL (demo: 0.05 reaches KL 25, 0.2 4.75)."""
+    target: PositiveFloat | None = 6.0
+    """Adaptive control target for `rollout/kl` (Ziegler et al.); unset keeps beta fixed."""
+    horizon: PositiveFloat = 10000.0
+    """Adaptive control horizon, in episodes."""
+    loss_coef: float = Field(0.0, ge=0)
+    """c3: weight of a k3 KL(pi || ref) term in the loss, besides the penalty in the reward (with `grpo`, besides beta's own loss term)."""
+
+
+class WarningsConfig(_Frozen):
+    """When a PPO run warns (in its log and its run's description); none of these changes the training."""
+
+    eos_rate: float = Field(0.5, ge=0, le=1)
+    """Warn when the share of responses ending with EOS falls below this."""
+    length_drift: PositiveFloat = 0.5
+    """Warn when mean response length drifts by more than this share from the first iteration's."""
+    length_collapse: float = Field(0.4, gt=0, lt=1)
+    """Warn when mean response length falls by more than this share within one iteration."""
+    ratio_max: PositiveFloat = 10.0
+    """Warn when the largest policy ratio exceeds this."""
+    initial_ratio_deviation: PositiveFloat | None = None
+    """Warn when max |ratio - 1| before an iteration's first update exceeds this (rollout and training compute different policies); unset: 1e-3 in fp32, 5e-2 in 16 bits (autocast, or a LoRA policy's bf16 weights), whose rounding alone reaches ~4e-3 on the demo model."""
 
 
 class PPOConfig(TrainedStage):
-    """PPO fine-tuning of the SFT policy against the frozen reward model."""
+    """PPO fine-tuning of the SFT policy against the frozen reward model (and the critic-free estimators GRPO, RLOO, REINFORCE++)."""
 
     prompts: DataSource = DataSource(path="demo:prompts")
     """Prompts for rollouts, cycled in a seeded shuffled order."""
-    eval_prompts: DataSource = DataSource(path="demo:prompts_eval")
-    """Held-out prompts for the PPO-vs-SFT evaluations (every `eval_every` iterations and at the end)."""
-    response_length: PositiveInt = 32
-    """New tokens generated per response at most."""
-    temperature: PositiveFloat = 1.0
-    """Sampling temperature; log-probabilities are taken from the same scaled logits."""
+    sampling: SamplingConfig = SamplingConfig()
+    """How rollouts and evaluations sample."""
     old_logprobs: Literal["auto", "sampling", "recompute"] = "auto"
     """Where rollout log-probs and values come from: the sampling pass, a second forward, or auto (sampling in fp32, recompute in 16 bits: under bf16 autocast, or a LoRA policy whose own weights are bf16 by `frozen_dtype`)."""
     num_iterations: PositiveInt = 100
@@ -262,81 +340,43 @@ class PPOConfig(TrainedStage):
     samples_per_prompt: PositiveInt | Literal["auto"] = "auto"
     """Responses sampled for each prompt per iteration (a group); `grpo`, `rloo` and `reinforce++-baseline` need at least 2. `auto`: 1 for `gae` and `reinforce++`, `GROUP_SIZE` (4) for the group estimators."""
     group_std_normalize: bool = True
-    """With `grpo`: divide by the group's score std as well as subtracting its mean; false is Dr. GRPO (mean only)."""
+    """With `grpo` only: divide by the group's score std as well as subtracting its mean; false is Dr. GRPO (mean only)."""
     num_ppo_epochs: PositiveInt = 4
     """Passes over each iteration's rollouts."""
     num_minibatches: PositiveInt = 4
     """Optimizer steps per epoch; the rollout batch is split into this many shuffled minibatches."""
     micro_batch_size: PositiveInt | None = None
     """Sequences per forward pass inside a process's minibatch (gradients accumulate); unset means all of it."""
-    micro_rollout_batch_size: PositiveInt | None = None
-    """Sequences a process samples, and passes through its models without gradients, at once, in rollouts and evaluations (bounds the KV cache and the logits of those passes; OpenRLHF's name); unset: a process's whole rollout batch, and a whole evaluation, at once."""
     learning_rate: PositiveFloat = 1e-5
-    """Peak AdamW learning rate of policy and value head."""
+    """Peak AdamW learning rate of policy and critic."""
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
     """Share of optimizer steps with a linearly rising learning rate; then linear decay to zero."""
     clip_range: PositiveFloat = 0.2
     """Policy ratio clip epsilon."""
-    clip_range_value: PositiveFloat = 0.2
-    """Value clip epsilon around the rollout values."""
-    vf_coef: float = Field(0.1, ge=0)
-    """c1: weight of the value loss."""
     entropy_coef: float = Field(0.0, ge=0)
     """c2: weight of the entropy bonus."""
-    kl_loss_coef: float = Field(0.0, ge=0)
-    """c3: weight of a k3 KL(pi || ref) term in the loss, besides the KL penalty in the reward (with `grpo`, besides beta's own loss term)."""
     gamma: float = Field(1.0, gt=0, le=1)
-    """Discount."""
-    lam: float = Field(0.95, ge=0, le=1)
-    """GAE lambda."""
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    """Per-token KL estimator in the reward."""
-    init_kl_coef: NonNegativeFloat | Literal["auto"] = "auto"
-    """Initial (or fixed) KL coefficient beta: of the per-token KL penalty in the reward, or with `grpo` of the k3 KL loss term. `auto`: 0.05, and 0.2 with `grpo`, whose loss term averages over tokens and needs the larger beta for the same KL (demo: 0.05 reaches KL 25, 0.2 4.75)."""
-    target_kl: PositiveFloat | None = 6.0
-    """Adaptive KL control target per sequence (Ziegler et al.); unset keeps beta fixed."""
-    kl_horizon: PositiveFloat = 10000.0
-    """Adaptive KL control horizon."""
-    kl_budget: PositiveFloat = 12.0
-    """Mean KL per sequence above which a warning is raised: for an iteration's rollouts, and for the final policy on the held-out prompts."""
-    whiten_rewards: bool = False
-    """Whiten per-token rewards (keeping their mean) before GAE (`gae` only)."""
+    """Discount (GAE and REINFORCE++ returns)."""
+    critic: CriticConfig | None | Literal["auto"] = "auto"
+    """The critic GAE learns; `auto`: the default critic with `gae`, none with the critic-free estimators (which refuse one)."""
+    kl: KLConfig = KLConfig()
+    """The KL to the reference: penalty, control, loss term."""
     missing_eos_score: float | None = -3.0
-    """Score given to responses cut off at `response_length` without a reply-end token, instead of the reward model's; unset: the reward model scores them as they are (no end token appended)."""
+    """Score given to responses cut off at `sampling.response_length` without a reply-end token, instead of the reward model's; unset: the reward model scores them as they are (no end token appended)."""
     score_clip: PositiveFloat | None = None
     """Clip normalised scores to [-score_clip, score_clip]."""
     ref_refresh_every: PositiveInt | None = None
     """Copy the policy into the reference every this many iterations; unset never does. Not with `lora` (the reference is the policy without its adapters)."""
-    critic: Literal["reward", "reward-lora", "shared", "detached"] = "reward"
-    """With `gae`: a separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), LoRA adapters and a value head on the reward model's own frozen weights, which score with the adapters off (`reward-lora`: one copy of the reward model instead of two), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
-    critic_lora: LoRAConfig = LoRAConfig()
-    """The `reward-lora` critic's adapters on the reward model."""
-    freeze_policy_iterations: int = Field(0, ge=0)
-    """Critic warm-up: for this many first iterations only the critic learns (no policy loss; a shared value head reads the body without training it), so the policy's first update meets informed values (OpenRLHF's `freezing_actor_steps`)."""
-    normalize_critic: bool = True
-    """With `critic: reward` or `reward-lora`: apply the reward normalisation fitted on the first rollouts to the critic's head as well, so its first values are on the scale of the normalised scores it learns to predict."""
     checkpoint_every: PositiveInt = 25
     """Full-state checkpoint (for resuming) every this many iterations."""
     sample_every: PositiveInt = 10
     """Log a table of (prompt, response, score) samples every this many iterations."""
     num_logged_samples: PositiveInt = 8
     """Rows in each samples table."""
-    eval_every: PositiveInt | None = 10
-    """Evaluate on the held-out prompts every this many iterations as well as at the end, so `eval/*` are curves; unset: at the end only. Each evaluation samples `eval_samples_per_prompt` responses per prompt (the SFT baseline only once)."""
-    eval_seed: int = 0
-    """Seeds the evaluations' sampling apart from `seed`: every run from the same SFT checkpoint and prompts is judged against the same SFT baseline responses."""
-    eval_samples_per_prompt: PositiveInt = 4
-    """Responses per held-out prompt in each evaluation (sampled at `temperature`)."""
-    warn_eos_rate: float = Field(0.5, ge=0, le=1)
-    """Warn when the share of responses ending with EOS falls below this."""
-    warn_length_drift: PositiveFloat = 0.5
-    """Warn when mean response length drifts by more than this share from the first iteration's."""
-    warn_length_collapse: float = Field(0.4, gt=0, lt=1)
-    """Warn when mean response length falls by more than this share within one iteration."""
-    warn_ratio_max: PositiveFloat = 10.0
-    """Warn when the largest policy ratio exceeds this."""
-    warn_initial_ratio_deviation: PositiveFloat | None = None
-    """Warn when max |ratio - 1| before an iteration's first update exceeds this (rollout and training compute different policies); unset: 1e-3 in fp32, 5e-2 in 16 bits (autocast, or a LoRA policy's bf16 weights), whose rounding alone reaches ~4e-3 on the demo model."""
+    evaluation: PPOEvaluationConfig = PPOEvaluationConfig()
+    """The evaluations against the SFT policy on held-out prompts."""
+    warnings: WarningsConfig = WarningsConfig()
+    """When a run warns."""
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the frozen reference and reward models are held in (with `lora`, the policy's own frozen weights, which are the reference); bfloat16 halves their memory."""
     sharded_sampling: Literal["whole", "per_layer"] = "whole"
@@ -344,17 +384,24 @@ class PPOConfig(TrainedStage):
     refit_normalization: bool = True
     """Refit the reward normalisation (gain, bias) on the first iteration's rollouts, so PPO's scores start at mean 0, std 1 under its own sampling settings."""
 
+    DERIVED: ClassVar[dict[str, str]] = {"advantage_estimator": "critic"}
+    """`auto` fields resolved from another, which `with_overrides` resolves again when that one changes."""
+
     @model_validator(mode="before")
     @classmethod
     def _resolve_auto(cls, data: Any) -> Any:
-        """`auto` fields take the value their advantage estimator needs; explicit values stay as given."""
+        """Moved keys refused; `auto` fields take the value their advantage estimator needs; explicit values stay as given."""
         if not isinstance(data, dict):
             return data
+        data = _refuse_moved(data, PPO_MOVED, "ppo")
         estimator = data.get("advantage_estimator", "gae")
         if data.get("samples_per_prompt", "auto") == "auto":
             data = data | {"samples_per_prompt": GROUP_SIZE if estimator in GROUP_ESTIMATORS else 1}
-        if data.get("init_kl_coef", "auto") == "auto":
-            data = data | {"init_kl_coef": KL_COEF.get(estimator, 0.05)}
+        if data.get("critic", "auto") == "auto":
+            data = data | {"critic": {} if estimator == "gae" else None}
+        kl = data.get("kl", {})
+        if isinstance(kl, dict) and kl.get("init_coef", "auto") == "auto":
+            data = data | {"kl": kl | {"init_coef": KL_COEF.get(estimator, 0.05)}}
         return data
 
     @model_validator(mode="after")
@@ -369,12 +416,12 @@ class PPOConfig(TrainedStage):
         if self.advantage_estimator in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
             raise ValueError(f"advantage_estimator {self.advantage_estimator!r} compares responses to the same prompt: "
                              "set samples_per_prompt to 2 or more")
-        if not self.uses_critic and self.freeze_policy_iterations:
-            raise ValueError(f"freeze_policy_iterations warms up a critic; advantage_estimator "
-                             f"{self.advantage_estimator!r} has none")
-        if not self.uses_critic and self.whiten_rewards:
-            raise ValueError("whiten_rewards acts before GAE; it has no effect with advantage_estimator "
-                             f"{self.advantage_estimator!r}")
+        if self.critic is not None and self.advantage_estimator != "gae":
+            raise ValueError(f"critic: advantage_estimator {self.advantage_estimator!r} learns no critic; leave the "
+                             "critic section out (or set it to null)")
+        if self.critic is None and self.advantage_estimator == "gae":
+            raise ValueError("critic: advantage_estimator 'gae' learns a value function; give it a critic section "
+                             "(or leave it out for the default)")
         if self.rollout_batch_size % (self.num_minibatches * processes):
             factors = f"num_minibatches ({self.num_minibatches})"
             if processes > 1:
@@ -387,9 +434,9 @@ class PPOConfig(TrainedStage):
         if self.lora is not None and self.ref_refresh_every is not None:
             raise ValueError("ref_refresh_every cannot act with lora: the reference is the policy with its adapters "
                              "disabled, so there is no copy to refresh; unset one of them")
-        if self.freeze_policy_iterations >= self.num_iterations:
-            raise ValueError(f"freeze_policy_iterations ({self.freeze_policy_iterations}) leaves no iteration of "
-                             f"num_iterations ({self.num_iterations}) to train the policy")
+        if self.critic is not None and self.critic.freeze_policy_iterations >= self.num_iterations:
+            raise ValueError(f"critic.freeze_policy_iterations ({self.critic.freeze_policy_iterations}) leaves no "
+                             f"iteration of num_iterations ({self.num_iterations}) to train the policy")
         minibatch = self.rollout_batch_size // (self.num_minibatches * processes)
         if self.micro_batch_size is not None and minibatch % self.micro_batch_size:
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must divide the minibatch ({minibatch})")
@@ -398,12 +445,54 @@ class PPOConfig(TrainedStage):
     @property
     def uses_critic(self) -> bool:
         """Only GAE learns a value function; the other estimators take baselines from the scores."""
-        return self.advantage_estimator == "gae"
+        return self.critic is not None
 
     @property
     def kl_in_loss(self) -> bool:
         """GRPO keeps the reward the score alone and puts beta's KL into the loss."""
         return self.advantage_estimator == "grpo"
+
+    @property
+    def freeze_policy_iterations(self) -> int:
+        """The critic's warm-up iterations (0 without a critic)."""
+        return 0 if self.critic is None else self.critic.freeze_policy_iterations
+
+
+PPO_MOVED = {
+    "response_length": "sampling.response_length", "temperature": "sampling.temperature",
+    "micro_rollout_batch_size": "sampling.micro_batch_size",
+    "eval_prompts": "evaluation.prompts", "eval_seed": "evaluation.seed",
+    "eval_samples_per_prompt": "evaluation.samples_per_prompt", "eval_every": "evaluation.every",
+    "kl_budget": "evaluation.kl_budget",
+    "kl_estimator": "kl.estimator", "init_kl_coef": "kl.init_coef", "target_kl": "kl.target",
+    "kl_horizon": "kl.horizon", "kl_loss_coef": "kl.loss_coef",
+    "critic_lora": "critic.lora", "vf_coef": "critic.vf_coef", "clip_range_value": "critic.clip_range_value",
+    "lam": "critic.lam", "whiten_rewards": "critic.whiten_rewards", "normalize_critic": "critic.normalize",
+    "freeze_policy_iterations": "critic.freeze_policy_iterations",
+    "warn_eos_rate": "warnings.eos_rate", "warn_length_drift": "warnings.length_drift",
+    "warn_length_collapse": "warnings.length_collapse", "warn_ratio_max": "warnings.ratio_max",
+    "warn_initial_ratio_deviation": "warnings.initial_ratio_deviation",
+}
+"""PPO's keys that moved into sections (2026-11-24), by their new dotted names: refused with the new name."""
+DPO_MOVED = {
+    "response_length": "sampling.response_length", "temperature": "sampling.temperature",
+    "micro_rollout_batch_size": "sampling.micro_batch_size", "eval_prompts": "evaluation.prompts",
+    "eval_seed": "evaluation.seed", "eval_samples_per_prompt": "evaluation.samples_per_prompt",
+    "kl_budget": "evaluation.kl_budget",
+}
+"""DPO's keys that moved into sections, as `PPO_MOVED`."""
+
+
+def _refuse_moved(data: Any, moved: dict[str, str], section: str) -> Any:
+    """A config written before the sections: each moved key refused with its new name."""
+    if not isinstance(data, dict):
+        return data
+    found = [f"{section}.{old} is now {section}.{moved[old]}" for old in data if old in moved]
+    if isinstance(data.get("critic"), str) and data["critic"] != "auto":
+        found.append(f"{section}.critic is a section now: set {section}.critic.kind: {data['critic']}")
+    if found:
+        raise ValueError("moved settings: " + "; ".join(found))
+    return data
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce++-baseline")
@@ -459,9 +548,9 @@ class PipelineConfig(_Frozen):
 def _locations(cfg: PipelineConfig) -> list[str]:
     sft, reward = cfg.sft, cfg.reward
     sources = [sft.train_data, sft.eval_data, reward.train_data, reward.eval_data, reward.normalization_prompts,
-               cfg.ppo.prompts, cfg.ppo.eval_prompts]
+               cfg.ppo.prompts, cfg.ppo.evaluation.prompts]
     if "dpo" in cfg.model_fields_set:  # a config that never mentions DPO (older ones) need not repoint its data
-        sources += [cfg.dpo.train_data, cfg.dpo.eval_data, cfg.dpo.eval_prompts]
+        sources += [cfg.dpo.train_data, cfg.dpo.eval_data, cfg.dpo.evaluation.prompts]
     return [sft.model, reward.model or ""] + [s.path for s in sources if s is not None]
 
 
@@ -503,6 +592,38 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     except ValidationError as e:
         lines = [f"  {'.'.join(map(str, err['loc'])) or '(top level)'}: {err['msg']}" for err in e.errors()]
         raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n" + "\n".join(lines)) from None
+
+
+Section = TypeVar("Section", bound=BaseModel)
+
+
+def _merge(tree: dict, changes: dict[str, Any]) -> None:
+    """`changes` into `tree`: dotted keys reach into sections, and a mapping given for a section
+    (a dict or a config object) is merged into it field by field."""
+    for dotted, value in changes.items():
+        if isinstance(value, BaseModel):
+            value = value.model_dump()
+        *parents, leaf = dotted.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+            _merge(node[leaf], value)
+        else:
+            node[leaf] = value
+
+
+def with_overrides(section: Section, changes: dict[str, Any]) -> Section:
+    """`section` with `changes` applied and the whole validated again, as `load_config` applies
+    overrides to a file: `{"kl.target": None}`, or `{"critic": {"kind": "shared"}}` (merged into the
+    section). A field resolved from `auto` by another (PPO's `critic` by `advantage_estimator`) is
+    resolved again when that one changes, unless `changes` sets it too."""
+    tree = section.model_dump()
+    for field, derived in getattr(type(section), "DERIVED", {}).items():
+        if field in changes and not any(key.split(".")[0] == derived for key in changes):
+            tree[derived] = "auto"
+    _merge(tree, changes)
+    return type(section).model_validate(tree)
 
 
 OUTSIDE_THE_HASH = {"launch": {"timeout_seconds"}}

@@ -6,8 +6,8 @@ The policy starts from the SFT checkpoint and the reference is the SFT model, fr
 encoded as the reward stage encodes them (`encode_pairs`: the prompt rendered with the chat
 template, each reply ended by the token that ends a reply), so DPO trains on the very token
 sequences the reward model would score. After training the policy is judged by PPO's own
-evaluation (`stages.evaluation.evaluate`): held-out prompts, the SFT policy's responses from `eval_seed`
-as the baseline, KL to SFT per sequence.
+evaluation (`stages.evaluation.evaluate`, with DPO's `evaluation` and `sampling` sections): held-out
+prompts, the SFT policy's responses from `evaluation.seed` as the baseline, KL to SFT per sequence.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from transformers import PrinterCallback, PreTrainedTokenizerBase, set_seed
 from trl import DPOConfig as TRLDPOConfig
 from trl import DPOTrainer
 
-from rlhf.config import DPOConfig, PPOConfig
+from rlhf.config import DPOConfig
 from stages.models import (device, disable_dropout, dtype_named, encode_pairs, load_causal_lm, load_tokenizer,
                            lora_config, resolve_precision, save_trained, stop_token_ids, with_lora)
 from stages.evaluation import HeldOut, evaluate, warn_over_kl_budget
-from stages.ppo_models import Models
+from stages.ppo_models import Models, reuse_sampling_pass
 from stages.reporting import Reporting
 from stages.ppo_rollout import policy_sampler
 from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
@@ -75,14 +75,6 @@ def encoded_pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> da
                                        "rejected_ids": rejected_ids})
 
 
-def evaluation_settings(cfg: DPOConfig) -> PPOConfig:
-    """PPO's evaluation settings, taken from DPO's, so one function judges both stages' policies."""
-    return PPOConfig(eval_prompts=cfg.eval_prompts, response_length=cfg.response_length, temperature=cfg.temperature,
-                     eval_seed=cfg.eval_seed, eval_samples_per_prompt=cfg.eval_samples_per_prompt,
-                     kl_budget=cfg.kl_budget, frozen_dtype=cfg.frozen_dtype, precision=cfg.precision,
-                     trust_remote_code=cfg.trust_remote_code, micro_rollout_batch_size=cfg.micro_rollout_batch_size)
-
-
 def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> DPOTrainer:
     """TRL's DPOTrainer from our config. The reference is TRL's frozen copy of the SFT model as
     loaded; with `cfg.lora`, TRL wraps the policy with LoRA adapters and the reference is the same
@@ -115,8 +107,9 @@ def evaluation_models(policy: torch.nn.Module, cfg: DPOConfig, sft_location: str
     disable_dropout(reference)
     disable_dropout(policy)
     reference = reference.eval().requires_grad_(False).to(device())
-    return Models(policy.to(device()), None, reference, None, tokenizer, resolve_precision(cfg.precision),
-                  stop_token_ids(policy))
+    precision = resolve_precision(cfg.precision)
+    return Models(policy.to(device()), None, reference, None, tokenizer, precision, stop_token_ids(policy),
+                  reuse_sampling_pass=reuse_sampling_pass("auto", precision.autocast_dtype is not None))
 
 
 def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> DPOResult | None:
@@ -135,11 +128,10 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Re
         return None
 
     checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location, updated)
-    settings = evaluation_settings(cfg)
     models = evaluation_models(model, cfg, inputs.sft_location)
-    held_out = HeldOut.sample(models, inputs.eval_prompts, settings, device())
-    metrics, evaluation = evaluate(models, policy_sampler(models), held_out, settings)
-    warn_over_kl_budget(metrics, cfg.kl_budget, reporting)
+    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, device())
+    metrics, evaluation = evaluate(models, policy_sampler(models), held_out, cfg.evaluation, cfg.sampling)
+    warn_over_kl_budget(metrics, cfg.evaluation.kl_budget, reporting)
     metrics |= {
         "eval/loss": float(final["eval_loss"]),
         "eval/loss_untrained": float(untrained["eval_loss"]),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from rlhf.config import PPOConfig
+from rlhf.config import EvaluationConfig, PPOConfig, SamplingConfig
 from rlhf.evaluation import win_rate
 from stages.ppo_math import is_end, kl_estimate
 from stages.ppo_models import Models, reference_policy
@@ -33,46 +33,48 @@ def own_random_stream(device: torch.device):
 
 @dataclass(frozen=True)
 class HeldOut:
-    """The held-out prompts, each `eval_samples_per_prompt` times, and the SFT policy's responses to
-    them, which every evaluation judges the policy against."""
+    """The held-out prompts, each `evaluation.samples_per_prompt` times, and the SFT policy's responses
+    to them, which every evaluation judges the policy against."""
 
     prompts: list[str]
     messages: list[list[dict]]
     sft_texts: list[str]
     sft_complete: list[bool]
-    """False where the SFT response was cut off at `response_length` without an end token."""
+    """False where the SFT response was cut off at `sampling.response_length` without an end token."""
 
     @classmethod
     @torch.no_grad()
-    def sample(cls, models: Models, eval_prompts: pd.DataFrame, cfg: PPOConfig, device: torch.device) -> HeldOut:
+    def sample(cls, models: Models, eval_prompts: pd.DataFrame, evaluation: EvaluationConfig, sampling: SamplingConfig,
+               device: torch.device) -> HeldOut:
         """The SFT responses, sampled before training starts (so from the SFT policy even when the
-        reference is refreshed later, or the run resumes), from `eval_seed` alone: every PPO run from
-        the same SFT checkpoint and prompts, whatever its training seed or settings, is judged against
-        the same responses (common random numbers)."""
-        repeat = cfg.eval_samples_per_prompt
+        reference is refreshed later, or the run resumes), from `evaluation.seed` alone: every run
+        from the same SFT checkpoint and prompts, whatever its training seed or settings, is judged
+        against the same responses (common random numbers)."""
+        repeat = evaluation.samples_per_prompt
         prompts = [p for p in eval_prompts["prompt"] for _ in range(repeat)]
         messages = [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)]
         models.train(False)
         texts, complete = [], []
         with own_random_stream(device), reference_policy(models) as reference:
-            torch.manual_seed(cfg.eval_seed)
+            torch.manual_seed(evaluation.seed)
             sampler = reference_sampler(models, reference)
-            for chunk in in_chunks(prompts, cfg):
-                responses = sampler.generate(chunk, Sampling(cfg.response_length, cfg.temperature)).responses
+            for chunk in in_chunks(prompts, sampling):
+                responses = sampler.generate(chunk, Sampling(sampling.response_length, sampling.temperature)).responses
                 texts += models.tokenizer.batch_decode(responses, skip_special_tokens=True)
                 complete += is_end(responses, models.stop_ids).any(dim=1).tolist()
         return cls(prompts, messages, texts, complete)
 
 
 @torch.no_grad()
-def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, cfg: PPOConfig) -> tuple[dict[str, float], pd.DataFrame]:
-    """The policy against the SFT responses on the held-out prompts: KL(policy || SFT) on the
-    policy's responses, sampled from `eval_seed + 1`, their length and EOS rate; with a reward
+def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: EvaluationConfig,
+             sampling: SamplingConfig) -> tuple[dict[str, float], pd.DataFrame]:
+    """The policy against the SFT responses on the held-out prompts: KL(policy || SFT) (`eval/kl`:
+    k1, the log-ratio, summed over each response) on the policy's responses, sampled from `evaluation.seed + 1`, their length and EOS rate; with a reward
     model, the scores of both (on the normalisation in force) and the win rate with its standard
     error. Training's random stream is the caller's to keep (`own_random_stream`) when training goes on."""
     prompts, messages = held_out.prompts, held_out.messages
-    torch.manual_seed(cfg.eval_seed + 1)
-    policy = rollout(models, sampler, prompts, cfg, {})
+    torch.manual_seed(evaluation.seed + 1)
+    policy = rollout(models, sampler, prompts, sampling, {})
     kl = (kl_estimate(policy.logprobs, policy.ref_logprobs) * policy.mask).sum(1)
     table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
                           "policy_response": policy.texts, "sft_response": held_out.sft_texts, "kl": kl.cpu().numpy()})
@@ -98,7 +100,7 @@ def evaluate_midway(models: Models, sampler: Sampler, held_out: HeldOut, cfg: PP
                     reporting: Reporting) -> dict[str, float]:
     """An evaluation between iterations, reported at `iteration`, leaving training's random stream as it was."""
     with own_random_stream(models.policy.device):
-        metrics, table = evaluate(models, sampler, held_out, cfg)
+        metrics, table = evaluate(models, sampler, held_out, cfg.evaluation, cfg.sampling)
     reporting.metrics(metrics, iteration)
     reporting.evaluation(table, iteration)
     return metrics

@@ -365,14 +365,14 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
             "normalization_samples": kv_cache(policy, sequences, section.max_length, None),
             "normalization_forward": forward_without_gradients(policy, 1, section.max_length, 1, None)}
     else:
-        prompts = _count(counts.dpo_eval_prompts, 64, "dpo.eval_prompts", notes)
-        sequences = min(prompts * section.eval_samples_per_prompt, section.micro_rollout_batch_size or prompts *
-                        section.eval_samples_per_prompt)
-        length = section.max_prompt_length + section.response_length
+        prompts = _count(counts.dpo_eval_prompts, 64, "dpo.evaluation.prompts", notes)
+        evaluated = prompts * section.evaluation.samples_per_prompt
+        sequences = min(evaluated, section.sampling.micro_batch_size or evaluated)
+        length = section.max_prompt_length + section.sampling.response_length
         phases["hand-off"] = whole | {
             "evaluation_reference": model.parameters * _bytes_of(section.frozen_dtype),
             "evaluation_samples": kv_cache(model, sequences, length, autocast),
-            "evaluation_forwards": forward_without_gradients(model, sequences, length, section.response_length + 1,
+            "evaluation_forwards": forward_without_gradients(model, sequences, length, section.sampling.response_length + 1,
                                                              autocast)}
     return StagePlan(stage, n, sharded, held, phases, notes)
 
@@ -392,9 +392,9 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device:
     held = [pol]
     if section.lora is None:
         held.append(_frozen("reference", policy, frozen, sharding))
-    critic_kind = section.critic if section.uses_critic else None
+    critic_kind = section.critic.kind if section.uses_critic else None
     if critic_kind == "reward-lora":
-        held.append(_trained("reward model + critic", reward, section.critic_lora, frozen, sharding, compute,
+        held.append(_trained("reward model + critic", reward, section.critic.lora, frozen, sharding, compute,
                              head_trains=True))
     else:
         held.append(_frozen("reward model", reward, frozen, sharding))
@@ -403,13 +403,13 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device:
     elif critic_kind in ("shared", "detached"):
         notes.append("critic: a value head on the policy's body (hidden + 1 parameters)")
 
-    length = section.max_prompt_length + section.response_length
+    length = section.max_prompt_length + section.sampling.response_length
     local = section.rollout_batch_size // n
     micro = section.micro_batch_size or section.rollout_batch_size // (section.num_minibatches * n)
     trained = [h for h in held if h.trained]
     largest_layer = max(policy.layer_parameters, reward.layer_parameters) * compute
     update = _training_extras(trained, n, sharded, autocast, largest_layer) | {
-        "policy_activations": training_activations(policy, micro, length, section.response_length + 1, autocast,
+        "policy_activations": training_activations(policy, micro, length, section.sampling.response_length + 1, autocast,
                                                    section.gradient_checkpointing)}
     if critic_kind in ("reward", "reward-lora"):
         update["critic_activations"] = training_activations(reward, micro, length, 0, autocast,
@@ -417,20 +417,20 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device:
     gathered_policy = {"gathered_policy": policy.parameters * compute} if sharded and \
         section.sharded_sampling == "whole" else {}
     eval_prompts = _count(counts.ppo_eval_prompts, section.rollout_batch_size // section.samples_per_prompt,
-                          "ppo.eval_prompts", notes)
-    evaluated = eval_prompts * section.eval_samples_per_prompt  # every process evaluates every held-out prompt
-    at_once = section.micro_rollout_batch_size or max(local, evaluated)
+                          "ppo.evaluation.prompts", notes)
+    evaluated = eval_prompts * section.evaluation.samples_per_prompt  # every process evaluates every held-out prompt
+    at_once = section.sampling.micro_batch_size or max(local, evaluated)
     rolled, judged = min(local, at_once), min(evaluated, at_once)
     scored = min(rolled, SCORING_BATCH)
     phases = {
         "sampling": gathered_policy | {"kv_cache": kv_cache(policy, rolled, length, autocast)},
-        "rollout_forwards": {"logits": forward_without_gradients(policy, rolled, length, section.response_length + 1,
+        "rollout_forwards": {"logits": forward_without_gradients(policy, rolled, length, section.sampling.response_length + 1,
                                                                  autocast),
                              "scoring": forward_without_gradients(reward, scored, length, 0, autocast)},
         "update": update,
         "evaluation": gathered_policy | {
             "kv_cache": kv_cache(policy, judged, length, autocast),
-            "logits": forward_without_gradients(policy, judged, length, section.response_length + 1, autocast)},
+            "logits": forward_without_gradients(policy, judged, length, section.sampling.response_length + 1, autocast)},
     }
     if sharded and device.kind == "cpu":  # the main process gathers the policy whole into host memory to save it
         phases["hand-off"] = {"gathered_whole_policy": 4 * policy.parameters}
@@ -459,9 +459,10 @@ def knobs(stage: StageName, section: TrainedStage) -> list[tuple[str, dict]]:
     if stage == "ppo":
         minibatch = section.rollout_batch_size // (section.num_minibatches * section.launch.num_processes)
         micro = section.micro_batch_size or minibatch
-        if section.micro_rollout_batch_size is None or section.micro_rollout_batch_size > micro:
+        if section.sampling.micro_batch_size is None or section.sampling.micro_batch_size > micro:
             # As many sequences without gradients at once as the update takes with them.
-            found.append((f"ppo.micro_rollout_batch_size: {micro}", {"micro_rollout_batch_size": micro}))
+            found.append((f"ppo.sampling.micro_batch_size: {micro}",
+                          {"sampling": section.sampling.model_copy(update={"micro_batch_size": micro})}))
         if micro > 1:
             found.append((f"{stage}.micro_batch_size: 1", {"micro_batch_size": 1}))
     elif section.batch_size > 1:
@@ -471,14 +472,15 @@ def knobs(stage: StageName, section: TrainedStage) -> list[tuple[str, dict]]:
                        section.gradient_accumulation_steps}))
     if not section.gradient_checkpointing:
         found.append((f"{stage}.gradient_checkpointing: true", {"gradient_checkpointing": True}))
-    if stage == "dpo" and (section.micro_rollout_batch_size or 2) > 1:
-        found.append(("dpo.micro_rollout_batch_size: 1", {"micro_rollout_batch_size": 1}))
+    if stage == "dpo" and (section.sampling.micro_batch_size or 2) > 1:
+        found.append(("dpo.sampling.micro_batch_size: 1",
+                      {"sampling": section.sampling.model_copy(update={"micro_batch_size": 1})}))
     if stage in ("ppo", "dpo") and section.frozen_dtype == "float32":
         found.append((f"{stage}.frozen_dtype: bfloat16", {"frozen_dtype": "bfloat16"}))
     if stage == "ppo" and section.sharded_sampling == "whole":  # acts only when sharded: see `sharding_over`
         found.append(("ppo.sharded_sampling: per_layer", {"sharded_sampling": "per_layer"}))
-    if stage == "ppo" and section.uses_critic and section.critic == "reward":
-        found.append(("ppo.critic: reward-lora", {"critic": "reward-lora"}))
+    if stage == "ppo" and section.uses_critic and section.critic.kind == "reward":
+        found.append(("ppo.critic.kind: reward-lora", {"critic": section.critic.model_copy(update={"kind": "reward-lora"})}))
     if section.lora is None:
         found.append((f"{stage}.lora: {{r: 8}}", {"lora": LoRAConfig()}))
     return found

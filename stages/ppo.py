@@ -50,11 +50,11 @@ from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_los
                              discounted_returns, entropy_of, explained_variance, gae, group_baselined, grpo_advantages,
                              kl_estimate, logprobs_of, masked_mean, rloo_advantages, sequence_rewards, token_rewards)
 from stages.holding import held_as, holding_for
-from stages.ppo_models import ActorCritic, Models, build_policy, load_models
+from stages.ppo_models import ActorCritic, Models, build_policy, load_models, rounds_to_16_bits
 from stages.ppo_state import LoopState, Normalization, load_state, save_state_everywhere
 from stages.reporting import Reporting
 from stages.reward import RewardScorer, fit_normalization
-from stages.ppo_rollout import Rollout, policy_sampler, rollout, rounds_to_16_bits
+from stages.ppo_rollout import Rollout, policy_sampler, rollout
 from stages.rollout import Sampler
 
 
@@ -63,7 +63,7 @@ class PPOInputs:
     sft_location: str
     """The SFT checkpoint: the policy's start and the reference it is kept near."""
     reward_location: str
-    """The reward checkpoint that scores (and, with `ppo.critic: reward`, starts the critic)."""
+    """The reward checkpoint that scores (and, with `ppo.critic.kind: reward`, starts the critic)."""
     prompts: pd.DataFrame
     """Validated prompts to train on."""
     eval_prompts: pd.DataFrame
@@ -145,9 +145,9 @@ def advantages_and_returns(accelerator: Accelerator, batch: Rollout, kl: torch.T
     mask, group_size = batch.mask, cfg.samples_per_prompt
     if cfg.advantage_estimator == "gae":
         rewards = token_rewards(scores.used, kl, beta, mask)
-        if cfg.whiten_rewards:
+        if cfg.critic.whiten_rewards:
             rewards = whiten_over_processes(accelerator, rewards, mask, shift_mean=False)
-        advantages, returns = gae(rewards, batch.values, mask, cfg.gamma, cfg.lam)
+        advantages, returns = gae(rewards, batch.values, mask, cfg.gamma, cfg.critic.lam)
         return whiten_over_processes(accelerator, advantages, mask), returns
     if cfg.advantage_estimator == "grpo":  # the KL is a loss term: the reward is the score alone
         return grpo_advantages(scores.used, mask, group_size, cfg.group_std_normalize), None
@@ -311,10 +311,10 @@ def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.
     # gradient, as DDP needs); `ppo_update` then drops the policy's gradients before the step.
     warming_up = iteration <= cfg.freeze_policy_iterations
     logits, values = trainer.actor_critic(micro.queries, micro.query_mask, micro.responses, mask, warming_up)
-    logprobs = logprobs_of(logits, micro.responses, cfg.temperature)
+    logprobs = logprobs_of(logits, micro.responses, cfg.sampling.temperature)
     policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range, num_tokens)
     # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
-    entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.temperature), mask,
+    entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.sampling.temperature), mask,
                           num_tokens=num_tokens)
     policy_terms = policy.loss - cfg.entropy_coef * entropy
     figures = {}
@@ -324,9 +324,9 @@ def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.
         figures["kl_loss"] = kl_loss.item()
     loss = (0.0 if warming_up else 1.0) * policy_terms
     if values is not None:
-        value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask, cfg.clip_range_value,
+        value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask, cfg.critic.clip_range_value,
                                                        num_tokens)
-        loss = loss + cfg.vf_coef * value_loss
+        loss = loss + cfg.critic.vf_coef * value_loss
         figures |= dict(value_loss=value_loss.item(), value_clip_fraction=value_clipped.item())
     if not torch.isfinite(loss):
         raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
@@ -346,8 +346,8 @@ def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.
 def initial_ratio_threshold(cfg: PPOConfig, precision: Precision) -> float:
     """`warn_initial_ratio_deviation`, or its default: in fp32 a rollout and a fresh forward agree to
     ~1e-6; in 16 bits, shapes that differ between the rollout and the update round differently."""
-    if cfg.warn_initial_ratio_deviation is not None:
-        return cfg.warn_initial_ratio_deviation
+    if cfg.warnings.initial_ratio_deviation is not None:
+        return cfg.warnings.initial_ratio_deviation
     return 5e-2 if rounds_to_16_bits(cfg, precision) else 1e-3
 
 
@@ -355,19 +355,19 @@ def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, 
               previous_length: float | None = None) -> list[str]:
     found = []
     length = figures["rollout/response_length"]
-    if previous_length is not None and length < (1 - cfg.warn_length_collapse) * previous_length:
+    if previous_length is not None and length < (1 - cfg.warnings.length_collapse) * previous_length:
         found.append(f"mean response length collapsed from {previous_length:.1f} to {length:.1f} tokens in one "
                      "iteration: the policy is learning to stop early (check the value loss and the KL)")
-    if figures["rollout/kl"] > cfg.kl_budget:
-        found.append(f"mean KL per sequence {figures['rollout/kl']:.2f} is over the budget of {cfg.kl_budget}")
+    if figures["rollout/kl"] > cfg.evaluation.kl_budget:
+        found.append(f"mean KL per sequence {figures['rollout/kl']:.2f} is over the budget of {cfg.evaluation.kl_budget}")
     drift = abs(figures["rollout/response_length"] - first_length) / max(first_length, 1e-6)
-    if drift > cfg.warn_length_drift:
+    if drift > cfg.warnings.length_drift:
         found.append(f"mean response length {figures['rollout/response_length']:.1f} drifted {drift:.0%} "
                      f"from {first_length:.1f}")
-    if figures["rollout/eos_rate"] < cfg.warn_eos_rate:
+    if figures["rollout/eos_rate"] < cfg.warnings.eos_rate:
         found.append(f"only {figures['rollout/eos_rate']:.0%} of responses end with EOS")
-    if figures["train/ratio_max"] > cfg.warn_ratio_max:
-        found.append(f"policy ratio reached {figures['train/ratio_max']:.1f} (threshold {cfg.warn_ratio_max})")
+    if figures["train/ratio_max"] > cfg.warnings.ratio_max:
+        found.append(f"policy ratio reached {figures['train/ratio_max']:.1f} (threshold {cfg.warnings.ratio_max})")
     threshold = initial_ratio_threshold(cfg, resolve_precision(cfg.precision))
     if figures["train/initial_ratio_deviation"] > threshold:
         found.append(f"before the first update the policy ratio was already {figures['train/initial_ratio_deviation']:.2g} "
@@ -482,12 +482,12 @@ def hand_off(trainer: PPOTrainer, loop: LoopState, held_out: HeldOut, inputs: PP
     cfg, models, holding = trainer.cfg, trainer.models, trainer.models.holding
     holding.check_weights_agree(trainer.actor_critic)
     held = held_as(models.policy, trainer.accelerator.num_processes)
-    metrics, evaluation = evaluate(models, trainer.sampler, held_out, cfg)
+    metrics, evaluation = evaluate(models, trainer.sampler, held_out, cfg.evaluation, cfg.sampling)
     # Rank 0: the policy with its trained weights, unsharded (gathered from every process when sharded).
     policy = holding.whole(models.policy, lambda: build_policy(cfg, inputs.sft_location, models.tokenizer))
     if not trainer.accelerator.is_main_process:
         return None
-    warn_over_kl_budget(metrics, cfg.kl_budget, reporting)
+    warn_over_kl_budget(metrics, cfg.evaluation.kl_budget, reporting)
     trained = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     # Merged in float32: into bf16-held weights (`frozen_dtype`) a bf16 merge would round small updates away.
     policy = merged(policy.float())
@@ -505,9 +505,9 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
     trainer = build_trainer(cfg, inputs)
     accelerator, models, rank = trainer.accelerator, trainer.models, trainer.accelerator.process_index
     # Before a resume or a reference refresh can change the reference: it is the SFT policy now.
-    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg, accelerator.device)
+    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, accelerator.device)
     state_dir = output_dir / "state"
-    loop = LoopState(kl=KLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
+    loop = LoopState(kl=KLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon))
     if (state_dir / "loop.json").exists():
         loop = resume(trainer, state_dir, reporting)
     prompt_texts = list(inputs.prompts["prompt"])
@@ -520,7 +520,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, prompts_per_iteration)[rank * local:][:local]
         picks = [i for i in picks for _ in range(cfg.samples_per_prompt)]  # a prompt's group on consecutive rows
         messages = [prompt_messages[i] for i in picks]
-        batch = rollout(models, trainer.sampler, [prompt_texts[i] for i in picks], cfg, timings)
+        batch = rollout(models, trainer.sampler, [prompt_texts[i] for i in picks], cfg.sampling, timings)
         raw = raw_scores(models.scorer, batch, messages, timings)
         if loop.normalization is None:
             loop.normalization = first_normalization(accelerator, models.scorer, raw, cfg)
@@ -528,8 +528,8 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         scores = scores_of(raw, batch.has_eos, models.scorer, cfg)
 
         beta = loop.kl.value
-        reward_beta, kl_loss_coef = (0.0, cfg.kl_loss_coef + beta) if cfg.kl_in_loss else (beta, cfg.kl_loss_coef)
-        kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * batch.mask  # (B, T)
+        reward_beta, kl_loss_coef = (0.0, cfg.kl.loss_coef + beta) if cfg.kl_in_loss else (beta, cfg.kl.loss_coef)
+        kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.mask  # (B, T)
         advantages, returns = advantages_and_returns(accelerator, batch, kl, scores, reward_beta, cfg)
         episodes = Episodes(iteration, batch, messages, scores, kl, beta, reward_beta, kl_loss_coef, advantages, returns)
 
@@ -546,7 +546,8 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         loop.first_length = loop.first_length or figures["rollout/response_length"]
         report_iteration(reporting, cfg, loop, episodes, figures)
         loop.iteration, loop.cursor = iteration, loop.cursor + prompts_per_iteration
-        if cfg.eval_every and iteration % cfg.eval_every == 0 and iteration < cfg.num_iterations:
+        every = cfg.evaluation.every
+        if every and iteration % every == 0 and iteration < cfg.num_iterations:
             figures |= evaluate_midway(models, trainer.sampler, held_out, cfg, iteration, reporting)
         loop.history = loop.history + [{"iteration": iteration, **figures}]
         reporting.progress(iteration, cfg.num_iterations)

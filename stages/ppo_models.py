@@ -186,6 +186,8 @@ class Models:
     """Token ids that end a response: the reply end, EOS, and any the generation config lists."""
     holding: Holding = field(default_factory=Replicated)
     """How the processes hold the models: whole on each (one process, DDP) or sharded (FSDP2)."""
+    reuse_sampling_pass: bool = True
+    """Old log-probs (and shared-body values) from the sampling pass, else from a second forward (`reuse_sampling_pass`)."""
 
     def trainable(self) -> list[torch.nn.Parameter]:
         return [p for m in self.trained_modules() for p in m.parameters() if p.requires_grad]
@@ -209,6 +211,22 @@ class Models:
             self.critic.restore_normalization(gain, bias)
 
 
+def rounds_to_16_bits(cfg: PPOConfig, precision: Precision) -> bool:
+    """Whether the policy's passes compute in 16 bits: under autocast, or as a LoRA policy whose own
+    weights are held in bf16 (`frozen_dtype`), whatever the precision."""
+    return precision.autocast_dtype is not None or (cfg.lora is not None and cfg.frozen_dtype != "float32")
+
+
+def reuse_sampling_pass(old_logprobs: str, sixteen_bits: bool) -> bool:
+    """Whether old log-probs (and shared-body values) come from the sampling pass (`old_logprobs`:
+    auto, sampling, recompute): in fp32 they equal a fresh forward up to float rounding; in 16 bits
+    the KV-cached steps drift further from the full-sequence pass the update uses (1e-2 on the demo
+    model), so `auto` takes a second forward."""
+    if old_logprobs == "auto":
+        return not sixteen_bits
+    return old_logprobs == "sampling"
+
+
 def build_policy(cfg: PPOConfig, sft_location: str, tokenizer) -> PreTrainedModel:
     """The policy as PPO trains it, on the CPU: the SFT checkpoint in float32, dropout off; with
     `cfg.lora`, float32 LoRA adapters on its own weights, which are the reference and so are held
@@ -222,19 +240,20 @@ def build_policy(cfg: PPOConfig, sft_location: str, tokenizer) -> PreTrainedMode
 
 def build_critic(cfg: PPOConfig, policy: PreTrainedModel, tokenizer, scorer: RewardScorer,
                  reward_location: str) -> Critic | None:
-    """GAE's critic as `cfg.critic` asks; None for the critic-free estimators. The critics on the
+    """GAE's critic as `cfg.critic.kind` asks; None for the critic-free estimators. The critics on the
     reward model read the policy's token ids, so that model must share the policy's tokenizer."""
     if not cfg.uses_critic:
         return None
-    if cfg.critic in ("shared", "detached"):
-        return SharedValueHead(policy.config.hidden_size, detach_body=cfg.critic == "detached")
+    critic = cfg.critic
+    if critic.kind in ("shared", "detached"):
+        return SharedValueHead(policy.config.hidden_size, detach_body=critic.kind == "detached")
     if scorer.tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"ppo.critic = {cfg.critic!r} needs the reward model at {reward_location} to share the "
-                         "policy's tokenizer (the critic reads the policy's token ids); use ppo.critic = 'shared'")
-    if cfg.critic == "reward-lora":
-        return RewardLoRACritic(scorer, cfg.critic_lora, rescale=cfg.normalize_critic)
+        raise ValueError(f"ppo.critic.kind = {critic.kind!r} needs the reward model at {reward_location} to share "
+                         "the policy's tokenizer (the critic reads the policy's token ids); use ppo.critic.kind = 'shared'")
+    if critic.kind == "reward-lora":
+        return RewardLoRACritic(scorer, critic.lora, rescale=critic.normalize)
     return RewardCritic(load_reward_model(reward_location, tokenizer, trust_remote_code=cfg.trust_remote_code,
-                                          fresh_head=False), rescale=cfg.normalize_critic)
+                                          fresh_head=False), rescale=critic.normalize)
 
 
 def load_models(cfg: PPOConfig, sft_location: str, reward_location: str, holding: Holding | None = None) -> Models:
@@ -261,8 +280,9 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str, holding
     for module in (policy, critic):
         if module is not None:
             holding.place_trained(module)
-    return Models(policy, critic, reference, scorer, tokenizer, resolve_precision(cfg.precision), stop_token_ids(policy),
-                  holding)
+    precision = resolve_precision(cfg.precision)
+    return Models(policy, critic, reference, scorer, tokenizer, precision, stop_token_ids(policy), holding,
+                  reuse_sampling_pass(cfg.old_logprobs, rounds_to_16_bits(cfg, precision)))
 
 
 @contextmanager

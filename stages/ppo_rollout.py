@@ -12,13 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from stages.models import Precision
 from stages.ppo_math import entropy_of, is_end, logprobs_of, response_mask
 from stages.ppo_models import Models, forward_response, policy_and_values, reference_policy
 from stages.rollout import Generation, HFSampler, Sampler, Sampling
 
 if TYPE_CHECKING:
-    from rlhf.config import PPOConfig
+    from rlhf.config import SamplingConfig
 
 
 def policy_sampler(models: Models) -> HFSampler:
@@ -48,37 +47,22 @@ class Rollout:
     prompts: list[str]
 
 
-def rounds_to_16_bits(cfg: PPOConfig, precision: Precision) -> bool:
-    """Whether the policy's passes compute in 16 bits: under autocast, or as a LoRA policy whose own
-    weights are held in bf16 (`frozen_dtype`), whatever the precision."""
-    return precision.autocast_dtype is not None or (cfg.lora is not None and cfg.frozen_dtype != "float32")
-
-
-def reuse_sampling_pass(cfg: PPOConfig, precision: Precision) -> bool:
-    """Whether old log-probs (and shared-body values) come from the sampling pass: in fp32 they
-    equal a fresh forward up to float rounding; in 16 bits the KV-cached steps drift further from
-    the full-sequence pass the update uses (1e-2 on the demo model), so a second forward is taken."""
-    if cfg.old_logprobs == "auto":
-        return not rounds_to_16_bits(cfg, precision)
-    return cfg.old_logprobs == "sampling"
-
-
-def in_chunks(items: list, cfg: PPOConfig) -> list[list]:
-    """`items` in runs of `micro_rollout_batch_size` (one run when unset): what a process samples at once."""
-    size = cfg.micro_rollout_batch_size or max(len(items), 1)
+def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:
+    """`items` in runs of `sampling.micro_batch_size` (one run when unset): what a process samples at once."""
+    size = sampling.micro_batch_size or max(len(items), 1)
     return [items[start:start + size] for start in range(0, len(items), size)]
 
 
 @torch.no_grad()
-def rollout(models: Models, sampler: Sampler, prompts: list[str], cfg: PPOConfig,
+def rollout(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
             timings: dict[str, float]) -> Rollout:
     """Sample responses, then the passes PPO needs besides: old log-probs and values (from the
-    sampling pass when `reuse_sampling_pass` and the sampler gave them), and the reference's
-    log-probs; `micro_rollout_batch_size` prompts at a time, the pieces then padded into one batch."""
+    sampling pass when `models.reuse_sampling_pass` and the sampler gave them), and the reference's
+    log-probs; `sampling.micro_batch_size` prompts at a time, the pieces then padded into one batch."""
     models.train(False)
     timings["generate"] = timings["forward"] = 0.0
-    return concat_rollouts([_rollout_chunk(models, sampler, chunk, cfg, timings) for chunk in in_chunks(prompts, cfg)],
-                           models.tokenizer.pad_token_id)
+    return concat_rollouts([_rollout_chunk(models, sampler, chunk, sampling, timings)
+                            for chunk in in_chunks(prompts, sampling)], models.tokenizer.pad_token_id)
 
 
 def _gave_what_the_update_needs(models: Models, sampled: Generation) -> bool:
@@ -87,26 +71,27 @@ def _gave_what_the_update_needs(models: Models, sampled: Generation) -> bool:
     return sampled.logprobs is not None and (sampled.hidden is not None or not wants_hidden)
 
 
-def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], cfg: PPOConfig,
+def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
                    timings: dict[str, float]) -> Rollout:
     start = time.perf_counter()
-    sampled = sampler.generate(prompts, Sampling(cfg.response_length, cfg.temperature))
+    temperature = sampling.temperature
+    sampled = sampler.generate(prompts, Sampling(sampling.response_length, temperature))
     queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
     timings["generate"] += time.perf_counter() - start
 
     start = time.perf_counter()
     mask = response_mask(responses, models.stop_ids)
-    if reuse_sampling_pass(cfg, models.precision) and _gave_what_the_update_needs(models, sampled):
+    if models.reuse_sampling_pass and _gave_what_the_update_needs(models, sampled):
         logprobs, entropy = sampled.logprobs, sampled.entropy
         values = None if models.critic is None else models.critic.values(sampled.hidden, queries, query_mask, responses,
                                                                           mask, models.precision)
     else:
         logits, values = policy_and_values(models, queries, query_mask, responses, mask)
-        logprobs, entropy = logprobs_of(logits, responses, cfg.temperature), entropy_of(logits, cfg.temperature)
+        logprobs, entropy = logprobs_of(logits, responses, temperature), entropy_of(logits, temperature)
     with reference_policy(models) as reference:
         ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
                                          precision=models.precision)
-    ref_logprobs = logprobs_of(ref_logits, responses, cfg.temperature)
+    ref_logprobs = logprobs_of(ref_logits, responses, temperature)
     timings["forward"] += time.perf_counter() - start
     return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask,
                    None if values is None else values * mask, entropy,

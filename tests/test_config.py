@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.cli import main as cli
-from rlhf.config import ConfigError, config_hash, flatten, load_config
+from rlhf.config import ConfigError, config_hash, flatten, load_config, with_overrides
 
 
 def test_demo_config_loads_and_overrides_apply():
@@ -118,8 +118,35 @@ def test_launch_settings_that_cannot_run_are_refused(overrides, message):
 def test_a_config_without_the_demo_world_needs_no_dpo_section_until_it_has_one():
     own = {f"{section}.{field}.path": "data/x.jsonl" for section, field in (
         ("sft", "train_data"), ("sft", "eval_data"), ("reward", "train_data"), ("reward", "eval_data"),
-        ("reward", "normalization_prompts"), ("ppo", "prompts"), ("ppo", "eval_prompts"))}
+        ("reward", "normalization_prompts"), ("ppo", "prompts"), ("ppo", "evaluation.prompts"))}
     own |= {"demo": None, "sft.model": "some/model"}
     assert load_config(None, own).dpo.train_data.path == "demo:preferences"  # unused unless DPO runs
     with pytest.raises(ConfigError, match="'demo:preferences_eval' refers to the demo world"):
         load_config(None, own | {"dpo.train_data.path": "data/pairs.jsonl"})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"ppo.kl_budget": 8}, "ppo.kl_budget is now ppo.evaluation.kl_budget"),
+    ({"ppo.response_length": 8}, "ppo.response_length is now ppo.sampling.response_length"),
+    ({"ppo.init_kl_coef": 0.1, "ppo.vf_coef": 0.5}, "ppo.init_kl_coef is now ppo.kl.init_coef; ppo.vf_coef is now "
+                                                    "ppo.critic.vf_coef"),
+    ({"ppo.critic": "shared"}, "ppo.critic is a section now: set ppo.critic.kind: shared"),
+    ({"ppo.warn_eos_rate": 0.2}, "ppo.warn_eos_rate is now ppo.warnings.eos_rate"),
+    ({"dpo.eval_samples_per_prompt": 2}, "dpo.eval_samples_per_prompt is now dpo.evaluation.samples_per_prompt"),
+])
+def test_settings_that_moved_into_sections_are_refused_naming_the_new_key(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("configs/tiny.yaml", overrides)
+
+
+def test_a_critic_section_applies_with_gae_only():
+    assert load_config("configs/tiny.yaml").ppo.critic.kind == "reward"  # the default critic, unwritten
+    grpo = load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 2})
+    assert grpo.ppo.critic is None
+    with pytest.raises(ConfigError, match="'grpo' learns no critic"):
+        load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 2,
+                                          "ppo.critic.kind": "shared"})
+    # A changed estimator takes its own critic (none) unless the change gives one.
+    assert with_overrides(load_config("configs/tiny.yaml").ppo, {"advantage_estimator": "rloo",
+                                                                 "samples_per_prompt": 2}).critic is None
+

@@ -17,7 +17,7 @@ import re
 import pytest
 from transformers import AutoModelForCausalLM
 
-from rlhf.config import LaunchConfig
+from rlhf.config import LaunchConfig, with_overrides
 from stages.distributed import call_stage
 from stages.ppo import PPOInputs, train_ppo
 from stages.reporting import Reporting
@@ -65,8 +65,8 @@ def test_reward_on_two_processes_matches_one_at_the_same_global_batch(world, tin
 
 
 def test_ppo_on_two_processes_samples_apart_and_lands_where_one_does(tiny_config, trained, tmp_path):
-    one_cfg = tiny_config.ppo.model_copy(update={"num_iterations": 6, "rollout_batch_size": 16, "learning_rate": 1e-3,
-                                                 "eval_samples_per_prompt": 4})
+    one_cfg = with_overrides(tiny_config.ppo, {"num_iterations": 6, "rollout_batch_size": 16, "learning_rate": 1e-3,
+                                               "evaluation.samples_per_prompt": 4})
     two_cfg = one_cfg.model_copy(update={"launch": TWO})
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     one, _ = _run(train_ppo, one_cfg, inputs, tmp_path / "one")
@@ -80,7 +80,7 @@ def test_ppo_on_two_processes_samples_apart_and_lands_where_one_does(tiny_config
     assert rollouts == [(i, 8) for i in range(1, 7)]  # rank 0's share of every iteration's episodes
     for result in (one, two):
         assert result.metrics["eval/score"] > result.metrics["eval/score_sft"], result.metrics
-        assert result.metrics["eval/kl"] < one_cfg.kl_budget
+        assert result.metrics["eval/kl"] < one_cfg.evaluation.kl_budget
     assert abs(two.metrics["eval/score"] - one.metrics["eval/score"]) < 1.0
     # the ranks' samples differ: two processes' first rollouts are not one process's (raw scores:
     # the normalised ones are mean 0 on both by construction, refitted on those first rollouts)

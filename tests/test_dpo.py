@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM
 
+from rlhf.config import with_overrides
 from stages.dpo import DPOInputs, encoded_pairs, train_dpo
 from stages.models import encode_replies, load_tokenizer, stop_token_ids
 from stages.reporting import Reporting
@@ -35,7 +36,7 @@ def test_pairs_are_encoded_as_the_reward_stage_encodes_them(trained, pairs):
 
 
 def test_dpo_lowers_its_loss_and_is_judged_against_sft(tiny_config, trained, pairs, tmp_path):
-    cfg = tiny_config.dpo.model_copy(update={"max_steps": 8, "kl_budget": 1e-6})
+    cfg = with_overrides(tiny_config.dpo, {"max_steps": 8, "evaluation.kl_budget": 1e-6})
     logged, warnings = [], []
     result = train_dpo(cfg, _inputs(trained, pairs), tmp_path,
                        Reporting(metrics=lambda m, i: logged.append(m), warning=warnings.append))
@@ -45,7 +46,7 @@ def test_dpo_lowers_its_loss_and_is_judged_against_sft(tiny_config, trained, pai
     assert 0.0 <= metrics["eval/preference_accuracy"] <= 1.0 and metrics["train/steps"] == 8
     assert metrics["eval/kl"] > 0 and "eval/win_rate_rm" not in metrics  # no reward model takes part
     assert list(result.evaluation.columns) == ["prompt", "prompt_messages", "policy_response", "sft_response", "kl"]
-    assert len(result.evaluation) == len(trained["eval_prompts"]) * cfg.eval_samples_per_prompt
+    assert len(result.evaluation) == len(trained["eval_prompts"]) * cfg.evaluation.samples_per_prompt
     assert any("train/rewards/margins" in m for m in logged)
     assert warnings and "over the budget" in warnings[-1]
     assert AutoModelForCausalLM.from_pretrained(result.checkpoint).config.model_type == "llama"
@@ -56,8 +57,8 @@ def test_the_sft_baseline_is_ppos_for_the_same_evaluation_settings(tiny_config, 
     from stages.ppo import PPOInputs, train_ppo
 
     dpo = train_dpo(tiny_config.dpo.model_copy(update={"max_steps": 2}), _inputs(trained, pairs), tmp_path / "dpo")
-    ppo_cfg = tiny_config.ppo.model_copy(update={"num_iterations": 1, "response_length": tiny_config.dpo.response_length,
-                                                 "eval_every": None})
+    ppo_cfg = with_overrides(tiny_config.ppo, {"num_iterations": 1, "sampling": tiny_config.dpo.sampling,
+                                               "evaluation.every": None})
     ppo = train_ppo(ppo_cfg, PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"]),
                     tmp_path / "ppo")
     assert list(dpo.evaluation["sft_response"]) == list(ppo.evaluation["sft_response"])

@@ -170,7 +170,7 @@ def test_full_deployment_with_lora_everywhere_hands_plain_checkpoints_downstream
     lora = {"r": 4, "alpha": 8.0}
     overrides = {"experiment": "rlhf-lora", "registry.enabled": True, "registry.model_name": "rlhf-policy-lora",
                  **{f"{stage}.lora": lora for stage in ("sft", "reward", "ppo", "dpo")},
-                 "ppo.critic": "reward-lora"}
+                 "ppo.critic.kind": "reward-lora"}
     done = deployment_run(stack, "rlhf/full", config_file="configs/smoke.yaml", overrides=overrides,
                           stages=["sft", "reward", "ppo", "dpo"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -183,7 +183,7 @@ def test_full_deployment_with_lora_everywhere_hands_plain_checkpoints_downstream
     for run in runs.values():
         assert run.info.status == "FINISHED" and run.data.params["lora.r"] == "4"
         assert "plan/predicted_peak_gib" in run.data.metrics and "memory/peak_rss_gib" in run.data.metrics
-    assert runs["ppo"].data.params["critic"] == "reward-lora"
+    assert runs["ppo"].data.params["critic.kind"] == "reward-lora"
     assert runs["reward"].data.tags["rlhf.upstream.sft"] == runs["sft"].info.run_id
     assert runs["dpo"].data.tags["rlhf.upstream.sft"] == runs["sft"].info.run_id
     assert runs["ppo"].data.tags["rlhf.upstream.reward"] == runs["reward"].info.run_id

@@ -19,19 +19,22 @@ def test_win_rate_counts_ties_half_and_takes_its_error_over_prompts():
 
 
 def test_the_sft_baseline_is_the_same_for_runs_with_different_training_seeds(tiny_config, trained):
+    from rlhf.config import with_overrides
     from stages.evaluation import HeldOut, evaluate
     from stages.ppo_rollout import policy_sampler
     from stages.ppo_models import load_models
 
     tables = []
     for seed in (0, 1):
-        cfg = tiny_config.ppo.model_copy(update={"seed": seed, "eval_samples_per_prompt": 2})
+        cfg = with_overrides(tiny_config.ppo, {"seed": seed, "evaluation.samples_per_prompt": 2})
         models = load_models(cfg, trained["sft"], trained["reward"])
-        metrics, table = evaluate(models, policy_sampler(models), HeldOut.sample(models, trained["eval_prompts"], cfg, CPU), cfg)
+        held_out = HeldOut.sample(models, trained["eval_prompts"], cfg.evaluation, cfg.sampling, CPU)
+        metrics, table = evaluate(models, policy_sampler(models), held_out, cfg.evaluation, cfg.sampling)
         tables.append(table)
         assert 0 <= metrics["eval/win_rate_rm"] <= 1 and metrics["eval/win_rate_rm_se"] > 0
     assert list(tables[0]["sft_response"]) == list(tables[1]["sft_response"])
-    other = tiny_config.ppo.model_copy(update={"eval_seed": 7, "eval_samples_per_prompt": 2})
+    other = with_overrides(tiny_config.ppo, {"evaluation.seed": 7, "evaluation.samples_per_prompt": 2})
     models = load_models(other, trained["sft"], trained["reward"])
-    _, moved = evaluate(models, policy_sampler(models), HeldOut.sample(models, trained["eval_prompts"], other, CPU), other)
+    held_out = HeldOut.sample(models, trained["eval_prompts"], other.evaluation, other.sampling, CPU)
+    _, moved = evaluate(models, policy_sampler(models), held_out, other.evaluation, other.sampling)
     assert list(moved["sft_response"]) != list(tables[0]["sft_response"])

@@ -182,7 +182,7 @@ def test_ppo_run_has_lineage_curves_samples_plots_and_a_registered_policy(finish
     assert run.data.tags[tracking.TAG_UPSTREAM + "reward"] == reward.run_id
     for metric in ("eval/score", "eval/score_sft", "eval/kl", "eval/gold_reward", "eval/gold_win_rate"):
         assert metric in run.data.metrics, metric
-        # curves: evaluated every `eval_every` (2) iterations and after the last (3)
+        # curves: evaluated every `evaluation.every` (2) iterations and after the last (3)
         assert [m.step for m in client.get_metric_history(ppo.run_id, metric)] == [2, 3], metric
     assert len(client.get_metric_history(ppo.run_id, "rollout/score")) == 3  # one point per iteration
     # the demo world's gold reward of every iteration's rollouts, judged by the flow (no stage reads it)
@@ -395,9 +395,9 @@ def test_budget_beyond_the_model_context_is_refused_before_any_run(finished):
     from flows.pipeline import rlhf
 
     before = len(_runs(""))
-    state = rlhf(config_file="configs/tiny.yaml", overrides={"ppo.response_length": 500}, return_state=True)
+    state = rlhf(config_file="configs/tiny.yaml", overrides={"ppo.sampling.response_length": 500}, return_state=True)
     assert state.is_failed()
-    assert "ppo.response_length: 532 tokens do not fit the 128-token context of demo:model" in state.message
+    assert "ppo.sampling.response_length: 532 tokens do not fit the 128-token context of demo:model" in state.message
     assert len(_runs("")) == before
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlhf.config import LoRAConfig
+from rlhf.config import LoRAConfig, with_overrides
 from stages.ppo_models import RewardCritic, RewardLoRACritic, load_models
 from stages.reporting import Reporting
 from stages.reward import RewardScorer, last_token_scores
@@ -19,7 +19,7 @@ from tests.helpers import killed_and_resumed, run_ppo
 
 
 def _cfg(tiny_config, **changes):
-    return tiny_config.ppo.model_copy(update={"critic": "reward-lora"} | changes)
+    return with_overrides(tiny_config.ppo, {"critic.kind": "reward-lora"} | changes)
 
 
 def _held_parameters(models) -> dict[int, torch.nn.Parameter]:
@@ -61,12 +61,12 @@ def test_fresh_adapters_give_the_values_of_the_critic_copied_from_the_reward_mod
     """Both critics read the reward model's score head at every response position; a fresh adapter
     (B = 0) changes nothing, so they start alike."""
     lora = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
-    whole = load_models(_cfg(tiny_config, critic="reward"), trained["sft"], trained["reward"])
+    whole = load_models(_cfg(tiny_config, **{"critic.kind": "reward"}), trained["sft"], trained["reward"])
     assert isinstance(whole.critic, RewardCritic)
     with torch.no_grad():
         values = lora.critic.values(*_inputs(lora))  # (2, T)
         torch.testing.assert_close(values, whole.critic.values(*_inputs(whole)), atol=1e-5, rtol=1e-5)
-    mapped = lora.critic.adopt_normalization(gain=0.4, bias=-1.5, values=values)  # as `normalize_critic` does
+    mapped = lora.critic.adopt_normalization(gain=0.4, bias=-1.5, values=values)  # as `critic.normalize` does
     with torch.no_grad():
         torch.testing.assert_close(lora.critic.values(*_inputs(lora)), mapped, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mapped, 0.4 * values - 1.5)
@@ -83,13 +83,13 @@ def test_a_reward_model_with_another_tokenizer_is_refused(tiny_config, trained, 
     other = load_tokenizer(str(folder))
     other.add_special_tokens({"additional_special_tokens": ["<extra>"]})
     other.save_pretrained(folder)
-    with pytest.raises(ValueError, match="ppo.critic = 'reward-lora' needs the reward model .* to share the policy's"):
+    with pytest.raises(ValueError, match="ppo.critic.kind = 'reward-lora' needs the reward model .* to share the policy's"):
         load_models(_cfg(tiny_config), trained["sft"], str(folder))
 
 
 def test_a_run_holds_one_copy_of_the_reward_model(tiny_config, trained):
     lora = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
-    whole = load_models(_cfg(tiny_config, critic="reward"), trained["sft"], trained["reward"])
+    whole = load_models(_cfg(tiny_config, **{"critic.kind": "reward"}), trained["sft"], trained["reward"])
     reward_parameters = sum(p.numel() for p in whole.scorer.model.parameters())
     critic_parameters = sum(p.numel() for p in lora.critic.parameters())
     held = {name: sum(p.numel() for p in _held_parameters(m).values()) for name, m in (("lora", lora), ("whole", whole))}
@@ -145,7 +145,7 @@ def test_a_killed_run_resumes_to_the_same_end(tiny_config, trained, tmp_path):
 def test_a_lora_policy_holds_its_own_weights_in_frozen_dtype_and_hands_over_a_plain_float32_model(tiny_config, trained,
                                                                                                tmp_path):
     lora = LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
-    cfg = _cfg(tiny_config, critic="reward", lora=lora, frozen_dtype="bfloat16", num_iterations=3, learning_rate=3e-3)
+    cfg = _cfg(tiny_config, **{"critic.kind": "reward"}, lora=lora, frozen_dtype="bfloat16", num_iterations=3, learning_rate=3e-3)
     models = load_models(cfg, trained["sft"], trained["reward"])
     assert {p.dtype for p in models.policy.parameters() if not p.requires_grad} == {torch.bfloat16}
     assert {p.dtype for p in models.trainable()} == {torch.float32}

@@ -12,7 +12,7 @@ import yaml
 from bench.memory import state_bytes
 from bench.published import PUBLISHED, PUBLISHED_PARAMETERS, write_config
 from rlhf.cli import main as cli
-from rlhf.config import LoRAConfig, load_config
+from rlhf.config import LoRAConfig, load_config, with_overrides
 from stages.memory import GIB, Counts, Device, model_shape, plan, reward_shape
 
 GPU_80GB = ["--device-memory", str(80e9 / GIB), "--device-kind", "gpu"]
@@ -52,9 +52,10 @@ def _llama3_8b_config(tmp_path, **ppo) -> str:
     lengths = {"max_prompt_length": 512, "max_length": 1024, "batch_size": 4, "train_data": data, "eval_data": None}
     config = {"demo": None, "sft": {"model": str(model)} | lengths,
               "reward": lengths | {"normalization_prompts": data},
-              "ppo": {"prompts": data, "eval_prompts": data, "max_prompt_length": 512, "response_length": 512,
-                      "rollout_batch_size": 512, "micro_batch_size": 2, "micro_rollout_batch_size": 16} | ppo,
-              "dpo": lengths | {"eval_prompts": data}}
+              "ppo": {"prompts": data, "evaluation": {"prompts": data}, "max_prompt_length": 512,
+                      "sampling": {"response_length": 512, "micro_batch_size": 16}, "rollout_batch_size": 512,
+                      "micro_batch_size": 2} | ppo,
+              "dpo": lengths | {"evaluation": {"prompts": data}}}
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(64)))
     path = tmp_path / f"llama3-8b-{len(list(tmp_path.glob('*.yaml')))}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -68,7 +69,7 @@ def test_an_8b_ppo_fits_one_80gb_gpu_only_with_lora_and_eight_with_fsdp(tmp_path
     assert "### ppo (one process)" in out and "DOES NOT FIT" in out
     assert "it would fit with: " in out and "shard over" in out  # names the knobs
 
-    lora = _llama3_8b_config(tmp_path, lora={"r": 8}, critic="reward-lora", frozen_dtype="bfloat16",
+    lora = _llama3_8b_config(tmp_path, lora={"r": 8}, critic={"kind": "reward-lora"}, frozen_dtype="bfloat16",
                              gradient_checkpointing=True)
     assert cli(["plan", lora, "--stages", "ppo", "--json", *GPU_80GB]) == 0
     planned = json.loads(capsys.readouterr().out)["stages"]["ppo"]
@@ -114,7 +115,7 @@ def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tm
 
     shapes = {"policy": model_shape(trained["sft"])}
     real_update = stages.ppo.ppo_update
-    for run, changes in enumerate(({"critic": "reward"}, {"lora": LoRAConfig(), "critic": "shared"})):
+    for run, changes in enumerate(({"critic.kind": "reward"}, {"lora": LoRAConfig(), "critic.kind": "shared"})):
         held: dict[str, int] = {}
 
         def update(trainer, episodes):
@@ -126,7 +127,7 @@ def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tm
             return figures
 
         monkeypatch.setattr(stages.ppo, "ppo_update", update)
-        cfg = tiny_config.ppo.model_copy(update={"num_iterations": 1, "eval_every": None} | changes)
+        cfg = with_overrides(tiny_config.ppo, {"num_iterations": 1, "evaluation.every": None} | changes)
         train_ppo(cfg, PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"]),
                   tmp_path / str(run))
         pipeline = tiny_config.model_copy(update={"ppo": cfg})

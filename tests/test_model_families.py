@@ -46,6 +46,7 @@ def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                               pipeline)
 
+    from rlhf.config import with_overrides
     from stages.models import load_causal_lm, load_tokenizer, reply_end_id, stop_token_ids
     from stages.ppo import PPOInputs, train_ppo
     from stages.reporting import Reporting
@@ -70,8 +71,8 @@ def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
                           RewardInputs(str(sft.checkpoint), str(sft.checkpoint), data("preferences", "preference"),
                                        data("preferences_eval", "preference"), data("prompts_eval", "prompt")),
                           tmp_path / "reward")
-    ppo_cfg = tiny_config.ppo.model_copy(update={"max_prompt_length": budget.max_prompt_length, "response_length": 8,
-                                                 "num_iterations": 2, "precision": "fp32"})
+    ppo_cfg = with_overrides(tiny_config.ppo, {"max_prompt_length": budget.max_prompt_length,
+                                               "sampling.response_length": 8, "num_iterations": 2, "precision": "fp32"})
     warnings = []
     ppo = train_ppo(ppo_cfg, PPOInputs(str(sft.checkpoint), str(reward.checkpoint), data("prompts", "prompt"),
                                        data("prompts_eval", "prompt")), tmp_path / "ppo", Reporting(warning=warnings.append))

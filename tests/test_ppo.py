@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf.config import LoRAConfig, PPOConfig
+from rlhf.config import LoRAConfig, PPOConfig, with_overrides
 from stages.models import load_tokenizer, position_ids_for
 from stages.ppo import NonFiniteLossError
 from stages.ppo_models import forward_response, load_models, reference_policy
@@ -19,12 +19,12 @@ from tests.helpers import killed_and_resumed, run_ppo
 
 
 def _cfg(tiny_config, **changes):
-    return tiny_config.ppo.model_copy(update=changes)
+    return with_overrides(tiny_config.ppo, changes)
 
 
 def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
     cfg = _cfg(tiny_config, num_iterations=24, rollout_batch_size=16, num_minibatches=2, learning_rate=1e-3,
-               checkpoint_every=100, target_kl=None, init_kl_coef=0.01, kl_budget=0.05)
+               checkpoint_every=100, kl={"target": None, "init_coef": 0.01}, evaluation={"kl_budget": 0.05})
     samples, warnings, rollouts = [], [], {}
     result = run_ppo(cfg, trained, tmp_path, Reporting(samples=lambda t, i: samples.append(i), warning=warnings.append,
                                                      rollouts=lambda t, i: rollouts.update({i: t})))
@@ -54,18 +54,19 @@ def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
     assert "model.safetensors" in files and not any("value" in name for name in files)
     assert AutoModelForCausalLM.from_pretrained(result.checkpoint).config.model_type == "llama"
     assert {"eval/score", "eval/score_sft", "eval/kl", "eval/win_rate_rm"} <= set(result.metrics)
-    assert len(result.evaluation) == len(trained["eval_prompts"]) * cfg.eval_samples_per_prompt
+    assert len(result.evaluation) == len(trained["eval_prompts"]) * cfg.evaluation.samples_per_prompt
     # kl_budget acts on the rollouts and on the final policy alike
-    assert result.metrics["eval/kl"] > cfg.kl_budget and warnings[-1] == (
+    assert result.metrics["eval/kl"] > cfg.evaluation.kl_budget and warnings[-1] == (
         f"the final policy's mean KL per sequence on the held-out prompts, {result.metrics['eval/kl']:.2f}, is over "
-        f"the budget of {cfg.kl_budget}")
+        f"the budget of {cfg.evaluation.kl_budget}")
     assert any("is over the budget of 0.05" in w and w.startswith("iteration ") for w in warnings)
 
 
-@pytest.mark.parametrize("normalize_critic, estimator", [(False, "gae"), (True, "gae"), (True, "grpo")])
+@pytest.mark.parametrize("normalize_critic, estimator", [(False, "gae"), (True, "gae"), (None, "grpo")])
 def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, trained, tmp_path, normalize_critic,
                                                                 estimator):
-    cfg = _cfg(tiny_config, num_iterations=6, checkpoint_every=3, normalize_critic=normalize_critic,
+    critic = {} if normalize_critic is None else {"critic": {"normalize": normalize_critic}}
+    cfg = _cfg(tiny_config, num_iterations=6, checkpoint_every=3, **critic,
                advantage_estimator=estimator, samples_per_prompt=1 if estimator == "gae" else 2)
     reference, resumed = killed_and_resumed(cfg, trained, tmp_path)
     assert [row["rollout/score"] for row in resumed.history] == [row["rollout/score"] for row in reference.history]
@@ -76,9 +77,9 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_end(tiny_config, tra
 
 
 def test_evaluations_every_eval_every_iterations_leave_training_as_it_was(tiny_config, trained, tmp_path):
-    plain = run_ppo(_cfg(tiny_config, num_iterations=4, eval_every=None), trained, tmp_path / "plain")
+    plain = run_ppo(_cfg(tiny_config, num_iterations=4, evaluation={"every": None}), trained, tmp_path / "plain")
     logged, tables, progress = {}, {}, []
-    cfg = _cfg(tiny_config, num_iterations=4, eval_every=2)
+    cfg = _cfg(tiny_config, num_iterations=4, evaluation={"every": 2})
     result = run_ppo(cfg, trained, tmp_path / "evaluated", Reporting(
         metrics=lambda figures, i: logged.setdefault(i, {}).update(figures),
         evaluation=lambda table, i: tables.update({i: table}), progress=lambda done, total: progress.append((done, total))))
@@ -98,7 +99,7 @@ def test_evaluations_every_eval_every_iterations_leave_training_as_it_was(tiny_c
 
 
 def test_normalize_critic_maps_the_critic_like_the_scorer_maps_raw_scores(tiny_config, trained):
-    models = load_models(_cfg(tiny_config, critic="reward"), trained["sft"], trained["reward"])
+    models = load_models(_cfg(tiny_config, critic={"kind": "reward"}), trained["sft"], trained["reward"])
     tokenizer = models.tokenizer
     queries = tokenizer(["<s><|user|>Describe the cat.<|assistant|>"], return_tensors="pt", add_special_tokens=False)
     responses = tokenizer(["The cat is warm.</s>"], return_tensors="pt", add_special_tokens=False)
@@ -138,7 +139,7 @@ def test_lora_reference_is_the_policy_with_adapters_disabled(tiny_config, traine
     models = load_models(cfg, trained["sft"], trained["reward"])
     assert models.reference is None
     frame = trained["prompts"].head(4)
-    batch = rollout(models, policy_sampler(models), list(frame["prompt"]), cfg, {})
+    batch = rollout(models, policy_sampler(models), list(frame["prompt"]), cfg.sampling, {})
     assert torch.allclose(batch.logprobs, batch.ref_logprobs, atol=1e-5)  # LoRA starts as a no-op
     trainable = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
     assert trainable < 0.2 * sum(p.numel() for p in models.policy.parameters())
@@ -157,7 +158,7 @@ def test_lora_reference_is_the_policy_with_adapters_disabled(tiny_config, traine
 
 
 def test_value_head_on_the_policy_body(tiny_config, trained, tmp_path):
-    result = run_ppo(_cfg(tiny_config, critic="shared", num_iterations=2), trained, tmp_path)
+    result = run_ppo(_cfg(tiny_config, critic={"kind": "shared"}, num_iterations=2), trained, tmp_path)
     assert np.isfinite(result.history[-1]["train/value_loss"])
 
 
@@ -165,7 +166,7 @@ def test_value_head_on_the_policy_body(tiny_config, trained, tmp_path):
 def test_critic_warm_up_trains_the_critic_and_leaves_the_policy_as_it_was(tiny_config, trained, tmp_path, critic):
     from safetensors.torch import load_file
 
-    cfg = _cfg(tiny_config, critic=critic, num_iterations=3, freeze_policy_iterations=2, checkpoint_every=2,
+    cfg = _cfg(tiny_config, critic={"kind": critic, "freeze_policy_iterations": 2}, num_iterations=3, checkpoint_every=2,
                learning_rate=1e-3)
     states = {}
 
@@ -194,7 +195,7 @@ def test_critic_warm_up_trains_the_critic_and_leaves_the_policy_as_it_was(tiny_c
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce++", "reinforce++-baseline"])
 def test_critic_free_estimators_sample_groups_and_train_no_critic(tiny_config, trained, tmp_path, estimator):
     cfg = _cfg(tiny_config, num_iterations=2, rollout_batch_size=8, samples_per_prompt=4, advantage_estimator=estimator,
-               eval_every=None, init_kl_coef=0.1, target_kl=None)
+               evaluation={"every": None}, kl={"init_coef": 0.1, "target": None})
     models = load_models(cfg, trained["sft"], trained["reward"])
     assert models.critic is None and models.trainable() == [p for p in models.policy.parameters() if p.requires_grad]
     rollouts = {}
@@ -217,8 +218,9 @@ def test_group_estimators_need_groups_of_whole_responses():
         PPOConfig(advantage_estimator="rloo", samples_per_prompt=1)
     with pytest.raises(ValueError, match=r"samples_per_prompt \(3\) must divide rollout_batch_size \(64\)"):
         PPOConfig(advantage_estimator="grpo", samples_per_prompt=3)
-    with pytest.raises(ValueError, match="warms up a critic"):
-        PPOConfig(advantage_estimator="reinforce++", freeze_policy_iterations=1)
+    with pytest.raises(ValueError, match="'reinforce\+\+' learns no critic; leave the critic section out"):
+        PPOConfig(advantage_estimator="reinforce++", critic={"freeze_policy_iterations": 1})
+    assert PPOConfig(advantage_estimator="reinforce++").critic is None and PPOConfig().critic.kind == "reward"
     assert PPOConfig(advantage_estimator="reinforce++").samples_per_prompt == 1  # the batch is its baseline
 
 
@@ -229,16 +231,16 @@ def test_choosing_an_estimator_alone_gives_a_config_that_runs(estimator, group, 
     from rlhf.config import load_config
 
     cfg = load_config("configs/demo.yaml", {"ppo.advantage_estimator": estimator})
-    assert (cfg.ppo.samples_per_prompt, cfg.ppo.init_kl_coef) == (group, beta)
+    assert (cfg.ppo.samples_per_prompt, cfg.ppo.kl.init_coef) == (group, beta)
     explicit = load_config("configs/demo.yaml", {"ppo.advantage_estimator": estimator, "ppo.samples_per_prompt": 8,
-                                                 "ppo.init_kl_coef": 0.1})
-    assert (explicit.ppo.samples_per_prompt, explicit.ppo.init_kl_coef) == (8, 0.1)
+                                                 "ppo.kl.init_coef": 0.1})
+    assert (explicit.ppo.samples_per_prompt, explicit.ppo.kl.init_coef) == (8, 0.1)
     assert PPOConfig.model_validate(cfg.ppo.model_dump()) == cfg.ppo  # resolved once: a dumped config reads back the same
 
 
 def test_warm_up_must_leave_iterations_to_train():
     with pytest.raises(ValueError, match="freeze_policy_iterations"):
-        PPOConfig(num_iterations=2, freeze_policy_iterations=2)
+        PPOConfig(num_iterations=2, critic={"freeze_policy_iterations": 2})
 
 
 def test_a_reference_refresh_under_lora_is_refused():
@@ -261,7 +263,7 @@ def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_checkpoin
     monkeypatch.setattr(RewardScorer, "raw_scores", poisoned)
     with pytest.raises(NonFiniteLossError, match="at iteration 3"):
         # no evaluations between iterations: they would score too, and move the poisoned call
-        run_ppo(_cfg(tiny_config, num_iterations=4, checkpoint_every=2, eval_every=None), trained, tmp_path)
+        run_ppo(_cfg(tiny_config, num_iterations=4, checkpoint_every=2, evaluation={"every": None}), trained, tmp_path)
     assert json.loads((tmp_path / "state" / "loop.json").read_text())["iteration"] == 2
 
 
@@ -279,8 +281,8 @@ def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, 
     prompts = trained["prompts"].head(4)
     messages = [json.loads(m) for m in prompts["prompt_messages"]]
     torch.manual_seed(0)
-    cfg = _cfg(tiny_config, response_length=2)
-    batch = rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg, {})
+    cfg = _cfg(tiny_config, sampling={"response_length": 2})
+    batch = rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg.sampling, {})
     assert not batch.has_eos.any()  # two tokens never finish a demo reply
     as_they_are = models.scorer.score(messages, batch.texts, normalized=False, complete=[False] * 4)
     completed = models.scorer.score(messages, batch.texts, normalized=False)
@@ -320,10 +322,10 @@ def test_a_length_collapse_within_one_iteration_is_warned_about(tiny_config):
 
     figures = {"rollout/kl": 1.0, "rollout/response_length": 2.6, "rollout/eos_rate": 1.0, "train/ratio_max": 1.0,
                "train/initial_ratio_deviation": 0.0}
-    found = warnings_of(_cfg(tiny_config, warn_length_drift=0.9), figures, 8.0, 2, previous_length=8.0)
+    found = warnings_of(_cfg(tiny_config, warnings={"length_drift": 0.9}), figures, 8.0, 2, previous_length=8.0)
     assert found == ["iteration 2: mean response length collapsed from 8.0 to 2.6 tokens in one iteration: the "
                      "policy is learning to stop early (check the value loss and the KL)"]
-    assert warnings_of(_cfg(tiny_config, warn_length_drift=0.9), figures, 8.0, 2, previous_length=3.0) == []
+    assert warnings_of(_cfg(tiny_config, warnings={"length_drift": 0.9}), figures, 8.0, 2, previous_length=3.0) == []
 
 
 def test_tokenizer_padding_sides_are_what_each_stage_needs(trained):
@@ -340,8 +342,8 @@ def test_critic_from_a_reward_model_with_another_tokenizer_is_refused(tiny_confi
     other.add_special_tokens({"additional_special_tokens": ["<extra>"]})
     other.save_pretrained(folder)
     with pytest.raises(ValueError, match="share the policy's tokenizer"):
-        load_models(_cfg(tiny_config, critic="reward"), trained["sft"], str(folder))
-    load_models(_cfg(tiny_config, critic="reward"), trained["sft"], trained["reward"])  # same tokenizer: fine
+        load_models(_cfg(tiny_config, critic={"kind": "reward"}), trained["sft"], str(folder))
+    load_models(_cfg(tiny_config, critic={"kind": "reward"}), trained["sft"], trained["reward"])  # same tokenizer: fine
 
 
 def test_draw_samples_the_categorical_it_is_given():
@@ -361,12 +363,12 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
     from stages.ppo_rollout import policy_sampler
     from stages.rollout import Sampling
 
-    cfg = _cfg(tiny_config, temperature=0.7, critic="shared")
+    cfg = _cfg(tiny_config, sampling={"temperature": 0.7}, critic={"kind": "shared"})
     models = load_models(cfg, trained["sft"], trained["reward"])
     models.train(False)
     torch.manual_seed(0)
     prompts = list(trained["prompts"]["prompt"][:8])  # prompts of different lengths: left padding
-    sampled = policy_sampler(models).generate(prompts, Sampling(cfg.response_length, cfg.temperature))
+    sampled = policy_sampler(models).generate(prompts, Sampling(cfg.sampling.response_length, cfg.sampling.temperature))
     mask = response_mask(sampled.responses, models.stop_ids)
     assert (mask.sum(1) < sampled.responses.shape[1]).any()  # some responses ended early: truncation is covered
     with torch.inference_mode():
@@ -404,18 +406,18 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
 
 
 def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_config, trained):
-    """`micro_rollout_batch_size`: pieces sampled and scored apart, then padded into one batch, hold
+    """`sampling.micro_batch_size`: pieces sampled and scored apart, then padded into one batch, hold
     the log-probs and values one pass over the joined batch computes (padding changes nothing)."""
     from stages.ppo_rollout import policy_sampler, rollout
     from stages.ppo_math import logprobs_of
     from stages.ppo_models import policy_and_values
 
-    cfg = _cfg(tiny_config, micro_rollout_batch_size=3, response_length=12)
+    cfg = _cfg(tiny_config, sampling={"micro_batch_size": 3, "response_length": 12})
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = list(trained["prompts"]["prompt"][:8])
     torch.manual_seed(0)
     timings: dict[str, float] = {}
-    batch = rollout(models, policy_sampler(models), prompts, cfg, timings)
+    batch = rollout(models, policy_sampler(models), prompts, cfg.sampling, timings)
     assert len(batch.texts) == 8 and batch.queries.shape[0] == 8 and timings["generate"] > 0
     assert batch.prompts == prompts
     with torch.no_grad():
@@ -424,9 +426,9 @@ def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_
             ref_logits, _ = forward_response(reference, batch.queries, batch.query_mask, batch.responses, batch.mask,
                                              want_hidden=False, precision=models.precision)
     mask = batch.mask
-    torch.testing.assert_close(logprobs_of(logits, batch.responses, cfg.temperature) * mask, batch.logprobs,
+    torch.testing.assert_close(logprobs_of(logits, batch.responses, cfg.sampling.temperature) * mask, batch.logprobs,
                                atol=1e-5, rtol=0)
-    torch.testing.assert_close(logprobs_of(ref_logits, batch.responses, cfg.temperature) * mask, batch.ref_logprobs,
+    torch.testing.assert_close(logprobs_of(ref_logits, batch.responses, cfg.sampling.temperature) * mask, batch.ref_logprobs,
                                atol=1e-5, rtol=0)
     torch.testing.assert_close(values * mask, batch.values, atol=1e-5, rtol=0)
     # The pieces' responses were padded to the longest: nothing real was cut.

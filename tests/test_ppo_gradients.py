@@ -64,7 +64,7 @@ def _episodes(cfg, batch, advantages, returns):
     """What the update reads of an iteration's episodes (no scores or KL figures)."""
     from stages.ppo import Episodes
 
-    return Episodes(1, batch, [], None, torch.zeros_like(batch.logprobs), 0.0, 0.0, cfg.kl_loss_coef, advantages,
+    return Episodes(1, batch, [], None, torch.zeros_like(batch.logprobs), 0.0, 0.0, cfg.kl.loss_coef, advantages,
                     returns)
 
 
@@ -74,14 +74,14 @@ def _setup(tiny_config, trained, critic="reward", lora=False):
     from stages.ppo_models import load_models
     from stages.ppo_rollout import policy_sampler, rollout
 
-    from rlhf.config import LoRAConfig
+    from rlhf.config import LoRAConfig, with_overrides
 
-    cfg = tiny_config.ppo.model_copy(update={"rollout_batch_size": 8, "num_minibatches": 1, "response_length": 16,
-                                            "critic": critic, "lora": LoRAConfig() if lora else None})
+    cfg = with_overrides(tiny_config.ppo, {"rollout_batch_size": 8, "num_minibatches": 1, "sampling.response_length": 16,
+                                           "critic.kind": critic, "lora": LoRAConfig() if lora else None})
     torch.manual_seed(0)
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(8)
-    batch = rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg, {})
+    batch = rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg.sampling, {})
     raw = raw_scores(models.scorer, batch, [json.loads(m) for m in prompts["prompt_messages"]], {})
     lengths = batch.mask.sum(1)
     assert lengths.min() < lengths.max(), "responses of equal length would not tell the normalisations apart"
@@ -127,9 +127,11 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
     from stages.ppo import ppo_update
     from stages.ppo_models import ActorCritic
 
+    from rlhf.config import with_overrides
+
     def one_update(vf_coef: float):
         cfg, models, batch, advantages, returns = _setup(tiny_config, trained)
-        cfg = cfg.model_copy(update={"vf_coef": vf_coef, "num_ppo_epochs": 1})
+        cfg = with_overrides(cfg, {"critic.vf_coef": vf_coef, "num_ppo_epochs": 1})
         optimizer = torch.optim.SGD(models.trainable(), lr=1e-2)  # Adam would hide a rescaled gradient
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         trainer = _trainer(cfg, Accelerator(cpu=True), models, ActorCritic(models), optimizer, scheduler)

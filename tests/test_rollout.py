@@ -6,13 +6,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rlhf.config import with_overrides
 from stages.ppo_models import load_models
 from stages.ppo_rollout import policy_sampler, rollout
 from stages.rollout import Generation, HFSampler, Sampling
 
 
 def _cfg(tiny_config, **changes):
-    return tiny_config.ppo.model_copy(update=changes)
+    return with_overrides(tiny_config.ppo, changes)
 
 
 def test_the_decode_loop_and_transformers_generate_agree_when_greedy(tiny_config, trained):
@@ -45,13 +46,13 @@ class TokensOnly:
 def test_a_rollout_recomputes_what_its_sampler_cannot_give(tiny_config, trained):
     """Old log-probs, entropy and the shared critic's values from a forward pass, the same as the
     sampling pass gives them (fp32: up to float rounding)."""
-    cfg = _cfg(tiny_config, critic="shared", response_length=12)
+    cfg = _cfg(tiny_config, critic={"kind": "shared"}, sampling={"response_length": 12})
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = list(trained["prompts"]["prompt"][:6])
     torch.manual_seed(0)
-    full = rollout(models, policy_sampler(models), prompts, cfg, {})
+    full = rollout(models, policy_sampler(models), prompts, cfg.sampling, {})
     torch.manual_seed(0)
-    recomputed = rollout(models, TokensOnly(policy_sampler(models)), prompts, cfg, {})
+    recomputed = rollout(models, TokensOnly(policy_sampler(models)), prompts, cfg.sampling, {})
     assert torch.equal(full.responses, recomputed.responses)
     for name in ("logprobs", "ref_logprobs", "values", "entropy"):
         torch.testing.assert_close(getattr(recomputed, name) * full.mask, getattr(full, name) * full.mask,

@@ -15,7 +15,7 @@ import math
 import pytest
 from transformers import AutoModelForCausalLM
 
-from rlhf.config import LaunchConfig
+from rlhf.config import LaunchConfig, with_overrides
 from stages.distributed import call_stage
 from stages.dpo import DPOInputs, train_dpo
 from stages.ppo import PPOInputs, train_ppo
@@ -70,14 +70,14 @@ def test_dpo_sharded_matches_one_process(world, tiny_config, tokenizer, trained,
 
 
 @pytest.mark.parametrize("settings", [
-    {"critic": "shared", "ref_refresh_every": 2, "sharded_sampling": "per_layer"},
+    {"critic.kind": "shared", "ref_refresh_every": 2, "sharded_sampling": "per_layer"},
     {"advantage_estimator": "grpo", "samples_per_prompt": 2, "lora": {"r": 4}},
 ])
 def test_sharded_ppo_variants_run_and_hand_over_a_plain_checkpoint(tiny_config, trained, tmp_path, settings):
     """The sharded paths the gradient and resume tests do not take: a shared value head with the
     reference refreshed from the sharded policy and sampling gathered layer by layer; a
     critic-free estimator with LoRA (the reference is the sharded policy with adapters off)."""
-    cfg = tiny_config.ppo.model_validate(tiny_config.ppo.model_dump() | settings | {"launch": FSDP.model_dump()})
+    cfg = with_overrides(tiny_config.ppo, settings | {"launch": FSDP})
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     result = _run(train_ppo, cfg, inputs, tmp_path / "fsdp")
     assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
@@ -87,7 +87,7 @@ def test_sharded_ppo_variants_run_and_hand_over_a_plain_checkpoint(tiny_config, 
     assert not any("lora" in name for name, _ in saved.named_parameters())  # merged: a plain model
 
 
-@pytest.mark.parametrize("settings", [{}, {"critic": "reward-lora", "frozen_dtype": "bfloat16"}])
+@pytest.mark.parametrize("settings", [{}, {"critic.kind": "reward-lora", "frozen_dtype": "bfloat16"}])
 def test_sharded_ppo_killed_mid_run_resumes_to_the_uninterrupted_weights(tiny_config, trained, tmp_path, settings):
     """The critic from the reward model, or LoRA adapters on the reward model's own sharded body
     (bf16, the float32 adapters in the same units) whose shards the checkpoint holds."""
@@ -95,7 +95,7 @@ def test_sharded_ppo_killed_mid_run_resumes_to_the_uninterrupted_weights(tiny_co
     from stages.models import folder_digest
     from tests.stand_in_stages import KilledAfterFirstCheckpoint, ppo_killed_after_first_checkpoint
 
-    cfg = tiny_config.ppo.model_copy(update={"launch": FSDP, "num_iterations": 4, "checkpoint_every": 2, **settings})
+    cfg = with_overrides(tiny_config.ppo, {"launch": FSDP, "num_iterations": 4, "checkpoint_every": 2} | settings)
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     whole = _run(train_ppo, cfg, inputs, tmp_path / "uninterrupted")
 
