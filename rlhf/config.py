@@ -597,20 +597,23 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 Section = TypeVar("Section", bound=BaseModel)
 
 
+def _get_dotted(tree: dict, dotted: str) -> Any:
+    node: Any = tree
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
 def _merge(tree: dict, changes: dict[str, Any]) -> None:
-    """`changes` into `tree`: dotted keys reach into sections, and a mapping given for a section
-    (a dict or a config object) is merged into it field by field."""
+    """`changes` into `tree` as `_set_dotted` sets overrides, except that a mapping given for a
+    section (a dict or a config object) is merged into it field by field."""
     for dotted, value in changes.items():
         if isinstance(value, BaseModel):
             value = value.model_dump()
-        *parents, leaf = dotted.split(".")
-        node = tree
-        for key in parents:
-            node = node.setdefault(key, {})
-        if isinstance(value, dict) and isinstance(node.get(leaf), dict):
-            _merge(node[leaf], value)
+        if isinstance(value, dict) and isinstance(_get_dotted(tree, dotted), dict):
+            _merge(tree, {f"{dotted}.{key}": inner for key, inner in value.items()})
         else:
-            node[leaf] = value
+            _set_dotted(tree, dotted, value)
 
 
 def with_overrides(section: Section, changes: dict[str, Any]) -> Section:

@@ -28,8 +28,8 @@ from stages.models import (device, disable_dropout, dtype_named, encode_pairs, l
                            lora_config, resolve_precision, save_trained, stop_token_ids, with_lora)
 from stages.evaluation import HeldOut, evaluate, warn_over_kl_budget
 from stages.ppo_models import Models, reuse_sampling_pass
-from stages.reporting import Reporting
 from stages.ppo_rollout import policy_sampler
+from stages.reporting import Reporting
 from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
                              trainer_arguments, untrained_evaluation)
 

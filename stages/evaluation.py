@@ -1,7 +1,7 @@
 """Judging a policy on held-out prompts: PPO's evaluations (midway and final) and DPO's final one.
 
-The policy answers the held-out prompts (from `eval_seed + 1`) and is compared with the SFT
-policy's responses to the same prompts (`HeldOut`, sampled once from `eval_seed` before training
+The policy answers the held-out prompts (from `evaluation.seed + 1`) and is compared with the SFT
+policy's responses to the same prompts (`HeldOut`, sampled once from `evaluation.seed` before training
 starts): KL(policy || SFT) per sequence on the policy's responses, their length and EOS rate, and
 with a reward model the scores of both and the win rate with its standard error.
 """
@@ -19,8 +19,8 @@ from rlhf.config import EvaluationConfig, PPOConfig, SamplingConfig
 from rlhf.evaluation import win_rate
 from stages.ppo_math import is_end, kl_estimate
 from stages.ppo_models import Models, reference_policy
-from stages.reporting import Reporting
 from stages.ppo_rollout import in_chunks, reference_sampler, rollout
+from stages.reporting import Reporting
 from stages.rollout import Sampler, Sampling
 
 
@@ -69,9 +69,9 @@ class HeldOut:
 def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: EvaluationConfig,
              sampling: SamplingConfig) -> tuple[dict[str, float], pd.DataFrame]:
     """The policy against the SFT responses on the held-out prompts: KL(policy || SFT) (`eval/kl`:
-    k1, the log-ratio, summed over each response) on the policy's responses, sampled from `evaluation.seed + 1`, their length and EOS rate; with a reward
-    model, the scores of both (on the normalisation in force) and the win rate with its standard
-    error. Training's random stream is the caller's to keep (`own_random_stream`) when training goes on."""
+    k1, the log-ratio, summed over each response) on the policy's responses, sampled from
+    `evaluation.seed + 1`, their length and EOS rate; with a reward model, the scores of both (on the
+    normalisation in force) and the win rate with its standard error. Training's random stream is the caller's to keep (`own_random_stream`) when training goes on."""
     prompts, messages = held_out.prompts, held_out.messages
     torch.manual_seed(evaluation.seed + 1)
     policy = rollout(models, sampler, prompts, sampling, {})

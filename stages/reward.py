@@ -195,7 +195,7 @@ def sample_references(policy_location: str, prompts: list[str], samples_per_prom
     sampler = HFSampler(policy, tokenizer, stop_token_ids(policy))
     responses = sampler.generate(repeated, Sampling(max_new_tokens, temperature=1.0, logprobs=False)).responses  # (P * S, T)
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    complete = is_end(responses, stop_token_ids(policy)).any(dim=1)
+    complete = is_end(responses, sampler.stop_ids).any(dim=1)
     return [(i // samples_per_prompt, text, bool(done)) for i, (text, done) in enumerate(zip(texts, complete))]
 
 
