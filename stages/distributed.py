@@ -258,6 +258,11 @@ def main(spec: Path) -> None:
     # trainers' own `ddp_timeout` then goes unused): PartialState reads the CPU switch only from its argument.
     state = PartialState(cpu=os.environ.get("ACCELERATE_USE_CPU") == "true",
                          timeout=timedelta(seconds=call.section.launch.timeout_seconds))
+    if call.section.launch.sharded:
+        # Sharded loading, whatever the accelerate config says: the first process of each machine reads the
+        # checkpoint, the others build the model on the meta device (transformers' `is_fsdp_enabled`) and
+        # receive their shards (accelerate's FSDP2 preparation, or `stages.holding.Sharded`).
+        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
     if call.section.launch.sharded and state.distributed_type == DistributedType.MULTI_CPU:
         # accelerate takes its FSDP branch only for accelerator devices and would run DDP on CPU
         # without a word; FSDP2 itself runs on CPU over gloo, so let the trainers' accelerator shard.

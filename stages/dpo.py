@@ -30,7 +30,7 @@ from stages.evaluation import HeldOut, evaluate, warn_over_kl_budget
 from stages.ppo_models import Models, reuse_sampling_pass
 from stages.ppo_rollout import policy_sampler
 from stages.reporting import Reporting
-from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
+from stages.training import (ForwardLogs, prepare_sharding, last_trainer_checkpoint, trained_model,
                              trainer_arguments, untrained_evaluation)
 
 
@@ -95,7 +95,7 @@ def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting
         peft_config=None if cfg.lora is None else lora_config(cfg.lora, "CAUSAL_LM"),
     )
     trainer.remove_callback(PrinterCallback)
-    keep_float32_reductions(trainer)
+    prepare_sharding(trainer)
     return trainer
 
 

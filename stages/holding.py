@@ -139,9 +139,13 @@ class Sharded:
 
         policy = self._mp_policy(trained)
         held = {p for p in model.parameters() if isinstance(p, DTensor)}
+        # Rank 0 loaded the model (the others built it on the meta device): the tensors it read, to send on.
+        full = {k: v for k, v in model.state_dict().items() if not isinstance(v, DTensor)} \
+            if self.accelerator.is_main_process else {}
         for layer in decoder_layers(model, required=forward_method is None):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=True)
         fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=held or None)
+        receive_from_rank0(model, full, skip=held)
         if forward_method is not None:
             register_fsdp_forward_method(model, forward_method)
 
@@ -164,7 +168,7 @@ class Sharded:
         if head is None:
             self._shard(model, trained=False)
             return model
-        head.to(self.accelerator.device)
+        broadcast_from_rank0(head)
         self._shard(model.base_model, trained=False)  # `last_token_scores` calls the body, then the head
         return model
 
@@ -264,6 +268,37 @@ def unsharded(module: torch.nn.Module, blank: Callable[[], torch.nn.Module], mai
     plain = blank()
     plain.load_state_dict(full)
     return plain
+
+
+def broadcast_from_rank0(module: torch.nn.Module) -> None:
+    """A small module kept whole on every process (a score head), on this process's device with rank
+    0's values (collective); built on the meta device on the others, it gets real tensors first."""
+    if any(t.is_meta for t in module.parameters()):
+        module.to_empty(device=device())
+    module.to(device())
+    for tensor in [*module.parameters(), *module.buffers()]:
+        torch.distributed.broadcast(tensor.data, src=0)
+
+
+def receive_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], skip: set = frozenset()) -> None:
+    """Fill a just-sharded `model`'s shards from `full`, the state rank 0 loaded (empty on the other
+    processes, whose model was built on the meta device): rank 0 sends each tensor in turn and every
+    process keeps its own part (collective). Parameters in `skip`, sharded earlier with another
+    model, are left as they are."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # Storage for the shards of a model built on the meta device, in place (tied parameters stay one);
+    # what is already real stays: buffers (rotary frequencies, computed at construction: loading sends
+    # no non-persistent ones) and parameters sharded with another model.
+    model._apply(lambda t: torch.empty_like(t, device=device()) if t.is_meta else t)
+    skipped = {id(p) for p in skip}
+    names = {name for name, p in model.named_parameters() if id(p) in skipped}
+    full = {name: tensor for name, tensor in full.items() if name not in names}
+    if names:  # a `reward-lora` critic's adapters: the loader must not touch them, so load the rest only
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    else:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
 
 
 def _units(model: torch.nn.Module) -> list:

@@ -112,9 +112,43 @@ def load_causal_lm(location: str, tokenizer: PreTrainedTokenizerBase, *, dtype: 
     embeddings and special-token ids matching `tokenizer`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(location, use_safetensors=True, dtype=dtype,
-                                                 trust_remote_code=trust_remote_code)
+    model = load_pretrained(AutoModelForCausalLM, location, dtype=dtype, trust_remote_code=trust_remote_code)
     fit_to_tokenizer(model, tokenizer)
+    return model
+
+
+def reads_checkpoints() -> bool:
+    """Whether this process reads model weights: every process, but under a sharded launch only the
+    first (`stages.distributed` switches FSDP's `cpu_ram_efficient_loading` on), which sends each
+    other process its shards once the model is sharded (accelerate's FSDP2 preparation, or
+    `stages.holding.Sharded`)."""
+    import os
+
+    sharded_loading = (os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+                       and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").lower() == "true")
+    return not (sharded_loading and torch.distributed.is_initialized() and torch.distributed.get_rank() > 0)
+
+
+def load_pretrained(auto_class, location: str, *, dtype: torch.dtype, trust_remote_code: bool = False, **config):
+    """`auto_class.from_pretrained` from safetensors in `dtype`; on a process that does not read
+    checkpoints (`reads_checkpoints`), the same model built from its config with every parameter on
+    the meta device (no bytes of weights), buffers real (rotary frequencies are not sent) and the
+    checkpoint's generation config."""
+    if reads_checkpoints():
+        return auto_class.from_pretrained(location, use_safetensors=True, dtype=dtype,
+                                          trust_remote_code=trust_remote_code, **config)
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, GenerationConfig
+
+    model_config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code, **config)
+    with init_empty_weights(include_buffers=False):
+        model = auto_class.from_config(model_config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # as `from_pretrained` ties them (the meta parameters are created untied)
+    if getattr(model, "generation_config", None) is not None:
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(location)
+        except OSError:  # none saved: the one built from the model config, as `from_pretrained` keeps
+            pass
     return model
 
 

@@ -31,13 +31,13 @@ from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
 from stages.errors import RewardGateError
 from stages.memory import SCORING_BATCH
-from stages.models import (device, disable_dropout, encode_pairs, encode_replies, fit_to_tokenizer,
-                           load_causal_lm, load_tokenizer, lora_config, position_ids_for, save_trained, stop_token_ids,
-                           with_lora)
+from stages.models import (device, disable_dropout, encode_pairs, encode_replies, fit_to_tokenizer, load_causal_lm,
+                           load_pretrained, load_tokenizer, lora_config, position_ids_for, save_trained,
+                           stop_token_ids, with_lora)
 from stages.ppo_math import is_end, last_token_index
 from stages.reporting import Reporting
 from stages.rollout import HFSampler, Sampling
-from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
+from stages.training import (ForwardLogs, prepare_sharding, last_trainer_checkpoint, trained_model,
                              trainer_arguments, untrained_evaluation)
 
 NORMALIZATION_KEY = "rlhf_reward_normalization"
@@ -61,8 +61,8 @@ def load_reward_model(location: str, tokenizer: PreTrainedTokenizerBase, *, dtyp
                       trust_remote_code: bool = False, fresh_head: bool = True) -> PreTrainedModel:
     """A one-output sequence classifier in `dtype` from a causal-LM (or reward) checkpoint, dropout
     off: the two replies of a pair must be scored by the same function (TRL's default too)."""
-    model = AutoModelForSequenceClassification.from_pretrained(
-        location, num_labels=1, use_safetensors=True, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = load_pretrained(AutoModelForSequenceClassification, location, dtype=dtype,
+                            trust_remote_code=trust_remote_code, num_labels=1)
     fit_to_tokenizer(model, tokenizer)
     if fresh_head:
         init_reward_head(model)
@@ -243,7 +243,7 @@ def build_trainer(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
                             callbacks=[ForwardLogs(reporting)],
                             peft_config=None if cfg.lora is None else lora_config(cfg.lora, "SEQ_CLS"))
     trainer.remove_callback(PrinterCallback)
-    keep_float32_reductions(trainer)
+    prepare_sharding(trainer)
     return trainer
 
 

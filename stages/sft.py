@@ -24,7 +24,7 @@ from stages.models import (encode_replies, load_causal_lm, load_tokenizer, lora_
                            with_lora)
 from stages.reporting import Reporting
 from stages.rollout import HFSampler, Sampling
-from stages.training import (ForwardLogs, keep_float32_reductions, last_trainer_checkpoint, trained_model,
+from stages.training import (ForwardLogs, prepare_sharding, last_trainer_checkpoint, trained_model,
                              trainer_arguments, untrained_evaluation)
 
 
@@ -77,7 +77,7 @@ def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting
         peft_config=None if cfg.lora is None else lora_config(cfg.lora, "CAUSAL_LM"),
     )
     trainer.remove_callback(PrinterCallback)  # `reporting`, not stdout, receives the logs
-    keep_float32_reductions(trainer)
+    prepare_sharding(trainer)
     return trainer
 
 

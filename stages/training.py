@@ -61,15 +61,36 @@ def trained_model(trainer, blank: Callable[[], torch.nn.Module]
     return merged(model).to(device()), updated, tags
 
 
-def keep_float32_reductions(trainer) -> None:
-    """Under FSDP2 with bf16 autocast, accelerate's policy would reduce gradients in bf16: ask for
-    float32 reductions (parameters still computed in bf16). Call before `train()` prepares the model."""
-    if not trainer.is_fsdp_enabled or not trainer.args.bf16:
+def prepare_sharding(trainer) -> None:
+    """What accelerate's FSDP2 preparation needs of a TRL trainer's model and settings; call before
+    `train()` prepares them. Under bf16 autocast, float32 gradient reductions (accelerate's policy would
+    reduce in bf16; parameters still compute in bf16). On a process that built the model on the meta
+    device (`models.reads_checkpoints`), storage for its parameters: accelerate maps the optimizer's
+    parameters to the sharded ones by storage address, which meta tensors lack (all would map to one).
+    The storage is allocated, never written or read, so it is virtual, not resident; accelerate moves
+    the model back to the meta device before sharding it and rank 0's weights arrive shard by shard."""
+    if not trainer.is_fsdp_enabled:
         return
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    _give_meta_parameters_storage(trainer.model)
+    if trainer.args.bf16:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    trainer.accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        trainer.accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _give_meta_parameters_storage(model: torch.nn.Module) -> None:
+    """Each meta parameter replaced by an uninitialised one on the CPU (tied ones stay one parameter);
+    buffers are left as they are (their values are real)."""
+    replaced: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, parameter in list(module._parameters.items()):
+            if parameter is None or not parameter.is_meta:
+                continue
+            if id(parameter) not in replaced:
+                replaced[id(parameter)] = torch.nn.Parameter(torch.empty_like(parameter, device="cpu"),
+                                                             requires_grad=parameter.requires_grad)
+            module._parameters[name] = replaced[id(parameter)]
 
 
 def untrained_evaluation(trainer) -> dict[str, float]:

@@ -87,3 +87,43 @@ def abort_on_a_rank(cfg, inputs: Abort, output_dir: Path, reporting) -> dict | N
             os.abort()
         atexit.register(os.abort)
     return {"aborted": inputs.rank} if PartialState().is_main_process else None
+
+
+@dataclass(frozen=True)
+class RecordingLoads:
+    train: object
+    """The real stage function."""
+    inputs: object
+    """Its inputs."""
+
+
+def record_loads(cfg, inputs: RecordingLoads, output_dir: Path, reporting):
+    """`inputs.train`, with every model this process builds through transformers' auto classes
+    (`from_pretrained`, `from_config`) recorded in `output_dir/loads-<rank>.json`: how it was built,
+    the bytes of all its parameters and of those that are real tensors (not on the meta device)."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    loads = []
+    classes = (AutoModelForCausalLM, AutoModelForSequenceClassification)
+    originals = {(c, name): getattr(c, name).__func__ for c in classes for name in ("from_pretrained", "from_config")}
+
+    def recording(key):
+        def build(cls, *args, **kwargs):
+            model = originals[key](cls, *args, **kwargs)
+            sizes = [(p.numel() * p.element_size(), p.is_meta) for p in model.parameters()]
+            loads.append({"model": type(model).__name__, "how": key[1], "bytes": sum(b for b, _ in sizes),
+                          "real_bytes": sum(b for b, meta in sizes if not meta)})
+            return model
+        return classmethod(build)
+
+    for key in originals:
+        setattr(*key, recording(key))
+    try:
+        return inputs.train(cfg, inputs.inputs, output_dir, reporting)
+    finally:
+        for (c, name), original in originals.items():
+            setattr(c, name, classmethod(original))
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / f"loads-{PartialState().process_index}.json").write_text(json.dumps(loads))

@@ -158,3 +158,23 @@ def test_two_machines_one_stage_sharded_over_both(world, tiny_config, tokenizer,
     two, one = outcome["result"], _run(train_sft, one_cfg, inputs, tmp_path / "one")
     assert two.tags["rlhf.held_as"] == "fsdp2 x 2"
     _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/loss_untrained"))
+
+
+@pytest.mark.parametrize("stage", ["sft", "ppo"])
+def test_only_the_first_process_reads_a_checkpoint_whole(world, tiny_config, tokenizer, trained, tmp_path, stage):
+    """Sharded loading: every model the second process loads is built on the meta device (no bytes of
+    weights), and gets only its shards from the first; the run still trains and hands over."""
+    from tests.stand_in_stages import RecordingLoads, record_loads
+
+    if stage == "sft":
+        section = tiny_config.sft.model_copy(update={"max_steps": 2, "launch": FSDP})
+        call = RecordingLoads(train_sft, sft_inputs(world, tokenizer))
+    else:
+        section = with_overrides(tiny_config.ppo, {"launch": FSDP, "num_iterations": 1, "critic.kind": "reward"})
+        call = RecordingLoads(train_ppo, PPOInputs(trained["sft"], trained["reward"], trained["prompts"],
+                                                   trained["eval_prompts"]))
+    result = _run(record_loads, section, call, tmp_path)
+    first, second = (json.loads((tmp_path / f"loads-{rank}.json").read_text()) for rank in (0, 1))
+    assert second and all(load["real_bytes"] == 0 for load in second), second
+    assert all(load["real_bytes"] == load["bytes"] > 0 for load in first), first
+    assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
