@@ -12,7 +12,8 @@ same either way:
     sampling(policy)           `gather: whole`: the whole policy gathered once for the rollout;
                                `per_layer`: each layer gathered at every decode step
     all_finished(finished)     sharded processes take every decode step together
-    whole(module, blank)       rank 0 gets an unsharded module with the trained weights
+    save_plain(model, ...)     the trained model as a plain Hugging Face folder: written by rank 0,
+                               or gathered and written a tensor at a time (`save_streamed`)
     save / load                the full-state checkpoint: safetensors from rank 0, or
                                `torch.distributed.checkpoint`, one shard per process
 
@@ -25,6 +26,7 @@ itself, on the device mesh of all processes (gloo on CPU, NCCL on GPUs).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -85,8 +87,13 @@ class Replicated:
     def check_weights_agree(self, module: torch.nn.Module) -> None:
         check_weights_agree(self.accelerator, module)
 
-    def whole(self, module: torch.nn.Module, blank: Callable[[], torch.nn.Module]) -> torch.nn.Module | None:
-        return self.accelerator.unwrap_model(module) if self.accelerator.is_main_process else None  # no copy
+    def save_plain(self, model: torch.nn.Module, tokenizer, folder: Path, dtype: torch.dtype) -> None:
+        """The main process saves `model` (a transformers model, maybe with LoRA adapters) as the plain
+        model it stands for, in `dtype`: adapters merged in float32 (in place), as `Sharded.save_plain` merges."""
+        from stages.models import merged, save_checkpoint
+
+        if self.accelerator is None or self.accelerator.is_main_process:
+            save_checkpoint(merged(model.float()), tokenizer, folder, dtype)
 
     def save(self, folder: Path, modules: dict[str, torch.nn.Module], optimizer) -> None:
         """Rank 0 writes each module's weights and the optimizer state (the same on every process)."""
@@ -207,8 +214,9 @@ class Sharded:
     def check_weights_agree(self, module: torch.nn.Module) -> None:
         """One copy of each parameter, split between the processes: nothing can disagree."""
 
-    def whole(self, module: torch.nn.Module, blank: Callable[[], torch.nn.Module]) -> torch.nn.Module | None:
-        return unsharded(module, blank, self.accelerator.is_main_process)
+    def save_plain(self, model: torch.nn.Module, tokenizer, folder: Path, dtype: torch.dtype) -> None:
+        """`save_streamed`: gathered and written a tensor at a time, never whole anywhere (collective)."""
+        save_streamed(model, tokenizer, folder, dtype, self.accelerator.is_main_process)
 
     def save(self, folder: Path, modules: dict[str, torch.nn.Module], optimizer) -> None:
         """Each process writes its shards of every module and of the optimizer state
@@ -299,6 +307,99 @@ def receive_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], sk
     else:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
+
+
+SHARD_BYTES = 2 * 1024 ** 3
+"""Largest safetensors file a streamed hand-off writes (above it: several files and an index, as
+`save_pretrained` writes them): also the most of the checkpoint rank 0 holds at once."""
+
+
+def plain_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Size, Callable[[], torch.Tensor]]]:
+    """(name, shape, gather) for every parameter and persistent buffer of `module` (tied ones once),
+    named as in the plain transformers model; `gather()` gives the whole tensor (collective when
+    sharded: every process calls it, in order). A peft model's LoRA adapters are merged into the
+    weights they adapt (in float32: W + scale x B A), and a trained copy (`modules_to_save`) takes the
+    original's place."""
+    from peft.tuners.lora import LoraLayer
+
+    def whole(tensor: torch.Tensor) -> torch.Tensor:
+        return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+
+    def merged_weight(layer, weight: torch.Tensor) -> Callable[[], torch.Tensor]:
+        def gather() -> torch.Tensor:
+            value = whole(weight).float()
+            for adapter in layer.active_adapters:
+                delta = whole(layer.lora_B[adapter].weight).float() @ whole(layer.lora_A[adapter].weight).float()
+                value = value + (delta.T if layer.fan_in_fan_out else delta) * layer.scaling[adapter]
+            return value
+        return gather
+
+    lora = {name: m for name, m in module.named_modules() if isinstance(m, LoraLayer)}
+    persistent = [(f"{prefix}.{name}" if prefix else name, buffer) for prefix, m in module.named_modules()
+                  for name, buffer in m.named_buffers(recurse=False) if name not in m._non_persistent_buffers_set]
+    entries = []
+    for name, tensor in [*module.named_parameters(), *persistent]:
+        if ".lora_" in name or ".original_module." in name:
+            continue  # merged into the base weight / replaced by the trained copy
+        owner, _, leaf = name.rpartition(".")
+        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        layer = lora.get(owner.removesuffix(".base_layer")) if owner.endswith(".base_layer") else None
+        if layer is not None and set(layer.lora_embedding_A):
+            raise ValueError(f"{owner}: LoRA on embeddings is not merged by the streamed hand-off")
+        gather = merged_weight(layer, tensor) if layer is not None and leaf == "weight" else \
+            (lambda t=tensor: whole(t))
+        entries.append((plain, tensor.shape, gather))
+    return entries
+
+
+def save_streamed(module: torch.nn.Module, tokenizer, folder: Path, dtype: torch.dtype, main: bool,
+                  shard_bytes: int = SHARD_BYTES) -> Path:
+    """`module` (a transformers model, sharded or not, maybe with LoRA adapters) saved as the plain
+    model it stands for, in `dtype`, gathered and written one tensor at a time: safetensors files of at
+    most `shard_bytes` and, above one, an index, as `save_pretrained` writes them; its config, generation
+    config and `tokenizer` beside (collective; rank 0 writes). No process holds more than one tensor
+    and one file's worth of the model."""
+    from accelerate.utils import is_peft_model
+    from safetensors.torch import save_file
+    from torch.distributed.fsdp import FSDPModule
+
+    from stages.models import finish_checkpoint
+
+    plain = module.get_base_model() if is_peft_model(module) else module
+
+    entries = plain_tensors(module)
+    files: list[list[str]] = [[]]
+    size, sizes = 0, {}
+    for name, shape, _ in entries:
+        sizes[name] = shape.numel() * dtype.itemsize
+        if files[-1] and size + sizes[name] > shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += sizes[name]
+    names = (["model.safetensors"] if len(files) == 1 else
+             [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
+    last = {members[-1]: (file, members) for file, members in zip(names, files)}
+    if main:
+        folder.mkdir(parents=True, exist_ok=True)
+        plain.config.architectures = [next(c.__name__ for c in type(plain).__mro__ if not issubclass(c, FSDPModule))]
+        plain.config.save_pretrained(folder)
+        if getattr(plain, "generation_config", None) is not None:
+            plain.generation_config.save_pretrained(folder)
+    pending: dict[str, torch.Tensor] = {}
+    for name, _, gather in entries:
+        tensor = gather()
+        if not main:
+            continue
+        pending[name] = tensor.to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
+        if name in last:
+            file, members = last[name]
+            save_file({member: pending.pop(member) for member in members}, str(folder / file), metadata={"format": "pt"})
+    if main and len(files) > 1:
+        weight_map = {name: file for file, members in zip(names, files) for name in members}
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return finish_checkpoint(folder, tokenizer, dtype) if main else folder
 
 
 def _units(model: torch.nn.Module) -> list:

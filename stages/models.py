@@ -275,9 +275,15 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     dtype = dtype or model.dtype
     state = {name: t.to(dtype) if t.is_floating_point() else t for name, t in model.state_dict().items()}
     model.save_pretrained(folder, safe_serialization=True, state_dict=state)
+    return finish_checkpoint(folder, tokenizer, dtype)
+
+
+def finish_checkpoint(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype) -> Path:
+    """A saved model's folder completed: its config stating the dtype its weights were written in (not
+    the one it was trained in), and the tokenizer."""
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
-    config["dtype"] = _dtype_name(dtype)  # the config states what the weights are, not what was trained
+    config["dtype"] = _dtype_name(dtype)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(folder)
     return folder
@@ -287,8 +293,15 @@ def save_trained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fol
                  base_location: str, trained: list[torch.nn.Parameter]) -> tuple[Path, dict[str, str]]:
     """A stage's final checkpoint in its configured `checkpoint_dtype`, and the run's precision tags
     (`trained`: the parameters its optimizer updated)."""
+    saved, tags = saved_dtype_and_tags(cfg, base_location, trained)
+    return save_checkpoint(model, tokenizer, folder, saved), tags
+
+
+def saved_dtype_and_tags(cfg: StageSettings, base_location: str, trained: list[torch.nn.Parameter]
+                         ) -> tuple[torch.dtype, dict[str, str]]:
+    """The dtype a stage's final checkpoint is written in (`checkpoint_dtype`), and the run's precision tags."""
     saved = output_dtype(cfg.checkpoint_dtype, base_location, trust_remote_code=cfg.trust_remote_code)
-    return save_checkpoint(model, tokenizer, folder, saved), precision_tags(resolve_precision(cfg.precision), trained, saved)
+    return saved, precision_tags(resolve_precision(cfg.precision), trained, saved)
 
 
 def device() -> torch.device:

@@ -45,12 +45,12 @@ from schemas.adapters import last_user_message
 from stages.collectives import MAX_FIGURES, gathered, over_processes, sum_over_processes, whiten_over_processes
 from stages.errors import NonFiniteLossError
 from stages.evaluation import HeldOut, evaluate, evaluate_midway, warn_over_kl_budget
-from stages.models import Precision, merged, resolve_precision, save_trained
+from stages.models import Precision, resolve_precision, saved_dtype_and_tags
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss,
                              discounted_returns, entropy_of, explained_variance, gae, group_baselined, grpo_advantages,
                              kl_estimate, logprobs_of, masked_mean, rloo_advantages, sequence_rewards, token_rewards)
 from stages.holding import held_as, holding_for
-from stages.ppo_models import ActorCritic, Models, build_policy, load_models, rounds_to_16_bits
+from stages.ppo_models import ActorCritic, Models, load_models, rounds_to_16_bits
 from stages.ppo_state import LoopState, Normalization, load_state, save_state_everywhere
 from stages.reporting import Reporting
 from stages.reward import RewardScorer, fit_normalization
@@ -483,16 +483,14 @@ def hand_off(trainer: PPOTrainer, loop: LoopState, held_out: HeldOut, inputs: PP
     holding.check_weights_agree(trainer.actor_critic)
     held = held_as(models.policy, trainer.accelerator.num_processes)
     metrics, evaluation = evaluate(models, trainer.sampler, held_out, cfg.evaluation, cfg.sampling)
-    # Rank 0: the policy with its trained weights, unsharded (gathered from every process when sharded).
-    policy = holding.whole(models.policy, lambda: build_policy(cfg, inputs.sft_location, models.tokenizer))
+    trained = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    saved, tags = saved_dtype_and_tags(cfg, inputs.sft_location, trained)
+    # LoRA merged in float32: into bf16-held weights (`frozen_dtype`) a bf16 merge would round small updates away.
+    checkpoint = output_dir / "checkpoint"
+    holding.save_plain(models.policy, models.tokenizer, checkpoint, saved)
     if not trainer.accelerator.is_main_process:
         return None
     warn_over_kl_budget(metrics, cfg.evaluation.kl_budget, reporting)
-    trained = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    # Merged in float32: into bf16-held weights (`frozen_dtype`) a bf16 merge would round small updates away.
-    policy = merged(policy.float())
-    checkpoint, tags = save_trained(policy, models.tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location,
-                                    trained)
     metrics |= {"train/iterations": float(loop.iteration), "normalization/gain": models.scorer.gain,
                 "normalization/bias": models.scorer.bias}
     return PPOResult(checkpoint, metrics, loop.history, evaluation, tags | held)

@@ -20,12 +20,11 @@ from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
 from schemas.adapters import last_user_message
-from stages.models import (encode_replies, load_causal_lm, load_tokenizer, lora_config, save_trained, stop_token_ids,
-                           with_lora)
+from stages.models import encode_replies, load_causal_lm, load_tokenizer, lora_config, saved_dtype_and_tags, stop_token_ids
 from stages.reporting import Reporting
 from stages.rollout import HFSampler, Sampling
-from stages.training import (ForwardLogs, prepare_sharding, last_trainer_checkpoint, trained_model,
-                             trainer_arguments, untrained_evaluation)
+from stages.training import (ForwardLogs, last_trainer_checkpoint, prepare_sharding, trained_as_held, trainer_arguments,
+                             untrained_evaluation)
 
 
 @dataclass(frozen=True)
@@ -83,30 +82,31 @@ def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting
 
 def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Reporting = Reporting()) -> SFTResult | None:
     """Fine-tune the base causal LM (or, with `cfg.lora`, LoRA adapters on it, merged into the saved
-    checkpoint) on validated (prompt, response) records. On several processes every one trains;
-    only the main one samples, saves and returns."""
+    checkpoint) on validated (prompt, response) records. On several processes every one trains, samples
+    and takes part in saving (a sharded model needs them all); only the main one writes and returns."""
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
     tokenizer = trainer.processing_class
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     untrained_loss = untrained_evaluation(trainer)["eval_loss"]
     reporting.metrics({"eval/loss_untrained": untrained_loss}, 0)
     eval_loss = trainer.evaluate()["eval_loss"]
-    model, updated, held = trained_model(trainer, lambda: with_lora(
-        load_causal_lm(inputs.model_location, tokenizer, trust_remote_code=cfg.trust_remote_code),
-        cfg.lora, "CAUSAL_LM"))
-    if not PartialState().is_main_process:
-        return None
+    model, holding, updated, held = trained_as_held(trainer)
 
     picks = inputs.evaluation.head(cfg.num_samples)
     answers = []
-    if len(picks):
+    if len(picks):  # on every process: a sharded model needs them all
         greedy = Sampling(cfg.max_length - cfg.max_prompt_length, temperature=None, logprobs=False)
-        responses = HFSampler(model, tokenizer, stop_token_ids(model)).generate(list(picks["prompt"]), greedy).responses
-        answers = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        sampler = HFSampler(model, tokenizer, stop_token_ids(model), holding=holding)
+        answers = tokenizer.batch_decode(sampler.generate(list(picks["prompt"]), greedy).responses,
+                                         skip_special_tokens=True)
     users = [last_user_message(json.loads(m)) for m in picks["prompt_messages"]]
     samples = [{"user": u, "response": a, "reference": r} for u, a, r in zip(users, answers, picks["response"])]
 
-    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, inputs.model_location, updated)
+    saved, tags = saved_dtype_and_tags(cfg, inputs.model_location, updated)
+    checkpoint = output_dir / "checkpoint"
+    holding.save_plain(model, tokenizer, checkpoint, saved)  # LoRA merged; sharded: a tensor at a time
+    if not PartialState().is_main_process:
+        return None
     metrics = {
         "eval/loss": float(eval_loss),
         "eval/loss_untrained": float(untrained_loss),

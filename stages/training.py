@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel, TrainerCallback
 
 from rlhf.config import TrainingConfig
-from stages.holding import held_as, unsharded
+from stages.holding import Holding, held_as, holding_for, unsharded
 from stages.models import device, merged, resolve_precision
 from stages.reporting import Reporting
 
@@ -59,6 +59,18 @@ def trained_model(trainer, blank: Callable[[], torch.nn.Module]
         return None, [], tags
     updated = [p for p in model.parameters() if p.requires_grad]
     return merged(model).to(device()), updated, tags
+
+
+def trained_as_held(trainer) -> tuple[torch.nn.Module, Holding, list[torch.nn.Parameter], dict[str, str]]:
+    """The trained model as the trainer's processes hold it (unwrapped from DDP; under FSDP2 still
+    sharded, so every process takes part in what reads it), how they hold it (a sharded one is sampled
+    layer by layer, never gathered whole), the parameters its optimizer updated, and the `rlhf.held_as` tag."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    holding = holding_for(trainer.accelerator, trainer.is_fsdp_enabled, "per_layer", None)
+    return model, holding, [p for p in model.parameters() if p.requires_grad], held_as(model, state.num_processes)
 
 
 def prepare_sharding(trainer) -> None:

@@ -4,12 +4,14 @@ own conventions, and log-probs that do not trust `logits_to_keep`."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM,
+                          OPTConfig, OPTForCausalLM)
 
 from stages.models import (disable_dropout, load_causal_lm, load_tokenizer, output_dtype, precision_tags,
                            reply_end_id, resolve_precision, save_checkpoint, stop_token_ids)
@@ -138,3 +140,38 @@ def test_log_probs_do_not_trust_logits_to_keep(tiny_config, trained):
     assert full.shape == kept.shape == (1, responses["input_ids"].shape[1], len(models.tokenizer))
     torch.testing.assert_close(full, kept)
     torch.testing.assert_close(full_hidden, kept_hidden)
+
+
+@pytest.mark.parametrize("task", ["CAUSAL_LM", "SEQ_CLS"])
+@pytest.mark.parametrize("family, targets", [("llama", ["q_proj", "v_proj"]), ("qwen2", ["q_proj", "v_proj"]),
+                                             ("gpt2", ["c_attn"])])
+def test_streamed_hand_off_is_the_merged_model(tmp_path, family, targets, task):
+    """`holding.save_streamed` (the sharded stages' hand-off, here on one process): several files and an
+    index above the size limit, LoRA adapters merged and a trained score head in place, a plain folder
+    `from_pretrained` reads back equal to `merge_and_unload` of the same model."""
+    from rlhf.config import LoRAConfig
+    from stages.holding import save_streamed
+    from stages.models import load_causal_lm, load_tokenizer, merged, with_lora
+    from stages.reward import load_reward_model
+    from tests.model_families import build_family
+
+    location = str(build_family(family, tmp_path))
+    tokenizer = load_tokenizer(location, chat_template="{{ messages }}")
+    torch.manual_seed(0)
+    base = load_causal_lm(location, tokenizer) if task == "CAUSAL_LM" else load_reward_model(location, tokenizer)
+    model = with_lora(base, LoRAConfig(r=4, target_modules=targets), task)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.add_(torch.randn_like(p))  # adapters that change the weights, a head unlike the original
+    total = sum(p.numel() for p in merged(copy.deepcopy(model)).parameters())
+    save_streamed(model, tokenizer, tmp_path / "streamed", torch.float32, main=True, shard_bytes=4 * total // 3)
+    assert len(list((tmp_path / "streamed").glob("model-*-of-*.safetensors"))) >= 2
+    assert (tmp_path / "streamed" / "model.safetensors.index.json").is_file()
+
+    auto = AutoModelForCausalLM if task == "CAUSAL_LM" else AutoModelForSequenceClassification
+    read = auto.from_pretrained(tmp_path / "streamed", use_safetensors=True)
+    expected = merged(model).state_dict()
+    assert set(read.state_dict()) == set(expected)
+    for name, tensor in read.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)

@@ -13,6 +13,7 @@ import json
 import math
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import LaunchConfig, with_overrides
@@ -46,8 +47,16 @@ def test_sft_sharded_matches_one_process(world, tiny_config, tokenizer, tmp_path
     _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/loss_untrained"))
     assert (one.tags["rlhf.held_as"], two.tags["rlhf.held_as"]) == ("one process", "fsdp2 x 2")
     assert two.metrics["eval/loss"] < 0.8 * two.metrics["eval/loss_untrained"]
-    assert AutoModelForCausalLM.from_pretrained(two.checkpoint, use_safetensors=True) is not None
     assert [s["response"] for s in two.samples] == [s["response"] for s in one.samples]
+    _same_weights(one.checkpoint, two.checkpoint, AutoModelForCausalLM)
+
+
+def _same_weights(one, two, auto) -> None:
+    """The sharded run's hand-off (written a tensor at a time) reads back as the one-process run's."""
+    one, two = (auto.from_pretrained(folder, use_safetensors=True).state_dict() for folder in (one, two))
+    assert set(one) == set(two)
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-5, msg=name)
 
 
 def test_reward_sharded_matches_one_process(world, tiny_config, tokenizer, trained, tmp_path):
@@ -163,7 +172,7 @@ def test_two_machines_one_stage_sharded_over_both(world, tiny_config, tokenizer,
 @pytest.mark.parametrize("stage", ["sft", "ppo"])
 def test_only_the_first_process_reads_a_checkpoint_whole(world, tiny_config, tokenizer, trained, tmp_path, stage):
     """Sharded loading: every model the second process loads is built on the meta device (no bytes of
-    weights), and gets only its shards from the first; the run still trains and hands over."""
+    weights), and gets only its shards from the first; the hand-off loads nothing whole again."""
     from tests.stand_in_stages import RecordingLoads, record_loads
 
     if stage == "sft":
@@ -177,4 +186,5 @@ def test_only_the_first_process_reads_a_checkpoint_whole(world, tiny_config, tok
     first, second = (json.loads((tmp_path / f"loads-{rank}.json").read_text()) for rank in (0, 1))
     assert second and all(load["real_bytes"] == 0 for load in second), second
     assert all(load["real_bytes"] == load["bytes"] > 0 for load in first), first
+    assert len(first) == len(second)  # nothing loaded whole again to hand the trained model off
     assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
