@@ -24,14 +24,15 @@ from trl import DPOConfig as TRLDPOConfig
 from trl import DPOTrainer
 
 from rlhf.config import DPOConfig
-from stages.models import (device, disable_dropout, dtype_named, encode_pairs, load_causal_lm, load_tokenizer,
-                           lora_config, resolve_precision, save_trained, stop_token_ids, with_lora)
 from stages.evaluation import HeldOut, evaluate, warn_over_kl_budget
+from stages.holding import Holding
+from stages.models import (device, disable_dropout, dtype_named, encode_pairs, load_causal_lm, load_tokenizer,
+                           lora_config, resolve_precision, saved_dtype_and_tags, stop_token_ids)
 from stages.ppo_models import Models, reuse_sampling_pass
 from stages.ppo_rollout import policy_sampler
 from stages.reporting import Reporting
-from stages.training import (ForwardLogs, prepare_sharding, last_trainer_checkpoint, trained_model,
-                             trainer_arguments, untrained_evaluation)
+from stages.training import (ForwardLogs, last_trainer_checkpoint, prepare_sharding, trained_as_held, trainer_arguments,
+                             untrained_evaluation)
 
 
 @dataclass(frozen=True)
@@ -99,38 +100,40 @@ def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting
     return trainer
 
 
-def evaluation_models(policy: torch.nn.Module, cfg: DPOConfig, sft_location: str) -> Models:
-    """The trained policy beside a frozen SFT reference, for PPO's evaluation; no critic, no reward model."""
+def evaluation_models(policy: torch.nn.Module, holding: Holding, cfg: DPOConfig, sft_location: str) -> Models:
+    """The trained policy beside a frozen SFT reference, held as `holding` holds the policy, for PPO's
+    evaluation; no critic, no reward model."""
     tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
     reference = load_causal_lm(sft_location, tokenizer, dtype=dtype_named(cfg.frozen_dtype),
                                trust_remote_code=cfg.trust_remote_code)
     disable_dropout(reference)
     disable_dropout(policy)
-    reference = reference.eval().requires_grad_(False).to(device())
+    reference = holding.frozen(reference.eval().requires_grad_(False))
     precision = resolve_precision(cfg.precision)
-    return Models(policy.to(device()), None, reference, None, tokenizer, precision, stop_token_ids(policy),
+    return Models(policy.to(device()), None, reference, None, tokenizer, precision, stop_token_ids(policy), holding,
                   reuse_sampling_pass=reuse_sampling_pass("auto", precision.autocast_dtype is not None))
 
 
 def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> DPOResult | None:
     """Train the SFT policy with DPO on validated pairs, then evaluate it against the SFT policy.
     Resumes from the newest trainer checkpoint an interrupted attempt left in `output_dir`.
-    On several processes every one trains; only the main one evaluates, saves and returns."""
+    On several processes every one trains, evaluates and takes part in saving (a sharded model needs
+    them all); only the main one writes and returns."""
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     untrained = untrained_evaluation(trainer)
     final = trainer.evaluate()
     tokenizer = trainer.processing_class
-    model, updated, held = trained_model(trainer, lambda: with_lora(
-        load_causal_lm(inputs.sft_location, tokenizer, trust_remote_code=cfg.trust_remote_code),
-        cfg.lora, "CAUSAL_LM"))
-    if not PartialState().is_main_process:
-        return None
+    model, holding, updated, held = trained_as_held(trainer)
 
-    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, inputs.sft_location, updated)
-    models = evaluation_models(model, cfg, inputs.sft_location)
+    models = evaluation_models(model, holding, cfg, inputs.sft_location)
     held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, device())
     metrics, evaluation = evaluate(models, policy_sampler(models), held_out, cfg.evaluation, cfg.sampling)
+    saved, tags = saved_dtype_and_tags(cfg, inputs.sft_location, updated)
+    checkpoint = output_dir / "checkpoint"
+    holding.save_plain(model, tokenizer, checkpoint, saved)  # LoRA merged; sharded: a tensor at a time
+    if not PartialState().is_main_process:
+        return None
     warn_over_kl_budget(metrics, cfg.evaluation.kl_budget, reporting)
     metrics |= {
         "eval/loss": float(final["eval_loss"]),

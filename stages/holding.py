@@ -1,5 +1,7 @@
-"""How a PPO run's processes hold its models: whole on each (`Replicated`: one process, or DDP)
-or split between them (`Sharded`: FSDP2, `torch.distributed.fsdp.fully_shard`).
+"""How a stage's processes hold its models: whole on each (`Replicated`: one process, or DDP)
+or split between them (`Sharded`: FSDP2, `torch.distributed.fsdp.fully_shard`). PPO holds all its
+models so; the TRL-driven stages (whose trainer shards the trained model) read and save it so after
+training (`stages.training.trained_as_held`).
 
 Every place where the two differ is a method here, so `train_ppo`'s rollout and update read the
 same either way:
@@ -261,21 +263,6 @@ def held_as(module: torch.nn.Module, num_processes: int) -> dict[str, str]:
     if any(hasattr(p, "full_tensor") for p in module.parameters()):
         return {TAG_HELD_AS: f"fsdp2 x {num_processes}"}
     return {TAG_HELD_AS: f"ddp x {num_processes}" if num_processes > 1 else "one process"}
-
-
-def unsharded(module: torch.nn.Module, blank: Callable[[], torch.nn.Module], main: bool) -> torch.nn.Module | None:
-    """On the main process, `blank()` (an unsharded module of the same structure, built the way
-    the stage loaded it) holding `module`'s full state, gathered shard by shard to the CPU; None
-    on the others (collective). How a sharded stage hands its trained model to the code that
-    samples, scores and saves on the main process alone."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not main:
-        return None
-    plain = blank()
-    plain.load_state_dict(full)
-    return plain
 
 
 def broadcast_from_rank0(module: torch.nn.Module) -> None:

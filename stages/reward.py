@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 from accelerate import PartialState
+from accelerate.utils import is_peft_model
 from transformers import (AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase,
                           PrinterCallback, set_seed)
 from trl import RewardConfig as TRLRewardConfig
@@ -31,14 +32,15 @@ from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
 from stages.errors import RewardGateError
 from stages.memory import SCORING_BATCH
+from stages.holding import Holding
 from stages.models import (device, disable_dropout, encode_pairs, encode_replies, fit_to_tokenizer, load_causal_lm,
-                           load_pretrained, load_tokenizer, lora_config, position_ids_for, save_trained,
-                           stop_token_ids, with_lora)
+                           load_pretrained, load_tokenizer, lora_config, position_ids_for, saved_dtype_and_tags,
+                           stop_token_ids)
 from stages.ppo_math import is_end, last_token_index
 from stages.reporting import Reporting
 from stages.rollout import HFSampler, Sampling
-from stages.training import (ForwardLogs, prepare_sharding, last_trainer_checkpoint, trained_model,
-                             trainer_arguments, untrained_evaluation)
+from stages.training import (ForwardLogs, last_trainer_checkpoint, prepare_sharding, trained_as_held, trainer_arguments,
+                             untrained_evaluation)
 
 NORMALIZATION_KEY = "rlhf_reward_normalization"
 """Model-config entry holding {"gain": g, "bias": b}: normalised score = g * raw + b."""
@@ -91,7 +93,11 @@ class RewardScorer:
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, gain: float = 1.0, bias: float = 0.0):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
         self.model, self.tokenizer, self.gain, self.bias = model.eval(), tokenizer, gain, bias
+        self._own_adapters = {id(m) for m in model.modules() if isinstance(m, BaseTunerLayer)}
+        """Adapter layers the reward model came with (a LoRA reward model not yet merged): part of it, always on."""
 
     @classmethod
     def from_pretrained(cls, location: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
@@ -125,11 +131,13 @@ class RewardScorer:
 
     @contextmanager
     def adapters_off(self) -> Iterator[None]:
-        """The model without the LoRA adapters put on it (PPO's `critic: reward-lora` trains some on
-        this very model), each one as it was afterwards, trainable or not. A no-op without adapters."""
+        """The model without the LoRA adapters put on it after the scorer took it (PPO's `critic:
+        reward-lora` trains some on this very model), each one as it was afterwards, trainable or not.
+        A no-op without such adapters."""
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
+        layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters
+                  and id(m) not in self._own_adapters]
         trainable = {id(p) for p in self.model.parameters() if p.requires_grad}  # peft's switch sets requires_grad
         for layer in layers:
             layer.enable_adapters(False)
@@ -183,16 +191,18 @@ def calibration(margins: np.ndarray, correct: np.ndarray, buckets: int) -> pd.Da
     return pd.DataFrame(rows)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def sample_references(policy_location: str, prompts: list[str], samples_per_prompt: int, max_new_tokens: int,
-                      seed: int, trust_remote_code: bool = False) -> list[tuple[int, str, bool]]:
+                      seed: int, holding: Holding, trust_remote_code: bool = False) -> list[tuple[int, str, bool]]:
     """(prompt index, response, complete) sampled at temperature 1 from the policy at
-    `policy_location`; `complete` is False for a response cut off without an end token."""
+    `policy_location`, held as `holding` holds a frozen model (sharded: read by the first process,
+    split between all, and sampled by every one, layer by layer, with the same seed, so every process
+    draws the same responses); `complete` is False for a response cut off without an end token."""
     tokenizer = load_tokenizer(policy_location, trust_remote_code=trust_remote_code)
-    policy = load_causal_lm(policy_location, tokenizer, trust_remote_code=trust_remote_code).to(device()).eval()
+    policy = holding.frozen(load_causal_lm(policy_location, tokenizer, trust_remote_code=trust_remote_code).eval())
     torch.manual_seed(seed)
     repeated = [p for p in prompts for _ in range(samples_per_prompt)]  # a prompt's samples on consecutive rows
-    sampler = HFSampler(policy, tokenizer, stop_token_ids(policy))
+    sampler = HFSampler(policy, tokenizer, stop_token_ids(policy), holding=holding)
     responses = sampler.generate(repeated, Sampling(max_new_tokens, temperature=1.0, logprobs=False)).responses  # (P * S, T)
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     complete = is_end(responses, sampler.stop_ids).any(dim=1)
@@ -252,19 +262,19 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
     """Train on validated pairs (with `cfg.lora`, LoRA adapters and the score head, merged into the
     saved checkpoint), evaluate on held-out pairs, normalise against the SFT policy, and save, unless
     held-out accuracy is below `cfg.min_eval_accuracy` (then `RewardGateError`, with the figures).
-    On several processes every one trains; only the main one scores, normalises, saves and returns."""
+    On several processes every one trains, scores, samples and takes part in saving (a sharded model
+    needs them all); only the main one writes and returns."""
     model_location, evaluation = inputs.model_location, inputs.evaluation
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
     tokenizer = trainer.processing_class
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     untrained, final = untrained_evaluation(trainer), trainer.evaluate()
-    model, updated, held = trained_model(trainer, lambda: with_lora(
-        load_reward_model(model_location, tokenizer, trust_remote_code=cfg.trust_remote_code),
-        cfg.lora, "SEQ_CLS"))
-    if not PartialState().is_main_process:
-        return None
+    model, holding, updated, held = trained_as_held(trainer)
+    main = PartialState().is_main_process
 
-    scorer = RewardScorer(model, tokenizer)
+    # On every process (a sharded model needs them all); a LoRA model's adapters and score head count, unmerged.
+    plain = model.get_base_model() if is_peft_model(model) else model
+    scorer = RewardScorer(plain, tokenizer)
     messages = [json.loads(m) for m in evaluation["prompt_messages"]]
     chosen = scorer.score(messages, list(evaluation["chosen"]), normalized=False)
     rejected = scorer.score(messages, list(evaluation["rejected"]), normalized=False)
@@ -280,6 +290,8 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
         "train/steps": float(train_output.global_step),
     }
     if accuracy < cfg.min_eval_accuracy:
+        if not main:
+            return None
         raise RewardGateError(f"reward model held-out accuracy {accuracy:.3f} is below the required "
                               f"{cfg.min_eval_accuracy:.3f} (reward.min_eval_accuracy); the pipeline stops before PPO",
                               metrics)
@@ -287,7 +299,7 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
     normalization_prompts = inputs.normalization_prompts
     prompts = list(normalization_prompts["prompt"])
     references = sample_references(inputs.policy_location, prompts, cfg.normalization_samples,
-                                   cfg.max_length - cfg.max_prompt_length, cfg.seed, cfg.trust_remote_code)
+                                   cfg.max_length - cfg.max_prompt_length, cfg.seed, holding, cfg.trust_remote_code)
     reference_messages = [json.loads(normalization_prompts["prompt_messages"].iloc[i]) for i, _, _ in references]
     reference_scores = scorer.score(reference_messages, [text for _, text, _ in references], normalized=False,
                                     complete=[done for _, _, done in references])
@@ -296,8 +308,12 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
                 "normalization/reference_mean_raw": reference_scores.mean().item(),
                 "normalization/reference_std_raw": reference_scores.std().item()}
 
-    setattr(model.config, NORMALIZATION_KEY, {"gain": gain, "bias": bias})
-    checkpoint, tags = save_trained(model, tokenizer, output_dir / "checkpoint", cfg, model_location, updated)
+    setattr(plain.config, NORMALIZATION_KEY, {"gain": gain, "bias": bias})
+    saved, tags = saved_dtype_and_tags(cfg, model_location, updated)
+    checkpoint = output_dir / "checkpoint"
+    holding.save_plain(model, tokenizer, checkpoint, saved)  # LoRA merged; sharded: a tensor at a time
+    if not main:
+        return None
     scores = evaluation.assign(score_chosen=(gain * chosen + bias).numpy(), score_rejected=(gain * rejected + bias).numpy())
     return RewardResult(checkpoint, metrics, scores, calibration(margins, margins > 0, cfg.calibration_buckets),
                         tags | held)

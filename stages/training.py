@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel, TrainerCallback
+from transformers import TrainerCallback
 
 from rlhf.config import TrainingConfig
-from stages.holding import Holding, held_as, holding_for, unsharded
-from stages.models import device, merged, resolve_precision
+from stages.holding import Holding, held_as, holding_for
+from stages.models import resolve_precision
 from stages.reporting import Reporting
 
 _UNLOGGED = ("epoch", "total_flos", "runtime", "per_second", "preparation_time")
@@ -37,28 +36,6 @@ class ForwardLogs(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.reporting.progress(state.global_step, state.max_steps)
-
-
-def trained_model(trainer, blank: Callable[[], torch.nn.Module]
-                  ) -> tuple[PreTrainedModel | None, list[torch.nn.Parameter], dict[str, str]]:
-    """The trained model, whole and plain, on the main process (None on the others; collective),
-    the parameters its optimizer updated, and the `rlhf.held_as` tag. Under FSDP2 the trainer's
-    model is sharded: its state is gathered into `blank()`, the model as the trainer held it before
-    training (with LoRA, wrapped as the trainer wrapped it: `models.with_lora`). LoRA adapters are
-    merged into the weights they adapt (in place), so every later reader sees a plain model; the
-    updated parameters (adapters, and a reward model's score head) are read before that."""
-    from accelerate import PartialState
-
-    state = PartialState()
-    tags = held_as(trainer.model, state.num_processes)
-    if trainer.is_fsdp_enabled:
-        model = unsharded(trainer.model, blank, state.is_main_process)
-    else:
-        model = trainer.model if state.is_main_process else None
-    if model is None:
-        return None, [], tags
-    updated = [p for p in model.parameters() if p.requires_grad]
-    return merged(model).to(device()), updated, tags
 
 
 def trained_as_held(trainer) -> tuple[torch.nn.Module, Holding, list[torch.nn.Parameter], dict[str, str]]:

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.config import LaunchConfig, with_overrides
 from stages.distributed import call_stage
@@ -66,6 +66,7 @@ def test_reward_sharded_matches_one_process(world, tiny_config, tokenizer, train
     one, two = _run(train_reward, one_cfg, inputs, tmp_path / "one"), _run(train_reward, two_cfg, inputs, tmp_path / "two")
     _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/margin", "eval/accuracy", "normalization/gain"))
     assert two.tags["rlhf.held_as"] == "fsdp2 x 2"
+    _same_weights(one.checkpoint, two.checkpoint, AutoModelForSequenceClassification)
 
 
 def test_dpo_sharded_matches_one_process(world, tiny_config, tokenizer, trained, tmp_path):
@@ -76,6 +77,7 @@ def test_dpo_sharded_matches_one_process(world, tiny_config, tokenizer, trained,
     one, two = _run(train_dpo, one_cfg, inputs, tmp_path / "one"), _run(train_dpo, two_cfg, inputs, tmp_path / "two")
     _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/loss_untrained", "eval/preference_accuracy"))
     assert two.tags["rlhf.held_as"] == "fsdp2 x 2"
+    _same_weights(one.checkpoint, two.checkpoint, AutoModelForCausalLM)
 
 
 @pytest.mark.parametrize("settings", [
