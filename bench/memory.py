@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import shutil
 import subprocess
@@ -93,8 +94,11 @@ def _record_state(held: dict) -> None:
     stages.training.ForwardLogs.on_step_end = on_step_end
 
 
-def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, work: Path) -> dict:
-    """One stage run in this process, measured, beside its plan: the row of the table."""
+def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, work: Path, processes: int = 1) -> dict:
+    """One stage run, measured, beside its plan: the row of the table. On one process, in this one;
+    on several, sharded (FSDP2, `FSDP_CONFIG`) at the same global batch, measured on the process whose
+    memory peaked highest (the model-and-optimizer state is then not counted: it lives in the launched
+    processes)."""
     import ctypes
 
     import psutil
@@ -102,7 +106,7 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
     from rlhf.config import load_config, with_overrides
     from schemas.validate import LengthBudget, load_validated
     from stages.distributed import call_stage
-    from stages.memory import GIB, RUNTIME_GIB, Counts, Device, model_shape, plan
+    from stages.memory import FSDP_CONFIG, GIB, RUNTIME_GIB, Counts, Device, model_shape, plan
     from stages.models import load_tokenizer
     from stages.ppo import PPOInputs, train_ppo
     from stages.reporting import Reporting
@@ -114,6 +118,11 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
     changes = WORK[stage] | (LARGE_PPO.get(size, {}) if stage == "ppo" else {})
     section = with_overrides(section, changes | ((LORA_PPO if stage == "ppo" else LORA) if lora else {})
                              | {"precision": "fp32"})
+    if processes > 1:
+        sharded = {"launch": {"num_processes": processes, "accelerate_config": FSDP_CONFIG}}
+        if stage != "ppo":  # PPO's rollout batch is global already
+            sharded["batch_size"] = section.batch_size // processes
+        section = with_overrides(section, sharded)
     cfg = base.model_copy(update={stage: section})
     tokenizer = load_tokenizer(checkpoint)
     prompt_length = section.max_prompt_length
@@ -139,16 +148,18 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
     held: dict = {}
     _record_state(held)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    before = psutil.Process().memory_info().rss
     result = call_stage(train, section, inputs, work, Reporting(), deterministic=True, num_threads=None)
+    before = result.metrics["memory/start_rss_gib"] * GIB
     measured = result.metrics["memory/peak_rss_gib"] * GIB - before
     predicted = planned.peak - RUNTIME_GIB * GIB
-    return {"size": size, "stage": stage, "lora": lora, "parameters": model_shape(checkpoint).parameters,
-            "state_measured_gib": held["state"] / GIB, "state_planned_gib": planned.state_bytes() / GIB,
-            "state_error": planned.state_bytes() / held["state"] - 1,
+    state = held.get("state")
+    return {"size": size, "stage": stage, "lora": lora, "processes": processes,
+            "parameters": model_shape(checkpoint).parameters,
+            "state_measured_gib": state and state / GIB, "state_planned_gib": planned.state_bytes() / GIB,
+            "state_error": state and planned.state_bytes() / state - 1,
             "peak_measured_gib": measured / GIB, "peak_planned_gib": predicted / GIB,
             "peak_ratio": predicted / measured, "planned_peak_phase": planned.peak_phase,
-            "rss_before_gib": before / GIB}
+            "rss_before_gib": before / GIB, "peak_rss_gib": result.metrics["memory/peak_rss_gib"]}
 
 
 def main() -> None:
@@ -156,7 +167,10 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--stages", nargs="+", default=["sft", "reward", "ppo"], choices=["sft", "reward", "ppo"])
     parser.add_argument("--work", default=str(REPO / ".rlhf" / "bench-memory"))
-    parser.add_argument("--one", nargs=3, metavar=("SIZE", "STAGE", "LORA"), help=argparse.SUPPRESS)
+    parser.add_argument("--lora", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    parser.add_argument("--processes", nargs="+", type=int, default=[1],
+                        help="process counts to run each stage on (above 1: sharded, FSDP2 over gloo)")
+    parser.add_argument("--one", nargs=4, metavar=("SIZE", "STAGE", "LORA", "PROCESSES"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     work = Path(args.work)
     from rlhf.config import load_config
@@ -164,11 +178,11 @@ def main() -> None:
 
     world = build_world(work / "worlds", load_config("configs/tiny.yaml").demo)
     if args.one:
-        size, stage, lora = args.one
+        size, stage, lora, processes = args.one
         checkpoint = str(work / "models" / size)
-        folder = work / "runs" / f"{size}-{stage}-{lora}"
+        folder = work / "runs" / f"{size}-{stage}-{lora}-{processes}"
         shutil.rmtree(folder, ignore_errors=True)  # a finished run's full-state checkpoint would be resumed
-        row = run_one(size, stage, lora == "lora", checkpoint, world, folder)
+        row = run_one(size, stage, lora == "lora", checkpoint, world, folder, int(processes))
         print("ROW " + json.dumps(row), flush=True)
         return
 
@@ -179,28 +193,33 @@ def main() -> None:
         folder = work / "models" / size
         if not (folder / "config.json").exists():
             build_checkpoint(world, folder, *SIZES[size])
-        for stage in args.stages:
-            for lora in ("full", "lora"):
-                out = subprocess.run([sys.executable, "-m", "bench.memory", "--work", str(work), "--one", size, stage,
-                                      lora], cwd=REPO, capture_output=True, text=True)
-                found = [line[4:] for line in out.stdout.splitlines() if line.startswith("ROW ")]
-                if out.returncode != 0 or not found:
-                    print(f"{size} {stage} {lora}: failed\n{out.stderr[-3000:]}", flush=True)
-                    continue
-                rows.append(json.loads(found[0]))
-                r = rows[-1]
-                print(f"{size} {stage} {lora}: state {r['state_measured_gib']:.3f} GiB measured, "
-                      f"{r['state_planned_gib']:.3f} planned ({r['state_error']:+.1%}); peak {r['peak_measured_gib']:.3f} "
-                      f"measured, {r['peak_planned_gib']:.3f} planned (x{r['peak_ratio']:.2f})", flush=True)
-    print("\n| size | stage | | state measured (GiB) | planned | error | peak measured (GiB) | planned | planned / measured |")
-    print("|---|---|---|---|---|---|---|---|---|")
+        for stage, lora, processes in itertools.product(args.stages, args.lora, args.processes):
+            out = subprocess.run([sys.executable, "-m", "bench.memory", "--work", str(work), "--one", size, stage,
+                                  lora, str(processes)], cwd=REPO, capture_output=True, text=True)
+            found = [line[4:] for line in out.stdout.splitlines() if line.startswith("ROW ")]
+            if out.returncode != 0 or not found:
+                print(f"{size} {stage} {lora} x{processes}: failed\n{out.stderr[-3000:]}", flush=True)
+                continue
+            rows.append(json.loads(found[0]))
+            r = rows[-1]
+            print(f"{size} {stage} {lora} x{processes}: state {_gib(r['state_measured_gib'])} GiB measured, "
+                  f"{r['state_planned_gib']:.3f} planned; peak {r['peak_measured_gib']:.3f} measured "
+                  f"({r['peak_rss_gib']:.3f} RSS), {r['peak_planned_gib']:.3f} planned (x{r['peak_ratio']:.2f})", flush=True)
+    print("\n| size | stage | | processes | state measured (GiB) | planned | error | peak measured (GiB) | planned "
+          "| planned / measured | peak RSS (GiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['size']} | {r['stage']} | {'LoRA' if r['lora'] else 'full'} | {r['state_measured_gib']:.3f} | "
-              f"{r['state_planned_gib']:.3f} | {r['state_error']:+.1%} | {r['peak_measured_gib']:.3f} | "
-              f"{r['peak_planned_gib']:.3f} | {r['peak_ratio']:.2f} |")
+        error = "-" if r["state_error"] is None else f"{r['state_error']:+.1%}"
+        print(f"| {r['size']} | {r['stage']} | {'LoRA' if r['lora'] else 'full'} | {r['processes']} | "
+              f"{_gib(r['state_measured_gib'])} | {r['state_planned_gib']:.3f} | {error} | {r['peak_measured_gib']:.3f} | "
+              f"{r['peak_planned_gib']:.3f} | {r['peak_ratio']:.2f} | {r['peak_rss_gib']:.3f} |")
     out = REPO / "bench" / "results" / f"memory-{datetime.date.today().isoformat()}.json"
     out.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"\nwrote {out.relative_to(REPO)}")
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 if __name__ == "__main__":

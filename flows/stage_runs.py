@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+from mlflow import MlflowClient
+from mlflow.entities import Param
 from prefect import get_run_logger
 from prefect.context import get_run_context
 from prefect.states import Failed, State
@@ -54,7 +56,8 @@ def stage_memory(result: Plan, stage: str) -> StageMemory:
     return StageMemory({"plan/predicted_peak_gib": planned.peak / GIB, "plan/state_gib": planned.state_bytes() / GIB,
                         "plan/fits": float(result.verdicts[stage])},
                        plan_table(Plan(result.device, {stage: planned}, {stage: result.verdicts[stage]},
-                                       {stage: result.fixes.get(stage, [])})))
+                                       {stage: result.fixes.get(stage, [])},
+                                       {stage: result.micro_batches.get(stage, {})})))
 
 
 @dataclass(frozen=True)
@@ -114,9 +117,13 @@ class StageRun:
         get_run_logger().warning(message)
 
     def reporting(self, **callbacks) -> Reporting:
-        """The stage's `Reporting`: metrics to MLflow, warnings to the log and the run's description,
-        progress to Prefect; `callbacks` adds the stage's own."""
-        return Reporting(metrics=self.metrics.log, warning=self.warn, progress=self.progress, **callbacks)
+        """The stage's `Reporting`: metrics and the settings it chose to MLflow, warnings to the log
+        and the run's description, progress to Prefect; `callbacks` adds the stage's own."""
+        return Reporting(metrics=self.metrics.log, warning=self.warn, progress=self.progress, params=self.params,
+                         **callbacks)
+
+    def params(self, values: dict) -> None:
+        MlflowClient().log_batch(self.run_id, params=[Param(name, str(value)) for name, value in values.items()])
 
 
 @contextmanager

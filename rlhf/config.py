@@ -199,6 +199,8 @@ class RewardConfig(TrainingConfig):
     """Held-out prompts whose SFT responses define the normalised scale (mean 0, std 1)."""
     normalization_samples: PositiveInt = 4
     """Responses sampled from the SFT policy per normalisation prompt."""
+    normalization_micro_batch_size: PositiveInt | Literal["auto"] | None = "auto"
+    """Normalisation responses sampled at once (bounds the KV cache). `auto`: the largest that the memory plan fits on the device present, resolved at launch; null: all of them at once."""
     min_eval_accuracy: float = Field(0.6, ge=0, le=1)
     """Quality gate: below this held-out accuracy the stage fails and the pipeline stops."""
     calibration_buckets: PositiveInt = 5
@@ -214,8 +216,8 @@ class SamplingConfig(_Frozen):
     """New tokens generated per response at most."""
     temperature: PositiveFloat = 1.0
     """Sampling temperature (full distribution: no top-k, no top-p); log-probabilities are taken from the same scaled logits."""
-    micro_batch_size: PositiveInt | None = None
-    """Sequences a process samples, and passes through its models without gradients, at once (bounds the KV cache and the logits of those passes; OpenRLHF's `micro_rollout_batch_size`); unset: a process's whole rollout batch, and a whole evaluation, at once."""
+    micro_batch_size: PositiveInt | Literal["auto"] | None = "auto"
+    """Sequences a process samples, and passes through its models without gradients, at once (bounds the KV cache and the logits of those passes; OpenRLHF's `micro_rollout_batch_size`). `auto`: the largest that the memory plan fits on the device present, with a margin (`AUTO_MARGIN`), resolved at launch and logged as `auto.<field>`; null: a process's whole rollout batch, and a whole evaluation, at once."""
 
 
 class EvaluationConfig(_Frozen):
@@ -345,8 +347,8 @@ class PPOConfig(TrainedStage):
     """Passes over each iteration's rollouts."""
     num_minibatches: PositiveInt = 4
     """Optimizer steps per epoch; the rollout batch is split into this many shuffled minibatches."""
-    micro_batch_size: PositiveInt | None = None
-    """Sequences per forward pass inside a process's minibatch (gradients accumulate); unset means all of it."""
+    micro_batch_size: PositiveInt | Literal["auto"] | None = "auto"
+    """Sequences per forward pass inside a process's minibatch (gradients accumulate). `auto`: the largest divisor of the minibatch that the memory plan fits on the device present, resolved at launch; null: all of it."""
     learning_rate: PositiveFloat = 1e-5
     """Peak AdamW learning rate of policy and critic."""
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
@@ -438,7 +440,7 @@ class PPOConfig(TrainedStage):
             raise ValueError(f"critic.freeze_policy_iterations ({self.critic.freeze_policy_iterations}) leaves no "
                              f"iteration of num_iterations ({self.num_iterations}) to train the policy")
         minibatch = self.rollout_batch_size // (self.num_minibatches * processes)
-        if self.micro_batch_size is not None and minibatch % self.micro_batch_size:
+        if isinstance(self.micro_batch_size, int) and minibatch % self.micro_batch_size:
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must divide the minibatch ({minibatch})")
         return self
 

@@ -269,9 +269,9 @@ def main(spec: Path) -> None:
         state.distributed_type = DistributedType.MULTI_GPU
     reporting = _event_writer(spec / "events.jsonl") if state.is_main_process else Reporting()
     try:
-        with measured_peak() as peak:  # the main process's: it also holds what the stage hands off
+        with measured_peak() as peak:
             result = call.train(call.section, call.inputs, call.output_dir, reporting)
-        result = with_figures(result, peak)
+        result = with_figures(result, highest_peak(peak))
     except StageUserError as e:
         if state.is_main_process:
             (spec / "error.pkl").write_bytes(pickle.dumps(e))
@@ -284,6 +284,17 @@ def main(spec: Path) -> None:
     state.wait_for_everyone()
     state.destroy_process_group()
     leave()
+
+
+def highest_peak(figures: dict[str, float]) -> dict[str, float]:
+    """The memory figures of the process whose resident memory peaked highest (collective)."""
+    import torch.distributed as dist
+
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, figures)
+    if dist.get_rank() == 0:  # each process's, in the job's log
+        print("memory by rank: " + json.dumps(every), flush=True)
+    return max(every, key=lambda f: f.get("memory/peak_rss_gib", 0.0))
 
 
 def leave() -> None:

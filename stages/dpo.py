@@ -26,6 +26,7 @@ from trl import DPOTrainer
 from rlhf.config import DPOConfig
 from stages.evaluation import HeldOut, evaluate, warn_over_kl_budget
 from stages.holding import Holding
+from stages.memory import Counts, with_micro_batches
 from stages.models import (device, disable_dropout, dtype_named, encode_pairs, load_causal_lm, load_tokenizer,
                            lora_config, resolve_precision, saved_dtype_and_tags, stop_token_ids)
 from stages.ppo_models import Models, reuse_sampling_pass
@@ -119,6 +120,8 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Re
     Resumes from the newest trainer checkpoint an interrupted attempt left in `output_dir`.
     On several processes every one trains, evaluates and takes part in saving (a sharded model needs
     them all); only the main one writes and returns."""
+    cfg = with_micro_batches("dpo", cfg, Counts(dpo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,
+                             reporting=reporting)
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     untrained = untrained_evaluation(trainer)

@@ -6,7 +6,8 @@ training (`stages.training.trained_as_held`).
 Every place where the two differ is a method here, so `train_ppo`'s rollout and update read the
 same either way:
 
-    trained(actor_critic)      DDP-wrap it, or shard policy and critic (a unit per decoder layer)
+    place_trained(module)      on this device, or sharded as soon as loaded (a unit per decoder layer)
+    trained(actor_critic)      DDP-wrap policy and critic together, or as is (sharded when placed)
     frozen(model)              as is, or sharded (reference, reward model)
     accumulating(module, last) DDP skips the all-reduce before the last micro-batch; FSDP2
                                reduce-scatters every micro-batch (gradients stay sharded)
@@ -159,14 +160,13 @@ class Sharded:
             register_fsdp_forward_method(model, forward_method)
 
     def place_trained(self, module: torch.nn.Module) -> None:
-        """Left where it was loaded (the CPU): `trained` moves each process's shards to its device."""
+        """Shard a trained module (the policy, or a critic: gathered for `values` too) in place, as
+        soon as it is loaded: the first process, which reads it whole, then holds only its shards.
+        The optimizer must be built after this, on the sharded parameters."""
+        self._shard(module, trained=True, forward_method="values" if hasattr(module, "values") else None)
 
     def trained(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Shard the policy and, if there is one, the critic, in place (`module` is the
-        `ActorCritic`; the optimizer must be built after this, on the sharded parameters)."""
-        self._shard(module.policy, trained=True)
-        if module.critic is not None:
-            self._shard(module.critic, trained=True, forward_method="values")
+        """The `ActorCritic` as is: its policy and critic were sharded when placed."""
         return module
 
     def frozen(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -296,13 +296,13 @@ def receive_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], sk
     set_model_state_dict(model, full, options=options)
 
 
-SHARD_BYTES = 2 * 1024 ** 3
+SHARD_BYTES = 5 * 1024 ** 3
 """Largest safetensors file a streamed hand-off writes (above it: several files and an index, as
-`save_pretrained` writes them): also the most of the checkpoint rank 0 holds at once."""
+`save_pretrained` writes them, with its default limit)."""
 
 
-def plain_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Size, Callable[[], torch.Tensor]]]:
-    """(name, shape, gather) for every parameter and persistent buffer of `module` (tied ones once),
+def plain_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Size, torch.dtype, Callable[[], torch.Tensor]]]:
+    """(name, shape, dtype, gather) for every parameter and persistent buffer of `module` (tied ones once),
     named as in the plain transformers model; `gather()` gives the whole tensor (collective when
     sharded: every process calls it, in order). A peft model's LoRA adapters are merged into the
     weights they adapt (in float32: W + scale x B A), and a trained copy (`modules_to_save`) takes the
@@ -335,58 +335,78 @@ def plain_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Size, Callab
             raise ValueError(f"{owner}: LoRA on embeddings is not merged by the streamed hand-off")
         gather = merged_weight(layer, tensor) if layer is not None and leaf == "weight" else \
             (lambda t=tensor: whole(t))
-        entries.append((plain, tensor.shape, gather))
+        entries.append((plain, tensor.shape, tensor.dtype, gather))
     return entries
 
 
 def save_streamed(module: torch.nn.Module, tokenizer, folder: Path, dtype: torch.dtype, main: bool,
                   shard_bytes: int = SHARD_BYTES) -> Path:
     """`module` (a transformers model, sharded or not, maybe with LoRA adapters) saved as the plain
-    model it stands for, in `dtype`, gathered and written one tensor at a time: safetensors files of at
-    most `shard_bytes` and, above one, an index, as `save_pretrained` writes them; its config, generation
-    config and `tokenizer` beside (collective; rank 0 writes). No process holds more than one tensor
-    and one file's worth of the model."""
+    model it stands for, its floating-point tensors in `dtype`: safetensors files of at most
+    `shard_bytes` and, above one, an index, as `save_pretrained` writes them; its config, generation
+    config and `tokenizer` beside (collective; rank 0 writes). Each file's header is written first,
+    from the shapes, then each tensor's bytes as it is gathered: no process holds more than one
+    tensor of the model at a time."""
     from accelerate.utils import is_peft_model
-    from safetensors.torch import save_file
     from torch.distributed.fsdp import FSDPModule
 
     from stages.models import finish_checkpoint
 
-    plain = module.get_base_model() if is_peft_model(module) else module
-
-    entries = plain_tensors(module)
-    files: list[list[str]] = [[]]
-    size, sizes = 0, {}
-    for name, shape, _ in entries:
-        sizes[name] = shape.numel() * dtype.itemsize
-        if files[-1] and size + sizes[name] > shard_bytes:
+    entries = [(name, shape, dtype if kind.is_floating_point else kind, gather)
+               for name, shape, kind, gather in plain_tensors(module)]
+    files: list[list[tuple]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = entry[1].numel() * entry[2].itemsize
+        if files[-1] and size + nbytes > shard_bytes:
             files.append([])
             size = 0
-        files[-1].append(name)
-        size += sizes[name]
+        files[-1].append(entry)
+        size += nbytes
     names = (["model.safetensors"] if len(files) == 1 else
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
-    last = {members[-1]: (file, members) for file, members in zip(names, files)}
     if main:
+        plain = module.get_base_model() if is_peft_model(module) else module
         folder.mkdir(parents=True, exist_ok=True)
         plain.config.architectures = [next(c.__name__ for c in type(plain).__mro__ if not issubclass(c, FSDPModule))]
         plain.config.save_pretrained(folder)
         if getattr(plain, "generation_config", None) is not None:
             plain.generation_config.save_pretrained(folder)
-    pending: dict[str, torch.Tensor] = {}
-    for name, _, gather in entries:
-        tensor = gather()
-        if not main:
-            continue
-        pending[name] = tensor.to("cpu", dtype if tensor.is_floating_point() else tensor.dtype).contiguous()
-        if name in last:
-            file, members = last[name]
-            save_file({member: pending.pop(member) for member in members}, str(folder / file), metadata={"format": "pt"})
+    for file, members in zip(names, files):
+        with open(folder / file, "wb") if main else nullcontext() as out:
+            if main:
+                out.write(_safetensors_header([(name, shape, kind) for name, shape, kind, _ in members]))
+            for _, _, kind, gather in members:
+                tensor = gather()  # every process gathers, in the same order
+                if main:
+                    out.write(tensor.to("cpu", kind).contiguous().view(torch.uint8).numpy().data)
     if main and len(files) > 1:
-        weight_map = {name: file for file, members in zip(names, files) for name in members}
-        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        weight_map = {name: file for file, members in zip(names, files) for name, *_ in members}
+        total = sum(shape.numel() * kind.itemsize for _, shape, kind, _ in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return finish_checkpoint(folder, tokenizer, dtype) if main else folder
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _safetensors_header(entries: list[tuple[str, torch.Size, torch.dtype]]) -> bytes:
+    """The head of a safetensors file whose tensors follow in `entries`' order, back to back: the
+    length of the JSON header (8 bytes, little-endian), then the header, padded to 8 bytes."""
+    import struct
+
+    header, offset = {}, 0
+    for name, shape, kind in entries:
+        end = offset + shape.numel() * kind.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[kind], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def _units(model: torch.nn.Module) -> list:

@@ -14,8 +14,10 @@ through and takes the largest:
                  gradient checkpointing, plus one layer recomputed) and its logits
     sampling     + the KV cache of every sequence sampled at once and, sharded, the gathered policy
     forwards     + the logits of the passes without gradients (PPO's old and reference log-probs)
-    hand-off     what the main process holds after training: the evaluation's or normalisation's
-                 models and samples, the whole model gathered from shards
+    hand-off     what a process holds after training: the evaluation's or normalisation's models
+                 and samples; sharded, the layers and tensors gathered one at a time to sample and save
+    loading      sharded on the CPU, the first process reading each model whole before splitting it
+                 (on a GPU that is host memory: the device only ever holds shards)
 
 The per-token activation figures were read off what autograd saves for a HF Llama layer
 (`torch.autograd.graph.saved_tensors_hooks`): float32 4 x (8h + 2kv + 4i) bytes, bf16 autocast
@@ -164,13 +166,16 @@ class StagePlan:
     phases: dict[str, dict[str, float]]
     """Each phase's bytes on top of the resident models, by item (`activations`, `kv_cache`, ...)."""
     notes: list[str] = field(default_factory=list)
+    alone: frozenset[str] = frozenset()
+    """Phases that come before the resident models exist (`loading`): their items are all they hold."""
 
     @property
     def resident(self) -> float:
         return sum(h.weights + h.optimizer + h.gathered for h in self.held) + RUNTIME_GIB * GIB
 
     def phase_total(self, phase: str) -> float:
-        return self.resident + sum(self.phases[phase].values())
+        base = RUNTIME_GIB * GIB if phase in self.alone else self.resident
+        return base + sum(self.phases[phase].values())
 
     @property
     def peak_phase(self) -> str:
@@ -194,10 +199,10 @@ class Device:
     memory: float
     """Bytes."""
 
-    def fits(self, plan: StagePlan) -> bool:
-        # On CPU the processes of one stage share the machine's memory.
+    def fits(self, plan: StagePlan, share: float = 1.0) -> bool:
+        """Whether `plan` needs at most `share` of this memory (on CPU the processes of one stage share it)."""
         need = plan.peak * (plan.processes if self.kind == "cpu" else 1)
-        return need <= self.memory
+        return need <= share * self.memory
 
     def describe(self) -> str:
         return (f"one GPU of {self.memory / GIB:.1f} GiB" if self.kind == "cuda"
@@ -310,6 +315,29 @@ def _training_extras(trained: Iterable[Held], processes: int, sharded: bool, aut
     return extras
 
 
+def largest_tensor(shape: ModelShape) -> int:
+    """Elements of the model's largest tensor: the embeddings (or output head), or a layer's MLP matrix."""
+    return max(shape.vocab * shape.hidden, shape.intermediate * shape.hidden)
+
+
+def sharded_hand_off(model: ModelShape, compute: int) -> dict[str, float]:
+    """What a sharded stage adds to hand its model off, besides sampling's cache: sampling gathers two
+    layers at a time (the one computing and the next), saving gathers one tensor at a time, merged in
+    float32 (`stages.holding.save_streamed`)."""
+    return {"gathered": max(2 * model.layer_parameters * compute, 4 * largest_tensor(model))}
+
+
+def loading(reads: list[tuple[float, float]]) -> dict[str, float]:
+    """The first process while it loads, on the CPU: each model is read whole (`(whole bytes, bytes of
+    its shard)` in load order) and split before the next is read, so it holds the shards of the
+    models before and one model whole; the other processes hold shards only."""
+    worst, shards = 0.0, 0.0
+    for whole, shard in reads:
+        worst = max(worst, shards + whole + shard)
+        shards += shard
+    return {"models_as_read": worst}
+
+
 # --- the stages --------------------------------------------------------------------------------------------
 
 
@@ -353,15 +381,17 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
         training["reference_forward"] = forward_without_gradients(model, sequences, section.max_length,
                                                                   section.max_length, autocast)
     phases = {"training": training}
-    # After training the main process holds the model whole (gathered from shards when sharded).
-    whole = {"gathered_whole_model": 4 * model.parameters} if sharded else {}
+    # After training every process holds the model as it trained it; sharded, it samples, scores and
+    # saves it layer by layer and tensor by tensor (`stages.holding`), never gathering it whole.
+    streamed = sharded_hand_off(model, compute) if sharded else {}
     if stage == "sft":
-        phases["hand-off"] = whole | {"samples": kv_cache(model, section.num_samples, section.max_length, autocast)}
+        phases["hand-off"] = streamed | {"samples": kv_cache(model, section.num_samples, section.max_length, autocast)}
     elif stage == "reward":
         prompts = _count(counts.reward_normalization_prompts, 64, "reward.normalization_prompts", notes)
         sequences = prompts * section.normalization_samples
-        phases["hand-off"] = whole | {
-            "normalization_policy": 4 * policy.parameters,
+        sequences = min(sequences, section.normalization_micro_batch_size or sequences)
+        phases["hand-off"] = streamed | {
+            "normalization_policy": 4 * policy.parameters / sharding,
             "normalization_samples": kv_cache(policy, sequences, section.max_length, None),
             "normalization_forward": forward_without_gradients(policy, 1, section.max_length, 1, None)}
     else:
@@ -369,12 +399,16 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
         evaluated = prompts * section.evaluation.samples_per_prompt
         sequences = min(evaluated, section.sampling.micro_batch_size or evaluated)
         length = section.max_prompt_length + section.sampling.response_length
-        phases["hand-off"] = whole | {
-            "evaluation_reference": model.parameters * _bytes_of(section.frozen_dtype),
+        phases["hand-off"] = streamed | {
+            "evaluation_reference": model.parameters * _bytes_of(section.frozen_dtype) / sharding,
             "evaluation_samples": kv_cache(model, sequences, length, autocast),
             "evaluation_forwards": forward_without_gradients(model, sequences, length, section.sampling.response_length + 1,
                                                              autocast)}
-    return StagePlan(stage, n, sharded, held, phases, notes)
+    alone = frozenset()
+    if sharded and device.kind == "cpu":  # on a GPU the reading is done in host memory, not the device's
+        phases["loading"] = loading([(4 * model.parameters, trained.weights)])  # read in float32
+        alone = frozenset({"loading"})
+    return StagePlan(stage, n, sharded, held, phases, notes, alone)
 
 
 def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device: Device, counts: Counts,
@@ -432,9 +466,21 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device:
             "kv_cache": kv_cache(policy, judged, length, autocast),
             "logits": forward_without_gradients(policy, judged, length, section.sampling.response_length + 1, autocast)},
     }
-    if sharded and device.kind == "cpu":  # the main process gathers the policy whole into host memory to save it
-        phases["hand-off"] = {"gathered_whole_policy": 4 * policy.parameters}
-    return StagePlan("ppo", n, sharded, held, phases, notes)
+    alone = frozenset()
+    if sharded:
+        phases["hand-off"] = sharded_hand_off(policy, compute)  # saved a tensor at a time
+    if sharded and device.kind == "cpu":  # on a GPU the reading is done in host memory, not the device's
+        # `load_models`: the policy and a float32 copy for the reference, split; then the reward model and a critic of its own.
+        reference = held[1] if section.lora is None else None
+        policy_read = (4 if section.lora is None else _bytes_of(frozen)) * policy.parameters
+        first = (policy_read + (4 * policy.parameters if reference else 0),
+                 pol.weights + (reference.weights if reference else 0))
+        rest = [h for h in held if h is not pol and h is not reference]
+        second = (sum(h.parameters * (4 if h.how.startswith("trained") else _bytes_of(frozen)) for h in rest),
+                  sum(h.weights for h in rest))
+        phases["loading"] = loading([first, second])
+        alone = frozenset({"loading"})
+    return StagePlan("ppo", n, sharded, held, phases, notes, alone)
 
 
 def plan_stage(cfg: PipelineConfig, stage: StageName, shapes: dict[str, ModelShape], device: Device,
@@ -442,11 +488,93 @@ def plan_stage(cfg: PipelineConfig, stage: StageName, shapes: dict[str, ModelSha
     """`stage`'s plan with `section` (default: the config's) and the models in `shapes`
     (`policy`, and `reward` where the reward model is its own)."""
     section = section or getattr(cfg, stage)
+    if auto_fields(stage, section, counts, processes):
+        section = resolve_micro_batches(stage, section, shapes, device, counts, processes)
     policy = shapes["policy"]
     if stage == "ppo":
         return plan_ppo(section, policy, reward_shape(shapes.get("reward", policy)), device, counts, processes)
     model = reward_shape(shapes.get("reward", policy)) if stage == "reward" else policy
     return plan_trainer_stage(stage, section, policy, model, device, counts, processes)
+
+
+# --- micro-batches chosen for the device ------------------------------------------------------------------------
+
+AUTO_MARGIN = 0.9
+"""An `auto` micro-batch is the largest whose plan needs at most this share of the device's memory:
+the rest for what the plan leaves out (allocator fragmentation, small transient buffers)."""
+
+
+def _halvings(total: int) -> list[int]:
+    """The powers of two below `total`, largest first: micro-batch sizes to try after all at once."""
+    sizes, size = [], 1
+    while size < total:
+        sizes.append(size)
+        size *= 2
+    return sizes[::-1]
+
+
+def auto_fields(stage: StageName, section, counts: Counts, processes: int | None = None) -> list[tuple[str, list]]:
+    """(dotted field, candidate values largest first) for each of the stage's micro-batch sizes set
+    to `auto`; the first candidate, None, is all at once (what a config without micro-batches does)."""
+    fields = []
+    n = processes or section.launch.num_processes
+    if stage == "ppo" and section.sampling.micro_batch_size == "auto":
+        evaluated = (counts.ppo_eval_prompts or 64) * section.evaluation.samples_per_prompt
+        fields.append(("sampling.micro_batch_size", [None, *_halvings(max(section.rollout_batch_size // n, evaluated))]))
+    if stage == "ppo" and section.micro_batch_size == "auto":
+        minibatch = section.rollout_batch_size // (section.num_minibatches * n)
+        fields.append(("micro_batch_size", [None, *(d for d in range(minibatch - 1, 0, -1) if minibatch % d == 0)]))
+    if stage == "dpo" and section.sampling.micro_batch_size == "auto":
+        evaluated = (counts.dpo_eval_prompts or 64) * section.evaluation.samples_per_prompt
+        fields.append(("sampling.micro_batch_size", [None, *_halvings(evaluated)]))
+    if stage == "reward" and section.normalization_micro_batch_size == "auto":
+        sequences = (counts.reward_normalization_prompts or 64) * section.normalization_samples
+        fields.append(("normalization_micro_batch_size", [None, *_halvings(sequences)]))
+    return fields
+
+
+def resolve_micro_batches(stage: StageName, section, shapes: dict[str, ModelShape], device: Device, counts: Counts,
+                          processes: int | None = None):
+    """`section` with every `auto` micro-batch size resolved: each the largest of its candidates
+    (`auto_fields`) whose plan fits `device` with `AUTO_MARGIN`, the others at their smallest while
+    it is chosen, in `auto_fields`' order; the smallest where none fits (the plan then says so).
+    Explicit sizes are kept as they are."""
+    from rlhf.config import with_overrides
+
+    fields = auto_fields(stage, section, counts, processes)
+    if not fields:
+        return section
+    section = with_overrides(section, {name: candidates[-1] for name, candidates in fields})
+    for name, candidates in fields:
+        for value in candidates[:-1]:
+            trial = with_overrides(section, {name: value})
+            if device.fits(plan_stage(None, stage, shapes, device, counts, processes, trial), AUTO_MARGIN):
+                section = trial
+                break
+    return section
+
+
+def resolved_values(stage: StageName, section, resolved) -> dict[str, int | None]:
+    """The micro-batch sizes `resolve_micro_batches` chose, by their names in the section (`sampling.micro_batch_size`)."""
+    return {name: functools.reduce(getattr, name.split("."), resolved)
+            for name, _ in auto_fields(stage, section, Counts(), section.launch.num_processes)}
+
+
+def with_micro_batches(stage: StageName, section, counts: Counts, policy_location: str,
+                       reward_location: str | None = None, reporting=None):
+    """What a stage calls first: `section` with its `auto` micro-batch sizes resolved on the device
+    present (`this_device`) from its models' configs (the policy, and the reward model where the
+    stage has one) and its data's counts; each process resolves the same. The chosen sizes go to
+    `reporting.params` as `auto.<field>`. A section without `auto` is returned as it is."""
+    if not auto_fields(stage, section, counts):
+        return section
+    shapes = {"policy": model_shape(policy_location, section.trust_remote_code)}
+    if reward_location is not None:
+        shapes["reward"] = model_shape(reward_location, section.trust_remote_code)
+    resolved = resolve_micro_batches(stage, section, shapes, this_device(), counts)
+    if reporting is not None:
+        reporting.params({f"auto.{name}": value for name, value in resolved_values(stage, section, resolved).items()})
+    return resolved
 
 
 # --- what would make it fit ---------------------------------------------------------------------------------
@@ -491,21 +619,20 @@ def sharding_over(n: int) -> tuple[str, dict]:
             {"launch": LaunchConfig(num_processes=n, accelerate_config=FSDP_CONFIG)})
 
 
-def what_fits(cfg: PipelineConfig, stage: StageName, shapes: dict[str, ModelShape], device: Device,
+def what_fits(section: TrainedStage, stage: StageName, shapes: dict[str, ModelShape], device: Device,
               counts: Counts, max_processes: int = 64, most: int = 5) -> list[str]:
     """Ways to bring the stage under `device`'s memory, cheapest first: the fewest knobs (sharding
     counts as one, at the fewest processes that fit), and at each count the knobs in `knobs`' order;
     at most `most` ways, from the smallest count that has any and the next."""
     import itertools
 
-    section = getattr(cfg, stage)
     options = knobs(stage, section)
     shardings = [sharding_over(n) for n in (2, 4, 8, 16, 32, 64) if n <= max_processes]
 
     def fits(chosen) -> bool:
         updates = {k: v for _, fields in chosen for k, v in fields.items()}
         changed = section.model_copy(update=updates)
-        return device.fits(plan_stage(cfg, stage, shapes, device, counts, section=changed))
+        return device.fits(plan_stage(None, stage, shapes, device, counts, section=changed))
 
     found: list[tuple[frozenset[str], int, str]] = []  # (knobs, processes, the way as written)
 
@@ -540,6 +667,8 @@ class Plan:
     stages: dict[str, StagePlan]
     verdicts: dict[str, bool]
     fixes: dict[str, list[str]]
+    micro_batches: dict[str, dict[str, int | None]] = field(default_factory=dict)
+    """Per stage, the `auto` micro-batch sizes resolved for this device (None: all at once)."""
 
     def message(self, stage: str) -> str:
         """Why a stage does not fit, and what would make it fit."""
@@ -568,10 +697,14 @@ def model_shapes(cfg: PipelineConfig, resolve=lambda location: location) -> dict
 def plan(cfg: PipelineConfig, stages: list[str], shapes: dict[str, ModelShape], device: Device,
          counts: Counts = Counts(), processes: int | None = None) -> Plan:
     """Every stage's plan on `device`, whether it fits, and for those that do not, what would."""
-    plans = {stage: plan_stage(cfg, stage, shapes, device, counts, processes) for stage in stages}
+    sections = {stage: resolve_micro_batches(stage, getattr(cfg, stage), shapes, device, counts, processes)
+                for stage in stages}
+    plans = {stage: plan_stage(cfg, stage, shapes, device, counts, processes, sections[stage]) for stage in stages}
     verdicts = {stage: device.fits(p) for stage, p in plans.items()}
-    fixes = {stage: what_fits(cfg, stage, shapes, device, counts) for stage, ok in verdicts.items() if not ok}
-    return Plan(device, plans, verdicts, fixes)
+    fixes = {stage: what_fits(sections[stage], stage, shapes, device, counts)
+             for stage, ok in verdicts.items() if not ok}
+    chosen = {stage: resolved_values(stage, getattr(cfg, stage), sections[stage]) for stage in stages}
+    return Plan(device, plans, verdicts, fixes, {stage: values for stage, values in chosen.items() if values})
 
 
 def _count_text(n: int) -> str:
@@ -597,6 +730,10 @@ def plan_table(result: Plan) -> str:
             parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in items.items())
             lines.append(f"| {phase} | {parts} | {p.phase_total(phase) / GIB:.2f} |")
         lines += [f"", f"Resident (models, optimizer, runtime {RUNTIME_GIB} GiB): {p.resident / GIB:.2f} GiB"]
+        if result.micro_batches.get(stage):
+            chosen = ", ".join(f"{stage}.{name} {'all at once' if value is None else value}"
+                               for name, value in result.micro_batches[stage].items())
+            lines.append(f"- micro-batches chosen for this device (`auto`): {chosen}")
         lines += [f"- {note}" for note in p.notes]
         if not result.verdicts[stage]:
             lines.append(f"- {result.message(stage)}")
@@ -616,7 +753,8 @@ def plan_json(result: Plan) -> dict:
                             "optimizer_gib": h.optimizer / GIB, "gathered_gib": h.gathered / GIB} for h in p.held],
                 "phases": {phase: {k: v / GIB for k, v in items.items()} | {"total": p.phase_total(phase) / GIB}
                            for phase, items in p.phases.items()},
-                "notes": p.notes, "fixes": result.fixes.get(stage, [])}
+                "notes": p.notes, "fixes": result.fixes.get(stage, []),
+                "micro_batches": result.micro_batches.get(stage, {})}
                 for stage, p in result.stages.items()}}
 
 
@@ -638,7 +776,8 @@ def _peak_rss() -> float | None:
 def measured_peak() -> Iterator[dict[str, float]]:
     """The block's peak memory, set in the yielded dict when it ends: `memory/peak_rss_gib`, this
     process's resident memory (its high-water mark reset at the start through /proc/self/clear_refs,
-    where Linux allows it), and on a GPU `memory/peak_allocated_gib`, torch's peak allocated bytes."""
+    where Linux allows it; `memory/start_rss_gib` what it was then: libraries and the process's own),
+    and on a GPU `memory/peak_allocated_gib`, torch's peak allocated bytes."""
     import torch
 
     figures: dict[str, float] = {}
@@ -647,6 +786,8 @@ def measured_peak() -> Iterator[dict[str, float]]:
             refs.write("5")  # resets VmHWM to the current resident size
     except OSError:
         pass
+    if (start := _peak_rss()) is not None:
+        figures["memory/start_rss_gib"] = start / GIB
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     try:

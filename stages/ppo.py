@@ -50,6 +50,7 @@ from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_los
                              discounted_returns, entropy_of, explained_variance, gae, group_baselined, grpo_advantages,
                              kl_estimate, logprobs_of, masked_mean, rloo_advantages, sequence_rewards, token_rewards)
 from stages.holding import held_as, holding_for
+from stages.memory import Counts, with_micro_batches
 from stages.ppo_models import ActorCritic, Models, load_models, rounds_to_16_bits
 from stages.ppo_state import LoopState, Normalization, load_state, save_state_everywhere
 from stages.reporting import Reporting
@@ -500,6 +501,8 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
     """Run PPO and evaluate against the SFT policy. Resumes from `output_dir/state` when a
     full-state checkpoint of an earlier, interrupted run is there. On several processes every
     one trains and evaluates (a sharded model needs them all); only the main one reports, saves and returns."""
+    cfg = with_micro_batches("ppo", cfg, Counts(ppo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,
+                             inputs.reward_location, reporting)
     trainer = build_trainer(cfg, inputs)
     accelerator, models, rank = trainer.accelerator, trainer.models, trainer.accelerator.process_index
     # Before a resume or a reference refresh can change the reference: it is the SFT policy now.

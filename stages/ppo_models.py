@@ -271,15 +271,15 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str, holding
         reference = holding.frozen(copy.deepcopy(policy).to(frozen).eval().requires_grad_(False))
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
+    holding.place_trained(policy)  # sharded: split now, so the process that reads holds one model whole at a time
     # Placed once the critic is built: `reward-lora` puts its adapters on this very model, placed with it.
     scorer = RewardScorer.from_pretrained(reward_location, dtype=frozen, trust_remote_code=cfg.trust_remote_code,
                                           place=lambda model: model)
     scorer.model.requires_grad_(False)
     critic = build_critic(cfg, policy, tokenizer, scorer, reward_location)
     scorer.model = holding.frozen(scorer.model)
-    for module in (policy, critic):
-        if module is not None:
-            holding.place_trained(module)
+    if critic is not None:
+        holding.place_trained(critic)
     precision = resolve_precision(cfg.precision)
     return Models(policy, critic, reference, scorer, tokenizer, precision, stop_token_ids(policy), holding,
                   reuse_sampling_pass(cfg.old_logprobs, rounds_to_16_bits(cfg, precision)))

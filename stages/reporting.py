@@ -39,3 +39,5 @@ class Reporting:
     result): prompt messages, the policy's and the SFT baseline's responses, for the same kind of caller."""
     progress: Callable[[int, int], None] = _ignore
     """(done, total): optimizer steps or iterations done of the stage's total, after each one."""
+    params: Callable[[dict], None] = _ignore
+    """Settings the stage chose as it started (the `auto` micro-batch sizes), named as the run's params."""

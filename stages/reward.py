@@ -31,7 +31,7 @@ from trl import RewardTrainer
 from rlhf.config import RewardConfig
 from schemas.validate import render_prompt
 from stages.errors import RewardGateError
-from stages.memory import SCORING_BATCH
+from stages.memory import SCORING_BATCH, Counts, with_micro_batches
 from stages.holding import Holding
 from stages.models import (device, disable_dropout, encode_pairs, encode_replies, fit_to_tokenizer, load_causal_lm,
                            load_pretrained, load_tokenizer, lora_config, position_ids_for, saved_dtype_and_tags,
@@ -192,21 +192,28 @@ def calibration(margins: np.ndarray, correct: np.ndarray, buckets: int) -> pd.Da
 
 
 @torch.no_grad()
-def sample_references(policy_location: str, prompts: list[str], samples_per_prompt: int, max_new_tokens: int,
-                      seed: int, holding: Holding, trust_remote_code: bool = False) -> list[tuple[int, str, bool]]:
-    """(prompt index, response, complete) sampled at temperature 1 from the policy at
-    `policy_location`, held as `holding` holds a frozen model (sharded: read by the first process,
-    split between all, and sampled by every one, layer by layer, with the same seed, so every process
-    draws the same responses); `complete` is False for a response cut off without an end token."""
-    tokenizer = load_tokenizer(policy_location, trust_remote_code=trust_remote_code)
-    policy = holding.frozen(load_causal_lm(policy_location, tokenizer, trust_remote_code=trust_remote_code).eval())
-    torch.manual_seed(seed)
-    repeated = [p for p in prompts for _ in range(samples_per_prompt)]  # a prompt's samples on consecutive rows
+def sample_references(cfg: RewardConfig, policy_location: str, prompts: list[str],
+                      holding: Holding) -> list[tuple[int, str, bool]]:
+    """(prompt index, response, complete): `cfg.normalization_samples` responses per prompt sampled at
+    temperature 1 from the policy at `policy_location` (seeded with `cfg.seed`), up to the reply
+    length `cfg` allows, `cfg.normalization_micro_batch_size` sequences at a time (None: all at once);
+    the policy held as `holding` holds a frozen model (sharded: read by the first process, split
+    between all, and sampled by every one, layer by layer, with the same seed, so every process draws
+    the same responses). `complete` is False for a response cut off without an end token."""
+    tokenizer = load_tokenizer(policy_location, trust_remote_code=cfg.trust_remote_code)
+    policy = holding.frozen(load_causal_lm(policy_location, tokenizer, trust_remote_code=cfg.trust_remote_code).eval())
+    torch.manual_seed(cfg.seed)
+    per_prompt = cfg.normalization_samples
+    repeated = [p for p in prompts for _ in range(per_prompt)]  # a prompt's samples on consecutive rows
     sampler = HFSampler(policy, tokenizer, stop_token_ids(policy), holding=holding)
-    responses = sampler.generate(repeated, Sampling(max_new_tokens, temperature=1.0, logprobs=False)).responses  # (P * S, T)
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    complete = is_end(responses, sampler.stop_ids).any(dim=1)
-    return [(i // samples_per_prompt, text, bool(done)) for i, (text, done) in enumerate(zip(texts, complete))]
+    sampling = Sampling(cfg.max_length - cfg.max_prompt_length, temperature=1.0, logprobs=False)
+    size = cfg.normalization_micro_batch_size or max(len(repeated), 1)
+    texts, complete = [], []
+    for start in range(0, len(repeated), size):
+        responses = sampler.generate(repeated[start:start + size], sampling).responses  # (b, T)
+        texts += tokenizer.batch_decode(responses, skip_special_tokens=True)
+        complete += is_end(responses, sampler.stop_ids).any(dim=1).tolist()
+    return [(i // per_prompt, text, bool(done)) for i, (text, done) in enumerate(zip(texts, complete))]
 
 
 @dataclass(frozen=True)
@@ -265,6 +272,9 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
     On several processes every one trains, scores, samples and takes part in saving (a sharded model
     needs them all); only the main one writes and returns."""
     model_location, evaluation = inputs.model_location, inputs.evaluation
+    prompts = inputs.normalization_prompts
+    cfg = with_micro_batches("reward", cfg, Counts(reward_normalization_prompts=None if prompts is None else len(prompts)),
+                             inputs.policy_location, model_location, reporting)
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
     tokenizer = trainer.processing_class
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
@@ -298,8 +308,7 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
 
     normalization_prompts = inputs.normalization_prompts
     prompts = list(normalization_prompts["prompt"])
-    references = sample_references(inputs.policy_location, prompts, cfg.normalization_samples,
-                                   cfg.max_length - cfg.max_prompt_length, cfg.seed, holding, cfg.trust_remote_code)
+    references = sample_references(cfg, inputs.policy_location, prompts, holding)
     reference_messages = [json.loads(normalization_prompts["prompt_messages"].iloc[i]) for i, _, _ in references]
     reference_scores = scorer.score(reference_messages, [text for _, text, _ in references], normalized=False,
                                     complete=[done for _, _, done in references])

@@ -38,6 +38,11 @@ DATASETS = {"sft": "sft", "sft_eval": "sft", "preferences": "preference", "prefe
             "prompts": "prompt", "prompts_eval": "prompt"}
 
 
+ALL_AT_ONCE = {"micro_batch_size": None, "sampling.micro_batch_size": None}
+"""PPO's micro-batch sizes as a config without `auto` sets them: what a test hands the stage's parts
+(`train_ppo` itself resolves `auto`, `stages.memory.with_micro_batches`)."""
+
+
 def dataset(world: Path, tokenizer, name: str) -> pd.DataFrame:
     """One demo-world dataset, validated under the tiny config's length budget (32 prompt, 64 total tokens)."""
     from schemas.validate import LengthBudget, load_validated

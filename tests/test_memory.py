@@ -13,7 +13,8 @@ from bench.memory import state_bytes
 from bench.published import PUBLISHED, PUBLISHED_PARAMETERS, write_config
 from rlhf.cli import main as cli
 from rlhf.config import LoRAConfig, load_config, with_overrides
-from stages.memory import GIB, Counts, Device, model_shape, plan, reward_shape
+from stages.memory import (AUTO_MARGIN, GIB, Counts, Device, model_shape, plan, plan_stage, resolve_micro_batches,
+                           resolved_values, reward_shape)
 
 GPU_80GB = ["--device-memory", str(80e9 / GIB), "--device-kind", "gpu"]
 
@@ -88,23 +89,39 @@ def test_an_8b_ppo_fits_one_80gb_gpu_only_with_lora_and_eight_with_fsdp(tmp_path
     assert not json.loads(capsys.readouterr().out)["stages"]["ppo"]["fits"]
 
 
-def test_full_fine_tuning_trains_on_eight_gpus_sharded(tmp_path):
-    cfg = load_config(_llama3_8b_config(tmp_path, gradient_checkpointing=True))
+def test_every_stage_of_an_8b_pipeline_fits_eight_gpus_sharded_with_micro_batches_chosen(tmp_path):
+    """Full fine-tuning, every stage FSDP2 over 8 GPUs of 80 GB, no micro-batch size set: each `auto`
+    size resolves to the largest that fits with the margin, and every stage fits."""
+    cfg = load_config(_llama3_8b_config(tmp_path, sampling={"response_length": 512}, micro_batch_size="auto"))
     shapes = {"policy": model_shape(cfg.sft.model)}
     fsdp = {"launch": {"num_processes": 8, "accelerate_config": "configs/accelerate/fsdp.yaml"},
             "gradient_checkpointing": True}
     cfg = cfg.model_validate(cfg.model_dump() | {stage: getattr(cfg, stage).model_dump() | fsdp
                                                   for stage in ("sft", "reward", "ppo", "dpo")})
-    result = plan(cfg, ["sft", "reward", "ppo", "dpo"], shapes, Device("cuda", 80e9), Counts(64, 64, 64))
-    assert result.verdicts["sft"] and result.verdicts["ppo"], {s: p.peak / GIB for s, p in result.stages.items()}
-    # Training fits there too; what does not is the main process's work after it (the reward model's
-    # normalisation loads the SFT policy whole and samples every prompt at once; DPO's evaluation
-    # holds a reference and samples every held-out prompt at once): the plan says where.
-    for stage in ("reward", "dpo"):
-        planned = result.stages[stage]
-        assert planned.phase_total("training") < 80e9 < planned.peak and planned.peak_phase == "hand-off"
-    one_gpu = plan(cfg, ["sft"], shapes, Device("cuda", 80e9), Counts(64, 64, 64), processes=1)
+    assert cfg.ppo.micro_batch_size == cfg.ppo.sampling.micro_batch_size == cfg.reward.normalization_micro_batch_size == "auto"
+    gpu = Device("cuda", 80e9)
+    result = plan(cfg, ["sft", "reward", "ppo", "dpo"], shapes, gpu, Counts(64, 64, 64))
+    assert all(result.verdicts.values()), {s: p.peak / GIB for s, p in result.stages.items()}
+    chosen = result.micro_batches
+    assert set(chosen) == {"reward", "ppo", "dpo"} and all(isinstance(v, int) for c in chosen.values() for v in c.values())
+    # The largest that fits: the next size up does not fit within the margin.
+    ppo = result.stages["ppo"]
+    assert ppo.peak <= AUTO_MARGIN * gpu.memory
+    doubled = with_overrides(cfg.ppo, {"sampling.micro_batch_size": 2 * chosen["ppo"]["sampling.micro_batch_size"],
+                                       "micro_batch_size": chosen["ppo"]["micro_batch_size"]})
+    assert plan_stage(cfg, "ppo", shapes, gpu, Counts(64, 64, 64), section=doubled).peak > AUTO_MARGIN * gpu.memory
+    one_gpu = plan(cfg, ["sft"], shapes, gpu, Counts(64, 64, 64), processes=1)
     assert not one_gpu.verdicts["sft"]  # 16 bytes per parameter: 128 GB before activations
+
+
+def test_auto_micro_batches_are_all_at_once_where_everything_fits(tiny_config, world):
+    """On the tiny world (and the demo's) every `auto` size resolves to all at once: the runs compute
+    what they computed before sizes were chosen."""
+    shapes = {"policy": model_shape(str(world / "model"))}
+    for stage in ("reward", "ppo", "dpo"):
+        section = getattr(tiny_config, stage)
+        resolved = resolve_micro_batches(stage, section, shapes, Device("cpu", 16 * GIB), Counts(16, 16, 16))
+        assert set(resolved_values(stage, section, resolved).values()) == {None}, stage
 
 
 def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tmp_path, monkeypatch):

@@ -175,3 +175,7 @@ def test_streamed_hand_off_is_the_merged_model(tmp_path, family, targets, task):
     assert set(read.state_dict()) == set(expected)
     for name, tensor in read.state_dict().items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
+    save_streamed(model, tokenizer, tmp_path / "bf16", torch.bfloat16, main=True)  # one file, 16 bits
+    with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as f:
+        for name in f.keys():
+            assert torch.equal(f.get_tensor(name), expected[name].to(torch.bfloat16)), name

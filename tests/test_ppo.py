@@ -15,11 +15,11 @@ from stages.models import load_tokenizer, position_ids_for
 from stages.ppo import NonFiniteLossError
 from stages.ppo_models import forward_response, load_models, reference_policy
 from stages.reporting import Reporting
-from tests.helpers import killed_and_resumed, run_ppo
+from tests.helpers import ALL_AT_ONCE, killed_and_resumed, run_ppo
 
 
 def _cfg(tiny_config, **changes):
-    return with_overrides(tiny_config.ppo, changes)
+    return with_overrides(tiny_config.ppo, ALL_AT_ONCE | changes)
 
 
 def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
@@ -433,3 +433,13 @@ def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_
     torch.testing.assert_close(values * mask, batch.values, atol=1e-5, rtol=0)
     # The pieces' responses were padded to the longest: nothing real was cut.
     assert models.tokenizer.batch_decode(batch.responses, skip_special_tokens=True) == batch.texts
+
+
+def test_auto_micro_batches_are_resolved_as_the_stage_starts_and_reported(tiny_config, trained, tmp_path):
+    """`train_ppo` resolves the `auto` sizes before anything else (here, on the tiny world: all at
+    once) and reports them as `auto.<field>` params; explicit sizes are not reported."""
+    reported = {}
+    cfg = with_overrides(tiny_config.ppo, {"num_iterations": 1, "micro_batch_size": 2})
+    assert cfg.sampling.micro_batch_size == "auto"
+    run_ppo(cfg, trained, tmp_path, Reporting(params=reported.update))
+    assert reported == {"auto.sampling.micro_batch_size": None}
