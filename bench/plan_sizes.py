@@ -4,8 +4,8 @@ shapes of Qwen2.5 and Llama-3 (configs only: nothing is downloaded, nothing trai
     python -m bench.plan_sizes              (or: make plan-sizes)
 
 Every method is planned with the same work (`COMMON`: bf16 autocast, gradient checkpointing,
-512-token prompts and responses, 512 rollouts per PPO iteration over all GPUs, micro-batches of 2,
-16 sequences sampled at once) and, on more than one GPU, FSDP2 (`configs/accelerate/fsdp.yaml`)
+512-token prompts and responses, 512 rollouts per PPO iteration over all GPUs, micro-batch sizes
+`auto`: the largest that fit each GPU count) and, on more than one GPU, FSDP2 (`configs/accelerate/fsdp.yaml`)
 over 1, 2, 4, ... 64 GPUs; the policy and the reward model have the same shape. Prints a Markdown
 table (docs/scaling.md holds it) and each cell's peak phase.
 """
@@ -24,9 +24,8 @@ COMMON = {
     "precision": "bf16-mixed", "gradient_checkpointing": True, "frozen_dtype": "bfloat16",
     "launch": {"num_processes": 1, "accelerate_config": "configs/accelerate/fsdp.yaml"},
 }
-PPO = COMMON | {"max_prompt_length": 512, "sampling": {"response_length": 512, "micro_batch_size": 16},
-                "rollout_batch_size": 512, "num_minibatches": 4, "micro_batch_size": 2,
-                "evaluation": {"samples_per_prompt": 1}}
+PPO = COMMON | {"max_prompt_length": 512, "sampling": {"response_length": 512}, "rollout_batch_size": 512,
+                "num_minibatches": 4, "evaluation": {"samples_per_prompt": 1}}
 TRAINER = {k: v for k, v in COMMON.items() if k != "frozen_dtype"} | {
     "max_prompt_length": 512, "max_length": 1024, "batch_size": 2}
 
@@ -34,9 +33,9 @@ METHODS: dict[str, tuple[str, dict]] = {
     "PPO, full (critic: reward)": ("ppo", PPO | {"critic": {"kind": "reward"}}),
     "PPO, LoRA policy + LoRA critic": ("ppo", PPO | {"lora": {"r": 8}, "critic": {"kind": "reward-lora"}}),
     "GRPO, full (8 per prompt)": ("ppo", PPO | {"advantage_estimator": "grpo", "samples_per_prompt": 8}),
-    "DPO, full": ("dpo", TRAINER | {"sampling": {"response_length": 512, "micro_batch_size": 16},
+    "DPO, full": ("dpo", TRAINER | {"sampling": {"response_length": 512},
                                      "evaluation": {"samples_per_prompt": 1}, "frozen_dtype": "bfloat16"}),
-    "DPO, LoRA": ("dpo", TRAINER | {"sampling": {"response_length": 512, "micro_batch_size": 16},
+    "DPO, LoRA": ("dpo", TRAINER | {"sampling": {"response_length": 512},
                                      "evaluation": {"samples_per_prompt": 1}, "frozen_dtype": "bfloat16",
                                      "lora": {"r": 8}}),
 }
@@ -59,15 +58,12 @@ def fewest_gpus(model: str, stage: str, settings: dict, folder: Path) -> tuple[i
     cfg = load_config(None, {"demo": None} | sources)
     shapes = {"policy": model_shape(location)}
     for n in COUNTS:
-        # Sharded PPO samples from the whole policy gathered, or, where that copy does not fit, layer by layer.
-        for sampling in (("whole", "per_layer") if stage == "ppo" else ("whole",)):
-            section = getattr(cfg, stage).model_copy(update={"sharded_sampling": sampling} if stage == "ppo" else {})
-            planned = plan(cfg.model_copy(update={stage: section}), [stage], shapes, Device("cuda", GPU_BYTES),
-                           Counts(64, 64, 64), processes=n)
-            if planned.verdicts[stage]:
-                stage_plan = planned.stages[stage]
-                return n, stage_plan.peak_phase + (", sampling per layer" if sampling == "per_layer" else ""), \
-                    stage_plan.peak / GIB
+        # Sharded PPO samples from the whole policy gathered, or, where that copy does not fit, layer by layer (`auto`).
+        planned = plan(cfg, [stage], shapes, Device("cuda", GPU_BYTES), Counts(64, 64, 64), processes=n)
+        if planned.verdicts[stage]:
+            per_layer = planned.micro_batches.get(stage, {}).get("sharded_sampling") == "per_layer" and n > 1
+            stage_plan = planned.stages[stage]
+            return n, stage_plan.peak_phase + (", sampling per layer" if per_layer else ""), stage_plan.peak / GIB
     return None, "", 0.0
 
 

@@ -381,8 +381,8 @@ class PPOConfig(TrainedStage):
     """When a run warns."""
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the frozen reference and reward models are held in (with `lora`, the policy's own frozen weights, which are the reference); bfloat16 halves their memory."""
-    sharded_sampling: Literal["whole", "per_layer"] = "whole"
-    """With a sharded launch (FSDP2): gather the whole policy once per rollout for sampling (`whole`: one full copy while sampling), or gather each layer at every decode step (`per_layer`: least memory, one all-gather per layer per token); docs/scaling.md has the figures."""
+    sharded_sampling: Literal["whole", "per_layer", "auto"] = "auto"
+    """With a sharded launch (FSDP2): gather the whole policy once per rollout for sampling (`whole`: one full copy while sampling, fastest), or gather each layer at every decode step (`per_layer`: least memory, one all-gather per layer per token); `auto`: `whole` where the memory plan fits it on the device present, else `per_layer`, resolved at launch; docs/scaling.md has the figures."""
     refit_normalization: bool = True
     """Refit the reward normalisation (gain, bias) on the first iteration's rollouts, so PPO's scores start at mean 0, std 1 under its own sampling settings."""
 

@@ -420,6 +420,8 @@ Holding = Replicated | Sharded
 
 def holding_for(accelerator: Accelerator, sharded: bool, gather: Gather, autocast_dtype: torch.dtype | None) -> Holding:
     """`Sharded` when the stage's launch shards (FSDP2) and runs on several processes, else `Replicated`."""
+    if gather not in ("whole", "per_layer"):
+        raise ValueError(f"sharded_sampling {gather!r} must be resolved first (stages.memory.with_micro_batches)")
     if sharded and accelerator.num_processes > 1:
         return Sharded(accelerator, gather, autocast_dtype)
     return Replicated(accelerator)

@@ -168,6 +168,8 @@ class StagePlan:
     notes: list[str] = field(default_factory=list)
     alone: frozenset[str] = frozenset()
     """Phases that come before the resident models exist (`loading`): their items are all they hold."""
+    after_training: frozenset[str] = frozenset({"hand-off"})
+    """Phases after the optimizer's state is dropped (the stages drop it once training is over)."""
 
     @property
     def resident(self) -> float:
@@ -175,6 +177,8 @@ class StagePlan:
 
     def phase_total(self, phase: str) -> float:
         base = RUNTIME_GIB * GIB if phase in self.alone else self.resident
+        if phase in self.after_training:
+            base -= sum(h.optimizer for h in self.held)
         return base + sum(self.phases[phase].values())
 
     @property
@@ -390,8 +394,10 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
         prompts = _count(counts.reward_normalization_prompts, 64, "reward.normalization_prompts", notes)
         sequences = prompts * section.normalization_samples
         sequences = min(sequences, section.normalization_micro_batch_size or sequences)
+        # Sharded on the CPU, the first process reads the policy whole before splitting it.
+        read_whole = 4 * policy.parameters * (1 - 1 / sharding) if sharded and device.kind == "cpu" else 0.0
         phases["hand-off"] = streamed | {
-            "normalization_policy": 4 * policy.parameters / sharding,
+            "normalization_policy": 4 * policy.parameters / sharding + read_whole,
             "normalization_samples": kv_cache(policy, sequences, section.max_length, None),
             "normalization_forward": forward_without_gradients(policy, 1, section.max_length, 1, None)}
     else:
@@ -399,8 +405,10 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
         evaluated = prompts * section.evaluation.samples_per_prompt
         sequences = min(evaluated, section.sampling.micro_batch_size or evaluated)
         length = section.max_prompt_length + section.sampling.response_length
+        reference = model.parameters * _bytes_of(section.frozen_dtype)
+        read_whole = reference * (1 - 1 / sharding) if sharded and device.kind == "cpu" else 0.0  # the first process reads it
         phases["hand-off"] = streamed | {
-            "evaluation_reference": model.parameters * _bytes_of(section.frozen_dtype) / sharding,
+            "evaluation_reference": reference / sharding + read_whole,
             "evaluation_samples": kv_cache(model, sequences, length, autocast),
             "evaluation_forwards": forward_without_gradients(model, sequences, length, section.sampling.response_length + 1,
                                                              autocast)}
@@ -514,10 +522,13 @@ def _halvings(total: int) -> list[int]:
 
 
 def auto_fields(stage: StageName, section, counts: Counts, processes: int | None = None) -> list[tuple[str, list]]:
-    """(dotted field, candidate values largest first) for each of the stage's micro-batch sizes set
-    to `auto`; the first candidate, None, is all at once (what a config without micro-batches does)."""
+    """(dotted field, candidate values, most memory first) for each of the stage's memory settings set
+    to `auto`: PPO's `sharded_sampling`, then the micro-batch sizes, whose first candidate, None, is
+    all at once (what a config without micro-batches does)."""
     fields = []
     n = processes or section.launch.num_processes
+    if stage == "ppo" and section.sharded_sampling == "auto":  # first: the faster way, where it fits
+        fields.append(("sharded_sampling", ["whole", "per_layer"]))
     if stage == "ppo" and section.sampling.micro_batch_size == "auto":
         evaluated = (counts.ppo_eval_prompts or 64) * section.evaluation.samples_per_prompt
         fields.append(("sampling.micro_batch_size", [None, *_halvings(max(section.rollout_batch_size // n, evaluated))]))
@@ -554,8 +565,8 @@ def resolve_micro_batches(stage: StageName, section, shapes: dict[str, ModelShap
     return section
 
 
-def resolved_values(stage: StageName, section, resolved) -> dict[str, int | None]:
-    """The micro-batch sizes `resolve_micro_batches` chose, by their names in the section (`sampling.micro_batch_size`)."""
+def resolved_values(stage: StageName, section, resolved) -> dict[str, int | str | None]:
+    """What `resolve_micro_batches` chose, by the names in the section (`sampling.micro_batch_size`)."""
     return {name: functools.reduce(getattr, name.split("."), resolved)
             for name, _ in auto_fields(stage, section, Counts(), section.launch.num_processes)}
 

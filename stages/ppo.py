@@ -482,6 +482,7 @@ def hand_off(trainer: PPOTrainer, loop: LoopState, held_out: HeldOut, inputs: PP
     trained policy saved as a plain Hugging Face folder, and the stage's result."""
     cfg, models, holding = trainer.cfg, trainer.models, trainer.models.holding
     holding.check_weights_agree(trainer.actor_critic)
+    trainer.optimizer.state.clear()  # the last full-state checkpoint holds it; the evaluation needs the memory
     held = held_as(models.policy, trainer.accelerator.num_processes)
     metrics, evaluation = evaluate(models, trainer.sampler, held_out, cfg.evaluation, cfg.sampling)
     trained = [p for group in trainer.optimizer.param_groups for p in group["params"]]

@@ -41,10 +41,12 @@ class ForwardLogs(TrainerCallback):
 def trained_as_held(trainer) -> tuple[torch.nn.Module, Holding, list[torch.nn.Parameter], dict[str, str]]:
     """The trained model as the trainer's processes hold it (unwrapped from DDP; under FSDP2 still
     sharded, so every process takes part in what reads it), how they hold it (a sharded one is sampled
-    layer by layer, never gathered whole), the parameters its optimizer updated, and the `rlhf.held_as` tag."""
+    layer by layer, never gathered whole), the parameters its optimizer updated, and the `rlhf.held_as`
+    tag. Training is over: the optimizer's state is dropped."""
     from accelerate import PartialState
 
     state = PartialState()
+    trainer.optimizer.state.clear()  # its moments are in the trainer's checkpoints; what follows needs the memory
     model = trainer.accelerator.unwrap_model(trainer.model)
     holding = holding_for(trainer.accelerator, trainer.is_fsdp_enabled, "per_layer", None)
     return model, holding, [p for p in model.parameters() if p.requires_grad], held_as(model, state.num_processes)

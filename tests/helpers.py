@@ -38,8 +38,8 @@ DATASETS = {"sft": "sft", "sft_eval": "sft", "preferences": "preference", "prefe
             "prompts": "prompt", "prompts_eval": "prompt"}
 
 
-ALL_AT_ONCE = {"micro_batch_size": None, "sampling.micro_batch_size": None}
-"""PPO's micro-batch sizes as a config without `auto` sets them: what a test hands the stage's parts
+AUTO_RESOLVED = {"micro_batch_size": None, "sampling.micro_batch_size": None, "sharded_sampling": "whole"}
+"""PPO's `auto` settings as they resolve where everything fits: what a test hands the stage's parts
 (`train_ppo` itself resolves `auto`, `stages.memory.with_micro_batches`)."""
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlhf.evaluation import win_rate
-from tests.helpers import ALL_AT_ONCE
+from tests.helpers import AUTO_RESOLVED
 
 CPU = torch.device("cpu")
 
@@ -27,14 +27,14 @@ def test_the_sft_baseline_is_the_same_for_runs_with_different_training_seeds(tin
 
     tables = []
     for seed in (0, 1):
-        cfg = with_overrides(tiny_config.ppo, ALL_AT_ONCE | {"seed": seed, "evaluation.samples_per_prompt": 2})
+        cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"seed": seed, "evaluation.samples_per_prompt": 2})
         models = load_models(cfg, trained["sft"], trained["reward"])
         held_out = HeldOut.sample(models, trained["eval_prompts"], cfg.evaluation, cfg.sampling, CPU)
         metrics, table = evaluate(models, policy_sampler(models), held_out, cfg.evaluation, cfg.sampling)
         tables.append(table)
         assert 0 <= metrics["eval/win_rate_rm"] <= 1 and metrics["eval/win_rate_rm_se"] > 0
     assert list(tables[0]["sft_response"]) == list(tables[1]["sft_response"])
-    other = with_overrides(tiny_config.ppo, ALL_AT_ONCE | {"evaluation.seed": 7, "evaluation.samples_per_prompt": 2})
+    other = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"evaluation.seed": 7, "evaluation.samples_per_prompt": 2})
     models = load_models(other, trained["sft"], trained["reward"])
     held_out = HeldOut.sample(models, trained["eval_prompts"], other.evaluation, other.sampling, CPU)
     _, moved = evaluate(models, policy_sampler(models), held_out, other.evaluation, other.sampling)

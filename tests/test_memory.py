@@ -103,7 +103,8 @@ def test_every_stage_of_an_8b_pipeline_fits_eight_gpus_sharded_with_micro_batche
     result = plan(cfg, ["sft", "reward", "ppo", "dpo"], shapes, gpu, Counts(64, 64, 64))
     assert all(result.verdicts.values()), {s: p.peak / GIB for s, p in result.stages.items()}
     chosen = result.micro_batches
-    assert set(chosen) == {"reward", "ppo", "dpo"} and all(isinstance(v, int) for c in chosen.values() for v in c.values())
+    assert set(chosen) == {"reward", "ppo", "dpo"} and chosen["ppo"]["sharded_sampling"] == "whole"
+    assert isinstance(chosen["ppo"]["sampling.micro_batch_size"], int) and isinstance(chosen["ppo"]["micro_batch_size"], int)
     # The largest that fits: the next size up does not fit within the margin.
     ppo = result.stages["ppo"]
     assert ppo.peak <= AUTO_MARGIN * gpu.memory
@@ -115,13 +116,14 @@ def test_every_stage_of_an_8b_pipeline_fits_eight_gpus_sharded_with_micro_batche
 
 
 def test_auto_micro_batches_are_all_at_once_where_everything_fits(tiny_config, world):
-    """On the tiny world (and the demo's) every `auto` size resolves to all at once: the runs compute
-    what they computed before sizes were chosen."""
+    """On the tiny world (and the demo's) every `auto` size resolves to all at once, and sharded
+    sampling to the whole policy gathered: the runs compute what they computed before `auto`."""
     shapes = {"policy": model_shape(str(world / "model"))}
     for stage in ("reward", "ppo", "dpo"):
         section = getattr(tiny_config, stage)
         resolved = resolve_micro_batches(stage, section, shapes, Device("cpu", 16 * GIB), Counts(16, 16, 16))
-        assert set(resolved_values(stage, section, resolved).values()) == {None}, stage
+        chosen = resolved_values(stage, section, resolved)
+        assert chosen.pop("sharded_sampling", "whole") == "whole" and set(chosen.values()) == {None}, stage
 
 
 def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tmp_path, monkeypatch):

@@ -15,11 +15,11 @@ from stages.models import load_tokenizer, position_ids_for
 from stages.ppo import NonFiniteLossError
 from stages.ppo_models import forward_response, load_models, reference_policy
 from stages.reporting import Reporting
-from tests.helpers import ALL_AT_ONCE, killed_and_resumed, run_ppo
+from tests.helpers import AUTO_RESOLVED, killed_and_resumed, run_ppo
 
 
 def _cfg(tiny_config, **changes):
-    return with_overrides(tiny_config.ppo, ALL_AT_ONCE | changes)
+    return with_overrides(tiny_config.ppo, AUTO_RESOLVED | changes)
 
 
 def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
@@ -442,4 +442,4 @@ def test_auto_micro_batches_are_resolved_as_the_stage_starts_and_reported(tiny_c
     cfg = with_overrides(tiny_config.ppo, {"num_iterations": 1, "micro_batch_size": 2})
     assert cfg.sampling.micro_batch_size == "auto"
     run_ppo(cfg, trained, tmp_path, Reporting(params=reported.update))
-    assert reported == {"auto.sampling.micro_batch_size": None}
+    assert reported == {"auto.sharded_sampling": "whole", "auto.sampling.micro_batch_size": None}

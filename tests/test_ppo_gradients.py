@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers import ALL_AT_ONCE
+from tests.helpers import AUTO_RESOLVED
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,7 +77,7 @@ def _setup(tiny_config, trained, critic="reward", lora=False):
 
     from rlhf.config import LoRAConfig, with_overrides
 
-    cfg = with_overrides(tiny_config.ppo, ALL_AT_ONCE | {"rollout_batch_size": 8, "num_minibatches": 1, "sampling.response_length": 16,
+    cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"rollout_batch_size": 8, "num_minibatches": 1, "sampling.response_length": 16,
                                            "critic.kind": critic, "lora": LoRAConfig() if lora else None})
     torch.manual_seed(0)
     models = load_models(cfg, trained["sft"], trained["reward"])

@@ -10,11 +10,11 @@ from rlhf.config import with_overrides
 from stages.ppo_models import load_models
 from stages.ppo_rollout import policy_sampler, rollout
 from stages.rollout import Generation, HFSampler, Sampling
-from tests.helpers import ALL_AT_ONCE
+from tests.helpers import AUTO_RESOLVED
 
 
 def _cfg(tiny_config, **changes):
-    return with_overrides(tiny_config.ppo, ALL_AT_ONCE | changes)
+    return with_overrides(tiny_config.ppo, AUTO_RESOLVED | changes)
 
 
 def test_the_decode_loop_and_transformers_generate_agree_when_greedy(tiny_config, trained):
