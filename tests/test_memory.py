@@ -109,7 +109,7 @@ def test_every_stage_of_an_8b_pipeline_fits_eight_gpus_sharded_with_micro_batche
     ppo = result.stages["ppo"]
     assert ppo.peak <= AUTO_MARGIN * gpu.memory
     doubled = with_overrides(cfg.ppo, {"sampling.micro_batch_size": 2 * chosen["ppo"]["sampling.micro_batch_size"],
-                                       "micro_batch_size": chosen["ppo"]["micro_batch_size"]})
+                                       "micro_batch_size": chosen["ppo"]["micro_batch_size"], "sharded_sampling": "whole"})
     assert plan_stage(cfg, "ppo", shapes, gpu, Counts(64, 64, 64), section=doubled).peak > AUTO_MARGIN * gpu.memory
     one_gpu = plan(cfg, ["sft"], shapes, gpu, Counts(64, 64, 64), processes=1)
     assert not one_gpu.verdicts["sft"]  # 16 bytes per parameter: 128 GB before activations
