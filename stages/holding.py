@@ -298,7 +298,8 @@ def receive_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], sk
 
 SHARD_BYTES = 5 * 1024 ** 3
 """Largest safetensors file a streamed hand-off writes (above it: several files and an index, as
-`save_pretrained` writes them, with its default limit)."""
+`save_pretrained` writes them; the hub's models are mostly split at 5 GB, transformers 5's default is
+50 GB). Memory does not depend on it: tensors are written as they are gathered."""
 
 
 def plain_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Size, torch.dtype, Callable[[], torch.Tensor]]]:
