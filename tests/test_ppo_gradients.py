@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers import AUTO_RESOLVED
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,9 +75,11 @@ def _setup(tiny_config, trained, critic="reward", lora=False):
     from stages.ppo_rollout import policy_sampler, rollout
 
     from rlhf.config import LoRAConfig, with_overrides
+    from tests.helpers import AUTO_RESOLVED  # here, not at the top: this file also runs as a script, outside the package
 
-    cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"rollout_batch_size": 8, "num_minibatches": 1, "sampling.response_length": 16,
-                                           "critic.kind": critic, "lora": LoRAConfig() if lora else None})
+    cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"rollout_batch_size": 8, "num_minibatches": 1,
+                                                           "sampling.response_length": 16, "critic.kind": critic,
+                                                           "lora": LoRAConfig() if lora else None})
     torch.manual_seed(0)
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(8)
