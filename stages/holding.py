@@ -286,14 +286,9 @@ def receive_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], sk
     # what is already real stays: buffers (rotary frequencies, computed at construction: loading sends
     # no non-persistent ones) and parameters sharded with another model.
     model._apply(lambda t: torch.empty_like(t, device=device()) if t.is_meta else t)
-    skipped = {id(p) for p in skip}
-    names = {name for name, p in model.named_parameters() if id(p) in skipped}
-    full = {name: tensor for name, tensor in full.items() if name not in names}
-    if names:  # a `reward-lora` critic's adapters: the loader must not touch them, so load the rest only
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    else:
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full, options=options)
+    # `full` leaves out what was sharded before (a `reward-lora` critic's adapters): not strict then.
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               strict=not skip))
 
 
 SHARD_BYTES = 5 * 1024 ** 3
