@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import weakref
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -141,7 +141,7 @@ def load_pretrained(auto_class, location: str, *, dtype: torch.dtype, trust_remo
     from transformers import AutoConfig, GenerationConfig
 
     model_config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code, **config)
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights(include_buffers=False), unfilled_memory():  # each parameter made on the CPU, then moved
         model = auto_class.from_config(model_config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # as `from_pretrained` ties them (the meta parameters are created untied)
     if getattr(model, "generation_config", None) is not None:
@@ -150,6 +150,22 @@ def load_pretrained(auto_class, location: str, *, dtype: torch.dtype, trust_remo
         except OSError:  # none saved: the one built from the model config, as `from_pretrained` keeps
             pass
     return model
+
+
+@contextmanager
+def unfilled_memory():
+    """New tensors left as they are allocated while inside. Deterministic mode has torch fill every new
+    tensor (`torch.empty` included) with NaN (`torch.utils.deterministic.fill_uninitialized_memory`),
+    which writes, and so makes resident, every page of storage meant never to be read or written:
+    a meta build's passing CPU tensors, placeholder storage. Only for such storage."""
+    import torch.utils.deterministic
+
+    before = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = before
 
 
 def fit_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:

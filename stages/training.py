@@ -9,7 +9,7 @@ from transformers import TrainerCallback
 
 from rlhf.config import TrainingConfig
 from stages.holding import Holding, held_as, holding_for
-from stages.models import resolve_precision
+from stages.models import resolve_precision, unfilled_memory
 from stages.reporting import Reporting
 
 _UNLOGGED = ("epoch", "total_flos", "runtime", "per_second", "preparation_time")
@@ -74,14 +74,15 @@ def _give_meta_parameters_storage(model: torch.nn.Module) -> None:
     """Each meta parameter replaced by an uninitialised one on the CPU (tied ones stay one parameter);
     buffers are left as they are (their values are real)."""
     replaced: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        for name, parameter in list(module._parameters.items()):
-            if parameter is None or not parameter.is_meta:
-                continue
-            if id(parameter) not in replaced:
-                replaced[id(parameter)] = torch.nn.Parameter(torch.empty_like(parameter, device="cpu"),
-                                                             requires_grad=parameter.requires_grad)
-            module._parameters[name] = replaced[id(parameter)]
+    with unfilled_memory():  # else deterministic mode writes NaN into every page
+        for module in model.modules():
+            for name, parameter in list(module._parameters.items()):
+                if parameter is None or not parameter.is_meta:
+                    continue
+                if id(parameter) not in replaced:
+                    replaced[id(parameter)] = torch.nn.Parameter(torch.empty_like(parameter, device="cpu"),
+                                                                 requires_grad=parameter.requires_grad)
+                module._parameters[name] = replaced[id(parameter)]
 
 
 def untrained_evaluation(trainer) -> dict[str, float]:

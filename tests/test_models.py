@@ -179,3 +179,34 @@ def test_streamed_hand_off_is_the_merged_model(tmp_path, family, targets, task):
     with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as f:
         for name in f.keys():
             assert torch.equal(f.get_tensor(name), expected[name].to(torch.bfloat16)), name
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_a_process_that_does_not_read_the_checkpoint_holds_no_weights_even_in_deterministic_mode(tmp_path,
+                                                                                                  monkeypatch):
+    """Sharded loading's other processes: the model built from its config on the meta device, then the
+    placeholder storage accelerate needs (`training.prepare_sharding`), stay virtual. Deterministic mode
+    fills every new tensor with NaN, which once made both resident: a whole model on every process."""
+    from stages import models
+    from stages.training import _give_meta_parameters_storage
+
+    LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                vocab_size=32000).save_pretrained(tmp_path)
+    monkeypatch.setattr(models, "reads_checkpoints", lambda: False)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        before = _resident_bytes()
+        model = models.load_pretrained(AutoModelForCausalLM, str(tmp_path), dtype=torch.float32)
+        assert all(p.is_meta for p in model.parameters())
+        _give_meta_parameters_storage(model)
+        grown = _resident_bytes() - before
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert not any(p.is_meta for p in model.parameters()) and weights > 400 * 2**20
+    assert grown < 0.1 * weights, f"{grown / 2**20:.0f} MiB resident for {weights / 2**20:.0f} MiB of weights"
