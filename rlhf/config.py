@@ -260,7 +260,7 @@ class DPOConfig(TrainingConfig):
     evaluation: EvaluationConfig = EvaluationConfig()
     """The final evaluation against the SFT policy (as PPO's)."""
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype the frozen reference is held in during the evaluation."""
+    """Dtype frozen weights are held in: the evaluation's reference and, with `lora`, the policy's own weights under the float32 adapters (with the adapters off they are TRL's reference); bfloat16 halves their memory."""
 
     @model_validator(mode="before")
     @classmethod

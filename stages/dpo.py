@@ -79,11 +79,13 @@ def encoded_pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> da
 
 def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> DPOTrainer:
     """TRL's DPOTrainer from our config. The reference is TRL's frozen copy of the SFT model as
-    loaded; with `cfg.lora`, TRL wraps the policy with LoRA adapters and the reference is the same
-    model with its adapters disabled (no copy: `trainer.ref_model` is None)."""
+    loaded; with `cfg.lora`, TRL wraps the policy with LoRA adapters (float32, on weights held in
+    `cfg.frozen_dtype`) and the reference is the same model with its adapters disabled (no copy:
+    `trainer.ref_model` is None)."""
     set_seed(cfg.seed)
     tokenizer = load_tokenizer(inputs.sft_location, trust_remote_code=cfg.trust_remote_code)
-    model = load_causal_lm(inputs.sft_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
+    frozen = torch.float32 if cfg.lora is None else dtype_named(cfg.frozen_dtype)  # LoRA: only the adapters train
+    model = load_causal_lm(inputs.sft_location, tokenizer, dtype=frozen, trust_remote_code=cfg.trust_remote_code)
     args = TRLDPOConfig(**trainer_arguments(cfg, output_dir), beta=cfg.beta, loss_type=[cfg.loss_type],
                         label_smoothing=cfg.label_smoothing, disable_dropout=True)
     trainer = EncodedDPOTrainer(

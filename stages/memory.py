@@ -370,7 +370,8 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
     compute = 2 if autocast else 4
     sharding = n if sharded else 1
     notes: list[str] = []
-    trained = _trained("reward model" if stage == "reward" else "policy", model, section.lora, "float32", sharding, compute,
+    frozen = section.frozen_dtype if stage == "dpo" else "float32"  # under LoRA adapters
+    trained = _trained("reward model" if stage == "reward" else "policy", model, section.lora, frozen, sharding, compute,
                        head_trains=stage == "reward")
     held = [trained]
     if stage == "dpo" and section.lora is None:  # TRL's reference: a frozen copy (LoRA: the adapters disabled)

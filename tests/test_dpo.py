@@ -81,3 +81,21 @@ def test_a_killed_dpo_run_resumes_from_its_trainer_checkpoint(tiny_config, train
     resumed = train_dpo(cfg, _inputs(trained, pairs), tmp_path / "killed")
     assert resumed.metrics["eval/loss"] == pytest.approx(whole.metrics["eval/loss"], rel=1e-5)
     assert list(resumed.evaluation["policy_response"]) == list(whole.evaluation["policy_response"])
+
+
+def test_a_lora_policy_trains_float32_adapters_on_weights_held_in_frozen_dtype(tiny_config, trained, pairs, tmp_path):
+    """`frozen_dtype: bfloat16` with LoRA: the policy's frozen weights (with the adapters off, TRL's
+    reference) held in bf16 under float32 adapters; the hand-off merged in the SFT checkpoint's dtype."""
+    import torch
+
+    from stages.dpo import build_trainer
+
+    cfg = with_overrides(tiny_config.dpo, {"max_steps": 6, "lora": {"r": 4}, "frozen_dtype": "bfloat16"})
+    trainer = build_trainer(cfg, _inputs(trained, pairs), tmp_path / "built")
+    held = {(p.requires_grad, p.dtype) for p in trainer.model.parameters()}
+    assert held == {(True, torch.float32), (False, torch.bfloat16)}, held
+    result = train_dpo(cfg, _inputs(trained, pairs), tmp_path / "run")
+    assert result.metrics["eval/loss"] < result.metrics["eval/loss_untrained"] == pytest.approx(0.6931, abs=1e-3)
+    saved = AutoModelForCausalLM.from_pretrained(result.checkpoint, use_safetensors=True)
+    assert {p.dtype for p in saved.parameters()} == {torch.float32}
+    assert not any("lora" in name for name, _ in saved.named_parameters())

@@ -80,6 +80,21 @@ def test_dpo_sharded_matches_one_process(world, tiny_config, tokenizer, trained,
     _same_weights(one.checkpoint, two.checkpoint, AutoModelForCausalLM)
 
 
+def test_sharded_dpo_trains_lora_on_bf16_weights(world, tiny_config, tokenizer, trained, tmp_path):
+    """FSDP2 with float32 adapters and bf16 frozen weights in one sharded unit (`frozen_dtype` under LoRA:
+    how DPO fits 70B on 8 GPUs), handed over as a plain float32 checkpoint."""
+    cfg = with_overrides(tiny_config.dpo, {"max_steps": 4, "batch_size": 8, "launch": FSDP, "lora": {"r": 4},
+                                           "frozen_dtype": "bfloat16"})
+    inputs = DPOInputs(trained["sft"], dataset(world, tokenizer, "preferences"),
+                       dataset(world, tokenizer, "preferences_eval"), trained["eval_prompts"])
+    result = _run(train_dpo, cfg, inputs, tmp_path)
+    assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
+    assert result.metrics["eval/loss"] < result.metrics["eval/loss_untrained"]
+    saved = AutoModelForCausalLM.from_pretrained(result.checkpoint, use_safetensors=True)
+    assert {p.dtype for p in saved.parameters()} == {torch.float32}
+    assert not any("lora" in name for name, _ in saved.named_parameters())
+
+
 @pytest.mark.parametrize("settings", [
     {"critic.kind": "shared", "ref_refresh_every": 2, "sharded_sampling": "per_layer"},
     {"advantage_estimator": "grpo", "samples_per_prompt": 2, "lora": {"r": 4}},
