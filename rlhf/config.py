@@ -74,6 +74,12 @@ class LaunchConfig(_Frozen):
         """Whether the stage's models are sharded between its processes (FSDP2 on more than one), not replicated."""
         return self.engine().get("distributed_type") == "FSDP" and self.num_processes > 1
 
+    @property
+    def offload_params(self) -> bool:
+        """Whether the accelerate config offloads (`fsdp_offload_params`): a sharded stage then holds its models' shards in host memory, the trained ones' gradients and optimizer state too."""
+        return self.engine().get("distributed_type") == "FSDP" and \
+            bool((self.engine().get("fsdp_config") or {}).get("fsdp_offload_params", False))
+
     def engine(self) -> dict[str, Any]:
         """The accelerate config file's contents ({} when unset)."""
         if self.accelerate_config is None:
@@ -381,6 +387,8 @@ class PPOConfig(TrainedStage):
     """When a run warns."""
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the frozen reference and reward models are held in (with `lora`, the policy's own frozen weights, which are the reference); bfloat16 halves their memory."""
+    offload_frozen: bool = False
+    """With a sharded launch: the reference's and reward model's shards held in host memory, each layer copied to the device when its forward gathers it (as verl offloads its reference); the accelerate config's `fsdp_offload_params: true` (configs/accelerate/fsdp-offload.yaml) offloads every model, the trained ones' gradients and optimizer state included."""
     sharded_sampling: Literal["whole", "per_layer", "auto"] = "auto"
     """With a sharded launch (FSDP2): gather the whole policy once per rollout for sampling (`whole`: one full copy while sampling, fastest), or gather each layer at every decode step (`per_layer`: least memory, one all-gather per layer per token); `auto`: `whole` where the memory plan fits it on the device present, else `per_layer`, resolved at launch; docs/scaling.md has the figures."""
     refit_normalization: bool = True
@@ -429,6 +437,9 @@ class PPOConfig(TrainedStage):
             if processes > 1:
                 factors += f" x launch.num_processes ({processes})"
             raise ValueError(f"{factors} must divide rollout_batch_size ({self.rollout_batch_size})")
+        if self.offload_frozen and not self.launch.sharded:
+            raise ValueError("offload_frozen: frozen models are offloaded shard by shard, so it needs a sharded launch "
+                             "(launch.accelerate_config: configs/accelerate/fsdp.yaml and num_processes above 1)")
         if self.launch.engine().get("distributed_type", "MULTI_GPU") not in ("MULTI_GPU", "NO", "FSDP"):
             raise ValueError("ppo.launch.accelerate_config: PPO runs on DDP (distributed_type MULTI_GPU) or FSDP2 "
                              "(configs/accelerate/fsdp.yaml); DeepSpeed is for the SFT, reward and DPO stages (PPO's "

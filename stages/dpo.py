@@ -129,7 +129,7 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Re
     untrained = untrained_evaluation(trainer)
     final = trainer.evaluate()
     tokenizer = trainer.processing_class
-    model, holding, updated, held = trained_as_held(trainer)
+    model, holding, updated, held = trained_as_held(trainer, cfg.launch)
 
     models = evaluation_models(model, holding, cfg, inputs.sft_location)
     held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, device())

@@ -34,10 +34,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from accelerate import Accelerator
+
+if TYPE_CHECKING:
+    from rlhf.config import LaunchConfig
 
 from stages.collectives import check_weights_agree
 from stages.models import device
@@ -126,6 +129,12 @@ class Sharded:
     gather: Gather = "whole"
     """How sampling reads the policy: gathered whole once per rollout, or layer by layer at each decode step."""
     autocast_dtype: torch.dtype | None = None
+    offload_trained: bool = False
+    """Every model's shards in host memory, the trained ones' gradients and optimizer state too (the
+    accelerate config's `fsdp_offload_params`): each unit copied to the device when gathered, the
+    optimizer stepping on the CPU (FSDP2's `CPUOffloadPolicy`)."""
+    offload_frozen: bool = False
+    """The frozen models' shards in host memory, each unit copied to the device when gathered (`ppo.offload_frozen`)."""
 
     def __post_init__(self):
         from torch.distributed.device_mesh import init_device_mesh
@@ -144,18 +153,23 @@ class Sharded:
         `forward_method`, that method gathers the unit as `forward` does (a critic's `values`).
         Parameters already sharded stay in the unit that holds them: a `reward-lora` critic's
         adapters are sharded with the reward model they sit in."""
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard, register_fsdp_forward_method
         from torch.distributed.tensor import DTensor
 
-        policy = self._mp_policy(trained)
+        unit = {"mesh": self.mesh, "mp_policy": self._mp_policy(trained)}
+        offload = self.offload_trained or (self.offload_frozen and not trained)
+        if offload:
+            unit["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         held = {p for p in model.parameters() if isinstance(p, DTensor)}
         # Rank 0 loaded the model (the others built it on the meta device): the tensors it read, to send on.
         full = {k: v for k, v in model.state_dict().items() if not isinstance(v, DTensor)} \
             if self.accelerator.is_main_process else {}
         for layer in decoder_layers(model, required=forward_method is None):
-            fully_shard(layer, mesh=self.mesh, mp_policy=policy, reshard_after_forward=True)
-        fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False, ignored_params=held or None)
+            fully_shard(layer, reshard_after_forward=True, **unit)
+        fully_shard(model, reshard_after_forward=False, ignored_params=held or None, **unit)
         receive_from_rank0(model, full, skip=held)
+        if offload:  # received on the device (the collectives' own); FSDP2 keeps offloaded shards on the CPU
+            model._apply(lambda t: t.cpu() if isinstance(t, DTensor) else t)
         if forward_method is not None:
             register_fsdp_forward_method(model, forward_method)
 
@@ -414,10 +428,12 @@ def _units(model: torch.nn.Module) -> list:
 Holding = Replicated | Sharded
 
 
-def holding_for(accelerator: Accelerator, sharded: bool, gather: Gather, autocast_dtype: torch.dtype | None) -> Holding:
-    """`Sharded` when the stage's launch shards (FSDP2) and runs on several processes, else `Replicated`."""
+def holding_for(accelerator: Accelerator, launch: LaunchConfig, gather: Gather, autocast_dtype: torch.dtype | None,
+                offload_frozen: bool = False) -> Holding:
+    """`Sharded` when the stage's launch shards (FSDP2) and runs on several processes (offloading as
+    its accelerate config and `offload_frozen` say), else `Replicated`."""
     if gather not in ("whole", "per_layer"):
         raise ValueError(f"sharded_sampling {gather!r} must be resolved first (stages.memory.with_micro_batches)")
-    if sharded and accelerator.num_processes > 1:
-        return Sharded(accelerator, gather, autocast_dtype)
+    if launch.sharded and accelerator.num_processes > 1:
+        return Sharded(accelerator, gather, autocast_dtype, launch.offload_params, offload_frozen)
     return Replicated(accelerator)

@@ -153,6 +153,9 @@ class Held:
     """Bytes FSDP2 keeps gathered besides the shard: the root unit after its first forward."""
     how: str
     """`trained`, `LoRA r=8 (bfloat16 frozen)`, `frozen bfloat16`, ..."""
+    host: float = 0.0
+    """Bytes of this process's share held in host memory instead (offloaded: weights, and a trained
+    model's gradients and optimizer state); the device then holds only what is gathered."""
 
 
 @dataclass(frozen=True)
@@ -303,6 +306,14 @@ def _engine(launch: LaunchConfig, processes: int | None) -> tuple[int, bool]:
     return n, launch.engine().get("distributed_type") == "FSDP" and n > 1
 
 
+def _offloaded(held: Held) -> Held:
+    """`held` with its shards in host memory (FSDP2's `CPUOffloadPolicy`): each unit is copied to the
+    device when gathered (counted with the gathered layers), gradients go back to the host as they are
+    reduced, and the optimizer steps there."""
+    return replace(held, weights=0.0, gradients=0.0, optimizer=0.0, host=held.weights + held.gradients + held.optimizer,
+                   how=f"{held.how}, offloaded")
+
+
 def _training_extras(trained: Iterable[Held], processes: int, sharded: bool, autocast: str | None,
                      largest_layer: float) -> dict[str, float]:
     """What training adds to the resident models besides activations: gradients; under DDP its
@@ -417,6 +428,14 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
     if sharded and device.kind == "cpu":  # on a GPU the reading is done in host memory, not the device's
         phases["loading"] = loading([(4 * model.parameters, trained.weights)])  # read in float32
         alone = frozenset({"loading"})
+    if sharded and device.kind == "cuda" and section.launch.offload_params:  # on the CPU, host memory is the device's
+        # Every model accelerate prepares (the trained one, TRL's reference), and the frozen ones the
+        # hand-off holds (`stages.holding.Sharded`), in host memory.
+        held = [_offloaded(h) for h in held]
+        phases["training"].pop("gradients")  # back to the host as each unit's are reduced
+        frozen_later = sum(phases["hand-off"].pop(k, 0.0) for k in ("evaluation_reference", "normalization_policy"))
+        notes.append(f"offloaded (fsdp_offload_params): {(sum(h.host for h in held) + frozen_later) / GIB:.2f} GiB "
+                     "per process in host memory")
     return StagePlan(stage, n, sharded, held, phases, notes, alone)
 
 
@@ -489,6 +508,15 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device:
                   sum(h.weights for h in rest))
         phases["loading"] = loading([first, second])
         alone = frozenset({"loading"})
+    if sharded and device.kind == "cuda" and (section.launch.offload_params or section.offload_frozen):
+        # In host memory: every model (the accelerate config's `fsdp_offload_params`) or the frozen ones,
+        # held as `stages.holding.Sharded.frozen` holds them (a `reward-lora` critic's body and adapters).
+        held = [_offloaded(h) if section.launch.offload_params or (h is not pol and h.name != "critic") else h
+                for h in held]
+        if section.launch.offload_params:
+            phases["update"].pop("gradients")  # back to the host as each unit's are reduced
+        notes.append(f"offloaded ({'fsdp_offload_params' if section.launch.offload_params else 'offload_frozen'}): "
+                     f"{sum(h.host for h in held) / GIB:.2f} GiB per process in host memory")
     return StagePlan("ppo", n, sharded, held, phases, notes, alone)
 
 
@@ -617,6 +645,8 @@ def knobs(stage: StageName, section: TrainedStage) -> list[tuple[str, dict]]:
                       {"sampling": section.sampling.model_copy(update={"micro_batch_size": 1})}))
     if stage in ("ppo", "dpo") and section.frozen_dtype == "float32":
         found.append((f"{stage}.frozen_dtype: bfloat16", {"frozen_dtype": "bfloat16"}))
+    if stage == "ppo" and not section.offload_frozen:  # acts only when sharded, on a GPU
+        found.append(("ppo.offload_frozen: true", {"offload_frozen": True}))
     if stage == "ppo" and section.sharded_sampling == "whole":  # acts only when sharded: see `sharding_over`
         found.append(("ppo.sharded_sampling: per_layer", {"sharded_sampling": "per_layer"}))
     if stage == "ppo" and section.uses_critic and section.critic.kind == "reward":
@@ -741,7 +771,7 @@ def plan_table(result: Plan) -> str:
         for phase, items in p.phases.items():
             parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in items.items())
             lines.append(f"| {phase} | {parts} | {p.phase_total(phase) / GIB:.2f} |")
-        lines += [f"", f"Resident (models, optimizer, runtime {RUNTIME_GIB} GiB): {p.resident / GIB:.2f} GiB"]
+        lines += ["", f"Resident (models, optimizer, runtime {RUNTIME_GIB} GiB): {p.resident / GIB:.2f} GiB"]
         if result.micro_batches.get(stage):
             chosen = ", ".join(f"{stage}.{name} {'all at once' if value is None else value}"
                                for name, value in result.micro_batches[stage].items())
@@ -762,7 +792,8 @@ def plan_json(result: Plan) -> dict:
                 "state_gib": p.state_bytes() / GIB, "resident_gib": p.resident / GIB,
                 "models": [{"name": h.name, "parameters": h.parameters, "trained_parameters": h.trained,
                             "held_as": h.how, "weights_gib": h.weights / GIB, "gradients_gib": h.gradients / GIB,
-                            "optimizer_gib": h.optimizer / GIB, "gathered_gib": h.gathered / GIB} for h in p.held],
+                            "optimizer_gib": h.optimizer / GIB, "gathered_gib": h.gathered / GIB,
+                            "host_gib": h.host / GIB} for h in p.held],
                 "phases": {phase: {k: v / GIB for k, v in items.items()} | {"total": p.phase_total(phase) / GIB}
                            for phase, items in p.phases.items()},
                 "notes": p.notes, "fixes": result.fixes.get(stage, []),

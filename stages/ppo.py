@@ -439,8 +439,8 @@ def build_trainer(cfg: PPOConfig, inputs: PPOInputs) -> PPOTrainer:
     schedule and sampler. Rank 0 keeps the single-process random stream; the others sample with their own."""
     accelerator = Accelerator()
     torch.manual_seed(cfg.seed)
-    holding = holding_for(accelerator, cfg.launch.sharded, cfg.sharded_sampling,
-                          resolve_precision(cfg.precision).autocast_dtype)
+    holding = holding_for(accelerator, cfg.launch, cfg.sharded_sampling, resolve_precision(cfg.precision).autocast_dtype,
+                          cfg.offload_frozen)
     models = load_models(cfg, inputs.sft_location, inputs.reward_location, holding)
     if accelerator.process_index > 0:
         torch.manual_seed(cfg.seed + accelerator.process_index)

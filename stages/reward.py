@@ -279,7 +279,7 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
     tokenizer = trainer.processing_class
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
     untrained, final = untrained_evaluation(trainer), trainer.evaluate()
-    model, holding, updated, held = trained_as_held(trainer)
+    model, holding, updated, held = trained_as_held(trainer, cfg.launch)
     main = PartialState().is_main_process
 
     # On every process (a sharded model needs them all); a LoRA model's adapters and score head count, unmerged.

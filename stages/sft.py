@@ -90,7 +90,7 @@ def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Re
     untrained_loss = untrained_evaluation(trainer)["eval_loss"]
     reporting.metrics({"eval/loss_untrained": untrained_loss}, 0)
     eval_loss = trainer.evaluate()["eval_loss"]
-    model, holding, updated, held = trained_as_held(trainer)
+    model, holding, updated, held = trained_as_held(trainer, cfg.launch)
 
     picks = inputs.evaluation.head(cfg.num_samples)
     answers = []

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from rlhf.config import TrainingConfig
+from rlhf.config import LaunchConfig, TrainingConfig
 from stages.holding import Holding, held_as, holding_for
 from stages.models import resolve_precision, unfilled_memory
 from stages.reporting import Reporting
@@ -38,7 +38,7 @@ class ForwardLogs(TrainerCallback):
         self.reporting.progress(state.global_step, state.max_steps)
 
 
-def trained_as_held(trainer) -> tuple[torch.nn.Module, Holding, list[torch.nn.Parameter], dict[str, str]]:
+def trained_as_held(trainer, launch: LaunchConfig) -> tuple[torch.nn.Module, Holding, list[torch.nn.Parameter], dict[str, str]]:
     """The trained model as the trainer's processes hold it (unwrapped from DDP; under FSDP2 still
     sharded, so every process takes part in what reads it), how they hold it (a sharded one is sampled
     layer by layer, never gathered whole), the parameters its optimizer updated, and the `rlhf.held_as`
@@ -48,13 +48,14 @@ def trained_as_held(trainer) -> tuple[torch.nn.Module, Holding, list[torch.nn.Pa
     state = PartialState()
     trainer.optimizer.state.clear()  # its moments are in the trainer's checkpoints; what follows needs the memory
     model = trainer.accelerator.unwrap_model(trainer.model)
-    holding = holding_for(trainer.accelerator, trainer.is_fsdp_enabled, "per_layer", None)
+    holding = holding_for(trainer.accelerator, launch, "per_layer", None)  # offloaded as accelerate offloads the trained one
     return model, holding, [p for p in model.parameters() if p.requires_grad], held_as(model, state.num_processes)
 
 
 def prepare_sharding(trainer) -> None:
     """What accelerate's FSDP2 preparation needs of a TRL trainer's model and settings; call before
-    `train()` prepares them. Under bf16 autocast, float32 gradient reductions (accelerate's policy would
+    `train()` prepares them. Offloaded shards (`fsdp_offload_params`) pinned only where there is a GPU.
+    Under bf16 autocast, float32 gradient reductions (accelerate's policy would
     reduce in bf16; parameters still compute in bf16). On a process that built the model on the meta
     device (`models.reads_checkpoints`), storage for its parameters: accelerate maps the optimizer's
     parameters to the sharded ones by storage address, which meta tensors lack (all would map to one).
@@ -62,12 +63,14 @@ def prepare_sharding(trainer) -> None:
     the model back to the meta device before sharding it and rank 0's weights arrive shard by shard."""
     if not trainer.is_fsdp_enabled:
         return
-    _give_meta_parameters_storage(trainer.model)
-    if trainer.args.bf16:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-        trainer.accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _give_meta_parameters_storage(trainer.model)
+    plugin = trainer.accelerator.state.fsdp_plugin
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and not torch.cuda.is_available():
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)  # pinned host memory needs an accelerator
+    if trainer.args.bf16:
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def _give_meta_parameters_storage(model: torch.nn.Module) -> None:

@@ -12,7 +12,7 @@ import yaml
 from bench.memory import state_bytes
 from bench.published import PUBLISHED, PUBLISHED_PARAMETERS, write_config
 from rlhf.cli import main as cli
-from rlhf.config import LoRAConfig, load_config, with_overrides
+from rlhf.config import LoRAConfig, PipelineConfig, load_config, with_overrides
 from stages.memory import (AUTO_MARGIN, GIB, Counts, Device, model_shape, plan, plan_stage, resolve_micro_batches,
                            resolved_values, reward_shape)
 
@@ -113,6 +113,58 @@ def test_every_stage_of_an_8b_pipeline_fits_eight_gpus_sharded_with_micro_batche
     assert plan_stage(cfg, "ppo", shapes, gpu, Counts(64, 64, 64), section=doubled).peak > AUTO_MARGIN * gpu.memory
     one_gpu = plan(cfg, ["sft"], shapes, gpu, Counts(64, 64, 64), processes=1)
     assert not one_gpu.verdicts["sft"]  # 16 bytes per parameter: 128 GB before activations
+
+
+def _llama3_70b_pipeline(tmp_path, every: dict, **sections) -> PipelineConfig:
+    """Every stage of a Llama-3-70B pipeline (config.json alone) with `every`'s settings, and each
+    section's own on top."""
+    model = write_config(tmp_path / "llama-3-70b", "Llama-3-70B")
+    data = {"path": str(tmp_path / "data.jsonl")}
+    lengths = {"max_prompt_length": 512, "max_length": 1024, "batch_size": 4, "train_data": data, "eval_data": None}
+    config = {"demo": None, "sft": {"model": str(model)} | lengths, "reward": lengths | {"normalization_prompts": data},
+              "ppo": {"prompts": data, "evaluation": {"prompts": data}, "max_prompt_length": 512,
+                      "sampling": {"response_length": 512}, "rollout_batch_size": 512},
+              "dpo": lengths | {"evaluation": {"prompts": data}}}
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(64)))
+    for stage in ("sft", "reward", "ppo", "dpo"):
+        config[stage] |= every | sections.get(stage, {})
+    path = tmp_path / "llama-3-70b.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return load_config(str(path))
+
+
+def test_70b_fits_8_gpus_with_lora_and_32_with_full_fine_tuning_offloaded(tmp_path):
+    """Llama-3-70B, no micro-batch size set: LoRA everywhere and the `reward-lora` critic (frozen
+    weights bf16) over 8 GPUs of 80 GB; full fine-tuning over 32, whose PPO and DPO fit only with the
+    shards in host memory (configs/accelerate/fsdp-offload.yaml), which the plan then counts there."""
+    gpu, counts, stages = Device("cuda", 80e9), Counts(64, 64, 64), ["sft", "reward", "ppo", "dpo"]
+    launch = lambda n, engine="fsdp": {"launch": {"num_processes": n, "accelerate_config": f"configs/accelerate/{engine}.yaml"},
+                                       "gradient_checkpointing": True}
+    lora = _llama3_70b_pipeline(tmp_path / "lora", launch(8) | {"lora": {"r": 8}},
+                                ppo={"critic": {"kind": "reward-lora"}, "frozen_dtype": "bfloat16"},
+                                dpo={"frozen_dtype": "bfloat16"})
+    shapes = {"policy": model_shape(lora.sft.model)}
+    result = plan(lora, stages, shapes, gpu, counts)
+    assert all(result.verdicts.values()), {s: p.peak / GIB for s, p in result.stages.items()}
+
+    full = _llama3_70b_pipeline(tmp_path / "full", launch(32), ppo={"frozen_dtype": "bfloat16"})
+    result = plan(full, stages, shapes, gpu, counts)
+    assert result.verdicts["sft"] and result.verdicts["reward"]
+    assert not result.verdicts["ppo"] and not result.verdicts["dpo"]  # the shards, gradients and AdamW alone: 69.6 GiB
+    offloaded = _llama3_70b_pipeline(tmp_path / "offloaded", launch(32, "fsdp-offload"), ppo={"frozen_dtype": "bfloat16"})
+    result = plan(offloaded, stages, shapes, gpu, counts)
+    assert all(result.verdicts.values()), {s: p.peak / GIB for s, p in result.stages.items()}
+    ppo = result.stages["ppo"]
+    assert all(h.weights == h.optimizer == 0 and h.host > 0 for h in ppo.held)
+    assert "gradients" not in ppo.phases["update"]
+    # Offloading only the frozen models: the reference and reward model move to host memory, nothing else.
+    frozen_only = plan_stage(full, "ppo", shapes, gpu, counts, section=with_overrides(full.ppo, {"offload_frozen": True}))
+    moved = {h.name for h in frozen_only.held if h.host > 0}
+    assert moved == {"reference", "reward model"}
+    assert frozen_only.peak < plan_stage(full, "ppo", shapes, gpu, counts).peak
+    # On the CPU the host memory is the device's: nothing moves.
+    cpu = plan_stage(offloaded, "ppo", shapes, Device("cpu", 4e12), counts)
+    assert all(h.host == 0 for h in cpu.held)
 
 
 def test_auto_micro_batches_are_all_at_once_where_everything_fits(tiny_config, world):

@@ -95,13 +95,27 @@ def test_sharded_dpo_trains_lora_on_bf16_weights(world, tiny_config, tokenizer, 
     assert not any("lora" in name for name, _ in saved.named_parameters())
 
 
+def test_offloaded_sft_matches_the_sharded_run(world, tiny_config, tokenizer, tmp_path):
+    """configs/accelerate/fsdp-offload.yaml: shards, gradients and optimizer state in host memory (on
+    the CPU the same memory; what runs is FSDP2's offloading path); the same training either way."""
+    section = tiny_config.sft.model_copy(update={"max_steps": 4, "batch_size": 8, "launch": FSDP})
+    offloaded = section.model_copy(update={"launch": FSDP.model_copy(
+        update={"accelerate_config": "configs/accelerate/fsdp-offload.yaml"})})
+    assert offloaded.launch.offload_params and not section.launch.offload_params
+    inputs = sft_inputs(world, tokenizer)
+    one, two = _run(train_sft, section, inputs, tmp_path / "one"), _run(train_sft, offloaded, inputs, tmp_path / "two")
+    _agree(one.metrics, two.metrics, ("train/loss", "eval/loss"))
+    _same_weights(one.checkpoint, two.checkpoint, AutoModelForCausalLM)
+
+
 @pytest.mark.parametrize("settings", [
-    {"critic.kind": "shared", "ref_refresh_every": 2, "sharded_sampling": "per_layer"},
+    {"critic.kind": "shared", "ref_refresh_every": 2, "sharded_sampling": "per_layer", "offload_frozen": True},
     {"advantage_estimator": "grpo", "samples_per_prompt": 2, "lora": {"r": 4}},
 ])
 def test_sharded_ppo_variants_run_and_hand_over_a_plain_checkpoint(tiny_config, trained, tmp_path, settings):
     """The sharded paths the gradient and resume tests do not take: a shared value head with the
-    reference refreshed from the sharded policy and sampling gathered layer by layer; a
+    reference refreshed from the sharded policy, sampling gathered layer by layer and the frozen
+    models offloaded (FSDP2's offloading path; on the CPU the same memory); a
     critic-free estimator with LoRA (the reference is the sharded policy with adapters off)."""
     cfg = with_overrides(tiny_config.ppo, settings | {"launch": FSDP})
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
