@@ -110,14 +110,15 @@ def test_offloaded_sft_matches_the_sharded_run(world, tiny_config, tokenizer, tm
 
 @pytest.mark.parametrize("settings", [
     {"critic.kind": "shared", "ref_refresh_every": 2, "sharded_sampling": "per_layer", "offload_frozen": True},
-    {"advantage_estimator": "grpo", "samples_per_prompt": 2, "lora": {"r": 4}},
+    {"advantage_estimator": "grpo", "samples_per_prompt": 2, "lora": {"r": 4},
+     "launch": FSDP.model_copy(update={"accelerate_config": "configs/accelerate/fsdp-offload.yaml"})},
 ])
 def test_sharded_ppo_variants_run_and_hand_over_a_plain_checkpoint(tiny_config, trained, tmp_path, settings):
     """The sharded paths the gradient and resume tests do not take: a shared value head with the
     reference refreshed from the sharded policy, sampling gathered layer by layer and the frozen
-    models offloaded (FSDP2's offloading path; on the CPU the same memory); a
-    critic-free estimator with LoRA (the reference is the sharded policy with adapters off)."""
-    cfg = with_overrides(tiny_config.ppo, settings | {"launch": FSDP})
+    models offloaded (FSDP2's offloading path; on the CPU the same memory); a critic-free estimator
+    with LoRA (the reference is the sharded policy with adapters off) and every model offloaded."""
+    cfg = with_overrides(tiny_config.ppo, {"launch": FSDP} | settings)
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     result = _run(train_ppo, cfg, inputs, tmp_path / "fsdp")
     assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
