@@ -642,9 +642,10 @@ def with_overrides(section: Section, changes: dict[str, Any]) -> Section:
     return type(section).model_validate(tree)
 
 
-OUTSIDE_THE_HASH = {"launch": {"timeout_seconds"}}
+OUTSIDE_THE_HASH = {"launch": {"timeout_seconds"}, "offload_frozen": True}
 """Stage settings that cannot change its result, left out of its hash and so of its cache key: a run
-that timed out and is rerun with a longer timeout resumes the stage's work instead of starting over."""
+that timed out and is rerun with a longer timeout resumes the stage's work instead of starting over;
+frozen models computed from host memory compute what they computed from the device."""
 
 
 def config_hash(section: BaseModel) -> str:

@@ -49,6 +49,9 @@ def test_hash_and_params_cover_every_field():
     assert config_hash(a) != config_hash(b)
     longer_wait = a.model_copy(update={"launch": a.launch.model_copy(update={"timeout_seconds": 7200})})
     assert config_hash(longer_wait) == config_hash(a)  # cannot change the result: the stage's work is resumed
+    ppo = load_config("configs/demo.yaml").ppo
+    offloaded = ppo.model_copy(update={"offload_frozen": True})  # frozen models compute the same from host memory
+    assert config_hash(offloaded) == config_hash(ppo)
     params = flatten(a)
     assert params["train_data.path"] == "demo:sft" and params["max_steps"] == "null"
     # three nested sections (two DataSources and launch, three fields each) flatten to nine keys
