@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from flows.lineage import StageRecord
 from flows.reports import STAGE_SECONDS, Progress, finish, lineage_note
 from rlhf import tracking
-from rlhf.config import PipelineConfig, StageName, config_hash, flatten
+from rlhf.config import PipelineConfig, StageName, config_hash, flatten, param_value
 from schemas.errors import DataContractError
 from schemas.validate import ValidatedData
 from stages.distributed import LaunchError, call_stage
@@ -123,7 +123,7 @@ class StageRun:
                          **callbacks)
 
     def params(self, values: dict) -> None:
-        MlflowClient().log_batch(self.run_id, params=[Param(name, str(value)) for name, value in values.items()])
+        MlflowClient().log_batch(self.run_id, params=[Param(name, param_value(value)) for name, value in values.items()])
 
 
 @contextmanager

@@ -654,6 +654,11 @@ def config_hash(section: BaseModel) -> str:
     return hashlib.sha256(json.dumps(dumped, sort_keys=True).encode()).hexdigest()
 
 
+def param_value(value: Any) -> str:
+    """A setting as an MLflow param shows it: lists and null as JSON (as the config writes them), the rest as text."""
+    return json.dumps(value) if isinstance(value, (list, type(None))) else str(value)
+
+
 def flatten(section: BaseModel, prefix: str = "") -> dict[str, str]:
     """{"train_data.path": "...", ...}: a config section as MLflow params."""
     flat: dict[str, str] = {}
@@ -663,7 +668,7 @@ def flatten(section: BaseModel, prefix: str = "") -> dict[str, str]:
             for k, v in node.items():
                 walk(v, f"{key}.{k}" if key else k)
         else:
-            flat[key] = json.dumps(node) if isinstance(node, (list, type(None))) else str(node)
+            flat[key] = param_value(node)
 
     walk(section.model_dump(mode="json"), prefix)
     return flat

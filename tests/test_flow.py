@@ -279,6 +279,8 @@ def test_ppo_alone_reruns_against_the_latest_sft_and_reward_runs(finished):
                    overrides={"ppo.advantage_estimator": "rloo", "ppo.samples_per_prompt": 2})
     run = MlflowClient().get_run(rloo.run_id)
     assert run.data.params["advantage_estimator"] == "rloo" and "train/value_loss" not in run.data.metrics
+    # what `auto` resolved to, written as the config would write it (null: all at once)
+    assert run.data.params["micro_batch_size"] == "auto" and run.data.params["auto.micro_batch_size"] == "null"
     model, version = run.data.tags[tracking.TAG_REGISTERED_MODEL].split("/")
     assert MlflowClient().get_model_version(model, version).tags["rlhf.method"] == "ppo-rloo"
 
