@@ -49,7 +49,7 @@ import pandas as pd
 from rlhf.config import accelerate_config_path
 from stages.errors import StageUserError
 from stages.memory import measured_peak, with_figures
-from stages.models import set_determinism
+from stages.models import keep_initial_adapters, set_determinism
 from stages.reporting import Reporting
 
 Stage = Callable[[Any, Any, Path, Reporting], Any]
@@ -268,10 +268,11 @@ def main(spec: Path) -> None:
     state = PartialState(cpu=os.environ.get("ACCELERATE_USE_CPU") == "true",
                          timeout=timedelta(seconds=call.section.launch.timeout_seconds))
     if call.section.launch.sharded:
-        # Sharded loading, whatever the accelerate config says: the first process of each machine reads the
-        # checkpoint, the others build the model on the meta device (transformers' `is_fsdp_enabled`) and
-        # receive their shards (accelerate's FSDP2 preparation, or `stages.holding.Sharded`).
+        # Sharded loading, whatever the accelerate config says: every process builds each model on the meta
+        # device, the first reads the checkpoint a tensor at a time and sends every process its shards
+        # (`stages.models.load_pretrained`, `stages.holding.receive_from_rank0`); LoRA adapters as peft drew them.
         os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
+        keep_initial_adapters()
     if call.section.launch.sharded and state.distributed_type == DistributedType.MULTI_CPU:
         # accelerate takes its FSDP branch only for accelerator devices and would run DDP on CPU
         # without a word; FSDP2 itself runs on CPU over gloo, so let the trainers' accelerator shard.

@@ -25,9 +25,9 @@ from trl import DPOTrainer
 
 from rlhf.config import DPOConfig
 from stages.evaluation import HeldOut, evaluate, warn_over_kl_budget
-from stages.holding import Holding
+from stages.holding import Holding, Sharded
 from stages.memory import Counts, with_micro_batches
-from stages.models import (device, disable_dropout, dtype_named, encode_pairs, load_causal_lm, load_tokenizer,
+from stages.models import (copied, device, disable_dropout, dtype_named, encode_pairs, load_causal_lm, load_tokenizer,
                            lora_config, resolve_precision, saved_dtype_and_tags, stop_token_ids)
 from stages.ppo_models import Models, reuse_sampling_pass
 from stages.ppo_rollout import policy_sampler
@@ -78,19 +78,25 @@ def encoded_pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> da
 
 
 def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> DPOTrainer:
-    """TRL's DPOTrainer from our config. The reference is TRL's frozen copy of the SFT model as
-    loaded; with `cfg.lora`, TRL wraps the policy with LoRA adapters (float32, on weights held in
-    `cfg.frozen_dtype`) and the reference is the same model with its adapters disabled (no copy:
-    `trainer.ref_model` is None)."""
+    """TRL's DPOTrainer from our config. The reference is a frozen copy of the SFT model as loaded
+    (embeddings resized as the policy's; under FSDP sharded as soon as made, for TRL's own would be read
+    whole on every process); with `cfg.lora`, TRL wraps the policy with LoRA adapters (float32, on
+    weights held in `cfg.frozen_dtype`) and the reference is the same model with its adapters
+    disabled (no copy: `trainer.ref_model` is None)."""
     set_seed(cfg.seed)
     tokenizer = load_tokenizer(inputs.sft_location, trust_remote_code=cfg.trust_remote_code)
     frozen = torch.float32 if cfg.lora is None else dtype_named(cfg.frozen_dtype)  # LoRA: only the adapters train
     model = load_causal_lm(inputs.sft_location, tokenizer, dtype=frozen, trust_remote_code=cfg.trust_remote_code)
+    reference = None
+    if cfg.lora is None:
+        reference = copied(model).eval().requires_grad_(False)
+        if cfg.launch.sharded and PartialState().num_processes > 1:
+            reference = Sharded(PartialState(), "per_layer").frozen(reference)
     args = TRLDPOConfig(**trainer_arguments(cfg, output_dir), beta=cfg.beta, loss_type=[cfg.loss_type],
                         label_smoothing=cfg.label_smoothing, disable_dropout=True)
     trainer = EncodedDPOTrainer(
         model=model,
-        ref_model=None,
+        ref_model=reference,
         args=args,
         train_dataset=encoded_pairs(inputs.train, tokenizer),
         eval_dataset=encoded_pairs(inputs.evaluation, tokenizer),

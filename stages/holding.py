@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 
 if TYPE_CHECKING:
     from rlhf.config import LaunchConfig
@@ -125,7 +125,8 @@ class Sharded:
     backward only. Trained modules keep float32 parameters; under bf16 autocast the units compute
     in bf16 and reduce gradients in float32."""
 
-    accelerator: Accelerator
+    accelerator: Accelerator | PartialState
+    """The processes (only which one is the first, how many, and their device are read)."""
     gather: Gather = "whole"
     """How sampling reads the policy: gathered whole once per rollout, or layer by layer at each decode step."""
     autocast_dtype: torch.dtype | None = None
@@ -161,13 +162,13 @@ class Sharded:
         if offload:
             unit["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         held = {p for p in model.parameters() if isinstance(p, DTensor)}
-        # Rank 0 loaded the model (the others built it on the meta device): the tensors it read, to send on.
-        full = {k: v for k, v in model.state_dict().items() if not isinstance(v, DTensor)} \
-            if self.accelerator.is_main_process else {}
+        # Every process built the model on the meta device, but for what the first one computed itself
+        # (a fresh head, resized embeddings, adapters): what it sends, tensor by tensor, once sharded.
+        sent = dict(model.state_dict(keep_vars=True)) if self.accelerator.is_main_process else {}
         for layer in decoder_layers(model, required=forward_method is None):
             fully_shard(layer, reshard_after_forward=True, **unit)
         fully_shard(model, reshard_after_forward=False, ignored_params=held or None, **unit)
-        receive_from_rank0(model, full, skip=held)
+        receive_from_rank0(model, sent, skip=held)
         if offload:  # received on the device (the collectives' own); FSDP2 keeps offloaded shards on the CPU
             model._apply(lambda t: t.cpu() if isinstance(t, DTensor) else t)
         if forward_method is not None:
@@ -175,7 +176,7 @@ class Sharded:
 
     def place_trained(self, module: torch.nn.Module) -> None:
         """Shard a trained module (the policy, or a critic: gathered for `values` too) in place, as
-        soon as it is loaded: the first process, which reads it whole, then holds only its shards.
+        soon as it is built (its tensors read and sent one at a time: `receive_from_rank0`).
         The optimizer must be built after this, on the sharded parameters."""
         self._shard(module, trained=True, forward_method="values" if hasattr(module, "values") else None)
 
@@ -281,7 +282,13 @@ def held_as(module: torch.nn.Module, num_processes: int) -> dict[str, str]:
 
 def broadcast_from_rank0(module: torch.nn.Module) -> None:
     """A small module kept whole on every process (a score head), on this process's device with rank
-    0's values (collective); built on the meta device on the others, it gets real tensors first."""
+    0's values (collective); built on the meta device, rank 0 reads it from its checkpoint first
+    (`models.materialise`) and the others give it storage to receive into."""
+    from stages.models import materialise
+
+    for parameter in module.parameters():
+        if parameter.is_meta and torch.distributed.get_rank() == 0:
+            torch.utils.swap_tensors(parameter, torch.nn.Parameter(materialise(parameter), parameter.requires_grad))
     if any(t.is_meta for t in module.parameters()):
         module.to_empty(device=device())
     module.to(device())
@@ -289,20 +296,44 @@ def broadcast_from_rank0(module: torch.nn.Module) -> None:
         torch.distributed.broadcast(tensor.data, src=0)
 
 
-def receive_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], skip: set = frozenset()) -> None:
-    """Fill a just-sharded `model`'s shards from `full`, the state rank 0 loaded (empty on the other
-    processes, whose model was built on the meta device): rank 0 sends each tensor in turn and every
-    process keeps its own part (collective). Parameters in `skip`, sharded earlier with another
-    model, are left as they are."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def receive_from_rank0(model: torch.nn.Module, sent: dict[str, torch.Tensor], skip: set = frozenset()) -> None:
+    """Fill a just-sharded `model`'s shards from rank 0, one tensor at a time (collective): `sent` is
+    what rank 0 held of it before sharding (empty on the other processes), each tensor real or on the
+    meta device marked with the checkpoint tensor it is read from (`models.load_pretrained`). Rank 0
+    reads (or takes) each in turn, casts it to the shard's dtype and broadcasts it; every process keeps
+    its own part. So no process ever holds more than one whole tensor of the model. Parameters in
+    `skip`, sharded earlier with another model, are left as they are."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    # Storage for the shards of a model built on the meta device, in place (tied parameters stay one);
-    # what is already real stays: buffers (rotary frequencies, computed at construction: loading sends
-    # no non-persistent ones) and parameters sharded with another model.
-    model._apply(lambda t: torch.empty_like(t, device=device()) if t.is_meta else t)
-    # `full` leaves out what was sharded before (a `reward-lora` critic's adapters): not strict then.
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                               strict=not skip))
+    from stages.models import materialise, unfilled_memory
+
+    # Storage for the shards (tied parameters stay one); what is real stays: buffers (rotary frequencies,
+    # computed at construction) and parameters sharded with another model.
+    with unfilled_memory():  # written next, by what is received
+        model._apply(lambda t: torch.empty_like(t, device=device()) if t.is_meta else t)
+    done = {id(p) for p in skip}
+    for name, local in model.state_dict(keep_vars=True).items():
+        if id(local) in done:
+            continue
+        done.add(id(local))
+        if sent:
+            whole = materialise(sent[name])
+            if whole.is_meta:
+                raise ValueError(f"{name} of {type(model).__name__} is neither in its checkpoint nor initialised on the "
+                                 "first process: nothing to send")
+            whole = whole.detach().to(device(), local.dtype)
+        else:
+            with unfilled_memory():
+                whole = torch.empty(local.shape, dtype=local.dtype, device=device())
+        torch.distributed.broadcast(whole, src=0)
+        with torch.no_grad():
+            if isinstance(local, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(whole.shape, local.device_mesh, local.placements)
+                local.to_local().copy_(whole[tuple(slice(o, o + n) for n, o in zip(shape, offset))])
+            else:
+                local.copy_(whole)
+        del whole
 
 
 SHARD_BYTES = 5 * 1024 ** 3

@@ -16,8 +16,8 @@ through and takes the largest:
     forwards     + the logits of the passes without gradients (PPO's old and reference log-probs)
     hand-off     what a process holds after training: the evaluation's or normalisation's models
                  and samples; sharded, the layers and tensors gathered one at a time to sample and save
-    loading      sharded on the CPU, the first process reading each model whole before splitting it
-                 (on a GPU that is host memory: the device only ever holds shards)
+    loading      sharded: every model's shards and one whole tensor in flight, as the first process
+                 reads it from the checkpoint, casts it and sends it and the others receive it
 
 The per-token activation figures were read off what autograd saves for a HF Llama layer
 (`torch.autograd.graph.saved_tensors_hooks`): float32 4 x (8h + 2kv + 4i) bytes, bf16 autocast
@@ -342,15 +342,12 @@ def sharded_hand_off(model: ModelShape, compute: int) -> dict[str, float]:
     return {"gathered": max(2 * model.layer_parameters * compute, 4 * largest_tensor(model))}
 
 
-def loading(reads: list[tuple[float, float]]) -> dict[str, float]:
-    """The first process while it loads, on the CPU: each model is read whole (`(whole bytes, bytes of
-    its shard)` in load order) and split before the next is read, so it holds the shards of the
-    models before and one model whole; the other processes hold shards only."""
-    worst, shards = 0.0, 0.0
-    for whole, shard in reads:
-        worst = max(worst, shards + whole + shard)
-        shards += shard
-    return {"models_as_read": worst}
+def loading(shards: float, model: ModelShape, device_kind: str) -> dict[str, float]:
+    """A process while a sharded stage loads its models: the shards of every model loaded so far and one
+    whole tensor in flight (`stages.holding.receive_from_rank0`): on the CPU as the first process reads
+    it (float32 at most) and casts it, on a GPU as it is sent in the shard's dtype (float32 at most).
+    No process ever holds a whole model."""
+    return {"shards": shards, "tensor_in_flight": (8 if device_kind == "cpu" else 4) * largest_tensor(model)}
 
 
 # --- the stages --------------------------------------------------------------------------------------------
@@ -406,10 +403,8 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
         prompts = _count(counts.reward_normalization_prompts, 64, "reward.normalization_prompts", notes)
         sequences = prompts * section.normalization_samples
         sequences = min(sequences, section.normalization_micro_batch_size or sequences)
-        # Sharded on the CPU, the first process reads the policy whole before splitting it.
-        read_whole = 4 * policy.parameters * (1 - 1 / sharding) if sharded and device.kind == "cpu" else 0.0
         phases["hand-off"] = streamed | {
-            "normalization_policy": 4 * policy.parameters / sharding + read_whole,
+            "normalization_policy": 4 * policy.parameters / sharding,
             "normalization_samples": kv_cache(policy, sequences, section.max_length, None),
             "normalization_forward": forward_without_gradients(policy, 1, section.max_length, 1, None)}
     else:
@@ -418,24 +413,24 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
         sequences = min(evaluated, section.sampling.micro_batch_size or evaluated)
         length = section.max_prompt_length + section.sampling.response_length
         reference = model.parameters * _bytes_of(section.frozen_dtype)
-        read_whole = reference * (1 - 1 / sharding) if sharded and device.kind == "cpu" else 0.0  # the first process reads it
         phases["hand-off"] = streamed | {
-            "evaluation_reference": reference / sharding + read_whole,
+            "evaluation_reference": reference / sharding,
             "evaluation_samples": kv_cache(model, sequences, length, autocast),
             "evaluation_forwards": forward_without_gradients(model, sequences, length, section.sampling.response_length + 1,
                                                              autocast)}
-    alone = frozenset()
-    if sharded and device.kind == "cpu":  # on a GPU the reading is done in host memory, not the device's
-        phases["loading"] = loading([(4 * model.parameters, trained.weights)])  # read in float32
-        alone = frozenset({"loading"})
+    alone, received = frozenset(), 0.0
     if sharded and device.kind == "cuda" and section.launch.offload_params:  # on the CPU, host memory is the device's
         # Every model accelerate prepares (the trained one, TRL's reference), and the frozen ones the
-        # hand-off holds (`stages.holding.Sharded`), in host memory.
+        # hand-off holds (`stages.holding.Sharded`), in host memory; each received on the device first.
+        received = max(h.weights for h in held)
         held = [_offloaded(h) for h in held]
         phases["training"].pop("gradients")  # back to the host as each unit's are reduced
         frozen_later = sum(phases["hand-off"].pop(k, 0.0) for k in ("evaluation_reference", "normalization_policy"))
         notes.append(f"offloaded (fsdp_offload_params): {(sum(h.host for h in held) + frozen_later) / GIB:.2f} GiB "
                      "per process in host memory")
+    if sharded:
+        phases["loading"] = loading(sum(h.weights for h in held) + received, model, device.kind)
+        alone = frozenset({"loading"})
     return StagePlan(stage, n, sharded, held, phases, notes, alone)
 
 
@@ -497,26 +492,21 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device:
     alone = frozenset()
     if sharded:
         phases["hand-off"] = sharded_hand_off(policy, compute)  # saved a tensor at a time
-    if sharded and device.kind == "cpu":  # on a GPU the reading is done in host memory, not the device's
-        # `load_models`: the policy and a float32 copy for the reference, split; then the reward model and a critic of its own.
-        reference = held[1] if section.lora is None else None
-        policy_read = (4 if section.lora is None else _bytes_of(frozen)) * policy.parameters
-        first = (policy_read + (4 * policy.parameters if reference else 0),
-                 pol.weights + (reference.weights if reference else 0))
-        rest = [h for h in held if h is not pol and h is not reference]
-        second = (sum(h.parameters * (4 if h.how.startswith("trained") else _bytes_of(frozen)) for h in rest),
-                  sum(h.weights for h in rest))
-        phases["loading"] = loading([first, second])
-        alone = frozenset({"loading"})
+    received = 0.0
     if sharded and device.kind == "cuda" and (section.launch.offload_params or section.offload_frozen):
         # In host memory: every model (the accelerate config's `fsdp_offload_params`) or the frozen ones,
-        # held as `stages.holding.Sharded.frozen` holds them (a `reward-lora` critic's body and adapters).
-        held = [_offloaded(h) if section.launch.offload_params or (h is not pol and h.name != "critic") else h
-                for h in held]
+        # held as `stages.holding.Sharded.frozen` holds them (a `reward-lora` critic's body and adapters);
+        # each received on the device first.
+        offloaded = [h for h in held if section.launch.offload_params or (h is not pol and h.name != "critic")]
+        received = max(h.weights for h in offloaded)
+        held = [_offloaded(h) if any(h is o for o in offloaded) else h for h in held]
         if section.launch.offload_params:
             phases["update"].pop("gradients")  # back to the host as each unit's are reduced
         notes.append(f"offloaded ({'fsdp_offload_params' if section.launch.offload_params else 'offload_frozen'}): "
                      f"{sum(h.host for h in held) / GIB:.2f} GiB per process in host memory")
+    if sharded:
+        phases["loading"] = loading(sum(h.weights for h in held) + received, policy, device.kind)
+        alone = frozenset({"loading"})
     return StagePlan("ppo", n, sharded, held, phases, notes, alone)
 
 

@@ -117,24 +117,37 @@ def load_causal_lm(location: str, tokenizer: PreTrainedTokenizerBase, *, dtype: 
     return model
 
 
-def reads_checkpoints() -> bool:
-    """Whether this process reads model weights: every process, but under a sharded launch only the
-    first (`stages.distributed` switches FSDP's `cpu_ram_efficient_loading` on), which sends each
-    other process its shards once the model is sharded (accelerate's FSDP2 preparation, or
-    `stages.holding.Sharded`)."""
+def sharded_loading() -> bool:
+    """Whether this process loads models for a sharded launch (`stages.distributed` switches FSDP's
+    `cpu_ram_efficient_loading` on): every process then builds each model on the meta device, and
+    the first sends the others their shards, reading the checkpoint a tensor at a time as it goes
+    (`stages.holding.Sharded`)."""
     import os
 
-    sharded_loading = (os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
-                       and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").lower() == "true")
-    return not (sharded_loading and torch.distributed.is_initialized() and torch.distributed.get_rank() > 0)
+    return (os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+            and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").lower() == "true"
+            and torch.distributed.is_initialized())
+
+
+def reads_checkpoints() -> bool:
+    """Whether this process reads model weights: every process, but under sharded loading only the first."""
+    return not sharded_loading() or torch.distributed.get_rank() == 0
+
+
+CHECKPOINT_TENSOR = "_rlhf_checkpoint_tensor"
+"""Attribute of a meta parameter (or buffer) that the first process will read, when it is sent: the
+(safetensors file, key) it comes from."""
 
 
 def load_pretrained(auto_class, location: str, *, dtype: torch.dtype, trust_remote_code: bool = False, **config):
-    """`auto_class.from_pretrained` from safetensors in `dtype`; on a process that does not read
-    checkpoints (`reads_checkpoints`), the same model built from its config with every parameter on
-    the meta device (no bytes of weights), buffers real (rotary frequencies are not sent) and the
-    checkpoint's generation config."""
-    if reads_checkpoints():
+    """`auto_class.from_pretrained` from safetensors in `dtype`. Under sharded loading, the same model
+    with no bytes of weights on any process: built from its config with every parameter on the meta
+    device (buffers real: rotary frequencies are not sent) and the checkpoint's generation config. On
+    the first process each such parameter names the checkpoint tensor it will be read from when it is
+    sent (`read_checkpoint_tensor`), and the parameters the checkpoint lacks (a fresh score head) are
+    real, initialised as `from_pretrained` initialises them. A checkpoint whose tensors transformers
+    renames or converts on loading is read whole on the first process instead, as `from_pretrained` reads it."""
+    if not sharded_loading():
         return auto_class.from_pretrained(location, use_safetensors=True, dtype=dtype,
                                           trust_remote_code=trust_remote_code, **config)
     from accelerate import init_empty_weights
@@ -149,7 +162,93 @@ def load_pretrained(auto_class, location: str, *, dtype: torch.dtype, trust_remo
             model.generation_config = GenerationConfig.from_pretrained(location)
         except OSError:  # none saved: the one built from the model config, as `from_pretrained` keeps
             pass
+    if reads_checkpoints() and not _point_at_checkpoint(model, auto_class, location, dtype, trust_remote_code, config):
+        return auto_class.from_pretrained(location, use_safetensors=True, dtype=dtype,
+                                          trust_remote_code=trust_remote_code, **config)
     return model
+
+
+def _checkpoint_files(location: str) -> dict[str, str]:
+    """Each tensor of the safetensors checkpoint at `location` -> the file holding it."""
+    from safetensors import safe_open
+
+    folder = Path(location)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {key: str(folder / name) for key, name in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"no safetensors weights in {location} (model.safetensors or its index)")
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), str(single))
+
+
+def _point_at_checkpoint(model, auto_class, location: str, dtype: torch.dtype, trust_remote_code: bool,
+                         config: dict) -> bool:
+    """Mark each meta parameter of `model` (just built on the meta device) with the checkpoint tensor it
+    is read from, and initialise those the checkpoint lacks as `from_pretrained` does (transformers'
+    own initialisation, so a fresh head draws the same random numbers). False, marking nothing, where
+    the checkpoint's names are not the model's (up to its base-model prefix) or differ from what
+    transformers itself would load: a conversion only `from_pretrained` knows."""
+    files = _checkpoint_files(location)
+    prefix = model.base_model_prefix + "."
+
+    def stored(name: str) -> str | None:
+        for candidate in (name, name.removeprefix(prefix), prefix + name):
+            if candidate in files:
+                return candidate
+        return None
+
+    aliases: dict[int, list[str]] = {}  # tied parameters: one tensor, several names
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(tensor), []).append(name)
+        tensors[id(tensor)] = tensor
+    found = {key: next((stored(n) for n in names if stored(n)), None) for key, names in aliases.items()}
+    _, info = auto_class.from_pretrained(location, use_safetensors=True, dtype=dtype, device_map={"": "meta"},
+                                         output_loading_info=True, trust_remote_code=trust_remote_code, **config)
+    lacking = {key for key, where in found.items()
+               if where is None and isinstance(tensors[key], torch.nn.Parameter)}
+    if {n for key in lacking for n in aliases[key]} - set(info["missing_keys"]):
+        return False  # transformers finds these under other names
+    if any(set(aliases[key]) <= set(info["missing_keys"]) for key, where in found.items() if where):
+        return False  # transformers finds these elsewhere, or not at all
+    for key, where in found.items():
+        tensor = tensors[key]
+        if where is None:
+            continue
+        if tensor.is_meta:
+            setattr(tensor, CHECKPOINT_TENSOR, (files[where], where))
+            tensor._is_hf_initialized = True  # noqa: SLF001 - transformers' own mark: initialisation skips it
+        else:  # a persistent buffer, real from construction: the checkpoint's values
+            with torch.no_grad():
+                tensor.copy_(read_checkpoint_tensor(files[where], where))
+    if lacking:
+        with unfilled_memory():  # initialised next, as `from_pretrained` initialises what it did not load
+            for key in lacking:
+                parameter = tensors[key]
+                torch.utils.swap_tensors(parameter, torch.nn.Parameter(torch.empty_like(parameter, device="cpu"),
+                                                                       parameter.requires_grad))
+        for module in model.modules():  # a module the meta build marked as initialised is initialised again
+            if any(id(p) in lacking for p in module.parameters(recurse=False)):
+                module._is_hf_initialized = False
+        model.initialize_weights()
+    return True
+
+
+def read_checkpoint_tensor(file: str, key: str) -> torch.Tensor:
+    """One tensor of a safetensors checkpoint, read into this process's memory (the only copy)."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def materialise(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor marked with its checkpoint tensor (`load_pretrained`), read; any other tensor as it is."""
+    if tensor.is_meta and hasattr(tensor, CHECKPOINT_TENSOR):
+        return read_checkpoint_tensor(*getattr(tensor, CHECKPOINT_TENSOR)).to(tensor.dtype)
+    return tensor
 
 
 @contextmanager
@@ -174,6 +273,11 @@ def fit_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase)
     every end token: the reply end, the tokenizer's EOS and any the checkpoint's generation
     config already lists (Llama 3 lists several)."""
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        if reads_checkpoints():  # under sharded loading, the embeddings (one tensor, or two untied) read to be resized
+            weights = {id(e.weight): e.weight for e in (model.get_input_embeddings(), model.get_output_embeddings())
+                       if e is not None and e.weight.is_meta}
+            for weight in weights.values():
+                torch.utils.swap_tensors(weight, torch.nn.Parameter(materialise(weight), weight.requires_grad))
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.bos_token_id = tokenizer.bos_token_id
@@ -225,7 +329,77 @@ def with_lora(model: PreTrainedModel, settings: LoRAConfig | None, task_type: Lo
         return model
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(settings, task_type))
+    model = get_peft_model(model, lora_config(settings, task_type))
+    restore_adapters(model)
+    return model
+
+
+_INITIAL_ADAPTERS = "_rlhf_initial_adapters"
+
+
+def keep_initial_adapters() -> None:
+    """From now on in this process, every LoRA adapter peft initialises keeps a copy of its initial
+    values on its layer. peft makes each adapter on the CPU, initialises it, then moves it to the device
+    of the weights it adapts; under sharded loading that is the meta device, where the values are lost.
+    `restore_adapters` puts them back on the first process, which sends them on: so a sharded run
+    starts from the very adapters a one-process run draws. Set by `stages.distributed` for sharded
+    launches; adapters are small (r x width per adapted matrix)."""
+    from peft.tuners.lora import LoraLayer
+
+    if getattr(LoraLayer.reset_lora_parameters, "keeps_initial_values", False):
+        return
+    initialise = LoraLayer.reset_lora_parameters
+
+    def initialise_and_keep(self, adapter_name, *args, **kwargs):
+        initialise(self, adapter_name, *args, **kwargs)
+        kept = self.__dict__.setdefault(_INITIAL_ADAPTERS, {})
+        for i, parameter in enumerate(_adapter_parameters(self, adapter_name)):
+            kept[adapter_name, i] = parameter.detach().clone()
+
+    initialise_and_keep.keeps_initial_values = True
+    LoraLayer.reset_lora_parameters = initialise_and_keep
+
+
+def _adapter_parameters(layer, adapter_name: str) -> list[torch.nn.Parameter]:
+    """The parameters of one adapter of a LoRA layer (A and B, of a linear or an embedding)."""
+    found = []
+    for container in (layer.lora_A, layer.lora_B, layer.lora_embedding_A, layer.lora_embedding_B):
+        if adapter_name in container:
+            item = container[adapter_name]
+            found.extend(item.parameters() if isinstance(item, torch.nn.Module) else [item])
+    return found
+
+
+def restore_adapters(model: torch.nn.Module) -> None:
+    """On the process that reads checkpoints, every LoRA adapter peft left on the meta device given back
+    the values it was initialised with (`keep_initial_adapters`), rounded as peft rounds them. Elsewhere nothing."""
+    from peft.tuners.lora import LoraLayer
+
+    if not reads_checkpoints():
+        return
+    for layer in model.modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        kept = layer.__dict__.get(_INITIAL_ADAPTERS, {})
+        for adapter_name in list(layer.lora_A) + list(layer.lora_embedding_A):
+            for i, parameter in enumerate(_adapter_parameters(layer, adapter_name)):
+                if parameter.is_meta and (adapter_name, i) in kept:
+                    # As peft moved it: into the dtype of the weights it adapts, then back into its own
+                    # (peft's `autocast_adapter_dtype` keeps adapters of bf16 weights in float32).
+                    value = kept.pop((adapter_name, i)).to(layer.get_base_layer().weight.dtype).to(parameter.dtype)
+                    torch.utils.swap_tensors(parameter, torch.nn.Parameter(value, parameter.requires_grad))
+
+
+def copied(module: torch.nn.Module) -> torch.nn.Module:
+    """`copy.deepcopy(module)`, its meta parameters still marked with the checkpoint tensors they are
+    read from (`load_pretrained`; deepcopy keeps no tensor attributes)."""
+    import copy
+
+    twin = copy.deepcopy(module)
+    for mine, its in zip(module.state_dict(keep_vars=True).values(), twin.state_dict(keep_vars=True).values()):
+        if hasattr(mine, CHECKPOINT_TENSOR):
+            setattr(its, CHECKPOINT_TENSOR, getattr(mine, CHECKPOINT_TENSOR))
+    return twin
 
 
 def merged(model: torch.nn.Module) -> PreTrainedModel:

@@ -10,7 +10,6 @@ have; the critic-free estimators (GRPO, RLOO, REINFORCE++) build none, and their
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,8 +20,9 @@ from transformers import PreTrainedModel
 
 from rlhf.config import LoRAConfig, PPOConfig
 from stages.holding import Holding, Replicated
-from stages.models import (Precision, disable_dropout, dtype_named, load_causal_lm, load_tokenizer, lora_config,
-                           position_ids_for, resolve_precision, stop_token_ids, with_lora)
+from stages.models import (Precision, copied, disable_dropout, dtype_named, load_causal_lm,
+                           load_tokenizer, lora_config, position_ids_for, resolve_precision, restore_adapters,
+                           stop_token_ids, with_lora)
 from stages.reward import RewardScorer, load_reward_model
 
 
@@ -145,9 +145,10 @@ class RewardLoRACritic(ScoreHeadCritic):
         # `modules_to_save`, the value head below is the critic's own).
         inject_adapter_in_model(lora_config(settings, "SEQ_CLS"), model)
         cast_adapter_dtype(model, "default")  # float32: peft gave them the dtype of the weights they adapt
+        restore_adapters(model)
         self.scorer = scorer
         """Not a module of this one: the reward model is the scorer's, frozen but for these adapters."""
-        self.head = copy.deepcopy(model.score).float().requires_grad_(True)
+        self.head = copied(model.score).float().requires_grad_(True)
         self.adapters = torch.nn.ModuleList(
             getattr(layer, name) for layer in model.modules() if isinstance(layer, BaseTunerLayer)
             for name in layer.adapter_layer_names if len(getattr(layer, name, ())))
@@ -268,10 +269,10 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str, holding
     policy = build_policy(cfg, sft_location, tokenizer)
     reference = None
     if cfg.lora is None:
-        reference = holding.frozen(copy.deepcopy(policy).to(frozen).eval().requires_grad_(False))
+        reference = holding.frozen(copied(policy).to(frozen).eval().requires_grad_(False))
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-    holding.place_trained(policy)  # sharded: split now, so the process that reads holds one model whole at a time
+    holding.place_trained(policy)  # sharded: split now, its tensors read and sent one at a time
     # Placed once the critic is built: `reward-lora` puts its adapters on this very model, placed with it.
     scorer = RewardScorer.from_pretrained(reward_location, dtype=frozen, trust_remote_code=cfg.trust_remote_code,
                                           place=lambda model: model)

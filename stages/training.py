@@ -8,8 +8,8 @@ import torch
 from transformers import TrainerCallback
 
 from rlhf.config import LaunchConfig, TrainingConfig
-from stages.holding import Holding, held_as, holding_for
-from stages.models import resolve_precision, unfilled_memory
+from stages.holding import Holding, Sharded, held_as, holding_for
+from stages.models import resolve_precision, restore_adapters
 from stages.reporting import Reporting
 
 _UNLOGGED = ("epoch", "total_flos", "runtime", "per_second", "preparation_time")
@@ -53,39 +53,26 @@ def trained_as_held(trainer, launch: LaunchConfig) -> tuple[torch.nn.Module, Hol
 
 
 def prepare_sharding(trainer) -> None:
-    """What accelerate's FSDP2 preparation needs of a TRL trainer's model and settings; call before
-    `train()` prepares them. Offloaded shards (`fsdp_offload_params`) pinned only where there is a GPU.
-    Under bf16 autocast, float32 gradient reductions (accelerate's policy would
-    reduce in bf16; parameters still compute in bf16). On a process that built the model on the meta
-    device (`models.reads_checkpoints`), storage for its parameters: accelerate maps the optimizer's
-    parameters to the sharded ones by storage address, which meta tensors lack (all would map to one).
-    The storage is allocated, never written or read, so it is virtual, not resident; accelerate moves
-    the model back to the meta device before sharding it and rank 0's weights arrive shard by shard."""
+    """What a TRL trainer's model needs before `train()` prepares it. Under FSDP: the LoRA adapters TRL
+    put on it given their initial values on the first process (`models.restore_adapters`), and the model
+    sharded here as PPO shards its models (`stages.holding.Sharded`: a unit per decoder layer, the first
+    process sending each tensor as it reads it from the checkpoint, offloaded as the accelerate config's
+    `fsdp_offload_params` says, under bf16 autocast reducing gradients in float32); accelerate's FSDP2
+    preparation leaves a model that is already sharded as it is, and maps the optimizer onto its shards."""
     if not trainer.is_fsdp_enabled:
         return
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    restore_adapters(trainer.model)
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
-    _give_meta_parameters_storage(trainer.model)
     plugin = trainer.accelerator.state.fsdp_plugin
-    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) and not torch.cuda.is_available():
+    offload = isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    if offload and not torch.cuda.is_available():
         plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)  # pinned host memory needs an accelerator
-    if trainer.args.bf16:
-        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def _give_meta_parameters_storage(model: torch.nn.Module) -> None:
-    """Each meta parameter replaced by an uninitialised one on the CPU (tied ones stay one parameter);
-    buffers are left as they are (their values are real)."""
-    replaced: dict[int, torch.nn.Parameter] = {}
-    with unfilled_memory():  # else deterministic mode writes NaN into every page
-        for module in model.modules():
-            for name, parameter in list(module._parameters.items()):
-                if parameter is None or not parameter.is_meta:
-                    continue
-                if id(parameter) not in replaced:
-                    replaced[id(parameter)] = torch.nn.Parameter(torch.empty_like(parameter, device="cpu"),
-                                                                 requires_grad=parameter.requires_grad)
-                module._parameters[name] = replaced[id(parameter)]
+    # Resolved on the model as loaded: accelerate resolves it again when preparing, by the layer class's
+    # name, which a sharded layer's class (FSDP2's subclass) no longer has.
+    plugin.set_auto_wrap_policy(trainer.model)
+    autocast = torch.bfloat16 if trainer.args.bf16 else None
+    Sharded(trainer.accelerator, "per_layer", autocast, offload_trained=offload).place_trained(trainer.model)
 
 
 def untrained_evaluation(trainer) -> dict[str, float]:

@@ -99,31 +99,51 @@ class RecordingLoads:
 
 def record_loads(cfg, inputs: RecordingLoads, output_dir: Path, reporting):
     """`inputs.train`, with every model this process builds through transformers' auto classes
-    (`from_pretrained`, `from_config`) recorded in `output_dir/loads-<rank>.json`: how it was built,
-    the bytes of all its parameters and of those that are real tensors (not on the meta device)."""
+    (`from_pretrained`, `from_config`) recorded in `output_dir/loads-<rank>.json` (how it was built,
+    the bytes of all its parameters and of those that are real tensors, not on the meta device), and
+    every checkpoint tensor it reads (`stages.models.read_checkpoint_tensor`) in `reads-<rank>.json`:
+    the bytes of each, and the most bytes of read tensors alive at once."""
     import json
+    import weakref
 
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    loads = []
+    from stages import models
+
+    loads, reads, alive = [], {"sizes": [], "peak_alive": 0}, [0]
     classes = (AutoModelForCausalLM, AutoModelForSequenceClassification)
     originals = {(c, name): getattr(c, name).__func__ for c in classes for name in ("from_pretrained", "from_config")}
+    read = models.read_checkpoint_tensor
 
     def recording(key):
         def build(cls, *args, **kwargs):
-            model = originals[key](cls, *args, **kwargs)
+            built = originals[key](cls, *args, **kwargs)
+            model = built[0] if isinstance(built, tuple) else built  # with `output_loading_info`
             sizes = [(p.numel() * p.element_size(), p.is_meta) for p in model.parameters()]
             loads.append({"model": type(model).__name__, "how": key[1], "bytes": sum(b for b, _ in sizes),
                           "real_bytes": sum(b for b, meta in sizes if not meta)})
-            return model
+            return built
         return classmethod(build)
+
+    def recorded_read(file: str, key: str):
+        tensor = read(file, key)
+        size = tensor.numel() * tensor.element_size()
+        reads["sizes"].append(size)
+        alive[0] += size
+        reads["peak_alive"] = max(reads["peak_alive"], alive[0])
+        weakref.finalize(tensor, lambda: alive.__setitem__(0, alive[0] - size))
+        return tensor
 
     for key in originals:
         setattr(*key, recording(key))
+    models.read_checkpoint_tensor = recorded_read
     try:
         return inputs.train(cfg, inputs.inputs, output_dir, reporting)
     finally:
         for (c, name), original in originals.items():
             setattr(c, name, classmethod(original))
+        models.read_checkpoint_tensor = read
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / f"loads-{PartialState().process_index}.json").write_text(json.dumps(loads))
+        rank = PartialState().process_index
+        (output_dir / f"loads-{rank}.json").write_text(json.dumps(loads))
+        (output_dir / f"reads-{rank}.json").write_text(json.dumps(reads))

@@ -188,25 +188,61 @@ def _resident_bytes() -> int:
 
 def test_a_process_that_does_not_read_the_checkpoint_holds_no_weights_even_in_deterministic_mode(tmp_path,
                                                                                                   monkeypatch):
-    """Sharded loading's other processes: the model built from its config on the meta device, then the
-    placeholder storage accelerate needs (`training.prepare_sharding`), stay virtual. Deterministic mode
-    fills every new tensor with NaN, which once made both resident: a whole model on every process."""
+    """Sharded loading: the model built from its config on the meta device stays virtual. Deterministic
+    mode fills every new tensor with NaN, the passing CPU tensors of a meta build included, which once
+    made it resident: a whole model on every process."""
     from stages import models
-    from stages.training import _give_meta_parameters_storage
 
     LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
                 vocab_size=32000).save_pretrained(tmp_path)
+    monkeypatch.setattr(models, "sharded_loading", lambda: True)
     monkeypatch.setattr(models, "reads_checkpoints", lambda: False)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         before = _resident_bytes()
         model = models.load_pretrained(AutoModelForCausalLM, str(tmp_path), dtype=torch.float32)
-        assert all(p.is_meta for p in model.parameters())
-        _give_meta_parameters_storage(model)
         grown = _resident_bytes() - before
     finally:
         torch.use_deterministic_algorithms(deterministic)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert not any(p.is_meta for p in model.parameters()) and weights > 400 * 2**20
+    assert all(p.is_meta for p in model.parameters()) and weights > 400 * 2**20
     assert grown < 0.1 * weights, f"{grown / 2**20:.0f} MiB resident for {weights / 2**20:.0f} MiB of weights"
+
+
+def test_the_reading_process_of_a_sharded_load_makes_what_one_process_loads(tmp_path, monkeypatch):
+    """Sharded loading on the first process: every weight stays on the meta device, marked with the
+    checkpoint tensor it is read from when sent (a bf16 checkpoint cast to float32 a tensor at a time);
+    what the checkpoint lacks (a fresh score head) and LoRA adapters are made there exactly as one
+    process makes them: the same values, the same random numbers drawn."""
+    from peft.tuners.lora import LoraLayer
+
+    from rlhf.config import LoRAConfig
+    from stages import models
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=256)).to(torch.bfloat16).save_pretrained(tmp_path)
+
+    def build():
+        torch.manual_seed(1)
+        model = models.load_pretrained(AutoModelForSequenceClassification, str(tmp_path), dtype=torch.float32,
+                                       num_labels=1)
+        return models.with_lora(model, LoRAConfig(r=4), "SEQ_CLS"), torch.randn(4)
+
+    (one, after_one) = build()
+    monkeypatch.setattr(LoraLayer, "reset_lora_parameters", LoraLayer.reset_lora_parameters)  # restored after
+    monkeypatch.setattr(models, "sharded_loading", lambda: True)
+    monkeypatch.setattr(models, "reads_checkpoints", lambda: True)
+    models.keep_initial_adapters()
+    (sharded, after_sharded) = build()
+    assert torch.equal(after_sharded, after_one)  # the same random numbers drawn
+    ones, shardeds = dict(one.named_parameters()), dict(sharded.named_parameters())
+    assert ones.keys() == shardeds.keys()
+    read = {name for name, p in shardeds.items() if p.is_meta}
+    assert read and all(models.CHECKPOINT_TENSOR in vars(shardeds[name]) for name in read)
+    assert not any("lora" in name or "score" in name for name in read)  # made on this process
+    for name, parameter in shardeds.items():
+        value = models.materialise(parameter)
+        assert value.dtype == ones[name].dtype == torch.float32, name
+        torch.testing.assert_close(value, ones[name], rtol=0, atol=0, msg=name)

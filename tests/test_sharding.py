@@ -201,25 +201,39 @@ def test_two_machines_one_stage_sharded_over_both(world, tiny_config, tokenizer,
     _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/loss_untrained"))
 
 
-@pytest.mark.parametrize("stage", ["sft", "ppo"])
-def test_only_the_first_process_reads_a_checkpoint_whole(world, tiny_config, tokenizer, trained, tmp_path, stage):
-    """Sharded loading: every model the second process loads is built on the meta device (no bytes of
-    weights), and gets only its shards from the first; the hand-off loads nothing whole again."""
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo", "ppo"])
+def test_no_process_holds_a_whole_model_while_loading(world, tiny_config, tokenizer, trained, tmp_path, stage):
+    """Sharded loading: every model every process builds is built on the meta device (no bytes of
+    weights, but for what the stage makes itself: a fresh score head); the first process reads the
+    checkpoint a tensor at a time as it sends each its shards, never holding two tensors' worth at once
+    beyond the embeddings it resizes; the others read nothing; the hand-off loads nothing again."""
     from tests.stand_in_stages import RecordingLoads, record_loads
 
     if stage == "sft":
         section = tiny_config.sft.model_copy(update={"max_steps": 2, "launch": FSDP})
         call = RecordingLoads(train_sft, sft_inputs(world, tokenizer))
+    elif stage == "reward":
+        section = tiny_config.reward.model_copy(update={"max_steps": 2, "launch": FSDP})
+        call = RecordingLoads(train_reward, reward_inputs(world, tokenizer, trained))
+    elif stage == "dpo":
+        section = tiny_config.dpo.model_copy(update={"max_steps": 2, "launch": FSDP})
+        call = RecordingLoads(train_dpo, DPOInputs(trained["sft"], dataset(world, tokenizer, "preferences"),
+                                                   dataset(world, tokenizer, "preferences_eval"),
+                                                   trained["eval_prompts"]))
     else:
         section = with_overrides(tiny_config.ppo, {"launch": FSDP, "num_iterations": 1, "critic.kind": "reward"})
         call = RecordingLoads(train_ppo, PPOInputs(trained["sft"], trained["reward"], trained["prompts"],
                                                    trained["eval_prompts"]))
     result = _run(record_loads, section, call, tmp_path)
     first, second = (json.loads((tmp_path / f"loads-{rank}.json").read_text()) for rank in (0, 1))
-    assert second and all(load["real_bytes"] == 0 for load in second), second
-    read = [load for load in first if load["how"] == "from_pretrained"]
-    assert read and all(load["real_bytes"] == load["bytes"] > 0 for load in read), first
-    # The first process's other builds are the memory plan's (`auto` micro-batches), on the meta device too.
-    assert all(load["real_bytes"] == 0 for load in first if load["how"] == "from_config"), first
-    assert len(first) == len(second)  # nothing loaded whole again to hand the trained model off
+    assert all(load["real_bytes"] == 0 for load in second), second
+    assert all(load["real_bytes"] <= 0.01 * load["bytes"] for load in first), first  # a fresh head at most
+    # The first process also asks transformers what it would load (`from_pretrained` onto the meta device).
+    built = [load for load in first if load["how"] == "from_config"]
+    assert built and len(built) == len(second)  # nothing loaded whole again to hand the trained model off
+    model_bytes = max(load["bytes"] for load in first if load["how"] == "from_pretrained")
+    reads, others = (json.loads((tmp_path / f"reads-{rank}.json").read_text()) for rank in (0, 1))
+    assert others["sizes"] == [] and reads["sizes"], (reads, others)
+    assert sum(reads["sizes"]) >= model_bytes  # every weight came from the checkpoint, read by the first process
+    assert reads["peak_alive"] <= 2 * max(reads["sizes"]) < model_bytes, (reads["peak_alive"], model_bytes)
     assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
