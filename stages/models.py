@@ -169,18 +169,24 @@ def load_pretrained(auto_class, location: str, *, dtype: torch.dtype, trust_remo
 
 
 def _checkpoint_files(location: str) -> dict[str, str]:
-    """Each tensor of the safetensors checkpoint at `location` -> the file holding it."""
+    """Each tensor of the safetensors checkpoint at `location` (a folder, or a hub id as
+    `from_pretrained` resolves it) -> the local file holding it."""
     from safetensors import safe_open
+    from transformers.utils import cached_file
 
-    folder = Path(location)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return {key: str(folder / name) for key, name in json.loads(index.read_text())["weight_map"].items()}
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise FileNotFoundError(f"no safetensors weights in {location} (model.safetensors or its index)")
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), str(single))
+    def local(name: str) -> str | None:
+        return cached_file(location, name, _raise_exceptions_for_missing_entries=False)
+
+    index = local("model.safetensors.index.json")
+    if index is not None:
+        weight_map = json.loads(Path(index).read_text())["weight_map"]
+        files = {name: local(name) for name in set(weight_map.values())}
+        return {key: files[name] for key, name in weight_map.items()}
+    single = local("model.safetensors")
+    if single is None:
+        raise FileNotFoundError(f"no safetensors weights at {location} (model.safetensors or its index)")
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
 
 
 def _point_at_checkpoint(model, auto_class, location: str, dtype: torch.dtype, trust_remote_code: bool,

@@ -222,7 +222,9 @@ def test_the_reading_process_of_a_sharded_load_makes_what_one_process_loads(tmp_
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=256)).to(torch.bfloat16).save_pretrained(tmp_path)
+                                 num_key_value_heads=2, vocab_size=256)).to(torch.bfloat16).save_pretrained(
+        tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()  # split, as hub checkpoints are
 
     def build():
         torch.manual_seed(1)
