@@ -193,17 +193,28 @@ def _point_at_checkpoint(model, auto_class, location: str, dtype: torch.dtype, t
                          config: dict) -> bool:
     """Mark each meta parameter of `model` (just built on the meta device) with the checkpoint tensor it
     is read from, and initialise those the checkpoint lacks as `from_pretrained` does (transformers'
-    own initialisation, so a fresh head draws the same random numbers). False, marking nothing, where
-    the checkpoint's names are not the model's (up to its base-model prefix) or differ from what
-    transformers itself would load: a conversion only `from_pretrained` knows."""
+    own initialisation, so a fresh head draws the same random numbers). Names are matched as
+    transformers renames them. False, marking nothing, where transformers converts a tensor's values
+    on loading, or would load other tensors than these names say: what only `from_pretrained` knows."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
     files = _checkpoint_files(location)
-    prefix = model.base_model_prefix + "."
+    # Checkpoint names as transformers renames them on loading (legacy names such as GPT-NeoX's
+    # `embed_out`, the base-model prefix); a tensor it converts (fused, split) only it can load.
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta_state = model.state_dict()
+    names: dict[str, str] = {}
+    for key in files:
+        name, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_state)
+        if converted is not None:
+            return False
+        names[name] = key
 
     def stored(name: str) -> str | None:
-        for candidate in (name, name.removeprefix(prefix), prefix + name):
-            if candidate in files:
-                return candidate
-        return None
+        return names.get(name)
 
     aliases: dict[int, list[str]] = {}  # tied parameters: one tensor, several names
     tensors: dict[int, torch.Tensor] = {}

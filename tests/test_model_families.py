@@ -119,3 +119,27 @@ def test_a_model_without_a_chat_template_is_refused_before_anything_trains(world
     budgets |= {"sft.max_length": 96, "reward.max_length": 96}  # GPT-2's BPE spells ChatML's markers in several tokens
     given = load_config("configs/tiny.yaml", {"sft.model": str(base), "sft.chat_template": CHATML_TEMPLATE, **budgets})
     assert check_inputs.fn(given, ["sft", "reward", "ppo"], str(world)) == []
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_sharded_loading_reads_every_family_a_tensor_at_a_time(name, tmp_path, monkeypatch):
+    """The first process of a sharded launch builds each family's causal LM and classifier on the meta
+    device, every weight marked with the checkpoint tensor it reads (names renamed as transformers
+    renames them: GPT-NeoX's `embed_out` is `lm_head`); read back, each is the `from_pretrained` weight."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from stages import models
+
+    folder = str(build_family(name, tmp_path))
+    for auto, extra in ((AutoModelForCausalLM, {}), (AutoModelForSequenceClassification, {"num_labels": 1})):
+        whole = auto.from_pretrained(folder, dtype=torch.float32, **extra).state_dict()
+        with monkeypatch.context() as patch:
+            patch.setattr(models, "sharded_loading", lambda: True)
+            patch.setattr(models, "reads_checkpoints", lambda: True)
+            model = models.load_pretrained(auto, folder, dtype=torch.float32, **extra)
+        fresh = {"score.weight"} if extra else set()  # a classifier's head is new, made on this process
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            if isinstance(tensor, torch.nn.Parameter) and key not in fresh:
+                assert tensor.is_meta, (auto.__name__, key)  # not read while loading
+            if key not in fresh:
+                assert torch.equal(models.materialise(tensor), whole[key]), (auto.__name__, key)
