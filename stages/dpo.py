@@ -91,7 +91,9 @@ def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting
     if cfg.lora is None:
         reference = copied(model).eval().requires_grad_(False)
         if cfg.launch.sharded and PartialState().num_processes > 1:
-            reference = Sharded(PartialState(), "per_layer").frozen(reference)
+            # In host memory too when the accelerate config offloads every model (`fsdp_offload_params`).
+            holding = Sharded(PartialState(), "per_layer", offload_trained=cfg.launch.offload_params)
+            reference = holding.frozen(reference)
     args = TRLDPOConfig(**trainer_arguments(cfg, output_dir), beta=cfg.beta, loss_type=[cfg.loss_type],
                         label_smoothing=cfg.label_smoothing, disable_dropout=True)
     trainer = EncodedDPOTrainer(

@@ -382,7 +382,7 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
     trained = _trained("reward model" if stage == "reward" else "policy", model, section.lora, frozen, sharding, compute,
                        head_trains=stage == "reward")
     held = [trained]
-    if stage == "dpo" and section.lora is None:  # TRL's reference: a frozen copy (LoRA: the adapters disabled)
+    if stage == "dpo" and section.lora is None:  # the reference: a frozen copy (LoRA: the adapters disabled)
         held.append(_frozen("reference", model, "float32", sharding))
     sequences = section.batch_size * (2 if stage in ("reward", "dpo") else 1)
     logits_positions = 0 if stage == "reward" else section.max_length
@@ -420,7 +420,7 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
                                                              autocast)}
     alone, received = frozenset(), 0.0
     if sharded and device.kind == "cuda" and section.launch.offload_params:  # on the CPU, host memory is the device's
-        # Every model accelerate prepares (the trained one, TRL's reference), and the frozen ones the
+        # Every model: the trained one, DPO's reference, and the frozen ones the
         # hand-off holds (`stages.holding.Sharded`), in host memory; each received on the device first.
         received = max(h.weights for h in held)
         held = [_offloaded(h) for h in held]
