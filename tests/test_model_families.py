@@ -143,3 +143,30 @@ def test_sharded_loading_reads_every_family_a_tensor_at_a_time(name, tmp_path, m
                 assert tensor.is_meta, (auto.__name__, key)  # not read while loading
             if key not in fresh:
                 assert torch.equal(models.materialise(tensor), whole[key]), (auto.__name__, key)
+
+
+def test_sharded_loading_resizes_embeddings_as_one_process(tmp_path, monkeypatch):
+    """Llama 3 has no pad token, so its embeddings grow by one (`<pad>`), the new rows drawn from the
+    old ones' mean and covariance. The first process of a sharded launch reads the embeddings (input
+    and output, untied) before resizing them: the same rows, the same random numbers drawn after."""
+    from stages import models
+
+    folder = str(build_family("llama3", tmp_path))
+    tokenizer = models.load_tokenizer(folder)
+
+    def load():
+        torch.manual_seed(3)
+        return models.load_causal_lm(folder, tokenizer), torch.randn(4)
+
+    one, after_one = load()
+    monkeypatch.setattr(models, "sharded_loading", lambda: True)
+    monkeypatch.setattr(models, "reads_checkpoints", lambda: True)
+    sharded, after_sharded = load()
+    from transformers import AutoConfig
+
+    assert one.get_input_embeddings().num_embeddings == len(tokenizer) > AutoConfig.from_pretrained(folder).vocab_size
+    for mine, theirs in ((sharded.get_input_embeddings(), one.get_input_embeddings()),
+                         (sharded.get_output_embeddings(), one.get_output_embeddings())):
+        assert not mine.weight.is_meta and torch.equal(mine.weight, theirs.weight)
+    assert sharded.model.layers[0].self_attn.q_proj.weight.is_meta  # the rest is read when sent
+    assert torch.equal(after_sharded, after_one)
