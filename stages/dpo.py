@@ -90,7 +90,7 @@ def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting
     reference = None
     if cfg.lora is None:
         reference = copied(model).eval().requires_grad_(False)
-        if cfg.launch.sharded and PartialState().num_processes > 1:
+        if cfg.launch.sharded:  # several processes, FSDP2
             # In host memory too when the accelerate config offloads every model (`fsdp_offload_params`).
             holding = Sharded(PartialState(), "per_layer", offload_trained=cfg.launch.offload_params)
             reference = holding.frozen(reference)

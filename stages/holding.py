@@ -284,11 +284,11 @@ def broadcast_from_rank0(module: torch.nn.Module) -> None:
     """A small module kept whole on every process (a score head), on this process's device with rank
     0's values (collective); built on the meta device, rank 0 reads it from its checkpoint first
     (`models.materialise`) and the others give it storage to receive into."""
-    from stages.models import materialise
+    from stages.models import fill_in_place, materialise
 
     for parameter in module.parameters():
         if parameter.is_meta and torch.distributed.get_rank() == 0:
-            torch.utils.swap_tensors(parameter, torch.nn.Parameter(materialise(parameter), parameter.requires_grad))
+            fill_in_place(parameter, materialise(parameter))
     if any(t.is_meta for t in module.parameters()):
         module.to_empty(device=device())
     module.to(device())

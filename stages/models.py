@@ -244,13 +244,18 @@ def _point_at_checkpoint(model, auto_class, location: str, dtype: torch.dtype, t
         with unfilled_memory():  # initialised next, as `from_pretrained` initialises what it did not load
             for key in lacking:
                 parameter = tensors[key]
-                torch.utils.swap_tensors(parameter, torch.nn.Parameter(torch.empty_like(parameter, device="cpu"),
-                                                                       parameter.requires_grad))
+                fill_in_place(parameter, torch.empty_like(parameter, device="cpu"))
         for module in model.modules():  # a module the meta build marked as initialised is initialised again
             if any(id(p) in lacking for p in module.parameters(recurse=False)):
                 module._is_hf_initialized = False
         model.initialize_weights()
     return True
+
+
+def fill_in_place(parameter: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """A meta `parameter` made real with `value`, the same object (every module holding it, a tied
+    twin included, sees it)."""
+    torch.utils.swap_tensors(parameter, torch.nn.Parameter(value, parameter.requires_grad))
 
 
 def read_checkpoint_tensor(file: str, key: str) -> torch.Tensor:
@@ -294,7 +299,7 @@ def fit_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase)
             weights = {id(e.weight): e.weight for e in (model.get_input_embeddings(), model.get_output_embeddings())
                        if e is not None and e.weight.is_meta}
             for weight in weights.values():
-                torch.utils.swap_tensors(weight, torch.nn.Parameter(materialise(weight), weight.requires_grad))
+                fill_in_place(weight, materialise(weight))
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.bos_token_id = tokenizer.bos_token_id
@@ -404,7 +409,7 @@ def restore_adapters(model: torch.nn.Module) -> None:
                     # As peft moved it: into the dtype of the weights it adapts, then back into its own
                     # (peft's `autocast_adapter_dtype` keeps adapters of bf16 weights in float32).
                     value = kept.pop((adapter_name, i)).to(layer.get_base_layer().weight.dtype).to(parameter.dtype)
-                    torch.utils.swap_tensors(parameter, torch.nn.Parameter(value, parameter.requires_grad))
+                    fill_in_place(parameter, value)
 
 
 def copied(module: torch.nn.Module) -> torch.nn.Module:
