@@ -47,8 +47,9 @@ from stages.errors import NonFiniteLossError
 from stages.evaluation import HeldOut, evaluate, evaluate_midway, warn_over_kl_budget
 from stages.models import Precision, resolve_precision, saved_dtype_and_tags
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss,
-                             discounted_returns, entropy_of, explained_variance, gae, group_baselined, grpo_advantages,
-                             kl_estimate, logprobs_of, masked_mean, rloo_advantages, sequence_rewards, token_rewards)
+                             discounted_returns, engine_importance_weights, entropy_of, explained_variance, gae,
+                             group_baselined, grpo_advantages, kl_estimate, logprobs_of, masked_mean, rloo_advantages,
+                             sequence_rewards, token_rewards)
 from stages.holding import held_as, holding_for
 from stages.memory import Counts, with_micro_batches
 from stages.ppo_models import ActorCritic, Models, load_models, rounds_to_16_bits
@@ -57,6 +58,7 @@ from stages.reporting import Reporting
 from stages.reward import RewardScorer, fit_normalization
 from stages.ppo_rollout import Rollout, policy_sampler, rollout
 from stages.rollout import Sampler
+from stages.vllm_rollout import VLLMSampler
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,15 @@ def advantages_and_returns(accelerator: Accelerator, batch: Rollout, kl: torch.T
     return whiten_over_processes(accelerator, returns, mask), None
 
 
+def engine_weights(batch: Rollout, cfg: PPOConfig) -> torch.Tensor | None:
+    """Truncated importance weights pi_train / pi_engine for tokens another engine sampled
+    (`vllm.importance_sampling`); None where the trainer sampled or the correction is off. # (B, T)"""
+    if batch.engine_logprobs is None or cfg.vllm.importance_sampling is None:
+        return None
+    return engine_importance_weights(batch.logprobs, batch.engine_logprobs, batch.mask, cfg.vllm.importance_sampling,
+                                     cfg.vllm.importance_sampling_cap)
+
+
 # --- update -----------------------------------------------------------------------------------
 
 
@@ -200,6 +211,8 @@ class Episodes:
     """The weight of the k3 KL loss term."""
     advantages: torch.Tensor  # (B, T)
     returns: torch.Tensor | None  # (B, T), GAE only
+    engine_weights: torch.Tensor | None = None
+    """(B, T) importance weights for the engine mismatch (`engine_weights`); None: the trainer sampled, or no correction."""
 
 
 @dataclass
@@ -227,10 +240,11 @@ class MicroBatch:
     values: torch.Tensor | None  # None without a critic, as are the returns
     advantages: torch.Tensor
     returns: torch.Tensor | None
+    engine_weights: torch.Tensor | None = None  # None: no engine-mismatch correction
 
 
 def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None,
-                rows: torch.Tensor) -> MicroBatch:
+                rows: torch.Tensor, engine_weights: torch.Tensor | None = None) -> MicroBatch:
     """The rows' tensors, dropping leading prompt columns and trailing response columns that no
     row uses: the rollout is padded for its longest prompt and response, a micro-batch need not be.
     Position ids count real tokens, so dropping all-padding columns changes no position."""
@@ -243,7 +257,8 @@ def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor 
 
     return MicroBatch(batch.queries[rows][:, first:], query_mask[:, first:], responses_of(batch.responses),
                       mask[:, :end], responses_of(batch.logprobs), responses_of(batch.ref_logprobs),
-                      responses_of(batch.values), responses_of(advantages), responses_of(returns))
+                      responses_of(batch.values), responses_of(advantages), responses_of(returns),
+                      responses_of(engine_weights))
 
 
 def ppo_update(trainer: PPOTrainer, episodes: Episodes) -> dict[str, float]:
@@ -296,7 +311,8 @@ def accumulate_gradients(trainer: PPOTrainer, episodes: Episodes, rows: torch.Te
     totals: dict[str, float] = {}
     for position, micro_rows in enumerate(micro_batches):
         with trainer.models.holding.accumulating(trainer.actor_critic, last=position == len(micro_batches) - 1):
-            micro = micro_batch(episodes.batch, episodes.advantages, episodes.returns, micro_rows)
+            micro = micro_batch(episodes.batch, episodes.advantages, episodes.returns, micro_rows,
+                                episodes.engine_weights)
             figures = _micro_batch_step(trainer, micro, num_tokens, episodes.iteration, episodes.kl_loss_coef)
         for key, value in figures.items():
             totals[key] = max(totals.get(key, 0.0), value) if key.endswith(MAX_FIGURES) else totals.get(key, 0.0) + value
@@ -313,7 +329,8 @@ def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.
     warming_up = iteration <= cfg.freeze_policy_iterations
     logits, values = trainer.actor_critic(micro.queries, micro.query_mask, micro.responses, mask, warming_up)
     logprobs = logprobs_of(logits, micro.responses, cfg.sampling.temperature)
-    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range, num_tokens)
+    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range, num_tokens,
+                                 micro.engine_weights)
     # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
     entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.sampling.temperature), mask,
                           num_tokens=num_tokens)
@@ -411,6 +428,12 @@ def iteration_figures(trainer: PPOTrainer, episodes: Episodes, train: dict[str, 
     }
     if episodes.returns is not None:
         figures["train/explained_variance"] = explained_variance(batch.values, episodes.returns, batch.mask)
+    if batch.engine_logprobs is not None:
+        gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.mask  # (B, T)
+        figures |= {"rollout/vllm_logprob_gap": masked_mean(gap, batch.mask).item(),
+                    "rollout/vllm_logprob_gap_max": gap.max().item()}
+    if episodes.engine_weights is not None:
+        figures["rollout/engine_importance_weight"] = masked_mean(episodes.engine_weights, batch.mask).item()
     elapsed = time.perf_counter() - started
     return figures | {"time/iteration": elapsed,
                       "time/tokens_per_second": batch.mask.sum().item() * accelerator.num_processes / elapsed}
@@ -434,7 +457,17 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
                                         "score": scores.normalized[shown].cpu().numpy()}), iteration)
 
 
-def build_trainer(cfg: PPOConfig, inputs: PPOInputs) -> PPOTrainer:
+def rollout_sampler(cfg: PPOConfig, models: Models, accelerator: Accelerator, output_dir: Path) -> Sampler:
+    """What samples the policy (`rollout_engine`): the policy itself, or a vLLM server started on its
+    weights, whose log goes to `output_dir/vllm.log`."""
+    if cfg.rollout_engine == "hf":
+        return policy_sampler(models)
+    served = models.precision.autocast_dtype or torch.float32  # vLLM computes in what the trainer's forward does
+    return VLLMSampler.start(models.policy, models.tokenizer, models.stop_ids, accelerator, cfg.vllm, cfg.seed, served,
+                             output_dir / "vllm.log")
+
+
+def build_trainer(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> PPOTrainer:
     """This process's models, held as `cfg.launch` says (`stages.holding`), with their optimizer,
     schedule and sampler. Rank 0 keeps the single-process random stream; the others sample with their own."""
     accelerator = Accelerator()
@@ -452,7 +485,8 @@ def build_trainer(cfg: PPOConfig, inputs: PPOInputs) -> PPOTrainer:
     total_steps = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
-    return PPOTrainer(cfg, accelerator, models, actor_critic, optimizer, scheduler, scaler, policy_sampler(models))
+    return PPOTrainer(cfg, accelerator, models, actor_critic, optimizer, scheduler, scaler,
+                      rollout_sampler(cfg, models, accelerator, output_dir))
 
 
 def resume(trainer: PPOTrainer, state_dir: Path, reporting: Reporting) -> LoopState:
@@ -504,7 +538,16 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
     one trains and evaluates (a sharded model needs them all); only the main one reports, saves and returns."""
     cfg = with_micro_batches("ppo", cfg, Counts(ppo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,
                              inputs.reward_location, reporting)
-    trainer = build_trainer(cfg, inputs)
+    trainer = build_trainer(cfg, inputs, output_dir)
+    try:
+        return _train(trainer, cfg, inputs, output_dir, reporting)
+    finally:
+        trainer.sampler.close()  # a vLLM server stopped however the stage ends
+
+
+def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
+           reporting: Reporting) -> PPOResult | None:
+    """`train_ppo`'s loop and hand-off, on a built trainer."""
     accelerator, models, rank = trainer.accelerator, trainer.models, trainer.accelerator.process_index
     # Before a resume or a reference refresh can change the reference: it is the SFT policy now.
     held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, accelerator.device)
@@ -533,12 +576,15 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
         reward_beta, kl_loss_coef = (0.0, cfg.kl.loss_coef + beta) if cfg.kl_in_loss else (beta, cfg.kl.loss_coef)
         kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.mask  # (B, T)
         advantages, returns = advantages_and_returns(accelerator, batch, kl, scores, reward_beta, cfg)
-        episodes = Episodes(iteration, batch, messages, scores, kl, beta, reward_beta, kl_loss_coef, advantages, returns)
+        episodes = Episodes(iteration, batch, messages, scores, kl, beta, reward_beta, kl_loss_coef, advantages, returns,
+                            engine_weights(batch, cfg))
 
         start = time.perf_counter()
         train = ppo_update(trainer, episodes)
-        trainer.sampler.sync(models.policy)
         timings["train"] = time.perf_counter() - start
+        start = time.perf_counter()
+        trainer.sampler.sync(models.policy)
+        timings["weight_sync"] = time.perf_counter() - start
 
         figures = over_processes(accelerator, iteration_figures(trainer, episodes, train, timings, started))
         loop.kl.update(figures["rollout/kl"], cfg.rollout_batch_size)

@@ -218,23 +218,39 @@ class PolicyLoss:
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        mask: torch.Tensor, clip_range: float, num_tokens: torch.Tensor | float | None = None) -> PolicyLoss:
-    """L_clip = E[min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)], rho = pi / pi_old.
+                        mask: torch.Tensor, clip_range: float, num_tokens: torch.Tensor | float | None = None,
+                        weights: torch.Tensor | None = None) -> PolicyLoss:
+    """L_clip = E[w * min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)], rho = pi / pi_old.
 
     Where A > 0 and rho > 1 + eps, or A < 0 and rho < 1 - eps, the min picks the constant
-    clipped term and the token contributes no gradient.
+    clipped term and the token contributes no gradient. `weights` w (constants; 1 when None) are
+    `engine_importance_weights` when another engine sampled the tokens.
     # (B, T) x 4 -> PolicyLoss"""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.max(unclipped, clipped), mask, num_tokens=num_tokens)
+    per_token = torch.max(unclipped, clipped)
+    loss = masked_mean(per_token if weights is None else per_token * weights, mask, num_tokens=num_tokens)
     return PolicyLoss(
         loss=loss,
         clip_fraction=masked_mean((clipped > unclipped).float(), mask, num_tokens=num_tokens),
         approx_kl=0.5 * masked_mean(log_ratio**2, mask, num_tokens=num_tokens),
         ratio=ratio,
     )
+
+
+def engine_importance_weights(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
+                              level: str, cap: float) -> torch.Tensor:
+    """Truncated importance weights for tokens an inference engine sampled: w = min(pi_train / pi_engine, cap),
+    per token (`token`) or per sequence (`sequence`: the product over its tokens, on each of them);
+    0 on padding. They correct the policy gradient for the engine computing a slightly different
+    policy than the trainer (TRL's `vllm_importance_sampling_correction`, verl's rollout correction).
+    # (B, T) x 3 -> (B, T)"""
+    log_ratio = (logprobs - engine_logprobs) * mask
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio)
+    return torch.exp(log_ratio.clamp(max=math.log(cap))) * mask
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

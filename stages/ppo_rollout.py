@@ -45,6 +45,7 @@ class Rollout:
     has_eos: torch.Tensor  # (B,) the response ended with an end token
     texts: list[str]
     prompts: list[str]
+    engine_logprobs: torch.Tensor | None = None  # the sampling engine's own log-probs (vLLM); None: the trainer sampled
 
 
 def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:
@@ -57,8 +58,8 @@ def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:
 def rollout(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
             timings: dict[str, float]) -> Rollout:
     """Sample responses, then the passes PPO needs besides: old log-probs and values (from the
-    sampling pass when `models.reuse_sampling_pass` and the sampler gave them), and the reference's
-    log-probs; `sampling.micro_batch_size` prompts at a time, the pieces then padded into one batch."""
+    sampling pass when `models.reuse_sampling_pass` and the sampler gave them: never an engine's own,
+    `engine_logprobs`, which are kept beside), and the reference's log-probs; `sampling.micro_batch_size` prompts at a time, the pieces then padded into one batch."""
     models.train(False)
     timings["generate"] = timings["forward"] = 0.0
     return concat_rollouts([_rollout_chunk(models, sampler, chunk, sampling, timings)
@@ -93,10 +94,12 @@ def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], samplin
                                          precision=models.precision)
     ref_logprobs = logprobs_of(ref_logits, responses, temperature)
     timings["forward"] += time.perf_counter() - start
+    engine_logprobs = None if sampled.engine_logprobs is None else sampled.engine_logprobs * mask
     return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask,
                    None if values is None else values * mask, entropy,
                    has_eos=is_end(responses, models.stop_ids).any(dim=1),
-                   texts=models.tokenizer.batch_decode(responses, skip_special_tokens=True), prompts=prompts)
+                   texts=models.tokenizer.batch_decode(responses, skip_special_tokens=True), prompts=prompts,
+                   engine_logprobs=engine_logprobs)
 
 
 def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
@@ -126,4 +129,5 @@ def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
         values=joined([right(c.values, 0.0) for c in chunks]),
         entropy=joined([right(c.entropy, 0.0) for c in chunks]),
         has_eos=torch.cat([c.has_eos for c in chunks]),
-        texts=[t for c in chunks for t in c.texts], prompts=[p for c in chunks for p in c.prompts])
+        texts=[t for c in chunks for t in c.texts], prompts=[p for c in chunks for p in c.prompts],
+        engine_logprobs=joined([right(c.engine_logprobs, 0.0) for c in chunks]))

@@ -3,8 +3,10 @@
 A `Sampler` answers prompts with responses (token ids, and where the engine can give them each
 token's log-prob, the entropy and the final hidden state that predicted it) and receives the
 policy's current weights (`sync`). What an engine cannot give is None, and the caller recomputes
-it with a forward pass. `HFSampler` is transformers' model itself: it samples the live policy,
-so `sync` has nothing to do, and it owns what is HF-specific (the KV-cached decode loop, a sharded
+it with a forward pass. `stages.vllm_rollout.VLLMSampler` samples on a vLLM server: token ids and
+vLLM's own log-probs (`engine_logprobs`), which the rollout compares with its recomputed ones.
+`HFSampler` is transformers' model itself: it samples the live policy, so `sync` has nothing to
+do, and it owns what is HF-specific (the KV-cached decode loop, a sharded
 model's gathering for it and the "every process finished?" check).
 
 PPO's rollout (`stages.ppo_rollout`) samples through it, for training and for every evaluation
@@ -51,6 +53,7 @@ class Generation:
     logprobs: torch.Tensor | None = None  # log pi(token) under the temperature-scaled logits it was drawn from
     entropy: torch.Tensor | None = None
     hidden: torch.Tensor | None = None  # (B, T, H) final hidden states at the positions that predicted each token
+    engine_logprobs: torch.Tensor | None = None  # an inference engine's own log pi(token), beside the trainer's
 
 
 class Sampler(Protocol):
@@ -62,6 +65,10 @@ class Sampler(Protocol):
 
     def sync(self, policy: torch.nn.Module) -> None:
         """Take the policy's current weights (every process calls it after each update)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds apart from the trainer (a server); the stage calls it however it ends."""
         ...
 
 
@@ -87,6 +94,9 @@ class HFSampler:
     """How the processes hold the model: a sharded one is gathered for sampling."""
 
     def sync(self, policy: torch.nn.Module) -> None:
+        return None
+
+    def close(self) -> None:
         return None
 
     def generate(self, prompts: list[str], sampling: Sampling) -> Generation:

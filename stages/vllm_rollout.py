@@ -1,0 +1,298 @@
+"""Sampling on vLLM: a server from vLLM's own environment, synced with the policy after every update.
+
+vLLM cannot share this project's environment (its pins conflict with Prefect's and transformers'),
+so it runs as the peers' "server mode" does: its own process, started here from `ppo.vllm.python`
+with vLLM's own OpenAI-compatible entry point, bound to 127.0.0.1 on a free port, spoken to over
+HTTP with vLLM's own routes and nothing of ours:
+
+    /health                     the server is up
+    /inference/v1/generate      token ids in; token ids and each sampled token's log-prob out
+                                (`--enable-scale-out`; no tokenizer on the server's side)
+    /collective_rpc             `reload_weights`: the served folder read again (`VLLM_SERVER_DEV_MODE`,
+                                which also gives /reset_prefix_cache; loopback only)
+
+Weights reach the server through a folder in shared memory (/dev/shm): the policy written there as
+the plain model it stands for (`holding.save_streamed`: LoRA merged, a sharded policy gathered a
+tensor at a time), then `reload_weights` and a reset of the prefix cache, whose keys and values the
+old weights computed. A policy whose output head is tied to its input embeddings is served untied,
+with the head written as a tensor of its own: vLLM's CPU build (0.32.0) reloads the embeddings but
+keeps the head it made at start, so tied, the served policy drifts from the trained one after the
+first update (measured: log-prob gap 0.86 after a reload, against 5e-7 untied). vLLM's NCCL weight transfer needs vLLM importable in the trainer's process,
+which the conflicting pins rule out; the folder is the path on a GPU too.
+
+The first process starts and stops the server; every process sends its own prompts to it. The
+server is stopped when the stage ends, fails or is cancelled (`VLLMSampler.close`), and dies with
+the process that started it (`PR_SET_PDEATHSIG`) when that one is killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.config import VLLM_CPU_HEAD_SIZES, VLLMConfig, vllm_python
+from stages.errors import StageUserError
+from stages.holding import save_streamed
+from stages.models import left_padded
+from stages.ppo_math import truncate_after_eos
+from stages.rollout import Generation, Sampling
+
+CPU_KV_CACHE_GIB = 1.0
+"""KV cache of a CPU server when `vllm.kv_cache_gib` is unset (vLLM's CPU default, 4 GiB, or a share of the host's memory, is more than a rollout of short responses uses)."""
+MAX_CONCURRENT_REQUESTS = 64
+"""Requests in flight at once: the server batches what arrives together."""
+
+
+class VLLMServerError(StageUserError):
+    """The vLLM server did not start, answer or stay up; the message holds its log's last lines."""
+
+
+def head_size(model: PreTrainedModel) -> int:
+    config = model.config
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_servable(model: PreTrainedModel, on_gpu: bool) -> None:
+    """Refuse, before a server is started, a model whose attention heads vLLM's CPU build cannot serve."""
+    size = head_size(model)
+    if not on_gpu and size not in VLLM_CPU_HEAD_SIZES:
+        raise StageUserError(f"ppo.rollout_engine 'vllm': the policy's attention heads are {size} wide, which vLLM's "
+                             f"CPU build does not serve (it serves {list(VLLM_CPU_HEAD_SIZES)}); sample with "
+                             "rollout_engine: hf, or run on a GPU")
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it starts: SIGTERM when the thread that started it dies, so a
+    killed trainer leaves no server behind (vLLM then stops its engine processes itself)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class VLLMServer:
+    """One `vllm.entrypoints.openai.api_server` process (and its engine processes, in its own
+    process group), serving the model in `folder` on 127.0.0.1."""
+
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    @classmethod
+    def start(cls, folder: Path, settings: VLLMConfig, dtype: torch.dtype, seed: int, max_model_len: int,
+              log: Path) -> VLLMServer:
+        """Start the server and wait until it answers `/health` (failing with its log's tail if it exits first)."""
+        port = _free_port()
+        kv_cache_gib = settings.kv_cache_gib or (None if torch.cuda.is_available() else CPU_KV_CACHE_GIB)
+        command = [str(vllm_python(settings)), "-m", "vllm.entrypoints.openai.api_server",
+                   "--model", str(folder), "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(port),
+                   "--skip-tokenizer-init", "--enable-scale-out", "--generation-config", "vllm",
+                   "--logprobs-mode", "processed_logprobs",  # log-probs of the temperature-scaled distribution sampled
+                   "--dtype", str(dtype).removeprefix("torch."), "--seed", str(seed),
+                   "--max-model-len", str(max_model_len),
+                   "--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
+        if kv_cache_gib is not None:
+            command += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
+        environment = os.environ | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment,
+                                       start_new_session=True, preexec_fn=_die_with_parent)
+        server = cls(process, f"http://127.0.0.1:{port}", log)
+        try:
+            server._wait_until_healthy(settings.startup_timeout)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def _wait_until_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise VLLMServerError(f"the vLLM server exited ({self.process.returncode}) while starting:\n"
+                                      f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise VLLMServerError(f"the vLLM server did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:]) + f"\n(whole log: {self.log})"
+
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL to what is left after `grace` seconds."""
+        if self.process.poll() is None:
+            for sent, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(self.process.pid, sent)
+                    self.process.wait(wait)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        try:  # engine processes outliving the server
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def post(url: str, body: dict, timeout: float | None = 600.0) -> Any:
+    """POST `body` as JSON, the answer's JSON back (None when empty); an error answer raises with its text."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            content = answer.read()
+    except urllib.error.HTTPError as e:
+        raise VLLMServerError(f"vLLM answered {url} with {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+    return json.loads(content) if content else None
+
+
+def write_served(policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, folder: Path, dtype: torch.dtype,
+                 main: bool) -> None:
+    """The policy as the plain model it stands for into `folder`, its output head untied from the
+    input embeddings, as its own tensor (collective: every process calls it)."""
+    from accelerate.utils import is_peft_model
+    from safetensors.torch import save_file
+
+    save_streamed(policy, tokenizer, folder, dtype, main)
+    plain = policy.get_base_model() if is_peft_model(policy) else policy
+    if not getattr(plain.config, "tie_word_embeddings", False):
+        return
+    head = plain.get_output_embeddings()
+    name = next(n for n, m in plain.named_modules() if m is head) + ".weight"
+    weight = head.weight.full_tensor() if hasattr(head.weight, "full_tensor") else head.weight  # collective when sharded
+    if not main:
+        return
+    save_file({name: weight.detach().to("cpu", dtype).contiguous()}, str(folder / "output_head.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}, indent=2) + "\n")
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        entries = json.loads(index.read_text())
+        entries["weight_map"][name] = "output_head.safetensors"
+        index.write_text(json.dumps(entries, indent=2) + "\n")
+
+
+def groups_of(rows: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Runs of equal consecutive prompts as (prompt, count): a group estimator's samples of one prompt
+    are one request for `n` samples."""
+    groups: list[tuple[list[int], int]] = []
+    for row in rows:
+        if groups and groups[-1][0] == row:
+            groups[-1] = (row, groups[-1][1] + 1)
+        else:
+            groups.append((row, 1))
+    return groups
+
+
+@dataclass
+class VLLMSampler:
+    """Samples from a vLLM server that holds the policy's weights as of the last `sync`.
+
+    Gives token ids and vLLM's log-probs of them (`Generation.engine_logprobs`), not the trainer's:
+    the rollout recomputes those itself, so the engine's mismatch is measured, never trained on unseen."""
+
+    tokenizer: PreTrainedTokenizerBase
+    stop_ids: list[int]
+    accelerator: Accelerator
+    folder: Path
+    """The served folder, in shared memory: the policy as of the last `sync`."""
+    dtype: torch.dtype
+    """Dtype of the served weights."""
+    url: str
+    server: VLLMServer | None
+    """On the first process; None on the others."""
+    device: torch.device
+
+    @classmethod
+    def start(cls, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, stop_ids: list[int],
+              accelerator: Accelerator, settings: VLLMConfig, seed: int, dtype: torch.dtype, log: Path) -> VLLMSampler:
+        """Write the policy into a fresh shared-memory folder and start a server on it (first process);
+        every process learns the server's address (collective)."""
+        check_servable(policy, torch.cuda.is_available())
+        main = accelerator.is_main_process
+        shared = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+        folder = Path(tempfile.mkdtemp(prefix="rlhf-vllm-", dir=shared)) if main else Path()
+        folder = Path(broadcast_object_list([str(folder)])[0])
+        write_served(policy, tokenizer, folder, dtype, main)
+        server, url = None, ""
+        if main:
+            max_model_len = settings.max_model_len or policy.config.max_position_embeddings
+            try:
+                server = VLLMServer.start(folder, settings, dtype, seed, max_model_len, log)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            url = server.url
+        url = broadcast_object_list([url])[0]
+        return cls(tokenizer, stop_ids, accelerator, folder, dtype, url, server, policy.device)
+
+    def sync(self, policy: torch.nn.Module) -> None:
+        """The policy's current weights into the served folder and the server (every process calls it)."""
+        main = self.accelerator.is_main_process
+        write_served(policy, self.tokenizer, self.folder, self.dtype, main)
+        if main:
+            post(f"{self.url}/collective_rpc", {"method": "reload_weights"})
+            post(f"{self.url}/reset_prefix_cache", {})
+        self.accelerator.wait_for_everyone()
+
+    def close(self) -> None:
+        """Stop the server and remove the served folder (idempotent)."""
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def generate(self, prompts: list[str], sampling: Sampling) -> Generation:
+        batch = left_padded(self.tokenizer, prompts, torch.device("cpu"))
+        queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
+        rows = [row[mask.bool()].tolist() for row, mask in zip(queries, query_mask)]
+        # The request seeds come from the caller's random stream: sampling repeats with it, and on resume.
+        first_seed = int(torch.randint(0, 2**31 - 1 - len(rows), (1,)))
+        requests = [{"token_ids": prompt, "sampling_params": {
+            "n": count, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature or 0.0,
+            "top_p": 1.0, "top_k": 0, "seed": first_seed + index, "logprobs": 0,
+            "stop_token_ids": self.stop_ids, "ignore_eos": False, "detokenize": False}}
+            for index, (prompt, count) in enumerate(groups_of(rows))]
+        with ThreadPoolExecutor(min(len(requests), MAX_CONCURRENT_REQUESTS)) as pool:
+            answers = list(pool.map(lambda body: post(f"{self.url}/inference/v1/generate", body), requests))
+        choices = [choice for answer in answers for choice in sorted(answer["choices"], key=lambda c: c["index"])]
+        tokens = [choice["token_ids"] for choice in choices]
+        logprobs = [[entry["logprob"] for entry in choice["logprobs"]["content"]] for choice in choices]
+        width = max(1, max(len(t) for t in tokens))
+        pad = self.tokenizer.pad_token_id
+        responses = torch.tensor([t + [pad] * (width - len(t)) for t in tokens])  # (B, T)
+        engine_logprobs = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in logprobs])  # (B, T)
+        responses = truncate_after_eos(responses, self.stop_ids, pad)
+        on = self.device
+        return Generation(queries.to(on), query_mask.to(on), responses.to(on),
+                          engine_logprobs=engine_logprobs.to(on))
