@@ -176,6 +176,26 @@ def post(url: str, body: dict, timeout: float | None = 600.0) -> Any:
     return json.loads(content) if content else None
 
 
+SERVED_PREFIX = "rlhf-vllm-"
+"""Served folders are `<shared memory>/rlhf-vllm-*`, each with the file `owner` naming the process that made it."""
+
+
+def served_folder() -> Path:
+    """A fresh served folder in shared memory (the temporary folder where there is none), after removing
+    those whose owner has died: a killed stage cannot remove its own, and they hold a whole policy."""
+    shared = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    for folder in shared.glob(f"{SERVED_PREFIX}*"):
+        try:
+            owner = int((folder / "owner").read_text())
+        except (OSError, ValueError):
+            continue  # being made right now, or not ours
+        if not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix=SERVED_PREFIX, dir=shared))
+    (folder / "owner").write_text(str(os.getpid()))
+    return folder
+
+
 def write_served(policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, folder: Path, dtype: torch.dtype,
                  main: bool) -> None:
     """The policy as the plain model it stands for into `folder`, its output head untied from the
@@ -240,8 +260,7 @@ class VLLMSampler:
         every process learns the server's address (collective)."""
         check_servable(policy, torch.cuda.is_available())
         main = accelerator.is_main_process
-        shared = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-        folder = Path(tempfile.mkdtemp(prefix="rlhf-vllm-", dir=shared)) if main else Path()
+        folder = served_folder() if main else Path()
         folder = Path(broadcast_object_list([str(folder)])[0])
         write_served(policy, tokenizer, folder, dtype, main)
         server, url = None, ""

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss,
-                             discounted_returns, entropy_of, explained_variance, gae, group_baselined, grpo_advantages,
-                             is_end, kl_estimate, last_token_index, logprobs_of, masked_mean, masked_var, masked_whiten,
-                             response_mask, rloo_advantages, sequence_rewards, token_rewards, truncate_after_eos)
+                             discounted_returns, engine_importance_weights, entropy_of, explained_variance, gae,
+                             group_baselined, grpo_advantages, is_end, kl_estimate, last_token_index, logprobs_of,
+                             masked_mean, masked_var, masked_whiten, response_mask, rloo_advantages, sequence_rewards,
+                             token_rewards, truncate_after_eos)
 
 EOS, PAD = 2, 0
 
@@ -94,6 +95,39 @@ def test_clipped_objective_four_cases_and_where_the_gradient_vanishes():
         assert new.grad.item() == pytest.approx(-advantage * ratio if has_gradient else 0.0), (advantage, ratio)
         assert out.clip_fraction.item() == (0.0 if has_gradient else 1.0)
         assert out.ratio.item() == pytest.approx(ratio)
+
+
+def test_engine_importance_weights_per_token_and_per_sequence_truncated_at_the_cap():
+    # Trainer log-probs against an engine's on two tokens and a padding slot:
+    # token 1: -1.0 - (-1.5) = +0.5 -> e^0.5 = 1.6487, capped at 1.5; token 2: -2.0 - (-1.0) = -1 -> e^-1 = 0.3679.
+    logprobs = torch.tensor([[-1.0, -2.0, -0.3]])
+    engine = torch.tensor([[-1.5, -1.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    token = engine_importance_weights(logprobs, engine, mask, "token", cap=1.5)
+    assert token.tolist()[0] == pytest.approx([1.5, math.exp(-1.0), 0.0])
+    # sequence: one weight e^(0.5 - 1) = e^-0.5 = 0.6065 on each real token (the padding's -0.3 + 9 is left out)
+    sequence = engine_importance_weights(logprobs, engine, mask, "sequence", cap=1.5)
+    assert sequence.tolist()[0] == pytest.approx([math.exp(-0.5), math.exp(-0.5), 0.0])
+    # a sequence-level product far above the cap is capped without overflowing
+    assert engine_importance_weights(torch.full((1, 200), 0.0), torch.full((1, 200), -5.0), torch.ones(1, 200),
+                                     "sequence", cap=2.0).max().item() == pytest.approx(2.0)
+    # the same policy on both sides: every weight is 1, and the weighted loss is the unweighted one
+    same = engine_importance_weights(logprobs, logprobs, mask, "token", cap=2.0)
+    assert same.tolist()[0] == [1.0, 1.0, 0.0]
+
+
+def test_importance_weights_scale_each_tokens_policy_loss_term():
+    # Ratio 1 (old = new), advantages 2 and -4 -> terms -2 and +4; weights 0.5 and 1.5 -> (-1 + 6) / 2 = 2.5
+    logprobs = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    advantages, mask = torch.tensor([[2.0, -4.0]]), torch.ones(1, 2)
+    weights = torch.tensor([[0.5, 1.5]])
+    out = clipped_policy_loss(logprobs, logprobs.detach(), advantages, mask, 0.2, weights=weights)
+    assert out.loss.item() == pytest.approx(2.5)
+    out.loss.backward()
+    # d/d log pi of w * (-A * rho) / 2 at rho = 1: -w * A / 2 -> -0.5 and +3.0
+    assert logprobs.grad.tolist()[0] == pytest.approx([-0.5, 3.0])
+    unweighted = clipped_policy_loss(logprobs, logprobs.detach(), advantages, mask, 0.2).loss
+    assert unweighted.item() == pytest.approx(1.0)  # (-2 + 4) / 2
 
 
 def test_clipped_value_loss():

@@ -1,0 +1,167 @@
+"""PPO sampling on a real vLLM server (vLLM's CPU build, from `make vllm-env`): what it samples is what
+the trainer computes, its weights follow every update, a resumed run ends where an uninterrupted one
+does, and nothing of it outlives the stage, even when the stage's process is killed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf.config import REPO_ROOT, VLLMConfig, load_config, vllm_python, with_overrides
+from tests.helpers import AUTO_RESOLVED, killed_and_resumed, run_ppo
+
+pytestmark = pytest.mark.multiprocess  # a vLLM server is a process of its own
+
+if not vllm_python(VLLMConfig()).exists():
+    pytest.skip(f"no vLLM environment at {VLLMConfig().python}: `make vllm-env` builds it (.ci/run does; "
+                "these tests skip only where that build failed)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def servable(tmp_path_factory):
+    """The tiny world with 2 attention heads of 32 (vLLM's CPU build refuses the default 4 of 16), and
+    its SFT and reward checkpoints."""
+    from rlhf.demo_world import build_world
+    from stages.models import load_tokenizer
+    from tests.helpers import train_upstream, world_frames
+
+    cfg = load_config("configs/tiny.yaml", {"demo.num_heads": 2, "ppo.rollout_engine": "vllm"})
+    world = build_world(tmp_path_factory.mktemp("worlds"), cfg.demo)
+    frames = world_frames(world, load_tokenizer(str(world / "model")))
+    sft, reward = train_upstream(cfg, world, frames, tmp_path_factory.mktemp("trained"))
+    return cfg, {"sft": sft, "reward": reward, "prompts": frames["prompts"], "eval_prompts": frames["prompts_eval"]}
+
+
+def _process_group_alive(group: int) -> list[str]:
+    """The command lines of the processes still in process group `group`."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group and fields[0] != "Z":
+                alive.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, IndexError, ValueError):
+            continue
+    return alive
+
+
+def _listening(port: int) -> bool:
+    """Whether a socket listens on `port` (/proc/net/tcp: state 0A)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A" and int(local.split(":")[1], 16) == port:
+            return True
+    return False
+
+
+def _servers_of(folder_prefix: str) -> list[str]:
+    """vLLM servers whose served folder starts with `folder_prefix`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "vllm.entrypoints.openai.api_server" in text and folder_prefix in text:
+            found.append(text)
+    return found
+
+
+def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_after(servable, tmp_path, monkeypatch):
+    from stages.vllm_rollout import VLLMSampler
+
+    started = []
+    real_start = VLLMSampler.start.__func__
+
+    def recording(cls, *args, **kwargs):
+        started.append(real_start(cls, *args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(VLLMSampler, "start", classmethod(recording))
+    cfg, trained = servable
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"advantage_estimator": "grpo", "samples_per_prompt": 4})
+    result = run_ppo(ppo, trained, tmp_path / "out")
+
+    (sampler,) = started
+    assert [row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history] == [True] * ppo.num_iterations
+    assert all(row["time/weight_sync"] > 0 for row in result.history)  # the folder written and reloaded each time
+    assert all(abs(row["rollout/engine_importance_weight"] - 1) < 1e-4 for row in result.history)
+    assert result.history[-1]["rollout/kl"] != 0  # the policy moved, and the server sampled the moved policy
+    assert 0 < result.metrics["eval/eos_rate"] <= 1  # end tokens come back as tokens of the response
+    assert (tmp_path / "out" / "vllm.log").exists()
+    # stopped: no process of the server's group, its port free, the served folder gone
+    assert sampler.server is None and not sampler.folder.exists()
+    port = int(sampler.url.rsplit(":", 1)[1])
+    assert not _listening(port) and not _servers_of(str(sampler.folder))
+
+
+def test_a_killed_and_resumed_vllm_run_ends_at_the_uninterrupted_runs_weights(servable, tmp_path):
+    """vLLM's sampling is repeatable here with a fixed seed per request (the seeds come from the
+    trainer's random stream, which the full-state checkpoint keeps), so resuming ends where an
+    uninterrupted run does, as with `hf`."""
+    cfg, trained = servable
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"num_iterations": 6, "checkpoint_every": 3})
+    reference, resumed = killed_and_resumed(ppo, trained, tmp_path)
+    assert [row["rollout/score"] for row in resumed.history] == [row["rollout/score"] for row in reference.history]
+    a = (tmp_path / "whole" / "checkpoint" / "model.safetensors").read_bytes()
+    b = (tmp_path / "interrupted" / "checkpoint" / "model.safetensors").read_bytes()
+    assert a == b
+
+
+KILLED = """
+import pickle, sys
+from tests.helpers import run_ppo
+ppo, trained, out = pickle.load(open(sys.argv[1], "rb"))
+run_ppo(ppo, trained, out)
+"""
+
+
+def test_a_stage_killed_with_sigkill_leaves_no_vllm_process(servable, tmp_path):
+    import pickle
+
+    cfg, trained = servable
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"num_iterations": 50})
+    arguments = tmp_path / "arguments.pkl"
+    arguments.write_bytes(pickle.dumps((ppo, trained, tmp_path / "out")))
+    stage = subprocess.Popen([sys.executable, "-c", KILLED, str(arguments)], cwd=REPO_ROOT, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log, deadline = tmp_path / "out" / "vllm.log", time.monotonic() + 600
+    while "Application startup complete" not in (log.read_text(errors="replace") if log.exists() else ""):
+        assert stage.poll() is None, "the stage ended before its vLLM server was up"
+        assert time.monotonic() < deadline, "no vLLM server came up within 600 s"
+        time.sleep(0.5)
+    servers = _servers_of("rlhf-vllm-")
+    group = next(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+                 for pid in os.listdir("/proc") if pid.isdigit() and _is_child_server(int(pid), stage.pid))
+    assert servers and _process_group_alive(group)
+    os.killpg(stage.pid, signal.SIGKILL)  # the stage's process, not the server's own group
+    stage.wait()
+    deadline = time.monotonic() + 60
+    while _process_group_alive(group):
+        assert time.monotonic() < deadline, f"vLLM processes outlived the killed stage: {_process_group_alive(group)}"
+        time.sleep(0.5)
+    # the policy the killed stage served stays in shared memory until the next server start sweeps it
+    from stages.vllm_rollout import SERVED_PREFIX, served_folder
+
+    left = [f for f in Path(servers[0].split("--model ")[1].split()[0]).parent.glob(f"{SERVED_PREFIX}*")
+            if (f / "owner").exists() and (f / "owner").read_text() == str(stage.pid)]
+    assert left
+    fresh = served_folder()
+    assert not any(f.exists() for f in left) and fresh.exists()
+    shutil.rmtree(fresh)
+
+
+def _is_child_server(pid: int, parent: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return int(stat[1]) == parent and b"vllm.entrypoints.openai.api_server" in cmdline
