@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)  ## create the virtual environment and install the project
 
 # vLLM runs as its own process from its own environment: its pins conflict with Prefect's
-# (scripts/vllm_env.sh). Nothing in the pipeline uses it yet; `make test` does not need it.
+# (scripts/vllm_env.sh). `ppo.rollout_engine: vllm` samples on it; without it that setting is
+# refused and tests/test_vllm.py skips (.ci/run builds it first).
 VLLM_VENV := .vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): scripts/vllm_env.sh

@@ -54,8 +54,9 @@ METHODS: dict[str, dict] = {
 """Each method's settings on top of its config section (`ppo`; `dpo` for DPO)."""
 
 
-def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
-    """One method's PPO run (`settings`: `ppo` fields) and its judgement, in this process: the row of the table."""
+def run_one(config: str, method: str, settings: dict, state: Path, overrides: dict | None = None) -> dict:
+    """One method's PPO run (`settings`: `ppo` fields; `overrides`: dotted keys of the whole config)
+    and its judgement, in this process: the row of the table."""
     import torch
 
     import stages.ppo
@@ -70,7 +71,7 @@ def run_one(config: str, method: str, settings: dict, state: Path) -> dict:
     from bench.scale import held_bytes
 
     section = "dpo" if method == "dpo" else "ppo"
-    cfg = load_config(config, {f"{section}.{key}": value for key, value in settings.items()})
+    cfg = load_config(config, (overrides or {}) | {f"{section}.{key}": value for key, value in settings.items()})
     set_determinism(cfg.deterministic, cfg.num_threads or 2)
     world = build_world(state / "worlds", cfg.demo)
     sft_folder, reward_folder = train_upstream(cfg, world, state)
@@ -130,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=str(REPO / "bench" / "results"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a `ppo` field for every method (YAML value), after the method's own settings")
+    parser.add_argument("--config-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a dotted key of the whole config (YAML value), e.g. demo.num_heads=2; use a --state of its own "
+                             "when it changes the demo world or the SFT and reward sections")
     parser.add_argument("--seeds", nargs="+", type=int, default=[None], metavar="SEED",
                         help="run each method once per training seed (default: the config's)")
     parser.add_argument("--tag", help="results file methods-<date>-<tag>.json")
@@ -140,14 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         import yaml
 
         extra = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
-        print(json.dumps(run_one(args.config, args.one, METHODS[args.one] | extra, state)))
+        overrides = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.config_set)}
+        print(json.dumps(run_one(args.config, args.one, METHODS[args.one] | extra, state, overrides)))
         return 0
     rows = []
     for method in args.methods:
         for seed in args.seeds:
             seeded = [] if seed is None else [f"--set=seed={seed}"]
             done = subprocess.run([sys.executable, "-m", "bench.methods", "--config", args.config, "--state", str(state),
-                                   "--one", method, *(f"--set={item}" for item in args.set), *seeded],
+                                   "--one", method, *(f"--set={item}" for item in args.set), *seeded,
+                                   *(f"--config-set={item}" for item in args.config_set)],
                                   capture_output=True, text=True, cwd=REPO)
             if done.returncode != 0:
                 sys.exit(f"{method} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")

@@ -120,3 +120,17 @@ def train_upstream(cfg, world: Path, frames: dict[str, pd.DataFrame], root: Path
                           RewardInputs(str(sft.checkpoint), str(sft.checkpoint), frames["preferences"],
                                        frames["preferences_eval"], frames["prompts_eval"]), root / "reward")
     return str(sft.checkpoint), str(reward.checkpoint)
+
+
+def vllm_servers(served_folder_prefix: str = "rlhf-vllm-") -> list[str]:
+    """The command lines of the vLLM servers running on a served folder whose path contains `served_folder_prefix`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "vllm.entrypoints.openai.api_server" in text and served_folder_prefix in text:
+            found.append(text)
+    return found
+

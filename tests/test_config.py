@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,35 @@ def test_shipped_accelerate_configs_load_in_accelerate(name):
 def test_launch_settings_that_cannot_run_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/tiny.yaml", overrides)
+
+
+def test_vllm_rollouts_are_refused_where_they_cannot_run(tmp_path):
+    # the demo model's heads (64 / 4 = 16 wide) are not served by vLLM's CPU build; 2 heads of 32 are
+    with pytest.raises(ConfigError, match=re.escape("demo model's attention heads are 16 wide") + ".*demo.num_heads: 2"):
+        load_config("configs/tiny.yaml", {"ppo.rollout_engine": "vllm", "ppo.vllm.python": sys.executable})
+    assert load_config("configs/tiny.yaml", {"ppo.rollout_engine": "vllm", "ppo.vllm.python": sys.executable,
+                                             "demo.num_heads": 2}).ppo.rollout_engine == "vllm"
+    # no vLLM environment where the config points
+    with pytest.raises(ConfigError, match=re.escape(f"no vLLM environment at {tmp_path}/python") + ".*make vllm-env"):
+        load_config("configs/tiny.yaml", {"ppo.rollout_engine": "vllm", "ppo.vllm.python": str(tmp_path / "python"),
+                                          "demo.num_heads": 2})
+    assert load_config("configs/tiny.yaml", {"ppo.vllm.python": str(tmp_path / "python")})  # unused with hf
+
+
+def test_a_checkpoint_with_heads_vllm_cannot_serve_is_refused_before_a_server_starts():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages.errors import StageUserError
+    from stages.vllm_rollout import check_servable
+
+    def model(heads: int):
+        return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=heads, num_key_value_heads=heads))
+
+    with pytest.raises(StageUserError, match="attention heads are 16 wide"):
+        check_servable(model(4), on_gpu=False)
+    check_servable(model(2), on_gpu=False)
+    check_servable(model(4), on_gpu=True)  # vLLM's FlashAttention takes any multiple of 8 up to 256
 
 
 def test_a_config_without_the_demo_world_needs_no_dpo_section_until_it_has_one():

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BAD, BAD_CASES
+from rlhf.config import VLLMConfig, vllm_python
+from tests.helpers import BAD, BAD_CASES, vllm_servers
 from tests.stack import deployment_run, mlflow_client, running_stack, submit_and_wait
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiprocess]
@@ -161,6 +162,30 @@ def test_full_deployment_with_every_stage_sharded_registers_a_loadable_policy(st
                                                   order_by=["attributes.start_time DESC"], max_results=1)]
     assert {stage: pipeline.data.tags.get(f"rlhf.reused.{stage}") for stage in runs} == {
         stage: run.info.run_id for stage, run in runs.items()}
+
+
+@pytest.mark.skipif(not vllm_python(VLLMConfig()).exists(),
+                    reason=f"no vLLM environment at {VLLMConfig().python}: `make vllm-env` builds it (.ci/run does)")
+def test_full_deployment_with_vllm_rollouts_samples_on_a_server_that_is_gone_afterwards(stack):
+    """rlhf/full on the smoke config with PPO sampling on a real vLLM server (its CPU build; the demo
+    model with 2 heads of 32): the engine's log-probs logged against the trainer's every iteration."""
+    overrides = {"experiment": "rlhf-vllm", "registry.enabled": False, "demo.num_heads": 2,
+                 "ppo.rollout_engine": "vllm"}
+    done = deployment_run(stack, "rlhf/full", config_file="configs/smoke.yaml", overrides=overrides)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    client = mlflow_client(stack)
+    experiment = client.get_experiment_by_name("rlhf-vllm")
+    runs = {r.data.tags["rlhf.stage"]: r for r in client.search_runs([experiment.experiment_id],
+                                                                      filter_string="tags.`rlhf.stage` != ''")}
+    assert set(runs) == {"sft", "reward", "ppo"} and all(r.info.status == "FINISHED" for r in runs.values())
+    ppo = runs["ppo"]
+    assert ppo.data.params["rollout_engine"] == "vllm"
+    gaps = client.get_metric_history(ppo.info.run_id, "rollout/vllm_logprob_gap_max")
+    assert len(gaps) == 6 and max(m.value for m in gaps) < 1e-3  # smoke.yaml: 6 iterations, float32 on both sides
+    assert all(m.value > 0 for m in client.get_metric_history(ppo.info.run_id, "time/weight_sync"))
+    assert "eval/gold_win_rate" in ppo.data.metrics
+    assert not vllm_servers()
 
 
 def test_full_deployment_with_lora_everywhere_hands_plain_checkpoints_downstream(stack, tmp_path):

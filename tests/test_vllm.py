@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import REPO_ROOT, VLLMConfig, load_config, vllm_python, with_overrides
-from tests.helpers import AUTO_RESOLVED, killed_and_resumed, run_ppo
+from tests.helpers import AUTO_RESOLVED, killed_and_resumed, run_ppo, vllm_servers
 
 pytestmark = pytest.mark.multiprocess  # a vLLM server is a process of its own
 
@@ -61,19 +61,6 @@ def _listening(port: int) -> bool:
     return False
 
 
-def _servers_of(folder_prefix: str) -> list[str]:
-    """vLLM servers whose served folder starts with `folder_prefix`."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "vllm.entrypoints.openai.api_server" in text and folder_prefix in text:
-            found.append(text)
-    return found
-
-
 def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_after(servable, tmp_path, monkeypatch):
     from stages.vllm_rollout import VLLMSampler
 
@@ -99,7 +86,7 @@ def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_af
     # stopped: no process of the server's group, its port free, the served folder gone
     assert sampler.server is None and not sampler.folder.exists()
     port = int(sampler.url.rsplit(":", 1)[1])
-    assert not _listening(port) and not _servers_of(str(sampler.folder))
+    assert not _listening(port) and not vllm_servers(str(sampler.folder))
 
 
 def test_a_killed_and_resumed_vllm_run_ends_at_the_uninterrupted_runs_weights(servable, tmp_path):
@@ -137,7 +124,7 @@ def test_a_stage_killed_with_sigkill_leaves_no_vllm_process(servable, tmp_path):
         assert stage.poll() is None, "the stage ended before its vLLM server was up"
         assert time.monotonic() < deadline, "no vLLM server came up within 600 s"
         time.sleep(0.5)
-    servers = _servers_of("rlhf-vllm-")
+    servers = vllm_servers("rlhf-vllm-")
     group = next(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
                  for pid in os.listdir("/proc") if pid.isdigit() and _is_child_server(int(pid), stage.pid))
     assert servers and _process_group_alive(group)
