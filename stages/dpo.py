@@ -32,6 +32,7 @@ from stages.models import (copied, device, disable_dropout, dtype_named, encode_
 from stages.ppo_models import Models, reuse_sampling_pass
 from stages.ppo_rollout import policy_sampler
 from stages.reporting import Reporting
+from stages.vllm_rollout import sampler_for
 from stages.training import (ForwardLogs, last_trainer_checkpoint, prepare_sharding, trained_as_held, trainer_arguments,
                              untrained_evaluation)
 
@@ -141,7 +142,11 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Re
 
     models = evaluation_models(model, holding, cfg, inputs.sft_location)
     held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, device())
-    metrics, evaluation = evaluate(models, policy_sampler(models), held_out, cfg.evaluation, cfg.sampling)
+    sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log")
+    try:
+        metrics, evaluation = evaluate(models, sampler, held_out, cfg.evaluation, cfg.sampling)
+    finally:
+        sampler.close()
     saved, tags = saved_dtype_and_tags(cfg, inputs.sft_location, updated)
     checkpoint = output_dir / "checkpoint"
     holding.save_plain(model, tokenizer, checkpoint, saved)  # LoRA merged; sharded: a tensor at a time

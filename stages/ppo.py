@@ -58,7 +58,7 @@ from stages.reporting import Reporting
 from stages.reward import RewardScorer, fit_normalization
 from stages.ppo_rollout import Rollout, policy_sampler, rollout
 from stages.rollout import Sampler
-from stages.vllm_rollout import VLLMSampler
+from stages.vllm_rollout import sampler_for
 
 
 @dataclass(frozen=True)
@@ -457,16 +457,6 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
                                         "score": scores.normalized[shown].cpu().numpy()}), iteration)
 
 
-def rollout_sampler(cfg: PPOConfig, models: Models, accelerator: Accelerator, output_dir: Path) -> Sampler:
-    """What samples the policy (`rollout_engine`): the policy itself, or a vLLM server started on its
-    weights, whose log goes to `output_dir/vllm.log`."""
-    if cfg.rollout_engine == "hf":
-        return policy_sampler(models)
-    served = models.precision.autocast_dtype or torch.float32  # vLLM computes in what the trainer's forward does
-    return VLLMSampler.start(models.policy, models.tokenizer, models.stop_ids, accelerator, cfg.vllm, cfg.seed, served,
-                             output_dir / "vllm.log")
-
-
 def build_trainer(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> PPOTrainer:
     """This process's models, held as `cfg.launch` says (`stages.holding`), with their optimizer,
     schedule and sampler. Rank 0 keeps the single-process random stream; the others sample with their own."""
@@ -486,7 +476,7 @@ def build_trainer(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> PPOTra
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     return PPOTrainer(cfg, accelerator, models, actor_critic, optimizer, scheduler, scaler,
-                      rollout_sampler(cfg, models, accelerator, output_dir))
+                      sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log"))
 
 
 def resume(trainer: PPOTrainer, state_dir: Path, reporting: Reporting) -> LoopState:

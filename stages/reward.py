@@ -39,6 +39,7 @@ from stages.models import (device, disable_dropout, encode_pairs, encode_replies
 from stages.ppo_math import is_end, last_token_index
 from stages.reporting import Reporting
 from stages.rollout import HFSampler, Sampling
+from stages.vllm_rollout import sampler_for
 from stages.training import (ForwardLogs, last_trainer_checkpoint, prepare_sharding, trained_as_held, trainer_arguments,
                              untrained_evaluation)
 
@@ -193,26 +194,30 @@ def calibration(margins: np.ndarray, correct: np.ndarray, buckets: int) -> pd.Da
 
 @torch.no_grad()
 def sample_references(cfg: RewardConfig, policy_location: str, prompts: list[str],
-                      holding: Holding) -> list[tuple[int, str, bool]]:
+                      holding: Holding, log: Path) -> list[tuple[int, str, bool]]:
     """(prompt index, response, complete): `cfg.normalization_samples` responses per prompt sampled at
     temperature 1 from the policy at `policy_location` (seeded with `cfg.seed`), up to the reply
     length `cfg` allows, `cfg.normalization_micro_batch_size` sequences at a time (None: all at once);
     the policy held as `holding` holds a frozen model (sharded: read by the first process, split
     between all, and sampled by every one, layer by layer, with the same seed, so every process draws
-    the same responses). `complete` is False for a response cut off without an end token."""
+    the same responses); with `rollout_engine: vllm` on a vLLM server instead (its log in `log`).
+    `complete` is False for a response cut off without an end token."""
     tokenizer = load_tokenizer(policy_location, trust_remote_code=cfg.trust_remote_code)
     policy = holding.frozen(load_causal_lm(policy_location, tokenizer, trust_remote_code=cfg.trust_remote_code).eval())
     torch.manual_seed(cfg.seed)
     per_prompt = cfg.normalization_samples
     repeated = [p for p in prompts for _ in range(per_prompt)]  # a prompt's samples on consecutive rows
-    sampler = HFSampler(policy, tokenizer, stop_token_ids(policy), holding=holding)
+    sampler = sampler_for(cfg, HFSampler(policy, tokenizer, stop_token_ids(policy), holding=holding), cfg.seed, log)
     sampling = Sampling(cfg.max_length - cfg.max_prompt_length, temperature=1.0, logprobs=False)
     size = cfg.normalization_micro_batch_size or max(len(repeated), 1)
     texts, complete = [], []
-    for start in range(0, len(repeated), size):
-        responses = sampler.generate(repeated[start:start + size], sampling).responses  # (b, T)
-        texts += tokenizer.batch_decode(responses, skip_special_tokens=True)
-        complete += is_end(responses, sampler.stop_ids).any(dim=1).tolist()
+    try:
+        for start in range(0, len(repeated), size):
+            responses = sampler.generate(repeated[start:start + size], sampling).responses  # (b, T)
+            texts += tokenizer.batch_decode(responses, skip_special_tokens=True)
+            complete += is_end(responses, stop_token_ids(policy)).any(dim=1).tolist()
+    finally:
+        sampler.close()
     return [(i // per_prompt, text, bool(done)) for i, (text, done) in enumerate(zip(texts, complete))]
 
 
@@ -308,7 +313,7 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
 
     normalization_prompts = inputs.normalization_prompts
     prompts = list(normalization_prompts["prompt"])
-    references = sample_references(cfg, inputs.policy_location, prompts, holding)
+    references = sample_references(cfg, inputs.policy_location, prompts, holding, output_dir / "vllm.log")
     reference_messages = [json.loads(normalization_prompts["prompt_messages"].iloc[i]) for i, _, _ in references]
     reference_scores = scorer.score(reference_messages, [text for _, text, _ in references], normalized=False,
                                     complete=[done for _, _, done in references])

@@ -44,16 +44,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
+from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.config import VLLM_CPU_HEAD_SIZES, VLLMConfig, vllm_python
+from rlhf.config import VLLM_CPU_HEAD_SIZES, SampledStage, VLLMConfig, vllm_python
 from stages.errors import StageUserError
 from stages.holding import save_streamed
 from stages.models import left_padded
 from stages.ppo_math import truncate_after_eos
-from stages.rollout import Generation, Sampling
+from stages.rollout import Generation, HFSampler, Sampler, Sampling
 
 CPU_KV_CACHE_GIB = 1.0
 """KV cache of a CPU server when `vllm.kv_cache_gib` is unset (vLLM's CPU default, 4 GiB, or a share of the host's memory, is more than a rollout of short responses uses)."""
@@ -180,6 +180,13 @@ SERVED_PREFIX = "rlhf-vllm-"
 """Served folders are `<shared memory>/rlhf-vllm-*`, each with the file `owner` naming the process that made it."""
 
 
+def sampler_for(stage: SampledStage, hf: HFSampler, seed: int, log: Path) -> Sampler:
+    """What a stage samples its policy with (`stage.rollout_engine`): `hf`, the policy itself, or a
+    vLLM server started on `hf`'s model's weights, computing in the dtype `hf`'s forward passes do,
+    its log in `log`. The caller closes it however it ends."""
+    return hf if stage.rollout_engine == "hf" else VLLMSampler.start(hf, stage.vllm, seed, log)
+
+
 def served_folder() -> Path:
     """A fresh served folder in shared memory (the temporary folder where there is none), after removing
     those whose owner has died: a killed stage cannot remove its own, and they hold a whole policy."""
@@ -243,7 +250,8 @@ class VLLMSampler:
 
     tokenizer: PreTrainedTokenizerBase
     stop_ids: list[int]
-    accelerator: Accelerator
+    state: PartialState
+    """The processes of the stage (one, or those of its launch)."""
     folder: Path
     """The served folder, in shared memory: the policy as of the last `sync`."""
     dtype: torch.dtype
@@ -254,12 +262,14 @@ class VLLMSampler:
     device: torch.device
 
     @classmethod
-    def start(cls, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, stop_ids: list[int],
-              accelerator: Accelerator, settings: VLLMConfig, seed: int, dtype: torch.dtype, log: Path) -> VLLMSampler:
-        """Write the policy into a fresh shared-memory folder and start a server on it (first process);
-        every process learns the server's address (collective)."""
+    def start(cls, hf: HFSampler, settings: VLLMConfig, seed: int, log: Path) -> VLLMSampler:
+        """Write `hf`'s model into a fresh shared-memory folder and start a server on it (first process),
+        computing in the dtype `hf`'s forward passes do; every process learns the server's address
+        (collective)."""
+        policy, tokenizer, state = hf.model, hf.tokenizer, PartialState()
+        dtype = hf.precision.autocast_dtype or torch.float32
         check_servable(policy, torch.cuda.is_available())
-        main = accelerator.is_main_process
+        main = state.is_main_process
         folder = served_folder() if main else Path()
         folder = Path(broadcast_object_list([str(folder)])[0])
         write_served(policy, tokenizer, folder, dtype, main)
@@ -273,16 +283,16 @@ class VLLMSampler:
                 raise
             url = server.url
         url = broadcast_object_list([url])[0]
-        return cls(tokenizer, stop_ids, accelerator, folder, dtype, url, server, policy.device)
+        return cls(tokenizer, hf.stop_ids, state, folder, dtype, url, server, policy.device)
 
     def sync(self, policy: torch.nn.Module) -> None:
         """The policy's current weights into the served folder and the server (every process calls it)."""
-        main = self.accelerator.is_main_process
+        main = self.state.is_main_process
         write_served(policy, self.tokenizer, self.folder, self.dtype, main)
         if main:
             post(f"{self.url}/collective_rpc", {"method": "reload_weights"})
             post(f"{self.url}/reset_prefix_cache", {})
-        self.accelerator.wait_for_everyone()
+        self.state.wait_for_everyone()
 
     def close(self) -> None:
         """Stop the server and remove the served folder (idempotent)."""

@@ -36,7 +36,8 @@ def servable(tmp_path_factory):
     world = build_world(tmp_path_factory.mktemp("worlds"), cfg.demo)
     frames = world_frames(world, load_tokenizer(str(world / "model")))
     sft, reward = train_upstream(cfg, world, frames, tmp_path_factory.mktemp("trained"))
-    return cfg, {"sft": sft, "reward": reward, "prompts": frames["prompts"], "eval_prompts": frames["prompts_eval"]}
+    return cfg, {"sft": sft, "reward": reward, "prompts": frames["prompts"], "eval_prompts": frames["prompts_eval"],
+                 "frames": frames}
 
 
 def _process_group_alive(group: int) -> list[str]:
@@ -61,32 +62,60 @@ def _listening(port: int) -> bool:
     return False
 
 
-def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_after(servable, tmp_path, monkeypatch):
+@pytest.fixture
+def started(monkeypatch) -> list:
+    """Every `VLLMSampler` the test starts."""
     from stages.vllm_rollout import VLLMSampler
 
-    started = []
-    real_start = VLLMSampler.start.__func__
+    samplers, real_start = [], VLLMSampler.start.__func__
 
     def recording(cls, *args, **kwargs):
-        started.append(real_start(cls, *args, **kwargs))
-        return started[-1]
+        samplers.append(real_start(cls, *args, **kwargs))
+        return samplers[-1]
 
     monkeypatch.setattr(VLLMSampler, "start", classmethod(recording))
+    return samplers
+
+
+def _stopped(sampler) -> bool:
+    """No server process left on the sampler's folder, nothing listening on its port, the folder removed."""
+    port = int(sampler.url.rsplit(":", 1)[1])
+    return (sampler.server is None and not sampler.folder.exists() and not _listening(port)
+            and not vllm_servers(str(sampler.folder)))
+
+
+def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_after(servable, tmp_path, started):
     cfg, trained = servable
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"advantage_estimator": "grpo", "samples_per_prompt": 4})
     result = run_ppo(ppo, trained, tmp_path / "out")
 
-    (sampler,) = started
+    assert len(started) == 1
     assert [row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history] == [True] * ppo.num_iterations
     assert all(row["time/weight_sync"] > 0 for row in result.history)  # the folder written and reloaded each time
     assert all(abs(row["rollout/engine_importance_weight"] - 1) < 1e-4 for row in result.history)
     assert result.history[-1]["rollout/kl"] != 0  # the policy moved, and the server sampled the moved policy
     assert 0 < result.metrics["eval/eos_rate"] <= 1  # end tokens come back as tokens of the response
     assert (tmp_path / "out" / "vllm.log").exists()
-    # stopped: no process of the server's group, its port free, the served folder gone
-    assert sampler.server is None and not sampler.folder.exists()
-    port = int(sampler.url.rsplit(":", 1)[1])
-    assert not _listening(port) and not vllm_servers(str(sampler.folder))
+    assert _stopped(started[0])
+
+
+def test_the_reward_stages_normalisation_and_dpos_evaluation_sample_on_vllm_too(servable, tmp_path, started):
+    from stages.dpo import DPOInputs, train_dpo
+    from stages.reward import RewardInputs, train_reward
+
+    cfg, trained = servable
+    frames = trained["frames"]
+    reward = train_reward(cfg.reward.model_copy(update={"max_steps": 2, "rollout_engine": "vllm"}),
+                          RewardInputs(trained["sft"], trained["sft"], frames["preferences"],
+                                       frames["preferences_eval"], frames["prompts_eval"]), tmp_path / "reward")
+    assert reward.metrics["normalization/reference_std_raw"] > 0  # scores of responses the server sampled
+    assert "Application startup complete" in (tmp_path / "reward" / "vllm.log").read_text()
+    dpo = train_dpo(cfg.dpo.model_copy(update={"max_steps": 2, "rollout_engine": "vllm"}),
+                    DPOInputs(trained["sft"], frames["preferences"], frames["preferences_eval"], frames["prompts_eval"]),
+                    tmp_path / "dpo")
+    assert 0 <= dpo.metrics["eval/eos_rate"] <= 1 and "eval/kl" in dpo.metrics
+    assert "Application startup complete" in (tmp_path / "dpo" / "vllm.log").read_text()
+    assert len(started) == 2 and all(_stopped(sampler) for sampler in started)
 
 
 def test_a_killed_and_resumed_vllm_run_ends_at_the_uninterrupted_runs_weights(servable, tmp_path):

@@ -1,0 +1,192 @@
+"""Rollout engines: sampling throughput and whole PPO iterations, transformers against vLLM.
+
+    python -m bench.rollout                (or: make bench-rollout; needs `make vllm-env`)
+
+1. Sampling: the same prompts (the demo world's, `--prompts` of them) answered with `--new-tokens`
+   new tokens each at temperature 1, by
+     - `hf`: `HFSampler` as PPO samples (its KV-cached decode loop, keeping log-probs),
+     - `hf generate`: transformers' `generate` (`HFSampler` without log-probs),
+     - `vllm`: `VLLMSampler`, a vLLM server from `.vllm-venv` spoken to over HTTP as PPO does;
+   on two models: the demo world's (2 heads of 32, which vLLM's CPU build serves) and a ~100M
+   Llama built from config (`bench.scale.build_checkpoint`: hidden 768, 16 layers, random
+   weights). Tokens/s counts the tokens generated (up to and including an end token) over the
+   wall time of the call; the mean of `--repeats` calls after one warm-up call. vLLM's start (a
+   new server, loading the model) is reported apart.
+2. PPO: whole iterations of the PPO stage on the ~100M model with `rollout_engine: hf` and `vllm`
+   (`WORK`: four models, the critic from the reward checkpoint), each in a process of its own; the
+   split per iteration (sampling, the trainer's forward passes, scoring, the update, the weight
+   sync) as means over the iterations after the first. The server's start is part of the stage
+   but not of an iteration; it is reported apart.
+
+Prints Markdown tables and writes `bench/results/rollout-<date>[-<tag>].json`. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+WORK = {"sampling.response_length": 64, "rollout_batch_size": 32, "num_iterations": 4, "num_ppo_epochs": 1,
+        "num_minibatches": 1, "evaluation.every": None, "evaluation.samples_per_prompt": 1, "checkpoint_every": 100,
+        "critic.kind": "reward", "missing_eos_score": None, "precision": "fp32", "micro_batch_size": None,
+        "sampling.micro_batch_size": None, "max_prompt_length": 32}
+"""The PPO work of each engine: 32 responses of up to 64 tokens per iteration, one optimizer step."""
+
+
+def sampling_rows(model: str, name: str, prompts: list[str], new_tokens: int, repeats: int) -> list[dict]:
+    """Tokens/s of each engine on `model`'s folder (this process; vLLM in its own server)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.config import VLLMConfig
+    from stages.models import load_tokenizer, stop_token_ids
+    from stages.ppo_math import response_mask
+    from stages.rollout import HFSampler, Sampling
+    from stages.vllm_rollout import VLLMSampler
+
+    tokenizer = load_tokenizer(model)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    stop_ids = stop_token_ids(policy)
+    rows = []
+
+    def measure(engine: str, sampler, sampling: Sampling, started: float | None = None) -> None:
+        torch.manual_seed(0)
+        sampler.generate(prompts, sampling)  # warm-up
+        rates = []
+        for _ in range(repeats):
+            clock = time.perf_counter()
+            responses = sampler.generate(prompts, sampling).responses
+            seconds = time.perf_counter() - clock
+            rates.append(response_mask(responses, stop_ids).sum().item() / seconds)
+        rows.append({"model": name, "engine": engine, "tokens_per_second": sum(rates) / len(rates),
+                     "tokens_per_second_each": rates, "engine_start_seconds": started,
+                     "parameters": sum(p.numel() for p in policy.parameters())})
+        print(f"{name}, {engine}: {rows[-1]['tokens_per_second']:.0f} tokens/s", flush=True)
+
+    hf = HFSampler(policy, tokenizer, stop_ids)
+    measure("hf", hf, Sampling(new_tokens, 1.0, logprobs=True))
+    measure("hf generate", hf, Sampling(new_tokens, 1.0, logprobs=False))
+    clock = time.perf_counter()
+    log = Path(model).parent / "vllm-bench.log"
+    vllm = VLLMSampler.start(hf, VLLMConfig(), 0, log)
+    try:
+        measure("vllm", vllm, Sampling(new_tokens, 1.0), started=time.perf_counter() - clock)
+    finally:
+        vllm.close()
+    return rows
+
+
+def ppo_row(engine: str, checkpoint: str, world: Path, work: Path) -> dict:
+    """The PPO stage with `rollout_engine: engine` on the checkpoint, in this process; its row."""
+    import shutil
+
+    from rlhf.config import load_config, with_overrides
+    from schemas.validate import LengthBudget, load_validated
+    from stages.models import load_tokenizer
+    from stages.ppo import PPOInputs, train_ppo
+
+    cfg = with_overrides(load_config("configs/tiny.yaml").ppo, WORK | {"rollout_engine": engine})
+    tokenizer = load_tokenizer(checkpoint)
+    budget = LengthBudget(cfg.max_prompt_length, cfg.max_prompt_length + cfg.sampling.response_length)
+    prompts, eval_prompts = (load_validated(str(world / f"{name}.jsonl"), "prompt", tokenizer=tokenizer,
+                                            budget=budget).frame for name in ("prompts", "prompts_eval"))
+    shutil.rmtree(work, ignore_errors=True)
+    clock = time.perf_counter()
+    result = train_ppo(cfg, PPOInputs(checkpoint, checkpoint, prompts, eval_prompts), work)
+    stage_seconds = time.perf_counter() - clock
+    later = result.history[1:]
+    mean = lambda key: sum(h.get(key, 0.0) for h in later) / len(later)  # noqa: E731
+    row = {"engine": engine, "stage_seconds": stage_seconds, "iterations": len(result.history),
+           **{key: mean(f"time/{key}") for key in ("iteration", "generate", "forward", "score", "train", "weight_sync")},
+           "response_length": mean("rollout/response_length")}
+    row["sampling_tokens_per_second"] = cfg.rollout_batch_size * row["response_length"] / row["generate"]
+    if engine == "vllm":
+        row["vllm_logprob_gap_max"] = max(h["rollout/vllm_logprob_gap_max"] for h in result.history)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--state", type=Path, default=REPO / ".rlhf" / "bench-rollout")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-ppo", action="store_true", help="the sampling table only")
+    parser.add_argument("--tag", help="results file rollout-<date>-<tag>.json")
+    parser.add_argument("--sampling", nargs=2, metavar=("MODEL", "NAME"), help=argparse.SUPPRESS)  # a child
+    parser.add_argument("--ppo", help=argparse.SUPPRESS)  # a child: this engine's PPO row
+    args = parser.parse_args()
+    world = args.state / "world"
+    if args.sampling:
+        from schemas.validate import LengthBudget, load_validated
+        from stages.models import load_tokenizer
+
+        frame = load_validated(str(world / "prompts.jsonl"), "prompt", tokenizer=load_tokenizer(args.sampling[0]),
+                               budget=LengthBudget(64, 64 + args.new_tokens)).frame
+        prompts = list(frame["prompt"].head(args.prompts))
+        rows = sampling_rows(args.sampling[0], args.sampling[1], prompts, args.new_tokens, args.repeats)
+        print("ROWS=" + json.dumps(rows))
+        return
+    if args.ppo:
+        print("ROW=" + json.dumps(ppo_row(args.ppo, str(args.state / "checkpoint-100m"), world, args.state / args.ppo)))
+        return
+
+    import torch
+
+    from bench.scale import build_checkpoint
+    from rlhf.config import load_config
+    from rlhf.demo_world import build_world
+
+    args.state.mkdir(parents=True, exist_ok=True)
+    built = build_world(args.state / "worlds", load_config("configs/tiny.yaml", {"demo.num_heads": 2}).demo)
+    world.unlink(missing_ok=True)
+    world.symlink_to(built)
+    build_checkpoint(built, args.state / "checkpoint-100m", 768, 16)
+
+    def child(*flags: str, key: str):
+        done = subprocess.run([sys.executable, "-m", "bench.rollout", "--state", str(args.state), "--prompts",
+                               str(args.prompts), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
+                               *flags], cwd=REPO, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{flags} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+        line = next(line for line in done.stdout.splitlines() if line.startswith(key))
+        return json.loads(line[len(key):])
+
+    sampling = [row for model, name in ((str(built / "model"), "demo model (2 heads of 32)"),
+                                        (str(args.state / "checkpoint-100m"), "~100M Llama"))
+                for row in child("--sampling", model, name, key="ROWS=")]
+    print(f"\nSampling: {args.prompts} prompts x {args.new_tokens} new tokens, temperature 1, float32, "
+          f"{torch.get_num_threads()} threads\n")
+    print("| model | engine | tokens/s | vs hf | engine start |")
+    print("|---|---|---|---|---|")
+    for row in sampling:
+        base = next(r for r in sampling if r["model"] == row["model"] and r["engine"] == "hf")
+        start = f"{row['engine_start_seconds']:.0f} s" if row["engine_start_seconds"] else "-"
+        print(f"| {row['model']} ({row['parameters'] / 1e6:.1f}M) | {row['engine']} | {row['tokens_per_second']:.0f} | "
+              f"{row['tokens_per_second'] / base['tokens_per_second']:.2f}x | {start} |")
+    ppo = [] if args.skip_ppo else [child("--ppo", engine, key="ROW=") for engine in ("hf", "vllm")]
+    if ppo:
+        print("\nPPO on the ~100M Llama (four models), seconds per iteration (mean of iterations 2-4)\n")
+        print("| engine | iteration | sampling | forward passes | scoring | update | weight sync | "
+              "sampling tokens/s | stage (with server start) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in ppo:
+            print(f"| {r['engine']} | {r['iteration']:.1f} | {r['generate']:.1f} | {r['forward']:.1f} | {r['score']:.1f} "
+                  f"| {r['train']:.1f} | {r['weight_sync']:.2f} | {r['sampling_tokens_per_second']:.0f} | "
+                  f"{r['stage_seconds']:.0f} s |")
+    out = REPO / "bench" / "results" / f"rollout-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
+    out.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "work": WORK,
+                               "prompts": args.prompts, "new_tokens": args.new_tokens, "sampling": sampling,
+                               "ppo": ppo}, indent=2) + "\n")
+    print(f"\nwritten: {out.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
