@@ -149,6 +149,10 @@ class VLLMConfig(_Frozen):
     """The vLLM environment's Python (`make vllm-env` builds it; relative paths from the repo root)."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
     """Share of the device's memory vLLM may take for weights and KV cache (on a CPU: of host memory; vLLM refuses to start if that much is not free). Sharing a GPU with training: leave the trainer its part."""
+    cuda_visible_devices: str | None = None
+    """GPUs the server sees (its `CUDA_VISIBLE_DEVICES`), e.g. "7" for a GPU of its own beside a trainer on 0-6; unset: the stage's own."""
+    tensor_parallel_size: PositiveInt = 1
+    """GPUs the server splits the policy over (vLLM's `--tensor-parallel-size`)."""
     kv_cache_gib: PositiveFloat | None = None
     """KV cache size in GiB (vLLM's `--kv-cache-memory-bytes`); unset: vLLM sizes it from `gpu_memory_utilization` on a GPU, 1 GiB on a CPU."""
     max_model_len: PositiveInt | None = None

@@ -112,10 +112,13 @@ class VLLMServer:
                    "--logprobs-mode", "processed_logprobs",  # log-probs of the temperature-scaled distribution sampled
                    "--dtype", str(dtype).removeprefix("torch."), "--seed", str(seed),
                    "--max-model-len", str(max_model_len),
-                   "--gpu-memory-utilization", str(settings.gpu_memory_utilization)]
+                   "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
+                   "--tensor-parallel-size", str(settings.tensor_parallel_size)]
         if kv_cache_gib is not None:
             command += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
         environment = os.environ | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        if settings.cuda_visible_devices is not None:
+            environment["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment,
