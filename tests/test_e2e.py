@@ -23,6 +23,17 @@ def stack(tmp_path_factory):
         yield env
 
 
+def full_pipeline_runs(stack, overrides: dict, **params) -> dict:
+    """`rlhf/full` on the smoke config with `overrides` (their `experiment` a new one), checked to
+    succeed: each stage's MLflow run in that experiment, by stage."""
+    done = deployment_run(stack, "rlhf/full", config_file="configs/smoke.yaml", overrides=overrides, **params)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    client = mlflow_client(stack)
+    experiment = client.get_experiment_by_name(overrides["experiment"])
+    return {r.data.tags["rlhf.stage"]: r for r in client.search_runs([experiment.experiment_id],
+                                                                     filter_string="tags.`rlhf.stage` != ''")}
+
+
 def test_sft_deployment_runs_and_hands_a_loadable_checkpoint_through_mlflow(stack, tmp_path):
     done = deployment_run(stack, "rlhf/sft", config_file="configs/tiny.yaml")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -130,13 +141,9 @@ def test_full_deployment_with_every_stage_sharded_registers_a_loadable_policy(st
     fsdp = {"num_processes": 2, "accelerate_config": "configs/accelerate/fsdp.yaml"}
     overrides = {"experiment": "rlhf-fsdp", "registry.enabled": True, "registry.model_name": "rlhf-policy-fsdp",
                  **{f"{stage}.launch": fsdp for stage in ("sft", "reward", "ppo")}}
-    done = deployment_run(stack, "rlhf/full", config_file="configs/smoke.yaml", overrides=overrides)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
+    runs = full_pipeline_runs(stack, overrides)
     client = mlflow_client(stack)
     experiment = client.get_experiment_by_name("rlhf-fsdp")
-    runs = {r.data.tags["rlhf.stage"]: r for r in client.search_runs([experiment.experiment_id],
-                                                                      filter_string="tags.`rlhf.stage` != ''")}
     assert set(runs) == {"sft", "reward", "ppo"}
     for run in runs.values():
         assert run.info.status == "FINISHED" and run.data.tags["rlhf.held_as"] == "fsdp2 x 2"
@@ -171,13 +178,8 @@ def test_full_deployment_with_vllm_rollouts_samples_on_a_server_that_is_gone_aft
     model with 2 heads of 32): the engine's log-probs logged against the trainer's every iteration."""
     overrides = {"experiment": "rlhf-vllm", "registry.enabled": False, "demo.num_heads": 2,
                  "ppo.rollout_engine": "vllm"}
-    done = deployment_run(stack, "rlhf/full", config_file="configs/smoke.yaml", overrides=overrides)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
+    runs = full_pipeline_runs(stack, overrides)
     client = mlflow_client(stack)
-    experiment = client.get_experiment_by_name("rlhf-vllm")
-    runs = {r.data.tags["rlhf.stage"]: r for r in client.search_runs([experiment.experiment_id],
-                                                                      filter_string="tags.`rlhf.stage` != ''")}
     assert set(runs) == {"sft", "reward", "ppo"} and all(r.info.status == "FINISHED" for r in runs.values())
     ppo = runs["ppo"]
     assert ppo.data.params["rollout_engine"] == "vllm"
@@ -196,14 +198,8 @@ def test_full_deployment_with_lora_everywhere_hands_plain_checkpoints_downstream
     overrides = {"experiment": "rlhf-lora", "registry.enabled": True, "registry.model_name": "rlhf-policy-lora",
                  **{f"{stage}.lora": lora for stage in ("sft", "reward", "ppo", "dpo")},
                  "ppo.critic.kind": "reward-lora"}
-    done = deployment_run(stack, "rlhf/full", config_file="configs/smoke.yaml", overrides=overrides,
-                          stages=["sft", "reward", "ppo", "dpo"])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
+    runs = full_pipeline_runs(stack, overrides, stages=["sft", "reward", "ppo", "dpo"])
     client = mlflow_client(stack)
-    experiment = client.get_experiment_by_name("rlhf-lora")
-    runs = {r.data.tags["rlhf.stage"]: r for r in client.search_runs([experiment.experiment_id],
-                                                                      filter_string="tags.`rlhf.stage` != ''")}
     assert set(runs) == {"sft", "reward", "ppo", "dpo"}
     for run in runs.values():
         assert run.info.status == "FINISHED" and run.data.params["lora.r"] == "4"

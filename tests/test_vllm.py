@@ -99,6 +99,23 @@ def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_af
     assert _stopped(started[0])
 
 
+def test_a_sharded_policy_is_streamed_to_the_server_and_sampled_by_both_processes(servable, tmp_path):
+    """Two FSDP2 processes: the first starts the server, both write their shards of the policy into
+    the served folder (`save_streamed`) and both send their own prompts."""
+    from stages.distributed import call_stage
+    from stages.ppo import PPOInputs, train_ppo
+    from stages.reporting import Reporting
+
+    cfg, trained = servable
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"launch": {"num_processes": 2,
+                                                              "accelerate_config": "configs/accelerate/fsdp.yaml"}})
+    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    result = call_stage(train_ppo, ppo, inputs, tmp_path / "out", Reporting(), deterministic=True, num_threads=1)
+    assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
+    assert all(row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history)
+    assert result.history[-1]["rollout/kl"] != 0
+
+
 def test_the_reward_stages_normalisation_and_dpos_evaluation_sample_on_vllm_too(servable, tmp_path, started):
     from stages.dpo import DPOInputs, train_dpo
     from stages.reward import RewardInputs, train_reward
