@@ -37,7 +37,7 @@ WORK = {"sampling.response_length": 64, "rollout_batch_size": 32, "num_iteration
         "num_minibatches": 1, "evaluation.every": None, "evaluation.samples_per_prompt": 1, "checkpoint_every": 100,
         "critic.kind": "reward", "missing_eos_score": None, "precision": "fp32", "micro_batch_size": None,
         "sampling.micro_batch_size": None, "max_prompt_length": 32}
-"""The PPO work of each engine: 32 responses of up to 64 tokens per iteration, one optimizer step."""
+"""The PPO work of each engine: 32 responses per iteration (of up to `--ppo-response-lengths` tokens), one optimizer step."""
 
 
 def sampling_rows(model: str, name: str, prompts: list[str], new_tokens: int, repeats: int) -> list[dict]:
@@ -83,7 +83,7 @@ def sampling_rows(model: str, name: str, prompts: list[str], new_tokens: int, re
     return rows
 
 
-def ppo_row(engine: str, checkpoint: str, world: Path, work: Path) -> dict:
+def ppo_row(engine: str, checkpoint: str, world: Path, work: Path, response_length: int) -> dict:
     """The PPO stage with `rollout_engine: engine` on the checkpoint, in this process; its row."""
     import shutil
 
@@ -92,7 +92,8 @@ def ppo_row(engine: str, checkpoint: str, world: Path, work: Path) -> dict:
     from stages.models import load_tokenizer
     from stages.ppo import PPOInputs, train_ppo
 
-    cfg = with_overrides(load_config("configs/tiny.yaml").ppo, WORK | {"rollout_engine": engine})
+    cfg = with_overrides(load_config("configs/tiny.yaml").ppo, WORK | {"rollout_engine": engine,
+                                                                       "sampling.response_length": response_length})
     tokenizer = load_tokenizer(checkpoint)
     budget = LengthBudget(cfg.max_prompt_length, cfg.max_prompt_length + cfg.sampling.response_length)
     prompts, eval_prompts = (load_validated(str(world / f"{name}.jsonl"), "prompt", tokenizer=tokenizer,
@@ -103,7 +104,7 @@ def ppo_row(engine: str, checkpoint: str, world: Path, work: Path) -> dict:
     stage_seconds = time.perf_counter() - clock
     later = result.history[1:]
     mean = lambda key: sum(h.get(key, 0.0) for h in later) / len(later)  # noqa: E731
-    row = {"engine": engine, "stage_seconds": stage_seconds, "iterations": len(result.history),
+    row = {"engine": engine, "response_length_limit": response_length, "stage_seconds": stage_seconds, "iterations": len(result.history),
            **{key: mean(f"time/{key}") for key in ("iteration", "generate", "forward", "score", "train", "weight_sync")},
            "response_length": mean("rollout/response_length")}
     row["sampling_tokens_per_second"] = cfg.rollout_batch_size * row["response_length"] / row["generate"]
@@ -119,9 +120,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-ppo", action="store_true", help="the sampling table only")
+    parser.add_argument("--ppo-response-lengths", nargs="+", type=int, default=[64], metavar="T",
+                        help="PPO's `sampling.response_length`, one pair of PPO rows (hf, vllm) each")
+    parser.add_argument("--skip-sampling", action="store_true", help="the PPO table only")
     parser.add_argument("--tag", help="results file rollout-<date>-<tag>.json")
     parser.add_argument("--sampling", nargs=2, metavar=("MODEL", "NAME"), help=argparse.SUPPRESS)  # a child
-    parser.add_argument("--ppo", help=argparse.SUPPRESS)  # a child: this engine's PPO row
+    parser.add_argument("--ppo", nargs=2, help=argparse.SUPPRESS)  # a child: this engine's PPO row at this length
     args = parser.parse_args()
     world = args.state / "world"
     if args.sampling:
@@ -135,7 +139,8 @@ def main() -> None:
         print("ROWS=" + json.dumps(rows))
         return
     if args.ppo:
-        print("ROW=" + json.dumps(ppo_row(args.ppo, str(args.state / "checkpoint-100m"), world, args.state / args.ppo)))
+        engine, length = args.ppo[0], int(args.ppo[1])
+        print("ROW=" + json.dumps(ppo_row(engine, str(args.state / "checkpoint-100m"), world, args.state / engine, length)))
         return
 
     import torch
@@ -159,9 +164,10 @@ def main() -> None:
         line = next(line for line in done.stdout.splitlines() if line.startswith(key))
         return json.loads(line[len(key):])
 
-    sampling = [row for model, name in ((str(built / "model"), "demo model (2 heads of 32)"),
-                                        (str(args.state / "checkpoint-100m"), "~100M Llama"))
-                for row in child("--sampling", model, name, key="ROWS=")]
+    sampling = [] if args.skip_sampling else [
+        row for model, name in ((str(built / "model"), "demo model (2 heads of 32)"),
+                                (str(args.state / "checkpoint-100m"), "~100M Llama"))
+        for row in child("--sampling", model, name, key="ROWS=")]
     print(f"\nSampling: {args.prompts} prompts x {args.new_tokens} new tokens, temperature 1, float32, "
           f"{torch.get_num_threads()} threads\n")
     print("| model | engine | tokens/s | vs hf | engine start |")
@@ -171,14 +177,15 @@ def main() -> None:
         start = f"{row['engine_start_seconds']:.0f} s" if row["engine_start_seconds"] else "-"
         print(f"| {row['model']} ({row['parameters'] / 1e6:.1f}M) | {row['engine']} | {row['tokens_per_second']:.0f} | "
               f"{row['tokens_per_second'] / base['tokens_per_second']:.2f}x | {start} |")
-    ppo = [] if args.skip_ppo else [child("--ppo", engine, key="ROW=") for engine in ("hf", "vllm")]
+    ppo = [] if args.skip_ppo else [child("--ppo", engine, str(length), key="ROW=")
+                                    for length in args.ppo_response_lengths for engine in ("hf", "vllm")]
     if ppo:
         print("\nPPO on the ~100M Llama (four models), seconds per iteration (mean of iterations 2-4)\n")
-        print("| engine | iteration | sampling | forward passes | scoring | update | weight sync | "
+        print("| response tokens | engine | iteration | sampling | forward passes | scoring | update | weight sync | "
               "sampling tokens/s | stage (with server start) |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in ppo:
-            print(f"| {r['engine']} | {r['iteration']:.1f} | {r['generate']:.1f} | {r['forward']:.1f} | {r['score']:.1f} "
+            print(f"| {r['response_length_limit']} | {r['engine']} | {r['iteration']:.1f} | {r['generate']:.1f} | {r['forward']:.1f} | {r['score']:.1f} "
                   f"| {r['train']:.1f} | {r['weight_sync']:.2f} | {r['sampling_tokens_per_second']:.0f} | "
                   f"{r['stage_seconds']:.0f} s |")
     out = REPO / "bench" / "results" / f"rollout-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"

@@ -119,6 +119,14 @@ class VLLMServer:
         environment = os.environ | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         if settings.cuda_visible_devices is not None:
             environment["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
+        if not torch.cuda.is_available():
+            # vLLM's CPU worker keeps a core for its HTTP front end by default; the trainer and the
+            # server take turns (the trainer waits while the server samples), so sampling gets them all.
+            environment.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            # vLLM's CPU guide: preload Intel's OpenMP runtime, which its environment ships
+            iomp = vllm_python(settings).parent.parent / "lib" / "libiomp5.so"
+            if iomp.exists():
+                environment["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), os.environ.get("LD_PRELOAD")]))
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment,

@@ -149,26 +149,42 @@ def test_a_killed_and_resumed_vllm_run_ends_at_the_uninterrupted_runs_weights(se
 
 
 KILLED = """
-import pickle, sys
+import pathlib, pickle, sys, time
+import stages.ppo
 from tests.helpers import run_ppo
+
+# Park the run in the iteration after its first full-state checkpoint, so the SIGKILL lands mid-PPO
+# with a checkpoint to resume from, whatever the machine's speed.
+saved, real_save_state, real_rollout = [], stages.ppo.save_state_everywhere, stages.ppo.rollout
+def save_state(*args, **kwargs):
+    saved.append(True)
+    return real_save_state(*args, **kwargs)
+def rollout(*args, **kwargs):
+    if saved:
+        pathlib.Path(sys.argv[2]).touch()
+        time.sleep(3600)
+    return real_rollout(*args, **kwargs)
+stages.ppo.save_state_everywhere, stages.ppo.rollout = save_state, rollout
 ppo, trained, out = pickle.load(open(sys.argv[1], "rb"))
 run_ppo(ppo, trained, out)
 """
 
 
-def test_a_stage_killed_with_sigkill_leaves_no_vllm_process(servable, tmp_path):
+def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_rerun_resumes(servable, tmp_path):
     import pickle
 
+    from stages.reporting import Reporting
+
     cfg, trained = servable
-    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"num_iterations": 50})
-    arguments = tmp_path / "arguments.pkl"
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"num_iterations": 4, "checkpoint_every": 2})
+    arguments, parked = tmp_path / "arguments.pkl", tmp_path / "parked"
     arguments.write_bytes(pickle.dumps((ppo, trained, tmp_path / "out")))
-    stage = subprocess.Popen([sys.executable, "-c", KILLED, str(arguments)], cwd=REPO_ROOT, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log, deadline = tmp_path / "out" / "vllm.log", time.monotonic() + 600
-    while "Application startup complete" not in (log.read_text(errors="replace") if log.exists() else ""):
-        assert stage.poll() is None, "the stage ended before its vLLM server was up"
-        assert time.monotonic() < deadline, "no vLLM server came up within 600 s"
+    stage = subprocess.Popen([sys.executable, "-c", KILLED, str(arguments), str(parked)], cwd=REPO_ROOT,
+                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not parked.exists():
+        assert stage.poll() is None, "the stage ended before its third iteration"
+        assert time.monotonic() < deadline, "PPO did not reach its third iteration within 600 s"
         time.sleep(0.5)
     servers = vllm_servers("rlhf-vllm-")
     group = next(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
@@ -189,6 +205,11 @@ def test_a_stage_killed_with_sigkill_leaves_no_vllm_process(servable, tmp_path):
     fresh = served_folder()
     assert not any(f.exists() for f in left) and fresh.exists()
     shutil.rmtree(fresh)
+
+    messages = []
+    resumed = run_ppo(ppo, trained, tmp_path / "out", Reporting(warning=messages.append))
+    assert "resumed from the full-state checkpoint after iteration 2" in messages[0]
+    assert len(resumed.history) == 4
 
 
 def _is_child_server(pid: int, parent: int) -> bool:
