@@ -134,3 +134,27 @@ def vllm_servers(served_folder_prefix: str = "rlhf-vllm-") -> list[str]:
             found.append(text)
     return found
 
+
+def park_after_first_checkpoint(marker: str) -> None:
+    """In a child process that runs PPO: park the run inside the iteration after its first
+    full-state checkpoint, touching `marker`, so a test's SIGKILL lands mid-iteration with a
+    checkpoint to resume from, whatever the machine's speed (polling for the checkpoint raced with
+    the run finishing on fast machines)."""
+    import time
+
+    import stages.ppo
+
+    saved, real_save_state, real_rollout = [], stages.ppo.save_state_everywhere, stages.ppo.rollout
+
+    def save_state(*args, **kwargs):
+        saved.append(True)
+        return real_save_state(*args, **kwargs)
+
+    def rollout(*args, **kwargs):
+        if saved:
+            Path(marker).touch()
+            time.sleep(3600)
+        return real_rollout(*args, **kwargs)
+
+    stages.ppo.save_state_everywhere, stages.ppo.rollout = save_state, rollout
+

@@ -18,24 +18,12 @@ pytestmark = pytest.mark.multiprocess  # every test runs the pipeline in child p
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = """
-import json, os, pathlib, sys, time
+import json, os, sys
 from flows.pipeline import rlhf
-import stages.ppo
+from tests.helpers import park_after_first_checkpoint
 
 if os.environ.get("HOLD_MARKER"):
-    # Park the run inside the PPO iteration after its first full-state checkpoint, so the test's
-    # SIGKILL lands mid-iteration whatever the machine's speed (polling for the checkpoint raced
-    # with the run finishing on fast machines).
-    saved, real_save_state, real_rollout = [], stages.ppo.save_state_everywhere, stages.ppo.rollout
-    def save_state(*args, **kwargs):
-        saved.append(True)
-        return real_save_state(*args, **kwargs)
-    def rollout(*args, **kwargs):
-        if saved:
-            pathlib.Path(os.environ["HOLD_MARKER"]).touch()
-            time.sleep(3600)
-        return real_rollout(*args, **kwargs)
-    stages.ppo.save_state_everywhere, stages.ppo.rollout = save_state, rollout
+    park_after_first_checkpoint(os.environ["HOLD_MARKER"])
 
 state = rlhf(config_file="configs/smoke.yaml", overrides=json.loads(sys.argv[1]), return_state=True)
 assert state.is_completed(), state.message

@@ -149,22 +149,10 @@ def test_a_killed_and_resumed_vllm_run_ends_at_the_uninterrupted_runs_weights(se
 
 
 KILLED = """
-import pathlib, pickle, sys, time
-import stages.ppo
-from tests.helpers import run_ppo
+import pickle, sys
+from tests.helpers import park_after_first_checkpoint, run_ppo
 
-# Park the run in the iteration after its first full-state checkpoint, so the SIGKILL lands mid-PPO
-# with a checkpoint to resume from, whatever the machine's speed.
-saved, real_save_state, real_rollout = [], stages.ppo.save_state_everywhere, stages.ppo.rollout
-def save_state(*args, **kwargs):
-    saved.append(True)
-    return real_save_state(*args, **kwargs)
-def rollout(*args, **kwargs):
-    if saved:
-        pathlib.Path(sys.argv[2]).touch()
-        time.sleep(3600)
-    return real_rollout(*args, **kwargs)
-stages.ppo.save_state_everywhere, stages.ppo.rollout = save_state, rollout
+park_after_first_checkpoint(sys.argv[2])
 ppo, trained, out = pickle.load(open(sys.argv[1], "rb"))
 run_ppo(ppo, trained, out)
 """
