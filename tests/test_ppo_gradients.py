@@ -32,7 +32,8 @@ def rows_of(batch, rows: torch.Tensor):
     picked = {}
     for field in dataclasses.fields(batch):
         value = getattr(batch, field.name)
-        picked[field.name] = value[rows] if isinstance(value, torch.Tensor) else [value[i] for i in rows.tolist()]
+        if value is not None:  # a field the rollout does not hold (no critic, no other engine's log-probs)
+            picked[field.name] = value[rows] if isinstance(value, torch.Tensor) else [value[i] for i in rows.tolist()]
     return dataclasses.replace(batch, **picked)
 
 
