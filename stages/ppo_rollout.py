@@ -59,7 +59,8 @@ def rollout(models: Models, sampler: Sampler, prompts: list[str], sampling: Samp
             timings: dict[str, float]) -> Rollout:
     """Sample responses, then the passes PPO needs besides: old log-probs and values (from the
     sampling pass when `models.reuse_sampling_pass` and the sampler gave them: never an engine's own,
-    `engine_logprobs`, which are kept beside), and the reference's log-probs; `sampling.micro_batch_size` prompts at a time, the pieces then padded into one batch."""
+    `engine_logprobs`, which are kept beside), and the reference's log-probs; `sampling.micro_batch_size`
+    prompts at a time, the pieces then padded into one batch."""
     models.train(False)
     timings["generate"] = timings["forward"] = 0.0
     return concat_rollouts([_rollout_chunk(models, sampler, chunk, sampling, timings)

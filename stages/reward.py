@@ -207,7 +207,8 @@ def sample_references(cfg: RewardConfig, policy_location: str, prompts: list[str
     torch.manual_seed(cfg.seed)
     per_prompt = cfg.normalization_samples
     repeated = [p for p in prompts for _ in range(per_prompt)]  # a prompt's samples on consecutive rows
-    sampler = sampler_for(cfg, HFSampler(policy, tokenizer, stop_token_ids(policy), holding=holding), cfg.seed, log)
+    stop_ids = stop_token_ids(policy)
+    sampler = sampler_for(cfg, HFSampler(policy, tokenizer, stop_ids, holding=holding), cfg.seed, log)
     sampling = Sampling(cfg.max_length - cfg.max_prompt_length, temperature=1.0, logprobs=False)
     size = cfg.normalization_micro_batch_size or max(len(repeated), 1)
     texts, complete = [], []
@@ -215,7 +216,7 @@ def sample_references(cfg: RewardConfig, policy_location: str, prompts: list[str
         for start in range(0, len(repeated), size):
             responses = sampler.generate(repeated[start:start + size], sampling).responses  # (b, T)
             texts += tokenizer.batch_decode(responses, skip_special_tokens=True)
-            complete += is_end(responses, stop_token_ids(policy)).any(dim=1).tolist()
+            complete += is_end(responses, stop_ids).any(dim=1).tolist()
     finally:
         sampler.close()
     return [(i // per_prompt, text, bool(done)) for i, (text, done) in enumerate(zip(texts, complete))]

@@ -74,7 +74,7 @@ def check_servable(model: PreTrainedModel, on_gpu: bool) -> None:
     """Refuse, before a server is started, a model whose attention heads vLLM's CPU build cannot serve."""
     size = head_size(model)
     if not on_gpu and size not in VLLM_CPU_HEAD_SIZES:
-        raise StageUserError(f"ppo.rollout_engine 'vllm': the policy's attention heads are {size} wide, which vLLM's "
+        raise StageUserError(f"rollout_engine 'vllm': the policy's attention heads are {size} wide, which vLLM's "
                              f"CPU build does not serve (it serves {list(VLLM_CPU_HEAD_SIZES)}); sample with "
                              "rollout_engine: hf, or run on a GPU")
 
