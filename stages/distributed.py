@@ -13,8 +13,13 @@ PPO loop split the work by `PartialState().process_index`, and only rank 0 retur
 The spec folder is the stage's own work folder: nothing but this module writes or reads it.
 
 How a rank ends. Once its work is over (rank 0: and its result written) each rank records it
-(`done_marker`), waits for the others, tears the process group down, runs the `atexit` handlers
-and ends with `os._exit`, skipping the interpreter's finalization. That finalization is where a
+(`done_marker`) and leaves with the others (`leave_job`): it waits for them, tears the process group
+down, runs the `atexit` handlers and ends with `os._exit`, skipping the interpreter's finalization.
+The group's own object is held until then, so its destructor never runs in the process: dropped
+by the last object that held it (a DDP reducer freed after `destroy_process_group`), gloo's
+destructor joins its worker threads with the GIL held while one of them waits for the GIL to
+free a finished barrier's state, a deadlock (seen in about 1 of 30 runs of a two-process test,
+traced with gdb; torch issue 56297 describes the class of bug). That finalization is where a
 finished job used to die: gloo's worker threads keep the last reference to a completed
 collective's tensors a moment after the caller's `wait()` returns, and dropping it takes the
 GIL to free the tensors' Python objects; once finalization has begun, taking the GIL ends the
@@ -291,9 +296,7 @@ def main(spec: Path) -> None:
     done_marker(spec, state.process_index).write_text(f"{call.attempt} {os.getpid()} {time.time()}\n")
     # The ranks leave together, once rank 0 has saved and written its result (the others wait up to
     # `launch.timeout_seconds`): a rank that ended first would have the launcher stop the others mid-save.
-    state.wait_for_everyone()
-    state.destroy_process_group()
-    leave()
+    leave_job(state)
 
 
 def highest_peak(figures: dict[str, float]) -> dict[str, float]:
@@ -305,6 +308,21 @@ def highest_peak(figures: dict[str, float]) -> dict[str, float]:
     if dist.get_rank() == 0:  # each process's, in the job's log
         print("memory by rank: " + json.dumps(every), flush=True)
     return max(every, key=lambda f: f.get("memory/peak_rss_gib", 0.0))
+
+
+_held_groups: list = []
+"""Process groups `leave_job` keeps from their destructors until the process ends."""
+
+
+def leave_job(state) -> None:
+    """Wait for every rank, tear the process group down and `leave()`, holding the group's object
+    to the end so that no object freed after the teardown runs its destructor (module docstring)."""
+    import torch.distributed as dist
+
+    _held_groups.append(dist.group.WORLD)
+    state.wait_for_everyone()
+    state.destroy_process_group()
+    leave()
 
 
 def leave() -> None:

@@ -205,13 +205,13 @@ def _worker(folder: Path, engine: str) -> None:
     found = gradients(models, accelerator, actor_critic, local, work["advantages"][rows], work["returns"][rows], cfg)
     if state.is_main_process:
         torch.save(found | {"sharded": sharded}, folder / "gradients.pt")
-    state.wait_for_everyone()
-    state.destroy_process_group()
 
 
-if __name__ == "__main__":  # ends as a stage's rank does: no finalization for gloo's threads to abort in
+if __name__ == "__main__":  # ends as a stage's rank does (`stages.distributed.leave_job`)
     sys.path.insert(0, str(REPO))
-    from stages.distributed import leave
+    from accelerate import PartialState
+
+    from stages.distributed import leave_job
 
     _worker(Path(sys.argv[1]), sys.argv[2])
-    leave()
+    leave_job(PartialState())
