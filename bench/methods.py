@@ -54,9 +54,46 @@ METHODS: dict[str, dict] = {
 """Each method's settings on top of its config section (`ppo`; `dpo` for DPO)."""
 
 
-def run_one(config: str, method: str, settings: dict, state: Path, overrides: dict | None = None) -> dict:
+TRACED = ("rollout/kl", "rollout/score", "train/grad_norm", "train/clip_fraction", "train/approx_kl",
+          "train/ratio_max", "train/entropy", "train/kl_coef")
+"""The per-iteration figures `--trace` keeps (besides the policy's weight change)."""
+
+
+def _part(name: str) -> str:
+    """The part of a decoder a weight belongs to, for the weight change by part."""
+    for part, keys in (("embeddings", ("embed",)), ("output head", ("lm_head",)), ("norms", ("norm",)),
+                       ("attention", ("q_proj", "k_proj", "v_proj", "o_proj", "attn")),
+                       ("mlp", ("gate_proj", "up_proj", "down_proj", "mlp"))):
+        if any(key in name for key in keys):
+            return part
+    return "other"
+
+
+def policy_change(policy, initial: dict) -> dict[str, float]:
+    """‖W - W_sft‖_F of the policy's weights summed in quadrature by part, and relative to ‖W_sft‖:
+    for a LoRA policy the merged adapters' delta (scale * B @ A), else the trained weights' change."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    squares: dict[str, float] = {}
+    with torch.no_grad():
+        adapted = {name: module for name, module in policy.named_modules() if isinstance(module, LoraLayer)}
+        if adapted:
+            deltas = {name: module.get_delta_weight(module.active_adapters[0]) for name, module in adapted.items()}
+        else:
+            deltas = {name: p.detach().float() - initial[name] for name, p in policy.named_parameters()}
+        for name, delta in deltas.items():
+            squares[_part(name)] = squares.get(_part(name), 0.0) + delta.float().pow(2).sum().item()
+        base = sum(w.pow(2).sum().item() for w in initial.values())
+    change = {f"delta_norm/{part}": value ** 0.5 for part, value in squares.items()}
+    return change | {"delta_norm/relative": (sum(squares.values()) / base) ** 0.5}
+
+
+def run_one(config: str, method: str, settings: dict, state: Path, overrides: dict | None = None,
+            trace: bool = False) -> dict:
     """One method's PPO run (`settings`: `ppo` fields; `overrides`: dotted keys of the whole config)
-    and its judgement, in this process: the row of the table."""
+    and its judgement, in this process: the row of the table. `trace`: the row also holds each
+    iteration's `TRACED` figures and the policy's weight change (`policy_change`)."""
     import torch
 
     import stages.ppo
@@ -66,6 +103,7 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
     from stages.models import load_tokenizer, set_determinism
     from stages.dpo import DPOInputs, train_dpo
     from stages.ppo import PPOInputs, train_ppo
+    from stages.reporting import Reporting
 
     from bench.quality import train_upstream
     from bench.scale import held_bytes
@@ -82,12 +120,21 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
     out = state / method.replace(" ", "-").replace("(", "").replace(")", "").replace(",", "")
     shutil.rmtree(out, ignore_errors=True)  # a finished run's state there would be resumed, whatever its settings
     held, real_update = {}, stages.ppo.ppo_update
+    initial, changes, iterations = {}, [], {}
 
     def ppo_update(trainer, episodes):
+        if trace and not initial:
+            initial.update({name: p.detach().float().clone() for name, p in trainer.models.policy.named_parameters()
+                            if "lora_" not in name})  # the SFT weights
         figures = real_update(trainer, episodes)
         if not held:  # after the first optimizer step: AdamW's state exists
             held.update(held_bytes(trainer.models, trainer.optimizer))
+        if trace:
+            changes.append(policy_change(trainer.models.policy, initial))
         return figures
+
+    def metrics(figures: dict, step: int) -> None:
+        iterations.setdefault(step, {}).update({k: v for k, v in figures.items() if k in TRACED})
 
     stages.ppo.ppo_update = ppo_update
     clock = time.perf_counter()
@@ -98,7 +145,8 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
         result = train_dpo(cfg.dpo, DPOInputs(str(sft_folder), *pairs, eval_prompts), out)
     else:
         result = train_ppo(with_overrides(cfg.ppo, {"evaluation.every": None}),
-                           PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts), out)
+                           PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts), out,
+                           Reporting(metrics=metrics))
     seconds = time.perf_counter() - clock
     table = result.evaluation
     gold = judge_evaluation(table)
@@ -107,7 +155,8 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
     return {"method": method, "settings": settings, "seed": getattr(cfg, section).seed, "seconds": seconds,
             "peak_memory_bytes": peak, "memory_kind": "cuda allocated" if torch.cuda.is_available() else "process max RSS",
             **held, "held_bytes": sum(held.values()) if held else None,
-            "kl_budget": getattr(cfg, section).evaluation.kl_budget, **result.metrics, **gold}
+            "kl_budget": getattr(cfg, section).evaluation.kl_budget, **result.metrics, **gold,
+            **({"trace": [iterations.get(i + 1, {}) | change for i, change in enumerate(changes)]} if trace else {})}
 
 
 def table_of(rows: list[dict]) -> str:
@@ -137,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[None], metavar="SEED",
                         help="run each method once per training seed (default: the config's)")
     parser.add_argument("--tag", help="results file methods-<date>-<tag>.json")
+    parser.add_argument("--trace", action="store_true",
+                        help="keep each iteration's figures and the policy's weight change by part in the results")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this method, print its row as JSON
     args = parser.parse_args(argv)
     state = Path(args.state)
@@ -145,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
         extra = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
         overrides = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.config_set)}
-        print(json.dumps(run_one(args.config, args.one, METHODS[args.one] | extra, state, overrides)))
+        print(json.dumps(run_one(args.config, args.one, METHODS[args.one] | extra, state, overrides, args.trace)))
         return 0
     rows = []
     for method in args.methods:
@@ -153,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             seeded = [] if seed is None else [f"--set=seed={seed}"]
             done = subprocess.run([sys.executable, "-m", "bench.methods", "--config", args.config, "--state", str(state),
                                    "--one", method, *(f"--set={item}" for item in args.set), *seeded,
+                                   *(["--trace"] if args.trace else []),
                                    *(f"--config-set={item}" for item in args.config_set)],
                                   capture_output=True, text=True, cwd=REPO)
             if done.returncode != 0:
