@@ -3,6 +3,12 @@ same SFT (and reward) checkpoints, prompts and response budget.
 
     python -m bench.methods                 (or: make bench-methods)
     python -m bench.methods --methods "ppo (gae)" "ppo (gae), reward-lora critic" --seeds 0 1 2 --tag critics
+    python -m bench.methods --methods "ppo (gae)" --freeze embed norm --trace --seeds 0 1 2   (a diagnosis)
+
+`--trace` keeps each iteration's figures and the policy's weight change by part (embeddings,
+attention, MLP, norms, output head); `--freeze` trains the policy with some of its parameters held
+(full fine-tuning without the embeddings and norms reproduced the LoRA policy's failure:
+docs/performance.md, "Why a LoRA policy learned little").
 
 1. SFT and reward checkpoints are trained once with the demo config's sections (`bench.quality`).
 2. Each method runs the demo config's PPO section with its own settings (`METHODS`: the estimator,
@@ -90,10 +96,11 @@ def policy_change(policy, initial: dict) -> dict[str, float]:
 
 
 def run_one(config: str, method: str, settings: dict, state: Path, overrides: dict | None = None,
-            trace: bool = False) -> dict:
+            trace: bool = False, freeze: tuple[str, ...] = ()) -> dict:
     """One method's PPO run (`settings`: `ppo` fields; `overrides`: dotted keys of the whole config)
     and its judgement, in this process: the row of the table. `trace`: the row also holds each
-    iteration's `TRACED` figures and the policy's weight change (`policy_change`)."""
+    iteration's `TRACED` figures and the policy's weight change (`policy_change`). `freeze`: the
+    policy's parameters whose names hold one of these stay as they are (a diagnosis, not a setting)."""
     import torch
 
     import stages.ppo
@@ -137,6 +144,16 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
         iterations.setdefault(step, {}).update({k: v for k, v in figures.items() if k in TRACED})
 
     stages.ppo.ppo_update = ppo_update
+    real_build = stages.ppo.build_trainer
+
+    def build_trainer(cfg, inputs, output_dir):
+        trainer = real_build(cfg, inputs, output_dir)
+        for name, parameter in trainer.models.policy.named_parameters():
+            if any(part in name for part in freeze):
+                parameter.requires_grad_(False)  # no gradient: AdamW steps over it
+        return trainer
+
+    stages.ppo.build_trainer = build_trainer
     clock = time.perf_counter()
     if method == "dpo":
         pairs = [load_validated(str(world / f"{name}.jsonl"), "preference", tokenizer=tokenizer,
@@ -152,7 +169,8 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
     gold = judge_evaluation(table)
     peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"method": method, "settings": settings, "seed": getattr(cfg, section).seed, "seconds": seconds,
+    return {"method": method, "settings": settings, **({"frozen": list(freeze)} if freeze else {}),
+            "seed": getattr(cfg, section).seed, "seconds": seconds,
             "peak_memory_bytes": peak, "memory_kind": "cuda allocated" if torch.cuda.is_available() else "process max RSS",
             **held, "held_bytes": sum(held.values()) if held else None,
             "kl_budget": getattr(cfg, section).evaluation.kl_budget, **result.metrics, **gold,
@@ -188,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", help="results file methods-<date>-<tag>.json")
     parser.add_argument("--trace", action="store_true",
                         help="keep each iteration's figures and the policy's weight change by part in the results")
+    parser.add_argument("--freeze", nargs="+", default=[], metavar="PART",
+                        help="diagnosis: keep the policy's parameters whose names hold PART as they are (e.g. embed norm)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this method, print its row as JSON
     args = parser.parse_args(argv)
     state = Path(args.state)
@@ -196,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
 
         extra = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
         overrides = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.config_set)}
-        print(json.dumps(run_one(args.config, args.one, METHODS[args.one] | extra, state, overrides, args.trace)))
+        print(json.dumps(run_one(args.config, args.one, METHODS[args.one] | extra, state, overrides, args.trace,
+                                 tuple(args.freeze))))
         return 0
     rows = []
     for method in args.methods:
@@ -204,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             seeded = [] if seed is None else [f"--set=seed={seed}"]
             done = subprocess.run([sys.executable, "-m", "bench.methods", "--config", args.config, "--state", str(state),
                                    "--one", method, *(f"--set={item}" for item in args.set), *seeded,
-                                   *(["--trace"] if args.trace else []),
+                                   *(["--trace"] if args.trace else []), *(["--freeze", *args.freeze] if args.freeze else []),
                                    *(f"--config-set={item}" for item in args.config_set)],
                                   capture_output=True, text=True, cwd=REPO)
             if done.returncode != 0:

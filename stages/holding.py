@@ -342,12 +342,31 @@ SHARD_BYTES = 5 * 1024 ** 3
 50 GB). Memory does not depend on it: tensors are written as they are gathered."""
 
 
-def plain_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Size, torch.dtype, Callable[[], torch.Tensor]]]:
+def untied_head(module: torch.nn.Module, untie: bool = False) -> tuple[str, torch.nn.Module] | None:
+    """(plain name, layer) of `module`'s output head when a hand-off writes it as its own tensor,
+    though the model ties it to its input embeddings: when it carries LoRA adapters (merged, it is no
+    longer the embeddings; written once as the embeddings, the adapters would be lost) or with `untie`."""
+    from accelerate.utils import is_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    plain = module.get_base_model() if is_peft_model(module) else module
+    head, embeddings = plain.get_output_embeddings(), plain.get_input_embeddings()
+    if head is None or embeddings is None:
+        return None
+    weight = head.base_layer.weight if isinstance(head, LoraLayer) else head.weight
+    if weight is not embeddings.weight or not (untie or isinstance(head, LoraLayer)):
+        return None
+    return next(name for name, m in plain.named_modules() if m is head), head
+
+
+def plain_tensors(module: torch.nn.Module, untie: bool = False) -> list[tuple[str, torch.Size, torch.dtype,
+                                                                              Callable[[], torch.Tensor]]]:
     """(name, shape, dtype, gather) for every parameter and persistent buffer of `module` (tied ones once),
     named as in the plain transformers model; `gather()` gives the whole tensor (collective when
     sharded: every process calls it, in order). A peft model's LoRA adapters are merged into the
     weights they adapt (in float32: W + scale x B A), and a trained copy (`modules_to_save`) takes the
-    original's place."""
+    original's place. An output head tied to the input embeddings comes as a tensor of its own,
+    last, where `untied_head` says so."""
     from peft.tuners.lora import LoraLayer
 
     def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -377,24 +396,31 @@ def plain_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Size, torch.
         gather = merged_weight(layer, tensor) if layer is not None and leaf == "weight" else \
             (lambda t=tensor: whole(t))
         entries.append((plain, tensor.shape, tensor.dtype, gather))
+    head = untied_head(module, untie)
+    if head is not None:
+        name, layer = head
+        weight = layer.base_layer.weight if isinstance(layer, LoraLayer) else layer.weight
+        gather = merged_weight(layer, weight) if isinstance(layer, LoraLayer) else (lambda t=weight: whole(t))
+        entries.append((f"{name}.weight", weight.shape, weight.dtype, gather))
     return entries
 
 
 def save_streamed(module: torch.nn.Module, tokenizer, folder: Path, dtype: torch.dtype, main: bool,
-                  shard_bytes: int = SHARD_BYTES) -> Path:
+                  shard_bytes: int = SHARD_BYTES, untie: bool = False) -> Path:
     """`module` (a transformers model, sharded or not, maybe with LoRA adapters) saved as the plain
     model it stands for, its floating-point tensors in `dtype`: safetensors files of at most
     `shard_bytes` and, above one, an index, as `save_pretrained` writes them; its config, generation
     config and `tokenizer` beside (collective; rank 0 writes). Each file's header is written first,
     from the shapes, then each tensor's bytes as it is gathered: no process holds more than one
-    tensor of the model at a time."""
+    tensor of the model at a time. A tied output head is written untied (its own tensor, the config
+    saying `tie_word_embeddings: false`) where `untied_head(module, untie)` says so."""
     from accelerate.utils import is_peft_model
     from torch.distributed.fsdp import FSDPModule
 
     from stages.models import finish_checkpoint
 
     entries = [(name, shape, dtype if kind.is_floating_point else kind, gather)
-               for name, shape, kind, gather in plain_tensors(module)]
+               for name, shape, kind, gather in plain_tensors(module, untie)]
     files: list[list[tuple]] = [[]]
     size = 0
     for entry in entries:
@@ -411,6 +437,9 @@ def save_streamed(module: torch.nn.Module, tokenizer, folder: Path, dtype: torch
         folder.mkdir(parents=True, exist_ok=True)
         plain.config.architectures = [next(c.__name__ for c in type(plain).__mro__ if not issubclass(c, FSDPModule))]
         plain.config.save_pretrained(folder)
+        if untied_head(module, untie) is not None:  # the model in memory stays tied
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}, indent=2) + "\n")
         if getattr(plain, "generation_config", None) is not None:
             plain.generation_config.save_pretrained(folder)
     for file, members in zip(names, files):

@@ -427,10 +427,20 @@ def copied(module: torch.nn.Module) -> torch.nn.Module:
 def merged(model: torch.nn.Module) -> PreTrainedModel:
     """A plain transformers model: a peft model's adapters folded into the weights they adapt and
     the wrappers removed (`merge_and_unload`; a `score` head trained beside them takes the
-    original's place), in place; any other model as it is."""
+    original's place), in place; any other model as it is. An output head with adapters that is
+    tied to the input embeddings is untied first (`stages.holding.untied_head`), so its merge
+    leaves the embeddings as they are."""
     from accelerate.utils import is_peft_model
 
-    return model.merge_and_unload() if is_peft_model(model) else model
+    from stages.holding import untied_head
+
+    if not is_peft_model(model):
+        return model
+    if untied_head(model) is not None:
+        head = model.get_base_model().get_output_embeddings()
+        head.base_layer.weight = torch.nn.Parameter(head.base_layer.weight.detach().clone(), requires_grad=False)
+        model.get_base_model().config.tie_word_embeddings = False
+    return model.merge_and_unload()
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,42 @@ def test_streamed_hand_off_is_the_merged_model(tmp_path, family, targets, task):
             assert torch.equal(f.get_tensor(name), expected[name].to(torch.bfloat16)), name
 
 
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_tied_output_head_with_adapters_is_handed_off_untied(tmp_path, streamed):
+    """Qwen2 ties its output head to its input embeddings. With LoRA on the head, the merged head is
+    no longer the embeddings: both hand-offs (streamed, and `merged` + `save_checkpoint`) write it as
+    its own tensor, untied, and leave the embeddings as they were. Written once as the embeddings,
+    the head's adapters were lost (logits 5.0 off on a tiny tied Llama)."""
+    from rlhf.config import LoRAConfig
+    from stages.holding import save_streamed
+    from stages.models import load_causal_lm, load_tokenizer, merged, save_checkpoint, with_lora
+    from tests.model_families import build_family
+
+    location = str(build_family("qwen2", tmp_path))
+    tokenizer = load_tokenizer(location)
+    torch.manual_seed(0)
+    model = with_lora(load_causal_lm(location, tokenizer), LoRAConfig(r=4, target_modules=["q_proj", "lm_head"]),
+                      "CAUSAL_LM").eval()
+    embeddings = model.get_input_embeddings().weight.detach().clone()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p))
+    ids = torch.tensor([[3, 17, 42, 9, 5]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    if streamed:
+        save_streamed(model, tokenizer, tmp_path / "out", torch.float32, main=True)
+    else:
+        save_checkpoint(merged(model), tokenizer, tmp_path / "out", torch.float32)
+    read = AutoModelForCausalLM.from_pretrained(tmp_path / "out", use_safetensors=True).eval()
+    assert read.config.tie_word_embeddings is False
+    assert read.get_output_embeddings().weight is not read.get_input_embeddings().weight
+    torch.testing.assert_close(read.get_input_embeddings().weight, embeddings, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(read(input_ids=ids).logits, want, rtol=0, atol=1e-4)
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
