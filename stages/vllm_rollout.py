@@ -218,26 +218,7 @@ def write_served(policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, fo
                  main: bool) -> None:
     """The policy as the plain model it stands for into `folder`, its output head untied from the
     input embeddings, as its own tensor (collective: every process calls it)."""
-    from accelerate.utils import is_peft_model
-    from safetensors.torch import save_file
-
-    save_streamed(policy, tokenizer, folder, dtype, main)
-    plain = policy.get_base_model() if is_peft_model(policy) else policy
-    if not getattr(plain.config, "tie_word_embeddings", False):
-        return
-    head = plain.get_output_embeddings()
-    name = next(n for n, m in plain.named_modules() if m is head) + ".weight"
-    weight = head.weight.full_tensor() if hasattr(head.weight, "full_tensor") else head.weight  # collective when sharded
-    if not main:
-        return
-    save_file({name: weight.detach().to("cpu", dtype).contiguous()}, str(folder / "output_head.safetensors"))
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}, indent=2) + "\n")
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        entries = json.loads(index.read_text())
-        entries["weight_map"][name] = "output_head.safetensors"
-        index.write_text(json.dumps(entries, indent=2) + "\n")
+    save_streamed(policy, tokenizer, folder, dtype, main, untie=True)
 
 
 def groups_of(rows: list[list[int]]) -> list[tuple[list[int], int]]:
