@@ -115,8 +115,16 @@ class LoRAConfig(_Frozen):
     """Adapter rank."""
     alpha: PositiveFloat = 16.0
     """Adapter scaling numerator (scale = alpha / r)."""
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    """Module names that get adapters (a module whose name is, or ends with `.` and, one of these)."""
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """Modules that get adapters: `all-linear`, every linear layer of the model's body in its family's own names (Llama's q/k/v/o and gate/up/down projections, GPT-2's c_attn/c_proj/c_fc, ...), or module names (a module whose name is, or ends with `.` and, one of these)."""
+
+
+class PolicyLoRAConfig(LoRAConfig):
+    """LoRA on PPO's policy, which may carry adapters on its output head (TRL's SFT and DPO trainers
+    compute log-probs from the head's weight directly and refuse an adapter there)."""
+
+    output_layer: bool = True
+    """The policy's output head gets adapters too (its output projection, `lm_head` in most families; a head tied to the input embeddings is handed off untied). Without them a LoRA policy hardly learns on the demo world (docs/performance.md)."""
 
 
 class TrainedStage(StageSettings):
@@ -384,6 +392,8 @@ class PPOConfig(TrainedStage, SampledStage):
 
     prompts: DataSource = DataSource(path="demo:prompts")
     """Prompts for rollouts, cycled in a seeded shuffled order."""
+    lora: PolicyLoRAConfig | None = None
+    """Train LoRA adapters on the policy instead of all its weights (by default on every linear layer, the output head included); the reference is the policy with its adapters disabled, and the hand-off checkpoint has them merged."""
     sampling: SamplingConfig = SamplingConfig()
     """How rollouts and evaluations sample."""
     old_logprobs: Literal["auto", "sampling", "recompute"] = "auto"

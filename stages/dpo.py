@@ -105,7 +105,7 @@ def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting
         eval_dataset=encoded_pairs(inputs.evaluation, tokenizer),
         processing_class=tokenizer,
         callbacks=[ForwardLogs(reporting)],
-        peft_config=None if cfg.lora is None else lora_config(cfg.lora, "CAUSAL_LM"),
+        peft_config=None if cfg.lora is None else lora_config(cfg.lora, "CAUSAL_LM", model),
     )
     trainer.remove_callback(PrinterCallback)
     prepare_sharding(trainer)

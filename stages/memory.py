@@ -35,8 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from rlhf.config import (DPOConfig, LaunchConfig, LoRAConfig, PipelineConfig, PPOConfig, RewardConfig, SFTConfig,
-                         StageName, TrainedStage)
+from rlhf.config import (DPOConfig, LaunchConfig, LoRAConfig, PipelineConfig, PolicyLoRAConfig, PPOConfig,
+                         RewardConfig, SFTConfig, StageName, TrainedStage)
 
 GIB = 1024 ** 3
 ADAM_BYTES = 8
@@ -75,13 +75,19 @@ class ModelShape:
     """Parameters of the output projection that are its own (0 when tied to the input embeddings)."""
     linears: tuple[tuple[str, int, int], ...] = field(repr=False)
     """(module name, in features, out features) of every Linear layer, for counting adapters."""
+    head_name: str | None = None
+    """Module name of the causal LM's output projection (`lm_head`)."""
 
-    def lora_parameters(self, lora: LoRAConfig) -> int:
-        """Adapter parameters peft adds: r x (in + out) for every Linear whose name is, or ends in
-        `.` and, a target module name."""
-        targets = set(lora.target_modules)
+    def lora_parameters(self, lora: LoRAConfig, classifier: bool = False) -> int:
+        """Adapter parameters peft adds: r x (in + out) for every Linear layer `lora` puts adapters on
+        (`stages.models.lora_targets`; the output head with PPO's `output_layer`), in the causal LM or,
+        with `classifier`, in the reward model on the same body (its score head trains whole: counted apart)."""
+        from stages.models import lora_targets
+
+        targets = lora_targets(lora, [name for name, _, _ in self.linears], self.head_name,
+                               adapt_head=getattr(lora, "output_layer", False) and not classifier)
         return sum(lora.r * (fan_in + fan_out) for name, fan_in, fan_out in self.linears
-                   if name.rsplit(".", 1)[-1] in targets or name in targets)
+                   if any(name == target or name.endswith(f".{target}") for target in targets))
 
 
 @functools.lru_cache(maxsize=32)
@@ -112,10 +118,11 @@ def model_shape(location: str, trust_remote_code: bool = False) -> ModelShape:
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     own_head = 0 if head is None or head.weight is embedding else head.weight.numel()
+    head_name = next((name for name, module in model.named_modules() if module is head), None)
     return ModelShape(location, parameters, len(layers), hidden, intermediate, kv_heads * head_size,
                       model.get_input_embeddings().num_embeddings,
                       max(sum(p.numel() for p in layer.parameters()) for layer in layers),
-                      sum(p.numel() for p in model.parameters() if id(p) not in in_layers), own_head, linears)
+                      sum(p.numel() for p in model.parameters() if id(p) not in in_layers), own_head, linears, head_name)
 
 
 def _fans(module) -> tuple[int, int]:
@@ -291,7 +298,7 @@ def _trained(name: str, shape: ModelShape, lora: LoRAConfig | None, frozen_dtype
         trained_params, how = shape.parameters, "trained float32"
         weights, gathered_dtype = 4 * shape.parameters, compute_bytes
     else:
-        trained_params = shape.lora_parameters(lora) + (shape.hidden if head_trains else 0)
+        trained_params = shape.lora_parameters(lora, classifier=head_trains) + (shape.hidden if head_trains else 0)
         how = f"LoRA r={lora.r} on {frozen_dtype} weights"
         weights = shape.parameters * _bytes_of(frozen_dtype) + 4 * trained_params
         gathered_dtype = _bytes_of(frozen_dtype)
@@ -642,7 +649,7 @@ def knobs(stage: StageName, section: TrainedStage) -> list[tuple[str, dict]]:
     if stage == "ppo" and section.uses_critic and section.critic.kind == "reward":
         found.append(("ppo.critic.kind: reward-lora", {"critic": section.critic.model_copy(update={"kind": "reward-lora"})}))
     if section.lora is None:
-        found.append((f"{stage}.lora: {{r: 8}}", {"lora": LoRAConfig()}))
+        found.append((f"{stage}.lora: {{}}", {"lora": PolicyLoRAConfig() if stage == "ppo" else LoRAConfig()}))
     return found
 
 

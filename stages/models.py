@@ -333,25 +333,57 @@ LoRATask = Literal["CAUSAL_LM", "SEQ_CLS"]
 classifier (the reward model), whose `score` head peft then trains whole beside the adapters."""
 
 
-def lora_config(settings: LoRAConfig, task_type: LoRATask) -> LoraConfig:
-    """peft's `LoraConfig` for a stage's `lora` settings: every stage builds its adapters here, so
-    they are the same kind everywhere (no dropout, no bias, scale alpha / r). A new object per call:
-    peft writes into the config it is given (`SEQ_CLS` adds the `score` head to `modules_to_save`)."""
+def lora_config(settings: LoRAConfig, task_type: LoRATask, model: torch.nn.Module) -> LoraConfig:
+    """peft's `LoraConfig` for a stage's `lora` settings on `model`: every stage builds its adapters here, so
+    they are the same kind everywhere (no dropout, no bias, scale alpha / r) on the same layers
+    (`lora_targets`, resolved on this model). A new object per call: peft writes into the config it is
+    given (`SEQ_CLS` adds the `score` head to `modules_to_save`)."""
     from peft import LoraConfig
+    from transformers.pytorch_utils import Conv1D
 
-    return LoraConfig(r=settings.r, lora_alpha=settings.alpha, target_modules=list(settings.target_modules),
+    modules = dict(model.named_modules())
+    linears = [name for name, module in modules.items() if isinstance(module, (torch.nn.Linear, Conv1D))]
+    own = model.get_output_embeddings() if task_type == "CAUSAL_LM" else next(
+        (getattr(model, name) for name in ("score", "classifier") if isinstance(getattr(model, name, None), torch.nn.Module)),
+        None)
+    head = next((name for name, module in modules.items() if module is own), None) if own is not None else None
+    adapt_head = task_type == "CAUSAL_LM" and getattr(settings, "output_layer", False)  # PPO's policy only
+    targets = lora_targets(settings, linears, head, adapt_head)
+    return LoraConfig(r=settings.r, lora_alpha=settings.alpha, target_modules=targets,
                       lora_dropout=0.0, bias="none", task_type=task_type)
+
+
+def lora_targets(settings: LoRAConfig, linears: list[str], head: str | None, adapt_head: bool) -> list[str]:
+    """The module names a model's adapters go on, as peft matches them (a module whose name is, or ends
+    with `.` and, one of these), from its linear layers' full names (`linears`) and its output head's
+    name (`head`: a causal LM's output projection, a classifier's score head). `all-linear`: every
+    linear layer but the head; else the names listed. The head is added when `adapt_head`. Given as
+    the layers' last name parts (`q_proj`) where those pick out exactly the same layers, else whole."""
+    if settings.target_modules == "all-linear":
+        chosen = {name for name in linears if name != head}
+    else:
+        chosen = {name for name in linears if _matches_target(name, settings.target_modules)}
+    if adapt_head and head is not None:
+        chosen.add(head)
+    short = sorted({name.rsplit(".", 1)[-1] for name in chosen})
+    if {name for name in linears if _matches_target(name, short)} == chosen:
+        return short
+    return sorted(chosen)
+
+
+def _matches_target(name: str, targets: list[str]) -> bool:
+    return any(name == target or name.endswith(f".{target}") for target in targets)
 
 
 def with_lora(model: PreTrainedModel, settings: LoRAConfig | None, task_type: LoRATask) -> torch.nn.Module:
     """`model` wrapped with fresh LoRA adapters as TRL's trainers wrap it when handed
-    `lora_config(settings, task_type)` (its own weights frozen), or `model` itself when `settings`
+    `lora_config(settings, task_type, model)` (its own weights frozen), or `model` itself when `settings`
     is None: the structure a sharded stage gathers its trained state into."""
     if settings is None:
         return model
     from peft import get_peft_model
 
-    model = get_peft_model(model, lora_config(settings, task_type))
+    model = get_peft_model(model, lora_config(settings, task_type, model))
     restore_adapters(model)
     return model
 

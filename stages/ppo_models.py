@@ -143,7 +143,7 @@ class RewardLoRACritic(ScoreHeadCritic):
         model = scorer.model
         # Injected into the scorer's model, not wrapped (no PeftModel: the score head is not copied into
         # `modules_to_save`, the value head below is the critic's own).
-        inject_adapter_in_model(lora_config(settings, "SEQ_CLS"), model)
+        inject_adapter_in_model(lora_config(settings, "SEQ_CLS", model), model)
         cast_adapter_dtype(model, "default")  # float32: peft gave them the dtype of the weights they adapt
         restore_adapters(model)
         self.scorer = scorer

@@ -264,7 +264,7 @@ def build_trainer(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
     trainer = RewardTrainer(model=model, args=args, train_dataset=_pairs(inputs.train, tokenizer),
                             eval_dataset=_pairs(inputs.evaluation, tokenizer), processing_class=tokenizer,
                             callbacks=[ForwardLogs(reporting)],
-                            peft_config=None if cfg.lora is None else lora_config(cfg.lora, "SEQ_CLS"))
+                            peft_config=None if cfg.lora is None else lora_config(cfg.lora, "SEQ_CLS", model))
     trainer.remove_callback(PrinterCallback)
     prepare_sharding(trainer)
     return trainer

@@ -73,7 +73,7 @@ def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting
         eval_dataset=_encoded(inputs.evaluation, tokenizer),
         processing_class=tokenizer,
         callbacks=[ForwardLogs(reporting)],
-        peft_config=None if cfg.lora is None else lora_config(cfg.lora, "CAUSAL_LM"),
+        peft_config=None if cfg.lora is None else lora_config(cfg.lora, "CAUSAL_LM", model),
     )
     trainer.remove_callback(PrinterCallback)  # `reporting`, not stdout, receives the logs
     prepare_sharding(trainer)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import LoRAConfig, with_overrides
+from stages.memory import model_shape
 from stages.ppo_models import RewardCritic, RewardLoRACritic, load_models
 from stages.reporting import Reporting
 from stages.reward import RewardScorer, last_token_scores
@@ -95,7 +96,10 @@ def test_a_run_holds_one_copy_of_the_reward_model(tiny_config, trained):
     held = {name: sum(p.numel() for p in _held_parameters(m).values()) for name, m in (("lora", lora), ("whole", whole))}
     # `reward`: policy, reference, reward model and a second reward model; `reward-lora`: the adapters and head instead.
     assert held["whole"] - held["lora"] == reward_parameters - critic_parameters
-    assert critic_parameters < 0.1 * reward_parameters
+    # the critic trains what the memory plan counts for it: its adapters and a score-sized head
+    shape = model_shape(trained["reward"])
+    assert critic_parameters == shape.lora_parameters(_cfg(tiny_config).critic.lora, classifier=True) + shape.hidden
+    assert critic_parameters < 0.2 * reward_parameters  # tiny here (width 64); about 0.3% of an 8B model's
 
 
 def test_training_the_critic_leaves_the_reward_model_and_its_scores_as_they_were(tiny_config, trained, tmp_path,
@@ -128,7 +132,8 @@ def test_training_the_critic_leaves_the_reward_model_and_its_scores_as_they_were
     # The full-state checkpoint holds the critic's trained state only, not the reward model it sits on.
     saved = load_file(str(tmp_path / "state" / "critic.safetensors"))
     assert saved.keys() == dict(models.critic.named_parameters()).keys()
-    assert sum(t.numel() for t in saved.values()) < 0.1 * sum(p.numel() for p in fresh.model.parameters())
+    assert sum(t.numel() for t in saved.values()) == sum(p.numel() for p in models.critic.parameters())
+    assert sum(t.numel() for t in saved.values()) < 0.2 * sum(p.numel() for p in fresh.model.parameters())
 
 
 def test_a_killed_run_resumes_to_the_same_end(tiny_config, trained, tmp_path):
@@ -151,8 +156,9 @@ def test_a_lora_policy_holds_its_own_weights_in_frozen_dtype_and_hands_over_a_pl
     assert {p.dtype for p in models.trainable()} == {torch.float32}
     warnings = []
     result = run_ppo(cfg, trained, tmp_path, Reporting(warning=warnings.append))
-    # The policy computes in bf16, so the rollout's log-probs are recomputed as the update computes them.
-    assert max(row["train/initial_ratio_deviation"] for row in result.history) < 1e-2
+    # The policy computes in bf16, so the rollout's log-probs are recomputed as the update computes them;
+    # what is left is bf16 rounding of shapes that differ (the output head's adapter adds to bf16 logits).
+    assert max(row["train/initial_ratio_deviation"] for row in result.history) < 2e-2
     assert not [w for w in warnings if "policy ratio was already" in w]
     assert result.tags["rlhf.trainable_dtype"] == "float32"
 

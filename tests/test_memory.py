@@ -12,7 +12,7 @@ import yaml
 from bench.memory import state_bytes
 from bench.published import PUBLISHED, PUBLISHED_PARAMETERS, write_config
 from rlhf.cli import main as cli
-from rlhf.config import LoRAConfig, PipelineConfig, load_config, with_overrides
+from rlhf.config import LoRAConfig, PipelineConfig, PolicyLoRAConfig, load_config, with_overrides
 from stages.memory import (AUTO_MARGIN, GIB, Counts, Device, model_shape, plan, plan_stage, resolve_micro_batches,
                            resolved_values, reward_shape)
 
@@ -32,18 +32,26 @@ def test_shapes_from_configs_alone_match_the_published_parameter_counts(tmp_path
     assert qwen.head_parameters == 0 and reward_shape(qwen).parameters == qwen.parameters + qwen.hidden
 
 
-def test_adapter_and_parameter_counts_are_what_the_built_models_hold(world):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("family", ["demo", "gpt2", "neox"])
+def test_adapter_and_parameter_counts_are_what_the_built_models_hold(family, world, tmp_path):
+    """The plan counts the adapters the stages build (`with_lora`): on the policy with its output head
+    (the default), without it, on listed modules; on the reward model, whose score head trains whole."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    location = str(world / "model")
+    from stages.models import with_lora
+    from tests.model_families import build_family
+
+    location = str(world / "model") if family == "demo" else str(build_family(family, tmp_path))
     shape = model_shape(location)
-    model = AutoModelForCausalLM.from_pretrained(location)
-    assert shape.parameters == sum(p.numel() for p in model.parameters())
-    for lora in (LoRAConfig(), LoRAConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])):
-        adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(location),
-                                 LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules)))
-        assert shape.lora_parameters(lora) == sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert shape.parameters == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(location).parameters())
+    for lora in (PolicyLoRAConfig(), LoRAConfig(r=1),
+                 LoRAConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj", "c_fc", "dense_h_to_4h"])):
+        policy = with_lora(AutoModelForCausalLM.from_pretrained(location), lora, "CAUSAL_LM")
+        assert shape.lora_parameters(lora) == sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        reward = with_lora(AutoModelForSequenceClassification.from_pretrained(location, num_labels=1), lora, "SEQ_CLS")
+        score = shape.hidden  # the score head, trained whole
+        assert shape.lora_parameters(lora, classifier=True) + score == sum(
+            p.numel() for p in reward.parameters() if p.requires_grad)
 
 
 def _llama3_8b_config(tmp_path, **ppo) -> str:
