@@ -53,8 +53,10 @@ METHODS: dict[str, dict] = {
     "dpo": {},
     # The critic as LoRA adapters and a value head on the reward model the scorer holds (one copy of it, not two).
     "ppo (gae), reward-lora critic": {"advantage_estimator": "gae", "critic.kind": "reward-lora"},
-    # LoRA on the policy (rank 8 defaults): its own weights are the reference.
+    # LoRA on the policy (the defaults: rank 8 on every linear layer and the output head): its own weights are the reference.
     "ppo (gae), lora policy": {"advantage_estimator": "gae", "lora": {}},
+    "ppo (gae), lora policy r1": {"advantage_estimator": "gae", "lora": {"r": 1}},
+    "ppo (gae), lora policy without head adapters": {"advantage_estimator": "gae", "lora": {"output_layer": False}},
     "ppo (gae), lora policy, reward-lora critic": {"advantage_estimator": "gae", "lora": {}, "critic.kind": "reward-lora"},
 }
 """Each method's settings on top of its config section (`ppo`; `dpo` for DPO)."""
@@ -112,7 +114,7 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
     from stages.ppo import PPOInputs, train_ppo
     from stages.reporting import Reporting
 
-    from bench.quality import train_upstream
+    from bench.quality import UPSTREAM_METRICS, train_upstream
     from bench.scale import held_bytes
 
     section = "dpo" if method == "dpo" else "ppo"
@@ -174,7 +176,9 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
             "peak_memory_bytes": peak, "memory_kind": "cuda allocated" if torch.cuda.is_available() else "process max RSS",
             **held, "held_bytes": sum(held.values()) if held else None,
             "kl_budget": getattr(cfg, section).evaluation.kl_budget, **result.metrics, **gold,
-            **({"trace": [iterations.get(i + 1, {}) | change for i, change in enumerate(changes)]} if trace else {})}
+            **({"trace": [iterations.get(i + 1, {}) | change for i, change in enumerate(changes)]} if trace else {}),
+            **({"upstream": json.loads((state / UPSTREAM_METRICS).read_text())}
+               if (state / UPSTREAM_METRICS).exists() else {})}
 
 
 def table_of(rows: list[dict]) -> str:

@@ -126,6 +126,13 @@ def test_sharded_ppo_variants_run_and_hand_over_a_plain_checkpoint(tiny_config, 
     assert all(math.isfinite(v) for h in result.history for v in h.values())
     saved = AutoModelForCausalLM.from_pretrained(result.checkpoint, use_safetensors=True)
     assert not any("lora" in name for name, _ in saved.named_parameters())  # merged: a plain model
+    if cfg.lora is not None:
+        # The demo model ties its output head to the embeddings; the head's adapters (gathered from the
+        # shards) are merged into a head of its own, and the embeddings stay the SFT policy's.
+        sft = AutoModelForCausalLM.from_pretrained(trained["sft"], use_safetensors=True)
+        assert cfg.lora.output_layer and sft.config.tie_word_embeddings and not saved.config.tie_word_embeddings
+        assert saved.model.embed_tokens.weight.equal(sft.model.embed_tokens.weight)
+        assert (saved.lm_head.weight - sft.lm_head.weight).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("settings", [{}, {"critic.kind": "reward-lora", "frozen_dtype": "bfloat16"}])
