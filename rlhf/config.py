@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, ValidationError,
-                      model_validator)
+                      field_validator, model_validator)
 
 from rlhf.demo_locations import DEMO_SCHEME, DemoWorldConfig
 
@@ -442,6 +442,12 @@ class PPOConfig(TrainedStage, SampledStage):
     """The score: the reward model's, Python functions', or a weighted sum of both."""
     lora: PolicyLoRAConfig | None = None
     """Train LoRA adapters on the policy instead of all its weights (by default on every linear layer, the output head included); the reference is the policy with its adapters disabled, and the hand-off checkpoint has them merged."""
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_of_any_stage(cls, value: Any) -> Any:
+        """A `LoRAConfig` made for another stage is taken as its fields (the policy's own defaults for the rest)."""
+        return value.model_dump() if type(value) is LoRAConfig else value
     sampling: SamplingConfig = SamplingConfig()
     """How rollouts and evaluations sample."""
     old_logprobs: Literal["auto", "sampling", "recompute"] = "auto"
