@@ -58,6 +58,10 @@ METHODS: dict[str, dict] = {
     "ppo (gae), lora policy r1": {"advantage_estimator": "gae", "lora": {"r": 1}},
     "ppo (gae), lora policy without head adapters": {"advantage_estimator": "gae", "lora": {"output_layer": False}},
     "ppo (gae), lora policy, reward-lora critic": {"advantage_estimator": "gae", "lora": {}, "critic.kind": "reward-lora"},
+    # The reward model plus a rule written from the prompts alone (rlhf.demo_rewards): -1 for not naming the asked subject.
+    "ppo (gae), reward model + on-subject rule": {"advantage_estimator": "gae", "reward": {"terms": [
+        {"name": "reward_model"}, {"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject",
+                                   "weight": 0.5}]}},
 }
 """Each method's settings on top of its config section (`ppo`; `dpo` for DPO)."""
 

@@ -21,6 +21,7 @@ from schemas.validate import LengthBudget, ValidatedData, data_digest, load_vali
 from stages.errors import ChatTemplateError
 from stages.memory import Counts, Device, Plan, model_shapes, plan, this_device
 from stages.models import load_tokenizer, tokenizer_digest
+from stages.reward_functions import RewardFunctionError, load_reward_functions
 
 
 def length_budget(cfg: PipelineConfig, stage: str) -> LengthBudget:
@@ -51,6 +52,8 @@ class DataInput:
     """The contract it must meet: `sft`, `preference` or `prompt`."""
     measured_by: TokenizerSource
     """The tokenizer the pre-flight check measures it with (the stage measures it again with the one it loads)."""
+    columns: tuple[str, ...] = ()
+    """Extra columns every record must have, kept for the stage (PPO's `reward.columns`, for its reward functions)."""
 
 
 def data_inputs(cfg: PipelineConfig, stage: str) -> dict[str, DataInput]:
@@ -61,7 +64,7 @@ def data_inputs(cfg: PipelineConfig, stage: str) -> dict[str, DataInput]:
     sft, reward, ppo = cfg.sft, cfg.reward, cfg.ppo
     policy = TokenizerSource(sft.model, sft.trust_remote_code, sft.chat_template)
     if stage == "ppo":
-        return {"prompts": DataInput(ppo.prompts, "prompt", policy),
+        return {"prompts": DataInput(ppo.prompts, "prompt", policy, tuple(ppo.reward.columns)),
                 "eval_prompts": DataInput(ppo.evaluation.prompts, "prompt", policy)}
     if stage == "sft":
         kind, measured_by, extra = "sft", policy, {}
@@ -85,20 +88,20 @@ the pre-flight check already passed with the same tokenizer costs nothing."""
 
 
 def validated(source: DataSource, kind: str, world: str | None, tokenizer, budget: LengthBudget,
-              duplicates: str) -> ValidatedData:
+              duplicates: str, columns: tuple[str, ...] = ()) -> ValidatedData:
     """`load_validated` of a configured source, answered from `_VALIDATED` (as a copy) when the
     same file content, tokenizer content and rules were validated before in this process."""
     location = resolve_location(source.path, world)
 
     def validate() -> ValidatedData:
         return load_validated(location, kind, format=source.format, split=source.split, tokenizer=tokenizer,
-                              budget=budget, duplicates=duplicates)
+                              budget=budget, duplicates=duplicates, columns=columns)
 
     content, rendering = Fingerprint.of(location), tokenizer_digest(tokenizer)
     if content.digest is None or rendering is None:  # a hub dataset or a slow tokenizer: not identifiable
         return validate()
     key = json.dumps([location, content.digest, kind, source.format, source.split, rendering, astuple(budget),
-                      duplicates])
+                      duplicates, columns])
     if key not in _VALIDATED:
         _VALIDATED[key] = validate()
         while len(_VALIDATED) > 32:
@@ -124,12 +127,17 @@ def input_problems(cfg: PipelineConfig, stages: list[str], world: str | None) ->
                 if measured_by not in tokenizers:
                     tokenizers[measured_by] = measured_by.load(world)
                 validated(data.source, data.kind, world, tokenizers[measured_by], length_budget(cfg, stage),
-                          getattr(cfg, stage).duplicates)
+                          getattr(cfg, stage).duplicates, data.columns)
             except DataContractError as e:
                 reports.append(f"{stage} stage: {e.report()}")
             except ChatTemplateError as e:
                 refused.add(measured_by)
                 reports.append(f"{stage} stage: {e}")
+    if "ppo" in stages:
+        try:  # imported and their signatures checked now, not after the stages before PPO have run
+            load_reward_functions(cfg.ppo.reward)
+        except RewardFunctionError as e:
+            reports.append(f"ppo stage: {e}")
     return reports
 
 
@@ -186,7 +194,7 @@ def logged_prompts(cfg: PipelineConfig, stage: str, role: str, name: str, world:
     """`stage`'s validated prompts in `role` (see `data_inputs`), logged to the active run as the dataset `name`."""
     prompts = data_inputs(cfg, stage)[role]
     data = validated(prompts.source, prompts.kind, world, tokenizer, length_budget(cfg, stage),
-                     getattr(cfg, stage).duplicates)
+                     getattr(cfg, stage).duplicates, prompts.columns)
     tracking.log_data(data.frame, name, data.source, data.digest, name)
     return data
 

@@ -20,6 +20,7 @@ from rlhf import tracking
 from rlhf.config import DataSource, PipelineConfig, StageName, config_hash
 from rlhf.demo_locations import resolve_location
 from stages.models import folder_digest
+from stages.reward_functions import source_digests
 
 AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo", "dpo")
 """Stages in pipeline order; `dpo` is the alternative to reward + PPO (`stages: [sft, dpo]`)."""
@@ -79,6 +80,8 @@ def cache_key(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict
             inputs[name] = Fingerprint.of(resolve_location(value, world)).key()
     parts = {"stage": stage, "config": config_hash(section), "inputs": inputs, "code": tracking.code_version(),
              "upstream": upstream, "determinism": [cfg.deterministic, cfg.num_threads]}
+    if stage == "ppo" and cfg.ppo.reward.functions:  # a reward function's source, wherever it lives
+        parts["reward_functions"] = source_digests(cfg.ppo.reward)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

@@ -76,11 +76,16 @@ def _config_reference(args: argparse.Namespace) -> int:
             nested = next((a for a in getattr(annotation, "__args__", (annotation,))
                            if isinstance(a, type) and issubclass(a, BaseModel)), None)
             key = f"{prefix}{name}"
-            if nested is not None and name not in ("train_data", "eval_data"):
+            if nested is not None and getattr(annotation, "__origin__", None) is list:  # a list of sections
+                default = [item.model_dump() for item in field.default]
+                yield f"| `{key}` | `{default!r}` | {field.description or ''} |"
+                yield from rows(nested, key + "[].")
+            elif nested is not None and name not in ("train_data", "eval_data"):
                 yield from rows(nested, key + ".")
             else:
                 default = field.default.model_dump() if isinstance(field.default, BaseModel) else field.default
-                yield f"| `{key}` | `{default!r}` | {field.description or ''} |"
+                shown = "required" if field.is_required() else f"`{default!r}`"
+                yield f"| `{key}` | {shown} | {field.description or ''} |"
 
     print("| field | default | meaning |\n|---|---|---|")
     print("\n".join(rows(PipelineConfig, "")))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -387,11 +388,58 @@ class WarningsConfig(_Frozen):
     """Warn when max |ratio - 1| before an iteration's first update exceeds this (rollout and training compute different policies); unset: 1e-3 in fp32, 5e-2 in 16 bits (autocast, or a LoRA policy's bf16 weights), whose rounding alone reaches ~4e-3 on the demo model."""
 
 
+class RewardTerm(_Frozen):
+    """One term of the RL stage's reward: the reward model handed down by the reward stage, or a Python function."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """How the term is logged (`rollout/reward/<name>`) and shown in the samples table."""
+    weight: float = 1.0
+    """Its weight in the score the stage uses: the weighted sum of every term."""
+    function: str | None = None
+    """`module:function`, importable from the project or from `reward.paths`: called on the main process with each batch's prompts (`prompts`: chat messages), `responses` (texts) and the prompt records' declared extra columns (`reward.columns`, by name), it returns one float, or None for "no reward", per response. Unset: the reward model, normalised as the stage normalises it."""
+
+
+class RewardTermsConfig(_Frozen):
+    """What the RL stage's score is: the weighted sum of its terms."""
+
+    terms: list[RewardTerm] = [RewardTerm(name="reward_model")]
+    """The terms; at most one is the reward model (no `function`)."""
+    paths: list[str] = []
+    """Folders put in front of the import path to find `function` terms (absolute, or relative to the directory the pipeline runs in)."""
+    columns: list[str] = []
+    """Extra columns of the `prompts` records (e.g. a verifiable task's `answer`) that every record must have and the functions receive, by name, a list per batch."""
+
+    @model_validator(mode="after")
+    def _terms_are_distinct(self) -> RewardTermsConfig:
+        names = [term.name for term in self.terms]
+        if not names:
+            raise ValueError("reward.terms: give at least one term (the reward model, or a function)")
+        if len(set(names)) < len(names):
+            raise ValueError(f"reward.terms: names must differ, got {names}")
+        if sum(term.function is None for term in self.terms) > 1:
+            raise ValueError("reward.terms: at most one term is the reward model (a term without `function`)")
+        for term in self.terms:
+            if term.function is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", term.function):
+                raise ValueError(f"reward.terms[{term.name}].function: {term.function!r} is not 'module:function'")
+        return self
+
+    @property
+    def uses_model(self) -> bool:
+        """Whether a reward model scores (a term without `function`)."""
+        return any(term.function is None for term in self.terms)
+
+    @property
+    def functions(self) -> list[RewardTerm]:
+        return [term for term in self.terms if term.function is not None]
+
+
 class PPOConfig(TrainedStage, SampledStage):
     """PPO fine-tuning of the SFT policy against the frozen reward model (and the critic-free estimators GRPO, RLOO, REINFORCE++)."""
 
     prompts: DataSource = DataSource(path="demo:prompts")
     """Prompts for rollouts, cycled in a seeded shuffled order."""
+    reward: RewardTermsConfig = RewardTermsConfig()
+    """The score: the reward model's, Python functions', or a weighted sum of both."""
     lora: PolicyLoRAConfig | None = None
     """Train LoRA adapters on the policy instead of all its weights (by default on every linear layer, the output head included); the reference is the policy with its adapters disabled, and the hand-off checkpoint has them merged."""
 
@@ -509,6 +557,10 @@ class PPOConfig(TrainedStage, SampledStage):
             raise ValueError("ppo.launch.accelerate_config: PPO runs on DDP (distributed_type MULTI_GPU) or FSDP2 "
                              "(configs/accelerate/fsdp.yaml); DeepSpeed is for the SFT, reward and DPO stages (PPO's "
                              "optimizer and scheduler step outside DeepSpeed's engine)")
+        if not self.reward.uses_model:
+            raise ValueError("reward.terms: keep the reward model's term (a term without `function`, weight 0 to leave "
+                             "it out of the score): the RL stage still fits its normalisation, starts its critic and "
+                             "scores its evaluations with the reward model")
         if self.lora is not None and self.ref_refresh_every is not None:
             raise ValueError("ref_refresh_every cannot act with lora: the reference is the policy with its adapters "
                              "disabled, so there is no copy to refresh; unset one of them")

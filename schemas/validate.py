@@ -127,10 +127,16 @@ def load_validated(
     tokenizer=None,
     budget: LengthBudget | None = None,
     duplicates: Literal["error", "drop"] = "error",
+    columns: tuple[str, ...] = (),
 ) -> ValidatedData:
     """Read `source`, adapt it from `format`, check it against the `kind` contract, render its
-    prompts with `tokenizer`, and check lengths against `budget` (when both are given)."""
+    prompts with `tokenizer`, and check lengths against `budget` (when both are given). `columns`:
+    extra columns the records must have and the result keeps as they are (a reward function's inputs)."""
     raw, unit = read_table(source, split)
+    absent = [c for c in columns if c not in raw.columns]
+    if absent:
+        raise DataContractError(source, [Problem(None, c, "missing column (the config declares it as one the stage "
+                                                          "reads)") for c in absent], unit)
     fmt = detect_format(raw, kind) if format == "auto" else format
     if (fmt, kind) not in REQUIRED:
         raise DataContractError(source, [Problem(None, None, f"format {fmt!r} does not apply to {kind} data")])
@@ -158,9 +164,10 @@ def load_validated(
     if problems:
         raise DataContractError(source, problems, unit)
 
-    columns = ["prompt", "prompt_messages", *REPLY_COLUMNS[kind]]
+    kept = ["prompt", "prompt_messages", *REPLY_COLUMNS[kind]]
     if kind == "preference" and "margin" in frame.columns:
-        columns.append("margin")
-    canonical = frame[columns].astype({c: "float64" if c == "margin" else object for c in columns})
+        kept.append("margin")
+    kept += [c for c in columns if c not in kept]
+    canonical = frame[kept].astype({c: "float64" if c == "margin" else object for c in kept})
     return ValidatedData(frame=canonical, source=source, kind=kind, format=fmt, digest=data_digest(canonical),
                          dropped_duplicates=0 if duplicates == "error" else len(duplicate_rows))

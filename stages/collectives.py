@@ -66,3 +66,24 @@ def whiten_over_processes(accelerator: Accelerator, x: torch.Tensor, mask: torch
     mean = total / n
     var = (squares / n - mean ** 2) * n / (n - 1).clamp(min=1.0)
     return masked_whiten(x, mask, shift_mean, moments=(mean.to(x.dtype), var.to(x.dtype)))
+
+
+def computed_on_main(accelerator: Accelerator, rows: list, compute):
+    """`compute(rows of every process, concatenated in rank order)`, run on the main process alone,
+    and its result handed to every process (collective): work whose cost is paid once (a user's
+    reward function). An exception `compute` raises is raised on every process."""
+    if accelerator.num_processes == 1:
+        return compute(rows)
+    everyone: list[list] = [[] for _ in range(accelerator.num_processes)]
+    torch.distributed.all_gather_object(everyone, rows)
+    outcome: list = [None]
+    if accelerator.is_main_process:
+        try:
+            outcome = [(True, compute([row for part in everyone for row in part]))]
+        except Exception as e:  # noqa: BLE001 - handed to every process, raised there
+            outcome = [(False, e)]
+    torch.distributed.broadcast_object_list(outcome, src=0)
+    done, value = outcome[0]
+    if not done:
+        raise value
+    return value

@@ -42,20 +42,22 @@ from transformers import get_scheduler
 
 from rlhf.config import PPOConfig
 from schemas.adapters import last_user_message
-from stages.collectives import MAX_FIGURES, gathered, over_processes, sum_over_processes, whiten_over_processes
+from stages.collectives import (MAX_FIGURES, computed_on_main, gathered, over_processes, sum_over_processes,
+                                whiten_over_processes)
 from stages.errors import NonFiniteLossError
 from stages.evaluation import HeldOut, evaluate, evaluate_midway, warn_over_kl_budget
 from stages.models import Precision, resolve_precision, saved_dtype_and_tags
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss,
                              discounted_returns, engine_importance_weights, entropy_of, explained_variance, gae,
                              group_baselined, grpo_advantages, kl_estimate, logprobs_of, masked_mean, rloo_advantages,
-                             sequence_rewards, token_rewards)
+                             sequence_rewards, token_rewards, weighted_reward)
 from stages.holding import held_as, holding_for
 from stages.memory import Counts, with_micro_batches
 from stages.ppo_models import ActorCritic, Models, load_models, rounds_to_16_bits
 from stages.ppo_state import LoopState, Normalization, load_state, save_state_everywhere
 from stages.reporting import Reporting
 from stages.reward import RewardScorer, fit_normalization
+from stages.reward_functions import RewardFunction, load_reward_functions, reward_values
 from stages.ppo_rollout import Rollout, policy_sampler, rollout
 from stages.rollout import Sampler
 from stages.vllm_rollout import sampler_for
@@ -91,15 +93,18 @@ class PPOResult:
 
 @dataclass(frozen=True)
 class Scores:
-    """The reward model's view of a rollout's responses. # (B,) each"""
+    """What a rollout's responses scored. # (B,) each"""
 
     raw: torch.Tensor
-    """Model outputs for each response as it is: a cut-off one is scored without an end token."""
+    """The reward model's outputs for each response as it is: a cut-off one is scored without an end token."""
     normalized: torch.Tensor
     """On the normalised scale: gain * raw + bias."""
+    terms: dict[str, torch.Tensor]
+    """Each term of `reward` by name: the reward model's normalised score with a cut-off response
+    given `missing_eos_score` (when set), clipped to `score_clip` (when set); each function's
+    values (NaN where it gave none)."""
     used: torch.Tensor
-    """What the reward adds: normalised, a cut-off response given `missing_eos_score` (when set),
-    clipped to `score_clip` (when set)."""
+    """What the reward adds: the terms' weighted sum."""
 
 
 @torch.no_grad()
@@ -111,12 +116,36 @@ def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timi
     return raw.to(batch.queries.device)
 
 
-def scores_of(raw: torch.Tensor, has_eos: torch.Tensor, scorer: RewardScorer, cfg: PPOConfig) -> Scores:
+def scores_of(raw: torch.Tensor, has_eos: torch.Tensor, scorer: RewardScorer, cfg: PPOConfig,
+              functions: dict[str, torch.Tensor]) -> Scores:
     normalized = scorer.normalize(raw)
-    used = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
+    model_term = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
     if cfg.score_clip is not None:
-        used = used.clamp(-cfg.score_clip, cfg.score_clip)
-    return Scores(raw, normalized, used)
+        model_term = model_term.clamp(-cfg.score_clip, cfg.score_clip)
+    terms = {term.name: model_term for term in cfg.reward.terms if term.function is None} | functions
+    used = weighted_reward(terms, {term.name: term.weight for term in cfg.reward.terms})
+    return Scores(raw, normalized, terms, used)
+
+
+def function_terms(trainer: PPOTrainer, messages: list[list[dict]], texts: list[str], columns: list[dict],
+                   iteration: int, timings: dict[str, float]) -> dict[str, torch.Tensor]:
+    """Each reward function's values for this process's responses (NaN where it gave none), every
+    process's rows computed on the main process (collective). # -> {name: (B,)}"""
+    if not trainer.reward_functions:
+        return {}
+    start = time.perf_counter()
+    rows = list(zip(messages, texts, columns))
+
+    def compute(every: list[tuple]) -> dict[str, list[float | None]]:
+        prompts, responses, records = ([row[i] for row in every] for i in range(3))
+        return {f.term.name: reward_values(f, prompts, responses, {c: [r[c] for r in records] for c in f.columns},
+                                           iteration) for f in trainer.reward_functions}
+
+    every = computed_on_main(trainer.accelerator, rows, compute)
+    first = trainer.accelerator.process_index * len(rows)
+    timings["reward_functions"] = time.perf_counter() - start
+    return {name: torch.tensor([float("nan") if v is None else v for v in values[first:first + len(rows)]],
+                               device=trainer.accelerator.device) for name, values in every.items()}
 
 
 def adopt_normalization(models: Models, normalization: Normalization, batch: Rollout) -> Rollout:
@@ -189,6 +218,8 @@ class PPOTrainer:
     """Loss scaling for fp16 autocast only; disabled, it passes losses and steps through unchanged."""
     sampler: Sampler
     """What the rollouts and evaluations sample the policy with."""
+    reward_functions: list[RewardFunction] = field(default_factory=list)
+    """The `reward` terms that are Python functions, imported and checked."""
 
 
 @dataclass(frozen=True)
@@ -428,6 +459,8 @@ def iteration_figures(trainer: PPOTrainer, episodes: Episodes, train: dict[str, 
     }
     if episodes.returns is not None:
         figures["train/explained_variance"] = explained_variance(batch.values, episodes.returns, batch.mask)
+    if trainer.reward_functions:
+        figures |= term_figures(scores.terms, {f.term.name for f in trainer.reward_functions})
     if batch.engine_logprobs is not None:
         gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.mask  # (B, T)
         figures |= {"rollout/vllm_logprob_gap": masked_mean(gap, batch.mask).item(),
@@ -439,6 +472,19 @@ def iteration_figures(trainer: PPOTrainer, episodes: Episodes, train: dict[str, 
                       "time/tokens_per_second": batch.mask.sum().item() * accelerator.num_processes / elapsed}
 
 
+def term_figures(terms: dict[str, torch.Tensor], functions: set[str]) -> dict[str, float]:
+    """Each reward term's mean and std over the responses it scored; for a function, the share of
+    responses it gave no reward (`_none`)."""
+    figures = {}
+    for name, values in terms.items():  # (B,) each, NaN where a function gave none
+        given = values[~values.isnan()]
+        figures[f"rollout/reward/{name}"] = given.mean().item() if len(given) else 0.0
+        figures[f"rollout/reward/{name}_std"] = given.std().item() if len(given) > 1 else 0.0
+        if name in functions:
+            figures[f"rollout/reward/{name}_none"] = values.isnan().float().mean().item()
+    return figures
+
+
 def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, episodes: Episodes,
                      figures: dict[str, float]) -> None:
     """Warnings, figures, every episode, and now and then a few samples to read."""
@@ -447,14 +493,17 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
     for message in warnings_of(cfg, figures, loop.first_length, iteration, previous_length):
         reporting.warning(message)
     reporting.metrics(figures, iteration)
+    # With reward functions each term is a column too (`reward/<name>`; NaN where a function gave none).
+    terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} if len(scores.terms) > 1 else {}
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
-                                     "score": scores.normalized.cpu().numpy(),
+                                     "score": scores.normalized.cpu().numpy(), **terms,
                                      "kl": episodes.kl.sum(1).cpu().numpy()}), iteration)
     if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
         shown = slice(0, cfg.num_logged_samples)
         reporting.samples(pd.DataFrame({"user": [last_user_message(m) for m in messages[shown]],
                                         "response": batch.texts[shown],
-                                        "score": scores.normalized[shown].cpu().numpy()}), iteration)
+                                        "score": scores.normalized[shown].cpu().numpy(),
+                                        **{name: values[shown] for name, values in terms.items()}}), iteration)
 
 
 def build_trainer(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> PPOTrainer:
@@ -476,7 +525,8 @@ def build_trainer(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> PPOTra
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     return PPOTrainer(cfg, accelerator, models, actor_critic, optimizer, scheduler, scaler,
-                      sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log"))
+                      sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log"),
+                      load_reward_functions(cfg.reward))
 
 
 def resume(trainer: PPOTrainer, state_dir: Path, reporting: Reporting) -> LoopState:
@@ -547,6 +597,7 @@ def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: P
         loop = resume(trainer, state_dir, reporting)
     prompt_texts = list(inputs.prompts["prompt"])
     prompt_messages = [json.loads(m) for m in inputs.prompts["prompt_messages"]]
+    prompt_columns = inputs.prompts[list(cfg.reward.columns)].to_dict("records")  # a reward function's inputs
     prompts_per_iteration = cfg.rollout_batch_size // cfg.samples_per_prompt
     local = prompts_per_iteration // accelerator.num_processes
 
@@ -560,7 +611,8 @@ def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: P
         if loop.normalization is None:
             loop.normalization = first_normalization(accelerator, models.scorer, raw, cfg)
             batch = adopt_normalization(models, loop.normalization, batch)
-        scores = scores_of(raw, batch.has_eos, models.scorer, cfg)
+        functions = function_terms(trainer, messages, batch.texts, [prompt_columns[i] for i in picks], iteration, timings)
+        scores = scores_of(raw, batch.has_eos, models.scorer, cfg, functions)
 
         beta = loop.kl.value
         reward_beta, kl_loss_coef = (0.0, cfg.kl.loss_coef + beta) if cfg.kl_in_loss else (beta, cfg.kl.loss_coef)

@@ -110,6 +110,12 @@ def apply_eos_penalty(scores: torch.Tensor, has_eos: torch.Tensor, penalty_score
     return torch.where(has_eos, scores, torch.full_like(scores, penalty_score))
 
 
+def weighted_reward(terms: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
+    """The score a response is given: sum over terms of weight x value, a term that gave no value
+    (NaN) adding nothing. # {name: (B,)} -> (B,)"""
+    return sum(weight * torch.nan_to_num(terms[name], nan=0.0) for name, weight in weights.items())
+
+
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, beta: float, mask: torch.Tensor) -> torch.Tensor:
     """r_t = -beta * KL_t on every response token, plus the sequence score on the last one.
     # (B,), (B, T), (B, T) -> (B, T)"""

@@ -11,7 +11,7 @@ from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_los
                              discounted_returns, engine_importance_weights, entropy_of, explained_variance, gae,
                              group_baselined, grpo_advantages, is_end, kl_estimate, last_token_index, logprobs_of,
                              masked_mean, masked_var, masked_whiten, response_mask, rloo_advantages, sequence_rewards,
-                             token_rewards, truncate_after_eos)
+                             token_rewards, truncate_after_eos, weighted_reward)
 
 EOS, PAD = 2, 0
 
@@ -163,6 +163,15 @@ def test_whitening():
     assert masked_whiten(x, mask).tolist()[0] == pytest.approx(expected, abs=1e-5)
     assert masked_whiten(x, mask, shift_mean=False).tolist()[0] == pytest.approx(
         [e + 2.5 for e in expected[:4]] + [0.0], abs=1e-5)
+
+
+def test_the_score_is_the_weighted_sum_of_the_terms_and_no_reward_adds_nothing():
+    # reward model 1.0 x [1, -2, 0.5]; a rule -0.5 x [0, no reward, 2]: [1 + 0, -2 + 0, 0.5 - 1]
+    terms = {"reward_model": torch.tensor([1.0, -2.0, 0.5]), "rule": torch.tensor([0.0, float("nan"), 2.0])}
+    assert weighted_reward(terms, {"reward_model": 1.0, "rule": -0.5}).tolist() == [1.0, -2.0, -0.5]
+    # the reward model alone at weight 1 is the score itself, bit for bit
+    alone = torch.tensor([0.1234567, -3.3])
+    assert weighted_reward({"reward_model": alone}, {"reward_model": 1.0}).equal(alone)
 
 
 def test_eos_penalty():

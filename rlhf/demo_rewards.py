@@ -1,0 +1,27 @@
+"""Rule-based reward functions for the demo world, as a user would write them from reading its
+prompts (`ppo.reward.terms`, README "Rewards from Python functions"). They never read the world's
+hidden gold function: a rule is what it says and nothing more."""
+
+from __future__ import annotations
+
+import re
+
+_ASKED_ABOUT = re.compile(r"\b(?:the|my|your|this|that|our) ([a-z]+)\b", re.IGNORECASE)
+
+
+def names_the_subject(prompts: list[list[dict]], responses: list[str]) -> list[float | None]:
+    """-1 for a response that does not name the thing its prompt asks about ("Describe my dog." ->
+    "dog"), 0 for one that does; None (no reward) where the prompt names nothing this rule can find."""
+    values: list[float | None] = []
+    for messages, response in zip(prompts, responses):
+        asked = _ASKED_ABOUT.search(messages[-1]["content"])
+        if asked is None:
+            values.append(None)
+        else:
+            values.append(0.0 if re.search(rf"\b{asked.group(1)}\b", response, re.IGNORECASE) else -1.0)
+    return values
+
+
+def length_penalty(prompts: list[list[dict]], responses: list[str]) -> list[float]:
+    """Minus the number of words past eight: long answers cost."""
+    return [-float(max(0, len(response.split()) - 8)) for response in responses]

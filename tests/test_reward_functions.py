@@ -1,0 +1,204 @@
+"""Rewards from Python functions beside the reward model (`ppo.reward.terms`).
+
+What is checked: a function term is imported from a folder the config names and checked to take
+`(prompts, responses, **columns)`; every bad answer (wrong length, not a number, NaN, infinite)
+and every fault (cannot be imported, wrong signature, raises) is refused naming the term, the
+function and, where it applies, the batch, the row and the prompt; the PPO stage scores with the
+weighted sum of its terms, logs each term, shows each in the rollouts table, passes declared prompt
+columns by name, and stops on a raising function with its last checkpoint kept, from which it
+resumes; the pre-flight check refuses a function that cannot be used before any stage runs; the
+RL stage's cache key follows the function's source.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rlhf.config import RewardTermsConfig, load_config, with_overrides
+from stages.reward_functions import RewardFunctionError, load_reward_functions, reward_values, source_digests
+from tests.helpers import run_ppo
+
+PROMPTS = [[{"role": "user", "content": "Describe my dog."}], [{"role": "user", "content": "How is the park?"}]]
+RESPONSES = ["The dog is kind.", "It is fine."]
+
+
+def _module(folder: Path, name: str, body: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _terms(folder: Path, function: str, **extra) -> RewardTermsConfig:
+    return RewardTermsConfig(terms=[{"name": "reward_model"}, {"name": "rule", "function": function, "weight": 0.5}],
+                             paths=[str(folder)], **extra)
+
+
+def test_functions_are_imported_from_the_named_folder_and_called_with_the_declared_columns(tmp_path):
+    _module(tmp_path, "rules_ok", """
+        def exact(prompts, responses, answer):
+            return [1.0 if a in r else None for r, a in zip(responses, answer)]
+        """)
+    [function] = load_reward_functions(_terms(tmp_path, "rules_ok:exact", columns=["answer"]))
+    values = reward_values(function, PROMPTS, RESPONSES, {"answer": ["dog", "cat"]}, batch=1)
+    assert values == [1.0, None]
+
+
+@pytest.mark.parametrize("body, function, message", [
+    ("", "rules_missing_module:f", "cannot import 'rules_missing_module'"),
+    ("def f(prompts, responses):\n    return []\n", "rules_attr:g", "module 'rules_attr' has no function 'g'"),
+    ("def f(texts):\n    return []\n", "rules_sig:f", "it must take (prompts, responses, answer)"),
+    ("def f(prompts, responses):\n    return []\n", "rules_cols:f", "it must take (prompts, responses, answer)"),
+    ("raise RuntimeError('broken at import')\n", "rules_import_error:f", "RuntimeError: broken at import"),
+])
+def test_a_function_that_cannot_be_used_is_refused_naming_it(tmp_path, body, function, message):
+    if body:
+        _module(tmp_path, function.split(":")[0], body)
+    with pytest.raises(RewardFunctionError) as refused:
+        load_reward_functions(_terms(tmp_path, function, columns=["answer"]))
+    assert f"reward term 'rule' ({function})" in str(refused.value) and message in str(refused.value)
+
+
+@pytest.mark.parametrize("answer, message", [
+    ("[1.0]", "returned 1 values for 2 responses in batch 7"),
+    ("'ab'", "returned str in batch 7"),
+    ("[1.0, 'x']", "batch 7, row 1 (prompt 'How is the park?'): 'x' is not a number"),
+    ("[1.0, True]", "batch 7, row 1 (prompt 'How is the park?'): True is not a number"),
+    ("[float('nan'), 0.0]", "batch 7, row 0 (prompt 'Describe my dog.'): nan is not finite"),
+    ("[0.0, float('inf')]", "batch 7, row 1 (prompt 'How is the park?'): inf is not finite"),
+])
+def test_an_answer_that_is_not_one_finite_number_per_response_is_refused_naming_batch_and_row(tmp_path, answer,
+                                                                                            message):
+    name = f"rules_answer_{abs(hash(answer))}"
+    _module(tmp_path, name, f"def f(prompts, responses):\n    return {answer}\n")
+    [function] = load_reward_functions(_terms(tmp_path, f"{name}:f"))
+    with pytest.raises(RewardFunctionError) as refused:
+        reward_values(function, PROMPTS, RESPONSES, {}, batch=7)
+    assert str(refused.value).startswith(f"reward term 'rule' ({name}:f)") and message in str(refused.value)
+
+
+def test_a_raising_function_is_reported_with_the_prompt_it_fails_on(tmp_path):
+    _module(tmp_path, "rules_raise", """
+        def f(prompts, responses):
+            return [1.0 / (len(r) - len("It is fine.")) for r in responses]
+        """)
+    [function] = load_reward_functions(_terms(tmp_path, "rules_raise:f"))
+    with pytest.raises(RewardFunctionError, match=r"raised in batch 3 on row 1 \(prompt 'How is the park\?'\): "
+                                                  r"ZeroDivisionError"):
+        reward_values(function, PROMPTS, RESPONSES, {}, batch=3)
+
+
+def test_the_cache_key_of_ppo_follows_the_function_source_and_no_other_stage_does(world, tmp_path):
+    from flows.lineage import cache_key
+
+    source = _module(tmp_path, "rules_cache", "def f(prompts, responses):\n    return [0.0] * len(responses)\n")
+    cfg = load_config("configs/tiny.yaml", {"ppo.reward": _terms(tmp_path, "rules_cache:f").model_dump()})
+    before = {stage: cache_key(stage, cfg, str(world), {}) for stage in ("sft", "ppo")}
+    digest = source_digests(cfg.ppo.reward)
+    source.write_text("def f(prompts, responses):\n    return [1.0] * len(responses)\n")
+    assert source_digests(cfg.ppo.reward) != digest
+    after = {stage: cache_key(stage, cfg, str(world), {}) for stage in ("sft", "ppo")}
+    assert after["sft"] == before["sft"] and after["ppo"] != before["ppo"]
+
+
+def test_declared_prompt_columns_are_required_and_kept(world, tokenizer, tmp_path):
+    from schemas.errors import DataContractError
+    from schemas.validate import load_validated
+
+    rows = [{"prompt": "Describe my dog.", "answer": "dog"}, {"prompt": "How is the park?", "answer": "park"}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    frame = load_validated(str(path), "prompt", tokenizer=tokenizer, columns=("answer",)).frame
+    assert list(frame["answer"]) == ["dog", "park"]
+    with pytest.raises(DataContractError, match="column 'reference': missing column"):
+        load_validated(str(path), "prompt", tokenizer=tokenizer, columns=("answer", "reference"))
+
+
+def _ppo(tiny_config, folder: Path, function: str, **changes):
+    terms = {"terms": [{"name": "reward_model"}, {"name": "rule", "function": function, "weight": 0.5}],
+             "paths": [str(folder)]}
+    return with_overrides(tiny_config.ppo, {"reward": terms, "num_iterations": 2, "evaluation.every": None} | changes)
+
+
+def test_ppo_scores_with_the_weighted_sum_and_logs_each_term(tiny_config, trained, tmp_path):
+    from stages.reporting import Reporting
+
+    _module(tmp_path / "rules", "rules_constant", """
+        def one_or_none(prompts, responses):
+            return [None if i == 0 else 1.0 for i in range(len(responses))]
+        """)
+    tables = []
+    result = run_ppo(_ppo(tiny_config, tmp_path / "rules", "rules_constant:one_or_none"), trained, tmp_path / "run",
+                     Reporting(rollouts=lambda frame, step: tables.append(frame)))
+    for row, table in zip(result.history, tables):
+        n = len(table)
+        # score_used = mean over responses of (model term + 0.5 x rule), the first response's rule giving nothing
+        assert row["rollout/score_used"] == pytest.approx(row["rollout/reward/reward_model"] + 0.5 * (n - 1) / n, abs=1e-5)
+        assert row["rollout/reward/rule"] == 1.0 and row["rollout/reward/rule_none"] == pytest.approx(1 / n)
+        assert math.isnan(table["reward/rule"].iloc[0]) and (table["reward/rule"].iloc[1:] == 1.0).all()
+        assert "reward/reward_model" in table.columns and "time/reward_functions" in row
+
+
+def test_a_raising_function_stops_ppo_naming_the_prompt_and_the_rerun_resumes(tiny_config, trained, tmp_path):
+    rules = tmp_path / "rules"
+    _module(rules, "rules_flaky", """
+        from pathlib import Path
+
+        CALLS = Path(__file__).with_suffix(".calls")
+
+        def f(prompts, responses):
+            calls = int(CALLS.read_text()) + 1 if CALLS.exists() else 1
+            CALLS.write_text(str(calls))
+            if calls >= 3 and not Path(__file__).with_suffix(".fixed").exists():
+                raise ValueError("no reward for this one")
+            return [0.0] * len(responses)
+        """)
+    cfg = _ppo(tiny_config, rules, "rules_flaky:f", num_iterations=4, checkpoint_every=2)
+    with pytest.raises(RewardFunctionError, match=r"reward term 'rule' \(rules_flaky:f\) raised in batch 3 on row 0 "
+                                                  r"\(prompt '.+'\): ValueError: no reward for this one"):
+        run_ppo(cfg, trained, tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "state" / "loop.json").read_text())["iteration"] == 2
+    (rules / "rules_flaky.fixed").touch()
+    result = run_ppo(cfg, trained, tmp_path / "run")
+    assert [row["iteration"] for row in result.history] == [1, 2, 3, 4]
+
+
+def test_the_pre_flight_check_refuses_a_function_that_cannot_be_imported(world, tmp_path):
+    from flows.inputs import input_problems
+
+    cfg = load_config("configs/tiny.yaml", {"ppo.reward": _terms(tmp_path, "rules_nowhere:f").model_dump()})
+    problems = input_problems(cfg, ["ppo"], str(world))
+    assert any(p.startswith("ppo stage: reward term 'rule' (rules_nowhere:f): cannot import") for p in problems)
+
+
+@pytest.mark.multiprocess
+def test_on_two_processes_the_function_runs_on_the_main_process_for_every_response(tiny_config, trained, tmp_path):
+    """Every process's responses are scored by one call on the first process; each process trains on
+    its own rows' values (the logged figures are the whole batch's)."""
+    from rlhf.config import LaunchConfig
+    from stages.distributed import call_stage
+    from stages.ppo import PPOInputs, train_ppo
+    from stages.reporting import Reporting
+
+    rules = tmp_path / "rules"
+    _module(rules, "rules_where", """
+        import os
+        from pathlib import Path
+
+        def f(prompts, responses):
+            with open(Path(__file__).with_suffix(".calls"), "a") as calls:
+                calls.write(f"{os.getpid()} {len(responses)}\\n")
+            return [float(len(r)) for r in responses]
+        """)
+    cfg = _ppo(tiny_config, rules, "rules_where:f", launch=LaunchConfig(num_processes=2))
+    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    result = call_stage(train_ppo, cfg, inputs, tmp_path / "run", Reporting(), deterministic=True, num_threads=2)
+    calls = [line.split() for line in (rules / "rules_where.calls").read_text().splitlines()]
+    assert len(calls) == cfg.num_iterations and len({pid for pid, _ in calls}) == 1
+    assert all(int(n) == cfg.rollout_batch_size for _, n in calls)
+    assert all(row["rollout/reward/rule"] > 0 for row in result.history)
