@@ -117,12 +117,14 @@ def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timi
 
 
 def scores_of(raw: torch.Tensor, has_eos: torch.Tensor, scorer: RewardScorer, cfg: PPOConfig,
-              functions: dict[str, torch.Tensor]) -> Scores:
+              functions: dict[str, torch.Tensor] | None = None) -> Scores:
+    """The rollout's scores from the reward model's `raw` outputs and the reward functions' values
+    (`function_terms`; none when the reward has no function terms)."""
     normalized = scorer.normalize(raw)
     model_term = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
     if cfg.score_clip is not None:
         model_term = model_term.clamp(-cfg.score_clip, cfg.score_clip)
-    terms = {term.name: model_term for term in cfg.reward.terms if term.function is None} | functions
+    terms = {term.name: model_term for term in cfg.reward.terms if term.function is None} | (functions or {})
     used = weighted_reward(terms, {term.name: term.weight for term in cfg.reward.terms})
     return Scores(raw, normalized, terms, used)
 
