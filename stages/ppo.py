@@ -125,7 +125,10 @@ def scores_of(raw: torch.Tensor, has_eos: torch.Tensor, scorer: RewardScorer, cf
     if cfg.score_clip is not None:
         model_term = model_term.clamp(-cfg.score_clip, cfg.score_clip)
     terms = {term.name: model_term for term in cfg.reward.terms if term.function is None} | (functions or {})
-    used = weighted_reward(terms, {term.name: term.weight for term in cfg.reward.terms})
+    # a function's NaN is "no reward" (its answers are checked finite): 0 in the sum
+    summed = {name: values if name not in (functions or {}) else torch.nan_to_num(values, nan=0.0)
+              for name, values in terms.items()}
+    used = weighted_reward(summed, {term.name: term.weight for term in cfg.reward.terms})
     return Scores(raw, normalized, terms, used)
 
 

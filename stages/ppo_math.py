@@ -111,9 +111,10 @@ def apply_eos_penalty(scores: torch.Tensor, has_eos: torch.Tensor, penalty_score
 
 
 def weighted_reward(terms: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
-    """The score a response is given: sum over terms of weight x value, a term that gave no value
-    (NaN) adding nothing. # {name: (B,)} -> (B,)"""
-    return sum(weight * torch.nan_to_num(terms[name], nan=0.0) for name, weight in weights.items())
+    """The score a response is given: sum over terms of weight x value (a term that gives no reward
+    for a response has value 0 there; a NaN stays NaN, for the non-finite check to stop on).
+    # {name: (B,)} -> (B,)"""
+    return sum(weight * terms[name] for name, weight in weights.items())
 
 
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, beta: float, mask: torch.Tensor) -> torch.Tensor:

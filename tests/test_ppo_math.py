@@ -165,13 +165,15 @@ def test_whitening():
         [e + 2.5 for e in expected[:4]] + [0.0], abs=1e-5)
 
 
-def test_the_score_is_the_weighted_sum_of_the_terms_and_no_reward_adds_nothing():
-    # reward model 1.0 x [1, -2, 0.5]; a rule -0.5 x [0, no reward, 2]: [1 + 0, -2 + 0, 0.5 - 1]
-    terms = {"reward_model": torch.tensor([1.0, -2.0, 0.5]), "rule": torch.tensor([0.0, float("nan"), 2.0])}
+def test_the_score_is_the_weighted_sum_of_the_terms():
+    # reward model 1.0 x [1, -2, 0.5]; a rule -0.5 x [0, 0 (no reward), 2]: [1 + 0, -2 + 0, 0.5 - 1]
+    terms = {"reward_model": torch.tensor([1.0, -2.0, 0.5]), "rule": torch.tensor([0.0, 0.0, 2.0])}
     assert weighted_reward(terms, {"reward_model": 1.0, "rule": -0.5}).tolist() == [1.0, -2.0, -0.5]
     # the reward model alone at weight 1 is the score itself, bit for bit
     alone = torch.tensor([0.1234567, -3.3])
     assert weighted_reward({"reward_model": alone}, {"reward_model": 1.0}).equal(alone)
+    # a NaN score stays NaN: the stage's non-finite check must see it
+    assert weighted_reward({"reward_model": torch.tensor([float("nan")])}, {"reward_model": 1.0}).isnan().all()
 
 
 def test_eos_penalty():
