@@ -65,7 +65,7 @@ def data_inputs(cfg: PipelineConfig, stage: str) -> dict[str, DataInput]:
     policy = TokenizerSource(sft.model, sft.trust_remote_code, sft.chat_template)
     if stage == "ppo":
         return {"prompts": DataInput(ppo.prompts, "prompt", policy, tuple(ppo.reward.columns)),
-                "eval_prompts": DataInput(ppo.evaluation.prompts, "prompt", policy)}
+                "eval_prompts": DataInput(ppo.evaluation.prompts, "prompt", policy, tuple(ppo.reward.columns))}
     if stage == "sft":
         kind, measured_by, extra = "sft", policy, {}
     elif stage == "dpo":

@@ -27,7 +27,15 @@ AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo", "dpo")
 RLHF_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo")
 """The classic pipeline, what a flow run runs when no stages are named."""
 UPSTREAM: dict[str, tuple[StageName, ...]] = {"sft": (), "reward": ("sft",), "ppo": ("sft", "reward"), "dpo": ("sft",)}
-"""The stages whose results each stage starts from."""
+"""The stages whose results each stage starts from (`upstream_stages`: PPO without a reward model needs no reward run)."""
+
+
+def upstream_stages(stage: StageName, cfg: PipelineConfig) -> tuple[StageName, ...]:
+    """The stages whose results `stage` starts from under `cfg`: PPO whose reward is functions alone
+    (no reward-model term) starts from SFT only."""
+    if stage == "ppo" and not cfg.ppo.reward.uses_model:
+        return ("sft",)
+    return UPSTREAM[stage]
 
 
 class StageRecord(BaseModel):
@@ -160,6 +168,7 @@ def upstream_runs(stage: StageName, records: dict[str, StageRecord], given: dict
     this pipeline run (`records`), else as `given` by stage name, else by recency:
 
     - reward, dpo: the latest finished SFT run made with `cfg.sft` (its `rlhf.config_hash`).
+    - ppo whose reward is functions alone: as reward and dpo.
     - ppo: a reward run and the SFT run it was trained from (its `rlhf.upstream.sft` tag). With
       neither named, the latest reward run made with `cfg.reward` whose own SFT run was made with
       `cfg.sft`; with the SFT run named, the latest reward run made with `cfg.reward` trained from
@@ -169,7 +178,7 @@ def upstream_runs(stage: StageName, records: dict[str, StageRecord], given: dict
     `any_config` drops the config condition (still a coherent pair for PPO). LookupError, with the
     message for the user, when no run fits, a named run does not exist or the named pair does not
     belong together; nothing is downloaded here."""
-    needs = UPSTREAM[stage]
+    needs = upstream_stages(stage, cfg)
     named: dict[str, Chosen] = {}
     for name in needs:
         if name in records:

@@ -134,15 +134,22 @@ def run_reward(ctx: StageContext) -> StageRecord | State:
 
 @task(name="ppo")
 def run_ppo(ctx: StageContext) -> StageRecord | State:
-    """PPO from the upstream SFT policy against the upstream reward model, both fetched through MLflow;
-    the policy registered (as an MLflow transformers model) unless the config says not to."""
+    """PPO from the upstream SFT policy against the upstream reward model (none where the reward is
+    Python functions alone), fetched through MLflow; the policy registered (as an MLflow
+    transformers model) unless the config says not to."""
     from stages.ppo import PPOInputs, train_ppo
+    from stages.reward_functions import source_digests
 
     section = ctx.config.ppo
 
     def prepare(run: StageRun) -> StageJob:
         sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
-        reward_location = str(tracking.download_checkpoint(ctx.upstream["reward"], run.scratch / "reward"))
+        reward_location = (str(tracking.download_checkpoint(ctx.upstream["reward"], run.scratch / "reward"))
+                           if "reward" in ctx.upstream else None)
+        if section.reward.functions:  # which functions, and which source of each, made this run's reward
+            digests = source_digests(section.reward)
+            mlflow.set_tag(tracking.TAG_REWARD_FUNCTIONS, ", ".join(
+                f"{t.name}={t.function} (weight {t.weight:g}, source {digests[t.name][:12]})" for t in section.reward.functions))
         tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
         train = logged_prompts(ctx.config, "ppo", "prompts", "prompts", ctx.world, tokenizer)
         evaluation = logged_prompts(ctx.config, "ppo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)
@@ -257,6 +264,9 @@ def rlhf(
     except ConfigError as e:
         return refuse(str(e))
     ordered = [s for s in AVAILABLE_STAGES if s in stages]
+    if "reward" in ordered and "ppo" in ordered and not cfg.ppo.reward.uses_model:
+        logger.warning("the reward stage runs, but ppo.reward.terms has no reward-model term, so PPO will not use "
+                       "it; name stages [sft, ppo] to skip it")
     set_determinism(cfg.deterministic, cfg.num_threads)
     world = build_demo_world(cfg.demo) if cfg.demo is not None else None
     too_long = context_problems(cfg, ordered, world)

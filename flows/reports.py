@@ -36,7 +36,7 @@ STAGE_SECONDS = "time/stage_seconds"
 HEADLINES: dict[str, tuple[str, ...]] = {
     "sft": ("eval/loss", "eval/loss_untrained"),
     "reward": ("eval/accuracy", "eval/gold_accuracy"),
-    "ppo": ("eval/gold_win_rate", "eval/win_rate_rm", "eval/kl", "eval/gold_reward"),
+    "ppo": ("eval/gold_win_rate", "eval/win_rate_rm", "eval/win_rate_reward", "eval/kl", "eval/gold_reward"),
     "dpo": ("eval/gold_win_rate", "eval/kl", "eval/preference_accuracy", "eval/gold_reward"),
 }
 """The figures a stage is judged by, in its description and summaries (those it has)."""
@@ -228,7 +228,8 @@ def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: Gol
     from rlhf.plots import curves, overoptimization
 
     samples = evaluation_report(result.evaluation, metrics, warnings, demo_evaluation)
-    for keys, name in ((["rollout/score", "rollout/score_raw"], "score"), (["rollout/kl", "rollout/kl_coef"], "kl"),
+    scores = ["rollout/score"] + [k for k in ("rollout/score_raw",) if k in result.history[-1]]  # raw: a reward model's
+    for keys, name in ((scores, "score"), (["rollout/kl", "rollout/kl_coef"], "kl"),
                        (["rollout/response_length", "rollout/eos_rate"], "length")):
         mlflow.log_figure(curves(result.history, keys, f"PPO {name}"), f"plots/{name}.png")
     if gold is not None and gold.by_iteration:

@@ -35,6 +35,7 @@ from schemas.validate import ValidatedData
 from stages.distributed import LaunchError, call_stage
 from stages.errors import RewardGateError, StageUserError
 from stages.memory import GIB, Plan, plan_table
+from stages.reward_functions import source_digests
 from stages.reporting import Reporting
 
 SYSTEM_METRICS_INTERVAL_S = 5.0
@@ -228,7 +229,8 @@ def register(ctx: StageContext, method: StageName, run_id: str, checkpoint: Path
     it was made and judged; the champion alias moves to it only when it beats the holder on the
     same evaluation."""
     registry, section = ctx.config.registry, getattr(ctx.config, method)
-    figure = "eval/gold_win_rate" if "eval/gold_win_rate" in metrics else "eval/win_rate_rm"
+    figure = next((f for f in ("eval/gold_win_rate", "eval/win_rate_rm", "eval/win_rate_reward") if f in metrics),
+                  "eval/win_rate_rm")
     # What the win rate was measured on: the same held-out prompts, sampling and SFT baseline, and
     # the same judge, so two versions with equal keys have comparable figures whatever method made
     # them. The gold function judges alike for every version; a reward model's judgement depends
@@ -240,6 +242,9 @@ def register(ctx: StageContext, method: StageName, run_id: str, checkpoint: Path
     if figure == "eval/win_rate_rm" and method == "ppo":  # DPO has no reward model to judge by
         judged_on |= {"reward": ctx.upstream["reward"]} | {
             name: getattr(section, name) for name in ("missing_eos_score", "precision", "frozen_dtype")}
+    if figure == "eval/win_rate_reward":  # judged by the reward functions: their weights and their source
+        judged_on |= {"reward_terms": [t.model_dump() for t in section.reward.terms],
+                      "reward_functions": source_digests(section.reward)}
     evaluation_key = hashlib.sha256(json.dumps(judged_on, sort_keys=True).encode()).hexdigest()
     tags = {"rlhf.method": method_name(ctx.config, method), tracking.TAG_PIPELINE: ctx.parent_run_id,
             tracking.TAG_CONFIG_HASH: config_hash(section),

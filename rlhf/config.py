@@ -335,8 +335,8 @@ class DPOConfig(TrainingConfig, SampledStage):
 class CriticConfig(_Frozen):
     """The value function GAE learns (`advantage_estimator: gae`; the other estimators have none)."""
 
-    kind: Literal["reward", "reward-lora", "shared", "detached"] = "reward"
-    """A separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), LoRA adapters and a value head on the reward model's own frozen weights, which score with the adapters off (`reward-lora`: one copy of the reward model instead of two), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
+    kind: Literal["reward", "reward-lora", "policy", "shared", "detached"] = "reward"
+    """A separate critic initialised from the reward model (`reward`; needs the policy's tokenizer), LoRA adapters and a value head on the reward model's own frozen weights, which score with the adapters off (`reward-lora`: one copy of the reward model instead of two), a separate critic initialised from the SFT policy with a fresh value head (`policy`: the default where the reward has no reward-model term), a value head on the policy's body (`shared`), or that head with its loss kept off the body (`detached`); docs/performance.md has the comparison."""
     lora: LoRAConfig = LoRAConfig()
     """The adapters of the `reward-lora` critic on the reward model."""
     vf_coef: float = Field(0.1, ge=0)
@@ -403,7 +403,7 @@ class RewardTermsConfig(_Frozen):
     """What the RL stage's score is: the weighted sum of its terms."""
 
     terms: list[RewardTerm] = [RewardTerm(name="reward_model")]
-    """The terms; at most one is the reward model (no `function`)."""
+    """The terms; at most one is the reward model (no `function`). With none, no reward model takes part: the pipeline needs no reward stage (`stages: [sft, ppo]`)."""
     paths: list[str] = []
     """Folders put in front of the import path to find `function` terms (absolute, or relative to the directory the pipeline runs in)."""
     columns: list[str] = []
@@ -507,7 +507,7 @@ class PPOConfig(TrainedStage, SampledStage):
     refit_normalization: bool = True
     """Refit the reward normalisation (gain, bias) on the first iteration's rollouts, so PPO's scores start at mean 0, std 1 under its own sampling settings."""
 
-    DERIVED: ClassVar[dict[str, str]] = {"advantage_estimator": "critic"}
+    DERIVED: ClassVar[dict[str, str]] = {"advantage_estimator": "critic", "reward": "critic"}
     """`auto` fields resolved from another, which `with_overrides` resolves again when that one changes."""
 
     @model_validator(mode="before")
@@ -521,7 +521,7 @@ class PPOConfig(TrainedStage, SampledStage):
         if data.get("samples_per_prompt", "auto") == "auto":
             data = data | {"samples_per_prompt": GROUP_SIZE if estimator in GROUP_ESTIMATORS else 1}
         if data.get("critic", "auto") == "auto":
-            data = data | {"critic": {} if estimator == "gae" else None}
+            data = data | {"critic": (_default_critic(data.get("reward")) if estimator == "gae" else None)}
         kl = data.get("kl", {})
         if isinstance(kl, dict) and kl.get("init_coef", "auto") == "auto":
             data = data | {"kl": kl | {"init_coef": KL_COEF.get(estimator, 0.05)}}
@@ -557,10 +557,10 @@ class PPOConfig(TrainedStage, SampledStage):
             raise ValueError("ppo.launch.accelerate_config: PPO runs on DDP (distributed_type MULTI_GPU) or FSDP2 "
                              "(configs/accelerate/fsdp.yaml); DeepSpeed is for the SFT, reward and DPO stages (PPO's "
                              "optimizer and scheduler step outside DeepSpeed's engine)")
-        if not self.reward.uses_model:
-            raise ValueError("reward.terms: keep the reward model's term (a term without `function`, weight 0 to leave "
-                             "it out of the score): the RL stage still fits its normalisation, starts its critic and "
-                             "scores its evaluations with the reward model")
+        if not self.reward.uses_model and self.critic is not None and self.critic.kind in ("reward", "reward-lora"):
+            raise ValueError(f"critic.kind {self.critic.kind!r} starts from the reward model, but reward.terms has no "
+                             "reward-model term (a term without `function`): use critic.kind 'policy', 'shared' or "
+                             "'detached', or a critic-free advantage_estimator (grpo, rloo, reinforce++)")
         if self.lora is not None and self.ref_refresh_every is not None:
             raise ValueError("ref_refresh_every cannot act with lora: the reference is the policy with its adapters "
                              "disabled, so there is no copy to refresh; unset one of them")
@@ -623,6 +623,15 @@ def _refuse_moved(data: Any, moved: dict[str, str], section: str) -> Any:
     if found:
         raise ValueError("moved settings: " + "; ".join(found))
     return data
+
+
+def _default_critic(reward: Any) -> dict:
+    """`critic: auto` under GAE: started from the reward model, or from the policy where the reward has no model term."""
+    terms = reward.terms if isinstance(reward, RewardTermsConfig) else (reward or {}).get("terms") if isinstance(reward, dict) else None
+    if terms is None:
+        return {}
+    without_model = all((t.function if isinstance(t, RewardTerm) else t.get("function")) for t in terms)
+    return {"kind": "policy"} if without_model else {}
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce++-baseline")
@@ -765,10 +774,10 @@ def with_overrides(section: Section, changes: dict[str, Any]) -> Section:
     """`section` with `changes` applied and the whole validated again, as `load_config` applies
     overrides to a file: `{"kl.target": None}`, or `{"critic": {"kind": "shared"}}` (merged into the
     section). A field resolved from `auto` by another (PPO's `critic` by `advantage_estimator`) is
-    resolved again when that one changes, unless `changes` sets it too."""
+    resolved again when that one changes (or PPO's `reward`), unless `changes` sets it too."""
     tree = section.model_dump()
     for field, derived in getattr(type(section), "DERIVED", {}).items():
-        if field in changes and not any(key.split(".")[0] == derived for key in changes):
+        if any(key.split(".")[0] == field for key in changes) and not any(key.split(".")[0] == derived for key in changes):
             tree[derived] = "auto"
     _merge(tree, changes)
     return type(section).model_validate(tree)

@@ -49,6 +49,7 @@ TAG_WARNINGS = "rlhf.warnings"  # how many warnings a stage raised (their text i
 TAG_EVALUATION_KEY = "rlhf.evaluation_key"  # on a model version: what its figures were measured on
 TAG_JUDGED_BY = "rlhf.judged_by"  # on a model version: the figure the champion alias compares (eval/...)
 TAG_REGISTERED_MODEL = "rlhf.registered_model"  # on a PPO or DPO run -> `<registered model>/<version>` it became
+TAG_REWARD_FUNCTIONS = "rlhf.reward_functions"  # on a PPO run: its reward's function terms, weights and source digests
 TAG_NOTE = "mlflow.note.content"  # the run's description, shown on its overview page
 CHECKPOINT_PATH = "checkpoint"
 DATA_PATH = "data"

@@ -3,14 +3,17 @@
 The policy answers the held-out prompts (from `evaluation.seed + 1`) and is compared with the SFT
 policy's responses to the same prompts (`HeldOut`, sampled once from `evaluation.seed` before training
 starts): KL(policy || SFT) per sequence on the policy's responses, their length and EOS rate, and
-with a reward model the scores of both and the win rate with its standard error.
+with a reward model the scores of both and the win rate with its standard error. PPO's reward
+functions (`FunctionJudge`) score both too: each term's mean, and without a reward model the
+terms' weighted sum and the win rate by it.
 """
 
 from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
@@ -32,6 +35,23 @@ def own_random_stream(device: torch.device):
 
 
 @dataclass(frozen=True)
+class FunctionJudge:
+    """PPO's reward functions as an evaluation scores responses with them."""
+
+    values: Callable[[list[list[dict]], list[str], list[dict], str], dict[str, torch.Tensor]]
+    """(prompt messages, responses, prompt records' declared columns, what is judged) -> each function
+    term's values by name, NaN where it gave none. # -> {name: (B,)}"""
+    weights: dict[str, float]
+    """Every term's weight by name (the reward model's too)."""
+    with_model: bool
+    """Whether a reward model is one of the terms (it then scores, and judges the win rate)."""
+
+    def weighted(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The function terms' weighted sum, "no reward" adding nothing. # -> (B,)"""
+        return sum(self.weights[name] * torch.nan_to_num(v, nan=0.0) for name, v in values.items())
+
+
+@dataclass(frozen=True)
 class HeldOut:
     """The held-out prompts, each `evaluation.samples_per_prompt` times, and the SFT policy's responses
     to them, which every evaluation judges the policy against."""
@@ -41,11 +61,13 @@ class HeldOut:
     sft_texts: list[str]
     sft_complete: list[bool]
     """False where the SFT response was cut off at `sampling.response_length` without an end token."""
+    columns: list[dict] = field(default_factory=list)
+    """Each prompt's declared extra columns (PPO's `reward.columns`) by name, for the reward functions."""
 
     @classmethod
     @torch.no_grad()
     def sample(cls, models: Models, eval_prompts: pd.DataFrame, evaluation: EvaluationConfig, sampling: SamplingConfig,
-               device: torch.device) -> HeldOut:
+               device: torch.device, columns: tuple[str, ...] = ()) -> HeldOut:
         """The SFT responses, sampled before training starts (so from the SFT policy even when the
         reference is refreshed later, or the run resumes), from `evaluation.seed` alone: every run
         from the same SFT checkpoint and prompts, whatever its training seed or settings, is judged
@@ -53,6 +75,7 @@ class HeldOut:
         repeat = evaluation.samples_per_prompt
         prompts = [p for p in eval_prompts["prompt"] for _ in range(repeat)]
         messages = [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)]
+        records = [r for r in eval_prompts[list(columns)].to_dict("records") for _ in range(repeat)]
         models.train(False)
         texts, complete = [], []
         with own_random_stream(device), reference_policy(models) as reference:
@@ -62,16 +85,19 @@ class HeldOut:
                 responses = sampler.generate(chunk, Sampling(sampling.response_length, sampling.temperature)).responses
                 texts += models.tokenizer.batch_decode(responses, skip_special_tokens=True)
                 complete += is_end(responses, models.stop_ids).any(dim=1).tolist()
-        return cls(prompts, messages, texts, complete)
+        return cls(prompts, messages, texts, complete, records)
 
 
 @torch.no_grad()
 def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: EvaluationConfig,
-             sampling: SamplingConfig) -> tuple[dict[str, float], pd.DataFrame]:
+             sampling: SamplingConfig, judge: FunctionJudge | None = None) -> tuple[dict[str, float], pd.DataFrame]:
     """The policy against the SFT responses on the held-out prompts: KL(policy || SFT) (`eval/kl`:
     k1, the log-ratio, summed over each response) on the policy's responses, sampled from
     `evaluation.seed + 1`, their length and EOS rate; with a reward model, the scores of both (on the
-    normalisation in force) and the win rate with its standard error. Training's random stream is the caller's to keep (`own_random_stream`) when training goes on."""
+    normalisation in force) and the win rate with its standard error; with reward functions
+    (`judge`), each one's mean on both (`eval/reward/<name>`, `..._sft`), and without a reward model
+    the terms' weighted sum as the score of both and the win rate by it (`eval/win_rate_reward`).
+    Training's random stream is the caller's to keep (`own_random_stream`) when training goes on."""
     prompts, messages = held_out.prompts, held_out.messages
     torch.manual_seed(evaluation.seed + 1)
     policy = rollout(models, sampler, prompts, sampling, {})
@@ -86,7 +112,31 @@ def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: Ev
         wins, wins_se = win_rate(list(table["policy_score"]), list(table["sft_score"]), prompts)
         metrics |= {"eval/score": table["policy_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
                     "eval/win_rate_rm": wins, "eval/win_rate_rm_se": wins_se}
+    if judge is not None:
+        metrics |= judged_by_functions(judge, held_out, policy.texts, table)
     return {k: float(v) for k, v in metrics.items()}, table
+
+
+def judged_by_functions(judge: FunctionJudge, held_out: HeldOut, policy_texts: list[str],
+                        table: pd.DataFrame) -> dict[str, float]:
+    """The reward functions on the policy's and the SFT policy's held-out responses: their values as
+    columns of `table`, each term's means, and without a reward model the weighted sum as both
+    responses' `score` and the win rate by it."""
+    metrics: dict[str, float] = {}
+    judged = {}
+    for who, texts in (("policy", policy_texts), ("sft", held_out.sft_texts)):
+        judged[who] = judge.values(held_out.messages, texts, held_out.columns, f"evaluation ({who} responses)")
+        for name, values in judged[who].items():  # (B,) NaN where the function gave none
+            table[f"{who}_reward/{name}"] = values.cpu().numpy()
+            given = values[~values.isnan()]
+            metrics[f"eval/reward/{name}" + ("_sft" if who == "sft" else "")] = given.mean().item() if len(given) else 0.0
+    if not judge.with_model:
+        table["policy_score"] = judge.weighted(judged["policy"]).cpu().numpy()
+        table["sft_score"] = judge.weighted(judged["sft"]).cpu().numpy()
+        wins, wins_se = win_rate(list(table["policy_score"]), list(table["sft_score"]), held_out.prompts)
+        metrics |= {"eval/score": table["policy_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
+                    "eval/win_rate_reward": wins, "eval/win_rate_reward_se": wins_se}
+    return metrics
 
 
 def warn_over_kl_budget(metrics: dict[str, float], kl_budget: float, reporting: Reporting) -> None:
@@ -97,10 +147,10 @@ def warn_over_kl_budget(metrics: dict[str, float], kl_budget: float, reporting: 
 
 
 def evaluate_midway(models: Models, sampler: Sampler, held_out: HeldOut, cfg: PPOConfig, iteration: int,
-                    reporting: Reporting) -> dict[str, float]:
+                    reporting: Reporting, judge: FunctionJudge | None = None) -> dict[str, float]:
     """An evaluation between iterations, reported at `iteration`, leaving training's random stream as it was."""
     with own_random_stream(models.policy.device):
-        metrics, table = evaluate(models, sampler, held_out, cfg.evaluation, cfg.sampling)
+        metrics, table = evaluate(models, sampler, held_out, cfg.evaluation, cfg.sampling, judge)
     reporting.metrics(metrics, iteration)
     reporting.evaluation(table, iteration)
     return metrics

@@ -441,11 +441,11 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
     return StagePlan(stage, n, sharded, held, phases, notes, alone)
 
 
-def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device: Device, counts: Counts,
+def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, device: Device, counts: Counts,
              processes: int | None = None) -> StagePlan:
     """PPO as `stages.ppo.train_ppo` holds and runs it: policy (with LoRA: its frozen weights are the
-    reference), reference, reward model, critic; sampling, the rollout's forwards, the update's
-    micro-batches, the evaluations."""
+    reference), reference, reward model (None: a reward of functions alone), critic; sampling, the
+    rollout's forwards, the update's micro-batches, the evaluations."""
     n, sharded = _engine(section.launch, processes)
     autocast = _autocast(section, device)
     compute = 2 if autocast else 4
@@ -460,10 +460,13 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device:
     if critic_kind == "reward-lora":
         held.append(_trained("reward model + critic", reward, section.critic.lora, frozen, sharding, compute,
                              head_trains=True))
-    else:
+    elif reward is not None:
         held.append(_frozen("reward model", reward, frozen, sharding))
-    if critic_kind == "reward":
-        held.append(_trained("critic", reward, None, frozen, sharding, compute))
+    else:
+        notes.append("no reward model: the reward is Python functions alone")
+    critic_model = reward_shape(policy) if critic_kind == "policy" else reward
+    if critic_kind in ("reward", "policy"):
+        held.append(_trained("critic", critic_model, None, frozen, sharding, compute))
     elif critic_kind in ("shared", "detached"):
         notes.append("critic: a value head on the policy's body (hidden + 1 parameters)")
 
@@ -471,12 +474,12 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device:
     local = section.rollout_batch_size // n
     micro = section.micro_batch_size or section.rollout_batch_size // (section.num_minibatches * n)
     trained = [h for h in held if h.trained]
-    largest_layer = max(policy.layer_parameters, reward.layer_parameters) * compute
+    largest_layer = max(policy.layer_parameters, (reward or policy).layer_parameters) * compute
     update = _training_extras(trained, n, sharded, autocast, largest_layer) | {
         "policy_activations": training_activations(policy, micro, length, section.sampling.response_length + 1, autocast,
                                                    section.gradient_checkpointing)}
-    if critic_kind in ("reward", "reward-lora"):
-        update["critic_activations"] = training_activations(reward, micro, length, 0, autocast,
+    if critic_kind in ("reward", "reward-lora", "policy"):
+        update["critic_activations"] = training_activations(critic_model, micro, length, 0, autocast,
                                                             section.gradient_checkpointing)
     gathered_policy = {"gathered_policy": policy.parameters * compute} if sharded and \
         section.sharded_sampling == "whole" else {}
@@ -489,8 +492,8 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device:
     phases = {
         "sampling": gathered_policy | {"kv_cache": kv_cache(policy, rolled, length, autocast)},
         "rollout_forwards": {"logits": forward_without_gradients(policy, rolled, length, section.sampling.response_length + 1,
-                                                                 autocast),
-                             "scoring": forward_without_gradients(reward, scored, length, 0, autocast)},
+                                                                 autocast)} | (
+            {"scoring": forward_without_gradients(reward, scored, length, 0, autocast)} if reward is not None else {}),
         "update": update,
         "evaluation": gathered_policy | {
             "kv_cache": kv_cache(policy, judged, length, autocast),
@@ -505,7 +508,7 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape, device:
         # held as `stages.holding.Sharded.frozen` holds them (a `reward-lora` critic's body and adapters);
         # each received on the device first.
         offloaded = [h for h in held if section.launch.offload_params or (h is not pol and h.name != "critic")]
-        received = max(h.weights for h in offloaded)
+        received = max((h.weights for h in offloaded), default=0.0)
         held = [_offloaded(h) if any(h is o for o in offloaded) else h for h in held]
         if section.launch.offload_params:
             phases["update"].pop("gradients")  # back to the host as each unit's are reduced
@@ -526,7 +529,8 @@ def plan_stage(cfg: PipelineConfig, stage: StageName, shapes: dict[str, ModelSha
         section = resolve_micro_batches(stage, section, shapes, device, counts, processes)
     policy = shapes["policy"]
     if stage == "ppo":
-        return plan_ppo(section, policy, reward_shape(shapes.get("reward", policy)), device, counts, processes)
+        reward = reward_shape(shapes.get("reward", policy)) if section.reward.uses_model else None
+        return plan_ppo(section, policy, reward, device, counts, processes)
     model = reward_shape(shapes.get("reward", policy)) if stage == "reward" else policy
     return plan_trainer_stage(stage, section, policy, model, device, counts, processes)
 

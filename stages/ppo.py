@@ -4,7 +4,8 @@ One iteration of `train_ppo` reads top to bottom:
 
     rollout    sample `samples_per_prompt` responses to each of a batch of prompts; keep
                log-probs, values (GAE only), reference log-probs
-    score      the reward model scores prompt + response text; EOS penalty; optional clipping
+    score      the reward's terms: the reward model scores prompt + response text (EOS penalty,
+               optional clipping), Python reward functions score the texts; their weighted sum
     advantage  gae          r_t = -beta * KL_t, plus the score on the last response token;
                             GAE(gamma, lambda); returns = A + V; A whitened
                grpo         (score - group mean) / group std on every token; KL goes to the loss
@@ -44,8 +45,8 @@ from rlhf.config import PPOConfig
 from schemas.adapters import last_user_message
 from stages.collectives import (MAX_FIGURES, computed_on_main, gathered, over_processes, sum_over_processes,
                                 whiten_over_processes)
-from stages.errors import NonFiniteLossError
-from stages.evaluation import HeldOut, evaluate, evaluate_midway, warn_over_kl_budget
+from stages.errors import NonFiniteLossError, StageUserError
+from stages.evaluation import FunctionJudge, HeldOut, evaluate, evaluate_midway, warn_over_kl_budget
 from stages.models import Precision, resolve_precision, saved_dtype_and_tags
 from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss,
                              discounted_returns, engine_importance_weights, entropy_of, explained_variance, gae,
@@ -67,8 +68,9 @@ from stages.vllm_rollout import sampler_for
 class PPOInputs:
     sft_location: str
     """The SFT checkpoint: the policy's start and the reference it is kept near."""
-    reward_location: str
-    """The reward checkpoint that scores (and, with `ppo.critic.kind: reward`, starts the critic)."""
+    reward_location: str | None
+    """The reward checkpoint that scores (and, with `ppo.critic.kind: reward`, starts the critic); None
+    where the reward has no reward-model term (`reward.terms` all functions)."""
     prompts: pd.DataFrame
     """Validated prompts to train on."""
     eval_prompts: pd.DataFrame
@@ -95,16 +97,23 @@ class PPOResult:
 class Scores:
     """What a rollout's responses scored. # (B,) each"""
 
-    raw: torch.Tensor
-    """The reward model's outputs for each response as it is: a cut-off one is scored without an end token."""
-    normalized: torch.Tensor
-    """On the normalised scale: gain * raw + bias."""
+    raw: torch.Tensor | None
+    """The reward model's outputs for each response as it is: a cut-off one is scored without an end
+    token. None without a reward model."""
+    normalized: torch.Tensor | None
+    """On the normalised scale: gain * raw + bias. None without a reward model."""
     terms: dict[str, torch.Tensor]
     """Each term of `reward` by name: the reward model's normalised score with a cut-off response
     given `missing_eos_score` (when set), clipped to `score_clip` (when set); each function's
     values (NaN where it gave none)."""
     used: torch.Tensor
     """What the reward adds: the terms' weighted sum."""
+
+    @property
+    def shown(self) -> torch.Tensor:
+        """The score figures and tables show as `score`: the reward model's normalised score, or
+        without a reward model the terms' weighted sum."""
+        return self.normalized if self.normalized is not None else self.used
 
 
 @torch.no_grad()
@@ -116,15 +125,19 @@ def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timi
     return raw.to(batch.queries.device)
 
 
-def scores_of(raw: torch.Tensor, has_eos: torch.Tensor, scorer: RewardScorer, cfg: PPOConfig,
+def scores_of(raw: torch.Tensor | None, has_eos: torch.Tensor, scorer: RewardScorer | None, cfg: PPOConfig,
               functions: dict[str, torch.Tensor] | None = None) -> Scores:
-    """The rollout's scores from the reward model's `raw` outputs and the reward functions' values
-    (`function_terms`; none when the reward has no function terms)."""
-    normalized = scorer.normalize(raw)
-    model_term = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
-    if cfg.score_clip is not None:
-        model_term = model_term.clamp(-cfg.score_clip, cfg.score_clip)
-    terms = {term.name: model_term for term in cfg.reward.terms if term.function is None} | (functions or {})
+    """The rollout's scores from the reward model's `raw` outputs (None, with no `scorer`, where the
+    reward has no model term) and the reward functions' values (`function_terms`; none when the
+    reward has no function terms)."""
+    normalized, terms = None, {}
+    if scorer is not None:
+        normalized = scorer.normalize(raw)
+        model_term = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
+        if cfg.score_clip is not None:
+            model_term = model_term.clamp(-cfg.score_clip, cfg.score_clip)
+        terms = {term.name: model_term for term in cfg.reward.terms if term.function is None}
+    terms |= functions or {}
     # a function's NaN is "no reward" (its answers are checked finite): 0 in the sum
     summed = {name: values if name not in (functions or {}) else torch.nan_to_num(values, nan=0.0)
               for name, values in terms.items()}
@@ -140,17 +153,45 @@ def function_terms(trainer: PPOTrainer, messages: list[list[dict]], texts: list[
         return {}
     start = time.perf_counter()
     rows = list(zip(messages, texts, columns))
+    every = _functions_on_main(trainer, rows, iteration)
+    first = trainer.accelerator.process_index * len(rows)
+    timings["reward_functions"] = time.perf_counter() - start
+    return {name: _as_tensor(values[first:first + len(rows)], trainer.accelerator.device)
+            for name, values in every.items()}
+
+
+def function_judge(trainer: PPOTrainer) -> FunctionJudge | None:
+    """The reward functions as the evaluations score with them (None without function terms). Every
+    process holds the same held-out prompts; the main process's responses are the ones judged and
+    reported, so only its rows are sent to the functions (collective)."""
+    if not trainer.reward_functions:
+        return None
+    accelerator = trainer.accelerator
+
+    def values(messages: list[list[dict]], texts: list[str], columns: list[dict], judged: str) -> dict[str, torch.Tensor]:
+        rows = list(zip(messages, texts, columns)) if accelerator.is_main_process else []
+        every = _functions_on_main(trainer, rows, judged)
+        return {name: _as_tensor(v, accelerator.device) for name, v in every.items()}
+
+    return FunctionJudge(values, {term.name: term.weight for term in trainer.cfg.reward.terms},
+                         trainer.cfg.reward.uses_model)
+
+
+def _functions_on_main(trainer: PPOTrainer, rows: list[tuple], batch: int | str) -> dict[str, list[float | None]]:
+    """Every reward function's checked values for every process's (prompt messages, response, columns)
+    rows, computed on the main process (collective)."""
 
     def compute(every: list[tuple]) -> dict[str, list[float | None]]:
         prompts, responses, records = ([row[i] for row in every] for i in range(3))
         return {f.term.name: reward_values(f, prompts, responses, {c: [r[c] for r in records] for c in f.columns},
-                                           iteration) for f in trainer.reward_functions}
+                                           batch) for f in trainer.reward_functions}
 
-    every = computed_on_main(trainer.accelerator, rows, compute)
-    first = trainer.accelerator.process_index * len(rows)
-    timings["reward_functions"] = time.perf_counter() - start
-    return {name: torch.tensor([float("nan") if v is None else v for v in values[first:first + len(rows)]],
-                               device=trainer.accelerator.device) for name, values in every.items()}
+    return computed_on_main(trainer.accelerator, rows, compute)
+
+
+def _as_tensor(values: list[float | None], device: torch.device) -> torch.Tensor:
+    """A function's values, NaN where it gave none. # -> (B,)"""
+    return torch.tensor([float("nan") if v is None else v for v in values], device=device)
 
 
 def adopt_normalization(models: Models, normalization: Normalization, batch: Rollout) -> Rollout:
@@ -448,9 +489,8 @@ def iteration_figures(trainer: PPOTrainer, episodes: Episodes, train: dict[str, 
     the iteration's start on the `time.perf_counter` clock."""
     batch, scores, kl, accelerator = episodes.batch, episodes.scores, episodes.kl, trainer.accelerator
     figures = {
-        "rollout/score": scores.normalized.mean().item(),
-        "rollout/score_std": gathered(accelerator, scores.normalized).std().item(),  # over all processes' scores
-        "rollout/score_raw": scores.raw.mean().item(),
+        "rollout/score": scores.shown.mean().item(),
+        "rollout/score_std": gathered(accelerator, scores.shown).std().item(),  # over all processes' scores
         "rollout/score_used": scores.used.mean().item(),
         "rollout/non_score_reward": (-episodes.reward_beta * kl).sum(1).mean().item(),
         "rollout/kl": kl.sum(1).mean().item(),
@@ -462,6 +502,8 @@ def iteration_figures(trainer: PPOTrainer, episodes: Episodes, train: dict[str, 
         "train/learning_rate": trainer.scheduler.get_last_lr()[0],
         **{f"time/{k}": v for k, v in timings.items()},
     }
+    if scores.raw is not None:
+        figures["rollout/score_raw"] = scores.raw.mean().item()
     if episodes.returns is not None:
         figures["train/explained_variance"] = explained_variance(batch.values, episodes.returns, batch.mask)
     if trainer.reward_functions:
@@ -501,13 +543,13 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
     # With reward functions each term is a column too (`reward/<name>`; NaN where a function gave none).
     terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} if len(scores.terms) > 1 else {}
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
-                                     "score": scores.normalized.cpu().numpy(), **terms,
+                                     "score": scores.shown.cpu().numpy(), **terms,
                                      "kl": episodes.kl.sum(1).cpu().numpy()}), iteration)
     if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
         shown = slice(0, cfg.num_logged_samples)
         reporting.samples(pd.DataFrame({"user": [last_user_message(m) for m in messages[shown]],
                                         "response": batch.texts[shown],
-                                        "score": scores.normalized[shown].cpu().numpy(),
+                                        "score": scores.shown[shown].cpu().numpy(),
                                         **{name: values[shown] for name, values in terms.items()}}), iteration)
 
 
@@ -563,7 +605,8 @@ def hand_off(trainer: PPOTrainer, loop: LoopState, held_out: HeldOut, inputs: PP
     holding.check_weights_agree(trainer.actor_critic)
     trainer.optimizer.state.clear()  # the last full-state checkpoint holds it; the evaluation needs the memory
     held = held_as(models.policy, trainer.accelerator.num_processes)
-    metrics, evaluation = evaluate(models, trainer.sampler, held_out, cfg.evaluation, cfg.sampling)
+    metrics, evaluation = evaluate(models, trainer.sampler, held_out, cfg.evaluation, cfg.sampling,
+                                   function_judge(trainer))
     trained = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     saved, tags = saved_dtype_and_tags(cfg, inputs.sft_location, trained)
     # LoRA merged in float32: into bf16-held weights (`frozen_dtype`) a bf16 merge would round small updates away.
@@ -572,8 +615,9 @@ def hand_off(trainer: PPOTrainer, loop: LoopState, held_out: HeldOut, inputs: PP
     if not trainer.accelerator.is_main_process:
         return None
     warn_over_kl_budget(metrics, cfg.evaluation.kl_budget, reporting)
-    metrics |= {"train/iterations": float(loop.iteration), "normalization/gain": models.scorer.gain,
-                "normalization/bias": models.scorer.bias}
+    metrics["train/iterations"] = float(loop.iteration)
+    if models.scorer is not None:
+        metrics |= {"normalization/gain": models.scorer.gain, "normalization/bias": models.scorer.bias}
     return PPOResult(checkpoint, metrics, loop.history, evaluation, tags | held)
 
 
@@ -581,6 +625,11 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
     """Run PPO and evaluate against the SFT policy. Resumes from `output_dir/state` when a
     full-state checkpoint of an earlier, interrupted run is there. On several processes every
     one trains and evaluates (a sharded model needs them all); only the main one reports, saves and returns."""
+    if cfg.reward.uses_model and inputs.reward_location is None:
+        raise StageUserError("ppo: reward.terms has a reward-model term (a term without `function`), but no reward "
+                             "checkpoint was given; run the reward stage, or make every term a function")
+    if not cfg.reward.uses_model:  # a reward of functions alone: no reward model is loaded, whatever was passed
+        inputs = replace(inputs, reward_location=None)
     cfg = with_micro_batches("ppo", cfg, Counts(ppo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,
                              inputs.reward_location, reporting)
     trainer = build_trainer(cfg, inputs, output_dir)
@@ -595,7 +644,8 @@ def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: P
     """`train_ppo`'s loop and hand-off, on a built trainer."""
     accelerator, models, rank = trainer.accelerator, trainer.models, trainer.accelerator.process_index
     # Before a resume or a reference refresh can change the reference: it is the SFT policy now.
-    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, accelerator.device)
+    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, accelerator.device,
+                              tuple(cfg.reward.columns))
     state_dir = output_dir / "state"
     loop = LoopState(kl=KLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon))
     if (state_dir / "loop.json").exists():
@@ -612,8 +662,8 @@ def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: P
         picks = [i for i in picks for _ in range(cfg.samples_per_prompt)]  # a prompt's group on consecutive rows
         messages = [prompt_messages[i] for i in picks]
         batch = rollout(models, trainer.sampler, [prompt_texts[i] for i in picks], cfg.sampling, timings)
-        raw = raw_scores(models.scorer, batch, messages, timings)
-        if loop.normalization is None:
+        raw = raw_scores(models.scorer, batch, messages, timings) if models.scorer is not None else None
+        if models.scorer is not None and loop.normalization is None:
             loop.normalization = first_normalization(accelerator, models.scorer, raw, cfg)
             batch = adopt_normalization(models, loop.normalization, batch)
         functions = function_terms(trainer, messages, batch.texts, [prompt_columns[i] for i in picks], iteration, timings)
@@ -643,7 +693,8 @@ def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: P
         loop.iteration, loop.cursor = iteration, loop.cursor + prompts_per_iteration
         every = cfg.evaluation.every
         if every and iteration % every == 0 and iteration < cfg.num_iterations:
-            figures |= evaluate_midway(models, trainer.sampler, held_out, cfg, iteration, reporting)
+            figures |= evaluate_midway(models, trainer.sampler, held_out, cfg, iteration, reporting,
+                                       function_judge(trainer))
         loop.history = loop.history + [{"iteration": iteration, **figures}]
         reporting.progress(iteration, cfg.num_iterations)
         if iteration % cfg.checkpoint_every == 0 or iteration == cfg.num_iterations:

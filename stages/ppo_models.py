@@ -180,7 +180,7 @@ class Models:
     reference: PreTrainedModel | None
     """None when LoRA is on: the reference is the policy with its adapters disabled."""
     scorer: RewardScorer | None
-    """None where no reward model takes part (DPO's evaluation)."""
+    """None where no reward model takes part (DPO's evaluation; PPO whose reward is functions alone)."""
     tokenizer: object
     precision: Precision
     stop_ids: list[int]
@@ -201,7 +201,8 @@ class Models:
             module.train(mode)
 
     def adopt_normalization(self, gain: float, bias: float, values: torch.Tensor | None) -> torch.Tensor | None:
-        """The scorer, and the critic if it takes it, on the normalised scale; `values` mapped alike."""
+        """The scorer, and the critic if it takes it, on the normalised scale; `values` mapped alike
+        (only with a reward model: nothing else is normalised)."""
         self.scorer.gain, self.scorer.bias = gain, bias
         return values if self.critic is None else self.critic.adopt_normalization(gain, bias, values)
 
@@ -239,8 +240,8 @@ def build_policy(cfg: PPOConfig, sft_location: str, tokenizer) -> PreTrainedMode
     return with_lora(policy, cfg.lora, "CAUSAL_LM")
 
 
-def build_critic(cfg: PPOConfig, policy: PreTrainedModel, tokenizer, scorer: RewardScorer,
-                 reward_location: str) -> Critic | None:
+def build_critic(cfg: PPOConfig, policy: PreTrainedModel, tokenizer, scorer: RewardScorer | None,
+                 reward_location: str | None, sft_location: str) -> Critic | None:
     """GAE's critic as `cfg.critic.kind` asks; None for the critic-free estimators. The critics on the
     reward model read the policy's token ids, so that model must share the policy's tokenizer."""
     if not cfg.uses_critic:
@@ -248,6 +249,11 @@ def build_critic(cfg: PPOConfig, policy: PreTrainedModel, tokenizer, scorer: Rew
     critic = cfg.critic
     if critic.kind in ("shared", "detached"):
         return SharedValueHead(policy.config.hidden_size, detach_body=critic.kind == "detached")
+    if critic.kind == "policy":  # the SFT checkpoint's body, a fresh value head (nothing to normalise to)
+        return RewardCritic(load_reward_model(sft_location, tokenizer, trust_remote_code=cfg.trust_remote_code,
+                                              fresh_head=True), rescale=False)
+    if scorer is None:  # the config refuses this; a direct caller without a reward model gets the reason
+        raise ValueError(f"ppo.critic.kind = {critic.kind!r} starts from the reward model, and there is none")
     if scorer.tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"ppo.critic.kind = {critic.kind!r} needs the reward model at {reward_location} to share "
                          "the policy's tokenizer (the critic reads the policy's token ids); use ppo.critic.kind = 'shared'")
@@ -257,12 +263,13 @@ def build_critic(cfg: PPOConfig, policy: PreTrainedModel, tokenizer, scorer: Rew
                                           fresh_head=False), rescale=critic.normalize)
 
 
-def load_models(cfg: PPOConfig, sft_location: str, reward_location: str, holding: Holding | None = None) -> Models:
+def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
+                holding: Holding | None = None) -> Models:
     """Trained weights (policy, critic, adapters) in float32 whatever the checkpoints' dtype; frozen
     ones (reference, reward model, a LoRA policy's own) in `cfg.frozen_dtype`; dropout off in all of
-    them, so a rollout and the update that follows compute the same policy. `holding` (default:
-    whole, on this process) places them: the frozen ones at once, the trained ones when
-    `holding.trained` wraps them."""
+    them, so a rollout and the update that follows compute the same policy. No reward model where
+    `reward_location` is None (a reward of functions alone). `holding` (default: whole, on this
+    process) places them: the frozen ones at once, the trained ones when `holding.trained` wraps them."""
     holding = holding or Replicated()
     frozen = dtype_named(cfg.frozen_dtype)
     tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
@@ -274,11 +281,14 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str, holding
         policy.gradient_checkpointing_enable()
     holding.place_trained(policy)  # sharded: split now, its tensors read and sent one at a time
     # Placed once the critic is built: `reward-lora` puts its adapters on this very model, placed with it.
-    scorer = RewardScorer.from_pretrained(reward_location, dtype=frozen, trust_remote_code=cfg.trust_remote_code,
-                                          place=lambda model: model)
-    scorer.model.requires_grad_(False)
-    critic = build_critic(cfg, policy, tokenizer, scorer, reward_location)
-    scorer.model = holding.frozen(scorer.model)
+    scorer = None
+    if reward_location is not None:
+        scorer = RewardScorer.from_pretrained(reward_location, dtype=frozen, trust_remote_code=cfg.trust_remote_code,
+                                              place=lambda model: model)
+        scorer.model.requires_grad_(False)
+    critic = build_critic(cfg, policy, tokenizer, scorer, reward_location, sft_location)
+    if scorer is not None:
+        scorer.model = holding.frozen(scorer.model)
     if critic is not None:
         holding.place_trained(critic)
     precision = resolve_precision(cfg.precision)

@@ -97,8 +97,8 @@ def source_digests(cfg: RewardTermsConfig) -> dict[str, str]:
 
 
 def reward_values(function: RewardFunction, prompts: list[list[dict]], responses: list[str],
-                  columns: dict[str, list], batch: int) -> list[float | None]:
-    """`function` on one batch (`batch`: the iteration, for messages), its answer checked: one real,
+                  columns: dict[str, list], batch: int | str) -> list[float | None]:
+    """`function` on one batch (`batch`: the iteration, or which evaluation, for messages), its answer checked: one real,
     finite number or None per response."""
     given = {name: columns[name] for name in function.columns}
     try:

@@ -561,3 +561,53 @@ def test_a_stage_user_error_fails_the_run_with_its_message_alone(tracking_store,
     assert state.is_failed()
     assert "stage sft failed: these demonstrations are not what this model can learn from" in state.message
 
+
+
+def test_sft_then_ppo_on_reward_functions_alone_needs_no_reward_stage_and_bad_functions_fail_cleanly(
+        tracking_store, tmp_path):
+    """`stages: [sft, ppo]` with a reward of Python functions alone: a function that cannot be imported
+    is refused before any stage runs; one that answers NaN fails PPO naming the function and the row,
+    leaving no run RUNNING; fixed, PPO runs from the finished SFT run with no reward run anywhere."""
+    from flows.pipeline import rlhf
+
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "flow_rules.py").write_text(
+        "from pathlib import Path\n"
+        "from rlhf.demo_rewards import names_the_subject\n\n"
+        "def on_subject(prompts, responses):\n"
+        "    if Path(__file__).with_suffix('.broken').exists():\n"
+        "        return [float('nan')] * len(responses)\n"
+        "    return names_the_subject(prompts, responses)\n")
+    own = {"experiment": "rlhf-functions", "ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 4,
+           "registry.model_name": "functions-policy",
+           "ppo.reward": {"terms": [{"name": "subject", "function": "flow_rules:on_subject"}], "paths": [str(rules)]}}
+    experiment = lambda: MlflowClient().get_experiment_by_name("rlhf-functions")  # noqa: E731
+
+    missing = own | {"ppo.reward": own["ppo.reward"] | {"terms": [{"name": "subject", "function": "flow_rules:gone"}]}}
+    state = rlhf(stages=["sft", "ppo"], config_file="configs/tiny.yaml", overrides=missing, return_state=True)
+    assert state.is_failed() and "reward term 'subject' (flow_rules:gone): module 'flow_rules' has no function 'gone'" \
+        in state.message
+    assert experiment() is None or not MlflowClient().search_runs([experiment().experiment_id])
+
+    (rules / "flow_rules.broken").touch()
+    state = rlhf(stages=["sft", "ppo"], config_file="configs/tiny.yaml", overrides=own, return_state=True)
+    assert state.is_failed()
+    assert "reward term 'subject' (flow_rules:on_subject): batch 1, row 0 (prompt " in state.message
+    assert "nan is not finite" in state.message
+    runs = MlflowClient().search_runs([experiment().experiment_id])
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    assert {r.data.tags.get(tracking.TAG_STAGE): r.info.status for r in runs if tracking.TAG_STAGE in r.data.tags} \
+        == {"sft": "FINISHED", "ppo": "FAILED"}
+
+    (rules / "flow_rules.broken").unlink()
+    sft, ppo = rlhf(stages=["sft", "ppo"], config_file="configs/tiny.yaml", overrides=own)
+    assert sft.reused and not ppo.reused
+    run = MlflowClient().get_run(ppo.run_id)
+    assert run.data.tags[tracking.TAG_UPSTREAM + "sft"] == sft.run_id
+    assert tracking.TAG_UPSTREAM + "reward" not in run.data.tags
+    assert run.data.tags[tracking.TAG_REWARD_FUNCTIONS].startswith("subject=flow_rules:on_subject (weight 1, source ")
+    assert {"eval/reward/subject", "eval/reward/subject_sft", "eval/win_rate_reward", "rollout/reward/subject",
+            "eval/gold_win_rate"} <= set(run.data.metrics)
+    assert not any(key.startswith("normalization/") for key in run.data.metrics)
+    assert not MlflowClient().search_runs([experiment().experiment_id], "tags.`rlhf.stage` = 'reward'")

@@ -96,6 +96,21 @@ def test_inside_one_pipeline_a_stage_alone_starts_from_the_latest_runs():
     assert resolved.describe() == "reward run `reward · second` (this pipeline run); SFT run `sft · second` (this pipeline run)"
 
 
+def test_ppo_whose_reward_is_functions_alone_starts_from_an_sft_run_and_no_reward_run():
+    functions = load_config("configs/tiny.yaml", {"ppo.reward.terms": [
+        {"name": "subject", "function": "rlhf.demo_rewards:names_the_subject"}]})
+    runs = Experiment()
+    runs.pipeline("sft-only", TINY, "configs/tiny.yaml", stages=("sft",))
+    with pytest.raises(LookupError, match="needs a finished reward run"):
+        resolve("ppo", TINY, runs)
+    assert resolve("ppo", functions, runs) == {"sft": "sft · sft-only"}
+    newer = runs.pipeline("newer", TINY, "configs/tiny.yaml")  # with a reward run, which PPO leaves alone
+    assert upstream_runs("ppo", {}, {}, functions, runs).describe() == "SFT run `sft · newer` (latest with this config)"
+    named = upstream_runs("ppo", {}, {"sft": newer["sft"].info.run_id, "reward": newer["reward"].info.run_id},
+                          functions, runs)
+    assert named.run_ids == {"sft": newer["sft"].info.run_id}
+
+
 def test_two_models_and_two_configs_in_one_experiment_each_config_gets_its_own_coherent_pair():
     runs = Experiment()
     runs.pipeline("demo", TINY, "configs/tiny.yaml")

@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlhf.config import RewardTermsConfig, load_config, with_overrides
 from stages.reward_functions import RewardFunctionError, load_reward_functions, reward_values, source_digests
@@ -202,3 +203,83 @@ def test_on_two_processes_the_function_runs_on_the_main_process_for_every_respon
     assert len(calls) == cfg.num_iterations and len({pid for pid, _ in calls}) == 1
     assert all(int(n) == cfg.rollout_batch_size for _, n in calls)
     assert all(row["rollout/reward/rule"] > 0 for row in result.history)
+
+
+# --- a reward of functions alone: no reward model ----------------------------------------------------
+
+FUNCTIONS_ALONE = {"terms": [{"name": "subject", "function": "rlhf.demo_rewards:names_the_subject"},
+                             {"name": "length", "function": "rlhf.demo_rewards:length_penalty", "weight": 0.1}]}
+
+
+def test_a_reward_of_functions_alone_takes_no_reward_model_and_gae_starts_its_critic_from_the_policy():
+    from rlhf.config import ConfigError
+
+    gae = load_config("configs/tiny.yaml", {"ppo.reward": FUNCTIONS_ALONE})
+    assert not gae.ppo.reward.uses_model and gae.ppo.critic.kind == "policy"
+    grpo = load_config("configs/tiny.yaml", {"ppo.reward": FUNCTIONS_ALONE, "ppo.advantage_estimator": "grpo"})
+    assert grpo.ppo.critic is None
+    for kind in ("reward", "reward-lora"):
+        with pytest.raises(ConfigError, match=f"critic.kind '{kind}' starts from the reward model, but reward.terms "
+                                              "has no reward-model term"):
+            load_config("configs/tiny.yaml", {"ppo.reward": FUNCTIONS_ALONE, "ppo.critic.kind": kind})
+    # A section changed to functions alone takes the critic its reward now needs, as `advantage_estimator` does.
+    assert with_overrides(load_config("configs/tiny.yaml").ppo, {"reward": FUNCTIONS_ALONE}).critic.kind == "policy"
+
+
+def test_ppo_without_a_reward_model_trains_on_the_functions_and_evaluates_by_them(tiny_config, trained, tmp_path):
+    from stages.ppo import PPOInputs, train_ppo
+
+    cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE, "advantage_estimator": "grpo",
+                                           "samples_per_prompt": 4, "num_iterations": 2, "evaluation.every": 1})
+    result = train_ppo(cfg, PPOInputs(trained["sft"], None, trained["prompts"], trained["eval_prompts"]),
+                       tmp_path / "run")
+    for row in result.history:
+        # the shown score is the weighted sum itself; no reward model, so no raw score
+        assert row["rollout/score"] == pytest.approx(row["rollout/score_used"], abs=1e-6)
+        assert "rollout/score_raw" not in row and {"rollout/reward/subject", "rollout/reward/length"} <= set(row)
+    assert "eval/reward/subject" in result.history[0] and "eval/win_rate_reward" in result.history[0]
+    metrics, table = result.metrics, result.evaluation
+    assert not any(key.startswith("normalization/") for key in metrics) and "eval/win_rate_rm" not in metrics
+    assert {"eval/reward/subject", "eval/reward/subject_sft", "eval/reward/length", "eval/reward/length_sft",
+            "eval/win_rate_reward", "eval/win_rate_reward_se"} <= set(metrics)
+    # the evaluation's score is the weighted sum of its functions' columns ("no reward" adding nothing)
+    expected = table["policy_reward/subject"].fillna(0) + 0.1 * table["policy_reward/length"]
+    assert table["policy_score"].to_numpy() == pytest.approx(expected.to_numpy())
+    assert metrics["eval/score"] == pytest.approx(expected.mean())
+
+
+def test_a_reward_model_term_without_a_reward_checkpoint_is_refused(tiny_config, trained, tmp_path):
+    from stages.errors import StageUserError
+    from stages.ppo import PPOInputs, train_ppo
+
+    with pytest.raises(StageUserError, match="reward-model term .* but no reward checkpoint was given"):
+        train_ppo(tiny_config.ppo, PPOInputs(trained["sft"], None, trained["prompts"], trained["eval_prompts"]),
+                  tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_policy_critic_starts_from_the_sft_body_with_a_fresh_head(tiny_config, trained):
+    from stages.ppo_models import load_models
+
+    cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE})
+    models = load_models(cfg, trained["sft"], None)
+    assert models.scorer is None
+    body = dict(models.critic.model.base_model.named_parameters())
+    for name, parameter in models.policy.base_model.named_parameters():
+        assert torch.equal(parameter, body[name]), name
+    assert models.critic.model.score.weight.shape == (1, models.policy.config.hidden_size)
+
+
+def test_the_memory_plan_of_ppo_without_a_reward_model_holds_none(tiny_config, world):
+    from flows.inputs import memory_plan
+
+    with_model = memory_plan(tiny_config, ["ppo"], str(world)).stages["ppo"]
+    alone = memory_plan(load_config("configs/tiny.yaml", {"ppo.reward": FUNCTIONS_ALONE,
+                                                          "ppo.advantage_estimator": "grpo"}), ["ppo"],
+                        str(world)).stages["ppo"]
+    assert "reward model" in [h.name for h in with_model.held] and "critic" in [h.name for h in with_model.held]
+    assert [h.name for h in alone.held] == ["policy", "reference"]
+    assert "scoring" not in alone.phases["rollout_forwards"]
+    policy_critic = memory_plan(load_config("configs/tiny.yaml", {"ppo.reward": FUNCTIONS_ALONE}), ["ppo"],
+                                str(world)).stages["ppo"]
+    assert [h.name for h in policy_critic.held] == ["policy", "reference", "critic"]
