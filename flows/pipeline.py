@@ -29,7 +29,7 @@ from flows.inputs import (context_problems, input_problems, is_demo, logged_prom
 from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, ExperimentRuns, StageRecord, cache_key, reused_record,
                            upstream_runs)
 from flows.reports import (GoldJudgments, evaluation_report, log_overhead, pipeline_note, pipeline_summary, ppo_report,
-                           reward_report)
+                           reward_report, reward_terms_note)
 from flows.stage_runs import StageContext, StageJob, StageRun, refuse, run_stage, stage_memory
 from rlhf import tracking
 from rlhf.config import ConfigError, PipelineConfig, StageName, config_hash, flatten, load_config
@@ -336,7 +336,8 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request,
                                "rerun with use_cache false to register one", name, cached.info.run_id)
             return reused_record(name, cached)
         ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key, flow_run.name,
-                           links["Prefect flow run"], memory and stage_memory(memory, name), resolved.describe())
+                           links["Prefect flow run"], memory and stage_memory(memory, name),
+                           resolved.describe() + (reward_terms_note(cfg.ppo.reward) if name == "ppo" else ""))
         state = stage_task(ctx, return_state=True)
         if not state.is_completed():
             raise StageFailed(f"stage {name} failed: {state.message}")

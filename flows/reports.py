@@ -20,7 +20,7 @@ from prefect.context import get_run_context
 
 from flows.lineage import StageRecord
 from rlhf import tracking
-from rlhf.config import StageName, config_hash
+from rlhf.config import RewardTermsConfig, StageName, config_hash
 from rlhf.demo_world import gold_accuracy, judge_evaluation, last_user_turns, mean_gold_reward
 from schemas.adapters import last_user_message
 from schemas.validate import ValidatedData
@@ -101,6 +101,18 @@ def _links(links: dict[str, str]) -> str:
 def lineage_note(lineage: str) -> str:
     """Which upstream runs a stage run started from and why, as its description says it."""
     return f"Started from {lineage}.\n\n" if lineage else ""
+
+
+def reward_terms_note(reward: RewardTermsConfig) -> str:
+    """How PPO's score is made, where it has reward functions (empty for the reward model alone), to
+    follow the upstream runs in its description: `; scored by reward functions `on_subject`
+    (rlhf.demo_rewards:names_the_subject, weight 1), without a reward model`."""
+    if not reward.functions:
+        return ""
+    terms = ", ".join(f"`{t.name}` ({t.function}, weight {t.weight:g})" for t in reward.functions)
+    model = next((f" beside the reward model (weight {t.weight:g})" for t in reward.terms if t.function is None),
+                 ", without a reward model")
+    return f"; scored by reward functions {terms}{model}"
 
 
 def stage_note(stage: str, metrics: dict[str, float], warnings: list[str], links: dict[str, str],
@@ -234,7 +246,8 @@ def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: Gol
         mlflow.log_figure(curves(result.history, keys, f"PPO {name}"), f"plots/{name}.png")
     if gold is not None and gold.by_iteration:
         by_iteration = {i: figures["rollout/gold_reward"] for i, figures in gold.by_iteration.items()}
-        mlflow.log_figure(overoptimization(result.history, by_iteration), "plots/overoptimization.png")
+        proxy = "proxy score (normalised)" if len(scores) > 1 else "proxy score (reward functions)"
+        mlflow.log_figure(overoptimization(result.history, by_iteration, proxy=proxy), "plots/overoptimization.png")
     return samples
 
 

@@ -22,13 +22,15 @@ def curves(history: list[dict[str, float]], keys: list[str], title: str):
     return figure
 
 
-def overoptimization(history: list[dict[str, float]], gold: dict[int, float], window: int = 5):
-    """Proxy score (the reward model's, normalised) and gold reward of each iteration's rollouts
+def overoptimization(history: list[dict[str, float]], gold: dict[int, float], window: int = 5,
+                     proxy: str = "proxy score (normalised)"):
+    """Proxy score (`rollout/score`: the reward model's, normalised, or the reward functions' weighted
+    sum where there is no reward model; `proxy` labels it) and gold reward of each iteration's rollouts
     against their KL to the reference: where the proxy keeps rising and the gold flattens or falls,
     the policy is exploiting the reward model. Faint points per iteration, lines a running mean."""
     rows = [row for row in history if row["iteration"] in gold]
     kl = [row["rollout/kl"] for row in rows]
-    series = (("proxy score (normalised)", [row["rollout/score"] for row in rows], "tab:blue"),
+    series = ((proxy, [row["rollout/score"] for row in rows], "tab:blue"),
               ("gold reward", [gold[row["iteration"]] for row in rows], "tab:green"))
     figure, proxy_axis = plt.subplots(figsize=(6.4, 4.2))
     gold_axis = proxy_axis.twinx()

@@ -607,6 +607,8 @@ def test_sft_then_ppo_on_reward_functions_alone_needs_no_reward_stage_and_bad_fu
     assert run.data.tags[tracking.TAG_UPSTREAM + "sft"] == sft.run_id
     assert tracking.TAG_UPSTREAM + "reward" not in run.data.tags
     assert run.data.tags[tracking.TAG_REWARD_FUNCTIONS].startswith("subject=flow_rules:on_subject (weight 1, source ")
+    assert "; scored by reward functions `subject` (flow_rules:on_subject, weight 1), without a reward model" in \
+        run.data.tags[tracking.TAG_NOTE]
     assert {"eval/reward/subject", "eval/reward/subject_sft", "eval/win_rate_reward", "rollout/reward/subject",
             "eval/gold_win_rate"} <= set(run.data.metrics)
     assert not any(key.startswith("normalization/") for key in run.data.metrics)
