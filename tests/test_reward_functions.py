@@ -283,3 +283,23 @@ def test_the_memory_plan_of_ppo_without_a_reward_model_holds_none(tiny_config, w
     policy_critic = memory_plan(load_config("configs/tiny.yaml", {"ppo.reward": FUNCTIONS_ALONE}), ["ppo"],
                                 str(world)).stages["ppo"]
     assert [h.name for h in policy_critic.held] == ["policy", "reference", "critic"]
+
+
+@pytest.mark.multiprocess
+def test_sharded_ppo_without_a_reward_model_trains_its_policy_critic_and_evaluates_by_the_functions(
+        tiny_config, trained, tmp_path):
+    """FSDP2 over two processes, GAE with the critic started from the policy: nothing of the sharded
+    path needs a reward model."""
+    from rlhf.config import LaunchConfig
+    from stages.distributed import call_stage
+    from stages.ppo import PPOInputs, train_ppo
+    from stages.reporting import Reporting
+
+    fsdp = LaunchConfig(num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml")
+    cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE, "launch": fsdp, "num_iterations": 2})
+    assert cfg.critic.kind == "policy"
+    result = call_stage(train_ppo, cfg, PPOInputs(trained["sft"], None, trained["prompts"], trained["eval_prompts"]),
+                        tmp_path / "run", Reporting(), deterministic=True, num_threads=1)
+    assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
+    assert all("train/explained_variance" in row and "rollout/reward/subject" in row for row in result.history)
+    assert {"eval/reward/subject", "eval/win_rate_reward"} <= set(result.metrics)
