@@ -62,6 +62,10 @@ METHODS: dict[str, dict] = {
     "ppo (gae), reward model + on-subject rule": {"advantage_estimator": "gae", "reward": {"terms": [
         {"name": "reward_model"}, {"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject",
                                    "weight": 0.5}]}},
+    # No reward model: the same rule alone, the score a GRPO group compares (`stages: [sft, ppo]`).
+    "grpo, on-subject rule alone": {"advantage_estimator": "grpo", "samples_per_prompt": 4, "kl.init_coef": 0.2,
+                                    "reward": {"terms": [{"name": "on_subject",
+                                                          "function": "rlhf.demo_rewards:names_the_subject"}]}},
 }
 """Each method's settings on top of its config section (`ppo`; `dpo` for DPO)."""
 
@@ -190,7 +194,9 @@ def table_of(rows: list[dict]) -> str:
              "held tensors | peak memory |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        judged_by_rm = f"{r['eval/win_rate_rm']:.3f}" if "eval/win_rate_rm" in r else "(no reward model)"
+        judged_by_rm = (f"{r['eval/win_rate_rm']:.3f}" if "eval/win_rate_rm" in r else
+                        f"(no reward model; by its functions {r['eval/win_rate_reward']:.3f})" if "eval/win_rate_reward" in r
+                        else "(no reward model)")
         held = f"{r['held_bytes'] / 2**20:.2f} MiB" if r.get("held_bytes") else "-"
         lines.append(f"| {r['method']} | {r.get('seed', '')} | {r['eval/gold_win_rate']:.3f} ± "
                      f"{r['eval/gold_win_rate_se']:.3f} | {r['eval/kl']:.2f} ({r['kl_budget']:g}) | {judged_by_rm} | "

@@ -479,7 +479,7 @@ class PPOConfig(TrainedStage, SampledStage):
     gamma: float = Field(1.0, gt=0, le=1)
     """Discount (GAE and REINFORCE++ returns)."""
     critic: CriticConfig | None | Literal["auto"] = "auto"
-    """The critic GAE learns; `auto`: the default critic with `gae`, none with the critic-free estimators (which refuse one)."""
+    """The critic GAE learns; `auto`: the default critic with `gae` (`kind: policy` where the reward has no reward-model term), none with the critic-free estimators (which refuse one)."""
     kl: KLConfig = KLConfig()
     """The KL to the reference: penalty, control, loss term."""
     missing_eos_score: float | None = -3.0
@@ -627,11 +627,11 @@ def _refuse_moved(data: Any, moved: dict[str, str], section: str) -> Any:
 
 def _default_critic(reward: Any) -> dict:
     """`critic: auto` under GAE: started from the reward model, or from the policy where the reward has no model term."""
-    terms = reward.terms if isinstance(reward, RewardTermsConfig) else (reward or {}).get("terms") if isinstance(reward, dict) else None
-    if terms is None:
-        return {}
-    without_model = all((t.function if isinstance(t, RewardTerm) else t.get("function")) for t in terms)
-    return {"kind": "policy"} if without_model else {}
+    try:
+        terms = reward if isinstance(reward, RewardTermsConfig) else RewardTermsConfig.model_validate(reward or {})
+    except ValidationError:
+        return {}  # the reward section's own error is the one reported
+    return {} if terms.uses_model else {"kind": "policy"}
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce++-baseline")
