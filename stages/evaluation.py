@@ -20,7 +20,7 @@ import torch
 
 from rlhf.config import EvaluationConfig, PPOConfig, SamplingConfig
 from rlhf.evaluation import win_rate
-from stages.ppo_math import is_end, kl_estimate
+from stages.ppo_math import is_end, kl_estimate, weighted_reward
 from stages.ppo_models import Models, reference_policy
 from stages.ppo_rollout import in_chunks, reference_sampler, rollout
 from stages.reporting import Reporting
@@ -47,8 +47,8 @@ class FunctionJudge:
     """Whether a reward model is one of the terms (it then scores, and judges the win rate)."""
 
     def weighted(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The function terms' weighted sum, "no reward" adding nothing. # -> (B,)"""
-        return sum(self.weights[name] * torch.nan_to_num(v, nan=0.0) for name, v in values.items())
+        """The terms' weighted sum where every term is a function, "no reward" adding nothing. # -> (B,)"""
+        return weighted_reward({name: torch.nan_to_num(v, nan=0.0) for name, v in values.items()}, self.weights)
 
 
 @dataclass(frozen=True)
