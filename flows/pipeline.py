@@ -264,9 +264,13 @@ def rlhf(
     except ConfigError as e:
         return refuse(str(e))
     ordered = [s for s in AVAILABLE_STAGES if s in stages]
-    if "reward" in ordered and "ppo" in ordered and not cfg.ppo.reward.uses_model:
-        logger.warning("the reward stage runs, but ppo.reward.terms has no reward-model term, so PPO will not use "
-                       "it; name stages [sft, ppo] to skip it")
+    if "ppo" in ordered and not cfg.ppo.reward.uses_model:
+        if "reward" in ordered:
+            logger.warning("the reward stage runs, but ppo.reward.terms has no reward-model term, so PPO will not "
+                           "use it; name stages [sft, ppo] to skip it")
+        if upstream.reward_run_id:
+            logger.warning("upstream.reward_run_id %s is ignored: ppo.reward.terms has no reward-model term",
+                           upstream.reward_run_id)
     set_determinism(cfg.deterministic, cfg.num_threads)
     world = build_demo_world(cfg.demo) if cfg.demo is not None else None
     too_long = context_problems(cfg, ordered, world)
