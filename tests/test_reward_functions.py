@@ -200,8 +200,10 @@ def test_on_two_processes_the_function_runs_on_the_main_process_for_every_respon
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     result = call_stage(train_ppo, cfg, inputs, tmp_path / "run", Reporting(), deterministic=True, num_threads=2)
     calls = [line.split() for line in (rules / "rules_where.calls").read_text().splitlines()]
-    assert len(calls) == cfg.num_iterations and len({pid for pid, _ in calls}) == 1
-    assert all(int(n) == cfg.rollout_batch_size for _, n in calls)
+    # each iteration's rollouts, then the final evaluation's policy and SFT responses (every held-out prompt once)
+    assert len(calls) == cfg.num_iterations + 2 and len({pid for pid, _ in calls}) == 1
+    held_out = len(trained["eval_prompts"]) * cfg.evaluation.samples_per_prompt
+    assert [int(n) for _, n in calls] == [cfg.rollout_batch_size] * cfg.num_iterations + [held_out] * 2
     assert all(row["rollout/reward/rule"] > 0 for row in result.history)
 
 
