@@ -541,7 +541,7 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
         reporting.warning(message)
     reporting.metrics(figures, iteration)
     # With reward functions each term is a column too (`reward/<name>`; NaN where a function gave none).
-    terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} if len(scores.terms) > 1 else {}
+    terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} if cfg.reward.functions else {}
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
                                      "score": scores.shown.cpu().numpy(), **terms,
                                      "kl": episodes.kl.sum(1).cpu().numpy()}), iteration)

@@ -231,10 +231,15 @@ def test_a_reward_of_functions_alone_takes_no_reward_model_and_gae_starts_its_cr
 def test_ppo_without_a_reward_model_trains_on_the_functions_and_evaluates_by_them(tiny_config, trained, tmp_path):
     from stages.ppo import PPOInputs, train_ppo
 
+    from stages.reporting import Reporting
+
     cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE, "advantage_estimator": "grpo",
-                                           "samples_per_prompt": 4, "num_iterations": 2, "evaluation.every": 1})
+                                           "samples_per_prompt": 4, "num_iterations": 2, "evaluation.every": 1,
+                                           "sample_every": 1})
+    samples = []
     result = train_ppo(cfg, PPOInputs(trained["sft"], None, trained["prompts"], trained["eval_prompts"]),
-                       tmp_path / "run")
+                       tmp_path / "run", Reporting(samples=lambda table, step: samples.append(table)))
+    assert len(samples) == 2 and all({"score", "reward/subject", "reward/length"} <= set(t.columns) for t in samples)
     for row in result.history:
         # the shown score is the weighted sum itself; no reward model, so no raw score
         assert row["rollout/score"] == pytest.approx(row["rollout/score_used"], abs=1e-6)
