@@ -442,12 +442,6 @@ class PPOConfig(TrainedStage, SampledStage):
     """The score: the reward model's, Python functions', or a weighted sum of both."""
     lora: PolicyLoRAConfig | None = None
     """Train LoRA adapters on the policy instead of all its weights (by default on every linear layer, the output head included); the reference is the policy with its adapters disabled, and the hand-off checkpoint has them merged."""
-
-    @field_validator("lora", mode="before")
-    @classmethod
-    def _lora_of_any_stage(cls, value: Any) -> Any:
-        """A `LoRAConfig` made for another stage is taken as its fields (the policy's own defaults for the rest)."""
-        return value.model_dump() if type(value) is LoRAConfig else value
     sampling: SamplingConfig = SamplingConfig()
     """How rollouts and evaluations sample."""
     old_logprobs: Literal["auto", "sampling", "recompute"] = "auto"
@@ -509,6 +503,12 @@ class PPOConfig(TrainedStage, SampledStage):
 
     DERIVED: ClassVar[dict[str, str]] = {"advantage_estimator": "critic", "reward": "critic"}
     """`auto` fields resolved from another, which `with_overrides` resolves again when that one changes."""
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_of_any_stage(cls, value: Any) -> Any:
+        """A `LoRAConfig` made for another stage is taken as its fields (the policy's own defaults for the rest)."""
+        return value.model_dump() if type(value) is LoRAConfig else value
 
     @model_validator(mode="before")
     @classmethod

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pandas as pd
 import torch
@@ -48,7 +48,7 @@ class FunctionJudge:
 
     def weighted(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
         """The terms' weighted sum where every term is a function, "no reward" adding nothing. # -> (B,)"""
-        return weighted_reward({name: torch.nan_to_num(v, nan=0.0) for name, v in values.items()}, self.weights)
+        return weighted_reward(values, self.weights, no_reward=values)
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class HeldOut:
     sft_texts: list[str]
     sft_complete: list[bool]
     """False where the SFT response was cut off at `sampling.response_length` without an end token."""
-    columns: list[dict] = field(default_factory=list)
+    columns: list[dict]
     """Each prompt's declared extra columns (PPO's `reward.columns`) by name, for the reward functions."""
 
     @classmethod

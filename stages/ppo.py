@@ -138,10 +138,8 @@ def scores_of(raw: torch.Tensor | None, has_eos: torch.Tensor, scorer: RewardSco
             model_term = model_term.clamp(-cfg.score_clip, cfg.score_clip)
         terms = {term.name: model_term for term in cfg.reward.terms if term.function is None}
     terms |= functions or {}
-    # a function's NaN is "no reward" (its answers are checked finite): 0 in the sum
-    summed = {name: values if name not in (functions or {}) else torch.nan_to_num(values, nan=0.0)
-              for name, values in terms.items()}
-    used = weighted_reward(summed, {term.name: term.weight for term in cfg.reward.terms})
+    # a function's NaN is "no reward" (its answers are checked finite)
+    used = weighted_reward(terms, {term.name: term.weight for term in cfg.reward.terms}, no_reward=functions or ())
     return Scores(raw, normalized, terms, used)
 
 

@@ -12,6 +12,7 @@ accumulated gradient does not depend on how the minibatch is split.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -110,11 +111,13 @@ def apply_eos_penalty(scores: torch.Tensor, has_eos: torch.Tensor, penalty_score
     return torch.where(has_eos, scores, torch.full_like(scores, penalty_score))
 
 
-def weighted_reward(terms: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
-    """The score a response is given: sum over terms of weight x value (a term that gives no reward
-    for a response has value 0 there; a NaN stays NaN, for the non-finite check to stop on).
-    # {name: (B,)} -> (B,)"""
-    return sum(weight * terms[name] for name, weight in weights.items())
+def weighted_reward(terms: dict[str, torch.Tensor], weights: dict[str, float],
+                    no_reward: Collection[str] = ()) -> torch.Tensor:
+    """The score a response is given: sum over terms of weight x value. In the terms named in
+    `no_reward` (the reward functions) NaN means "no reward" and adds nothing; any other NaN stays
+    NaN, for the non-finite check to stop on. # {name: (B,)} -> (B,)"""
+    return sum(weight * (torch.nan_to_num(terms[name], nan=0.0) if name in no_reward else terms[name])
+               for name, weight in weights.items())
 
 
 def token_rewards(scores: torch.Tensor, kl: torch.Tensor, beta: float, mask: torch.Tensor) -> torch.Tensor:

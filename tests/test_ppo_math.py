@@ -174,6 +174,11 @@ def test_the_score_is_the_weighted_sum_of_the_terms():
     assert weighted_reward({"reward_model": alone}, {"reward_model": 1.0}).equal(alone)
     # a NaN score stays NaN: the stage's non-finite check must see it
     assert weighted_reward({"reward_model": torch.tensor([float("nan")])}, {"reward_model": 1.0}).isnan().all()
+    # a function's NaN is "no reward": the same sum as its 0 above; the reward model's NaN still stays
+    terms["rule"] = torch.tensor([0.0, float("nan"), 2.0])
+    assert weighted_reward(terms, {"reward_model": 1.0, "rule": -0.5}, no_reward={"rule"}).tolist() == [1.0, -2.0, -0.5]
+    terms["reward_model"] = torch.tensor([float("nan"), -2.0, 0.5])
+    assert weighted_reward(terms, {"reward_model": 1.0, "rule": -0.5}, no_reward={"rule"})[0].isnan()
 
 
 def test_eos_penalty():
