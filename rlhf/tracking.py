@@ -43,6 +43,8 @@ TAG_GIT_COMMIT = "rlhf.git_commit"
 TAG_UPSTREAM = "rlhf.upstream."  # + stage name, e.g. rlhf.upstream.sft -> that stage's run id
 TAG_PREFECT_FLOW_RUN = "rlhf.prefect_flow_run_id"
 TAG_CACHE_KEY = "rlhf.cache_key"
+TAG_WORK_KEY = "rlhf.work_key"  # the cache key less the stack: finds the run a stack change made stale
+TAG_TREE = "rlhf.tree"  # clean, dirty (uncommitted changes: see rlhf.git_commit) or unknown (no git checkout)
 TAG_REUSED = "rlhf.reused."  # + stage name, on the pipeline run -> the reused stage run id
 TAG_ABANDONED_BY = "rlhf.abandoned_by"  # on a killed attempt's runs -> the stage run that took over its work
 TAG_WARNINGS = "rlhf.warnings"  # how many warnings a stage raised (their text is in the run's description)
@@ -52,6 +54,7 @@ TAG_REGISTERED_MODEL = "rlhf.registered_model"  # on a PPO or DPO run -> `<regis
 TAG_REWARD_FUNCTIONS = "rlhf.reward_functions"  # on a PPO run: its reward's function terms, weights and source digests
 TAG_NOTE = "mlflow.note.content"  # the run's description, shown on its overview page
 CHECKPOINT_PATH = "checkpoint"
+ENVIRONMENT_PATH = "environment.txt"  # on a stage run: every installed package, `name==version` (normalized names), sorted
 DATA_PATH = "data"
 
 
@@ -161,6 +164,11 @@ def code_version() -> tuple[str, str]:
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     return version, commit
+
+
+def tree_state(commit: str) -> str:
+    """`clean`, `dirty` or `unknown`, from `code_version()`'s commit."""
+    return "unknown" if commit == "unknown" else "dirty" if "+dirty." in commit else "clean"
 
 
 def start_pipeline_run(experiment_id: str, name: str, tags: dict[str, str], params: dict[str, str],

