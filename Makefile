@@ -74,6 +74,9 @@ screenshots:  ## after `make demo`, with the stack up: what the UIs show, into d
 test: install  ## run the whole test suite
 	$(PY) -m pytest
 
+golden: install  ## refresh tests/golden/smoke.json deliberately: the smoke pipeline's figures and digests on this stack and machine
+	RLHF_GOLDEN=refresh $(PY) -m pytest tests/test_reliability.py -k golden_record -s -q
+
 test-fast: install  ## the tests that start no other process (-m "not multiprocess"): the subset to iterate with
 	$(PY) -m pytest -m "not multiprocess"
 

@@ -4,10 +4,12 @@
     python -m bench.demo_histories compare before.json after.json
 
 `dump` reads the latest pipeline run in the experiment (as `rlhf summary` finds it) and writes,
-per stage, its config hash and every metric's full history (step -> value). Wall-clock and memory
+per stage, its config hash, its checkpoint's and data's digests, the stack it ran on
+(`rlhf.stack.*` tags) and every metric's full history (step -> value). Wall-clock and memory
 figures (`time/`, `memory/`, and the trainers' runtime and throughput figures) differ from run to
-run on the same work, so they are left out. `compare` lists every metric whose history differs,
-and exits 1 if any does.
+run on the same work, so they are left out. `compare` lists every metric whose history differs
+and every digest that differs, and exits 1 if any does. `tests/golden/demo.json` is such a dump of
+the demo on the locked stack (README, "Reproducibility").
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ MACHINE_FIGURES = ("time/", "memory/", "train/runtime", "train/samples_per_secon
 def dump(experiment_name: str) -> dict:
     from mlflow.tracking import MlflowClient
 
-    from rlhf import tracking
+    from rlhf import stack, tracking
 
     client = MlflowClient()
     experiment = client.get_experiment_by_name(experiment_name)
@@ -42,8 +44,12 @@ def dump(experiment_name: str) -> dict:
         stage = run.data.tags.get(tracking.TAG_STAGE, run.info.run_name)
         histories = {key: {str(m.step): m.value for m in client.get_metric_history(run.info.run_id, key)}
                      for key in sorted(run.data.metrics) if not key.startswith(MACHINE_FIGURES)}
+        tags = run.data.tags
         stages[stage] = {"run_id": run.info.run_id, "status": run.info.status,
-                         "config_hash": run.data.tags.get(tracking.TAG_CONFIG_HASH), "metrics": histories}
+                         "config_hash": tags.get(tracking.TAG_CONFIG_HASH), "metrics": histories,
+                         "checkpoint_digest": tags.get(tracking.TAG_CHECKPOINT_DIGEST),
+                         "data_digest": tags.get(tracking.TAG_DATA_DIGEST),
+                         "stack": {k.removeprefix(stack.TAG): v for k, v in tags.items() if k.startswith(stack.TAG)}}
     return {"pipeline_run_id": parent.info.run_id, "status": parent.info.status, "stages": stages}
 
 
@@ -53,6 +59,10 @@ def differences(before: dict, after: dict) -> list[str]:
         if stage not in before["stages"] or stage not in after["stages"]:
             found.append(f"{stage}: only in {'after' if stage not in before['stages'] else 'before'}")
             continue
+        for digest in ("checkpoint_digest", "data_digest"):  # records dumped before they were kept have neither
+            old, new = before["stages"][stage].get(digest), after["stages"][stage].get(digest)
+            if old and new and old != new:
+                found.append(f"{stage} {digest}: {old} -> {new}")
         old, new = before["stages"][stage]["metrics"], after["stages"][stage]["metrics"]
         for key in sorted(set(old) | set(new)):
             if old.get(key) != new.get(key):

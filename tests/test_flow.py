@@ -380,6 +380,60 @@ def test_unchanged_rerun_reuses_every_stage_and_changing_ppo_reruns_only_ppo(tra
     assert tags[tracking.TAG_CACHE_KEY] != MlflowClient().get_run(first[2].run_id).data.tags[tracking.TAG_CACHE_KEY]
 
 
+def test_a_changed_package_reruns_every_stage_saying_which_and_restoring_it_reuses_the_cache(
+        tracking_store, monkeypatch):
+    import dataclasses
+    import logging
+
+    from flows.lineage import stack_changes
+    from flows.pipeline import rlhf
+    from rlhf import stack
+
+    own = {"experiment": "rlhf-stack"}
+    first = rlhf(config_file="configs/tiny.yaml", overrides=own)
+    tags = MlflowClient().get_run(first[0].run_id).data.tags
+    here = stack.current()
+    assert {k: v for k, v in tags.items() if k.startswith(stack.TAG)} == here.tags()
+    assert tags[tracking.TAG_TREE] in ("clean", "dirty") and tags[tracking.TAG_WORK_KEY]
+    environment = Path(MlflowClient().download_artifacts(first[0].run_id, tracking.ENVIRONMENT_PATH)).read_text()
+    assert f"transformers=={here.versions['transformers']}\n" in environment
+
+    # transformers moved by hand: every stage reruns, saying which package moved and since which run
+    moved = dataclasses.replace(here, versions=here.versions | {"transformers": "5.23.0"},
+                                differences=here.differences + ("transformers 5.23.0 (lock: 5.24.0)",))
+    monkeypatch.setattr(stack, "current", lambda: moved)
+    assert stack_changes("sft", _tiny(), MlflowClient().get_run(first[0].run_id)).endswith(
+        f"transformers {here.versions['transformers']} -> 5.23.0")
+    flow_log, heard = logging.getLogger("prefect.flow_runs"), []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: heard.append(record.getMessage())
+    flow_log.addHandler(handler)
+    try:
+        changed = rlhf(config_file="configs/tiny.yaml", overrides=own)
+    finally:
+        flow_log.removeHandler(handler)
+    assert [r.reused for r in changed] == [False, False, False]
+    said = [line for line in heard if "stack changed" in line]
+    # SFT says what moved; reward and PPO rerun because they start from the new SFT run
+    assert len(said) == 1 and said[0].startswith(f"sft: stack changed since finished run {first[0].run_id} ("), said
+    assert f"transformers {here.versions['transformers']} -> 5.23.0" in said[0]
+    assert MlflowClient().get_run(changed[1].run_id).data.tags[tracking.TAG_UPSTREAM + "sft"] == changed[0].run_id
+    tags = MlflowClient().get_run(changed[0].run_id).data.tags
+    assert tags["rlhf.stack.transformers"] == "5.23.0" and tags["rlhf.stack.locked"].startswith("false: ")
+
+    # put back: the first runs are reused again
+    monkeypatch.undo()
+    again = rlhf(config_file="configs/tiny.yaml", overrides=own)
+    assert [r.reused for r in again] == [True, True, True]
+    assert [r.run_id for r in again] == [r.run_id for r in first]
+
+
+def _tiny():
+    from rlhf.config import load_config
+
+    return load_config("configs/tiny.yaml", {"experiment": "rlhf-stack"})
+
+
 def test_cache_key_follows_data_content_not_just_its_name(tmp_path, tiny_config, world):
     from flows.lineage import cache_key
 

@@ -93,3 +93,55 @@ def test_ppo_killed_with_sigkill_resumes_and_ends_as_an_uninterrupted_run(first_
     assert _results(resumed["ppo"]["metrics"]) == _results(first_run["ppo"]["metrics"])
     assert resumed["ppo"]["checkpoint_digest"] == first_run["ppo"]["checkpoint_digest"]
     assert not list((home / "work").glob("ppo-*/state"))  # the work folder goes once the stage succeeded
+
+
+GOLDEN = REPO / "tests" / "golden" / "smoke.json"
+REFRESH = "make golden"
+
+
+def _golden(records: dict) -> dict:
+    """What the smoke pipeline produced, and what it computed with: the golden record's shape."""
+    from rlhf import stack
+
+    here = stack.current()
+    return {"made_by": f"`{REFRESH}` (tests/test_reliability.py); README, 'Reproducibility'",
+            "machine": here.machine, "stack": here.key(), "lock": here.lock_digest,
+            "stages": {stage: {"checkpoint_digest": r["checkpoint_digest"], "data_digest": r["data_digest"],
+                               "metrics": _results(r["metrics"])} for stage, r in sorted(records.items())}}
+
+
+def _figure_differences(golden: dict, now: dict) -> list[str]:
+    found = []
+    for stage in sorted(set(golden["stages"]) | set(now["stages"])):
+        old, new = golden["stages"].get(stage, {}), now["stages"].get(stage, {})
+        for digest in ("checkpoint_digest", "data_digest"):
+            if old.get(digest) != new.get(digest):
+                found.append(f"{stage} {digest}: {old.get(digest)} -> {new.get(digest)}")
+        for name in sorted(set(old.get("metrics", {})) | set(new.get("metrics", {}))):
+            before, after = old.get("metrics", {}).get(name), new.get("metrics", {}).get(name)
+            if before != after:
+                found.append(f"{stage} {name}: {before!r} -> {after!r}")
+    return found
+
+
+def test_the_smoke_pipeline_matches_its_golden_record(first_run):
+    from rlhf import stack
+
+    now = _golden(first_run)
+    if os.environ.get("RLHF_GOLDEN") == "refresh":  # `make golden`: a deliberate new record
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {GOLDEN.relative_to(REPO)}: commit it with the change that moved the figures")
+        return
+    golden = json.loads(GOLDEN.read_text())
+    if golden["machine"] != now["machine"]:
+        pytest.skip(f"the golden record was made on {golden['machine']!r}, this machine is {now['machine']!r}: results "
+                    f"are bit-identical only on one machine type; `{REFRESH}` here records this one")
+    differences = _figure_differences(golden, now)
+    moved = stack.changes(golden["stack"], now["stack"])
+    assert not differences, (
+        f"the smoke pipeline's figures differ from {GOLDEN.relative_to(REPO)} ({len(differences)} differences):\n  "
+        + "\n  ".join(differences[:40])
+        + (f"\nthe stack moved since the record: {'; '.join(moved)}" if moved else
+           "\nthe stack is the record's: a change of code or config moved them")
+        + f"\nif the change is meant to move them, refresh the record deliberately with `{REFRESH}` and commit it")
