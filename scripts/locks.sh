@@ -55,12 +55,16 @@ compile() {  # every lock from its inputs; the command that made each is in its 
 sync() {  # VENV holds exactly LOCK (and EDITABLE, a project folder) afterwards; a difference is named before it is fixed
     local venv="$1" lock="$2" editable="${3:-}"
     uv_bootstrap
-    test -x "$venv/bin/python" || python3.11 -m venv "$venv" || python3 -m venv "$venv"
+    local new=""
+    if ! test -x "$venv/bin/python"; then
+        python3.11 -m venv "$venv" || python3 -m venv "$venv"
+        new=yes
+    fi
     local flags=(--python "$venv/bin/python" --require-hashes "${FIND_LINKS[@]}")
     # What sync would change, less the project's own editable install (not in the lock: re-added below).
     local plan
     plan=$("$UV" pip sync "${flags[@]}" --dry-run "$lock" 2>&1 | grep -E '^ [-+] ' | grep -v ' rlhf-pipeline==' || true)
-    if [ -n "$plan" ] && [ -n "$(ls "$venv"/lib/python*/site-packages/*.dist-info -d 2>/dev/null | grep -v '/pip-')" ]; then
+    if [ -n "$plan" ] && [ -z "$new" ]; then
         echo "$venv differs from $lock; installing exactly the lock (- what was there, + what the lock names):" >&2
         echo "$plan" >&2
     fi

