@@ -8,8 +8,9 @@ PY := $(VENV)/bin/python
 # Every environment is installed exactly from its lock (locks/, scripts/locks.sh): a package that
 # differs from the lock is named and put back, one the lock does not name is removed. Syncing an
 # environment that already matches takes a few seconds, so every target that runs the project syncs.
-install:  ## create .venv if missing and make it hold exactly locks/project.txt, plus the project (editable)
-	scripts/locks.sh sync $(VENV) locks/project.txt .
+LOCK ?= locks/project.txt
+install:  ## create .venv if missing and make it hold exactly $(LOCK) (locks/project.txt), plus the project (editable)
+	scripts/locks.sh sync $(VENV) $(LOCK) .
 
 lock:  ## regenerate every lock (locks/*.txt) from pyproject.toml, constraints.txt and the other inputs
 	scripts/locks.sh compile

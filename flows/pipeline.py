@@ -303,7 +303,7 @@ def warn_if_unlocked(logger) -> None:
     if not stack.current().locked:
         logger.warning("this environment is not %s (%s): its stage runs are tagged rlhf.stack.locked false and "
                        "are never reused by runs from the locked environment; `make install` restores the lock",
-                       stack.LOCK.relative_to(stack.REPO_ROOT), "; ".join(stack.current().differences[:8]) or "no lock file")
+                       stack.environment_lock(), "; ".join(stack.current().differences[:8]) or "no lock file")
 
 
 def warn_if_stale(logger, stage: StageName, cfg: PipelineConfig, work: str) -> None:

@@ -24,6 +24,9 @@ from rlhf.config import REPO_ROOT
 
 LOCK = REPO_ROOT / "locks" / "project.txt"
 """The project environment's lock (`make lock` writes it, `make install` installs exactly it)."""
+SYNCED_FROM = Path(sys.prefix) / "rlhf-lock"
+"""Where `scripts/locks.sh sync` writes which lock it installed into this environment (`make install
+LOCK=...` installs another, e.g. one with torch's CUDA build): that lock is the one compared."""
 
 COMPUTE_PACKAGES = ("torch", "transformers", "tokenizers", "trl", "accelerate", "peft", "datasets", "safetensors",
                     "numpy")
@@ -143,20 +146,28 @@ class Stack:
                 | {TAG + "lock": self.lock_digest, TAG + "locked": locked[:500], TAG + "machine": self.machine})
 
 
+def environment_lock() -> Path:
+    """The lock this environment was installed from (`SYNCED_FROM`), else the project's."""
+    if SYNCED_FROM.exists():
+        return Path(SYNCED_FROM.read_text().strip())
+    return LOCK
+
+
 @lru_cache(maxsize=1)
 def current() -> Stack:
     """This process's stack, read once: a run computes with what it imported at start."""
     have = installed()
     versions = {"python": platform.python_version()} | {name: have.get(name, "absent") for name in COMPUTE_PACKAGES}
-    if LOCK.exists():
-        return Stack(versions, file_digest(LOCK), tuple(lock_differences(read_lock(LOCK), have)), machine())
+    lock = environment_lock()
+    if lock.exists():
+        return Stack(versions, file_digest(lock), tuple(lock_differences(read_lock(lock), have)), machine())
     return Stack(versions, "none", (), machine())
 
 
 def main(argv: list[str]) -> int:
     """`python -m rlhf.stack [LOCK]`: how this interpreter's packages differ from LOCK (default the
-    project's); exit 1 when they differ."""
-    lock = Path(argv[0]) if argv else LOCK
+    one it was installed from); exit 1 when they differ."""
+    lock = Path(argv[0]) if argv else environment_lock()
     differences = lock_differences(read_lock(lock), installed())
     for line in differences:
         print(line)

@@ -69,6 +69,7 @@ sync() {  # VENV holds exactly LOCK (and EDITABLE, a project folder) afterwards;
         echo "$plan" >&2
     fi
     "$UV" pip sync "${flags[@]}" --quiet "$lock"
+    realpath "$lock" > "$venv/rlhf-lock"  # which lock this environment holds (rlhf.stack reads it)
     if [ -n "$editable" ]; then  # built with the locked setuptools, not a fresh download
         "$UV" pip install --python "$venv/bin/python" --no-deps --no-build-isolation --quiet -e "$editable"
     fi
