@@ -81,14 +81,20 @@ def cache_key(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict
     the code version, the upstream runs it starts from, the pipeline's determinism settings, and the
     stack it computes with (`rlhf.stack`: the compute packages' versions, whether the environment
     is its lock)."""
-    parts = _work(stage, cfg, world, upstream) | {"stack": stack.current().key(stage_vllm(stage, cfg))}
+    return stage_keys(stage, cfg, world, upstream)[0]
+
+
+def stage_keys(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str]) -> tuple[str, str]:
+    """(`cache_key`, work key): the work key is the cache key without the stack, the same work under
+    any stack. A finished run with this work key but another cache key is one a stack change made
+    stale (`stack_changes` says what moved). The inputs are read and digested once for both."""
+    work = _work(stage, cfg, world, upstream)
+    with_stack = work | {"stack": stack.current().key(stage_vllm(stage, cfg))}
+    return _digest(with_stack), _digest(work)
+
+
+def _digest(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-
-
-def work_key(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str]) -> str:
-    """`cache_key` without the stack: the same work under any stack. A finished run with this key
-    but another cache key is one a stack change made stale (`stack_changes` says what moved)."""
-    return hashlib.sha256(json.dumps(_work(stage, cfg, world, upstream), sort_keys=True).encode()).hexdigest()
 
 
 def _work(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str]) -> dict:

@@ -26,8 +26,8 @@ from pydantic import BaseModel, Field
 from flows.form import DPOForm, PPOForm, RewardForm, SFTForm, form_overrides
 from flows.inputs import (context_problems, input_problems, is_demo, logged_prompts, memory_plan, memory_problems,
                           train_and_eval_data)
-from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, ExperimentRuns, StageRecord, cache_key, reused_record,
-                           stack_changes, upstream_runs, work_key)
+from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, ExperimentRuns, StageRecord, reused_record, stack_changes,
+                           stage_keys, upstream_runs)
 from flows.reports import (GoldJudgments, evaluation_report, log_overhead, pipeline_note, pipeline_summary, ppo_report,
                            reward_report, reward_terms_note)
 from flows.stage_runs import StageContext, StageJob, StageRun, refuse, run_stage, stage_memory
@@ -347,7 +347,7 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request,
         upstream_ids = resolved.run_ids
         if resolved.chosen:
             logger.info("%s starts from %s", name, resolved.describe())
-        key, work = cache_key(name, cfg, world, upstream_ids), work_key(name, cfg, world, upstream_ids)
+        key, work = stage_keys(name, cfg, world, upstream_ids)
         cached = tracking.latest_finished_run(cfg.experiment, name, key) if request.use_cache else None
         if cached is not None:
             MlflowClient().set_tag(parent_run_id, tracking.TAG_REUSED + name, cached.info.run_id)

@@ -74,7 +74,7 @@ class StageContext:
     cache_key: str
     """Identity of the stage's work: see `flows.lineage.cache_key`."""
     work_key: str
-    """The same without the stack: see `flows.lineage.work_key`."""
+    """The same without the stack: see `flows.lineage.stage_keys`."""
     label: str
     """The Prefect flow run's name (`super-earwig`): every MLflow run of this pipeline run carries it."""
     flow_run_url: str | None
