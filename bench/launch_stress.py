@@ -12,10 +12,10 @@ kill-and-resume pair (a run killed after its first checkpoint, then resumed); a 
 
 Each run ends as one of:
 - `clean`: every process exited 0 and the stage returned its result;
-- `abort after done`: every rank had recorded its work done (`stages.distributed.DONE`) and one
+- `abort after done`: every rank had recorded its work done (`stages.launch.local.DONE`) and one
   then died in teardown: the stage returned its result with a warning naming the rank and the log;
 - `abort in teardown`: the job was reported failed although rank 0 had written its result, and a
-  process aborted with "terminate called ..." (what `stages.distributed` did before ranks recorded
+  process aborted with "terminate called ..." (what `stages.launch.local` did before ranks recorded
   "done": the failure issue #38 is about);
 - `failed in the work`: any other failure (the error is kept).
 The killed leg of the kill-and-resume pair counts as `clean` when it ends by the kill after its
@@ -47,7 +47,7 @@ def _upstream(root: Path):
     """The tiny world, its datasets, and SFT and reward checkpoints trained as the tests' `trained` fixture trains them."""
     from rlhf.config import load_config
     from rlhf.demo_world import build_world
-    from stages.models import load_tokenizer
+    from stages.runtime.models import load_tokenizer
     from tests.helpers import train_upstream, world_frames
 
     cfg = load_config(REPO / "configs/tiny.yaml")
@@ -57,7 +57,7 @@ def _upstream(root: Path):
 
 
 def _outcome(call: Callable[[list[str]], object], folder: Path) -> str:
-    from stages.distributed import LaunchError
+    from stages.launch.job import LaunchError
 
     warnings: list[str] = []
     try:
@@ -73,11 +73,13 @@ def _outcome(call: Callable[[list[str]], object], folder: Path) -> str:
 
 
 def jobs(root: Path) -> dict[str, Job]:
-    from rlhf.config import LaunchConfig, with_overrides
-    from stages.distributed import LaunchError, call_stage
+    from rlhf.config import with_overrides
+    from rlhf.config_common import LaunchConfig
+    from stages.launch.call import call_stage
+    from stages.launch.job import LaunchError
     from stages.dpo import DPOInputs, train_dpo
     from stages.ppo import PPOInputs, train_ppo
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
     from stages.reward import RewardInputs, train_reward
     from stages.sft import SFTInputs, train_sft
     from tests.stand_in_stages import KilledAfterFirstCheckpoint, ppo_killed_after_first_checkpoint

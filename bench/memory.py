@@ -8,7 +8,7 @@ of three sizes built from config, on this machine's CPU.
    reward model's start alike.
 2. Each (size, stage, full or LoRA) runs in a fresh process, as the flow calls a stage
    (`call_stage`, one process, float32), on the tiny demo world's data with `WORK`'s settings.
-3. In that process, two measures against the plan (`stages.memory.plan` for the same config):
+3. In that process, two measures against the plan (`stages.memory.plan.plan` for the same config):
    - *model-and-optimizer state*: after the first optimizer step, the bytes of every model's
      parameters, the trained parameters' gradients (held from backward to the step) and AdamW's
      state, counted from the tensors; against the plan's `state_bytes`. Goal: within 25%.
@@ -70,7 +70,7 @@ def state_bytes(modules, optimizer, trained) -> int:
 def _record_state(held: dict) -> None:
     """Patch the stages so the first optimizer step records the state bytes into `held`."""
     import stages.ppo
-    import stages.training
+    import stages.runtime.training
 
     real_update = stages.ppo.ppo_update
 
@@ -82,7 +82,7 @@ def _record_state(held: dict) -> None:
                                          trainer.optimizer, models.trainable())
         return figures
 
-    real_step_end = stages.training.ForwardLogs.on_step_end
+    real_step_end = stages.runtime.training.ForwardLogs.on_step_end
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         if not held and model is not None and optimizer is not None:
@@ -91,7 +91,7 @@ def _record_state(held: dict) -> None:
         return real_step_end(self, args, state, control, model=model, optimizer=optimizer, **kwargs)
 
     stages.ppo.ppo_update = ppo_update
-    stages.training.ForwardLogs.on_step_end = on_step_end
+    stages.runtime.training.ForwardLogs.on_step_end = on_step_end
 
 
 def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, work: Path, processes: int = 1) -> dict:
@@ -105,11 +105,14 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
 
     from rlhf.config import load_config, with_overrides
     from schemas.validate import LengthBudget, load_validated
-    from stages.distributed import call_stage
-    from stages.memory import FSDP_CONFIG, GIB, RUNTIME_GIB, Counts, Device, model_shape, plan
-    from stages.models import load_tokenizer
+    from stages.launch.call import call_stage
+    from stages.memory.phases import Counts
+    from stages.memory.plan import FSDP_CONFIG, plan
+    from stages.memory.phases import Device
+    from stages.memory.shapes import GIB, RUNTIME_GIB, model_shape
+    from stages.runtime.models import load_tokenizer
     from stages.ppo import PPOInputs, train_ppo
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
     from stages.reward import RewardInputs, train_reward
     from stages.sft import SFTInputs, train_sft
 

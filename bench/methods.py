@@ -117,10 +117,10 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
     from rlhf.config import load_config, with_overrides
     from rlhf.demo_world import build_world, judge_evaluation
     from schemas.validate import LengthBudget, load_validated
-    from stages.models import load_tokenizer, set_determinism
+    from stages.runtime.models import load_tokenizer, set_determinism
     from stages.dpo import DPOInputs, train_dpo
     from stages.ppo import PPOInputs, train_ppo
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
 
     from bench.quality import UPSTREAM_METRICS, train_upstream
     from bench.scale import held_bytes

@@ -66,8 +66,8 @@ def build_assets(config_file: str, overrides: dict, shape: ModelShape, root: Pat
     from rlhf.demo_locations import resolve_location
     from rlhf.demo_world import build_world
     from schemas.validate import LengthBudget, load_validated
-    from stages.models import load_tokenizer, save_checkpoint
-    from stages.reward import load_reward_model
+    from stages.runtime.models import load_tokenizer, save_checkpoint
+    from stages.rl.scoring import load_reward_model
 
     cfg = load_config(config_file, overrides)
     ppo = cfg.ppo
@@ -145,9 +145,9 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
 
     import stages.ppo
     from rlhf.config import load_config
-    from stages.models import set_determinism
+    from stages.runtime.models import set_determinism
     from stages.ppo import PPOInputs, train_ppo
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
 
     counted, real_update = {}, stages.ppo.ppo_update
 

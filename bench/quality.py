@@ -10,7 +10,7 @@ the demo world, from identical checkpoints, prompts and work per iteration.
    configurations (`CANDIDATES`: the default, and cheaper or faster ones) runs it with the
    candidate's settings on top (`kl.target` off, so beta stays fixed).
 3. Every run is judged every `--eval-every` iterations and at the end by one evaluation:
-   `stages.evaluation.evaluate` against the SFT reference on the held-out prompts, its SFT baseline sampled
+   `stages.rl.evaluation.evaluate` against the SFT reference on the held-out prompts, its SFT baseline sampled
    with common random numbers (the same responses for every run and every point), then the demo
    world's gold function: gold reward, gold win rate against SFT, KL to SFT per sequence. Ours
    evaluates in the run (`ppo.evaluation.every`, training's random stream untouched); TRL's policy is
@@ -60,7 +60,7 @@ DIFFERENCES = [
 def train_upstream(cfg, world: Path, state: Path) -> tuple[Path, Path]:
     """SFT and reward checkpoints from the config's sections, trained once and kept."""
     from schemas.validate import LengthBudget, load_validated
-    from stages.models import load_tokenizer
+    from stages.runtime.models import load_tokenizer
     from stages.reward import RewardInputs, train_reward
     from stages.sft import SFTInputs, train_sft
 
@@ -91,7 +91,7 @@ def scaled_reward_model(reward_folder: Path, state: Path) -> Path:
     """The reward model with its score head multiplied by the stored normalisation gain, for TRL."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from stages.reward import NORMALIZATION_KEY
+    from stages.rl.scoring import NORMALIZATION_KEY
 
     folder = state / "reward-scaled"
     if not (folder / "config.json").exists():
@@ -103,14 +103,14 @@ def scaled_reward_model(reward_folder: Path, state: Path) -> Path:
 
 
 class Judge:
-    """The one evaluation TRL's policies get, ours's in the run: `stages.evaluation.evaluate` against the SFT
+    """The one evaluation TRL's policies get, ours's in the run: `stages.rl.evaluation.evaluate` against the SFT
     responses to the held-out prompts (common random numbers), sampled once here."""
 
     def __init__(self, sft_folder: Path, reward_folder: Path, eval_prompts, ppo_cfg):
         import torch
 
-        from stages.evaluation import HeldOut
-        from stages.ppo_models import load_models
+        from stages.rl.evaluation import HeldOut
+        from stages.rl.ppo_models import load_models
 
         self.cfg = ppo_cfg
         self.models = load_models(ppo_cfg, str(sft_folder), str(reward_folder))
@@ -121,8 +121,8 @@ class Judge:
         """The evaluation table of the policy saved in `policy_folder`."""
         from safetensors.torch import load_file
 
-        from stages.evaluation import evaluate
-        from stages.ppo_rollout import policy_sampler
+        from stages.rl.evaluation import evaluate
+        from stages.rl.ppo_rollout import policy_sampler
 
         weights = load_file(str(policy_folder / "model.safetensors"))
         missing, unexpected = self.models.policy.load_state_dict({k: v.float() for k, v in weights.items()},
@@ -187,7 +187,7 @@ def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_promp
     proxy score, gold reward and KL of every iteration's rollouts (the over-optimisation curve)."""
     from rlhf.demo_world import mean_gold_reward
     from stages.ppo import PPOInputs, train_ppo
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
 
     shutil.rmtree(out, ignore_errors=True)  # a finished run's state there would be resumed, whatever its config
     gold, evaluations = {}, {}
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf.config import load_config
     from rlhf.demo_world import build_world
     from schemas.validate import LengthBudget, load_validated
-    from stages.models import load_tokenizer, set_determinism
+    from stages.runtime.models import load_tokenizer, set_determinism
 
     overrides = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
     cfg = load_config(args.config, overrides)

@@ -45,11 +45,11 @@ def sampling_rows(model: str, name: str, prompts: list[str], new_tokens: int, re
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlhf.config import VLLMConfig
-    from stages.models import load_tokenizer, stop_token_ids
-    from stages.ppo_math import response_mask
-    from stages.rollout import HFSampler, Sampling
-    from stages.vllm_rollout import VLLMSampler
+    from rlhf.config_common import VLLMConfig
+    from stages.runtime.models import load_tokenizer, stop_token_ids
+    from stages.common.tensors import response_mask
+    from stages.engines.sampler import HFSampler, Sampling
+    from stages.engines.vllm_server import VLLMSampler
 
     tokenizer = load_tokenizer(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
@@ -89,7 +89,7 @@ def ppo_row(engine: str, checkpoint: str, world: Path, work: Path, response_leng
 
     from rlhf.config import load_config, with_overrides
     from schemas.validate import LengthBudget, load_validated
-    from stages.models import load_tokenizer
+    from stages.runtime.models import load_tokenizer
     from stages.ppo import PPOInputs, train_ppo
 
     cfg = with_overrides(load_config("configs/tiny.yaml").ppo, WORK | {"rollout_engine": engine,
@@ -130,7 +130,7 @@ def main() -> None:
     world = args.state / "world"
     if args.sampling:
         from schemas.validate import LengthBudget, load_validated
-        from stages.models import load_tokenizer
+        from stages.runtime.models import load_tokenizer
 
         frame = load_validated(str(world / "prompts.jsonl"), "prompt", tokenizer=load_tokenizer(args.sampling[0]),
                                budget=LengthBudget(64, 64 + args.new_tokens)).frame

@@ -98,7 +98,7 @@ def measured_ppo(cfg, inputs: Measured, output_dir: Path, reporting):
     from accelerate import PartialState
 
     import stages.ppo
-    from stages.holding import Sharded, decoder_layers
+    from stages.runtime.holding import Sharded, decoder_layers
 
     real_update = stages.ppo.ppo_update
 
@@ -132,7 +132,7 @@ def build_checkpoint(world: Path, folder: Path, hidden: int, layers: int) -> str
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.models import load_tokenizer, save_checkpoint
+    from stages.runtime.models import load_tokenizer, save_checkpoint
 
     tokenizer = load_tokenizer(str(world / "model"))
     torch.manual_seed(0)
@@ -149,10 +149,10 @@ def run_engine(name: str, checkpoint: str, world: Path, work: Path) -> dict:
     """One engine's PPO run in this process (one process) or its launch (two); its row."""
     from rlhf.config import load_config, with_overrides
     from schemas.validate import LengthBudget, load_validated
-    from stages.distributed import call_stage
-    from stages.models import load_tokenizer
+    from stages.launch.call import call_stage
+    from stages.runtime.models import load_tokenizer
     from stages.ppo import PPOInputs
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
 
     # By their importable name: the launched processes unpickle the call, and `python -m` runs this as __main__.
     from bench.scale import Measured, measured_ppo

@@ -15,7 +15,9 @@ from typing import Annotated, Any, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from rlhf.config import DataSource, DPOConfig, PPOConfig, RewardConfig, SFTConfig
+from rlhf.config import DPOConfig, RewardConfig, SFTConfig
+from rlhf.config_common import DataSource
+from rlhf.config_ppo import PPOConfig
 
 
 class StageForm(BaseModel):

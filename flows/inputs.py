@@ -14,14 +14,17 @@ import mlflow
 
 from flows.lineage import Fingerprint
 from rlhf import tracking
-from rlhf.config import DataSource, PipelineConfig, TrainingConfig
+from rlhf.config import PipelineConfig
+from rlhf.config_common import DataSource, TrainingConfig
 from rlhf.demo_locations import DEMO_SCHEME, resolve_location
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
-from stages.errors import ChatTemplateError
-from stages.memory import Counts, Device, Plan, model_shapes, plan, this_device
-from stages.models import load_tokenizer, tokenizer_digest
-from stages.reward_functions import RewardFunctionError, load_reward_functions
+from stages.common.errors import ChatTemplateError
+from stages.memory.phases import Counts
+from stages.memory.plan import Plan, model_shapes, plan
+from stages.memory.phases import Device, this_device
+from stages.runtime.models import load_tokenizer, tokenizer_digest
+from stages.rl.reward_functions import RewardFunctionError, load_reward_functions
 
 
 def length_budget(cfg: PipelineConfig, stage: str) -> LengthBudget:
@@ -222,7 +225,7 @@ def data_counts(cfg: PipelineConfig, world: str | None) -> Counts:
 def memory_plan(cfg: PipelineConfig, stages: list[str], world: str | None, device: Device | None = None,
                 processes: int | None = None) -> Plan:
     """The memory plan of `stages` on `device` (default: the one the stages will use), from the
-    models' configs alone (`stages.memory`)."""
+    models' configs alone (`stages.memory.plan`)."""
     shapes = model_shapes(cfg, lambda location: resolve_location(location, world))
     return plan(cfg, stages, shapes, device or this_device(), data_counts(cfg, world), processes)
 

@@ -17,10 +17,11 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from rlhf import stack, tracking
-from rlhf.config import DataSource, PipelineConfig, StageName, config_hash, vllm_python
+from rlhf.config import PipelineConfig, config_hash
+from rlhf.config_common import DataSource, StageName, vllm_python
 from rlhf.demo_locations import resolve_location
-from stages.models import folder_digest
-from stages.reward_functions import source_digests
+from stages.runtime.models import folder_digest
+from stages.rl.reward_functions import source_digests
 
 AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo", "dpo")
 """Stages in pipeline order; `dpo` is the alternative to reward + PPO (`stages: [sft, dpo]`)."""

@@ -32,11 +32,12 @@ from flows.reports import (GoldJudgments, evaluation_report, log_overhead, pipel
                            reward_report, reward_terms_note)
 from flows.stage_runs import StageContext, StageJob, StageRun, refuse, run_stage, stage_memory
 from rlhf import stack, tracking
-from rlhf.config import ConfigError, PipelineConfig, StageName, config_hash, flatten, load_config
+from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
+from rlhf.config_common import StageName
 from rlhf.demo_locations import DemoWorldConfig, resolve_location
 from rlhf.demo_world import build_world
-from stages.memory import Plan
-from stages.models import load_tokenizer, set_determinism
+from stages.memory.plan import Plan
+from stages.runtime.models import load_tokenizer, set_determinism
 
 
 class UpstreamRuns(BaseModel):
@@ -138,7 +139,7 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
     Python functions alone), fetched through MLflow; the policy registered (as an MLflow
     transformers model) unless the config says not to."""
     from stages.ppo import PPOInputs, train_ppo
-    from stages.reward_functions import source_digests
+    from stages.rl.reward_functions import source_digests
 
     section = ctx.config.ppo
 

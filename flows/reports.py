@@ -8,7 +8,6 @@ import time
 from datetime import datetime, timezone
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import mlflow
 import pandas as pd
@@ -20,14 +19,9 @@ from prefect.context import get_run_context
 
 from flows.lineage import StageRecord
 from rlhf import tracking
-from rlhf.config import RewardTermsConfig, StageName, config_hash
+from rlhf.config_ppo import RewardTermsConfig
 from rlhf.demo_world import gold_accuracy, judge_evaluation, last_user_turns, mean_gold_reward
 from schemas.adapters import last_user_message
-from schemas.validate import ValidatedData
-from stages.models import folder_digest
-
-if TYPE_CHECKING:  # the stage task wrapper, which calls `finish`
-    from flows.stage_runs import StageContext, StageRun
 
 STAGE_SECONDS = "time/stage_seconds"
 """Metric: wall time of the stage's own work (training, evaluation, samples), without the wiring around it."""
@@ -46,38 +40,15 @@ def headline(stage: str, metrics: dict[str, float]) -> str:
     return ", ".join(f"{key.removeprefix('eval/')} {metrics[key]:.4g}" for key in HEADLINES[stage] if key in metrics)
 
 
-def finish(stage: StageName, run: StageRun, ctx: StageContext, data: ValidatedData, metrics: dict[str, float],
-           checkpoint: Path, samples: list[dict[str, str]]) -> StageRecord:
-    """Log final metrics (at the last step or iteration) and the checkpoint inside the active run,
-    describe the run (its note: headline figures, the upstream runs it started from and why, its
-    warnings, its links), publish the Prefect summary. `samples`: what the user said last and the response."""
-    run_id, warnings, section = run.run_id, run.warnings, getattr(ctx.config, stage)
-    last_step = int(metrics[f"train/{run.progress.unit}s"])
-    # At the last training step, so these (and not a trainer's running average of the same name)
-    # are what MLflow shows as each metric's latest value.
-    mlflow.log_metrics(metrics, step=last_step)
-    checkpoint_digest = folder_digest(checkpoint)
-    mlflow.set_tag(tracking.TAG_CHECKPOINT_DIGEST, checkpoint_digest)
-    try:
-        mlflow.log_artifacts(str(checkpoint), tracking.CHECKPOINT_PATH)
-    except Exception as e:
-        raise tracking.TrackingError(
-            f"stage {stage}: uploading the checkpoint to {mlflow.get_artifact_uri(tracking.CHECKPOINT_PATH)} failed "
-            f"after retries ({type(e).__name__}: {str(e)[:300]}); the run is not marked finished and the checkpoint "
-            f"is kept in {checkpoint} until a rerun uploads it") from e
-    mlflow.set_tag(tracking.TAG_WARNINGS, str(len(warnings)))
-    tracking.set_note(run_id, stage_note(stage, metrics, warnings, ctx.links(), ctx.lineage))
+def stage_summary(stage: str, run_id: str, metrics: dict[str, float], warnings: list[str],
+                  samples: list[dict[str, str]]) -> str:
+    """Markdown for a stage's Prefect summary: its run, headline figures, warnings, every final metric
+    and its samples (what the user said last, and the response)."""
     rows = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items()))
     shown = "\n".join(f"| {_cell(s['user'])} | {_cell(s['response'])} |" for s in samples)
-    create_markdown_artifact(
-        key=f"{stage}-summary",
-        markdown=f"# {stage} stage\n\nMLflow run (its curves): {_run_link(run_id)}\n\n{headline(stage, metrics)}\n\n{_warnings_section(warnings)}"
-                 f"| metric | value |\n|---|---|\n{rows}\n\n## Samples\n\n| user | response |\n|---|---|\n{shown}\n",
-        description=f"{stage} stage results",
-    )
-    return StageRecord(stage=stage, run_id=run_id, checkpoint_uri=f"runs:/{run_id}/{tracking.CHECKPOINT_PATH}",
-                       config_hash=config_hash(section), data_digest=data.digest,
-                       checkpoint_digest=checkpoint_digest, metrics=metrics, warnings=len(warnings))
+    return (f"# {stage} stage\n\nMLflow run (its curves): {_run_link(run_id)}\n\n{headline(stage, metrics)}\n\n"
+            f"{_warnings_section(warnings)}| metric | value |\n|---|---|\n{rows}\n\n## Samples\n\n| user | response |\n"
+            f"|---|---|\n{shown}\n")
 
 
 def _cell(text: str, limit: int = 120) -> str:

@@ -22,21 +22,32 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Param
 from prefect import get_run_logger
+from prefect.artifacts import create_markdown_artifact
 from prefect.context import get_run_context
 from prefect.states import Failed, State
 from pydantic import BaseModel
 
 from flows.lineage import StageRecord, stack_tags
-from flows.reports import STAGE_SECONDS, Progress, finish, lineage_note
+from flows.reports import (
+    STAGE_SECONDS,
+    Progress,
+    lineage_note,
+    stage_note,
+    stage_summary,
+)
 from rlhf import stack, tracking
-from rlhf.config import PipelineConfig, StageName, config_hash, flatten, param_value
+from rlhf.config import PipelineConfig, config_hash, flatten, param_value
+from rlhf.config_common import StageName
 from schemas.errors import DataContractError
 from schemas.validate import ValidatedData
-from stages.distributed import LaunchError, call_stage
-from stages.errors import RewardGateError, StageUserError
-from stages.memory import GIB, Plan, plan_table
-from stages.reward_functions import source_digests
-from stages.reporting import Reporting
+from stages.common.errors import RewardGateError, StageUserError
+from stages.common.reporting import Reporting
+from stages.launch.call import call_stage
+from stages.launch.job import LaunchError
+from stages.memory.plan import Plan, plan_table
+from stages.memory.shapes import GIB
+from stages.rl.reward_functions import source_digests
+from stages.runtime.models import folder_digest
 
 SYSTEM_METRICS_INTERVAL_S = 5.0
 """Seconds between samples of a stage run's system metrics (`system/cpu_utilization_percentage`, ...)."""
@@ -94,6 +105,34 @@ class StageContext:
         """The stage function on the processes its config asks for, as this process set itself up."""
         return call_stage(train, section, inputs, scratch, reporting, deterministic=self.config.deterministic,
                           num_threads=self.config.num_threads)
+
+
+def finish(stage: StageName, run: StageRun, ctx: StageContext, data: ValidatedData, metrics: dict[str, float],
+           checkpoint: Path, samples: list[dict[str, str]]) -> StageRecord:
+    """Log final metrics (at the last step or iteration) and the checkpoint inside the active run,
+    describe the run (its note: headline figures, the upstream runs it started from and why, its
+    warnings, its links), publish the Prefect summary. `samples`: what the user said last and the response."""
+    run_id, warnings, section = run.run_id, run.warnings, getattr(ctx.config, stage)
+    last_step = int(metrics[f"train/{run.progress.unit}s"])
+    # At the last training step, so these (and not a trainer's running average of the same name)
+    # are what MLflow shows as each metric's latest value.
+    mlflow.log_metrics(metrics, step=last_step)
+    checkpoint_digest = folder_digest(checkpoint)
+    mlflow.set_tag(tracking.TAG_CHECKPOINT_DIGEST, checkpoint_digest)
+    try:
+        mlflow.log_artifacts(str(checkpoint), tracking.CHECKPOINT_PATH)
+    except Exception as e:
+        raise tracking.TrackingError(
+            f"stage {stage}: uploading the checkpoint to {mlflow.get_artifact_uri(tracking.CHECKPOINT_PATH)} failed "
+            f"after retries ({type(e).__name__}: {str(e)[:300]}); the run is not marked finished and the checkpoint "
+            f"is kept in {checkpoint} until a rerun uploads it") from e
+    mlflow.set_tag(tracking.TAG_WARNINGS, str(len(warnings)))
+    tracking.set_note(run_id, stage_note(stage, metrics, warnings, ctx.links(), ctx.lineage))
+    create_markdown_artifact(key=f"{stage}-summary", markdown=stage_summary(stage, run_id, metrics, warnings, samples),
+                             description=f"{stage} stage results")
+    return StageRecord(stage=stage, run_id=run_id, checkpoint_uri=f"runs:/{run_id}/{tracking.CHECKPOINT_PATH}",
+                       config_hash=config_hash(section), data_digest=data.digest,
+                       checkpoint_digest=checkpoint_digest, metrics=metrics, warnings=len(warnings))
 
 
 def refuse(message: str) -> State:

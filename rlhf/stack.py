@@ -20,7 +20,7 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from rlhf.config import REPO_ROOT
+from rlhf.config_common import REPO_ROOT
 
 LOCK = REPO_ROOT / "locks" / "project.txt"
 """The project environment's lock (`make lock` writes it, `make install` installs exactly it)."""

@@ -29,7 +29,7 @@ import requests
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
-from rlhf.config import REPO_ROOT
+from rlhf.config_common import REPO_ROOT
 
 TAG_STAGE = "rlhf.stage"
 TAG_PIPELINE = "rlhf.pipeline_run_id"

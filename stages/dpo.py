@@ -6,7 +6,7 @@ The policy starts from the SFT checkpoint and the reference is the SFT model, fr
 encoded as the reward stage encodes them (`encode_pairs`: the prompt rendered with the chat
 template, each reply ended by the token that ends a reply), so DPO trains on the very token
 sequences the reward model would score. After training the policy is judged by PPO's own
-evaluation (`stages.evaluation.evaluate`, with DPO's `evaluation` and `sampling` sections): held-out
+evaluation (`stages.rl.evaluation.evaluate`, with DPO's `evaluation` and `sampling` sections): held-out
 prompts, the SFT policy's responses from `evaluation.seed` as the baseline, KL to SFT per sequence.
 """
 
@@ -24,16 +24,17 @@ from trl import DPOConfig as TRLDPOConfig
 from trl import DPOTrainer
 
 from rlhf.config import DPOConfig
-from stages.evaluation import HeldOut, evaluate, warn_over_kl_budget
-from stages.holding import Holding, Sharded
-from stages.memory import Counts, with_micro_batches
-from stages.models import (copied, device, disable_dropout, dtype_named, encode_pairs, load_causal_lm, load_tokenizer,
-                           lora_config, resolve_precision, saved_dtype_and_tags, stop_token_ids)
-from stages.ppo_models import Models, reuse_sampling_pass
-from stages.ppo_rollout import policy_sampler
-from stages.reporting import Reporting
-from stages.vllm_rollout import sampler_for
-from stages.training import (ForwardLogs, last_trainer_checkpoint, prepare_sharding, trained_as_held, trainer_arguments,
+from stages.rl.evaluation import HeldOut, evaluate, warn_over_kl_budget
+from stages.runtime.holding import Holding, Sharded
+from stages.memory.phases import Counts
+from stages.memory.plan import with_micro_batches
+from stages.runtime.lora import copied, lora_config
+from stages.runtime.models import device, disable_dropout, dtype_named, encode_pairs, load_causal_lm, load_tokenizer, resolve_precision, saved_dtype_and_tags, stop_token_ids
+from stages.rl.ppo_models import Models, reuse_sampling_pass
+from stages.rl.ppo_rollout import policy_sampler
+from stages.common.reporting import Reporting
+from stages.engines.vllm_server import sampler_for
+from stages.runtime.training import (ForwardLogs, last_trainer_checkpoint, prepare_sharding, trained_as_held, trainer_arguments,
                              untrained_evaluation)
 
 

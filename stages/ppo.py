@@ -19,14 +19,14 @@ every `eval_every` iterations and after the last one
 
 On several processes (`accelerate launch`) each samples and scores its share of the rollout
 batch with its own seed; advantage whitening, the KL controller and the logged figures use
-statistics over all processes (`stages.collectives`), and DDP or FSDP2 averages the gradients, so
+statistics over all processes (`stages.runtime.collectives`), and DDP or FSDP2 averages the gradients, so
 one iteration does the work of the single-process iteration with the same `rollout_batch_size`.
-Whether the processes hold whole models (DDP) or shards of them (FSDP2) is `stages.holding`'s
+Whether the processes hold whole models (DDP) or shards of them (FSDP2) is `stages.runtime.holding`'s
 business: the loop below reads the same either way.
 
-The equations live in `stages.ppo_math`, the models and the critic in `stages.ppo_models`,
-full-state checkpoints in `stages.ppo_state`.
-"""
+The equations live in `stages.rl.ppo_math`, the update in `stages.rl.update`, the models and the critic
+in `stages.rl.ppo_models`, the reward model's scores in `stages.rl.scoring`,
+full-state checkpoints in `stages.rl.ppo_state`."""
 
 from __future__ import annotations
 
@@ -35,33 +35,60 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 from accelerate import Accelerator
 from transformers import get_scheduler
 
-from rlhf.config import PPOConfig
+from rlhf.config_ppo import PPOConfig
 from schemas.adapters import last_user_message
-from stages.collectives import (MAX_FIGURES, computed_on_main, gathered, over_processes, sum_over_processes,
-                                whiten_over_processes)
-from stages.errors import NonFiniteLossError, StageUserError
-from stages.evaluation import FunctionJudge, HeldOut, evaluate, evaluate_midway, warn_over_kl_budget
-from stages.models import Precision, resolve_precision, saved_dtype_and_tags
-from stages.ppo_math import (KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss,
-                             discounted_returns, engine_importance_weights, entropy_of, explained_variance, gae,
-                             group_baselined, grpo_advantages, kl_estimate, logprobs_of, masked_mean, rloo_advantages,
-                             sequence_rewards, token_rewards, weighted_reward)
-from stages.holding import held_as, holding_for
-from stages.memory import Counts, with_micro_batches
-from stages.ppo_models import ActorCritic, Models, load_models, rounds_to_16_bits
-from stages.ppo_state import LoopState, Normalization, load_state, save_state_everywhere
-from stages.reporting import Reporting
-from stages.reward import RewardScorer, fit_normalization
-from stages.reward_functions import RewardFunction, load_reward_functions, reward_values
-from stages.ppo_rollout import Rollout, policy_sampler, rollout
-from stages.rollout import Sampler
-from stages.vllm_rollout import sampler_for
+from stages.common.errors import StageUserError
+from stages.common.reporting import Reporting
+from stages.common.tensors import masked_mean
+from stages.engines.vllm_server import sampler_for
+from stages.memory.phases import Counts
+from stages.memory.plan import with_micro_batches
+from stages.rl.evaluation import (
+    FunctionJudge,
+    HeldOut,
+    evaluate,
+    evaluate_midway,
+    warn_over_kl_budget,
+)
+from stages.rl.ppo_math import (
+    KLController,
+    apply_eos_penalty,
+    discounted_returns,
+    engine_importance_weights,
+    explained_variance,
+    gae,
+    group_baselined,
+    grpo_advantages,
+    kl_estimate,
+    rloo_advantages,
+    sequence_rewards,
+    token_rewards,
+    weighted_reward,
+)
+from stages.rl.ppo_models import ActorCritic, Models, load_models, rounds_to_16_bits
+from stages.rl.ppo_rollout import Rollout, policy_sampler, rollout
+from stages.rl.ppo_state import (
+    LoopState,
+    Normalization,
+    load_state,
+    save_state_everywhere,
+)
+from stages.rl.reward_functions import load_reward_functions, reward_values
+from stages.rl.scoring import RewardScorer, Scores, fit_normalization
+from stages.rl.update import Episodes, PPOTrainer, ppo_update
+from stages.runtime.collectives import (
+    computed_on_main,
+    gathered,
+    over_processes,
+    whiten_over_processes,
+)
+from stages.runtime.holding import held_as, holding_for
+from stages.runtime.models import Precision, resolve_precision, saved_dtype_and_tags
 
 
 @dataclass(frozen=True)
@@ -91,29 +118,6 @@ class PPOResult:
 
 
 # --- score ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Scores:
-    """What a rollout's responses scored. # (B,) each"""
-
-    raw: torch.Tensor | None
-    """The reward model's outputs for each response as it is: a cut-off one is scored without an end
-    token. None without a reward model."""
-    normalized: torch.Tensor | None
-    """On the normalised scale: gain * raw + bias. None without a reward model."""
-    terms: dict[str, torch.Tensor]
-    """Each term of `reward` by name: the reward model's normalised score with a cut-off response
-    given `missing_eos_score` (when set), clipped to `score_clip` (when set); each function's
-    values (NaN where it gave none)."""
-    used: torch.Tensor
-    """What the reward adds: the terms' weighted sum."""
-
-    @property
-    def shown(self) -> torch.Tensor:
-        """The score figures and tables show as `score`: the reward model's normalised score, or
-        without a reward model the terms' weighted sum."""
-        return self.normalized if self.normalized is not None else self.used
 
 
 @torch.no_grad()
@@ -244,195 +248,6 @@ def engine_weights(batch: Rollout, cfg: PPOConfig) -> torch.Tensor | None:
                                      cfg.vllm.importance_sampling_cap)
 
 
-# --- update -----------------------------------------------------------------------------------
-
-
-@dataclass
-class PPOTrainer:
-    """What every process of a PPO run trains with, built once by `build_trainer`."""
-
-    cfg: PPOConfig
-    accelerator: Accelerator
-    models: Models
-    actor_critic: torch.nn.Module
-    """Policy and critic as one module: wrapped by DDP or FSDP2 on several processes, as is on one."""
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    """Loss scaling for fp16 autocast only; disabled, it passes losses and steps through unchanged."""
-    sampler: Sampler
-    """What the rollouts and evaluations sample the policy with."""
-    reward_functions: list[RewardFunction] = field(default_factory=list)
-    """The `reward` terms that are Python functions, imported and checked."""
-
-
-@dataclass(frozen=True)
-class Episodes:
-    """One iteration's rollout with what was scored and estimated on it: what the update trains on
-    and the iteration's figures report."""
-
-    iteration: int
-    batch: Rollout
-    messages: list[list[dict]]
-    """Each episode's prompt as chat messages."""
-    scores: Scores
-    kl: torch.Tensor
-    """(B, T) the per-token KL estimate (`kl_estimator`) to the reference, masked."""
-    beta: float
-    """The KL controller's coefficient this iteration."""
-    reward_beta: float
-    """The KL coefficient in the reward: `beta`, or 0 when the KL is a loss term (`kl_in_loss`)."""
-    kl_loss_coef: float
-    """The weight of the k3 KL loss term."""
-    advantages: torch.Tensor  # (B, T)
-    returns: torch.Tensor | None  # (B, T), GAE only
-    engine_weights: torch.Tensor | None = None
-    """(B, T) importance weights for the engine mismatch (`engine_weights`); None: the trainer sampled, or no correction."""
-
-
-@dataclass
-class UpdateStats:
-    values: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, **figures: float) -> None:
-        for key, value in figures.items():
-            self.values.setdefault(key, []).append(float(value))
-
-    def means(self) -> dict[str, float]:
-        return {key: (max(v) if key.endswith(MAX_FIGURES) else float(np.mean(v))) for key, v in self.values.items()}
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """Some rows of a rollout, without the columns that are padding in all of them."""
-
-    queries: torch.Tensor  # (b, tq)
-    query_mask: torch.Tensor
-    responses: torch.Tensor  # (b, t)
-    mask: torch.Tensor
-    logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    values: torch.Tensor | None  # None without a critic, as are the returns
-    advantages: torch.Tensor
-    returns: torch.Tensor | None
-    engine_weights: torch.Tensor | None = None  # None: no engine-mismatch correction
-
-
-def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None,
-                rows: torch.Tensor, engine_weights: torch.Tensor | None = None) -> MicroBatch:
-    """The rows' tensors, dropping leading prompt columns and trailing response columns that no
-    row uses: the rollout is padded for its longest prompt and response, a micro-batch need not be.
-    Position ids count real tokens, so dropping all-padding columns changes no position."""
-    query_mask, mask = batch.query_mask[rows], batch.mask[rows]
-    first = int(query_mask.any(dim=0).long().argmax())  # first prompt column with a real token
-    end = int(mask.any(dim=0).nonzero().max()) + 1  # past the last response column with a real token
-
-    def responses_of(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x[rows][:, :end]
-
-    return MicroBatch(batch.queries[rows][:, first:], query_mask[:, first:], responses_of(batch.responses),
-                      mask[:, :end], responses_of(batch.logprobs), responses_of(batch.ref_logprobs),
-                      responses_of(batch.values), responses_of(advantages), responses_of(returns),
-                      responses_of(engine_weights))
-
-
-def ppo_update(trainer: PPOTrainer, episodes: Episodes) -> dict[str, float]:
-    """num_ppo_epochs passes of shuffled minibatches over this process's rollout, one optimizer step each.
-    `initial_ratio_deviation`, max |ratio - 1| over the first minibatch before any step, checks that
-    the update computes the policy the rollout sampled from (dropout off, same precision)."""
-    cfg, optimizer, scaler, holding = trainer.cfg, trainer.optimizer, trainer.scaler, trainer.models.holding
-    trainer.actor_critic.train(True)
-    trained = [p for group in optimizer.param_groups for p in group["params"]]
-    policy_parameters = list(trainer.models.policy.parameters())
-    in_policy = {id(p) for p in policy_parameters}
-    critic_parameters = [p for p in trained if id(p) not in in_policy]  # the value head or the critic model
-    n = len(episodes.batch.responses)
-    stats = UpdateStats()
-    for epoch in range(cfg.num_ppo_epochs):
-        for index, minibatch in enumerate(torch.randperm(n).split(n // cfg.num_minibatches)):
-            figures = accumulate_gradients(trainer, episodes, minibatch.to(episodes.batch.responses.device))
-            deviation = figures.pop("ratio_deviation_max")
-            if epoch == 0 and index == 0:
-                stats.add(initial_ratio_deviation=deviation)
-            if episodes.iteration <= cfg.freeze_policy_iterations:  # no step at all: Adam's moments and step count stay fresh
-                for parameter in policy_parameters:
-                    parameter.grad = None
-            scaler.unscale_(optimizer)  # clipping reads true gradient norms (no-op without fp16 loss scaling)
-            # Each model clipped on its own: a large value-loss gradient must not shrink the policy's step.
-            grad_norm = holding.clip_grad_norm(policy_parameters, cfg.max_grad_norm)
-            if critic_parameters:
-                figures["critic_grad_norm"] = holding.clip_grad_norm(critic_parameters, cfg.max_grad_norm)
-            scaler.step(optimizer)
-            scaler.update()
-            trainer.scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            stats.add(**figures, grad_norm=grad_norm)
-    return stats.means()
-
-
-def accumulate_gradients(trainer: PPOTrainer, episodes: Episodes, rows: torch.Tensor) -> dict[str, float]:
-    """Gradients of one minibatch (these `rows` of this process's rollout), accumulated over its
-    micro-batches and averaged over processes (DDP: at the last one; FSDP2: at each, into shards).
-
-    Every loss term is a mean over the minibatch's tokens on all processes together: each
-    micro-batch's masked sum is divided by N / P, with N those tokens and P the process count,
-    because DDP and FSDP2 divide the summed gradients by P. The gradient is then the same for every
-    `micro_batch_size` and process count (tested to 1e-5). Returned figures are this process's
-    sums on the same scale, so their mean over processes is the minibatch's token mean."""
-    accelerator = trainer.accelerator
-    num_tokens = sum_over_processes(accelerator, episodes.batch.mask[rows].sum())
-    num_tokens = num_tokens.clamp(min=1.0) / accelerator.num_processes
-    micro_batches = rows.split(trainer.cfg.micro_batch_size or len(rows))
-    totals: dict[str, float] = {}
-    for position, micro_rows in enumerate(micro_batches):
-        with trainer.models.holding.accumulating(trainer.actor_critic, last=position == len(micro_batches) - 1):
-            micro = micro_batch(episodes.batch, episodes.advantages, episodes.returns, micro_rows,
-                                episodes.engine_weights)
-            figures = _micro_batch_step(trainer, micro, num_tokens, episodes.iteration, episodes.kl_loss_coef)
-        for key, value in figures.items():
-            totals[key] = max(totals.get(key, 0.0), value) if key.endswith(MAX_FIGURES) else totals.get(key, 0.0) + value
-    return totals
-
-
-def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.Tensor, iteration: int,
-                      kl_loss_coef: float) -> dict[str, float]:
-    """Forward and backward of one micro-batch: its masked loss sums over the minibatch's `num_tokens`;
-    the value loss only with a critic."""
-    cfg, mask = trainer.cfg, micro.mask
-    # Critic warm-up: the policy terms stay in the graph at weight 0 (every parameter gets a
-    # gradient, as DDP needs); `ppo_update` then drops the policy's gradients before the step.
-    warming_up = iteration <= cfg.freeze_policy_iterations
-    logits, values = trainer.actor_critic(micro.queries, micro.query_mask, micro.responses, mask, warming_up)
-    logprobs = logprobs_of(logits, micro.responses, cfg.sampling.temperature)
-    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range, num_tokens,
-                                 micro.engine_weights)
-    # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
-    entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.sampling.temperature), mask,
-                          num_tokens=num_tokens)
-    policy_terms = policy.loss - cfg.entropy_coef * entropy
-    figures = {}
-    if kl_loss_coef > 0:
-        kl_loss = masked_mean(kl_estimate(logprobs, micro.ref_logprobs, "k3"), mask, num_tokens=num_tokens)
-        policy_terms = policy_terms + kl_loss_coef * kl_loss
-        figures["kl_loss"] = kl_loss.item()
-    loss = (0.0 if warming_up else 1.0) * policy_terms
-    if values is not None:
-        value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask, cfg.critic.clip_range_value,
-                                                       num_tokens)
-        loss = loss + cfg.critic.vf_coef * value_loss
-        figures |= dict(value_loss=value_loss.item(), value_clip_fraction=value_clipped.item())
-    if not torch.isfinite(loss):
-        raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
-                                 "the last full-state checkpoint is kept")
-    trainer.scaler.scale(loss).backward()
-    ratio = policy.ratio.detach()
-    return figures | dict(policy_loss=policy.loss.item(), entropy=entropy.item(),
-                          clip_fraction=policy.clip_fraction.item(), approx_kl=policy.approx_kl.item(),
-                          ratio_mean=masked_mean(ratio, mask, num_tokens=num_tokens).item(),
-                          ratio_max=(ratio * mask).max().item(),
-                          ratio_deviation_max=((ratio - 1).abs() * mask).max().item())
-
-
 # --- the stage --------------------------------------------------------------------------------
 
 
@@ -552,7 +367,7 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
 
 
 def build_trainer(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> PPOTrainer:
-    """This process's models, held as `cfg.launch` says (`stages.holding`), with their optimizer,
+    """This process's models, held as `cfg.launch` says (`stages.runtime.holding`), with their optimizer,
     schedule and sampler. Rank 0 keeps the single-process random stream; the others sample with their own."""
     accelerator = Accelerator()
     torch.manual_seed(cfg.seed)

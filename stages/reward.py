@@ -5,15 +5,11 @@
 r is a sequence-classification model with one output, read at the last real token of
 prompt + reply + EOS. After training, a gain and bias are fitted so that the SFT policy's own
 responses to held-out prompts score mean 0 and standard deviation 1; they travel in the
-checkpoint's config and `RewardScorer` applies them wherever the model scores.
-"""
+checkpoint's config and `RewardScorer` applies them wherever the model scores."""
 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,54 +19,52 @@ import pandas as pd
 import torch
 from accelerate import PartialState
 from accelerate.utils import is_peft_model
-from transformers import (AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase,
-                          PrinterCallback, set_seed)
+from transformers import (
+    PreTrainedTokenizerBase,
+    PrinterCallback,
+    set_seed,
+)
 from trl import RewardConfig as TRLRewardConfig
 from trl import RewardTrainer
 
 from rlhf.config import RewardConfig
-from schemas.validate import render_prompt
-from stages.errors import RewardGateError
-from stages.memory import SCORING_BATCH, Counts, with_micro_batches
-from stages.holding import Holding
-from stages.models import (device, disable_dropout, encode_pairs, encode_replies, fit_to_tokenizer, load_causal_lm,
-                           load_pretrained, load_tokenizer, lora_config, position_ids_for, saved_dtype_and_tags,
-                           stop_token_ids)
-from stages.ppo_math import is_end, last_token_index
-from stages.reporting import Reporting
-from stages.rollout import HFSampler, Sampling
-from stages.vllm_rollout import sampler_for
-from stages.training import (ForwardLogs, last_trainer_checkpoint, prepare_sharding, trained_as_held, trainer_arguments,
-                             untrained_evaluation)
+from stages.common.errors import RewardGateError
+from stages.common.reporting import Reporting
+from stages.common.tensors import is_end
+from stages.engines.sampler import HFSampler, Sampling
+from stages.engines.vllm_server import sampler_for
+from stages.memory.phases import Counts
+from stages.memory.plan import with_micro_batches
+from stages.rl.scoring import (
+    NORMALIZATION_KEY,
+    RewardScorer,
+    fit_normalization,
+    load_reward_model,
+)
+from stages.runtime.holding import Holding
+from stages.runtime.lora import lora_config
+from stages.runtime.models import (
+    encode_pairs,
+    load_causal_lm,
+    load_tokenizer,
+    saved_dtype_and_tags,
+    stop_token_ids,
+)
+from stages.runtime.training import (
+    ForwardLogs,
+    last_trainer_checkpoint,
+    prepare_sharding,
+    trained_as_held,
+    trainer_arguments,
+    untrained_evaluation,
+)
 
-NORMALIZATION_KEY = "rlhf_reward_normalization"
 """Model-config entry holding {"gain": g, "bias": b}: normalised score = g * raw + b."""
 
 
 def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: torch.Tensor | float = 0.0) -> torch.Tensor:
     """-log sigmoid(r_c - r_r - m), averaged over pairs. # (B,), (B,), (B,) or scalar -> ()"""
     return -torch.nn.functional.logsigmoid(r_chosen - r_rejected - margin).mean()
-
-
-def init_reward_head(model: PreTrainedModel) -> None:
-    """Score head ~ N(0, 1/sqrt(d + 1)) with zero bias, so initial rewards have unit scale."""
-    head = model.score
-    torch.nn.init.normal_(head.weight, mean=0.0, std=1.0 / math.sqrt(model.config.hidden_size + 1))
-    if head.bias is not None:
-        torch.nn.init.zeros_(head.bias)
-
-
-def load_reward_model(location: str, tokenizer: PreTrainedTokenizerBase, *, dtype: torch.dtype = torch.float32,
-                      trust_remote_code: bool = False, fresh_head: bool = True) -> PreTrainedModel:
-    """A one-output sequence classifier in `dtype` from a causal-LM (or reward) checkpoint, dropout
-    off: the two replies of a pair must be scored by the same function (TRL's default too)."""
-    model = load_pretrained(AutoModelForSequenceClassification, location, dtype=dtype,
-                            trust_remote_code=trust_remote_code, num_labels=1)
-    fit_to_tokenizer(model, tokenizer)
-    if fresh_head:
-        init_reward_head(model)
-    disable_dropout(model)
-    return model
 
 
 def _pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
@@ -81,103 +75,6 @@ def _pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.
     if "margin" in frame.columns:
         columns["margin"] = [float(m) for m in frame["margin"]]
     return datasets.Dataset.from_dict(columns)
-
-
-class RewardScorer:
-    """Scores (prompt, response) texts with a reward checkpoint, on the normalised scale.
-
-    Prompts are conversations ([{role, content}, ...]) or plain user texts; they are rendered
-    with this model's own chat template, so the policy may use a different tokenizer.
-
-        scorer = RewardScorer.from_pretrained("path/to/checkpoint")
-        scorer.score([[{"role": "user", "content": "Describe the cat."}]], ["The cat is warm."])
-    """
-
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, gain: float = 1.0, bias: float = 0.0):
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        self.model, self.tokenizer, self.gain, self.bias = model.eval(), tokenizer, gain, bias
-        self._own_adapters = {id(m) for m in model.modules() if isinstance(m, BaseTunerLayer)}
-        """Adapter layers the reward model came with (a LoRA reward model not yet merged): part of it, always on."""
-
-    @classmethod
-    def from_pretrained(cls, location: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-                        place=None) -> RewardScorer:
-        """`place(model)` puts the model where it runs (PPO's holding may shard it); default: this device."""
-        tokenizer = load_tokenizer(str(location), trust_remote_code=trust_remote_code)
-        model = load_reward_model(str(location), tokenizer, dtype=dtype, trust_remote_code=trust_remote_code,
-                                  fresh_head=False)
-        norm = getattr(model.config, NORMALIZATION_KEY, None) or {"gain": 1.0, "bias": 0.0}
-        return cls(place(model) if place else model.to(device()), tokenizer, norm["gain"], norm["bias"])
-
-    def encode(self, prompts: list, responses: list[str], complete: list[bool] | None = None) -> list[list[int]]:
-        """Prompt + response ids; a response marked not `complete` gets no reply-end token, so a
-        reply cut off at the length limit is scored as the unfinished text it is."""
-        conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
-        rendered = [render_prompt(messages, self.tokenizer) for messages in conversations]
-        prompt_ids, reply_ids = encode_replies(self.tokenizer, rendered, list(responses), complete)
-        return [p + r for p, r in zip(prompt_ids, reply_ids, strict=True)]
-
-    @torch.no_grad()
-    def raw_scores(self, sequences: list[list[int]], batch_size: int = SCORING_BATCH) -> torch.Tensor:
-        """Model outputs at the last real token of each id sequence, from the reward model as it was
-        trained: any adapters on it are off while it scores. # -> (N,)"""
-        scores = []
-        with self.adapters_off():
-            for start in range(0, len(sequences), batch_size):
-                chunk = sequences[start:start + batch_size]
-                batch = self.tokenizer.pad({"input_ids": chunk}, return_tensors="pt").to(self.model.device)
-                scores.append(last_token_scores(self.model, batch["input_ids"], batch["attention_mask"]).float().cpu())
-        return torch.cat(scores) if scores else torch.empty(0)
-
-    @contextmanager
-    def adapters_off(self) -> Iterator[None]:
-        """The model without the LoRA adapters put on it after the scorer took it (PPO's `critic:
-        reward-lora` trains some on this very model), each one as it was afterwards, trainable or not.
-        A no-op without such adapters."""
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters
-                  and id(m) not in self._own_adapters]
-        trainable = {id(p) for p in self.model.parameters() if p.requires_grad}  # peft's switch sets requires_grad
-        for layer in layers:
-            layer.enable_adapters(False)
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer.enable_adapters(True)
-            for parameter in self.model.parameters():
-                parameter.requires_grad_(id(parameter) in trainable)
-
-    def score(self, prompts: list, responses: list[str], normalized: bool = True,
-              complete: list[bool] | None = None) -> torch.Tensor:
-        """Scores of (prompt, response) texts; `complete[i]` False: response i was cut off (default: all complete)."""
-        raw = self.raw_scores(self.encode(prompts, responses, complete))
-        return self.normalize(raw) if normalized else raw
-
-    def normalize(self, raw: torch.Tensor) -> torch.Tensor:
-        """Raw model outputs on the normalised scale: gain * raw + bias."""
-        return self.gain * raw + self.bias
-
-
-def last_token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The score head read at each row's last attended token, for left or right padding.
-
-    Position ids count real tokens only, so a left-padded row gets the same positions as the
-    unpadded sequence. # (B, T), (B, T) -> (B,)
-    """
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids_for(attention_mask)).last_hidden_state
-    last = last_token_index(attention_mask)  # (B,) the rightmost real token
-    return model.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)
-
-
-def fit_normalization(reference_scores: torch.Tensor) -> tuple[float, float]:
-    """Gain and bias that map the reference scores to mean 0 and standard deviation 1."""
-    mean, std = reference_scores.mean().item(), reference_scores.std().item()
-    gain = 1.0 / max(std, 1e-6)
-    return gain, -mean * gain
 
 
 def calibration(margins: np.ndarray, correct: np.ndarray, buckets: int) -> pd.DataFrame:

@@ -20,10 +20,11 @@ from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
 from schemas.adapters import last_user_message
-from stages.models import encode_replies, load_causal_lm, load_tokenizer, lora_config, saved_dtype_and_tags, stop_token_ids
-from stages.reporting import Reporting
-from stages.rollout import HFSampler, Sampling
-from stages.training import (ForwardLogs, last_trainer_checkpoint, prepare_sharding, trained_as_held, trainer_arguments,
+from stages.runtime.lora import lora_config
+from stages.runtime.models import encode_replies, load_causal_lm, load_tokenizer, saved_dtype_and_tags, stop_token_ids
+from stages.common.reporting import Reporting
+from stages.engines.sampler import HFSampler, Sampling
+from stages.runtime.training import (ForwardLogs, last_trainer_checkpoint, prepare_sharding, trained_as_held, trainer_arguments,
                              untrained_evaluation)
 
 

@@ -13,7 +13,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from rlhf.config import load_config  # noqa: E402
+from rlhf.config import load_config
 from rlhf.demo_world import build_world  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def world(tmp_path_factory, tiny_config) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(world):
-    from stages.models import load_tokenizer
+    from stages.runtime.models import load_tokenizer
 
     return load_tokenizer(str(world / "model"))
 

@@ -40,7 +40,7 @@ DATASETS = {"sft": "sft", "sft_eval": "sft", "preferences": "preference", "prefe
 
 AUTO_RESOLVED = {"micro_batch_size": None, "sampling.micro_batch_size": None, "sharded_sampling": "whole"}
 """PPO's `auto` settings as they resolve where everything fits: what a test hands the stage's parts
-(`train_ppo` itself resolves `auto`, `stages.memory.with_micro_batches`)."""
+(`train_ppo` itself resolves `auto`, `stages.memory.plan.with_micro_batches`)."""
 
 
 def dataset(world: Path, tokenizer, name: str) -> pd.DataFrame:
@@ -80,7 +80,7 @@ def reward_inputs(world: Path, tokenizer, trained: dict):
 def run_ppo(cfg, trained: dict, out: Path, reporting=None):
     """PPO in this process from the session's SFT and reward checkpoints."""
     from stages.ppo import PPOInputs, train_ppo
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
 
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     return train_ppo(cfg, inputs, out, reporting or Reporting())
@@ -89,7 +89,7 @@ def run_ppo(cfg, trained: dict, out: Path, reporting=None):
 def killed_and_resumed(cfg, trained: dict, tmp_path: Path):
     """An uninterrupted run in `tmp_path/whole`, and a run in `tmp_path/interrupted` killed at iteration
     4 (after its checkpoint at 3), then rerun to the end: (uninterrupted result, resumed result)."""
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
 
     reference = run_ppo(cfg, trained, tmp_path / "whole")
 

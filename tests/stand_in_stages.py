@@ -101,7 +101,7 @@ def record_loads(cfg, inputs: RecordingLoads, output_dir: Path, reporting):
     """`inputs.train`, with every model this process builds through transformers' auto classes
     (`from_pretrained`, `from_config`) recorded in `output_dir/loads-<rank>.json` (how it was built,
     the bytes of all its parameters and of those that are real tensors, not on the meta device), and
-    every checkpoint tensor it reads (`stages.models.read_checkpoint_tensor`) in `reads-<rank>.json`:
+    every checkpoint tensor it reads (`stages.runtime.models.read_checkpoint_tensor`) in `reads-<rank>.json`:
     the bytes of each, and the most bytes of read tensors alive at once."""
     import json
     import weakref

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.cli import main as cli
+from flows.cli import main as cli
 from rlhf.config import ConfigError, config_hash, flatten, load_config, with_overrides
 
 
@@ -91,7 +91,7 @@ def test_prefect_yaml_defines_the_deployments_of_the_one_flow():
 def test_shipped_accelerate_configs_load_in_accelerate(name):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from stages.distributed import launch_command
+    from stages.launch.local import launch_command
 
     path = f"configs/accelerate/{name}.yaml"
     assert load_config_from_file(path).num_processes > 1
@@ -135,8 +135,8 @@ def test_vllm_rollouts_are_refused_where_they_cannot_run(tmp_path):
 def test_a_checkpoint_with_heads_vllm_cannot_serve_is_refused_before_a_server_starts():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.errors import StageUserError
-    from stages.vllm_rollout import check_servable
+    from stages.common.errors import StageUserError
+    from stages.engines.vllm_server import check_servable
 
     def model(heads: int):
         return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,

@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from rlhf.cli import main as cli
+from flows.cli import main as cli
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, load_validated
 from tests.helpers import BAD, BAD_CASES, GOOD

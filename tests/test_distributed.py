@@ -17,10 +17,11 @@ import re
 import pytest
 from transformers import AutoModelForCausalLM
 
-from rlhf.config import LaunchConfig, with_overrides
-from stages.distributed import call_stage
+from rlhf.config import with_overrides
+from rlhf.config_common import LaunchConfig
+from stages.launch.call import call_stage
 from stages.ppo import PPOInputs, train_ppo
-from stages.reporting import Reporting
+from stages.common.reporting import Reporting
 from stages.reward import train_reward
 from stages.sft import train_sft
 from tests.helpers import close, reward_inputs, sft_inputs
@@ -89,7 +90,7 @@ def test_ppo_on_two_processes_samples_apart_and_lands_where_one_does(tiny_config
 
 
 def test_a_crashed_process_fails_the_stage_with_its_log(world, tiny_config, tokenizer, tmp_path):
-    from stages.distributed import LaunchError
+    from stages.launch.job import LaunchError
 
     cfg = tiny_config.sft.model_copy(update={"launch": TWO})
     with pytest.raises(LaunchError, match="accelerate launch.*exited with code") as raised:
@@ -109,7 +110,7 @@ def test_the_other_processes_wait_for_the_main_one_to_finish_alone(tiny_config, 
 
 
 def test_a_main_process_slower_than_the_process_group_timeout_fails_the_stage(tiny_config, tmp_path):
-    from stages.distributed import LaunchError
+    from stages.launch.job import LaunchError
     from tests.stand_in_stages import Pause, pause_on_the_main_process
 
     # 15 s leaves room for the processes' start to differ at the first rendezvous on a loaded machine.
@@ -136,7 +137,7 @@ def test_a_rank_that_aborts_after_every_rank_recorded_its_work_done_leaves_the_r
 
 
 def test_a_rank_that_aborts_in_its_work_fails_the_stage_naming_it(tiny_config, tmp_path):
-    from stages.distributed import LaunchError
+    from stages.launch.job import LaunchError
     from tests.stand_in_stages import Abort, abort_on_a_rank
 
     with pytest.raises(LaunchError) as raised:

@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.config import with_overrides
 from stages.dpo import DPOInputs, encoded_pairs, train_dpo
-from stages.models import encode_replies, load_tokenizer, stop_token_ids
-from stages.reporting import Reporting
+from stages.runtime.models import encode_replies, load_tokenizer, stop_token_ids
+from stages.common.reporting import Reporting
 
 
 def _inputs(trained, pairs):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlhf import tracking
-from stages.models import folder_digest
+from stages.runtime.models import folder_digest
 from tests.stack import final_states, kill_service, mlflow_client, running_stack, start, submit, submit_and_wait
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiprocess]

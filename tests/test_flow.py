@@ -492,7 +492,7 @@ def test_redaction_patterns():
 
 def test_summary_lists_ran_and_reused_stage_runs(finished, capsys):
     from flows.pipeline import rlhf
-    from rlhf.cli import main as cli
+    from flows.cli import main as cli
 
     rlhf(config_file="configs/tiny.yaml")  # everything reused
     assert cli(["summary"]) == 0
@@ -524,9 +524,9 @@ def test_every_stage_on_two_processes_logs_to_its_run_like_one_process(finished)
 
 def test_validation_is_reused_for_the_same_content_and_tokenizer_only(tmp_path, world, tokenizer, monkeypatch):
     from flows import inputs
-    from rlhf.config import DataSource
+    from rlhf.config_common import DataSource
     from schemas.validate import LengthBudget
-    from stages.models import load_tokenizer
+    from stages.runtime.models import load_tokenizer
 
     calls = []
     real = inputs.load_validated
@@ -583,7 +583,8 @@ def test_every_stage_run_logs_its_memory_plan_beside_the_measured_peak(finished)
 def test_a_config_predicted_not_to_fit_a_gpu_is_refused_before_any_stage_trains(finished, monkeypatch):
     import flows.inputs
     from flows.pipeline import rlhf
-    from stages.memory import GIB, Device
+    from stages.memory.phases import Device
+    from stages.memory.shapes import GIB
 
     before = len(_runs(""))
     monkeypatch.setattr(flows.inputs, "this_device", lambda: Device("cuda", 0.5 * GIB))  # a faked, small GPU
@@ -605,7 +606,7 @@ def test_a_stage_user_error_fails_the_run_with_its_message_alone(tracking_store,
     the others do: a Failed state with the message, no traceback (SFT once let it through as a crash)."""
     import stages.sft
     from flows.pipeline import rlhf
-    from stages.errors import StageUserError
+    from stages.common.errors import StageUserError
 
     def refuse_to_train(*args, **kwargs):
         raise StageUserError("these demonstrations are not what this model can learn from")

@@ -11,11 +11,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlhf.config import LoRAConfig, with_overrides
-from stages.memory import model_shape
-from stages.ppo_models import RewardCritic, RewardLoRACritic, load_models
-from stages.reporting import Reporting
-from stages.reward import RewardScorer, last_token_scores
+from rlhf.config import with_overrides
+from rlhf.config_common import LoRAConfig
+from stages.memory.shapes import model_shape
+from stages.rl.ppo_models import RewardCritic, RewardLoRACritic, load_models
+from stages.common.reporting import Reporting
+from stages.rl.scoring import RewardScorer, last_token_scores
 from tests.helpers import killed_and_resumed, run_ppo
 
 
@@ -77,7 +78,7 @@ def test_fresh_adapters_give_the_values_of_the_critic_copied_from_the_reward_mod
 def test_a_reward_model_with_another_tokenizer_is_refused(tiny_config, trained, tmp_path):
     import shutil
 
-    from stages.models import load_tokenizer
+    from stages.runtime.models import load_tokenizer
 
     folder = tmp_path / "reward-other-tokenizer"
     shutil.copytree(trained["reward"], folder)

@@ -24,11 +24,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
-from rlhf.config import LaunchConfig, LoRAConfig
+from rlhf.config_common import LaunchConfig, LoRAConfig
 from stages import dpo, reward, sft
-from stages.distributed import call_stage
-from stages.models import load_tokenizer
-from stages.reporting import Reporting
+from stages.launch.call import call_stage
+from stages.runtime.models import load_tokenizer
+from stages.common.reporting import Reporting
 from tests.helpers import close, dataset
 
 LORA = LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

@@ -1,4 +1,4 @@
-"""The memory plan (`stages.memory`, `rlhf plan`): model shapes read off configs on the meta device,
+"""The memory plan (`stages.memory.plan`, `rlhf plan`): model shapes read off configs on the meta device,
 adapter counts as peft makes them, the verdicts the issue names for an 8B model, and the plan
 against what a tiny PPO run actually holds."""
 
@@ -11,10 +11,13 @@ import yaml
 
 from bench.memory import state_bytes
 from bench.published import PUBLISHED, PUBLISHED_PARAMETERS, write_config
-from rlhf.cli import main as cli
-from rlhf.config import LoRAConfig, PipelineConfig, PolicyLoRAConfig, load_config, with_overrides
-from stages.memory import (AUTO_MARGIN, GIB, Counts, Device, model_shape, plan, plan_stage, resolve_micro_batches,
-                           resolved_values, reward_shape)
+from flows.cli import main as cli
+from rlhf.config import PipelineConfig, load_config, with_overrides
+from rlhf.config_common import LoRAConfig, PolicyLoRAConfig
+from stages.memory.phases import Counts
+from stages.memory.plan import AUTO_MARGIN, plan, plan_stage, resolve_micro_batches, resolved_values
+from stages.memory.phases import Device
+from stages.memory.shapes import GIB, model_shape, reward_shape
 
 GPU_80GB = ["--device-memory", str(80e9 / GIB), "--device-kind", "gpu"]
 
@@ -38,7 +41,7 @@ def test_adapter_and_parameter_counts_are_what_the_built_models_hold(family, wor
     (the default), without it, on listed modules; on the reward model, whose score head trains whole."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from stages.models import with_lora
+    from stages.runtime.lora import with_lora
     from tests.model_families import build_family
 
     location = str(world / "model") if family == "demo" else str(build_family(family, tmp_path))

@@ -47,9 +47,9 @@ def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
                               pipeline)
 
     from rlhf.config import with_overrides
-    from stages.models import load_causal_lm, load_tokenizer, reply_end_id, stop_token_ids
+    from stages.runtime.models import load_causal_lm, load_tokenizer, reply_end_id, stop_token_ids
     from stages.ppo import PPOInputs, train_ppo
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
     from stages.reward import RewardInputs, train_reward
     from stages.sft import SFTInputs, train_sft
 

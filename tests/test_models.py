@@ -13,8 +13,7 @@ from safetensors import safe_open
 from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM,
                           OPTConfig, OPTForCausalLM)
 
-from stages.models import (disable_dropout, load_causal_lm, load_tokenizer, output_dtype, precision_tags,
-                           reply_end_id, resolve_precision, save_checkpoint, stop_token_ids)
+from stages.runtime.models import disable_dropout, load_causal_lm, load_tokenizer, output_dtype, precision_tags, reply_end_id, resolve_precision, save_checkpoint, stop_token_ids
 
 
 @pytest.fixture
@@ -117,7 +116,7 @@ def test_generation_stops_at_the_reply_end_the_eos_and_every_id_the_checkpoint_l
 def test_log_probs_do_not_trust_logits_to_keep(tiny_config, trained):
     """A model that ignores `logits_to_keep` returns every position's logits; the response's
     log-probs must still be read at the response positions."""
-    from stages.ppo_models import forward_response, load_models
+    from stages.rl.ppo_models import forward_response, load_models
 
     models = load_models(tiny_config.ppo, trained["sft"], trained["reward"])
 
@@ -149,10 +148,11 @@ def test_streamed_hand_off_is_the_merged_model(tmp_path, family, targets, task):
     """`holding.save_streamed` (the sharded stages' hand-off, here on one process): several files and an
     index above the size limit, LoRA adapters merged and a trained score head in place, a plain folder
     `from_pretrained` reads back equal to `merge_and_unload` of the same model."""
-    from rlhf.config import LoRAConfig
-    from stages.holding import save_streamed
-    from stages.models import load_causal_lm, load_tokenizer, merged, with_lora
-    from stages.reward import load_reward_model
+    from rlhf.config_common import LoRAConfig
+    from stages.runtime.holding import save_streamed
+    from stages.runtime.lora import merged, with_lora
+    from stages.runtime.models import load_causal_lm, load_tokenizer
+    from stages.rl.scoring import load_reward_model
     from tests.model_families import build_family
 
     location = str(build_family(family, tmp_path))
@@ -187,9 +187,10 @@ def test_a_tied_output_head_with_adapters_is_handed_off_untied(tmp_path, streame
     no longer the embeddings: both hand-offs (streamed, and `merged` + `save_checkpoint`) write it as
     its own tensor, untied, and leave the embeddings as they were. Written once as the embeddings,
     the head's adapters were lost (logits 5.0 off on a tiny tied Llama)."""
-    from rlhf.config import LoRAConfig
-    from stages.holding import save_streamed
-    from stages.models import load_causal_lm, load_tokenizer, merged, save_checkpoint, with_lora
+    from rlhf.config_common import LoRAConfig
+    from stages.runtime.holding import save_streamed
+    from stages.runtime.lora import merged, with_lora
+    from stages.runtime.models import load_causal_lm, load_tokenizer, save_checkpoint
     from tests.model_families import build_family
 
     location = str(build_family("qwen2", tmp_path))
@@ -253,7 +254,7 @@ def test_the_reading_process_of_a_sharded_load_makes_what_one_process_loads(tmp_
     process makes them: the same values, the same random numbers drawn."""
     from peft.tuners.lora import LoraLayer
 
-    from rlhf.config import LoRAConfig
+    from rlhf.config_common import LoRAConfig
     from stages import models
 
     torch.manual_seed(0)

@@ -10,11 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf.config import LoRAConfig, PPOConfig, with_overrides
-from stages.models import load_tokenizer, position_ids_for
+from rlhf.config import with_overrides
+from rlhf.config_common import LoRAConfig
+from rlhf.config_ppo import PPOConfig
+from stages.runtime.models import load_tokenizer, position_ids_for
 from stages.ppo import NonFiniteLossError
-from stages.ppo_models import forward_response, load_models, reference_policy
-from stages.reporting import Reporting
+from stages.rl.ppo_models import forward_response, load_models, reference_policy
+from stages.common.reporting import Reporting
 from tests.helpers import AUTO_RESOLVED, killed_and_resumed, run_ppo
 
 
@@ -133,7 +135,7 @@ def test_left_padding_does_not_change_log_probs(tiny_config, trained):
 
 
 def test_lora_reference_is_the_policy_with_adapters_disabled(tiny_config, trained, tmp_path):
-    from stages.ppo_rollout import policy_sampler, rollout
+    from stages.rl.ppo_rollout import policy_sampler, rollout
 
     cfg = _cfg(tiny_config, lora=LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"]), num_iterations=2)
     models = load_models(cfg, trained["sft"], trained["reward"])
@@ -250,7 +252,7 @@ def test_a_reference_refresh_under_lora_is_refused():
 
 def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_checkpoint(tiny_config, trained, tmp_path,
                                                                                   monkeypatch):
-    from stages.reward import RewardScorer
+    from stages.rl.scoring import RewardScorer
 
     calls = {"n": 0}
     original = RewardScorer.raw_scores
@@ -275,7 +277,7 @@ def test_ppo_runs_on_cuda_with_bf16(tiny_config, trained, tmp_path):
 
 def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, trained):
     from stages.ppo import raw_scores, scores_of
-    from stages.ppo_rollout import policy_sampler, rollout
+    from stages.rl.ppo_rollout import policy_sampler, rollout
 
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(4)
@@ -347,7 +349,7 @@ def test_critic_from_a_reward_model_with_another_tokenizer_is_refused(tiny_confi
 
 
 def test_draw_samples_the_categorical_it_is_given():
-    from stages.rollout import draw
+    from stages.engines.sampler import draw
 
     torch.manual_seed(0)
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(20000, 4)
@@ -358,10 +360,10 @@ def test_draw_samples_the_categorical_it_is_given():
 
 def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, trained):
     """What the rollout reuses from the KV-cached sampling steps is what a full forward computes."""
-    from stages.ppo_math import entropy_of, logprobs_of, response_mask
-    from stages.ppo_models import policy_and_values
-    from stages.ppo_rollout import policy_sampler
-    from stages.rollout import Sampling
+    from stages.common.tensors import entropy_of, logprobs_of, response_mask
+    from stages.rl.ppo_models import policy_and_values
+    from stages.rl.ppo_rollout import policy_sampler
+    from stages.engines.sampler import Sampling
 
     cfg = _cfg(tiny_config, sampling={"temperature": 0.7}, critic={"kind": "shared"})
     models = load_models(cfg, trained["sft"], trained["reward"])
@@ -381,8 +383,8 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
 
 
 def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_config, trained):
-    from stages.ppo import micro_batch
-    from stages.ppo_rollout import Rollout
+    from stages.rl.update import micro_batch
+    from stages.rl.ppo_rollout import Rollout
 
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
     pad, eos = models.tokenizer.pad_token_id, models.tokenizer.eos_token_id
@@ -408,9 +410,9 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
 def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_config, trained):
     """`sampling.micro_batch_size`: pieces sampled and scored apart, then padded into one batch, hold
     the log-probs and values one pass over the joined batch computes (padding changes nothing)."""
-    from stages.ppo_rollout import policy_sampler, rollout
-    from stages.ppo_math import logprobs_of
-    from stages.ppo_models import policy_and_values
+    from stages.rl.ppo_rollout import policy_sampler, rollout
+    from stages.common.tensors import logprobs_of
+    from stages.rl.ppo_models import policy_and_values
 
     cfg = _cfg(tiny_config, sampling={"micro_batch_size": 3, "response_length": 12})
     models = load_models(cfg, trained["sft"], trained["reward"])

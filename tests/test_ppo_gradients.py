@@ -39,13 +39,13 @@ def rows_of(batch, rows: torch.Tensor):
 
 def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg) -> dict[str, torch.Tensor]:
     """The trained parameters' gradients after accumulating this process's whole rollout as one minibatch."""
-    from stages.ppo import accumulate_gradients
+    from stages.rl.update import accumulate_gradients
 
     for parameter in models.trainable():
         parameter.grad = None
     trainer = _trainer(cfg, accelerator, models, actor_critic)
     accumulate_gradients(trainer, _episodes(cfg, batch, advantages, returns), torch.arange(len(batch.responses)))
-    from stages.ppo_models import ActorCritic
+    from stages.rl.ppo_models import ActorCritic
 
     # A sharded gradient is gathered whole (collective) to compare it with the one-process gradient.
     return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
@@ -54,8 +54,8 @@ def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg
 
 def _trainer(cfg, accelerator, models, actor_critic, optimizer=None, scheduler=None):
     """What the update reads of a trainer; no optimizer where only gradients are wanted."""
-    from stages.ppo import PPOTrainer
-    from stages.ppo_rollout import policy_sampler
+    from stages.rl.update import PPOTrainer
+    from stages.rl.ppo_rollout import policy_sampler
 
     return PPOTrainer(cfg, accelerator, models, actor_critic, optimizer, scheduler,
                       torch.amp.GradScaler("cpu", enabled=False), policy_sampler(models))
@@ -63,7 +63,7 @@ def _trainer(cfg, accelerator, models, actor_critic, optimizer=None, scheduler=N
 
 def _episodes(cfg, batch, advantages, returns):
     """What the update reads of an iteration's episodes (no scores or KL figures)."""
-    from stages.ppo import Episodes
+    from stages.rl.update import Episodes
 
     return Episodes(1, batch, [], None, torch.zeros_like(batch.logprobs), 0.0, 0.0, cfg.kl.loss_coef, advantages,
                     returns)
@@ -71,11 +71,13 @@ def _episodes(cfg, batch, advantages, returns):
 
 def _setup(tiny_config, trained, critic="reward", lora=False):
     from stages.ppo import raw_scores, scores_of
-    from stages.ppo_math import gae, kl_estimate, masked_whiten, token_rewards
-    from stages.ppo_models import load_models
-    from stages.ppo_rollout import policy_sampler, rollout
+    from stages.common.tensors import masked_whiten
+    from stages.rl.ppo_math import gae, kl_estimate, token_rewards
+    from stages.rl.ppo_models import load_models
+    from stages.rl.ppo_rollout import policy_sampler, rollout
 
-    from rlhf.config import LoRAConfig, with_overrides
+    from rlhf.config import with_overrides
+    from rlhf.config_common import LoRAConfig
     from tests.helpers import AUTO_RESOLVED  # here, not at the top: this file also runs as a script, outside the package
 
     cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"rollout_batch_size": 8, "num_minibatches": 1,
@@ -110,7 +112,7 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 def test_micro_batch_size_does_not_change_the_gradient(tiny_config, trained, critic):
     from accelerate import Accelerator
 
-    from stages.ppo_models import ActorCritic
+    from stages.rl.ppo_models import ActorCritic
 
     cfg, models, batch, advantages, returns = _setup(tiny_config, trained, critic)
     accelerator, actor_critic = Accelerator(cpu=True), ActorCritic(models)
@@ -127,8 +129,8 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
     policy's update as it was (clipped jointly, the critic's large gradient shrank it)."""
     from accelerate import Accelerator
 
-    from stages.ppo import ppo_update
-    from stages.ppo_models import ActorCritic
+    from stages.rl.update import ppo_update
+    from stages.rl.ppo_models import ActorCritic
 
     from rlhf.config import with_overrides
 
@@ -156,7 +158,7 @@ def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(ti
                                                                               critic, lora):
     from accelerate import Accelerator
 
-    from stages.ppo_models import ActorCritic
+    from stages.rl.ppo_models import ActorCritic
 
     cfg, models, batch, advantages, returns = _setup(tiny_config, trained, critic, lora)
     one = gradients(models, Accelerator(cpu=True), ActorCritic(models), batch, advantages, returns, cfg)
@@ -184,9 +186,9 @@ def _worker(folder: Path, engine: str) -> None:
     from accelerate import Accelerator, PartialState
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from rlhf.config import PPOConfig
-    from stages.holding import Replicated, Sharded
-    from stages.ppo_models import ActorCritic, load_models
+    from rlhf.config_ppo import PPOConfig
+    from stages.runtime.holding import Replicated, Sharded
+    from stages.rl.ppo_models import ActorCritic, load_models
 
     state = PartialState(cpu=True)
     work = torch.load(folder / "work.pt", weights_only=False)
@@ -207,11 +209,11 @@ def _worker(folder: Path, engine: str) -> None:
         torch.save(found | {"sharded": sharded}, folder / "gradients.pt")
 
 
-if __name__ == "__main__":  # ends as a stage's rank does (`stages.distributed.leave_job`)
+if __name__ == "__main__":  # ends as a stage's rank does (`stages.launch.local.leave_job`)
     sys.path.insert(0, str(REPO))
     from accelerate import PartialState
 
-    from stages.distributed import leave_job
+    from stages.launch.local import leave_job
 
     _worker(Path(sys.argv[1]), sys.argv[2])
     leave_job(PartialState())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.reporting import MEASURED
+from stages.common.reporting import MEASURED
 
 pytestmark = pytest.mark.multiprocess  # every test runs the pipeline in child processes
 

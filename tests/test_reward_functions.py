@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.config import RewardTermsConfig, load_config, with_overrides
-from stages.reward_functions import RewardFunctionError, load_reward_functions, reward_values, source_digests
+from rlhf.config import load_config, with_overrides
+from rlhf.config_ppo import RewardTermsConfig
+from stages.rl.reward_functions import RewardFunctionError, load_reward_functions, reward_values, source_digests
 from tests.helpers import run_ppo
 
 PROMPTS = [[{"role": "user", "content": "Describe my dog."}], [{"role": "user", "content": "How is the park?"}]]
@@ -127,7 +128,7 @@ def _ppo(tiny_config, folder: Path, function: str, **changes):
 
 
 def test_ppo_scores_with_the_weighted_sum_and_logs_each_term(tiny_config, trained, tmp_path):
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
 
     _module(tmp_path / "rules", "rules_constant", """
         def one_or_none(prompts, responses):
@@ -181,10 +182,10 @@ def test_the_pre_flight_check_refuses_a_function_that_cannot_be_imported(world, 
 def test_on_two_processes_the_function_runs_on_the_main_process_for_every_response(tiny_config, trained, tmp_path):
     """Every process's responses are scored by one call on the first process; each process trains on
     its own rows' values (the logged figures are the whole batch's)."""
-    from rlhf.config import LaunchConfig
-    from stages.distributed import call_stage
+    from rlhf.config_common import LaunchConfig
+    from stages.launch.call import call_stage
     from stages.ppo import PPOInputs, train_ppo
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
 
     rules = tmp_path / "rules"
     _module(rules, "rules_where", """
@@ -231,7 +232,7 @@ def test_a_reward_of_functions_alone_takes_no_reward_model_and_gae_starts_its_cr
 def test_ppo_without_a_reward_model_trains_on_the_functions_and_evaluates_by_them(tiny_config, trained, tmp_path):
     from stages.ppo import PPOInputs, train_ppo
 
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
 
     cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE, "advantage_estimator": "grpo",
                                            "samples_per_prompt": 4, "num_iterations": 2, "evaluation.every": 1,
@@ -256,7 +257,7 @@ def test_ppo_without_a_reward_model_trains_on_the_functions_and_evaluates_by_the
 
 
 def test_a_reward_model_term_without_a_reward_checkpoint_is_refused(tiny_config, trained, tmp_path):
-    from stages.errors import StageUserError
+    from stages.common.errors import StageUserError
     from stages.ppo import PPOInputs, train_ppo
 
     with pytest.raises(StageUserError, match="reward-model term .* but no reward checkpoint was given"):
@@ -266,7 +267,7 @@ def test_a_reward_model_term_without_a_reward_checkpoint_is_refused(tiny_config,
 
 
 def test_the_policy_critic_starts_from_the_sft_body_with_a_fresh_head(tiny_config, trained):
-    from stages.ppo_models import load_models
+    from stages.rl.ppo_models import load_models
 
     cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE})
     models = load_models(cfg, trained["sft"], None)
@@ -297,10 +298,10 @@ def test_sharded_ppo_without_a_reward_model_trains_its_policy_critic_and_evaluat
         tiny_config, trained, tmp_path):
     """FSDP2 over two processes, GAE with the critic started from the policy: nothing of the sharded
     path needs a reward model."""
-    from rlhf.config import LaunchConfig
-    from stages.distributed import call_stage
+    from rlhf.config_common import LaunchConfig
+    from stages.launch.call import call_stage
     from stages.ppo import PPOInputs, train_ppo
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
 
     fsdp = LaunchConfig(num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml")
     cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE, "launch": fsdp, "num_iterations": 2})

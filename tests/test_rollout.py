@@ -1,4 +1,4 @@
-"""The sampler seam (`stages.rollout`): what an engine gives, and what the rollout recomputes when it cannot."""
+"""The sampler seam (`stages.engines.sampler`): what an engine gives, and what the rollout recomputes when it cannot."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlhf.config import with_overrides
-from stages.ppo_models import load_models
-from stages.ppo_rollout import policy_sampler, rollout
-from stages.rollout import Generation, HFSampler, Sampling
+from stages.rl.ppo_models import load_models
+from stages.rl.ppo_rollout import policy_sampler, rollout
+from stages.engines.sampler import Generation, HFSampler, Sampling
 from tests.helpers import AUTO_RESOLVED
 
 

@@ -30,7 +30,7 @@ def test_remote_code_is_off_unless_the_config_turns_it_on():
 def test_weights_load_from_safetensors_only(world, tokenizer, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from stages.models import load_causal_lm
+    from stages.runtime.models import load_causal_lm
 
     model = AutoModelForCausalLM.from_pretrained(world / "model", use_safetensors=True)
     AutoConfig.from_pretrained(world / "model").save_pretrained(tmp_path)

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from schemas.validate import LengthBudget, load_validated
-from stages.reporting import Reporting
+from stages.common.reporting import Reporting
 from stages.sft import SFTInputs, build_trainer, train_sft
 
 
@@ -69,8 +69,8 @@ def foreign_model(tmp_path, world):
 
 
 def test_any_local_causal_lm_works_in_place_of_the_demo_model(foreign_model, world, tiny_config, tmp_path):
-    from stages.errors import ChatTemplateError
-    from stages.models import load_tokenizer
+    from stages.common.errors import ChatTemplateError
+    from stages.runtime.models import load_tokenizer
 
     with pytest.raises(ChatTemplateError, match="no chat template; set the stage's `chat_template`"):
         load_tokenizer(str(foreign_model))

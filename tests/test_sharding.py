@@ -16,11 +16,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rlhf.config import LaunchConfig, with_overrides
-from stages.distributed import call_stage
+from rlhf.config import with_overrides
+from rlhf.config_common import LaunchConfig
+from stages.launch.call import call_stage
 from stages.dpo import DPOInputs, train_dpo
 from stages.ppo import PPOInputs, train_ppo
-from stages.reporting import MEASURED, Reporting
+from stages.common.reporting import MEASURED, Reporting
 from stages.reward import train_reward
 from stages.sft import train_sft
 from tests.helpers import close, dataset, reward_inputs, sft_inputs
@@ -139,8 +140,8 @@ def test_sharded_ppo_variants_run_and_hand_over_a_plain_checkpoint(tiny_config, 
 def test_sharded_ppo_killed_mid_run_resumes_to_the_uninterrupted_weights(tiny_config, trained, tmp_path, settings):
     """The critic from the reward model, or LoRA adapters on the reward model's own sharded body
     (bf16, the float32 adapters in the same units) whose shards the checkpoint holds."""
-    from stages.distributed import LaunchError
-    from stages.models import folder_digest
+    from stages.launch.job import LaunchError
+    from stages.runtime.models import folder_digest
     from tests.stand_in_stages import KilledAfterFirstCheckpoint, ppo_killed_after_first_checkpoint
 
     cfg = with_overrides(tiny_config.ppo, {"launch": FSDP, "num_iterations": 4, "checkpoint_every": 2} | settings)
@@ -174,7 +175,7 @@ def test_two_machines_one_stage_sharded_over_both(world, tiny_config, tokenizer,
 
     import yaml
 
-    from stages.distributed import launch_command
+    from stages.launch.local import launch_command
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config import REPO_ROOT, VLLMConfig, load_config, vllm_python, with_overrides
+from rlhf.config import load_config, with_overrides
+from rlhf.config_common import REPO_ROOT, VLLMConfig, vllm_python
 from tests.helpers import AUTO_RESOLVED, killed_and_resumed, run_ppo, vllm_servers
 
 pytestmark = pytest.mark.multiprocess  # a vLLM server is a process of its own
@@ -29,7 +30,7 @@ def servable(tmp_path_factory):
     """The tiny world with 2 attention heads of 32 (vLLM's CPU build refuses the default 4 of 16), and
     its SFT and reward checkpoints."""
     from rlhf.demo_world import build_world
-    from stages.models import load_tokenizer
+    from stages.runtime.models import load_tokenizer
     from tests.helpers import train_upstream, world_frames
 
     cfg = load_config("configs/tiny.yaml", {"demo.num_heads": 2, "ppo.rollout_engine": "vllm"})
@@ -65,7 +66,7 @@ def _listening(port: int) -> bool:
 @pytest.fixture
 def started(monkeypatch) -> list:
     """Every `VLLMSampler` the test starts."""
-    from stages.vllm_rollout import VLLMSampler
+    from stages.engines.vllm_server import VLLMSampler
 
     samplers, real_start = [], VLLMSampler.start.__func__
 
@@ -102,9 +103,9 @@ def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_af
 def test_a_sharded_policy_is_streamed_to_the_server_and_sampled_by_both_processes(servable, tmp_path):
     """Two FSDP2 processes: the first starts the server, both write their shards of the policy into
     the served folder (`save_streamed`) and both send their own prompts."""
-    from stages.distributed import call_stage
+    from stages.launch.call import call_stage
     from stages.ppo import PPOInputs, train_ppo
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
 
     cfg, trained = servable
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"launch": {"num_processes": 2,
@@ -161,7 +162,7 @@ run_ppo(ppo, trained, out)
 def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_rerun_resumes(servable, tmp_path):
     import pickle
 
-    from stages.reporting import Reporting
+    from stages.common.reporting import Reporting
 
     cfg, trained = servable
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"num_iterations": 4, "checkpoint_every": 2})
@@ -185,7 +186,7 @@ def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_reru
         assert time.monotonic() < deadline, f"vLLM processes outlived the killed stage: {_process_group_alive(group)}"
         time.sleep(0.5)
     # the policy the killed stage served stays in shared memory until the next server start sweeps it
-    from stages.vllm_rollout import SERVED_PREFIX, served_folder
+    from stages.engines.vllm_server import SERVED_PREFIX, served_folder
 
     left = [f for f in Path(servers[0].split("--model ")[1].split()[0]).parent.glob(f"{SERVED_PREFIX}*")
             if (f / "owner").exists() and (f / "owner").read_text() == str(stage.pid)]

@@ -7,10 +7,11 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from rlhf.config import LaunchConfig, TrainingConfig
-from stages.holding import Holding, Sharded, held_as, holding_for
-from stages.models import resolve_precision, restore_adapters
-from stages.reporting import Reporting
+from rlhf.config_common import LaunchConfig, TrainingConfig
+from stages.runtime.holding import Holding, Sharded, held_as, holding_for
+from stages.runtime.lora import restore_adapters
+from stages.runtime.models import resolve_precision
+from stages.common.reporting import Reporting
 
 _UNLOGGED = ("epoch", "total_flos", "runtime", "per_second", "preparation_time")
 
@@ -55,7 +56,7 @@ def trained_as_held(trainer, launch: LaunchConfig) -> tuple[torch.nn.Module, Hol
 def prepare_sharding(trainer) -> None:
     """What a TRL trainer's model needs before `train()` prepares it. Under FSDP: the LoRA adapters TRL
     put on it given their initial values on the first process (`models.restore_adapters`), and the model
-    sharded here as PPO shards its models (`stages.holding.Sharded`: a unit per decoder layer, the first
+    sharded here as PPO shards its models (`stages.runtime.holding.Sharded`: a unit per decoder layer, the first
     process sending each tensor as it reads it from the checkpoint, offloaded as the accelerate config's
     `fsdp_offload_params` says, under bf16 autocast reducing gradients in float32); accelerate's FSDP2
     preparation leaves a model that is already sharded as it is, and maps the optimizer onto its shards."""
@@ -90,7 +91,7 @@ def last_trainer_checkpoint(output_dir: Path) -> str | None:
 
 def trainer_arguments(cfg: TrainingConfig, output_dir: Path) -> dict:
     """Keyword arguments shared by TRL's SFTConfig, RewardConfig and DPOConfig. Sharded, the
-    trainers keep the process state `stages.distributed` set up (where FSDP2 is switched on for
+    trainers keep the process state `stages.launch.local` set up (where FSDP2 is switched on for
     CPU runs too) instead of resetting it."""
     autocast_dtype = resolve_precision(cfg.precision).autocast_dtype
     sharded = {"accelerator_config": {"use_configured_state": True}} if cfg.launch.sharded else {}

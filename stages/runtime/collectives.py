@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from accelerate import Accelerator
 
-from stages.ppo_math import masked_whiten
+from stages.common.tensors import masked_whiten
 
 MAX_FIGURES = ("_max", "initial_ratio_deviation")
 """Figures summarised by their largest value (over minibatches and processes), not their mean."""

@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf.config import RewardTerm, RewardTermsConfig
-from stages.errors import StageUserError
+from rlhf.config_ppo import RewardTerm, RewardTermsConfig
+from stages.common.errors import StageUserError
 
 
 class RewardFunctionError(StageUserError):

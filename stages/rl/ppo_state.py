@@ -15,8 +15,8 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
-from stages.ppo_math import KLController
-from stages.ppo_models import Models
+from stages.rl.ppo_math import KLController
+from stages.rl.ppo_models import Models
 
 
 @dataclass(frozen=True)

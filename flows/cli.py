@@ -19,7 +19,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     tokenizer = budget = None
     if args.tokenizer:
-        from stages.models import load_tokenizer
+        from stages.runtime.models import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
         budget = LengthBudget(args.max_prompt_length, args.max_length)
@@ -97,7 +97,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     from flows.inputs import memory_plan
     from rlhf.config import ConfigError, load_config
-    from stages.memory import GIB, Device, plan_json, plan_table, this_device
+    from stages.memory.plan import plan_json, plan_table
+    from stages.memory.phases import Device, this_device
+    from stages.memory.shapes import GIB
 
     try:
         cfg = load_config(args.config)

@@ -1,6 +1,6 @@
 """PPO's rollout on a sampler: sample, then the passes PPO needs besides (old log-probs and values
 unless the sampling pass gave them, and the reference's log-probs). PPO's iterations and every
-evaluation of a policy (`stages.evaluation`, PPO's and DPO's) call `rollout`.
+evaluation of a policy (`stages.rl.evaluation`, PPO's and DPO's) call `rollout`.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
-from stages.ppo_math import entropy_of, is_end, logprobs_of, response_mask
-from stages.ppo_models import Models, forward_response, policy_and_values, reference_policy
-from stages.rollout import Generation, HFSampler, Sampler, Sampling
+from stages.common.tensors import entropy_of, is_end, logprobs_of, response_mask
+from stages.rl.ppo_models import Models, forward_response, policy_and_values, reference_policy
+from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling
 
 if TYPE_CHECKING:
-    from rlhf.config import SamplingConfig
+    from rlhf.config_common import SamplingConfig
 
 
 def policy_sampler(models: Models) -> HFSampler:

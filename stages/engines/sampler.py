@@ -3,13 +3,13 @@
 A `Sampler` answers prompts with responses (token ids, and where the engine can give them each
 token's log-prob, the entropy and the final hidden state that predicted it) and receives the
 policy's current weights (`sync`). What an engine cannot give is None, and the caller recomputes
-it with a forward pass. `stages.vllm_rollout.VLLMSampler` samples on a vLLM server: token ids and
+it with a forward pass. `stages.engines.vllm_server.VLLMSampler` samples on a vLLM server: token ids and
 vLLM's own log-probs (`engine_logprobs`), which the rollout compares with its recomputed ones.
 `HFSampler` is transformers' model itself: it samples the live policy, so `sync` has nothing to
 do, and it owns what is HF-specific (the KV-cached decode loop, a sharded
 model's gathering for it and the "every process finished?" check).
 
-PPO's rollout (`stages.ppo_rollout`) samples through it, for training and for every evaluation
+PPO's rollout (`stages.rl.ppo_rollout`) samples through it, for training and for every evaluation
 (PPO's and DPO's); the reward stage's normalisation samples and SFT's greedy samples too.
 """
 
@@ -21,9 +21,9 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from stages.holding import Holding, Replicated
-from stages.models import Precision, left_padded, position_ids_for
-from stages.ppo_math import entropy_of, is_end, logprobs_of, truncate_after_eos
+from stages.runtime.holding import Holding, Replicated
+from stages.runtime.models import Precision, left_padded, position_ids_for
+from stages.common.tensors import entropy_of, is_end, logprobs_of, truncate_after_eos
 
 
 # --- the sampler --------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ class HFSampler:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     stop_ids: list[int]
-    """Every token id that ends a response (`stages.models.stop_token_ids`)."""
+    """Every token id that ends a response (`stages.runtime.models.stop_token_ids`)."""
     precision: Precision = Precision("fp32", None)
     """Autocast for the decode loop; transformers' `generate` runs as the model is held."""
     holding: Holding = field(default_factory=Replicated)

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from rlhf.config import LoRAConfig, PPOConfig
-from stages.holding import Holding, Replicated
-from stages.models import (Precision, copied, disable_dropout, dtype_named, load_causal_lm,
-                           load_tokenizer, lora_config, position_ids_for, resolve_precision, restore_adapters,
-                           stop_token_ids, with_lora)
-from stages.reward import RewardScorer, load_reward_model
+from rlhf.config_common import LoRAConfig
+from rlhf.config_ppo import PPOConfig
+from stages.runtime.holding import Holding, Replicated
+from stages.runtime.lora import copied, lora_config, restore_adapters, with_lora
+from stages.runtime.models import Precision, disable_dropout, dtype_named, load_causal_lm, load_tokenizer, position_ids_for, resolve_precision, stop_token_ids
+from stages.rl.scoring import RewardScorer, load_reward_model
 
 
 def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,

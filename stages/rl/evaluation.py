@@ -18,13 +18,15 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from rlhf.config import EvaluationConfig, PPOConfig, SamplingConfig
+from rlhf.config_common import EvaluationConfig, SamplingConfig
+from rlhf.config_ppo import PPOConfig
 from rlhf.evaluation import win_rate
-from stages.ppo_math import is_end, kl_estimate, weighted_reward
-from stages.ppo_models import Models, reference_policy
-from stages.ppo_rollout import in_chunks, reference_sampler, rollout
-from stages.reporting import Reporting
-from stages.rollout import Sampler, Sampling
+from stages.common.tensors import is_end
+from stages.rl.ppo_math import kl_estimate, weighted_reward
+from stages.rl.ppo_models import Models, reference_policy
+from stages.rl.ppo_rollout import in_chunks, reference_sampler, rollout
+from stages.common.reporting import Reporting
+from stages.engines.sampler import Sampler, Sampling
 
 
 @contextmanager

@@ -1,10 +1,10 @@
-"""Running a stage on several processes with `accelerate launch` (torch.distributed).
+"""Running a stage on several processes of one machine (or hand-launched machines) with
+`accelerate launch` (torch.distributed): the launcher `stages.launch.call.call_stage` uses.
 
-`call_stage(train_ppo, cfg, inputs, ...)` calls the stage function in the caller's process when
-its config asks for one process. For more, it pickles the call (the function, by reference, with
+`run(call, reporting)` pickles the call (the function, by reference, with
 its config and typed inputs) into a spec folder, starts
 
-    accelerate launch --num_processes N [--config_file F | --multi_gpu] -m stages.distributed SPEC
+    accelerate launch --num_processes N [--config_file F | --multi_gpu] -m stages.launch.local SPEC
 
 and forwards what rank 0 reports (metrics, sample tables, warnings) to the caller's own
 `Reporting` while the job runs. Rank 0 pickles the stage's result back; the caller gets the same
@@ -43,62 +43,27 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
-from rlhf.config import accelerate_config_path
-from stages.errors import StageUserError
-from stages.memory import measured_peak, with_figures
-from stages.models import keep_initial_adapters, set_determinism
-from stages.reporting import Reporting
+from rlhf.config_common import accelerate_config_path
+from stages.common.errors import StageUserError
+from stages.common.reporting import Reporting
+from stages.launch.job import LaunchError, StageCall
+from stages.memory.measured import measured_peak, with_figures
+from stages.runtime.lora import keep_initial_adapters
+from stages.runtime.models import set_determinism
 
-Stage = Callable[[Any, Any, Path, Reporting], Any]
-"""A stage function: `train(cfg, inputs, output_dir, reporting)`, returning its result on rank 0."""
-
-
-class LaunchError(RuntimeError):
-    """The multi-process job failed; the message holds the tail of its log."""
+# --- the caller's side ------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class StageCall:
-    """One stage function call, as every process of a launch makes it."""
-
-    train: Stage
-    section: Any
-    """The stage's config section."""
-    inputs: Any
-    """The stage's typed inputs (`SFTInputs`, ...)."""
-    output_dir: Path
-    deterministic: bool
-    num_threads: int
-    """This process's share of the CPU threads the pipeline may use."""
-    attempt: str
-    """This launch's own id, which each rank writes into its done marker: a marker that a process of an
-    earlier attempt in the same folder left never counts."""
-
-
-def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Reporting, *, deterministic: bool,
-               num_threads: int | None):
-    """`train(section, inputs, output_dir, reporting)` on `section.launch.num_processes` processes;
-    its result. A `StageUserError` raised on rank 0 is raised here as it was."""
-    if section.launch.num_processes == 1:
-        with measured_peak() as peak:
-            result = train(section, inputs, output_dir, reporting)
-        return with_figures(result, peak)
-    threads = max(1, (num_threads or os.cpu_count() or 1) // section.launch.num_processes)
-    call = StageCall(train, section, inputs, output_dir, deterministic, threads, attempt=uuid.uuid4().hex)
+def run(call: StageCall, reporting: Reporting):
+    """`call` on `call.section.launch.num_processes` processes of this machine; rank 0's result."""
     spec = _write_spec(call)
     _launch(spec, call, reporting)
     return pickle.loads((spec / "result.pkl").read_bytes())
-
-
-# --- the caller's side ------------------------------------------------------------------------
 
 
 def _write_spec(call: StageCall) -> Path:
@@ -126,7 +91,7 @@ def launch_command(spec: Path, launch) -> list[str]:
         command += ["--config_file", str(accelerate_config_path(launch.accelerate_config))]
     else:
         command += ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    return command + ["-m", "stages.distributed", str(spec)]
+    return command + ["-m", "stages.launch.local", str(spec)]
 
 
 def _launch(spec: Path, call: StageCall, reporting: Reporting) -> None:
@@ -149,7 +114,7 @@ def _launch(spec: Path, call: StageCall, reporting: Reporting) -> None:
     events = spec / "events.jsonl"
     with log.open("w") as out:
         process = subprocess.Popen(launch_command(spec, launch), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+                                   cwd=Path(__file__).resolve().parents[2], start_new_session=True)
         read = 0
         try:
             while True:
@@ -275,7 +240,7 @@ def main(spec: Path) -> None:
     if call.section.launch.sharded:
         # Sharded loading, whatever the accelerate config says: every process builds each model on the meta
         # device, the first reads the checkpoint a tensor at a time and sends every process its shards
-        # (`stages.models.load_pretrained`, `stages.holding.receive_from_rank0`); LoRA adapters as peft drew them.
+        # (`stages.runtime.models.load_pretrained`, `stages.runtime.holding.receive_from_rank0`); LoRA adapters as peft drew them.
         os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
         keep_initial_adapters()
     if call.section.launch.sharded and state.distributed_type == DistributedType.MULTI_CPU:

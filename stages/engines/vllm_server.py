@@ -48,12 +48,12 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.config import VLLM_CPU_HEAD_SIZES, SampledStage, VLLMConfig, vllm_python
-from stages.errors import StageUserError
-from stages.holding import save_streamed
-from stages.models import left_padded
-from stages.ppo_math import truncate_after_eos
-from stages.rollout import Generation, HFSampler, Sampler, Sampling
+from rlhf.config_common import VLLM_CPU_HEAD_SIZES, SampledStage, VLLMConfig, vllm_python
+from stages.common.errors import StageUserError
+from stages.runtime.holding import save_streamed
+from stages.runtime.models import left_padded
+from stages.common.tensors import truncate_after_eos
+from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling
 
 CPU_KV_CACHE_GIB = 1.0
 """KV cache of a CPU server when `vllm.kv_cache_gib` is unset (vLLM's CPU default, 4 GiB, or a share of the host's memory, is more than a rollout of short responses uses)."""

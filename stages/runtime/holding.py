@@ -1,7 +1,7 @@
 """How a stage's processes hold its models: whole on each (`Replicated`: one process, or DDP)
 or split between them (`Sharded`: FSDP2, `torch.distributed.fsdp.fully_shard`). PPO holds all its
 models so; the TRL-driven stages (whose trainer shards the trained model) read and save it so after
-training (`stages.training.trained_as_held`).
+training (`stages.runtime.training.trained_as_held`).
 
 Every place where the two differ is a method here, so `train_ppo`'s rollout and update read the
 same either way:
@@ -40,10 +40,11 @@ import torch
 from accelerate import Accelerator, PartialState
 
 if TYPE_CHECKING:
-    from rlhf.config import LaunchConfig
+    from rlhf.config_common import LaunchConfig
 
-from stages.collectives import check_weights_agree
-from stages.models import device
+from stages.runtime.collectives import check_weights_agree
+from stages.runtime.lora import merged, untied_head
+from stages.runtime.models import device
 
 Gather = Literal["whole", "per_layer"]
 
@@ -96,7 +97,7 @@ class Replicated:
     def save_plain(self, model: torch.nn.Module, tokenizer, folder: Path, dtype: torch.dtype) -> None:
         """The main process saves `model` (a transformers model, maybe with LoRA adapters) as the plain
         model it stands for, in `dtype`: adapters merged in float32 (in place), as `Sharded.save_plain` merges."""
-        from stages.models import merged, save_checkpoint
+        from stages.runtime.models import save_checkpoint
 
         if self.accelerator is None or self.accelerator.is_main_process:
             save_checkpoint(merged(model.float()), tokenizer, folder, dtype)
@@ -284,7 +285,7 @@ def broadcast_from_rank0(module: torch.nn.Module) -> None:
     """A small module kept whole on every process (a score head), on this process's device with rank
     0's values (collective); built on the meta device, rank 0 reads it from its checkpoint first
     (`models.materialise`) and the others give it storage to receive into."""
-    from stages.models import fill_in_place, materialise
+    from stages.runtime.models import fill_in_place, materialise
 
     for parameter in module.parameters():
         if parameter.is_meta and torch.distributed.get_rank() == 0:
@@ -306,7 +307,7 @@ def receive_from_rank0(model: torch.nn.Module, sent: dict[str, torch.Tensor], sk
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from stages.models import materialise, unfilled_memory
+    from stages.runtime.models import materialise, unfilled_memory
 
     # Storage for the shards (tied parameters stay one); what is real stays: buffers (rotary frequencies,
     # computed at construction) and parameters sharded with another model.
@@ -340,23 +341,6 @@ SHARD_BYTES = 5 * 1024 ** 3
 """Largest safetensors file a streamed hand-off writes (above it: several files and an index, as
 `save_pretrained` writes them; the hub's models are mostly split at 5 GB, transformers 5's default is
 50 GB). Memory does not depend on it: tensors are written as they are gathered."""
-
-
-def untied_head(module: torch.nn.Module, untie: bool = False) -> tuple[str, torch.nn.Module] | None:
-    """(plain name, layer) of `module`'s output head when a hand-off writes it as its own tensor,
-    though the model ties it to its input embeddings: when it carries LoRA adapters (merged, it is no
-    longer the embeddings; written once as the embeddings, the adapters would be lost) or with `untie`."""
-    from accelerate.utils import is_peft_model
-    from peft.tuners.lora import LoraLayer
-
-    plain = module.get_base_model() if is_peft_model(module) else module
-    head, embeddings = plain.get_output_embeddings(), plain.get_input_embeddings()
-    if head is None or embeddings is None:
-        return None
-    weight = head.base_layer.weight if isinstance(head, LoraLayer) else head.weight
-    if weight is not embeddings.weight or not (untie or isinstance(head, LoraLayer)):
-        return None
-    return next(name for name, m in plain.named_modules() if m is head), head
 
 
 def plain_tensors(module: torch.nn.Module, untie: bool = False) -> list[tuple[str, torch.Size, torch.dtype,
@@ -417,7 +401,7 @@ def save_streamed(module: torch.nn.Module, tokenizer, folder: Path, dtype: torch
     from accelerate.utils import is_peft_model
     from torch.distributed.fsdp import FSDPModule
 
-    from stages.models import finish_checkpoint
+    from stages.runtime.models import finish_checkpoint
 
     entries = [(name, shape, dtype if kind.is_floating_point else kind, gather)
                for name, shape, kind, gather in plain_tensors(module, untie)]
@@ -493,7 +477,7 @@ def holding_for(accelerator: Accelerator, launch: LaunchConfig, gather: Gather, 
     """`Sharded` when the stage's launch shards (FSDP2) and runs on several processes (offloading as
     its accelerate config and `offload_frozen` say), else `Replicated`."""
     if gather not in ("whole", "per_layer"):
-        raise ValueError(f"sharded_sampling {gather!r} must be resolved first (stages.memory.with_micro_batches)")
+        raise ValueError(f"sharded_sampling {gather!r} must be resolved first (stages.memory.plan.with_micro_batches)")
     if launch.sharded and accelerator.num_processes > 1:
         return Sharded(accelerator, gather, autocast_dtype, launch.offload_params, offload_frozen)
     return Replicated(accelerator)

@@ -1,7 +1,7 @@
 """How a stage reports while it runs: one type for every stage, in one process or several.
 
 The flow hands a stage a `Reporting` whose callbacks log to MLflow; on several processes
-`stages.distributed` gives rank 0 one that writes events to a file and replays them into the
+`stages.launch.local` gives rank 0 one that writes events to a file and replays them into the
 caller's. A stage calls the ones it has something for; each does nothing unless set.
 """
 

@@ -1,0 +1,271 @@
+"""What every stage's config section is built from: data sources, where its processes run (`LaunchConfig`),
+LoRA, the vLLM server, sampling and evaluation settings, and the shared bases of the sections
+(`StageSettings`, `TrainedStage`, `TrainingConfig`, `SampledStage`). `rlhf.config` assembles the
+pipeline's config from these and `rlhf.config_ppo`.
+
+Every field has a one-line docstring; the README's configuration reference is generated from
+them (`rlhf config-reference`). Unknown keys are errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+StageName = Literal["sft", "reward", "ppo", "dpo"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class DataSource(_Frozen):
+    """Where a data set comes from and what shape it is in."""
+
+    path: str
+    """A local .jsonl/.json/.parquet/.csv file, a `datasets.load_dataset` name, or `demo:<name>`."""
+    split: str = "train"
+    """Split to load when `path` is a `datasets` name."""
+    format: Literal["auto", "plain", "hh", "chat"] = "auto"
+    """Input format: plain columns, Anthropic HH transcripts, or chat message lists; `auto` guesses."""
+
+
+class LaunchConfig(_Frozen):
+    """How many processes a stage runs on; above one, the flow starts it with `accelerate launch`."""
+
+    num_processes: PositiveInt = 1
+    """Processes (one per GPU; on CPU, gloo) that train the stage together; 1 runs it inside the flow's process."""
+    accelerate_config: str | None = None
+    """An `accelerate` config file: DDP, FSDP2 (`configs/accelerate/fsdp.yaml`: every model sharded between the processes, every stage), or DeepSpeed ZeRO-1/2 for SFT, reward and DPO; see docs/scaling.md. Unset: plain DDP."""
+    timeout_seconds: PositiveInt = 1800
+    """Seconds a process waits for the others (the end of the stage included, where the main one samples, scores and saves alone) before the job fails."""
+
+    @model_validator(mode="after")
+    def _config_file_exists(self) -> LaunchConfig:
+        if self.accelerate_config is not None and accelerate_config_path(self.accelerate_config) is None:
+            raise ValueError(f"accelerate_config {self.accelerate_config!r} not found")
+        engine = self.engine()
+        if (engine.get("deepspeed_config") or {}).get("zero_stage") == 3:
+            raise ValueError(f"accelerate_config {self.accelerate_config!r} is DeepSpeed ZeRO-3: parameter sharding "
+                             "here is FSDP2 (configs/accelerate/fsdp.yaml), which every stage runs on")
+        if engine.get("distributed_type") == "FSDP":
+            fsdp = engine.get("fsdp_config") or {}
+            if int(fsdp.get("fsdp_version", 1)) != 2:
+                raise ValueError(f"accelerate_config {self.accelerate_config!r} asks for FSDP version "
+                                 f"{fsdp.get('fsdp_version', 1)}: the stages shard with FSDP2 (fsdp_version: 2; "
+                                 "FSDP1 is deprecated and refuses CPU runs)")
+            if fsdp.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP") != "TRANSFORMER_BASED_WRAP":
+                raise ValueError(f"accelerate_config {self.accelerate_config!r}: fsdp_auto_wrap_policy must be "
+                                 "TRANSFORMER_BASED_WRAP (a unit per decoder layer), as PPO shards its models")
+        return self
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the stage's models are sharded between its processes (FSDP2 on more than one), not replicated."""
+        return self.engine().get("distributed_type") == "FSDP" and self.num_processes > 1
+
+    @property
+    def offload_params(self) -> bool:
+        """Whether the accelerate config offloads (`fsdp_offload_params`): a sharded stage then holds its models' shards in host memory, the trained ones' gradients and optimizer state too."""
+        return self.engine().get("distributed_type") == "FSDP" and \
+            bool((self.engine().get("fsdp_config") or {}).get("fsdp_offload_params", False))
+
+    def engine(self) -> dict[str, Any]:
+        """The accelerate config file's contents ({} when unset)."""
+        if self.accelerate_config is None:
+            return {}
+        return yaml.safe_load(accelerate_config_path(self.accelerate_config).read_text()) or {}
+
+
+def accelerate_config_path(location: str) -> Path | None:
+    """An accelerate config file, absolute or relative to the working directory or the repository."""
+    for path in (Path(location), REPO_ROOT / location):
+        if path.is_file():
+            return path.resolve()
+    return None
+
+
+class StageSettings(_Frozen):
+    """How every stage loads, computes in and saves its models, and where it runs."""
+
+    precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"] = "auto"
+    """Autocast dtype of the math; trained weights and optimizer states are float32 in every case. `auto`: bf16-mixed on a CUDA GPU with bf16, else fp32."""
+    checkpoint_dtype: Literal["base", "float32", "bfloat16", "float16"] = "base"
+    """Dtype of the saved checkpoint's weights; `base`: the dtype the stage's starting checkpoint was saved in."""
+    trust_remote_code: bool = False
+    """Allow model repositories to run their own Python code when loading."""
+    launch: LaunchConfig = LaunchConfig()
+    """Processes the stage runs on."""
+
+
+class LoRAConfig(_Frozen):
+    """Low-rank adapters (peft) on a trained model: its own weights stay frozen, only the adapters train."""
+
+    r: PositiveInt = 8
+    """Adapter rank."""
+    alpha: PositiveFloat = 16.0
+    """Adapter scaling numerator (scale = alpha / r)."""
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """Modules that get adapters: `all-linear`, every linear layer of the model's body in its family's own names (Llama's q/k/v/o and gate/up/down projections, GPT-2's c_attn/c_proj/c_fc, ...), or module names (a module whose name is, or ends with `.` and, one of these)."""
+
+
+class PolicyLoRAConfig(LoRAConfig):
+    """LoRA on PPO's policy, which may carry adapters on its output head (TRL's SFT and DPO trainers
+    compute log-probs from the head's weight directly and refuse an adapter there)."""
+
+    output_layer: bool = True
+    """The policy's output head gets adapters too (its output projection, `lm_head` in most families; a head tied to the input embeddings is handed off untied). Without them a LoRA policy hardly learns on the demo world (docs/performance.md)."""
+
+
+class TrainedStage(StageSettings):
+    """Fields every training stage has, with the same meaning."""
+
+    duplicates: Literal["error", "drop"] = "error"
+    """Duplicate records: refuse the data set, or drop them and report how many."""
+    max_prompt_length: PositiveInt = 64
+    """Token budget of a rendered prompt; longer records are refused."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: PositiveFloat = 1.0
+    """Gradient-norm clipping (in PPO, of the policy and of the critic each on its own)."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory on large models."""
+    seed: int = 0
+    """Seeds data order, sampling and initialisation."""
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters instead of all weights (a reward model's score head trains whole beside them); where a stage needs a reference (PPO, DPO) it is the same model with its adapters disabled, and the hand-off checkpoint has them merged."""
+
+
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class VLLMConfig(_Frozen):
+    """The vLLM server that samples rollouts with `rollout_engine: vllm`: started from its own environment on loopback, stopped at the end."""
+
+    python: str = ".vllm-venv/bin/python"
+    """The vLLM environment's Python (`make vllm-env` builds it; relative paths from the repo root)."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """Share of the device's memory vLLM may take for weights and KV cache (on a CPU: of host memory; vLLM refuses to start if that much is not free). Sharing a GPU with training: leave the trainer its part."""
+    cuda_visible_devices: str | None = None
+    """GPUs the server sees (its `CUDA_VISIBLE_DEVICES`), e.g. "7" for a GPU of its own beside a trainer on 0-6; unset: the stage's own."""
+    tensor_parallel_size: PositiveInt = 1
+    """GPUs the server splits the policy over (vLLM's `--tensor-parallel-size`)."""
+    kv_cache_gib: PositiveFloat | None = None
+    """KV cache size in GiB (vLLM's `--kv-cache-memory-bytes`); unset: vLLM sizes it from `gpu_memory_utilization` on a GPU, 1 GiB on a CPU."""
+    max_model_len: PositiveInt | None = None
+    """Longest prompt plus response the server accepts; unset: the model's `max_position_embeddings`."""
+    startup_timeout: PositiveFloat = 600.0
+    """Seconds to wait for the server to answer `/health` before the stage fails."""
+    importance_sampling: Literal["token", "sequence"] | None = "token"
+    """Correction for the engine mismatch (the trainer's old log-probs against vLLM's): truncated importance weights pi_train / pi_vllm per token or per sequence (its product) multiply the policy loss; null: none."""
+    importance_sampling_cap: PositiveFloat = 2.0
+    """Upper bound of the importance weights (truncated importance sampling)."""
+
+
+def vllm_python(settings: VLLMConfig) -> Path:
+    """The vLLM environment's Python, a relative `python` taken from the repo root."""
+    path = Path(settings.python)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+class SampledStage(_Frozen):
+    """The engine a stage samples a policy with: PPO's rollouts and evaluations, DPO's evaluation, the reward stage's normalisation samples."""
+
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    """What samples the policy: transformers in the stage's own processes (`hf`), or a vLLM server from its own environment (`vllm`; `make vllm-env`), which PPO syncs with the policy after every update; the stage recomputes log-probs itself (PPO logs `rollout/vllm_logprob_gap`)."""
+    vllm: VLLMConfig = VLLMConfig()
+    """The vLLM server, with `rollout_engine: vllm`."""
+
+    @model_validator(mode="after")
+    def _vllm_is_installed(self) -> SampledStage:
+        if self.rollout_engine == "vllm" and not vllm_python(self.vllm).exists():
+            raise ValueError(f"rollout_engine 'vllm': no vLLM environment at {self.vllm.python}; build it with "
+                             "`make vllm-env` (or point vllm.python at one), or sample with rollout_engine: hf")
+        return self
+
+
+class TrainingConfig(TrainedStage):
+    """Settings every trainer-based stage shares. `learning_rate`, `warmup_ratio` and
+    `checkpoint_every` are declared here and in `PPOConfig` apart: their defaults differ, and
+    PPO counts checkpoints in iterations, not optimizer steps."""
+
+    eval_fraction: float = Field(0.1, gt=0, lt=1)
+    """Share of `train_data` held out for evaluation when `eval_data` is unset."""
+    max_length: PositiveInt = 128
+    """Token budget of prompt + reply + EOS; longer records are refused."""
+    learning_rate: PositiveFloat = 2e-5
+    """Peak AdamW learning rate."""
+    num_train_epochs: PositiveFloat = 1.0
+    """Passes over the training data (ignored when `max_steps` is set)."""
+    max_steps: PositiveInt | None = None
+    """Stop after this many optimizer steps."""
+    batch_size: PositiveInt = 8
+    """Examples (pairs, for the reward model) per process per step: the global batch is this x processes x accumulation."""
+    gradient_accumulation_steps: PositiveInt = 1
+    """Micro-batches accumulated per optimizer step."""
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    """Share of steps with a linearly rising learning rate."""
+    lr_scheduler_type: Literal["linear", "cosine", "constant_with_warmup"] = "cosine"
+    """Learning-rate schedule after warmup."""
+    eval_steps: PositiveInt = 20
+    """Evaluate on held-out data every this many steps."""
+    logging_steps: PositiveInt = 10
+    """Log training figures every this many steps."""
+    checkpoint_every: PositiveInt = 200
+    """Trainer checkpoint every this many steps; a rerun of the same work resumes from the last one."""
+    chat_template: str | None = None
+    """Jinja chat template (or the path of a .jinja file) for a tokenizer that has none, or to replace its own; saved with the checkpoint."""
+
+    @model_validator(mode="after")
+    def _budgets_fit(self):
+        if self.max_prompt_length >= self.max_length:
+            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be below max_length ({self.max_length})")
+        return self
+
+
+class SamplingConfig(_Frozen):
+    """How a policy's responses are sampled: PPO's rollouts, and every evaluation of a policy (PPO's and DPO's)."""
+
+    response_length: PositiveInt = 32
+    """New tokens generated per response at most."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature (full distribution: no top-k, no top-p); log-probabilities are taken from the same scaled logits."""
+    micro_batch_size: PositiveInt | Literal["auto"] | None = "auto"
+    """Sequences a process samples, and passes through its models without gradients, at once (bounds the KV cache and the logits of those passes; OpenRLHF's `micro_rollout_batch_size`). `auto`: the largest that the memory plan fits on the device present, with a margin (`AUTO_MARGIN`), resolved at launch and logged as `auto.<field>`; null: a process's whole rollout batch, and a whole evaluation, at once."""
+
+
+class EvaluationConfig(_Frozen):
+    """The judgement of a trained policy on held-out prompts against the SFT policy's responses to them, PPO's and DPO's alike."""
+
+    prompts: DataSource = DataSource(path="demo:prompts_eval")
+    """Held-out prompts."""
+    seed: int = 0
+    """Seeds the evaluation's sampling apart from the stage's `seed`: every run from the same SFT checkpoint and prompts is judged against the same SFT baseline responses (from this seed; the policy's own from seed + 1)."""
+    samples_per_prompt: PositiveInt = 4
+    """Responses per held-out prompt, the policy's and the SFT baseline's."""
+    kl_budget: PositiveFloat = 12.0
+    """Mean KL to the SFT policy per sequence above which the final evaluation warns: `eval/kl`, the k1 estimate (log-ratio) summed over each of the policy's held-out responses, whatever `ppo.kl.estimator` says. PPO checks each iteration's `rollout/kl` against it too."""
+
+
+def _refuse_moved(data: Any, moved: dict[str, str], section: str) -> Any:
+    """A config written before the sections: each moved key refused with its new name."""
+    if not isinstance(data, dict):
+        return data
+    found = [f"{section}.{old} is now {section}.{moved[old]}" for old in data if old in moved]
+    if isinstance(data.get("critic"), str) and data["critic"] != "auto":
+        found.append(f"{section}.critic is a section now: set {section}.critic.kind: {data['critic']}")
+    if found:
+        raise ValueError("moved settings: " + "; ".join(found))
+    return data

@@ -1,0 +1,219 @@
+"""PPO's update: the epochs of minibatches over one iteration's `Episodes`, each minibatch's gradient
+accumulated over micro-batches and processes (`accumulate_gradients`) as one token mean, the
+clipped policy loss and the value loss from `stages.rl.ppo_math`, and the optimizer step. A new
+policy loss is an equation in `stages.rl.ppo_math` and is applied here, in `_micro_batch_step`.
+`PPOTrainer` is what every process trains with (built by `stages.ppo.build_trainer`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+
+from rlhf.config_ppo import PPOConfig
+from stages.common.errors import NonFiniteLossError
+from stages.common.tensors import entropy_of, logprobs_of, masked_mean
+from stages.engines.sampler import Sampler
+from stages.rl.ppo_math import (
+    clipped_policy_loss,
+    clipped_value_loss,
+    kl_estimate,
+)
+from stages.rl.ppo_models import Models
+from stages.rl.ppo_rollout import Rollout
+from stages.rl.reward_functions import RewardFunction
+from stages.rl.scoring import Scores
+from stages.runtime.collectives import (
+    MAX_FIGURES,
+    sum_over_processes,
+)
+
+# --- update -----------------------------------------------------------------------------------
+
+
+@dataclass
+class PPOTrainer:
+    """What every process of a PPO run trains with, built once by `build_trainer`."""
+
+    cfg: PPOConfig
+    accelerator: Accelerator
+    models: Models
+    actor_critic: torch.nn.Module
+    """Policy and critic as one module: wrapped by DDP or FSDP2 on several processes, as is on one."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    """Loss scaling for fp16 autocast only; disabled, it passes losses and steps through unchanged."""
+    sampler: Sampler
+    """What the rollouts and evaluations sample the policy with."""
+    reward_functions: list[RewardFunction] = field(default_factory=list)
+    """The `reward` terms that are Python functions, imported and checked."""
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """One iteration's rollout with what was scored and estimated on it: what the update trains on
+    and the iteration's figures report."""
+
+    iteration: int
+    batch: Rollout
+    messages: list[list[dict]]
+    """Each episode's prompt as chat messages."""
+    scores: Scores
+    kl: torch.Tensor
+    """(B, T) the per-token KL estimate (`kl_estimator`) to the reference, masked."""
+    beta: float
+    """The KL controller's coefficient this iteration."""
+    reward_beta: float
+    """The KL coefficient in the reward: `beta`, or 0 when the KL is a loss term (`kl_in_loss`)."""
+    kl_loss_coef: float
+    """The weight of the k3 KL loss term."""
+    advantages: torch.Tensor  # (B, T)
+    returns: torch.Tensor | None  # (B, T), GAE only
+    engine_weights: torch.Tensor | None = None
+    """(B, T) importance weights for the engine mismatch (`engine_weights`); None: the trainer sampled, or no correction."""
+
+
+@dataclass
+class UpdateStats:
+    values: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, **figures: float) -> None:
+        for key, value in figures.items():
+            self.values.setdefault(key, []).append(float(value))
+
+    def means(self) -> dict[str, float]:
+        return {key: (max(v) if key.endswith(MAX_FIGURES) else float(np.mean(v))) for key, v in self.values.items()}
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Some rows of a rollout, without the columns that are padding in all of them."""
+
+    queries: torch.Tensor  # (b, tq)
+    query_mask: torch.Tensor
+    responses: torch.Tensor  # (b, t)
+    mask: torch.Tensor
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor | None  # None without a critic, as are the returns
+    advantages: torch.Tensor
+    returns: torch.Tensor | None
+    engine_weights: torch.Tensor | None = None  # None: no engine-mismatch correction
+
+
+def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None,
+                rows: torch.Tensor, engine_weights: torch.Tensor | None = None) -> MicroBatch:
+    """The rows' tensors, dropping leading prompt columns and trailing response columns that no
+    row uses: the rollout is padded for its longest prompt and response, a micro-batch need not be.
+    Position ids count real tokens, so dropping all-padding columns changes no position."""
+    query_mask, mask = batch.query_mask[rows], batch.mask[rows]
+    first = int(query_mask.any(dim=0).long().argmax())  # first prompt column with a real token
+    end = int(mask.any(dim=0).nonzero().max()) + 1  # past the last response column with a real token
+
+    def responses_of(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[rows][:, :end]
+
+    return MicroBatch(batch.queries[rows][:, first:], query_mask[:, first:], responses_of(batch.responses),
+                      mask[:, :end], responses_of(batch.logprobs), responses_of(batch.ref_logprobs),
+                      responses_of(batch.values), responses_of(advantages), responses_of(returns),
+                      responses_of(engine_weights))
+
+
+def ppo_update(trainer: PPOTrainer, episodes: Episodes) -> dict[str, float]:
+    """num_ppo_epochs passes of shuffled minibatches over this process's rollout, one optimizer step each.
+    `initial_ratio_deviation`, max |ratio - 1| over the first minibatch before any step, checks that
+    the update computes the policy the rollout sampled from (dropout off, same precision)."""
+    cfg, optimizer, scaler, holding = trainer.cfg, trainer.optimizer, trainer.scaler, trainer.models.holding
+    trainer.actor_critic.train(True)
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
+    policy_parameters = list(trainer.models.policy.parameters())
+    in_policy = {id(p) for p in policy_parameters}
+    critic_parameters = [p for p in trained if id(p) not in in_policy]  # the value head or the critic model
+    n = len(episodes.batch.responses)
+    stats = UpdateStats()
+    for epoch in range(cfg.num_ppo_epochs):
+        for index, minibatch in enumerate(torch.randperm(n).split(n // cfg.num_minibatches)):
+            figures = accumulate_gradients(trainer, episodes, minibatch.to(episodes.batch.responses.device))
+            deviation = figures.pop("ratio_deviation_max")
+            if epoch == 0 and index == 0:
+                stats.add(initial_ratio_deviation=deviation)
+            if episodes.iteration <= cfg.freeze_policy_iterations:  # no step at all: Adam's moments and step count stay fresh
+                for parameter in policy_parameters:
+                    parameter.grad = None
+            scaler.unscale_(optimizer)  # clipping reads true gradient norms (no-op without fp16 loss scaling)
+            # Each model clipped on its own: a large value-loss gradient must not shrink the policy's step.
+            grad_norm = holding.clip_grad_norm(policy_parameters, cfg.max_grad_norm)
+            if critic_parameters:
+                figures["critic_grad_norm"] = holding.clip_grad_norm(critic_parameters, cfg.max_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            trainer.scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            stats.add(**figures, grad_norm=grad_norm)
+    return stats.means()
+
+
+def accumulate_gradients(trainer: PPOTrainer, episodes: Episodes, rows: torch.Tensor) -> dict[str, float]:
+    """Gradients of one minibatch (these `rows` of this process's rollout), accumulated over its
+    micro-batches and averaged over processes (DDP: at the last one; FSDP2: at each, into shards).
+
+    Every loss term is a mean over the minibatch's tokens on all processes together: each
+    micro-batch's masked sum is divided by N / P, with N those tokens and P the process count,
+    because DDP and FSDP2 divide the summed gradients by P. The gradient is then the same for every
+    `micro_batch_size` and process count (tested to 1e-5). Returned figures are this process's
+    sums on the same scale, so their mean over processes is the minibatch's token mean."""
+    accelerator = trainer.accelerator
+    num_tokens = sum_over_processes(accelerator, episodes.batch.mask[rows].sum())
+    num_tokens = num_tokens.clamp(min=1.0) / accelerator.num_processes
+    micro_batches = rows.split(trainer.cfg.micro_batch_size or len(rows))
+    totals: dict[str, float] = {}
+    for position, micro_rows in enumerate(micro_batches):
+        with trainer.models.holding.accumulating(trainer.actor_critic, last=position == len(micro_batches) - 1):
+            micro = micro_batch(episodes.batch, episodes.advantages, episodes.returns, micro_rows,
+                                episodes.engine_weights)
+            figures = _micro_batch_step(trainer, micro, num_tokens, episodes.iteration, episodes.kl_loss_coef)
+        for key, value in figures.items():
+            totals[key] = max(totals.get(key, 0.0), value) if key.endswith(MAX_FIGURES) else totals.get(key, 0.0) + value
+    return totals
+
+
+def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.Tensor, iteration: int,
+                      kl_loss_coef: float) -> dict[str, float]:
+    """Forward and backward of one micro-batch: its masked loss sums over the minibatch's `num_tokens`;
+    the value loss only with a critic."""
+    cfg, mask = trainer.cfg, micro.mask
+    # Critic warm-up: the policy terms stay in the graph at weight 0 (every parameter gets a
+    # gradient, as DDP needs); `ppo_update` then drops the policy's gradients before the step.
+    warming_up = iteration <= cfg.freeze_policy_iterations
+    logits, values = trainer.actor_critic(micro.queries, micro.query_mask, micro.responses, mask, warming_up)
+    logprobs = logprobs_of(logits, micro.responses, cfg.sampling.temperature)
+    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range, num_tokens,
+                                 micro.engine_weights)
+    # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
+    entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.sampling.temperature), mask,
+                          num_tokens=num_tokens)
+    policy_terms = policy.loss - cfg.entropy_coef * entropy
+    figures = {}
+    if kl_loss_coef > 0:
+        kl_loss = masked_mean(kl_estimate(logprobs, micro.ref_logprobs, "k3"), mask, num_tokens=num_tokens)
+        policy_terms = policy_terms + kl_loss_coef * kl_loss
+        figures["kl_loss"] = kl_loss.item()
+    loss = (0.0 if warming_up else 1.0) * policy_terms
+    if values is not None:
+        value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask, cfg.critic.clip_range_value,
+                                                       num_tokens)
+        loss = loss + cfg.critic.vf_coef * value_loss
+        figures |= dict(value_loss=value_loss.item(), value_clip_fraction=value_clipped.item())
+    if not torch.isfinite(loss):
+        raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
+                                 "the last full-state checkpoint is kept")
+    trainer.scaler.scale(loss).backward()
+    ratio = policy.ratio.detach()
+    return figures | dict(policy_loss=policy.loss.item(), entropy=entropy.item(),
+                          clip_fraction=policy.clip_fraction.item(), approx_kl=policy.approx_kl.item(),
+                          ratio_mean=masked_mean(ratio, mask, num_tokens=num_tokens).item(),
+                          ratio_max=(ratio * mask).max().item(),
+                          ratio_deviation_max=((ratio - 1).abs() * mask).max().item())
