@@ -12,7 +12,7 @@ kill-and-resume pair (a run killed after its first checkpoint, then resumed); a 
 
 Each run ends as one of:
 - `clean`: every process exited 0 and the stage returned its result;
-- `abort after done`: every rank had recorded its work done (`stages.launch.local.DONE`) and one
+- `abort after done`: every rank had recorded its work done (`stages.launch.local.done_marker`) and one
   then died in teardown: the stage returned its result with a warning naming the rank and the log;
 - `abort in teardown`: the job was reported failed although rank 0 had written its result, and a
   process aborted with "terminate called ..." (what `stages.launch.local` did before ranks recorded

@@ -108,7 +108,7 @@ def record_loads(cfg, inputs: RecordingLoads, output_dir: Path, reporting):
 
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from stages import models
+    from stages.runtime import models
 
     loads, reads, alive = [], {"sizes": [], "peak_alive": 0}, [0]
     classes = (AutoModelForCausalLM, AutoModelForSequenceClassification)

@@ -128,7 +128,7 @@ def test_sharded_loading_reads_every_family_a_tensor_at_a_time(name, tmp_path, m
     renames them: GPT-NeoX's `embed_out` is `lm_head`); read back, each is the `from_pretrained` weight."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from stages import models
+    from stages.runtime import models
 
     folder = str(build_family(name, tmp_path))
     for auto, extra in ((AutoModelForCausalLM, {}), (AutoModelForSequenceClassification, {"num_labels": 1})):
@@ -149,7 +149,7 @@ def test_sharded_loading_resizes_embeddings_as_one_process(tmp_path, monkeypatch
     """Llama 3 has no pad token, so its embeddings grow by one (`<pad>`), the new rows drawn from the
     old ones' mean and covariance. The first process of a sharded launch reads the embeddings (input
     and output, untied) before resizing them: the same rows, the same random numbers drawn after."""
-    from stages import models
+    from stages.runtime import models
 
     folder = str(build_family("llama3", tmp_path))
     tokenizer = models.load_tokenizer(folder)

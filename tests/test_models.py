@@ -228,7 +228,7 @@ def test_a_process_that_does_not_read_the_checkpoint_holds_no_weights_even_in_de
     """Sharded loading: the model built from its config on the meta device stays virtual. Deterministic
     mode fills every new tensor with NaN, the passing CPU tensors of a meta build included, which once
     made it resident: a whole model on every process."""
-    from stages import models
+    from stages.runtime import models
 
     LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
                 vocab_size=32000).save_pretrained(tmp_path)
@@ -255,7 +255,7 @@ def test_the_reading_process_of_a_sharded_load_makes_what_one_process_loads(tmp_
     from peft.tuners.lora import LoraLayer
 
     from rlhf.config_common import LoRAConfig
-    from stages import models
+    from stages.runtime import lora, models
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -267,13 +267,14 @@ def test_the_reading_process_of_a_sharded_load_makes_what_one_process_loads(tmp_
         torch.manual_seed(1)
         model = models.load_pretrained(AutoModelForSequenceClassification, str(tmp_path), dtype=torch.float32,
                                        num_labels=1)
-        return models.with_lora(model, LoRAConfig(r=4), "SEQ_CLS"), torch.randn(4)
+        return lora.with_lora(model, LoRAConfig(r=4), "SEQ_CLS"), torch.randn(4)
 
     (one, after_one) = build()
     monkeypatch.setattr(LoraLayer, "reset_lora_parameters", LoraLayer.reset_lora_parameters)  # restored after
     monkeypatch.setattr(models, "sharded_loading", lambda: True)
     monkeypatch.setattr(models, "reads_checkpoints", lambda: True)
-    models.keep_initial_adapters()
+    monkeypatch.setattr(lora, "reads_checkpoints", lambda: True)
+    lora.keep_initial_adapters()
     (sharded, after_sharded) = build()
     assert torch.equal(after_sharded, after_one)  # the same random numbers drawn
     ones, shardeds = dict(one.named_parameters()), dict(sharded.named_parameters())

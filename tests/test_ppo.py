@@ -14,7 +14,7 @@ from rlhf.config import with_overrides
 from rlhf.config_common import LoRAConfig
 from rlhf.config_ppo import PPOConfig
 from stages.runtime.models import load_tokenizer, position_ids_for
-from stages.ppo import NonFiniteLossError
+from stages.common.errors import NonFiniteLossError
 from stages.rl.ppo_models import forward_response, load_models, reference_policy
 from stages.common.reporting import Reporting
 from tests.helpers import AUTO_RESOLVED, killed_and_resumed, run_ppo

@@ -48,7 +48,7 @@ class ModelShape:
 
     def lora_parameters(self, lora: LoRAConfig, classifier: bool = False) -> int:
         """Adapter parameters peft adds: r x (in + out) for every Linear layer `lora` puts adapters on
-        (`stages.runtime.models.lora_targets`; the output head with PPO's `output_layer`), in the causal LM or,
+        (`stages.runtime.lora.lora_targets`; the output head with PPO's `output_layer`), in the causal LM or,
         with `classifier`, in the reward model on the same body (its score head trains whole: counted apart)."""
         from stages.runtime.lora import lora_targets
 
