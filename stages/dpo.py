@@ -19,23 +19,39 @@ import datasets
 import pandas as pd
 import torch
 from accelerate import PartialState
-from transformers import PrinterCallback, PreTrainedTokenizerBase, set_seed
+from transformers import PreTrainedTokenizerBase, PrinterCallback, set_seed
 from trl import DPOConfig as TRLDPOConfig
 from trl import DPOTrainer
 
 from rlhf.config import DPOConfig
-from stages.rl.evaluation import HeldOut, evaluate, warn_over_kl_budget
-from stages.runtime.holding import Holding, Sharded
-from stages.memory.phases import Counts
-from stages.memory.plan import with_micro_batches
-from stages.runtime.lora import copied, lora_config
-from stages.runtime.models import device, disable_dropout, dtype_named, encode_pairs, load_causal_lm, load_tokenizer, resolve_precision, saved_dtype_and_tags, stop_token_ids
-from stages.rl.ppo_models import Models, reuse_sampling_pass
-from stages.rl.ppo_rollout import policy_sampler
 from stages.common.reporting import Reporting
 from stages.engines.vllm_server import sampler_for
-from stages.runtime.training import (ForwardLogs, last_trainer_checkpoint, prepare_sharding, trained_as_held, trainer_arguments,
-                             untrained_evaluation)
+from stages.memory.phases import Counts
+from stages.memory.plan import with_micro_batches
+from stages.rl.evaluation import HeldOut, evaluate, warn_over_kl_budget
+from stages.rl.ppo_models import Models, reuse_sampling_pass
+from stages.rl.ppo_rollout import policy_sampler
+from stages.runtime.holding import Holding, Sharded
+from stages.runtime.lora import copied, lora_config
+from stages.runtime.models import (
+    device,
+    disable_dropout,
+    dtype_named,
+    encode_pairs,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_precision,
+    saved_dtype_and_tags,
+    stop_token_ids,
+)
+from stages.runtime.training import (
+    ForwardLogs,
+    last_trainer_checkpoint,
+    prepare_sharding,
+    trained_as_held,
+    trainer_arguments,
+    untrained_evaluation,
+)
 
 
 @dataclass(frozen=True)

@@ -14,18 +14,24 @@ from pathlib import Path
 import datasets
 import pandas as pd
 from accelerate import PartialState
-from transformers import PrinterCallback, PreTrainedTokenizerBase, set_seed
+from transformers import PreTrainedTokenizerBase, PrinterCallback, set_seed
 from trl import SFTConfig as TRLSFTConfig
 from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
 from schemas.adapters import last_user_message
-from stages.runtime.lora import lora_config
-from stages.runtime.models import encode_replies, load_causal_lm, load_tokenizer, saved_dtype_and_tags, stop_token_ids
 from stages.common.reporting import Reporting
 from stages.engines.sampler import HFSampler, Sampling
-from stages.runtime.training import (ForwardLogs, last_trainer_checkpoint, prepare_sharding, trained_as_held, trainer_arguments,
-                             untrained_evaluation)
+from stages.runtime.lora import lora_config
+from stages.runtime.models import encode_replies, load_causal_lm, load_tokenizer, saved_dtype_and_tags, stop_token_ids
+from stages.runtime.training import (
+    ForwardLogs,
+    last_trainer_checkpoint,
+    prepare_sharding,
+    trained_as_held,
+    trainer_arguments,
+    untrained_evaluation,
+)
 
 
 @dataclass(frozen=True)

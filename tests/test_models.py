@@ -10,10 +10,26 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM,
-                          OPTConfig, OPTForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+)
 
-from stages.runtime.models import disable_dropout, load_causal_lm, load_tokenizer, output_dtype, precision_tags, reply_end_id, resolve_precision, save_checkpoint, stop_token_ids
+from stages.runtime.models import (
+    disable_dropout,
+    load_causal_lm,
+    load_tokenizer,
+    output_dtype,
+    precision_tags,
+    reply_end_id,
+    resolve_precision,
+    save_checkpoint,
+    stop_token_ids,
+)
 
 
 @pytest.fixture
@@ -149,10 +165,10 @@ def test_streamed_hand_off_is_the_merged_model(tmp_path, family, targets, task):
     index above the size limit, LoRA adapters merged and a trained score head in place, a plain folder
     `from_pretrained` reads back equal to `merge_and_unload` of the same model."""
     from rlhf.config_common import LoRAConfig
+    from stages.rl.scoring import load_reward_model
     from stages.runtime.holding import save_streamed
     from stages.runtime.lora import merged, with_lora
     from stages.runtime.models import load_causal_lm, load_tokenizer
-    from stages.rl.scoring import load_reward_model
     from tests.model_families import build_family
 
     location = str(build_family(family, tmp_path))

@@ -54,8 +54,8 @@ def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg
 
 def _trainer(cfg, accelerator, models, actor_critic, optimizer=None, scheduler=None):
     """What the update reads of a trainer; no optimizer where only gradients are wanted."""
-    from stages.rl.update import PPOTrainer
     from stages.rl.ppo_rollout import policy_sampler
+    from stages.rl.update import PPOTrainer
 
     return PPOTrainer(cfg, accelerator, models, actor_critic, optimizer, scheduler,
                       torch.amp.GradScaler("cpu", enabled=False), policy_sampler(models))
@@ -70,15 +70,16 @@ def _episodes(cfg, batch, advantages, returns):
 
 
 def _setup(tiny_config, trained, critic="reward", lora=False):
-    from stages.ppo import raw_scores, scores_of
+    from rlhf.config import with_overrides
+    from rlhf.config_common import LoRAConfig
     from stages.common.tensors import masked_whiten
+    from stages.ppo import raw_scores, scores_of
     from stages.rl.ppo_math import gae, kl_estimate, token_rewards
     from stages.rl.ppo_models import load_models
     from stages.rl.ppo_rollout import policy_sampler, rollout
-
-    from rlhf.config import with_overrides
-    from rlhf.config_common import LoRAConfig
-    from tests.helpers import AUTO_RESOLVED  # here, not at the top: this file also runs as a script, outside the package
+    from tests.helpers import (
+        AUTO_RESOLVED,  # here, not at the top: this file also runs as a script, outside the package
+    )
 
     cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"rollout_batch_size": 8, "num_minibatches": 1,
                                                            "sampling.response_length": 16, "critic.kind": critic,
@@ -129,10 +130,9 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
     policy's update as it was (clipped jointly, the critic's large gradient shrank it)."""
     from accelerate import Accelerator
 
-    from stages.rl.update import ppo_update
-    from stages.rl.ppo_models import ActorCritic
-
     from rlhf.config import with_overrides
+    from stages.rl.ppo_models import ActorCritic
+    from stages.rl.update import ppo_update
 
     def one_update(vf_coef: float):
         cfg, models, batch, advantages, returns = _setup(tiny_config, trained)
@@ -187,8 +187,8 @@ def _worker(folder: Path, engine: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from rlhf.config_ppo import PPOConfig
-    from stages.runtime.holding import Replicated, Sharded
     from stages.rl.ppo_models import ActorCritic, load_models
+    from stages.runtime.holding import Replicated, Sharded
 
     state = PartialState(cpu=True)
     work = torch.load(folder / "work.pt", weights_only=False)

@@ -7,8 +7,34 @@ import math
 import pytest
 import torch
 
-from stages.common.tensors import entropy_of, is_end, last_token_index, logprobs_of, masked_mean, masked_var, masked_whiten, response_mask, truncate_after_eos
-from stages.rl.ppo_math import KLController, apply_eos_penalty, clipped_policy_loss, clipped_value_loss, discounted_returns, engine_importance_weights, explained_variance, gae, group_baselined, grpo_advantages, kl_estimate, rloo_advantages, sequence_rewards, token_rewards, weighted_reward
+from stages.common.tensors import (
+    entropy_of,
+    is_end,
+    last_token_index,
+    logprobs_of,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    response_mask,
+    truncate_after_eos,
+)
+from stages.rl.ppo_math import (
+    KLController,
+    apply_eos_penalty,
+    clipped_policy_loss,
+    clipped_value_loss,
+    discounted_returns,
+    engine_importance_weights,
+    explained_variance,
+    gae,
+    group_baselined,
+    grpo_advantages,
+    kl_estimate,
+    rloo_advantages,
+    sequence_rewards,
+    token_rewards,
+    weighted_reward,
+)
 
 EOS, PAD = 2, 0
 

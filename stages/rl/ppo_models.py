@@ -20,10 +20,19 @@ from transformers import PreTrainedModel
 
 from rlhf.config_common import LoRAConfig
 from rlhf.config_ppo import PPOConfig
+from stages.rl.scoring import RewardScorer, load_reward_model
 from stages.runtime.holding import Holding, Replicated
 from stages.runtime.lora import copied, lora_config, restore_adapters, with_lora
-from stages.runtime.models import Precision, disable_dropout, dtype_named, load_causal_lm, load_tokenizer, position_ids_for, resolve_precision, stop_token_ids
-from stages.rl.scoring import RewardScorer, load_reward_model
+from stages.runtime.models import (
+    Precision,
+    disable_dropout,
+    dtype_named,
+    load_causal_lm,
+    load_tokenizer,
+    position_ids_for,
+    resolve_precision,
+    stop_token_ids,
+)
 
 
 def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
