@@ -1,0 +1,163 @@
+"""The GPU's own limits, and how near a ~0.5B Llama's decode and training step come to them
+(issue 54). Runs on a CUDA machine with torch, transformers and peft alone (no project install):
+
+    python -m bench.gpu --out bench/results/gpu-<kind>-<date>.json
+
+Measured, each the median of timed repeats after warm-up, with CUDA events:
+- ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 matmul's FLOP/s;
+- decode: `generate` (transformers' path), 64 prompts x 128 new tokens, greedy, bf16, against the
+  bandwidth bound: measured bandwidth / bytes each step reads (weights + KV cache at the mean
+  context), times the batch;
+- training step: forward + backward + AdamW on float32 master weights under bf16 autocast, model
+  FLOP utilisation = 6 x parameters x tokens / time / measured matmul FLOP/s;
+- LoRA's peak memory against full fine-tuning for the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+LLAMA_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+def timed(fn, repeats: int = 10, warmup: int = 3) -> float:
+    """Median seconds of `fn()` over `repeats`, timed with CUDA events after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 1 GiB of bf16 per buffer
+    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src), repeats=20)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_s = timed(lambda: a @ b, repeats=20)
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return {"copy_bandwidth_bytes_per_s": 2 * n / copy_s, "bf16_matmul_flops": 2 * 8192 ** 3 / mm_s}
+
+
+def build(dtype=torch.bfloat16):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**LLAMA_05B)).to("cuda", dtype)
+
+
+def decode(limits: dict, batch: int = 64, prompt: int = 64, new: int = 128, compiled: bool = False) -> dict:
+    model = build().eval()
+    options = {}
+    if compiled:  # a static KV cache and the step captured as CUDA graphs: no per-kernel launch from Python
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        options = {"cache_implementation": "static"}
+    params = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(3, LLAMA_05B["vocab_size"], (batch, prompt), device="cuda")
+
+    def run():
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=0, **options)
+
+    seconds = timed(run, repeats=3, warmup=1)
+    cfg = model.config
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    mean_context = prompt + new / 2
+    step_bytes = params * 2 + batch * mean_context * kv_per_token  # weights once per step + every sequence's KV cache
+    bound_tokens_per_s = limits["copy_bandwidth_bytes_per_s"] / step_bytes * batch
+    tokens_per_s = batch * new / seconds
+    del model
+    torch.cuda.empty_cache()
+    return {"engine": "transformers generate" + (" (static cache, torch.compile reduce-overhead)" if compiled else ""),
+            "batch": batch, "prompt_tokens": prompt, "new_tokens": new,
+            "parameters": params, "seconds": seconds, "tokens_per_s": tokens_per_s,
+            "bandwidth_bound_tokens_per_s": bound_tokens_per_s, "fraction_of_bound": tokens_per_s / bound_tokens_per_s}
+
+
+def train_step(limits: dict, lora: bool, batch: int = 16, length: int = 512, checkpointing: bool = False) -> dict:
+    model = build(torch.float32).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True)
+    ids = torch.randint(3, LLAMA_05B["vocab_size"], (batch, length), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    seconds = timed(step, repeats=5, warmup=1)
+    peak = torch.cuda.max_memory_allocated()
+    tokens = batch * length
+    # forward 2N per token, backward 4N (2N through the activations, 2N for weight gradients; LoRA's
+    # frozen weights skip the latter, so its useful work is ~4N: reported, MFU counts 6N for full only)
+    flops = (6 if not lora else 4) * params * tokens
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return {"lora": lora, "gradient_checkpointing": checkpointing, "batch": batch, "length": length, "parameters": params,
+            "trained_parameters": sum(p.numel() for p in trained), "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "model_flops_per_s": flops / seconds,
+            "mfu_of_measured_matmul": flops / seconds / limits["bf16_matmul_flops"], "peak_allocated_bytes": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    out = parser.parse_args().out
+    import transformers
+
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+              "transformers": transformers.__version__, "python": platform.python_version(),
+              "date": time.strftime("%Y-%m-%d"), "model": LLAMA_05B}
+    record["limits"] = ceilings()
+    print(json.dumps(record["limits"]), flush=True)
+    record["decode"] = [decode(record["limits"])]
+    try:  # transformers 5.17's static cache under CUDA graphs raised "accessing tensor output of CUDAGraphs that has been overwritten" on the H200
+        record["decode"].append(decode(record["limits"], compiled=True))
+    except RuntimeError as e:
+        record["decode"].append({"engine": "transformers generate (static cache, torch.compile reduce-overhead)",
+                                 "error": str(e).splitlines()[0][:300]})
+        torch.cuda.empty_cache()
+    print(json.dumps(record["decode"]), flush=True)
+    record["train"] = [train_step(record["limits"], lora=lora, checkpointing=ckpt, batch=batch)
+                       for ckpt, batch in ((False, 16), (True, 16), (False, 32)) for lora in (False, True)]
+    for r in record["train"]:
+        print(json.dumps({k: r[k] for k in ("lora", "gradient_checkpointing", "batch", "seconds",
+                                             "mfu_of_measured_matmul", "peak_allocated_bytes")}), flush=True)
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
