@@ -9,7 +9,8 @@
 # Why uv: one small static binary (pinned by hash in locks/uv.txt) both resolves (`uv pip compile
 # --generate-hashes`, pip-tools' format, readable by plain pip) and installs exactly a lock (`uv pip
 # sync`: adds what is missing, changes what differs and removes what the lock does not name, which
-# pip-tools' pip-sync also does but ten times slower: the project's 194 packages sync in ~9 s).
+# pip-tools' pip-sync also does but ten times slower: the project's 194 packages install in ~9 s, and
+# compiling their bytecode the first time takes ~50 s more).
 #
 # torch: this machine type's PyPI serves the CUDA build of torch, and the CPU build
 # (torch-2.13.0+cpu) lies in /opt/wheels, so every command here looks there too (TORCH_WHEELS).
