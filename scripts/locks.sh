@@ -62,8 +62,8 @@ sync() {  # VENV holds exactly LOCK (and EDITABLE, a project folder) afterwards;
         new=yes
     fi
     # --compile-bytecode: uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (here,
-    # and in CI) Python then compiles every imported module again in every process: importing the
-    # flow took 31 s instead of 7, and the test suite three times as long.
+    # and in CI) Python then compiles every imported module again in every process: a deployment
+    # run's start-up took 48-57 s instead of 18-27 s in the end-to-end tests, and CI ran past 90 minutes.
     local flags=(--python "$venv/bin/python" --require-hashes --compile-bytecode "${FIND_LINKS[@]}")
     # What sync would change, less the project's own editable install (not in the lock: re-added below).
     local plan

@@ -100,6 +100,7 @@ def test_dpo_deployment_reruns_alone_and_registers_a_dpo_version(stack):
 # the readers themselves in tests/test_contracts.py; what this adds is the way from a reader's error
 # to a failed deployment run, which is the same for every file (each run costs ~20 s of process start).
 SAMPLED = {"sft_malformed_line.jsonl", "sft_missing_column.jsonl", "pairs_identical.jsonl", "prompts_blank.jsonl"}
+assert SAMPLED <= {name for name, _, _ in BAD_CASES}, "a sampled bad-input file left tests.helpers.BAD_CASES"
 CORPUS = [(name, kind, expected) for name, kind, expected in BAD_CASES if name in SAMPLED] + [
     ("sft_too_long.jsonl", "sft", ["line 2, column 'response'", "over the budget of 64"])]
 READER = {"sft": ("rlhf/sft", "sft.train_data.path"), "preference": ("rlhf/reward", "reward.train_data.path"),
