@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: lock bench-env vllm-env golden demo test test-fast bench bench-quality bench-methods bench-scale bench-memory bench-rollout plan-sizes stress-launch up down status install clean-state screenshots vllm-env
+.PHONY: lock bench-env vllm-env golden demo test test-fast bench bench-quality bench-methods bench-scale bench-memory bench-rollout plan-sizes stress-launch up down ray-up ray-down demo-ray status install clean-state screenshots vllm-env
 
 # Every environment is installed exactly from its lock (locks/, scripts/locks.sh): a package that
 # differs from the lock is named and put back, one the lock does not name is removed. Syncing an
@@ -55,8 +55,23 @@ plan-sizes: install  ## the fewest 80 GB GPUs the memory plan gives each method,
 up: install  ## start Prefect + MLflow servers, the worker, and deploy
 	scripts/stack.sh up
 
-down:  ## stop exactly the processes `make up` started
+down:  ## stop exactly the processes `make up` (and `make ray-up`) started
 	scripts/stack.sh down
+	scripts/ray_cluster.sh down
+
+# A Ray cluster of two nodes on this machine (two raylets, one CPU each), as `launch.engine: ray`
+# finds it with `ray_address: auto` (docs/scaling.md has a real cluster's recipe).
+ray-up: install  ## start a two-node Ray cluster on this machine (RLHF_RAY_NODE_CPUS each, default 1)
+	scripts/ray_cluster.sh up
+
+ray-down:  ## stop exactly the Ray cluster `make ray-up` started
+	scripts/ray_cluster.sh down
+
+demo-ray: ray-up up  ## the smoke pipeline through `rlhf/full`, every stage on 2 Ray processes (one per node), PPO sharded
+	eval "$$(scripts/stack.sh env)" && \
+	prefect deployment run rlhf/full --watch --param config_file=configs/smoke.yaml \
+	    --param overrides="$$(cat configs/ray-overrides.json)" && \
+	echo && rlhf summary
 
 status:
 	scripts/stack.sh status

@@ -43,20 +43,34 @@ class DataSource(_Frozen):
 
 
 class LaunchConfig(_Frozen):
-    """How many processes a stage runs on; above one, the flow starts it with `accelerate launch`."""
+    """How many processes a stage runs on and where: this machine (`accelerate launch` above one
+    process) or a Ray cluster (one Ray Train gang)."""
 
+    engine: Literal["local", "ray"] = "local"
+    """Where the processes run: `local`, this machine (one process runs inside the flow's own, more through `accelerate launch`); `ray`, a Ray cluster, as one Ray Train gang (docs/scaling.md)."""
     num_processes: PositiveInt = 1
     """Processes (one per GPU; on CPU, gloo) that train the stage together; 1 runs it inside the flow's process."""
     accelerate_config: str | None = None
     """An `accelerate` config file: DDP, FSDP2 (`configs/accelerate/fsdp.yaml`: every model sharded between the processes, every stage), or DeepSpeed ZeRO-1/2 for SFT, reward and DPO; see docs/scaling.md. Unset: plain DDP."""
     timeout_seconds: PositiveInt = 1800
     """Seconds a process waits for the others (the end of the stage included, where the main one samples, scores and saves alone) before the job fails."""
+    ray_address: str = "auto"
+    """`engine: ray`: the cluster to run on, `host:port` of its head (`auto`: the one `ray start` or `make ray-up` started on this machine, or `RAY_ADDRESS`)."""
+    ray_placement: Literal["PACK", "SPREAD"] = "PACK"
+    """`engine: ray`: `PACK` the processes onto as few nodes as hold them, or `SPREAD` them over as many as there are."""
+    ray_storage_path: str | None = None
+    """`engine: ray`: where Ray Train keeps its run folder, a path every node can write (on one machine a local folder); unset: the stage's work folder."""
+    max_failures: int = Field(default=0, ge=0)
+    """`engine: ray`: times a failed gang (a process that died or raised) is started again, the stage resuming from its last checkpoint; 0: the first failure fails the stage."""
 
     @model_validator(mode="after")
     def _config_file_exists(self) -> LaunchConfig:
+        if self.engine == "local" and self.max_failures:
+            raise ValueError("max_failures restarts a failed Ray gang: it needs engine: ray (a local launch "
+                             "fails the stage at its first failure)")
         if self.accelerate_config is not None and accelerate_config_path(self.accelerate_config) is None:
             raise ValueError(f"accelerate_config {self.accelerate_config!r} not found")
-        engine = self.engine()
+        engine = self.accelerate_settings()
         if (engine.get("deepspeed_config") or {}).get("zero_stage") == 3:
             raise ValueError(f"accelerate_config {self.accelerate_config!r} is DeepSpeed ZeRO-3: parameter sharding "
                              "here is FSDP2 (configs/accelerate/fsdp.yaml), which every stage runs on")
@@ -72,17 +86,22 @@ class LaunchConfig(_Frozen):
         return self
 
     @property
+    def in_process(self) -> bool:
+        """Whether the stage runs inside the caller's own process (one local process), not launched."""
+        return self.engine == "local" and self.num_processes == 1
+
+    @property
     def sharded(self) -> bool:
         """Whether the stage's models are sharded between its processes (FSDP2 on more than one), not replicated."""
-        return self.engine().get("distributed_type") == "FSDP" and self.num_processes > 1
+        return self.accelerate_settings().get("distributed_type") == "FSDP" and self.num_processes > 1
 
     @property
     def offload_params(self) -> bool:
         """Whether the accelerate config offloads (`fsdp_offload_params`): a sharded stage then holds its models' shards in host memory, the trained ones' gradients and optimizer state too."""
-        return self.engine().get("distributed_type") == "FSDP" and \
-            bool((self.engine().get("fsdp_config") or {}).get("fsdp_offload_params", False))
+        return self.accelerate_settings().get("distributed_type") == "FSDP" and \
+            bool((self.accelerate_settings().get("fsdp_config") or {}).get("fsdp_offload_params", False))
 
-    def engine(self) -> dict[str, Any]:
+    def accelerate_settings(self) -> dict[str, Any]:
         """The accelerate config file's contents ({} when unset)."""
         if self.accelerate_config is None:
             return {}

@@ -258,7 +258,7 @@ class PPOConfig(TrainedStage, SampledStage):
         if self.offload_frozen and not self.launch.sharded:
             raise ValueError("offload_frozen: frozen models are offloaded shard by shard, so it needs a sharded launch "
                              "(launch.accelerate_config: configs/accelerate/fsdp.yaml and num_processes above 1)")
-        if self.launch.engine().get("distributed_type", "MULTI_GPU") not in ("MULTI_GPU", "NO", "FSDP"):
+        if self.launch.accelerate_settings().get("distributed_type", "MULTI_GPU") not in ("MULTI_GPU", "NO", "FSDP"):
             raise ValueError("ppo.launch.accelerate_config: PPO runs on DDP (distributed_type MULTI_GPU) or FSDP2 "
                              "(configs/accelerate/fsdp.yaml); DeepSpeed is for the SFT, reward and DPO stages (PPO's "
                              "optimizer and scheduler step outside DeepSpeed's engine)")

@@ -147,3 +147,37 @@ def record_loads(cfg, inputs: RecordingLoads, output_dir: Path, reporting):
         rank = PartialState().process_index
         (output_dir / f"loads-{rank}.json").write_text(json.dumps(loads))
         (output_dir / f"reads-{rank}.json").write_text(json.dumps(reads))
+
+
+@dataclass(frozen=True)
+class RankKilledOnce:
+    ppo_inputs: object
+    """The real stage's `PPOInputs`."""
+    rank: int
+    """The rank whose process is SIGKILLed as the iteration after the first full-state checkpoint starts."""
+    marker: Path
+    """Written just before the kill: a rank started again (a restarted gang) is not killed twice."""
+
+
+def ppo_with_a_rank_killed_once(cfg, inputs: RankKilledOnce, output_dir: Path, reporting):
+    """`train_ppo`, one of whose processes (only it: on Ray the ranks share a process group with the
+    node's own processes) dies by SIGKILL once, after the first full-state checkpoint."""
+    import os
+    import signal
+
+    import stages.ppo
+
+    saved, real_save, real_rollout = [], stages.ppo.save_state_everywhere, stages.ppo.rollout
+
+    def save_state(*args, **kwargs):
+        real_save(*args, **kwargs)
+        saved.append(True)
+
+    def rollout(*args, **kwargs):
+        if saved and PartialState().process_index == inputs.rank and not inputs.marker.exists():
+            inputs.marker.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_rollout(*args, **kwargs)
+
+    stages.ppo.save_state_everywhere, stages.ppo.rollout = save_state, rollout
+    return stages.ppo.train_ppo(cfg, inputs.ppo_inputs, output_dir, reporting)

@@ -1,10 +1,13 @@
 """Where a stage's processes run, behind one interface: `call_stage(train, cfg, inputs, ...)`.
 
-One process: the stage function in the caller's own process. Several: a launcher starts them and
-hands back what rank 0 returned, forwarding its reports while the job runs. Today that launcher is
-one machine's (`stages.launch.local`: `accelerate launch`); another engine (Ray) goes beside it in
-this folder and is chosen here, by the stage's `launch` settings. The caller gets the same result
-object whichever runs it, with the stage's measured peak memory in its metrics."""
+The stage's `launch` settings choose the engine:
+- one local process: the stage function in the caller's own process;
+- `engine: local`, more processes: `stages.launch.local`, this machine's `accelerate launch`;
+- `engine: ray`: `stages.launch.ray_gang`, one Ray Train gang on a Ray cluster.
+A launcher starts the processes and hands back what rank 0 returned, forwarding its reports
+while the job runs (`stages.launch.job`). The caller gets the same result object whichever runs
+it, with the stage's measured peak memory in its metrics. A new engine goes beside these two, in
+this folder, and is chosen here."""
 
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ import uuid
 from pathlib import Path
 
 from stages.common.reporting import Reporting
-from stages.launch import local
 from stages.launch.job import Stage, StageCall
 from stages.memory.measured import measured_peak, with_figures
 
@@ -22,10 +24,17 @@ def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Repor
                num_threads: int | None):
     """`train(section, inputs, output_dir, reporting)` on `section.launch.num_processes` processes;
     its result. A `StageUserError` raised on rank 0 is raised here as it was."""
-    if section.launch.num_processes == 1:
+    launch = section.launch
+    if launch.in_process:
         with measured_peak() as peak:
             result = train(section, inputs, output_dir, reporting)
         return with_figures(result, peak)
-    threads = max(1, (num_threads or os.cpu_count() or 1) // section.launch.num_processes)
+    threads = max(1, (num_threads or os.cpu_count() or 1) // launch.num_processes)
     call = StageCall(train, section, inputs, output_dir, deterministic, threads, attempt=uuid.uuid4().hex)
+    if launch.engine == "ray":
+        from stages.launch import ray_gang
+
+        return ray_gang.run(call, reporting)
+    from stages.launch import local
+
     return local.run(call, reporting)

@@ -175,7 +175,7 @@ def _trained(name: str, shape: ModelShape, lora: LoRAConfig | None, frozen_dtype
 def _engine(launch: LaunchConfig, processes: int | None) -> tuple[int, bool]:
     """(processes, sharded) for the stage's launch, with `processes` overriding its count."""
     n = processes or launch.num_processes
-    return n, launch.engine().get("distributed_type") == "FSDP" and n > 1
+    return n, launch.accelerate_settings().get("distributed_type") == "FSDP" and n > 1
 
 
 def _offloaded(held: Held) -> Held:
