@@ -257,10 +257,13 @@ def with_overrides(section: Section, changes: dict[str, Any]) -> Section:
     return type(section).model_validate(tree)
 
 
-OUTSIDE_THE_HASH = {"launch": {"timeout_seconds"}, "offload_frozen": True}
+OUTSIDE_THE_HASH = {"launch": {"timeout_seconds", "engine", "ray_address", "ray_placement", "ray_storage_path",
+                               "max_failures"}, "offload_frozen": True}
 """Stage settings that cannot change its result, left out of its hash and so of its cache key: a run
 that timed out and is rerun with a longer timeout resumes the stage's work instead of starting over;
-frozen models computed from host memory compute what they computed from the device."""
+where the processes run (this machine or a Ray cluster, its address, placement, storage and
+retries) gives the same result to the bit at the same process count (tests/test_ray.py); frozen
+models computed from host memory compute what they computed from the device."""
 
 
 def config_hash(section: BaseModel) -> str:

@@ -50,13 +50,15 @@ def test_hash_and_params_cover_every_field():
     assert config_hash(a) != config_hash(b)
     longer_wait = a.model_copy(update={"launch": a.launch.model_copy(update={"timeout_seconds": 7200})})
     assert config_hash(longer_wait) == config_hash(a)  # cannot change the result: the stage's work is resumed
+    on_ray = a.model_copy(update={"launch": a.launch.model_copy(update={"engine": "ray", "max_failures": 1})})
+    assert config_hash(on_ray) == config_hash(a)  # the same processes elsewhere compute the same
     ppo = load_config("configs/demo.yaml").ppo
     offloaded = ppo.model_copy(update={"offload_frozen": True})  # frozen models compute the same from host memory
     assert config_hash(offloaded) == config_hash(ppo)
     params = flatten(a)
     assert params["train_data.path"] == "demo:sft" and params["max_steps"] == "null"
-    # three nested sections (two DataSources and launch, three fields each) flatten to nine keys
-    assert len(params) == len(a.model_fields) + 6
+    # three nested sections (two DataSources of three fields, launch of eight) flatten to fourteen keys
+    assert len(params) == len(a.model_fields) + 11
     assert params["launch.num_processes"] == "1"
 
 

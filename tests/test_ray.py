@@ -96,7 +96,7 @@ def test_with_no_retries_a_killed_rank_fails_the_stage_naming_it(cluster, uninte
 
     cfg, inputs, _ = uninterrupted
     killed = RankKilledOnce(inputs, rank=1, marker=tmp_path / "killed")
-    with pytest.raises(LaunchError, match=r"rank 1 \(node [0-9a-f]{12}, 127\.0\.0\.1, pid \d+\)"):
+    with pytest.raises(LaunchError, match=r"rank 1 \(node [0-9a-f]{12}, [0-9.]+, pid \d+\): WorkerHealthCheckFailedError"):
         _run(ppo_with_a_rank_killed_once, with_overrides(cfg, {"launch": _ray(cluster)}), killed, tmp_path / "run")
 
 

@@ -113,7 +113,7 @@ def main(spec: Path) -> int:
     inbox = ray.remote(Inbox).options(num_cpus=0, scheduling_strategy=_on_this_node()).remote()
     trainer = TorchTrainer(
         _rank, train_loop_config={"call": (spec / "call.pkl").read_bytes(), "inbox": inbox},
-        backend_config=TorchConfig(backend="nccl" if gpus else "gloo", timeout_s=launch.timeout_seconds),
+        torch_config=TorchConfig(backend="nccl" if gpus else "gloo", timeout_s=launch.timeout_seconds),
         scaling_config=ScalingConfig(num_workers=launch.num_processes, use_gpu=gpus, resources_per_worker=per_rank,
                                      placement_strategy=launch.ray_placement),
         run_config=RunConfig(name=f"{call.output_dir.name}-{call.attempt}",
