@@ -103,8 +103,8 @@ def test_with_no_retries_a_killed_rank_fails_the_stage_naming_it(cluster, uninte
 def test_a_gang_the_cluster_cannot_hold_fails_before_training_naming_what_is_missing(cluster, uninterrupted,
                                                                                     tmp_path):
     cfg, inputs, _ = uninterrupted
-    cfg = with_overrides(cfg, {"launch": _ray(cluster).model_copy(update={"num_processes": 3})})
-    with pytest.raises(LaunchError, match=r"has 2 CPU in all; the gang needs 3 processes"):
+    cfg = with_overrides(cfg, {"launch": _ray(cluster).model_copy(update={"num_processes": 4})})
+    with pytest.raises(LaunchError, match=r"has 2 CPU in all; the gang needs 4 processes x \{.CPU.: 1\} = 4 CPU"):
         _run(train_ppo, cfg, inputs, tmp_path)
     assert not (tmp_path / "checkpoint").exists()
 
