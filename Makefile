@@ -71,7 +71,7 @@ demo-ray: ray-up up  ## the smoke pipeline through `rlhf/full`, every stage on 2
 	eval "$$(scripts/stack.sh env)" && \
 	prefect deployment run rlhf/full --watch --param config_file=configs/smoke.yaml \
 	    --param overrides="$$(cat configs/ray-overrides.json)" && \
-	echo && rlhf summary
+	echo && rlhf summary --experiment rlhf-ray
 
 status:
 	scripts/stack.sh status
