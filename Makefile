@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: lock bench-env vllm-env golden demo test test-fast bench bench-quality bench-methods bench-scale bench-memory bench-rollout plan-sizes stress-launch up down ray-up ray-down demo-ray status install clean-state screenshots vllm-env
+.PHONY: lock bench-env vllm-env golden demo test test-fast bench bench-quality bench-methods bench-scale bench-ray bench-memory bench-rollout plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env
 
 # Every environment is installed exactly from its lock (locks/, scripts/locks.sh): a package that
 # differs from the lock is named and put back, one the lock does not name is removed. Syncing an
@@ -40,6 +40,9 @@ bench-methods: install  ## the RL stage's advantage estimators on the demo world
 bench-scale: install  ## PPO on 1 process, 2 DDP and 2 FSDP2 processes: memory each process holds, s/iteration, sampling tokens/s
 	$(PY) -m bench.scale
 
+bench-ray: install  ## each stage at 2 FSDP2 processes, accelerate launch against a Ray gang on a local 2-node cluster: the Ray launch's overhead
+	$(PY) -m bench.ray_launch
+
 bench-memory: install  ## the memory plan against measurement: SFT, reward, PPO (full and LoRA) on ~10M, ~100M, ~400M Llamas
 	$(PY) -m bench.memory
 
@@ -67,11 +70,15 @@ ray-up: install  ## start a two-node Ray cluster on this machine (RLHF_RAY_NODE_
 ray-down:  ## stop exactly the Ray cluster `make ray-up` started
 	scripts/ray_cluster.sh down
 
+RAY_OVERRIDES ?= configs/ray-overrides.json
 demo-ray: ray-up up  ## the smoke pipeline through `rlhf/full`, every stage on 2 Ray processes (one per node), PPO sharded
 	eval "$$(scripts/stack.sh env)" && \
 	prefect deployment run rlhf/full --watch --param config_file=configs/smoke.yaml \
-	    --param overrides="$$(cat configs/ray-overrides.json)" && \
-	echo && rlhf summary --experiment rlhf-ray
+	    --param overrides="$$(cat $(RAY_OVERRIDES))" && \
+	echo && rlhf summary --experiment "$$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["experiment"])' $(RAY_OVERRIDES))"
+
+demo-ray-vllm: vllm-env  ## demo-ray with PPO sampling on a vLLM server, an actor beside rank 0 (2 heads of 32: vLLM's CPU build)
+	$(MAKE) demo-ray RAY_OVERRIDES=configs/ray-vllm-overrides.json
 
 status:
 	scripts/stack.sh status

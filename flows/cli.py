@@ -115,7 +115,7 @@ def _plan(args: argparse.Namespace) -> int:
     device = this_device()
     if args.device_memory is not None:
         device = Device("cuda" if args.device_kind == "gpu" else "cpu", args.device_memory * GIB)
-    result = memory_plan(cfg, args.stages, world, device, args.processes)
+    result = memory_plan(cfg, args.stages, world, device, args.processes, args.processes_per_node)
     print(json.dumps(plan_json(result), indent=2) if args.json else plan_table(result))
     return 0 if all(result.verdicts.values()) else 1
 
@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     planner = commands.add_parser("plan", help="each stage's memory per process, and whether it fits")
     planner.add_argument("config", help="a pipeline config (YAML)")
     planner.add_argument("--processes", type=int, help="plan each stage on this many processes (its launch's engine)")
+    planner.add_argument("--processes-per-node", type=int,
+                         help="processes one node holds (default: 8 on GPUs, one machine on the CPU)")
     planner.add_argument("--device-memory", type=float, help="GiB of one device (default: this machine's GPU, else its RAM)")
     planner.add_argument("--device-kind", choices=["gpu", "cpu"], default="gpu",
                          help="with --device-memory: a GPU per process, or RAM the processes share")

@@ -223,11 +223,11 @@ def data_counts(cfg: PipelineConfig, world: str | None) -> Counts:
 
 
 def memory_plan(cfg: PipelineConfig, stages: list[str], world: str | None, device: Device | None = None,
-                processes: int | None = None) -> Plan:
-    """The memory plan of `stages` on `device` (default: the one the stages will use), from the
-    models' configs alone (`stages.memory.plan`)."""
+                processes: int | None = None, per_node: int | None = None) -> Plan:
+    """The memory plan of `stages` on `device` (default: the one the stages will use), nodes of
+    `per_node` processes, from the models' configs alone (`stages.memory.plan`)."""
     shapes = model_shapes(cfg, lambda location: resolve_location(location, world))
-    return plan(cfg, stages, shapes, device or this_device(), data_counts(cfg, world), processes)
+    return plan(cfg, stages, shapes, device or this_device(), data_counts(cfg, world), processes, per_node)
 
 
 def memory_problems(result: Plan) -> tuple[list[str], list[str]]:

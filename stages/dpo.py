@@ -159,7 +159,8 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Re
 
     models = evaluation_models(model, holding, cfg, inputs.sft_location)
     held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, device())
-    sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log")
+    sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log",
+                          cfg.launch.engine == "ray")
     try:
         metrics, evaluation = evaluate(models, sampler, held_out, cfg.evaluation, cfg.sampling)
     finally:

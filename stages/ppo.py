@@ -385,7 +385,8 @@ def build_trainer(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> PPOTra
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     return PPOTrainer(cfg, accelerator, models, actor_critic, optimizer, scheduler, scaler,
-                      sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log"),
+                      sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log",
+                                  cfg.launch.engine == "ray"),
                       load_reward_functions(cfg.reward))
 
 

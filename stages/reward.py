@@ -105,7 +105,8 @@ def sample_references(cfg: RewardConfig, policy_location: str, prompts: list[str
     per_prompt = cfg.normalization_samples
     repeated = [p for p in prompts for _ in range(per_prompt)]  # a prompt's samples on consecutive rows
     stop_ids = stop_token_ids(policy)
-    sampler = sampler_for(cfg, HFSampler(policy, tokenizer, stop_ids, holding=holding), cfg.seed, log)
+    sampler = sampler_for(cfg, HFSampler(policy, tokenizer, stop_ids, holding=holding), cfg.seed, log,
+                          cfg.launch.engine == "ray")
     sampling = Sampling(cfg.max_length - cfg.max_prompt_length, temperature=1.0, logprobs=False)
     size = cfg.normalization_micro_batch_size or max(len(repeated), 1)
     texts, complete = [], []

@@ -122,17 +122,39 @@ def train_upstream(cfg, world: Path, frames: dict[str, pd.DataFrame], root: Path
     return str(sft.checkpoint), str(reward.checkpoint)
 
 
-def vllm_servers(served_folder_prefix: str = "rlhf-vllm-") -> list[str]:
-    """The command lines of the vLLM servers running on a served folder whose path contains `served_folder_prefix`."""
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_launch(address: str, **settings):
+    """A two-process Ray launch, FSDP2, on the cluster at `address`."""
+    from rlhf.config_common import LaunchConfig
+
+    return LaunchConfig(engine="ray", num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml",
+                        ray_address=address, **settings)
+
+
+def processes(*needles: str) -> list[str]:
+    """The command lines (Ray's process titles among them) of the processes whose own holds every one of `needles`."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "vllm.entrypoints.openai.api_server" in text and served_folder_prefix in text:
+        if all(needle in text for needle in needles):
             found.append(text)
     return found
+
+
+def vllm_servers(served_folder_prefix: str = "rlhf-vllm-") -> list[str]:
+    """The command lines of the vLLM servers running on a served folder whose path contains `served_folder_prefix`."""
+    return processes("vllm.entrypoints.openai.api_server", served_folder_prefix)
 
 
 def park_after_first_checkpoint(marker: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,21 +17,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.helpers import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 STACK = REPO / "scripts" / "stack.sh"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
 def running_stack(home: Path, **settings: str) -> Iterator[dict[str, str]]:
     """The stack's environment (what `scripts/stack.sh env` exports, plus `settings`) while it runs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env.update(RLHF_HOME=str(home), RLHF_PREFECT_PORT=str(_free_port()), RLHF_MLFLOW_PORT=str(_free_port()),
+    env.update(RLHF_HOME=str(home), RLHF_PREFECT_PORT=str(free_port()), RLHF_MLFLOW_PORT=str(free_port()),
                RLHF_POOL=f"rlhf-test-{os.getpid()}-{home.name}", RLHF_PYTHON=sys.executable, **settings)
     exported = subprocess.run([str(STACK), "env"], env=env, capture_output=True, text=True, check=True).stdout
     for line in exported.splitlines():

@@ -15,7 +15,7 @@ from flows.cli import main as cli
 from rlhf.config import PipelineConfig, load_config, with_overrides
 from rlhf.config_common import LoRAConfig, PolicyLoRAConfig
 from stages.memory.phases import Counts
-from stages.memory.plan import AUTO_MARGIN, plan, plan_stage, resolve_micro_batches, resolved_values
+from stages.memory.plan import AUTO_MARGIN, plan, plan_stage, ranks_per_node, resolve_micro_batches, resolved_values
 from stages.memory.phases import Device
 from stages.memory.shapes import GIB, model_shape, reward_shape
 
@@ -165,6 +165,7 @@ def test_70b_fits_8_gpus_with_lora_and_32_with_full_fine_tuning_offloaded(tmp_pa
     offloaded = _llama3_70b_pipeline(tmp_path / "offloaded", launch(32, "fsdp-offload"), ppo={"frozen_dtype": "bfloat16"})
     result = plan(offloaded, stages, shapes, gpu, counts)
     assert all(result.verdicts.values()), {s: p.peak / GIB for s, p in result.stages.items()}
+    assert result.nodes == {stage: [8, 8, 8, 8] for stage in stages}  # four nodes of 8 GPUs
     ppo = result.stages["ppo"]
     assert all(h.weights == h.optimizer == 0 and h.host > 0 for h in ppo.held)
     assert "gradients" not in ppo.phases["update"]
@@ -176,6 +177,18 @@ def test_70b_fits_8_gpus_with_lora_and_32_with_full_fine_tuning_offloaded(tmp_pa
     # On the CPU the host memory is the device's: nothing moves.
     cpu = plan_stage(offloaded, "ppo", shapes, Device("cpu", 4e12), counts)
     assert all(h.host == 0 for h in cpu.held)
+
+
+def test_a_gang_packs_onto_nodes_and_a_cpu_nodes_memory_holds_only_its_own_processes(tiny_config, world):
+    assert ranks_per_node(32, 8) == [8, 8, 8, 8]
+    assert ranks_per_node(16, 8, beside_rank0=2) == [6, 8, 2]  # vLLM's 2 tensor-parallel GPUs beside rank 0
+    assert ranks_per_node(3, None) == [3]  # one machine
+    shapes = {"policy": model_shape(str(world / "model"))}
+    peak = plan_stage(tiny_config, "ppo", shapes, Device("cpu", 16 * GIB), processes=2).peak
+    machine = Device("cpu", 1.5 * peak)  # room for one process's peak, not two
+    assert not plan(tiny_config, ["ppo"], shapes, machine, processes=2).verdicts["ppo"]
+    spread = plan(tiny_config, ["ppo"], shapes, machine, processes=2, per_node=1)
+    assert spread.nodes == {"ppo": [1, 1]} and spread.verdicts["ppo"]
 
 
 def test_auto_micro_batches_are_all_at_once_where_everything_fits(tiny_config, world):

@@ -8,46 +8,19 @@ The Ray gang and `accelerate launch` run the same stage function on the same pro
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-
 import pytest
 
 from rlhf.config import with_overrides
-from rlhf.config_common import REPO_ROOT, LaunchConfig
+from rlhf.config_common import LaunchConfig
 from stages.common.reporting import Reporting
 from stages.launch.call import call_stage
 from stages.launch.job import LaunchError
 from stages.ppo import PPOInputs, train_ppo
 from stages.runtime.models import folder_digest
+from tests.helpers import free_port, ray_launch
 
 pytestmark = pytest.mark.multiprocess  # a Ray cluster, its driver and the ranks are processes
 
-FSDP = "configs/accelerate/fsdp.yaml"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A two-node Ray cluster (one CPU each) on a free port, stopped after the module's tests."""
-    env = dict(os.environ, RLHF_HOME=str(tmp_path_factory.mktemp("ray-home")), RLHF_RAY_PORT=str(_free_port()))
-    script = [str(REPO_ROOT / "scripts" / "ray_cluster.sh")]
-    up = subprocess.run([*script, "up"], env=env, capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
-        yield f"127.0.0.1:{env['RLHF_RAY_PORT']}"
-    finally:
-        subprocess.run([*script, "down"], env=env, capture_output=True, text=True, timeout=120)
-
-
-def _ray(address: str, **settings) -> LaunchConfig:
-    return LaunchConfig(engine="ray", num_processes=2, accelerate_config=FSDP, ray_address=address, **settings)
 
 
 def _run(train, section, inputs, folder):
@@ -57,15 +30,15 @@ def _run(train, section, inputs, folder):
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_config, trained, tmp_path_factory):
     """PPO sharded over two local processes (`accelerate launch`): the digest every Ray run must end at."""
-    cfg = with_overrides(tiny_config.ppo, {"launch": LaunchConfig(num_processes=2, accelerate_config=FSDP),
+    cfg = with_overrides(tiny_config.ppo, {"launch": LaunchConfig(num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml"),
                                            "num_iterations": 4, "checkpoint_every": 2})
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     return cfg, inputs, folder_digest(_run(train_ppo, cfg, inputs, tmp_path_factory.mktemp("local")).checkpoint)
 
 
-def test_sharded_ppo_on_two_ray_nodes_ends_where_the_local_launch_does(cluster, uninterrupted, tmp_path):
+def test_sharded_ppo_on_two_ray_nodes_ends_where_the_local_launch_does(ray_cluster, uninterrupted, tmp_path):
     cfg, inputs, digest = uninterrupted
-    cfg = with_overrides(cfg, {"launch": _ray(cluster, ray_placement="SPREAD")})
+    cfg = with_overrides(cfg, {"launch": ray_launch(ray_cluster, ray_placement="SPREAD")})
     reported = []
     result = call_stage(train_ppo, cfg, inputs, tmp_path, Reporting(metrics=lambda m, step: reported.append(step)),
                         deterministic=True, num_threads=1)
@@ -77,40 +50,41 @@ def test_sharded_ppo_on_two_ray_nodes_ends_where_the_local_launch_does(cluster, 
     assert reported and reported == sorted(reported)  # rank 0's metrics reached the caller, through Ray, in order
 
 
-def test_a_rank_killed_mid_run_restarts_the_gang_and_ends_at_the_uninterrupted_digest(cluster, uninterrupted,
+def test_a_rank_killed_mid_run_restarts_the_gang_and_ends_at_the_uninterrupted_digest(ray_cluster, uninterrupted,
                                                                                        tmp_path):
     from tests.stand_in_stages import RankKilledOnce, ppo_with_a_rank_killed_once
 
     cfg, inputs, digest = uninterrupted
     killed = RankKilledOnce(inputs, rank=1, marker=tmp_path / "killed")
-    result = _run(ppo_with_a_rank_killed_once, with_overrides(cfg, {"launch": _ray(cluster, max_failures=1)}),
-                  killed, tmp_path / "run")
+    cfg = with_overrides(cfg, {"launch": ray_launch(ray_cluster, max_failures=1)})
+    result = _run(ppo_with_a_rank_killed_once, cfg, killed, tmp_path / "run")
     assert killed.marker.exists()  # it was killed, and the second start resumed from the checkpoint
     assert folder_digest(result.checkpoint) == digest
     launch = json.loads((tmp_path / "run" / "launch" / "launch.json").read_text())
     assert launch["starts"] == 2
 
 
-def test_with_no_retries_a_killed_rank_fails_the_stage_naming_it(cluster, uninterrupted, tmp_path):
+def test_with_no_retries_a_killed_rank_fails_the_stage_naming_it(ray_cluster, uninterrupted, tmp_path):
     from tests.stand_in_stages import RankKilledOnce, ppo_with_a_rank_killed_once
 
     cfg, inputs, _ = uninterrupted
     killed = RankKilledOnce(inputs, rank=1, marker=tmp_path / "killed")
     with pytest.raises(LaunchError, match=r"rank 1 \(node [0-9a-f]{12}, [0-9.]+, pid \d+\): WorkerHealthCheckFailedError"):
-        _run(ppo_with_a_rank_killed_once, with_overrides(cfg, {"launch": _ray(cluster)}), killed, tmp_path / "run")
+        _run(ppo_with_a_rank_killed_once, with_overrides(cfg, {"launch": ray_launch(ray_cluster)}), killed,
+             tmp_path / "run")
 
 
-def test_a_gang_the_cluster_cannot_hold_fails_before_training_naming_what_is_missing(cluster, uninterrupted,
+def test_a_gang_the_cluster_cannot_hold_fails_before_training_naming_what_is_missing(ray_cluster, uninterrupted,
                                                                                     tmp_path):
     cfg, inputs, _ = uninterrupted
-    cfg = with_overrides(cfg, {"launch": _ray(cluster).model_copy(update={"num_processes": 4})})
+    cfg = with_overrides(cfg, {"launch": ray_launch(ray_cluster).model_copy(update={"num_processes": 4})})
     with pytest.raises(LaunchError, match=r"has 2 CPU in all; the gang needs 4 processes x \{.CPU.: 1\} = 4 CPU"):
         _run(train_ppo, cfg, inputs, tmp_path)
     assert not (tmp_path / "checkpoint").exists()
 
 
 def test_an_unreachable_cluster_fails_at_once_naming_the_address(tiny_config, trained, tmp_path):
-    cfg = with_overrides(tiny_config.ppo, {"launch": _ray(f"127.0.0.1:{_free_port()}")})
+    cfg = with_overrides(tiny_config.ppo, {"launch": ray_launch(f"127.0.0.1:{free_port()}")})
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     with pytest.raises(LaunchError, match=r"no Ray cluster answers at 127\.0\.0\.1:\d+"):
         _run(train_ppo, cfg, inputs, tmp_path)

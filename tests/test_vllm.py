@@ -5,7 +5,6 @@ does, and nothing of it outlives the stage, even when the stage's process is kil
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 
 from rlhf.config import load_config, with_overrides
 from rlhf.config_common import REPO_ROOT, VLLMConfig, vllm_python
-from tests.helpers import AUTO_RESOLVED, killed_and_resumed, run_ppo, vllm_servers
+from tests.helpers import AUTO_RESOLVED, killed_and_resumed, processes, ray_launch, run_ppo, vllm_servers
 
 pytestmark = pytest.mark.multiprocess  # a vLLM server is a process of its own
 
@@ -80,8 +79,8 @@ def started(monkeypatch) -> list:
 
 def _stopped(sampler) -> bool:
     """No server process left on the sampler's folder, nothing listening on its port, the folder removed."""
-    port = int(sampler.url.rsplit(":", 1)[1])
-    return (sampler.server is None and not sampler.folder.exists() and not _listening(port)
+    port = int(sampler.endpoint.url.rsplit(":", 1)[1])
+    return (sampler.served is None and not sampler.folder.exists() and not _listening(port)
             and not vllm_servers(str(sampler.folder)))
 
 
@@ -100,7 +99,7 @@ def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_af
     assert _stopped(started[0])
 
 
-def test_a_sharded_policy_is_streamed_to_the_server_and_sampled_by_both_processes(servable, tmp_path):
+def test_a_sharded_policy_is_streamed_to_the_server_and_sampled_by_bothprocesses(servable, tmp_path):
     """Two FSDP2 processes: the first starts the server, both write their shards of the policy into
     the served folder (`save_streamed`) and both send their own prompts."""
     from stages.launch.call import call_stage
@@ -185,15 +184,11 @@ def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_reru
     while _process_group_alive(group):
         assert time.monotonic() < deadline, f"vLLM processes outlived the killed stage: {_process_group_alive(group)}"
         time.sleep(0.5)
-    # the policy the killed stage served stays in shared memory until the next server start sweeps it
-    from stages.engines.vllm_server import SERVED_PREFIX, served_folder
-
-    left = [f for f in Path(servers[0].split("--model ")[1].split()[0]).parent.glob(f"{SERVED_PREFIX}*")
-            if (f / "owner").exists() and (f / "owner").read_text() == str(stage.pid)]
-    assert left
-    fresh = served_folder()
-    assert not any(f.exists() for f in left) and fresh.exists()
-    shutil.rmtree(fresh)
+    # the policy the killed stage served is removed from shared memory by its janitor, which died with the stage
+    served = Path(servers[0].split("--model ")[1].split()[0])
+    while served.exists():
+        assert time.monotonic() < deadline, f"the killed stage's served policy outlived it: {served}"
+        time.sleep(0.5)
 
     messages = []
     resumed = run_ppo(ppo, trained, tmp_path / "out", Reporting(warning=messages.append))
@@ -208,3 +203,59 @@ def _is_child_server(pid: int, parent: int) -> bool:
     except OSError:
         return False
     return int(stat[1]) == parent and b"vllm.entrypoints.openai.api_server" in cmdline
+
+
+def _served_folders() -> set[Path]:
+    from stages.engines.vllm_server import SERVED_PREFIX
+
+    return {f for shared in (Path("/dev/shm"), Path("/tmp")) for f in shared.glob(f"{SERVED_PREFIX}*")}
+
+
+def _ray_vllm(cfg, address: str, **launch):
+    return with_overrides(cfg.ppo, AUTO_RESOLVED | {"launch": ray_launch(address, ray_placement="SPREAD", **launch),
+                                                    "num_iterations": 3, "checkpoint_every": 1})
+
+
+def test_on_a_ray_gang_the_server_is_an_actor_on_rank_0s_node_and_nothing_of_it_is_left(servable, ray_cluster,
+                                                                                        tmp_path):
+    """Ranks on two Ray nodes, the server an actor beside rank 0: both ranks sample through it, its
+    weights follow every update, and the stage leaves no server, actor or served folder."""
+    import json
+
+    from stages.launch.call import call_stage
+    from stages.ppo import PPOInputs, train_ppo
+    from stages.common.reporting import Reporting
+
+    cfg, trained = servable
+    before = _served_folders()
+    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    result = call_stage(train_ppo, _ray_vllm(cfg, ray_cluster), inputs, tmp_path / "out", Reporting(),
+                        deterministic=True, num_threads=1)
+    assert len({n["node"] for n in json.loads(result.tags["rlhf.launch.nodes"])}) == 2
+    assert all(row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history)
+    assert result.history[-1]["rollout/kl"] != 0  # the policy moved, and the server sampled the moved policy
+    assert "vLLM" in (tmp_path / "out" / "vllm.log").read_text()  # written on rank 0's node by the actor's server
+    assert not vllm_servers() and _served_folders() <= before
+    assert not processes("ray::ServerActor")  # the actor ended with the server (Ray titles its process so)
+
+
+def test_on_a_ray_gang_a_killed_rank_0_takes_its_server_and_served_folder_with_it(servable, ray_cluster, tmp_path):
+    from stages.launch.call import call_stage
+    from stages.launch.job import LaunchError
+    from stages.ppo import PPOInputs
+    from stages.common.reporting import Reporting
+    from tests.stand_in_stages import RankKilledOnce, ppo_with_a_rank_killed_once
+
+    cfg, trained = servable
+    before = _served_folders()
+    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    killed = RankKilledOnce(inputs, rank=0, marker=tmp_path / "killed")
+    with pytest.raises(LaunchError, match=r"rank 0 \(node [0-9a-f]{12}, [0-9.]+, pid \d+\)"):
+        call_stage(ppo_with_a_rank_killed_once, _ray_vllm(cfg, ray_cluster), killed, tmp_path / "out", Reporting(),
+                   deterministic=True, num_threads=1)
+    assert killed.marker.exists()
+    deadline = time.monotonic() + 60
+    while vllm_servers() or not _served_folders() <= before or processes("ray::ServerActor"):
+        assert time.monotonic() < deadline, (f"left after the gang failed: {vllm_servers()}, "
+                                             f"{_served_folders() - before}, {processes('ray::ServerActor')}")
+        time.sleep(0.5)

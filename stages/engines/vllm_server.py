@@ -22,7 +22,12 @@ which the conflicting pins rule out; the folder is the path on a GPU too.
 
 The first process starts and stops the server; every process sends its own prompts to it. The
 server is stopped when the stage ends, fails or is cancelled (`VLLMSampler.close`), and dies with
-the process that started it (`PR_SET_PDEATHSIG`) when that one is killed.
+the process that started it (`PR_SET_PDEATHSIG`) when that one is killed; so does a small janitor
+process, which then removes the served folder (at 8B a served copy holds 16-32 GB of RAM).
+
+On a Ray gang (`launch.engine: ray`) the ranks may sit on several machines, and the server is
+placed by Ray: an actor on rank 0's node owns it (`stages.engines.vllm_ray`), and every rank's
+requests reach it through that actor, so the server still listens on its node's loopback only.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -187,15 +193,83 @@ def post(url: str, body: dict, timeout: float | None = 600.0) -> Any:
     return json.loads(content) if content else None
 
 
+@dataclass
+class HTTPEndpoint:
+    """A server on this machine, as a process reaches it: vLLM's routes on loopback."""
+
+    url: str
+
+    def generate(self, requests: list[dict]) -> list[dict]:
+        """Each request's answer (`/inference/v1/generate`), sent together so the server batches them."""
+        with ThreadPoolExecutor(min(len(requests), MAX_CONCURRENT_REQUESTS)) as pool:
+            return list(pool.map(lambda body: post(f"{self.url}/inference/v1/generate", body), requests))
+
+    def reload(self) -> None:
+        """The served folder read again, and the prefix cache the old weights computed dropped."""
+        post(f"{self.url}/collective_rpc", {"method": "reload_weights"})
+        post(f"{self.url}/reset_prefix_cache", {})
+
+
+JANITOR = """
+import ctypes, os, shutil, signal, sys
+folder, parent = sys.argv[1], int(sys.argv[2])
+def remove(*_):
+    shutil.rmtree(folder, ignore_errors=True)
+    os._exit(0)
+signal.signal(signal.SIGTERM, remove)
+ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != parent:
+    remove()
+while True:
+    signal.pause()
+"""
+"""The janitor's program: wait for SIGTERM (sent when the process that started it dies, however it
+dies, or by `LocalServed.stop`), then remove the served folder."""
+
+
+@dataclass
+class LocalServed:
+    """A served folder on this machine, the server reading it (once started) and the janitor that
+    removes the folder when the process holding this object dies."""
+
+    folder: Path
+    janitor: subprocess.Popen
+    server: VLLMServer | None = None
+
+    @classmethod
+    def prepare(cls) -> LocalServed:
+        folder = served_folder()
+        janitor = subprocess.Popen([sys.executable, "-c", JANITOR, str(folder), str(os.getpid())],
+                                   start_new_session=True, stdin=subprocess.DEVNULL)
+        return cls(folder, janitor)
+
+    def start(self, settings: VLLMConfig, dtype: torch.dtype, seed: int, max_model_len: int,
+              log: Path) -> HTTPEndpoint:
+        """Start the server on the folder (written by now); how to reach it."""
+        self.server = VLLMServer.start(self.folder, settings, dtype, seed, max_model_len, log)
+        return HTTPEndpoint(self.server.url)
+
+    def stop(self) -> None:
+        """Stop the server, remove the folder, end the janitor (idempotent)."""
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.janitor.poll() is None:
+            self.janitor.terminate()
+            self.janitor.wait(30)
+
+
 SERVED_PREFIX = "rlhf-vllm-"
 """Served folders are `<shared memory>/rlhf-vllm-*`, each with the file `owner` naming the process that made it."""
 
 
-def sampler_for(stage: SampledStage, hf: HFSampler, seed: int, log: Path) -> Sampler:
+def sampler_for(stage: SampledStage, hf: HFSampler, seed: int, log: Path, on_ray: bool) -> Sampler:
     """What a stage samples its policy with (`stage.rollout_engine`): `hf`, the policy itself, or a
     vLLM server started on `hf`'s model's weights, computing in the dtype `hf`'s forward passes do,
-    its log in `log`. The caller closes it however it ends."""
-    return hf if stage.rollout_engine == "hf" else VLLMSampler.start(hf, stage.vllm, seed, log)
+    its log in `log`, placed by Ray when the stage runs as a Ray gang (`on_ray`). The caller closes
+    it however it ends."""
+    return hf if stage.rollout_engine == "hf" else VLLMSampler.start(hf, stage.vllm, seed, log, on_ray)
 
 
 def served_folder() -> Path:
@@ -245,53 +319,58 @@ class VLLMSampler:
     state: PartialState
     """The processes of the stage (one, or those of its launch)."""
     folder: Path
-    """The served folder, in shared memory: the policy as of the last `sync`."""
+    """The served folder, in shared memory on the server's machine: the policy as of the last `sync`."""
     dtype: torch.dtype
     """Dtype of the served weights."""
-    url: str
-    server: VLLMServer | None
-    """On the first process; None on the others."""
+    endpoint: Any
+    """How this process reaches the server: `HTTPEndpoint`, or `vllm_ray.RayEndpoint` on a Ray gang."""
+    served: Any
+    """On the first process, what `close` stops (`LocalServed`, or `vllm_ray.RayServed`); None on the others."""
     device: torch.device
 
     @classmethod
-    def start(cls, hf: HFSampler, settings: VLLMConfig, seed: int, log: Path) -> VLLMSampler:
-        """Write `hf`'s model into a fresh shared-memory folder and start a server on it (first process),
-        computing in the dtype `hf`'s forward passes do; every process learns the server's address
-        (collective)."""
+    def start(cls, hf: HFSampler, settings: VLLMConfig, seed: int, log: Path, on_ray: bool = False) -> VLLMSampler:
+        """Write `hf`'s model into a fresh shared-memory folder and start a server on it (first process;
+        on a Ray gang, through an actor on its node), computing in the dtype `hf`'s forward passes do;
+        every process learns how to reach the server (collective)."""
         policy, tokenizer, state = hf.model, hf.tokenizer, PartialState()
         dtype = hf.precision.autocast_dtype or torch.float32
         check_servable(policy, torch.cuda.is_available())
         main = state.is_main_process
-        folder = served_folder() if main else Path()
-        folder = Path(broadcast_object_list([str(folder)])[0])
+        served = None
+        if main:
+            if on_ray:
+                from stages.engines.vllm_ray import RayServed
+
+                served = RayServed.prepare(settings)
+            else:
+                served = LocalServed.prepare()
+        folder = Path(broadcast_object_list([str(served.folder) if main else ""])[0])
         write_served(policy, tokenizer, folder, dtype, main)
-        server, url = None, ""
+        endpoint = None
         if main:
             max_model_len = settings.max_model_len or policy.config.max_position_embeddings
             try:
-                server = VLLMServer.start(folder, settings, dtype, seed, max_model_len, log)
+                endpoint = served.start(settings, dtype, seed, max_model_len, log)
             except BaseException:
-                shutil.rmtree(folder, ignore_errors=True)
+                served.stop()
                 raise
-            url = server.url
-        url = broadcast_object_list([url])[0]
-        return cls(tokenizer, hf.stop_ids, state, folder, dtype, url, server, policy.device)
+        endpoint = broadcast_object_list([endpoint])[0]
+        return cls(tokenizer, hf.stop_ids, state, folder, dtype, endpoint, served, policy.device)
 
     def sync(self, policy: torch.nn.Module) -> None:
         """The policy's current weights into the served folder and the server (every process calls it)."""
         main = self.state.is_main_process
         write_served(policy, self.tokenizer, self.folder, self.dtype, main)
         if main:
-            post(f"{self.url}/collective_rpc", {"method": "reload_weights"})
-            post(f"{self.url}/reset_prefix_cache", {})
+            self.endpoint.reload()
         self.state.wait_for_everyone()
 
     def close(self) -> None:
         """Stop the server and remove the served folder (idempotent)."""
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-            shutil.rmtree(self.folder, ignore_errors=True)
+        if self.served is not None:
+            self.served.stop()
+            self.served = None
 
     def generate(self, prompts: list[str], sampling: Sampling) -> Generation:
         batch = left_padded(self.tokenizer, prompts, torch.device("cpu"))
@@ -304,8 +383,7 @@ class VLLMSampler:
             "top_p": 1.0, "top_k": 0, "seed": first_seed + index, "logprobs": 0,
             "stop_token_ids": self.stop_ids, "ignore_eos": False, "detokenize": False}}
             for index, (prompt, count) in enumerate(groups_of(rows))]
-        with ThreadPoolExecutor(min(len(requests), MAX_CONCURRENT_REQUESTS)) as pool:
-            answers = list(pool.map(lambda body: post(f"{self.url}/inference/v1/generate", body), requests))
+        answers = self.endpoint.generate(requests)
         choices = [choice for answer in answers for choice in sorted(answer["choices"], key=lambda c: c["index"])]
         tokens = [choice["token_ids"] for choice in choices]
         logprobs = [[entry["logprob"] for entry in choice["logprobs"]["content"]] for choice in choices]

@@ -55,9 +55,10 @@ class Device:
     memory: float
     """Bytes."""
 
-    def fits(self, plan: StagePlan, share: float = 1.0) -> bool:
-        """Whether `plan` needs at most `share` of this memory (on CPU the processes of one stage share it)."""
-        need = plan.peak * (plan.processes if self.kind == "cpu" else 1)
+    def fits(self, plan: StagePlan, share: float = 1.0, on_node: int | None = None) -> bool:
+        """Whether `plan` needs at most `share` of this memory (on CPU a node's processes share it:
+        `on_node` of them, by default all of the stage's)."""
+        need = plan.peak * ((on_node or plan.processes) if self.kind == "cpu" else 1)
         return need <= share * self.memory
 
     def describe(self) -> str:

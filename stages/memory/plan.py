@@ -26,10 +26,6 @@ from stages.memory.phases import (
 )
 from stages.memory.shapes import GIB, RUNTIME_GIB, ModelShape, model_shape, reward_shape
 
-"""AdamW's two float32 moments per trained parameter."""
-"""Float32 copies of the logits alive around a loss: the logits, their log-softmax (saved), its
-gradient, and one transient (an entropy or a float cast)."""
-"""Per process, besides tensors: the libraries, the CUDA context, allocator slack."""
 FSDP_CONFIG = "configs/accelerate/fsdp.yaml"
 
 
@@ -218,6 +214,31 @@ def what_fits(section: TrainedStage, stage: StageName, shapes: dict[str, ModelSh
 # --- the whole config ------------------------------------------------------------------------------------
 
 
+NODE_GPUS = 8
+"""Processes a GPU node holds when the plan is not told otherwise (`rlhf plan --processes-per-node`):
+the 8-GPU node docs/scaling.md plans 8B and 70B on."""
+
+
+def ranks_per_node(processes: int, per_node: int | None, beside_rank0: int = 0) -> list[int]:
+    """How many of a gang's `processes` each node holds, packed as Ray's `PACK` and `accelerate launch`
+    on N nodes place them: full nodes of `per_node`, rank 0's keeping `beside_rank0` of its slots for
+    the vLLM server (its tensor-parallel GPUs). One node when `per_node` is None."""
+    if per_node is None:
+        return [processes]
+    counts, left, room = [], processes, max(per_node - beside_rank0, 1)
+    while left > 0:
+        counts.append(min(room, left))
+        left, room = left - counts[-1], per_node
+    return counts
+
+
+def vllm_gpus(section, device: Device) -> int:
+    """GPUs a stage's vLLM server takes beside rank 0 (none on a CPU, where they take turns on the cores)."""
+    if device.kind != "cuda" or getattr(section, "rollout_engine", "hf") != "vllm":
+        return 0
+    return section.vllm.tensor_parallel_size
+
+
 @dataclass(frozen=True)
 class Plan:
     device: Device
@@ -226,13 +247,16 @@ class Plan:
     fixes: dict[str, list[str]]
     micro_batches: dict[str, dict[str, int | None]] = field(default_factory=dict)
     """Per stage, the `auto` micro-batch sizes resolved for this device (None: all at once)."""
+    nodes: dict[str, list[int]] = field(default_factory=dict)
+    """Per stage, the processes each node holds (`ranks_per_node`), rank 0's node first."""
 
     def message(self, stage: str) -> str:
         """Why a stage does not fit, and what would make it fit."""
         plan = self.stages[stage]
-        need = plan.peak * (plan.processes if self.device.kind == "cpu" else 1)
+        on_node = max(self.nodes.get(stage) or [plan.processes])
+        need = plan.peak * (on_node if self.device.kind == "cpu" else 1)
         text = (f"{stage}: predicted peak {plan.peak / GIB:.1f} GiB per process ({plan.peak_phase})"
-                + (f", {need / GIB:.1f} GiB for its {plan.processes} processes" if need != plan.peak else "")
+                + (f", {need / GIB:.1f} GiB for {on_node} processes on a node" if need != plan.peak else "")
                 + f", over {self.device.describe()}")
         ways = self.fixes.get(stage) or []
         if ways:
@@ -252,16 +276,20 @@ def model_shapes(cfg: PipelineConfig, resolve=lambda location: location) -> dict
 
 
 def plan(cfg: PipelineConfig, stages: list[str], shapes: dict[str, ModelShape], device: Device,
-         counts: Counts = Counts(), processes: int | None = None) -> Plan:
-    """Every stage's plan on `device`, whether it fits, and for those that do not, what would."""
+         counts: Counts = Counts(), processes: int | None = None, per_node: int | None = None) -> Plan:
+    """Every stage's plan on `device` (nodes of `per_node` processes; default: `NODE_GPUS` on a GPU,
+    one machine on the CPU), whether it fits, and for those that do not, what would."""
+    per_node = per_node or (NODE_GPUS if device.kind == "cuda" else None)
     sections = {stage: resolve_micro_batches(stage, getattr(cfg, stage), shapes, device, counts, processes)
                 for stage in stages}
     plans = {stage: plan_stage(cfg, stage, shapes, device, counts, processes, sections[stage]) for stage in stages}
-    verdicts = {stage: device.fits(p) for stage, p in plans.items()}
+    nodes = {stage: ranks_per_node(p.processes, per_node, vllm_gpus(sections[stage], device))
+             for stage, p in plans.items()}
+    verdicts = {stage: device.fits(p, on_node=max(nodes[stage])) for stage, p in plans.items()}
     fixes = {stage: what_fits(sections[stage], stage, shapes, device, counts)
              for stage, ok in verdicts.items() if not ok}
     chosen = {stage: resolved_values(stage, getattr(cfg, stage), sections[stage]) for stage in stages}
-    return Plan(device, plans, verdicts, fixes, {stage: values for stage, values in chosen.items() if values})
+    return Plan(device, plans, verdicts, fixes, {stage: values for stage, values in chosen.items() if values}, nodes)
 
 
 def _count_text(n: int) -> str:
@@ -276,6 +304,9 @@ def plan_table(result: Plan) -> str:
         verdict = "fits" if result.verdicts[stage] else "DOES NOT FIT"
         engine = f"FSDP2 over {p.processes}" if p.sharded else (f"DDP x {p.processes}" if p.processes > 1
                                                                 else "one process")
+        nodes = result.nodes.get(stage) or [p.processes]
+        if len(nodes) > 1:
+            engine += f" on {len(nodes)} nodes: {', '.join(map(str, nodes))} processes"
         lines += [f"### {stage} ({engine}): peak {p.peak / GIB:.2f} GiB per process in {p.peak_phase}: {verdict}",
                   "", "| model | parameters | held as | weights (GiB) | gradients | optimizer | gathered |",
                   "|---|---|---|---|---|---|---|"]
@@ -302,7 +333,8 @@ def plan_json(result: Plan) -> dict:
     """The plan as plain data (`rlhf plan --json`)."""
     return {"device": {"kind": result.device.kind, "memory_gib": result.device.memory / GIB},
             "stages": {stage: {
-                "processes": p.processes, "sharded": p.sharded, "fits": result.verdicts[stage],
+                "processes": p.processes, "processes_per_node": result.nodes.get(stage) or [p.processes],
+                "sharded": p.sharded, "fits": result.verdicts[stage],
                 "predicted_peak_gib": p.peak / GIB, "peak_phase": p.peak_phase,
                 "state_gib": p.state_bytes() / GIB, "resident_gib": p.resident / GIB,
                 "models": [{"name": h.name, "parameters": h.parameters, "trained_parameters": h.trained,
