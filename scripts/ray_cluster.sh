@@ -10,10 +10,18 @@
 # `ray stop` would end every Ray process on the machine, another user's cluster included, so each
 # node runs as `ray start --block` in a session of its own, and `down` ends those two sessions.
 # RLHF_RAY_PORT (6390), RLHF_RAY_NODE_CPUS (1 per node) and RLHF_HOME (.rlhf) move it.
+#
+# Ray's head listens on every interface, so the cluster requires a token (Ray's token
+# authentication): one of its own, made at `up` in $RLHF_HOME/ray/auth_token, which
+# `launch.ray_address: auto` picks up with the address. Left to itself, `ray start --head` turns
+# token authentication on whenever ~/.ray/auth_token exists (any local `ray.init()` writes one),
+# and clients that do not know it then cannot connect: the mode is set here, never guessed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 STATE="$(realpath -m "${RLHF_HOME:-.rlhf}")/ray"
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$STATE/auth_token"
+unset RAY_AUTH_TOKEN
 RAY="$PWD/.venv/bin/ray"
 PORT="${RLHF_RAY_PORT:-6390}"
 CPUS="${RLHF_RAY_NODE_CPUS:-1}"
@@ -55,6 +63,7 @@ up() {
         echo "port $PORT is taken (another Ray cluster?): set RLHF_RAY_PORT" >&2
         return 1
     fi
+    (umask 077 && "$PWD/.venv/bin/python" -c 'import secrets; print(secrets.token_hex(32))' >"$RAY_AUTH_TOKEN_PATH")
     start_node head --head --port "$PORT" --temp-dir "$TEMP" --include-dashboard false
     wait_for_nodes 1
     # The second node's own ports: on one machine the defaults of its agents would collide with the head's.
@@ -75,7 +84,7 @@ down() {
         kill -KILL -- "-$pid" 2>/dev/null || true  # whatever of its session is left
         rm -f "$STATE/$name.pid"
     done
-    rm -f "$STATE/address"
+    rm -f "$STATE/address" "$RAY_AUTH_TOKEN_PATH"
     [ ${#pids[@]} -eq 0 ] || echo "Ray cluster at $ADDRESS stopped"
 }
 

@@ -71,15 +71,20 @@ def trained(tmp_path_factory, world, tiny_config, tokenizer):
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
     """A two-node Ray cluster on this machine (`scripts/ray_cluster.sh`: two raylets of one CPU each) on
-    a free port, its address; stopped after the module's tests."""
+    a free port, its address; its token in this process's environment (the Ray drivers the tests
+    start inherit it) while the module's tests run; stopped after them."""
     from rlhf.config_common import REPO_ROOT
     from tests.helpers import free_port
 
-    env = dict(os.environ, RLHF_HOME=str(tmp_path_factory.mktemp("ray-home")), RLHF_RAY_PORT=str(free_port()))
+    home = tmp_path_factory.mktemp("ray-home")
+    env = dict(os.environ, RLHF_HOME=str(home), RLHF_RAY_PORT=str(free_port()))
     script = [str(REPO_ROOT / "scripts" / "ray_cluster.sh")]
-    up = subprocess.run([*script, "up"], env=env, capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr
     try:
-        yield f"127.0.0.1:{env['RLHF_RAY_PORT']}"
+        up = subprocess.run([*script, "up"], env=env, capture_output=True, text=True, timeout=300)
+        assert up.returncode == 0, up.stdout + up.stderr
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("RAY_AUTH_MODE", "token")
+            patch.setenv("RAY_AUTH_TOKEN_PATH", str(home / "ray" / "auth_token"))
+            yield f"127.0.0.1:{env['RLHF_RAY_PORT']}"
     finally:
         subprocess.run([*script, "down"], env=env, capture_output=True, text=True, timeout=120)

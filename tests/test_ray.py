@@ -88,3 +88,16 @@ def test_an_unreachable_cluster_fails_at_once_naming_the_address(tiny_config, tr
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     with pytest.raises(LaunchError, match=r"no Ray cluster answers at 127\.0\.0\.1:\d+"):
         _run(train_ppo, cfg, inputs, tmp_path)
+
+
+def test_a_cluster_that_requires_a_token_refuses_a_driver_without_it_naming_the_cluster(ray_cluster, tiny_config,
+                                                                                         trained, tmp_path,
+                                                                                         monkeypatch):
+    """The local cluster requires its token (its head listens on every interface); without it the
+    stage fails before any training, with Ray's reason."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    cfg = with_overrides(tiny_config.ppo, {"launch": ray_launch(ray_cluster)})
+    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    with pytest.raises(LaunchError, match=r"could not join the Ray cluster at 127\.0\.0\.1:\d+.*(?s:.*)[Tt]oken"):
+        _run(train_ppo, cfg, inputs, tmp_path)
+    assert not (tmp_path / "checkpoint").exists()

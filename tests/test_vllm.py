@@ -206,7 +206,7 @@ def _is_child_server(pid: int, parent: int) -> bool:
 
 
 def _served_folders() -> set[Path]:
-    from stages.engines.vllm_server import SERVED_PREFIX
+    from stages.engines.vllm_process import SERVED_PREFIX
 
     return {f for shared in (Path("/dev/shm"), Path("/tmp")) for f in shared.glob(f"{SERVED_PREFIX}*")}
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from rlhf.config_common import VLLMConfig, vllm_python
-from stages.engines.vllm_server import LocalServed, VLLMServerError
+from stages.engines.vllm_process import LocalServed, VLLMServerError
 
 ACTOR_CONCURRENCY = 16
 """Calls the actor serves at once: every rank's batch reaches the server together, which batches them."""

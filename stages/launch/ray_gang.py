@@ -95,21 +95,22 @@ def _with_launch(result, record: dict):
 
 
 def main(spec: Path) -> int:
-    import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     started = time.time()
     call: StageCall = pickle.loads((spec / "call.pkl").read_bytes())
     launch = call.section.launch
     try:
-        _connect(launch.ray_address)
-        gpus = ray.cluster_resources().get("GPU", 0) >= 1
-        per_rank = {"CPU": call.num_threads, **({"GPU": 1} if gpus else {})}
+        _connect(launch.ray_address)  # the first import of Ray in this process
+        per_rank = _rank_resources(call.num_threads)
         _check_room(launch.num_processes, per_rank, launch.ray_placement)
     except LaunchError as e:
         (spec / FAILURE).write_text(str(e))
         return 1
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    gpus = "GPU" in per_rank
+
     inbox = ray.remote(Inbox).options(num_cpus=0, scheduling_strategy=_on_this_node()).remote()
     trainer = TorchTrainer(
         _rank, train_loop_config={"call": (spec / "call.pkl").read_bytes(), "inbox": inbox},
@@ -145,33 +146,49 @@ def main(spec: Path) -> int:
     return 0
 
 
-def _connect(address: str) -> None:
-    """`ray.init` on the cluster at `address`, after making sure its head answers within
-    `CONNECT_TIMEOUT` (Ray's own client retries for a minute, then may abort the process)."""
-    import ray
-
+def _resolve(address: str) -> str:
+    """The head's `host:port` for `address` (`auto`: `RAY_ADDRESS`, else the cluster `make ray-up` or
+    `ray start` recorded on this machine). For a cluster `make ray-up` started, its token too, in
+    this process's environment, unless the user set Ray's auth settings themselves."""
+    local = _local_cluster()
     target = address
     if address == "auto":
-        target = os.environ.get("RAY_ADDRESS") or _address_of_local_cluster()
+        target = os.environ.get("RAY_ADDRESS") or (local[0] if local else None)
         if target is None:
             raise LaunchError("launch.ray_address is auto, and no Ray cluster runs on this machine (none started "
                               "with `ray start` or `make ray-up`, no RAY_ADDRESS): start one, or set launch.ray_address")
+    if local and local[1] is not None and target == local[0] and "RAY_AUTH_MODE" not in os.environ:
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(local[1]))
+    return target
+
+
+def _connect(address: str) -> None:
+    """`ray.init` on the cluster at `address` (`_resolve`), after making sure its head answers within
+    `CONNECT_TIMEOUT` (Ray's own client retries for a minute, then may abort the process)."""
+    target = _resolve(address)  # before Ray is imported: it reads its auth settings then
+    import ray
+
     host, _, port = target.removeprefix("ray://").rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT).close()
     except (OSError, ValueError) as e:
         raise LaunchError(f"no Ray cluster answers at {target} (launch.ray_address {address!r}) within "
                           f"{CONNECT_TIMEOUT:.0f} s: {e}") from None
-    ray.init(address=target, logging_level="WARNING", log_to_driver=True)
+    try:
+        ray.init(address=target, logging_level="WARNING", log_to_driver=True)
+    except (ConnectionError, RuntimeError) as e:  # a token the cluster requires, a Ray version it refuses, ...
+        raise LaunchError(f"could not join the Ray cluster at {target} (launch.ray_address {address!r}): "
+                          f"{str(e).strip()[-1500:]}") from None
 
 
-def _address_of_local_cluster() -> str | None:
-    """The head of the cluster `make ray-up` started (scripts/ray_cluster.sh records it in
-    `$RLHF_HOME/ray/address`), else the one a plain `ray start --head` recorded, or None."""
+def _local_cluster() -> tuple[str, Path | None] | None:
+    """The head of the cluster `make ray-up` started (scripts/ray_cluster.sh records its address and
+    token in `$RLHF_HOME/ray`), else the one a plain `ray start` recorded (no token of ours), or None."""
     home = Path(os.environ.get("RLHF_HOME", Path(__file__).resolve().parents[2] / ".rlhf"))
-    for recorded in (home / "ray" / "address", Path("/tmp/ray/ray_current_cluster")):
+    ours = home / "ray"
+    for recorded, token in ((ours / "address", ours / "auth_token"), (Path("/tmp/ray/ray_current_cluster"), None)):
         if recorded.is_file() and (address := recorded.read_text().strip()):
-            return address
+            return address, token if token is not None and token.is_file() else None
     return None
 
 
@@ -181,6 +198,13 @@ def _rank_environment(gpus: bool) -> dict[str, str]:
     repo = str(Path(__file__).resolve().parents[2])
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])), "PYTHONUNBUFFERED": "1"}
     return env if gpus else cpu_environment(env)
+
+
+def _rank_resources(num_threads: int) -> dict[str, float]:
+    """What each rank reserves: its CPU threads, and a GPU where the cluster has GPUs."""
+    import ray
+
+    return {"CPU": num_threads, **({"GPU": 1} if ray.cluster_resources().get("GPU", 0) >= 1 else {})}
 
 
 def _check_room(ranks: int, per_rank: dict[str, float], placement: str) -> None:
