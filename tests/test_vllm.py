@@ -237,6 +237,7 @@ def test_on_a_ray_gang_the_server_is_an_actor_on_rank_0s_node_and_nothing_of_it_
     assert "vLLM" in (tmp_path / "out" / "vllm.log").read_text()  # written on rank 0's node by the actor's server
     assert not vllm_servers() and _served_folders() <= before
     assert not processes("ray::ServerActor")  # the actor ended with the server (Ray titles its process so)
+    assert not processes("VLLM::")  # and so did vLLM's engine processes
 
 
 def test_on_a_ray_gang_a_killed_rank_0_takes_its_server_and_served_folder_with_it(servable, ray_cluster, tmp_path):
@@ -255,7 +256,8 @@ def test_on_a_ray_gang_a_killed_rank_0_takes_its_server_and_served_folder_with_i
                    deterministic=True, num_threads=1)
     assert killed.marker.exists()
     deadline = time.monotonic() + 60
-    while vllm_servers() or not _served_folders() <= before or processes("ray::ServerActor"):
+    while vllm_servers() or not _served_folders() <= before or processes("ray::ServerActor") or processes("VLLM::"):
         assert time.monotonic() < deadline, (f"left after the gang failed: {vllm_servers()}, "
-                                             f"{_served_folders() - before}, {processes('ray::ServerActor')}")
+                                             f"{_served_folders() - before}, {processes('ray::ServerActor')}, "
+                                             f"{processes('VLLM::')}")
         time.sleep(0.5)

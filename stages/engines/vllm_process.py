@@ -169,6 +169,10 @@ if os.fork():
     os._exit(0)  # the parent returns at once: this process is no longer in its owner's process tree
 os.setsid()
 def remove(*_):
+    try:  # the server's process group, engine processes included, if a server was started on the folder
+        os.killpg(int(open(os.path.join(folder, "server")).read()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
     shutil.rmtree(folder, ignore_errors=True)
     os._exit(0)
 signal.signal(signal.SIGTERM, remove)
@@ -183,9 +187,11 @@ except OSError:  # no pidfd (Linux before 5.3): look every second
         time.sleep(1)
 remove()
 """
-"""The janitor's program: remove the served folder when its owner exits, however it exits (or on
-SIGTERM from `LocalServed.stop`). It leaves its owner's process tree, because whatever kills the
-owner may kill its children with it (Ray SIGKILLs an actor's child processes when it ends it)."""
+"""The janitor's program: when its owner exits, however it exits (or on SIGTERM from
+`LocalServed.stop`), end the server's process group (the file `server` in the folder names it) and
+remove the served folder. It leaves its owner's process tree, because whatever kills the owner may
+kill its children with it: Ray SIGKILLs an actor's child processes when it ends the actor, which
+leaves vLLM's engine processes, the server's grandchildren, running without it."""
 
 
 @dataclass
@@ -210,6 +216,7 @@ class LocalServed:
               log: Path) -> HTTPEndpoint:
         """Start the server on the folder (written by now); how to reach it."""
         self.server = VLLMServer.start(self.folder, settings, dtype, seed, max_model_len, log)
+        (self.folder / "server").write_text(str(self.server.process.pid))  # its process group, for the janitor
         return HTTPEndpoint(self.server.url)
 
     def stop(self) -> None:
