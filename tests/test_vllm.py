@@ -167,6 +167,7 @@ def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_reru
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"num_iterations": 4, "checkpoint_every": 2})
     arguments, parked = tmp_path / "arguments.pkl", tmp_path / "parked"
     arguments.write_bytes(pickle.dumps((ppo, trained, tmp_path / "out")))
+    before = _served_folders()
     stage = subprocess.Popen([sys.executable, "-c", KILLED, str(arguments), str(parked)], cwd=REPO_ROOT,
                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
@@ -184,10 +185,11 @@ def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_reru
     while _process_group_alive(group):
         assert time.monotonic() < deadline, f"vLLM processes outlived the killed stage: {_process_group_alive(group)}"
         time.sleep(0.5)
-    # the policy the killed stage served is removed from shared memory by its janitor, which died with the stage
+    # the policy the killed stage served is removed from shared memory by its janitor, which outlives the stage,
+    # with vLLM's shared-memory files
     served = Path(servers[0].split("--model ")[1].split()[0])
-    while served.exists():
-        assert time.monotonic() < deadline, f"the killed stage's served policy outlived it: {served}"
+    while served.exists() or not _served_folders() <= before:
+        assert time.monotonic() < deadline, f"the killed stage's shared memory outlived it: {_served_folders() - before}"
         time.sleep(0.5)
 
     messages = []
@@ -206,9 +208,12 @@ def _is_child_server(pid: int, parent: int) -> bool:
 
 
 def _served_folders() -> set[Path]:
+    """Served policies, and vLLM's shared-memory files (its engine's message queues and semaphores,
+    which a killed engine cannot unlink itself)."""
     from stages.engines.vllm_process import SERVED_PREFIX
 
-    return {f for shared in (Path("/dev/shm"), Path("/tmp")) for f in shared.glob(f"{SERVED_PREFIX}*")}
+    return ({f for shared in (Path("/dev/shm"), Path("/tmp")) for f in shared.glob(f"{SERVED_PREFIX}*")}
+            | {f for pattern in ("psm_*", "sem.mp-*") for f in Path("/dev/shm").glob(pattern)})
 
 
 def _ray_vllm(cfg, address: str, **launch):

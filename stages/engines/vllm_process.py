@@ -163,35 +163,76 @@ class HTTPEndpoint:
 
 
 JANITOR = """
-import os, select, shutil, signal, sys, time
+import glob, os, select, shutil, signal, sys, time
 folder, owner = sys.argv[1], int(sys.argv[2])
 if os.fork():
     os._exit(0)  # the parent returns at once: this process is no longer in its owner's process tree
 os.setsid()
-def remove(*_):
-    try:  # the server's process group, engine processes included, if a server was started on the folder
-        os.killpg(int(open(os.path.join(folder, "server")).read()), signal.SIGKILL)
+shared = set()  # shared-memory files the server's processes have mapped (vLLM's message queues, semaphores)
+def server_group():
+    try:
+        return int(open(os.path.join(folder, "server")).read())
     except (OSError, ValueError):
-        pass
+        return None  # no server started on the folder (yet)
+def note_shared(group):
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            if int(open(stat).read().rsplit(")", 1)[1].split()[2]) != group:  # the process group field
+                continue
+            for line in open(stat[:-4] + "maps"):
+                path = line.split(maxsplit=5)[5].strip() if len(line.split(maxsplit=5)) == 6 else ""
+                if path.startswith("/dev/shm/") and "rlhf-vllm-" not in path:
+                    shared.add(path.removesuffix(" (deleted)"))
+        except (OSError, ValueError, IndexError):
+            pass
+def alive(group):
+    try:
+        os.killpg(group, 0)
+        return True
+    except OSError:
+        return False
+def remove(*_):
+    group = server_group()
+    if group is not None:  # end the server's process group, engine processes included: politely, then not
+        note_shared(group)
+        for sent, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+            try:
+                os.killpg(group, sent)
+            except OSError:
+                break
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and alive(group):
+                time.sleep(0.2)
+    for path in shared:  # what a killed engine could not unlink itself
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     shutil.rmtree(folder, ignore_errors=True)
     os._exit(0)
 signal.signal(signal.SIGTERM, remove)
 print(os.getpid(), flush=True)
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 try:
-    select.select([os.pidfd_open(owner)], [], [])  # readable once the owner has exited
+    owner_exited = os.pidfd_open(owner)
+    wait = lambda: bool(select.select([owner_exited], [], [], 2.0)[0])  # readable once the owner has exited
 except ProcessLookupError:
-    pass
+    wait = lambda: True
 except OSError:  # no pidfd (Linux before 5.3): look every second
-    while os.path.exists(f"/proc/{owner}"):
-        time.sleep(1)
+    wait = lambda: time.sleep(1) or not os.path.exists(f"/proc/{owner}")
+while not wait():
+    group = server_group()
+    if group is not None:
+        note_shared(group)  # noted while the server runs: once killed, no process shows what it had mapped
 remove()
 """
 """The janitor's program: when its owner exits, however it exits (or on SIGTERM from
-`LocalServed.stop`), end the server's process group (the file `server` in the folder names it) and
-remove the served folder. It leaves its owner's process tree, because whatever kills the owner may
-kill its children with it: Ray SIGKILLs an actor's child processes when it ends the actor, which
-leaves vLLM's engine processes, the server's grandchildren, running without it."""
+`LocalServed.stop`), end the server's process group (the file `server` in the folder names it),
+unlink the shared-memory files its processes had mapped (a killed vLLM engine leaves its message
+queues, 170 and 250 MB each, in /dev/shm), and remove the served folder. It leaves its owner's
+process tree, because whatever kills the owner may kill its children with it: Ray SIGKILLs an
+actor's child processes when it ends the actor, which leaves vLLM's engine processes, the
+server's grandchildren, running without it."""
 
 
 @dataclass
