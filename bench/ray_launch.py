@@ -62,6 +62,8 @@ def main() -> None:
     fsdp = {"num_processes": 2, "accelerate_config": "configs/accelerate/fsdp.yaml"}
     port = free_port()
     env, cluster_seconds = _cluster(root / "home", port)
+    # the cluster requires its token (scripts/ray_cluster.sh); the Ray drivers `call_stage` starts inherit it
+    os.environ |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(root / "home" / "ray" / "auth_token")}
     engines = {"local": LaunchConfig(**fsdp),
                "ray": LaunchConfig(**fsdp, engine="ray", ray_address=f"127.0.0.1:{port}")}
     work = {

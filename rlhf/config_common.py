@@ -71,6 +71,9 @@ class LaunchConfig(_Frozen):
         if self.accelerate_config is not None and accelerate_config_path(self.accelerate_config) is None:
             raise ValueError(f"accelerate_config {self.accelerate_config!r} not found")
         engine = self.accelerate_settings()
+        if self.engine == "ray" and engine.get("distributed_type") == "DEEPSPEED":
+            raise ValueError(f"accelerate_config {self.accelerate_config!r} is DeepSpeed: a Ray gang runs DDP or FSDP2 "
+                             "(configs/accelerate/fsdp.yaml); DeepSpeed runs with engine: local")
         if (engine.get("deepspeed_config") or {}).get("zero_stage") == 3:
             raise ValueError(f"accelerate_config {self.accelerate_config!r} is DeepSpeed ZeRO-3: parameter sharding "
                              "here is FSDP2 (configs/accelerate/fsdp.yaml), which every stage runs on")

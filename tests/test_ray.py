@@ -50,6 +50,30 @@ def test_sharded_ppo_on_two_ray_nodes_ends_where_the_local_launch_does(ray_clust
     assert reported and reported == sorted(reported)  # rank 0's metrics reached the caller, through Ray, in order
 
 
+@pytest.mark.parametrize("stage", ["sft", "dpo"])
+def test_a_trainer_stage_sharded_on_ray_ends_where_the_local_launch_does(ray_cluster, tiny_config, trained, world,
+                                                                         tokenizer, tmp_path, stage):
+    """SFT, reward and DPO train with TRL, whose `Accelerator` reads FSDP2's switches from the
+    environment `accelerate launch` sets from the config file; a Ray gang's ranks get the same
+    (`stages.launch.job.accelerate_environment`), so they shard, as the local launch does, to the bit."""
+    from stages.dpo import DPOInputs, train_dpo
+    from stages.sft import train_sft
+    from tests.helpers import dataset, sft_inputs
+
+    train, section, inputs = {
+        "sft": (train_sft, tiny_config.sft, sft_inputs(world, tokenizer)),
+        "dpo": (train_dpo, tiny_config.dpo, DPOInputs(trained["sft"], dataset(world, tokenizer, "preferences"),
+                                                      dataset(world, tokenizer, "preferences_eval"),
+                                                      trained["eval_prompts"]))}[stage]
+    section = section.model_copy(update={"max_steps": 4})
+    local = _run(train, section.model_copy(update={"launch": LaunchConfig(
+        num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml")}), inputs, tmp_path / "local")
+    on_ray = _run(train, section.model_copy(update={"launch": ray_launch(ray_cluster, ray_placement="SPREAD")}), inputs,
+                  tmp_path / "ray")
+    assert on_ray.tags["rlhf.held_as"] == local.tags["rlhf.held_as"] == "fsdp2 x 2"
+    assert folder_digest(on_ray.checkpoint) == folder_digest(local.checkpoint)
+
+
 def test_a_rank_killed_mid_run_restarts_the_gang_and_ends_at_the_uninterrupted_digest(ray_cluster, uninterrupted,
                                                                                        tmp_path):
     from tests.stand_in_stages import RankKilledOnce, ppo_with_a_rank_killed_once

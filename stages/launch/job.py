@@ -208,6 +208,25 @@ def highest_peak(figures: dict[str, float]) -> dict[str, float]:
     return max(every, key=lambda f: f.get("memory/peak_rss_gib", 0.0))
 
 
+def accelerate_environment(launch) -> dict[str, str]:
+    """What `accelerate launch --config_file` sets for its ranks from `launch.accelerate_config`
+    (FSDP2's switches, mixed precision, dynamo), for ranks another launcher starts (a Ray gang),
+    so the trainers' `Accelerator` builds what it builds under `accelerate launch`. {} without a
+    config file: DDP, as `accelerate launch --multi_gpu` gives. # launch: LaunchConfig"""
+    if launch.accelerate_config is None:
+        return {}
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from rlhf.config_common import accelerate_config_path
+
+    args = launch_command_parser().parse_args(["--config_file", str(accelerate_config_path(launch.accelerate_config)),
+                                               "--num_processes", str(launch.num_processes), "stage"])
+    args, _, _ = _validate_launch_command(args)  # the config file's settings into the arguments, as the command does
+    return {key: value for key, value in prepare_multi_gpu_env(args).items()
+            if key.startswith(("ACCELERATE_", "FSDP_")) and key != "ACCELERATE_USE_CPU"}  # the device is the node's
+
+
 def cpu_environment(env: dict[str, str]) -> dict[str, str]:
     """`env` for a CPU job's ranks: torch.distributed over gloo, and glibc's malloc kept from
     hoarding freed tensors (a value the user set is kept).

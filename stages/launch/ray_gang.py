@@ -41,6 +41,7 @@ from stages.launch.job import (
     RESULT,
     LaunchError,
     StageCall,
+    accelerate_environment,
     cpu_environment,
     event_writer,
     follow,
@@ -121,7 +122,7 @@ def main(spec: Path) -> int:
                              storage_path=str(Path(launch.ray_storage_path or call.output_dir / "ray").resolve()),
                              failure_config=FailureConfig(max_failures=launch.max_failures,
                                                           controller_failure_limit=0),
-                             worker_runtime_env={"env_vars": _rank_environment(gpus)}))
+                             worker_runtime_env={"env_vars": _rank_environment(gpus) | accelerate_environment(launch)}))
     events = event_writer(spec / EVENTS)
     with ThreadPoolExecutor(1) as pool:
         fit = pool.submit(trainer.fit)
