@@ -40,7 +40,7 @@ import torch
 from accelerate import Accelerator
 from transformers import get_scheduler
 
-from rlhf.config_ppo import PPOConfig
+from rlhf.config_ppo import OVERLONG_TERM, PPOConfig
 from schemas.adapters import last_user_message
 from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting
@@ -65,6 +65,7 @@ from stages.rl.ppo_math import (
     group_baselined,
     grpo_advantages,
     kl_estimate,
+    overlong_penalty,
     rloo_advantages,
     sequence_rewards,
     token_rewards,
@@ -129,21 +130,24 @@ def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timi
     return raw.to(batch.queries.device)
 
 
-def scores_of(raw: torch.Tensor | None, has_eos: torch.Tensor, scorer: RewardScorer | None, cfg: PPOConfig,
+def scores_of(raw: torch.Tensor | None, batch: Rollout, scorer: RewardScorer | None, cfg: PPOConfig,
               functions: dict[str, torch.Tensor] | None = None) -> Scores:
     """The rollout's scores from the reward model's `raw` outputs (None, with no `scorer`, where the
-    reward has no model term) and the reward functions' values (`function_terms`; none when the
-    reward has no function terms)."""
+    reward has no model term), the reward functions' values (`function_terms`; none when the
+    reward has no function terms) and the overlong penalty (`reward.overlong`, when set)."""
     normalized, terms = None, {}
     if scorer is not None:
         normalized = scorer.normalize(raw)
-        model_term = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
+        model_term = apply_eos_penalty(normalized, batch.has_eos, cfg.missing_eos_score)
         if cfg.score_clip is not None:
             model_term = model_term.clamp(-cfg.score_clip, cfg.score_clip)
         terms = {term.name: model_term for term in cfg.reward.terms if term.function is None}
     terms |= functions or {}
+    if cfg.reward.overlong is not None:
+        terms[OVERLONG_TERM] = overlong_penalty(batch.mask.sum(dim=1), cfg.sampling.response_length,
+                                                cfg.reward.overlong.buffer)
     # a function's NaN is "no reward" (its answers are checked finite)
-    used = weighted_reward(terms, {term.name: term.weight for term in cfg.reward.terms}, no_reward=functions or ())
+    used = weighted_reward(terms, cfg.reward.weights, no_reward=functions or ())
     return Scores(raw, normalized, terms, used)
 
 
@@ -220,7 +224,8 @@ def advantages_and_returns(accelerator: Accelerator, batch: Rollout, kl: torch.T
                            cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The advantage of every response token under `cfg.advantage_estimator`, and for GAE the
     returns the critic regresses on (None otherwise). Whitening is over all processes' tokens
-    (collective); the group estimators need no other process, as each holds whole groups.
+    (collective); the group estimators need no other process, as each holds whole groups, unless
+    `group_batch_normalize` whitens them over the batch.
     `kl` is per token and masked. # -> (B, T), (B, T) | None"""
     mask, group_size = batch.mask, cfg.samples_per_prompt
     if cfg.advantage_estimator == "gae":
@@ -229,10 +234,12 @@ def advantages_and_returns(accelerator: Accelerator, batch: Rollout, kl: torch.T
             rewards = whiten_over_processes(accelerator, rewards, mask, shift_mean=False)
         advantages, returns = gae(rewards, batch.values, mask, cfg.gamma, cfg.critic.lam)
         return whiten_over_processes(accelerator, advantages, mask), returns
-    if cfg.advantage_estimator == "grpo":  # the KL is a loss term: the reward is the score alone
-        return grpo_advantages(scores.used, mask, group_size, cfg.group_std_normalize), None
-    if cfg.advantage_estimator == "rloo":
-        return rloo_advantages(sequence_rewards(scores.used, kl, beta, mask), mask, group_size), None
+    if cfg.advantage_estimator in ("grpo", "rloo"):
+        if cfg.advantage_estimator == "grpo":  # the KL is a loss term: the reward is the score alone
+            advantages = grpo_advantages(scores.used, mask, group_size, cfg.group_std_normalize)
+        else:
+            advantages = rloo_advantages(sequence_rewards(scores.used, kl, beta, mask), mask, group_size)
+        return (whiten_over_processes(accelerator, advantages, mask) if cfg.group_batch_normalize else advantages), None
     outcome = group_baselined(scores.used, group_size) if cfg.advantage_estimator == "reinforce++-baseline" \
         else scores.used
     returns = discounted_returns(token_rewards(outcome, kl, beta, mask), mask, cfg.gamma)
@@ -246,6 +253,14 @@ def engine_weights(batch: Rollout, cfg: PPOConfig) -> torch.Tensor | None:
         return None
     return engine_importance_weights(batch.logprobs, batch.engine_logprobs, batch.mask, cfg.vllm.importance_sampling,
                                      cfg.vllm.importance_sampling_cap)
+
+
+def loss_mask(batch: Rollout, cfg: PPOConfig) -> torch.Tensor | None:
+    """The tokens the loss terms count: with `mask_truncated_responses`, the response mask less the
+    responses cut off without an end token; None (the response mask) otherwise. # (B, T)"""
+    if not cfg.mask_truncated_responses:
+        return None
+    return batch.mask * batch.has_eos.unsqueeze(1)
 
 
 # --- the stage --------------------------------------------------------------------------------
@@ -481,14 +496,14 @@ def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: P
             loop.normalization = first_normalization(accelerator, models.scorer, raw, cfg)
             batch = adopt_normalization(models, loop.normalization, batch)
         functions = function_terms(trainer, messages, batch.texts, [prompt_columns[i] for i in picks], iteration, timings)
-        scores = scores_of(raw, batch.has_eos, models.scorer, cfg, functions)
+        scores = scores_of(raw, batch, models.scorer, cfg, functions)
 
         beta = loop.kl.value
         reward_beta, kl_loss_coef = (0.0, cfg.kl.loss_coef + beta) if cfg.kl_in_loss else (beta, cfg.kl.loss_coef)
         kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.mask  # (B, T)
         advantages, returns = advantages_and_returns(accelerator, batch, kl, scores, reward_beta, cfg)
         episodes = Episodes(iteration, batch, messages, scores, kl, beta, reward_beta, kl_loss_coef, advantages, returns,
-                            engine_weights(batch, cfg))
+                            engine_weights(batch, cfg), loss_mask(batch, cfg))
 
         start = time.perf_counter()
         train = ppo_update(trainer, episodes)
