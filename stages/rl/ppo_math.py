@@ -123,6 +123,14 @@ def grpo_advantages(rewards: torch.Tensor, mask: torch.Tensor, group_size: int, 
     return centred.reshape(-1, 1) * mask
 
 
+def groups_with_signal(scores: torch.Tensor, group_size: int, tolerance: float = 1e-6) -> torch.Tensor:
+    """Whether each prompt's responses scored differently: a group whose scores are all equal gets
+    zero advantage from any group baseline, so it carries no signal (DAPO's dynamic sampling drops
+    it). # (B,) -> (B / K,) bool"""
+    group = grouped(scores, group_size)  # (G, K)
+    return (group.max(dim=1).values - group.min(dim=1).values) > tolerance
+
+
 def rloo_advantages(rewards: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): each response's reward against the mean of the others in its group,
 
