@@ -104,6 +104,24 @@ class RewardTerm(_Frozen):
     """`module:function`, importable from the project or from `reward.paths`: called on the main process with each batch's prompts (`prompts`: chat messages), `responses` (texts) and the prompt records' declared extra columns (`reward.columns`, by name), it returns one float, or None for "no reward", per response. Unset: the reward model, normalised as the stage normalises it."""
 
 
+class OverlongConfig(_Frozen):
+    """DAPO's soft overlong penalty, a reward term (`overlong`): 0 for a response up to `buffer`
+    tokens short of `sampling.response_length`, then falling linearly to -1 at the limit."""
+
+    buffer: PositiveInt = 4
+    """L_cache: the last this many tokens before the length limit, over which the penalty falls from 0 to -1."""
+    weight: PositiveFloat = 1.0
+    """Its weight in the score (DAPO's penalty factor)."""
+
+
+class DynamicSamplingConfig(_Frozen):
+    """DAPO's dynamic sampling: prompt groups whose rewards are all equal carry no signal for a group
+    baseline; drop them and sample more prompts until the batch is full of groups that differ."""
+
+    max_rounds: PositiveInt = 4
+    """Sampling rounds an iteration may take, its first included; a batch still not full then is filled with dropped groups, with a warning."""
+
+
 class RewardTermsConfig(_Frozen):
     """What the RL stage's score is: the weighted sum of its terms."""
 
@@ -113,6 +131,8 @@ class RewardTermsConfig(_Frozen):
     """Folders put in front of the import path to find `function` terms (absolute, or relative to the directory the pipeline runs in)."""
     columns: list[str] = []
     """Extra columns of the `prompts` records (e.g. a verifiable task's `answer`) that every record must have and the functions receive, by name, a list per batch."""
+    overlong: OverlongConfig | None = None
+    """DAPO's soft overlong penalty as a term named `overlong` (`rollout/reward/overlong`); unset: none."""
 
     @model_validator(mode="after")
     def _terms_are_distinct(self) -> RewardTermsConfig:
@@ -121,6 +141,8 @@ class RewardTermsConfig(_Frozen):
             raise ValueError("reward.terms: give at least one term (the reward model, or a function)")
         if len(set(names)) < len(names):
             raise ValueError(f"reward.terms: names must differ, got {names}")
+        if self.overlong is not None and OVERLONG_TERM in names:
+            raise ValueError(f"reward.terms: {OVERLONG_TERM!r} is the name of reward.overlong's term; rename yours")
         if sum(term.function is None for term in self.terms) > 1:
             raise ValueError("reward.terms: at most one term is the reward model (a term without `function`)")
         for term in self.terms:
@@ -136,6 +158,12 @@ class RewardTermsConfig(_Frozen):
     @property
     def functions(self) -> list[RewardTerm]:
         return [term for term in self.terms if term.function is not None]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Each term's weight by name, the overlong penalty's included: what the score sums."""
+        overlong = {OVERLONG_TERM: self.overlong.weight} if self.overlong is not None else {}
+        return {term.name: term.weight for term in self.terms} | overlong
 
 
 class PPOConfig(TrainedStage, SampledStage):
@@ -161,6 +189,10 @@ class PPOConfig(TrainedStage, SampledStage):
     """Responses sampled for each prompt per iteration (a group); `grpo`, `rloo` and `reinforce++-baseline` need at least 2. `auto`: 1 for `gae` and `reinforce++`, `GROUP_SIZE` (4) for the group estimators."""
     group_std_normalize: bool = True
     """With `grpo` only: divide by the group's score std as well as subtracting its mean; false is Dr. GRPO (mean only)."""
+    group_batch_normalize: bool = False
+    """With `grpo` and `rloo`: whiten the group advantages over the whole batch (every process's tokens), REINFORCE++-baseline's normalisation; with `group_std_normalize: false` it keeps Dr. GRPO's unbiased group baseline on one scale per batch."""
+    dynamic_sampling: DynamicSamplingConfig | None = None
+    """Drop prompt groups whose scores are all equal and sample more prompts until the batch is full (DAPO); needs samples_per_prompt of 2 or more. Unset: off."""
     num_ppo_epochs: PositiveInt = 4
     """Passes over each iteration's rollouts."""
     num_minibatches: PositiveInt = 4
@@ -172,7 +204,17 @@ class PPOConfig(TrainedStage, SampledStage):
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
     """Share of optimizer steps with a linearly rising learning rate; then linear decay to zero."""
     clip_range: PositiveFloat = 0.2
-    """Policy ratio clip epsilon."""
+    """Policy ratio clip epsilon: the ratio is clipped to [1 - clip_range, 1 + clip_range] (the upper bound `clip_range_high` when set)."""
+    clip_range_high: PositiveFloat | None = None
+    """Upper policy ratio clip epsilon, DAPO's clip-higher (0.28 with clip_range 0.2 in the paper): more room for unlikely tokens to rise; unset: clip_range (symmetric)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """The importance ratio the policy loss clips: per token (PPO), or per sequence, the geometric mean of its token ratios (`sequence`: GSPO, whose paper clips it at 3e-4 and 4e-4), with any advantage estimator."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    """How the policy loss (and the KL loss term) averages over a minibatch: every token alike (`token-mean`, DAPO's and TRL's default), the mean over responses of each one's token mean (`seq-mean-token-mean`, GRPO as published) or token sum (`seq-mean-token-sum`), or the token sum over a constant length (`seq-mean-token-sum-norm`, Dr. GRPO)."""
+    loss_aggregation_length: PositiveInt | None = None
+    """With `seq-mean-token-sum-norm`: the constant length each response's token sum is divided by; unset: sampling.response_length."""
+    mask_truncated_responses: bool = False
+    """Leave responses cut off at sampling.response_length without an end token out of every loss term (DAPO's overlong filtering, TRL's `mask_truncated_completions`); they still count in their group's baseline."""
     entropy_coef: float = Field(0.0, ge=0)
     """c2: weight of the entropy bonus."""
     gamma: float = Field(1.0, gt=0, le=1)
@@ -272,6 +314,22 @@ class PPOConfig(TrainedStage, SampledStage):
         if self.critic is not None and self.critic.freeze_policy_iterations >= self.num_iterations:
             raise ValueError(f"critic.freeze_policy_iterations ({self.critic.freeze_policy_iterations}) leaves no "
                              f"iteration of num_iterations ({self.num_iterations}) to train the policy")
+        if self.clip_range_high is not None and self.clip_range_high < self.clip_range:
+            raise ValueError(f"clip_range_high ({self.clip_range_high}) is below clip_range ({self.clip_range}): "
+                             "clip-higher raises the upper bound; set clip_range for a symmetric clip")
+        if self.loss_aggregation_length is not None and self.loss_aggregation != "seq-mean-token-sum-norm":
+            raise ValueError("loss_aggregation_length is the constant of loss_aggregation 'seq-mean-token-sum-norm' "
+                             f"(Dr. GRPO); with {self.loss_aggregation!r} it cannot act: unset it")
+        if self.group_batch_normalize and self.advantage_estimator not in ("grpo", "rloo"):
+            raise ValueError(f"group_batch_normalize cannot act with advantage_estimator {self.advantage_estimator!r}: "
+                             "it whitens grpo's and rloo's group advantages over the batch (gae and the reinforce++ "
+                             "estimators whiten over the batch already)")
+        if self.dynamic_sampling is not None and self.samples_per_prompt < 2:
+            raise ValueError("dynamic_sampling drops prompt groups whose responses all score the same, so it needs "
+                             f"groups: set samples_per_prompt to 2 or more (it is {self.samples_per_prompt})")
+        if self.reward.overlong is not None and self.reward.overlong.buffer >= self.sampling.response_length:
+            raise ValueError(f"reward.overlong.buffer ({self.reward.overlong.buffer}) must be shorter than "
+                             f"sampling.response_length ({self.sampling.response_length})")
         minibatch = self.rollout_batch_size // (self.num_minibatches * processes)
         if isinstance(self.micro_batch_size, int) and minibatch % self.micro_batch_size:
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must divide the minibatch ({minibatch})")
@@ -286,6 +344,16 @@ class PPOConfig(TrainedStage, SampledStage):
     def kl_in_loss(self) -> bool:
         """GRPO keeps the reward the score alone and puts beta's KL into the loss."""
         return self.advantage_estimator == "grpo"
+
+    @property
+    def clip_high(self) -> float:
+        """The policy ratio's upper clip epsilon."""
+        return self.clip_range if self.clip_range_high is None else self.clip_range_high
+
+    @property
+    def aggregation_length(self) -> int:
+        """Dr. GRPO's constant length (`seq-mean-token-sum-norm`)."""
+        return self.loss_aggregation_length or self.sampling.response_length
 
     @property
     def freeze_policy_iterations(self) -> int:
@@ -320,5 +388,7 @@ def _default_critic(reward: Any) -> dict:
 
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce++-baseline")
+OVERLONG_TERM = "overlong"
+"""The name of `reward.overlong`'s term."""
 GROUP_SIZE = 4
 KL_COEF = {"grpo": 0.2}

@@ -40,7 +40,7 @@ import torch
 from accelerate import Accelerator
 from transformers import get_scheduler
 
-from rlhf.config_ppo import PPOConfig
+from rlhf.config_ppo import OVERLONG_TERM, PPOConfig
 from schemas.adapters import last_user_message
 from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting
@@ -63,15 +63,17 @@ from stages.rl.ppo_math import (
     explained_variance,
     gae,
     group_baselined,
+    groups_with_signal,
     grpo_advantages,
     kl_estimate,
+    overlong_penalty,
     rloo_advantages,
     sequence_rewards,
     token_rewards,
     weighted_reward,
 )
 from stages.rl.ppo_models import ActorCritic, Models, load_models, rounds_to_16_bits
-from stages.rl.ppo_rollout import Rollout, policy_sampler, rollout
+from stages.rl.ppo_rollout import Rollout, concat_rollouts, policy_sampler, rollout, rollout_rows
 from stages.rl.ppo_state import (
     LoopState,
     Normalization,
@@ -79,12 +81,13 @@ from stages.rl.ppo_state import (
     save_state_everywhere,
 )
 from stages.rl.reward_functions import load_reward_functions, reward_values
-from stages.rl.scoring import RewardScorer, Scores, fit_normalization
+from stages.rl.scoring import RewardScorer, Scores, concat_scores, fit_normalization
 from stages.rl.update import Episodes, PPOTrainer, ppo_update
 from stages.runtime.collectives import (
     computed_on_main,
     gathered,
     over_processes,
+    sum_over_processes,
     whiten_over_processes,
 )
 from stages.runtime.holding import held_as, holding_for
@@ -117,6 +120,87 @@ class PPOResult:
     """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and `rlhf.held_as`."""
 
 
+# --- sample -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The prompts PPO samples, as each use of them needs them."""
+
+    texts: list[str]
+    messages: list[list[dict]]
+    columns: list[dict]
+    """Each prompt's declared extra columns (`reward.columns`): the reward functions' inputs."""
+    per_iteration: int
+    """Prompts per sampling round, over all processes: `rollout_batch_size / samples_per_prompt`."""
+
+    @classmethod
+    def of(cls, frame: pd.DataFrame, cfg: PPOConfig) -> Prompts:
+        return cls(list(frame["prompt"]), [json.loads(m) for m in frame["prompt_messages"]],
+                   frame[list(cfg.reward.columns)].to_dict("records"), cfg.rollout_batch_size // cfg.samples_per_prompt)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """This process's share of one iteration's episodes: sampled and scored."""
+
+    batch: Rollout
+    messages: list[list[dict]]
+    """Each episode's prompt as chat messages."""
+    scores: Scores
+    rounds: int = 1
+    """Sampling rounds it took (more than one with `dynamic_sampling`), each `Prompts.per_iteration` prompts."""
+
+
+def sample_round(trainer: PPOTrainer, loop: LoopState, prompts: Prompts, cursor: int, iteration: int,
+                 timings: dict[str, float]) -> Sampled:
+    """One round: this process's share of the next `prompts.per_iteration` prompts from `cursor`, each
+    sampled `samples_per_prompt` times (a prompt's group on consecutive rows), and scored. The first
+    round of a run fits the reward normalisation (collective, as are the reward functions)."""
+    cfg, models, accelerator = trainer.cfg, trainer.models, trainer.accelerator
+    local = prompts.per_iteration // accelerator.num_processes
+    picks = _prompt_batch(cfg.seed, len(prompts.texts), cursor, prompts.per_iteration)
+    picks = [i for i in picks[accelerator.process_index * local:][:local] for _ in range(cfg.samples_per_prompt)]
+    messages = [prompts.messages[i] for i in picks]
+    batch = rollout(models, trainer.sampler, [prompts.texts[i] for i in picks], cfg.sampling, timings)
+    raw = raw_scores(models.scorer, batch, messages, timings) if models.scorer is not None else None
+    if models.scorer is not None and loop.normalization is None:
+        loop.normalization = first_normalization(accelerator, models.scorer, raw, cfg)
+        batch = adopt_normalization(models, loop.normalization, batch)
+    functions = function_terms(trainer, messages, batch.texts, [prompts.columns[i] for i in picks], iteration, timings)
+    return Sampled(batch, messages, scores_of(raw, batch, models.scorer, cfg, functions))
+
+
+def sample_until_full(trainer: PPOTrainer, loop: LoopState, prompts: Prompts, iteration: int,
+                      timings: dict[str, float]) -> tuple[Sampled, dict[str, float]]:
+    """DAPO's dynamic sampling: rounds of `sample_round` until every process holds its share of
+    groups whose scores differ (`groups_with_signal`), at most `dynamic_sampling.max_rounds`; the
+    batch is those groups, in the order sampled, filled up with groups without signal where the
+    rounds ran out. Every process takes the same number of rounds (collective). Figures: the
+    share of sampled groups dropped, the rounds taken, the share of the batch filled without signal."""
+    cfg, accelerator = trainer.cfg, trainer.accelerator
+    size, groups = cfg.samples_per_prompt, prompts.per_iteration // accelerator.num_processes
+    rounds: list[Sampled] = []
+    while len(rounds) < cfg.dynamic_sampling.max_rounds:
+        spent = {}
+        rounds.append(sample_round(trainer, loop, prompts, loop.cursor + len(rounds) * prompts.per_iteration,
+                                   iteration, spent))
+        for phase, seconds in spent.items():
+            timings[phase] = timings.get(phase, 0.0) + seconds
+        signal = torch.cat([groups_with_signal(r.scores.used, size) for r in rounds])  # (G * rounds,)
+        full = torch.tensor(float(signal.sum() >= groups), device=accelerator.device)
+        if sum_over_processes(accelerator, full).item() == accelerator.num_processes:
+            break
+    order = torch.cat([signal.nonzero().flatten(), (~signal).nonzero().flatten()])[:groups].tolist()
+    rows = [group * size + j for group in order for j in range(size)]
+    batch = rollout_rows(concat_rollouts([r.batch for r in rounds], trainer.models.tokenizer.pad_token_id), rows)
+    messages = [m for r in rounds for m in r.messages]
+    figures = {"rollout/filtered_share": 1.0 - signal.float().mean().item(), "rollout/sampling_rounds": len(rounds),
+               "rollout/filled_share": max(groups - int(signal.sum()), 0) / groups}
+    return Sampled(batch, [messages[i] for i in rows], concat_scores([r.scores for r in rounds]).rows(rows),
+                   len(rounds)), figures
+
+
 # --- score ------------------------------------------------------------------------------------
 
 
@@ -129,21 +213,24 @@ def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timi
     return raw.to(batch.queries.device)
 
 
-def scores_of(raw: torch.Tensor | None, has_eos: torch.Tensor, scorer: RewardScorer | None, cfg: PPOConfig,
+def scores_of(raw: torch.Tensor | None, batch: Rollout, scorer: RewardScorer | None, cfg: PPOConfig,
               functions: dict[str, torch.Tensor] | None = None) -> Scores:
     """The rollout's scores from the reward model's `raw` outputs (None, with no `scorer`, where the
-    reward has no model term) and the reward functions' values (`function_terms`; none when the
-    reward has no function terms)."""
+    reward has no model term), the reward functions' values (`function_terms`; none when the
+    reward has no function terms) and the overlong penalty (`reward.overlong`, when set)."""
     normalized, terms = None, {}
     if scorer is not None:
         normalized = scorer.normalize(raw)
-        model_term = apply_eos_penalty(normalized, has_eos, cfg.missing_eos_score)
+        model_term = apply_eos_penalty(normalized, batch.has_eos, cfg.missing_eos_score)
         if cfg.score_clip is not None:
             model_term = model_term.clamp(-cfg.score_clip, cfg.score_clip)
         terms = {term.name: model_term for term in cfg.reward.terms if term.function is None}
     terms |= functions or {}
+    if cfg.reward.overlong is not None:
+        terms[OVERLONG_TERM] = overlong_penalty(batch.mask.sum(dim=1), cfg.sampling.response_length,
+                                                cfg.reward.overlong.buffer)
     # a function's NaN is "no reward" (its answers are checked finite)
-    used = weighted_reward(terms, {term.name: term.weight for term in cfg.reward.terms}, no_reward=functions or ())
+    used = weighted_reward(terms, cfg.reward.weights, no_reward=functions or ())
     return Scores(raw, normalized, terms, used)
 
 
@@ -220,7 +307,8 @@ def advantages_and_returns(accelerator: Accelerator, batch: Rollout, kl: torch.T
                            cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The advantage of every response token under `cfg.advantage_estimator`, and for GAE the
     returns the critic regresses on (None otherwise). Whitening is over all processes' tokens
-    (collective); the group estimators need no other process, as each holds whole groups.
+    (collective); the group estimators need no other process, as each holds whole groups, unless
+    `group_batch_normalize` whitens them over the batch.
     `kl` is per token and masked. # -> (B, T), (B, T) | None"""
     mask, group_size = batch.mask, cfg.samples_per_prompt
     if cfg.advantage_estimator == "gae":
@@ -229,10 +317,12 @@ def advantages_and_returns(accelerator: Accelerator, batch: Rollout, kl: torch.T
             rewards = whiten_over_processes(accelerator, rewards, mask, shift_mean=False)
         advantages, returns = gae(rewards, batch.values, mask, cfg.gamma, cfg.critic.lam)
         return whiten_over_processes(accelerator, advantages, mask), returns
-    if cfg.advantage_estimator == "grpo":  # the KL is a loss term: the reward is the score alone
-        return grpo_advantages(scores.used, mask, group_size, cfg.group_std_normalize), None
-    if cfg.advantage_estimator == "rloo":
-        return rloo_advantages(sequence_rewards(scores.used, kl, beta, mask), mask, group_size), None
+    if cfg.advantage_estimator in ("grpo", "rloo"):
+        if cfg.advantage_estimator == "grpo":  # the KL is a loss term: the reward is the score alone
+            advantages = grpo_advantages(scores.used, mask, group_size, cfg.group_std_normalize)
+        else:
+            advantages = rloo_advantages(sequence_rewards(scores.used, kl, beta, mask), mask, group_size)
+        return (whiten_over_processes(accelerator, advantages, mask) if cfg.group_batch_normalize else advantages), None
     outcome = group_baselined(scores.used, group_size) if cfg.advantage_estimator == "reinforce++-baseline" \
         else scores.used
     returns = discounted_returns(token_rewards(outcome, kl, beta, mask), mask, cfg.gamma)
@@ -246,6 +336,14 @@ def engine_weights(batch: Rollout, cfg: PPOConfig) -> torch.Tensor | None:
         return None
     return engine_importance_weights(batch.logprobs, batch.engine_logprobs, batch.mask, cfg.vllm.importance_sampling,
                                      cfg.vllm.importance_sampling_cap)
+
+
+def loss_mask(batch: Rollout, cfg: PPOConfig) -> torch.Tensor | None:
+    """The tokens the loss terms count: with `mask_truncated_responses`, the response mask less the
+    responses cut off without an end token; None (the response mask) otherwise. # (B, T)"""
+    if not cfg.mask_truncated_responses:
+        return None
+    return batch.mask * batch.has_eos.unsqueeze(1)
 
 
 # --- the stage --------------------------------------------------------------------------------
@@ -272,6 +370,11 @@ def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, 
     if drift > cfg.warnings.length_drift:
         found.append(f"mean response length {figures['rollout/response_length']:.1f} drifted {drift:.0%} "
                      f"from {first_length:.1f}")
+    if figures.get("rollout/filled_share", 0.0) > 0:
+        found.append(f"dynamic sampling took its {cfg.dynamic_sampling.max_rounds} rounds and still filled "
+                     f"{figures['rollout/filled_share']:.0%} of the batch with groups whose scores are all equal (no "
+                     f"signal; {figures['rollout/filtered_share']:.0%} of the groups sampled were): raise "
+                     "dynamic_sampling.max_rounds, or give the reward more spread")
     if figures["rollout/eos_rate"] < cfg.warnings.eos_rate:
         found.append(f"only {figures['rollout/eos_rate']:.0%} of responses end with EOS")
     if figures["train/ratio_max"] > cfg.warnings.ratio_max:
@@ -319,7 +422,7 @@ def iteration_figures(trainer: PPOTrainer, episodes: Episodes, train: dict[str, 
         figures["rollout/score_raw"] = scores.raw.mean().item()
     if episodes.returns is not None:
         figures["train/explained_variance"] = explained_variance(batch.values, episodes.returns, batch.mask)
-    if trainer.reward_functions:
+    if len(scores.terms) > 1 or trainer.reward_functions:  # functions, or the overlong penalty beside the model
         figures |= term_figures(scores.terms, {f.term.name for f in trainer.reward_functions})
     if batch.engine_logprobs is not None:
         gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.mask  # (B, T)
@@ -353,8 +456,9 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
     for message in warnings_of(cfg, figures, loop.first_length, iteration, previous_length):
         reporting.warning(message)
     reporting.metrics(figures, iteration)
-    # With reward functions each term is a column too (`reward/<name>`; NaN where a function gave none).
-    terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} if cfg.reward.functions else {}
+    # With reward functions or the overlong penalty each term is a column too (`reward/<name>`; NaN where a function gave none).
+    terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} \
+        if cfg.reward.functions or cfg.reward.overlong else {}
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
                                      "score": scores.shown.cpu().numpy(), **terms,
                                      "kl": episodes.kl.sum(1).cpu().numpy()}), iteration)
@@ -456,7 +560,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
 def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
            reporting: Reporting) -> PPOResult | None:
     """`train_ppo`'s loop and hand-off, on a built trainer."""
-    accelerator, models, rank = trainer.accelerator, trainer.models, trainer.accelerator.process_index
+    accelerator, models = trainer.accelerator, trainer.models
     # Before a resume or a reference refresh can change the reference: it is the SFT policy now.
     held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, accelerator.device,
                               tuple(cfg.reward.columns))
@@ -464,31 +568,22 @@ def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: P
     loop = LoopState(kl=KLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon))
     if (state_dir / "loop.json").exists():
         loop = resume(trainer, state_dir, reporting)
-    prompt_texts = list(inputs.prompts["prompt"])
-    prompt_messages = [json.loads(m) for m in inputs.prompts["prompt_messages"]]
-    prompt_columns = inputs.prompts[list(cfg.reward.columns)].to_dict("records")  # a reward function's inputs
-    prompts_per_iteration = cfg.rollout_batch_size // cfg.samples_per_prompt
-    local = prompts_per_iteration // accelerator.num_processes
+    prompts = Prompts.of(inputs.prompts, cfg)
 
     while loop.iteration < cfg.num_iterations:
         iteration, started, timings = loop.iteration + 1, time.perf_counter(), {}
-        picks = _prompt_batch(cfg.seed, len(prompt_texts), loop.cursor, prompts_per_iteration)[rank * local:][:local]
-        picks = [i for i in picks for _ in range(cfg.samples_per_prompt)]  # a prompt's group on consecutive rows
-        messages = [prompt_messages[i] for i in picks]
-        batch = rollout(models, trainer.sampler, [prompt_texts[i] for i in picks], cfg.sampling, timings)
-        raw = raw_scores(models.scorer, batch, messages, timings) if models.scorer is not None else None
-        if models.scorer is not None and loop.normalization is None:
-            loop.normalization = first_normalization(accelerator, models.scorer, raw, cfg)
-            batch = adopt_normalization(models, loop.normalization, batch)
-        functions = function_terms(trainer, messages, batch.texts, [prompt_columns[i] for i in picks], iteration, timings)
-        scores = scores_of(raw, batch.has_eos, models.scorer, cfg, functions)
+        if cfg.dynamic_sampling is None:
+            sampled, sampling_figures = sample_round(trainer, loop, prompts, loop.cursor, iteration, timings), {}
+        else:
+            sampled, sampling_figures = sample_until_full(trainer, loop, prompts, iteration, timings)
+        batch, messages, scores = sampled.batch, sampled.messages, sampled.scores
 
         beta = loop.kl.value
         reward_beta, kl_loss_coef = (0.0, cfg.kl.loss_coef + beta) if cfg.kl_in_loss else (beta, cfg.kl.loss_coef)
         kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.mask  # (B, T)
         advantages, returns = advantages_and_returns(accelerator, batch, kl, scores, reward_beta, cfg)
         episodes = Episodes(iteration, batch, messages, scores, kl, beta, reward_beta, kl_loss_coef, advantages, returns,
-                            engine_weights(batch, cfg))
+                            engine_weights(batch, cfg), loss_mask(batch, cfg))
 
         start = time.perf_counter()
         train = ppo_update(trainer, episodes)
@@ -497,14 +592,15 @@ def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: P
         trainer.sampler.sync(models.policy)
         timings["weight_sync"] = time.perf_counter() - start
 
-        figures = over_processes(accelerator, iteration_figures(trainer, episodes, train, timings, started))
+        figures = over_processes(accelerator, iteration_figures(trainer, episodes, train, timings, started)
+                                 | sampling_figures)
         loop.kl.update(figures["rollout/kl"], cfg.rollout_batch_size)
         if cfg.ref_refresh_every and iteration % cfg.ref_refresh_every == 0:
             models.reference.load_state_dict(models.policy.state_dict())
 
         loop.first_length = loop.first_length or figures["rollout/response_length"]
         report_iteration(reporting, cfg, loop, episodes, figures)
-        loop.iteration, loop.cursor = iteration, loop.cursor + prompts_per_iteration
+        loop.iteration, loop.cursor = iteration, loop.cursor + prompts.per_iteration * sampled.rounds
         every = cfg.evaluation.every
         if every and iteration % every == 0 and iteration < cfg.num_iterations:
             figures |= evaluate_midway(models, trainer.sampler, held_out, cfg, iteration, reporting,

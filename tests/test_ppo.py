@@ -291,8 +291,8 @@ def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, 
     raw = raw_scores(models.scorer, batch, messages, {})
     torch.testing.assert_close(raw, as_they_are)
     assert not torch.allclose(raw, completed)  # an appended EOS would have changed the score
-    assert scores_of(raw, batch.has_eos, models.scorer, cfg).used.tolist() == [-3.0] * 4  # missing_eos_score
-    unpenalised = scores_of(raw, batch.has_eos, models.scorer, _cfg(tiny_config, missing_eos_score=None))
+    assert scores_of(raw, batch, models.scorer, cfg).used.tolist() == [-3.0] * 4  # missing_eos_score
+    unpenalised = scores_of(raw, batch, models.scorer, _cfg(tiny_config, missing_eos_score=None))
     torch.testing.assert_close(unpenalised.used, unpenalised.normalized)
 
 

@@ -37,14 +37,16 @@ def rows_of(batch, rows: torch.Tensor):
     return dataclasses.replace(batch, **picked)
 
 
-def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg) -> dict[str, torch.Tensor]:
+def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg,
+              loss_mask=None) -> dict[str, torch.Tensor]:
     """The trained parameters' gradients after accumulating this process's whole rollout as one minibatch."""
     from stages.rl.update import accumulate_gradients
 
     for parameter in models.trainable():
         parameter.grad = None
     trainer = _trainer(cfg, accelerator, models, actor_critic)
-    accumulate_gradients(trainer, _episodes(cfg, batch, advantages, returns), torch.arange(len(batch.responses)))
+    accumulate_gradients(trainer, _episodes(cfg, batch, advantages, returns, loss_mask),
+                         torch.arange(len(batch.responses)))
     from stages.rl.ppo_models import ActorCritic
 
     # A sharded gradient is gathered whole (collective) to compare it with the one-process gradient.
@@ -61,12 +63,12 @@ def _trainer(cfg, accelerator, models, actor_critic, optimizer=None, scheduler=N
                       torch.amp.GradScaler("cpu", enabled=False), policy_sampler(models))
 
 
-def _episodes(cfg, batch, advantages, returns):
+def _episodes(cfg, batch, advantages, returns, loss_mask=None):
     """What the update reads of an iteration's episodes (no scores or KL figures)."""
     from stages.rl.update import Episodes
 
     return Episodes(1, batch, [], None, torch.zeros_like(batch.logprobs), 0.0, 0.0, cfg.kl.loss_coef, advantages,
-                    returns)
+                    returns, loss_mask=loss_mask)
 
 
 def _setup(tiny_config, trained, critic="reward", lora=False):
@@ -91,7 +93,7 @@ def _setup(tiny_config, trained, critic="reward", lora=False):
     raw = raw_scores(models.scorer, batch, [json.loads(m) for m in prompts["prompt_messages"]], {})
     lengths = batch.mask.sum(1)
     assert lengths.min() < lengths.max(), "responses of equal length would not tell the normalisations apart"
-    rewards = token_rewards(scores_of(raw, batch.has_eos, models.scorer, cfg).used, kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05, batch.mask)
+    rewards = token_rewards(scores_of(raw, batch, models.scorer, cfg).used, kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05, batch.mask)
     advantages, returns = gae(rewards, batch.values, batch.mask, 1.0, 0.95)
     # A step away from the rollout policy, so ratios differ from 1 and some tokens are clipped; and from
     # the critic's fresh adapters, whose B = 0 would leave their A without a gradient.
@@ -125,6 +127,32 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny_config, trained, cri
         _assert_same(split, whole)
 
 
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_no_loss_aggregation_or_ratio_level_depends_on_the_micro_batch_size(tiny_config, trained, ratio_level):
+    """Every `loss_aggregation`, with the policy ratio per token or per sequence (GSPO), the k3 KL
+    loss term aggregated alike, clip-higher, and two responses left out of the loss
+    (`mask_truncated_responses`): the accumulated gradient is the whole minibatch's."""
+    from accelerate import Accelerator
+
+    from rlhf.config import with_overrides
+    from rlhf.config_ppo import PPOConfig
+    from stages.rl.ppo_models import ActorCritic
+
+    cfg, models, batch, advantages, returns = _setup(tiny_config, trained)
+    accelerator, actor_critic = Accelerator(cpu=True), ActorCritic(models)
+    loss_mask = batch.mask.clone()
+    loss_mask[[0, 3]] = 0.0  # as two truncated responses are with `mask_truncated_responses`
+    for aggregation in PPOConfig.model_fields["loss_aggregation"].annotation.__args__:
+        varied = with_overrides(cfg, {"loss_aggregation": aggregation, "ratio_level": ratio_level,
+                                      "clip_range_high": 0.28, "kl.loss_coef": 0.1})
+        whole = gradients(models, accelerator, actor_critic, batch, advantages, returns, varied, loss_mask)
+        assert sum(g.norm() for g in whole.values()) > 0
+        for micro in (1, 4):
+            split = gradients(models, accelerator, actor_critic, batch, advantages, returns,
+                              varied.model_copy(update={"micro_batch_size": micro}), loss_mask)
+            _assert_same(split, whole)
+
+
 def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trained):
     """Policy and critic are clipped each on its own: a value loss 1000 times heavier leaves the
     policy's update as it was (clipped jointly, the critic's large gradient shrank it)."""
@@ -151,16 +179,20 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("engine, critic, lora", [("ddp", "reward", False), ("fsdp", "reward", False),
-                                                 ("fsdp", "shared", False), ("fsdp", "reward", True),
-                                                 ("ddp", "reward-lora", False), ("fsdp", "reward-lora", True)])
+@pytest.mark.parametrize("engine, critic, lora, loss", [
+    ("ddp", "reward", False, {}), ("fsdp", "reward", False, {}), ("fsdp", "shared", False, {}),
+    ("fsdp", "reward", True, {}), ("ddp", "reward-lora", False, {}), ("fsdp", "reward-lora", True, {}),
+    ("ddp", "reward", False, {"loss_aggregation": "seq-mean-token-mean", "ratio_level": "sequence"}),
+    ("fsdp", "reward", False, {"loss_aggregation": "seq-mean-token-sum-norm", "kl.loss_coef": 0.1})])
 def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(tiny_config, trained, tmp_path, engine,
-                                                                              critic, lora):
+                                                                              critic, lora, loss):
     from accelerate import Accelerator
 
+    from rlhf.config import with_overrides
     from stages.rl.ppo_models import ActorCritic
 
     cfg, models, batch, advantages, returns = _setup(tiny_config, trained, critic, lora)
+    cfg = with_overrides(cfg, loss)
     one = gradients(models, Accelerator(cpu=True), ActorCritic(models), batch, advantages, returns, cfg)
     assert all(g.norm() > 0 for g in one.values())
     torch.save({"cfg": cfg.model_dump(mode="json"), "sft": trained["sft"], "reward": trained["reward"],

@@ -19,7 +19,9 @@ from stages.common.tensors import (
     truncate_after_eos,
 )
 from stages.rl.ppo_math import (
+    AGGREGATIONS,
     KLController,
+    aggregate,
     apply_eos_penalty,
     clipped_policy_loss,
     clipped_value_loss,
@@ -30,6 +32,9 @@ from stages.rl.ppo_math import (
     group_baselined,
     grpo_advantages,
     kl_estimate,
+    loss_denominator,
+    overlong_penalty,
+    policy_ratio,
     rloo_advantages,
     sequence_rewards,
     token_rewards,
@@ -93,7 +98,7 @@ def test_losses_over_a_given_token_count_add_up_across_micro_batches():
     logprobs = torch.zeros(2, 3)
     whole = clipped_policy_loss(logprobs, logprobs, advantages, mask, 0.2).loss  # -(1+2+3+10)/4 = -4
     parts = [clipped_policy_loss(logprobs[i:i + 1], logprobs[i:i + 1], advantages[i:i + 1], mask[i:i + 1], 0.2,
-                                 num_tokens=4.0).loss for i in range(2)]
+                                 denominator=4.0).loss for i in range(2)]
     assert whole.item() == pytest.approx(-4.0) and sum(parts).item() == pytest.approx(-4.0)
     value_parts = [clipped_value_loss(torch.zeros(1, 3), torch.zeros(1, 3), advantages[i:i + 1], mask[i:i + 1], 0.2,
                                       num_tokens=4.0)[0] for i in range(2)]
@@ -118,6 +123,74 @@ def test_clipped_objective_four_cases_and_where_the_gradient_vanishes():
         assert new.grad.item() == pytest.approx(-advantage * ratio if has_gradient else 0.0), (advantage, ratio)
         assert out.clip_fraction.item() == (0.0 if has_gradient else 1.0)
         assert out.ratio.item() == pytest.approx(ratio)
+
+
+def test_clip_higher_gives_rising_tokens_more_room_than_falling_ones():
+    # eps_low 0.2, eps_high 0.28 (DAPO's): (advantage, ratio) -> loss term, gradient kept?
+    cases = [(+1.0, 1.25, -1.25, True),   # inside [0.8, 1.28]: unclipped (symmetric 0.2 would clip it at -1.2)
+             (+1.0, 1.40, -1.28, False),  # above 1 + eps_high: clipped at 1.28
+             (-1.0, 0.75, +0.80, False),  # below 1 - eps_low: clipped at 0.8, as with the symmetric clip
+             (-1.0, 1.25, +1.25, True)]   # A < 0 above 1: the min keeps the unclipped, worse term
+    for advantage, ratio, expected, has_gradient in cases:
+        old = torch.tensor([[-1.0]])
+        new = (old + math.log(ratio)).clone().requires_grad_(True)
+        out = clipped_policy_loss(new, old, torch.tensor([[advantage]]), torch.ones(1, 1), 0.2, clip_high=0.28)
+        assert out.loss.item() == pytest.approx(expected), (advantage, ratio)
+        out.loss.backward()
+        assert new.grad.item() == pytest.approx(-advantage * ratio if has_gradient else 0.0), (advantage, ratio)
+    symmetric = clipped_policy_loss(torch.tensor([[math.log(1.25)]]), torch.zeros(1, 1), torch.ones(1, 1),
+                                    torch.ones(1, 1), 0.2)
+    assert symmetric.loss.item() == pytest.approx(-1.2) and symmetric.clip_fraction.item() == 1.0
+
+
+def test_loss_aggregations_on_two_responses_of_three_tokens_and_one():
+    # per-token terms 1, 2, 3 (response 1) and 10 (response 2): 16 over 4 tokens, 2 responses
+    terms = torch.tensor([[1.0, 2.0, 3.0], [10.0, 7.0, 7.0]])  # the 7s are padding
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    expected = {"token-mean": 16 / 4,                        # every token alike
+                "seq-mean-token-mean": (6 / 3 + 10 / 1) / 2,  # = 6: the one-token response weighs 3x per token
+                "seq-mean-token-sum": (6 + 10) / 2,           # = 8
+                "seq-mean-token-sum-norm": 16 / (2 * 4)}      # = 2: a constant length 4 (Dr. GRPO)
+    for aggregation in AGGREGATIONS:
+        whole = aggregate(terms, mask, aggregation, length=4)
+        assert whole.item() == pytest.approx(expected[aggregation]), aggregation
+        # micro-batches of one response each, over the minibatch's denominator, add up to the whole
+        denominator = sum(loss_denominator(mask[i:i + 1], aggregation, 4) for i in range(2))
+        parts = [aggregate(terms[i:i + 1], mask[i:i + 1], aggregation, denominator, 4) for i in range(2)]
+        assert sum(parts).item() == pytest.approx(expected[aggregation]), aggregation
+    # a response with no counted token (masked out: truncated) is no sequence of the mean
+    assert loss_denominator(torch.tensor([[1.0, 1.0], [0.0, 0.0]]), "seq-mean-token-sum").item() == 1.0
+    with pytest.raises(ValueError, match="constant length"):
+        loss_denominator(mask, "seq-mean-token-sum-norm")
+
+
+def test_gspo_ratio_is_the_geometric_mean_of_a_sequences_token_ratios_and_clips_whole_sequences():
+    # token log-ratios 0.2 and -0.4 (and a padding slot of 5.0): mean -0.1 -> s = e^-0.1 on both real tokens
+    old = torch.tensor([[-1.0, -1.0, -1.0]])
+    new = (old + torch.tensor([[0.2, -0.4, 5.0]])).requires_grad_(True)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    ratio = policy_ratio(new, old, mask, "sequence")
+    assert ratio[0, :2].tolist() == pytest.approx([math.exp(-0.1)] * 2)
+    assert policy_ratio(new, old, mask, "token")[0, :2].tolist() == pytest.approx([math.exp(0.2), math.exp(-0.4)])
+    # unclipped, A = 1, seq-mean-token-mean: L = -mean_t s; d/d log pi_t = -s / 2 on each real token, as
+    # GSPO's d(-s)/d log pi_t = -s * (1/|y|) gives
+    out = clipped_policy_loss(new, old, torch.ones(1, 3), mask, 0.2, level="sequence", aggregation="seq-mean-token-mean")
+    assert out.loss.item() == pytest.approx(-math.exp(-0.1))
+    out.loss.backward()
+    assert new.grad[0].tolist() == pytest.approx([-math.exp(-0.1) / 2] * 2 + [0.0])
+    # log-ratios 0.5 and 0.1: s = e^0.3 = 1.35 > 1.2 with A > 0: the whole sequence is clipped, no gradient on
+    # either token, though the second token's own ratio, e^0.1 = 1.105, is inside the clip range
+    new = (old + torch.tensor([[0.5, 0.1, 0.0]])).requires_grad_(True)
+    out = clipped_policy_loss(new, old, torch.ones(1, 3), mask, 0.2, level="sequence", aggregation="seq-mean-token-mean")
+    assert out.loss.item() == pytest.approx(-1.2) and out.clip_fraction.item() == 1.0
+    out.loss.backward()
+    assert new.grad.abs().sum().item() == 0.0
+
+
+def test_overlong_penalty_falls_linearly_over_the_buffer():
+    # limit 10, buffer 4: no penalty up to 6 tokens, then -1/4 per token, -1 at the limit
+    lengths = torch.tensor([3, 6, 7, 8, 10])
+    assert overlong_penalty(lengths, 10, 4).tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0])
 
 
 def test_engine_importance_weights_per_token_and_per_sequence_truncated_at_the_cap():

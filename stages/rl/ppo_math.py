@@ -3,10 +3,10 @@
 Shapes: B sequences, T response tokens. `mask` is 1.0 on real response tokens (up to and
 including the first end token) and 0.0 after them. Tests work each function through by hand.
 
-Losses are token means. Their `num_tokens` is the denominator of that mean: left unset, the
-tokens of the batch given; in the update, the tokens of the whole minibatch over every
-micro-batch and process, so each micro-batch's loss is its share of one minibatch mean and the
-accumulated gradient does not depend on how the minibatch is split."""
+Losses are token means, or the policy loss's `aggregate`. Their `num_tokens` (`denominator`) is
+what the mean divides by: left unset, the batch given's; in the update, the whole minibatch's
+over every micro-batch and process, so each micro-batch's loss is its share of one minibatch
+loss and the accumulated gradient does not depend on how the minibatch is split."""
 
 from __future__ import annotations
 
@@ -40,6 +40,16 @@ def apply_eos_penalty(scores: torch.Tensor, has_eos: torch.Tensor, penalty_score
     if penalty_score is None:
         return scores
     return torch.where(has_eos, scores, torch.full_like(scores, penalty_score))
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment of a response of |y| tokens, limit L_max, buffer L_cache:
+
+        0                               |y| <= L_max - L_cache
+        (L_max - L_cache - |y|) / L_cache   up to -1 at |y| = L_max
+
+    # (B,) -> (B,)"""
+    return ((max_length - buffer - lengths.float()) / buffer).clamp(min=-1.0, max=0.0)
 
 
 def weighted_reward(terms: dict[str, torch.Tensor], weights: dict[str, float],
@@ -113,6 +123,14 @@ def grpo_advantages(rewards: torch.Tensor, mask: torch.Tensor, group_size: int, 
     return centred.reshape(-1, 1) * mask
 
 
+def groups_with_signal(scores: torch.Tensor, group_size: int, tolerance: float = 1e-6) -> torch.Tensor:
+    """Whether each prompt's responses scored differently: a group whose scores are all equal gets
+    zero advantage from any group baseline, so it carries no signal (DAPO's dynamic sampling drops
+    it). # (B,) -> (B / K,) bool"""
+    group = grouped(scores, group_size)  # (G, K)
+    return (group.max(dim=1).values - group.min(dim=1).values) > tolerance
+
+
 def rloo_advantages(rewards: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): each response's reward against the mean of the others in its group,
 
@@ -146,6 +164,68 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
 # --- losses ----------------------------------------------------------------------------------
 
 
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+"""How per-token loss terms become one loss (verl's `loss_agg_mode` names): `aggregate`."""
+
+
+def loss_denominator(mask: torch.Tensor, aggregation: str, length: float | None = None) -> torch.Tensor:
+    """What `aggregate` divides this batch's sums by, counted here: its tokens (`token-mean`), its
+    sequences (`seq-mean-*`), or its sequences x the constant `length` (`seq-mean-token-sum-norm`).
+    Summed over micro-batches and processes it is the whole minibatch's, so each micro-batch's loss
+    is its share of one minibatch loss. A sequence counts where it has a token in the mask.
+    # (B, T) -> ()"""
+    if aggregation == "token-mean":
+        return mask.sum()
+    sequences = (mask.sum(dim=1) > 0).float().sum()
+    if aggregation in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return sequences
+    if aggregation == "seq-mean-token-sum-norm":
+        if length is None:
+            raise ValueError("seq-mean-token-sum-norm divides by a constant length; give `length`")
+        return sequences * length
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "token-mean",
+              denominator: torch.Tensor | float | None = None, length: float | None = None) -> torch.Tensor:
+    """One loss from per-token terms l (B sequences, N tokens, |y_i| tokens in sequence i):
+
+        token-mean               sum_i sum_t l / N                       (DAPO, TRL's `dapo`: every token alike)
+        seq-mean-token-mean      sum_i (sum_t l / |y_i|) / B             (GRPO as published: every sequence alike)
+        seq-mean-token-sum       sum_i sum_t l / B
+        seq-mean-token-sum-norm  sum_i sum_t l / (B * length)            (Dr. GRPO: a constant length, no length bias)
+
+    `denominator` (N, B or B * length) is the whole minibatch's (`loss_denominator` summed over
+    its micro-batches and processes); left unset, this batch's. # (B, T), (B, T) -> ()"""
+    if denominator is None:
+        denominator = loss_denominator(mask, aggregation, length).clamp(min=1.0)
+    if aggregation == "seq-mean-token-mean":
+        return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum() / denominator
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+    return (per_token * mask).sum() / denominator
+
+
+def policy_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                 level: str = "token") -> torch.Tensor:
+    """The importance ratio the policy loss clips.
+
+        token     rho_t = pi(y_t) / pi_old(y_t)                                       (PPO)
+        sequence  s_i = exp(mean_t log rho_t), the geometric mean of sequence i's     (GSPO, Zheng et al. 2025)
+                  token ratios, in its per-token form s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]:
+                  the value s_i on every token, the gradient s_i * grad log pi(y_t)
+
+    With one advantage per sequence, the per-token form under `seq-mean-token-mean` has GSPO's
+    gradient; with per-token advantages (GAE) it is GSPO-token. # (B, T) x 3 -> (B, T)"""
+    log_ratio = logprobs - old_logprobs
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        sequence = (log_ratio * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # (B, 1)
+        return torch.exp(logprobs - logprobs.detach() + sequence.detach())
+    raise ValueError(f"unknown importance sampling level {level!r}; expected token or sequence")
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
     loss: torch.Tensor
@@ -153,30 +233,35 @@ class PolicyLoss:
     clip_fraction: torch.Tensor
     """Share of tokens where the clipped branch was taken (zero gradient there)."""
     approx_kl: torch.Tensor
-    """0.5 * E[(log ratio)^2], the old-to-new policy KL estimate."""
+    """0.5 * E[(log ratio)^2], the old-to-new policy KL estimate (per token, whatever the ratio's level)."""
     ratio: torch.Tensor
-    """pi_new / pi_old per token. # (B, T)"""
+    """The clipped ratio, per token (`policy_ratio`). # (B, T)"""
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        mask: torch.Tensor, clip_range: float, num_tokens: torch.Tensor | float | None = None,
-                        weights: torch.Tensor | None = None) -> PolicyLoss:
-    """L_clip = E[w * min(rho * A, clip(rho, 1 - eps, 1 + eps) * A)], rho = pi / pi_old.
+                        mask: torch.Tensor, clip_low: float, clip_high: float | None = None,
+                        num_tokens: torch.Tensor | float | None = None, weights: torch.Tensor | None = None,
+                        level: str = "token", aggregation: str = "token-mean",
+                        denominator: torch.Tensor | float | None = None, length: float | None = None) -> PolicyLoss:
+    """L_clip = agg[w * min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)], rho = `policy_ratio`.
 
-    Where A > 0 and rho > 1 + eps, or A < 0 and rho < 1 - eps, the min picks the constant
-    clipped term and the token contributes no gradient. `weights` w (constants; 1 when None) are
-    `engine_importance_weights` when another engine sampled the tokens.
+    Where A > 0 and rho > 1 + eps_high, or A < 0 and rho < 1 - eps_low, the min picks the
+    constant clipped term and the token contributes no gradient. eps_high above eps_low is DAPO's
+    clip-higher (more room for unlikely tokens to rise); `clip_high` unset is `clip_low`, PPO's
+    symmetric clip. `weights` w (constants; 1 when None) are `engine_importance_weights` when
+    another engine sampled the tokens. `aggregation` and `denominator`: `aggregate`; the figures
+    are token means over `num_tokens` (this batch's when unset).
     # (B, T) x 4 -> PolicyLoss"""
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
+    clip_high = clip_low if clip_high is None else clip_high
+    ratio = policy_ratio(logprobs, old_logprobs, mask, level)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.max(unclipped, clipped)
-    loss = masked_mean(per_token if weights is None else per_token * weights, mask, num_tokens=num_tokens)
+    loss = aggregate(per_token if weights is None else per_token * weights, mask, aggregation, denominator, length)
     return PolicyLoss(
         loss=loss,
         clip_fraction=masked_mean((clipped > unclipped).float(), mask, num_tokens=num_tokens),
-        approx_kl=0.5 * masked_mean(log_ratio**2, mask, num_tokens=num_tokens),
+        approx_kl=0.5 * masked_mean((logprobs - old_logprobs) ** 2, mask, num_tokens=num_tokens),
         ratio=ratio,
     )
 

@@ -132,3 +132,16 @@ def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
         has_eos=torch.cat([c.has_eos for c in chunks]),
         texts=[t for c in chunks for t in c.texts], prompts=[p for c in chunks for p in c.prompts],
         engine_logprobs=joined([right(c.engine_logprobs, 0.0) for c in chunks]))
+
+
+def rollout_rows(batch: Rollout, rows: list[int]) -> Rollout:
+    """These rows of a rollout, in this order (padding columns kept). # (B, T) -> (len(rows), T)"""
+    index = torch.tensor(rows, dtype=torch.long, device=batch.responses.device)
+
+    def pick(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[index]
+
+    return Rollout(pick(batch.queries), pick(batch.query_mask), pick(batch.responses), pick(batch.mask),
+                   pick(batch.logprobs), pick(batch.ref_logprobs), pick(batch.values), pick(batch.entropy),
+                   pick(batch.has_eos), [batch.texts[i] for i in rows], [batch.prompts[i] for i in rows],
+                   pick(batch.engine_logprobs))

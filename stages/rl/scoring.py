@@ -173,3 +173,20 @@ class Scores:
         """The score figures and tables show as `score`: the reward model's normalised score, or
         without a reward model the terms' weighted sum."""
         return self.normalized if self.normalized is not None else self.used
+
+    def rows(self, rows: list[int]) -> Scores:
+        """These responses' scores, in this order."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.used.device)
+        return Scores(None if self.raw is None else self.raw[index],
+                      None if self.normalized is None else self.normalized[index],
+                      {name: values[index] for name, values in self.terms.items()}, self.used[index])
+
+
+def concat_scores(parts: list[Scores]) -> Scores:
+    """Scores of consecutive rollouts as one."""
+    def joined(pieces: list) -> torch.Tensor | None:
+        return None if pieces[0] is None else torch.cat(pieces)
+
+    return Scores(joined([p.raw for p in parts]), joined([p.normalized for p in parts]),
+                  {name: torch.cat([p.terms[name] for p in parts]) for name in parts[0].terms},
+                  torch.cat([p.used for p in parts]))

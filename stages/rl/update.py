@@ -17,9 +17,11 @@ from stages.common.errors import NonFiniteLossError
 from stages.common.tensors import entropy_of, logprobs_of, masked_mean
 from stages.engines.sampler import Sampler
 from stages.rl.ppo_math import (
+    aggregate,
     clipped_policy_loss,
     clipped_value_loss,
     kl_estimate,
+    loss_denominator,
 )
 from stages.rl.ppo_models import Models
 from stages.rl.ppo_rollout import Rollout
@@ -74,6 +76,9 @@ class Episodes:
     returns: torch.Tensor | None  # (B, T), GAE only
     engine_weights: torch.Tensor | None = None
     """(B, T) importance weights for the engine mismatch (`engine_weights`); None: the trainer sampled, or no correction."""
+    loss_mask: torch.Tensor | None = None
+    """(B, T) the tokens the loss terms count: the response mask, less truncated responses with
+    `mask_truncated_responses`; None: the response mask."""
 
 
 @dataclass
@@ -102,10 +107,17 @@ class MicroBatch:
     advantages: torch.Tensor
     returns: torch.Tensor | None
     engine_weights: torch.Tensor | None = None  # None: no engine-mismatch correction
+    loss_mask: torch.Tensor | None = None  # the tokens the losses count; None: `mask`
+
+    @property
+    def counted(self) -> torch.Tensor:
+        """The tokens the loss terms count. # (b, t)"""
+        return self.mask if self.loss_mask is None else self.loss_mask
 
 
 def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None,
-                rows: torch.Tensor, engine_weights: torch.Tensor | None = None) -> MicroBatch:
+                rows: torch.Tensor, engine_weights: torch.Tensor | None = None,
+                loss_mask: torch.Tensor | None = None) -> MicroBatch:
     """The rows' tensors, dropping leading prompt columns and trailing response columns that no
     row uses: the rollout is padded for its longest prompt and response, a micro-batch need not be.
     Position ids count real tokens, so dropping all-padding columns changes no position."""
@@ -119,7 +131,7 @@ def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor 
     return MicroBatch(batch.queries[rows][:, first:], query_mask[:, first:], responses_of(batch.responses),
                       mask[:, :end], responses_of(batch.logprobs), responses_of(batch.ref_logprobs),
                       responses_of(batch.values), responses_of(advantages), responses_of(returns),
-                      responses_of(engine_weights))
+                      responses_of(engine_weights), responses_of(loss_mask))
 
 
 def ppo_update(trainer: PPOTrainer, episodes: Episodes) -> dict[str, float]:
@@ -165,46 +177,56 @@ def accumulate_gradients(trainer: PPOTrainer, episodes: Episodes, rows: torch.Te
     because DDP and FSDP2 divide the summed gradients by P. The gradient is then the same for every
     `micro_batch_size` and process count (tested to 1e-5). Returned figures are this process's
     sums on the same scale, so their mean over processes is the minibatch's token mean."""
-    accelerator = trainer.accelerator
-    num_tokens = sum_over_processes(accelerator, episodes.batch.mask[rows].sum())
+    accelerator, cfg = trainer.accelerator, trainer.cfg
+    counted = (episodes.batch.mask if episodes.loss_mask is None else episodes.loss_mask)[rows]  # (b, T)
+    num_tokens = sum_over_processes(accelerator, counted.sum())
     num_tokens = num_tokens.clamp(min=1.0) / accelerator.num_processes
-    micro_batches = rows.split(trainer.cfg.micro_batch_size or len(rows))
+    denominator = num_tokens  # the policy and KL losses' `aggregate`: tokens, or sequences (x a length)
+    if cfg.loss_aggregation != "token-mean":
+        denominator = sum_over_processes(accelerator, loss_denominator(counted, cfg.loss_aggregation,
+                                                                       cfg.aggregation_length))
+        denominator = denominator.clamp(min=1.0) / accelerator.num_processes
+    micro_batches = rows.split(cfg.micro_batch_size or len(rows))
     totals: dict[str, float] = {}
     for position, micro_rows in enumerate(micro_batches):
         with trainer.models.holding.accumulating(trainer.actor_critic, last=position == len(micro_batches) - 1):
             micro = micro_batch(episodes.batch, episodes.advantages, episodes.returns, micro_rows,
-                                episodes.engine_weights)
-            figures = _micro_batch_step(trainer, micro, num_tokens, episodes.iteration, episodes.kl_loss_coef)
+                                episodes.engine_weights, episodes.loss_mask)
+            figures = _micro_batch_step(trainer, micro, num_tokens, denominator, episodes.iteration,
+                                        episodes.kl_loss_coef)
         for key, value in figures.items():
             totals[key] = max(totals.get(key, 0.0), value) if key.endswith(MAX_FIGURES) else totals.get(key, 0.0) + value
     return totals
 
 
-def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.Tensor, iteration: int,
-                      kl_loss_coef: float) -> dict[str, float]:
-    """Forward and backward of one micro-batch: its masked loss sums over the minibatch's `num_tokens`;
-    the value loss only with a critic."""
-    cfg, mask = trainer.cfg, micro.mask
+def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.Tensor, denominator: torch.Tensor,
+                      iteration: int, kl_loss_coef: float) -> dict[str, float]:
+    """Forward and backward of one micro-batch: its masked loss sums over the minibatch's `num_tokens`
+    (the policy and KL losses: over its `denominator`, as `loss_aggregation` counts); the value loss
+    only with a critic."""
+    cfg, counted = trainer.cfg, micro.counted
     # Critic warm-up: the policy terms stay in the graph at weight 0 (every parameter gets a
     # gradient, as DDP needs); `ppo_update` then drops the policy's gradients before the step.
     warming_up = iteration <= cfg.freeze_policy_iterations
-    logits, values = trainer.actor_critic(micro.queries, micro.query_mask, micro.responses, mask, warming_up)
+    logits, values = trainer.actor_critic(micro.queries, micro.query_mask, micro.responses, micro.mask, warming_up)
     logprobs = logprobs_of(logits, micro.responses, cfg.sampling.temperature)
-    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, mask, cfg.clip_range, num_tokens,
-                                 micro.engine_weights)
+    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, counted, cfg.clip_range, cfg.clip_high,
+                                 num_tokens, micro.engine_weights, cfg.ratio_level, cfg.loss_aggregation, denominator,
+                                 cfg.aggregation_length)
     # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
-    entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.sampling.temperature), mask,
+    entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.sampling.temperature), counted,
                           num_tokens=num_tokens)
     policy_terms = policy.loss - cfg.entropy_coef * entropy
     figures = {}
     if kl_loss_coef > 0:
-        kl_loss = masked_mean(kl_estimate(logprobs, micro.ref_logprobs, "k3"), mask, num_tokens=num_tokens)
+        kl_loss = aggregate(kl_estimate(logprobs, micro.ref_logprobs, "k3"), counted, cfg.loss_aggregation, denominator,
+                            cfg.aggregation_length)
         policy_terms = policy_terms + kl_loss_coef * kl_loss
         figures["kl_loss"] = kl_loss.item()
     loss = (0.0 if warming_up else 1.0) * policy_terms
     if values is not None:
-        value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, mask, cfg.critic.clip_range_value,
-                                                       num_tokens)
+        value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, counted,
+                                                       cfg.critic.clip_range_value, num_tokens)
         loss = loss + cfg.critic.vf_coef * value_loss
         figures |= dict(value_loss=value_loss.item(), value_clip_fraction=value_clipped.item())
     if not torch.isfinite(loss):
@@ -214,6 +236,6 @@ def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.
     ratio = policy.ratio.detach()
     return figures | dict(policy_loss=policy.loss.item(), entropy=entropy.item(),
                           clip_fraction=policy.clip_fraction.item(), approx_kl=policy.approx_kl.item(),
-                          ratio_mean=masked_mean(ratio, mask, num_tokens=num_tokens).item(),
-                          ratio_max=(ratio * mask).max().item(),
-                          ratio_deviation_max=((ratio - 1).abs() * mask).max().item())
+                          ratio_mean=masked_mean(ratio, counted, num_tokens=num_tokens).item(),
+                          ratio_max=(ratio * counted).max().item(),
+                          ratio_deviation_max=((ratio - 1).abs() * micro.mask).max().item())
