@@ -73,7 +73,7 @@ from stages.rl.ppo_math import (
     weighted_reward,
 )
 from stages.rl.ppo_models import ActorCritic, Models, load_models, rounds_to_16_bits
-from stages.rl.ppo_rollout import Rollout, concat_rollouts, policy_sampler, rollout, rollout_rows
+from stages.rl.ppo_rollout import Prompts, Rollout, concat_rollouts, policy_sampler, prompt_batch, rollout, rollout_rows
 from stages.rl.ppo_state import (
     LoopState,
     Normalization,
@@ -124,23 +124,6 @@ class PPOResult:
 
 
 @dataclass(frozen=True)
-class Prompts:
-    """The prompts PPO samples, as each use of them needs them."""
-
-    texts: list[str]
-    messages: list[list[dict]]
-    columns: list[dict]
-    """Each prompt's declared extra columns (`reward.columns`): the reward functions' inputs."""
-    per_iteration: int
-    """Prompts per sampling round, over all processes: `rollout_batch_size / samples_per_prompt`."""
-
-    @classmethod
-    def of(cls, frame: pd.DataFrame, cfg: PPOConfig) -> Prompts:
-        return cls(list(frame["prompt"]), [json.loads(m) for m in frame["prompt_messages"]],
-                   frame[list(cfg.reward.columns)].to_dict("records"), cfg.rollout_batch_size // cfg.samples_per_prompt)
-
-
-@dataclass(frozen=True)
 class Sampled:
     """This process's share of one iteration's episodes: sampled and scored."""
 
@@ -159,7 +142,7 @@ def sample_round(trainer: PPOTrainer, loop: LoopState, prompts: Prompts, cursor:
     round of a run fits the reward normalisation (collective, as are the reward functions)."""
     cfg, models, accelerator = trainer.cfg, trainer.models, trainer.accelerator
     local = prompts.per_iteration // accelerator.num_processes
-    picks = _prompt_batch(cfg.seed, len(prompts.texts), cursor, prompts.per_iteration)
+    picks = prompt_batch(cfg.seed, len(prompts.texts), cursor, prompts.per_iteration)
     picks = [i for i in picks[accelerator.process_index * local:][:local] for _ in range(cfg.samples_per_prompt)]
     messages = [prompts.messages[i] for i in picks]
     batch = rollout(models, trainer.sampler, [prompts.texts[i] for i in picks], cfg.sampling, timings)
@@ -385,18 +368,6 @@ def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, 
                      f"from 1 (threshold {threshold:g}): rollout and training compute different policies (dropout "
                      "left on, or precision drift; try ppo.old_logprobs: recompute)")
     return [f"iteration {iteration}: {message}" for message in found]
-
-
-def _prompt_batch(order_seed: int, n_prompts: int, cursor: int, size: int) -> list[int]:
-    """Indices of the next `size` prompts from a seeded shuffle that is redrawn for every pass."""
-    picks = []
-    while len(picks) < size:
-        pass_number, position = divmod(cursor, n_prompts)
-        order = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(order_seed + pass_number))
-        take = min(size - len(picks), n_prompts - position)
-        picks += order[position:position + take].tolist()
-        cursor += take
-    return picks
 
 
 def iteration_figures(trainer: PPOTrainer, episodes: Episodes, train: dict[str, float], timings: dict[str, float],

@@ -61,38 +61,6 @@ def test_each_option_trains_the_policy(tiny_config, trained, tmp_path, option):
         assert last["train/clip_fraction"] > 0
 
 
-def test_masking_truncated_responses_trains_as_if_only_the_ended_ones_were_sampled(tiny_config, trained):
-    """The gradient with truncated responses masked out is the gradient of the ended responses alone:
-    nothing of a cut-off response (policy, KL or entropy term) reaches the loss or its token count."""
-    from accelerate import Accelerator
-
-    from stages.ppo import loss_mask
-    from stages.rl.ppo_models import ActorCritic, load_models
-    from stages.rl.ppo_rollout import policy_sampler, rollout, rollout_rows
-    from tests.test_ppo_gradients import gradients
-
-    cfg = _grpo(tiny_config, mask_truncated_responses=True, sampling={"response_length": 6}, num_minibatches=1,
-                rollout_batch_size=8)
-    torch.manual_seed(0)
-    models = load_models(cfg, trained["sft"], trained["reward"])
-    batch = rollout(models, policy_sampler(models), list(trained["prompts"]["prompt"].head(8)), cfg.sampling, {})
-    assert batch.has_eos.any() and not batch.has_eos.all(), batch.has_eos  # some ended, some were cut off
-    counted = loss_mask(batch, cfg)
-    assert torch.equal(counted, batch.mask * batch.has_eos.unsqueeze(1))
-    advantages = torch.randn(8, 1) * batch.mask
-    with torch.no_grad():  # a step away from the rollout policy, so ratios differ from 1
-        for parameter in models.policy.parameters():
-            parameter.add_(0.02 * torch.randn_like(parameter))
-    accelerator, actor_critic = Accelerator(cpu=True), ActorCritic(models)
-    masked = gradients(models, accelerator, actor_critic, batch, advantages, None, cfg, counted)
-    ended = batch.has_eos.nonzero().flatten().tolist()
-    alone = gradients(models, accelerator, actor_critic, rollout_rows(batch, ended), advantages[ended], None,
-                      cfg.model_copy(update={"micro_batch_size": None}))
-    assert sum(g.norm() for g in masked.values()) > 0
-    for name in masked:
-        torch.testing.assert_close(masked[name], alone[name], atol=1e-5, rtol=1e-5)
-
-
 def test_dynamic_sampling_fills_the_batch_with_groups_that_differ(tiny_config, trained, tmp_path):
     cfg = _grpo(tiny_config, reward=RULE, num_iterations=3, dynamic_sampling={"max_rounds": 4})
     rollouts, warnings = {}, []

@@ -21,6 +21,8 @@ from stages.common.tensors import (
 from stages.rl.ppo_math import (
     AGGREGATIONS,
     KLController,
+    PolicyClip,
+    Totals,
     aggregate,
     apply_eos_penalty,
     clipped_policy_loss,
@@ -96,9 +98,9 @@ def test_losses_over_a_given_token_count_add_up_across_micro_batches():
     advantages = torch.tensor([[1.0, 2.0, 3.0], [10.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     logprobs = torch.zeros(2, 3)
-    whole = clipped_policy_loss(logprobs, logprobs, advantages, mask, 0.2).loss  # -(1+2+3+10)/4 = -4
-    parts = [clipped_policy_loss(logprobs[i:i + 1], logprobs[i:i + 1], advantages[i:i + 1], mask[i:i + 1], 0.2,
-                                 denominator=4.0).loss for i in range(2)]
+    whole = clipped_policy_loss(logprobs, logprobs, advantages, mask, PolicyClip(0.2)).loss  # -(1+2+3+10)/4 = -4
+    parts = [clipped_policy_loss(logprobs[i:i + 1], logprobs[i:i + 1], advantages[i:i + 1], mask[i:i + 1],
+                                 PolicyClip(0.2), totals=Totals(4.0, 4.0)).loss for i in range(2)]
     assert whole.item() == pytest.approx(-4.0) and sum(parts).item() == pytest.approx(-4.0)
     value_parts = [clipped_value_loss(torch.zeros(1, 3), torch.zeros(1, 3), advantages[i:i + 1], mask[i:i + 1], 0.2,
                                       num_tokens=4.0)[0] for i in range(2)]
@@ -116,7 +118,7 @@ def test_clipped_objective_four_cases_and_where_the_gradient_vanishes():
     for advantage, ratio, expected, has_gradient in cases:
         old = torch.tensor([[-1.0]])
         new = (old + math.log(ratio)).clone().requires_grad_(True)
-        out = clipped_policy_loss(new, old, torch.tensor([[advantage]]), torch.ones(1, 1), eps)
+        out = clipped_policy_loss(new, old, torch.tensor([[advantage]]), torch.ones(1, 1), PolicyClip(eps))
         assert out.loss.item() == pytest.approx(expected), (advantage, ratio)
         out.loss.backward()
         # d(-A * rho)/d log pi = -A * rho when unclipped
@@ -134,12 +136,12 @@ def test_clip_higher_gives_rising_tokens_more_room_than_falling_ones():
     for advantage, ratio, expected, has_gradient in cases:
         old = torch.tensor([[-1.0]])
         new = (old + math.log(ratio)).clone().requires_grad_(True)
-        out = clipped_policy_loss(new, old, torch.tensor([[advantage]]), torch.ones(1, 1), 0.2, clip_high=0.28)
+        out = clipped_policy_loss(new, old, torch.tensor([[advantage]]), torch.ones(1, 1), PolicyClip(0.2, 0.28))
         assert out.loss.item() == pytest.approx(expected), (advantage, ratio)
         out.loss.backward()
         assert new.grad.item() == pytest.approx(-advantage * ratio if has_gradient else 0.0), (advantage, ratio)
     symmetric = clipped_policy_loss(torch.tensor([[math.log(1.25)]]), torch.zeros(1, 1), torch.ones(1, 1),
-                                    torch.ones(1, 1), 0.2)
+                                    torch.ones(1, 1), PolicyClip(0.2))
     assert symmetric.loss.item() == pytest.approx(-1.2) and symmetric.clip_fraction.item() == 1.0
 
 
@@ -164,6 +166,9 @@ def test_loss_aggregations_on_two_responses_of_three_tokens_and_one():
         loss_denominator(mask, "seq-mean-token-sum-norm")
 
 
+GSPO = PolicyClip(0.2, level="sequence", aggregation="seq-mean-token-mean")
+
+
 def test_gspo_ratio_is_the_geometric_mean_of_a_sequences_token_ratios_and_clips_whole_sequences():
     # token log-ratios 0.2 and -0.4 (and a padding slot of 5.0): mean -0.1 -> s = e^-0.1 on both real tokens
     old = torch.tensor([[-1.0, -1.0, -1.0]])
@@ -174,14 +179,14 @@ def test_gspo_ratio_is_the_geometric_mean_of_a_sequences_token_ratios_and_clips_
     assert policy_ratio(new, old, mask, "token")[0, :2].tolist() == pytest.approx([math.exp(0.2), math.exp(-0.4)])
     # unclipped, A = 1, seq-mean-token-mean: L = -mean_t s; d/d log pi_t = -s / 2 on each real token, as
     # GSPO's d(-s)/d log pi_t = -s * (1/|y|) gives
-    out = clipped_policy_loss(new, old, torch.ones(1, 3), mask, 0.2, level="sequence", aggregation="seq-mean-token-mean")
+    out = clipped_policy_loss(new, old, torch.ones(1, 3), mask, GSPO)
     assert out.loss.item() == pytest.approx(-math.exp(-0.1))
     out.loss.backward()
     assert new.grad[0].tolist() == pytest.approx([-math.exp(-0.1) / 2] * 2 + [0.0])
     # log-ratios 0.5 and 0.1: s = e^0.3 = 1.35 > 1.2 with A > 0: the whole sequence is clipped, no gradient on
     # either token, though the second token's own ratio, e^0.1 = 1.105, is inside the clip range
     new = (old + torch.tensor([[0.5, 0.1, 0.0]])).requires_grad_(True)
-    out = clipped_policy_loss(new, old, torch.ones(1, 3), mask, 0.2, level="sequence", aggregation="seq-mean-token-mean")
+    out = clipped_policy_loss(new, old, torch.ones(1, 3), mask, GSPO)
     assert out.loss.item() == pytest.approx(-1.2) and out.clip_fraction.item() == 1.0
     out.loss.backward()
     assert new.grad.abs().sum().item() == 0.0
@@ -217,12 +222,12 @@ def test_importance_weights_scale_each_tokens_policy_loss_term():
     logprobs = torch.tensor([[-1.0, -1.0]], requires_grad=True)
     advantages, mask = torch.tensor([[2.0, -4.0]]), torch.ones(1, 2)
     weights = torch.tensor([[0.5, 1.5]])
-    out = clipped_policy_loss(logprobs, logprobs.detach(), advantages, mask, 0.2, weights=weights)
+    out = clipped_policy_loss(logprobs, logprobs.detach(), advantages, mask, PolicyClip(0.2), weights)
     assert out.loss.item() == pytest.approx(2.5)
     out.loss.backward()
     # d/d log pi of w * (-A * rho) / 2 at rho = 1: -w * A / 2 -> -0.5 and +3.0
     assert logprobs.grad.tolist()[0] == pytest.approx([-0.5, 3.0])
-    unweighted = clipped_policy_loss(logprobs, logprobs.detach(), advantages, mask, 0.2).loss
+    unweighted = clipped_policy_loss(logprobs, logprobs.detach(), advantages, mask, PolicyClip(0.2)).loss
     assert unweighted.item() == pytest.approx(1.0)  # (-2 + 4) / 2
 
 

@@ -227,6 +227,33 @@ def policy_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch
 
 
 @dataclass(frozen=True)
+class PolicyClip:
+    """How the policy loss clips its ratio and averages its terms (`clipped_policy_loss`)."""
+
+    low: float
+    """eps_low: the ratio's lower bound is 1 - low."""
+    high: float | None = None
+    """eps_high: its upper bound is 1 + high; None: `low`, PPO's symmetric clip."""
+    level: str = "token"
+    """`policy_ratio`'s level: `token`, or `sequence` (GSPO)."""
+    aggregation: str = "token-mean"
+    """`aggregate`'s mode."""
+    length: float | None = None
+    """`seq-mean-token-sum-norm`'s constant length."""
+
+
+@dataclass(frozen=True)
+class Totals:
+    """A whole minibatch's counts, over every micro-batch and process, that one micro-batch's loss
+    terms divide by, so that they add up to the minibatch's."""
+
+    tokens: torch.Tensor | float
+    """Counted tokens: the token means' denominator (the figures, the entropy, the value loss)."""
+    denominator: torch.Tensor | float
+    """`aggregate`'s denominator (`loss_denominator`): the policy and KL losses'."""
+
+
+@dataclass(frozen=True)
 class PolicyLoss:
     loss: torch.Tensor
     """-L_clip: the quantity to minimise."""
@@ -239,25 +266,24 @@ class PolicyLoss:
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        mask: torch.Tensor, clip_low: float, clip_high: float | None = None,
-                        num_tokens: torch.Tensor | float | None = None, weights: torch.Tensor | None = None,
-                        level: str = "token", aggregation: str = "token-mean",
-                        denominator: torch.Tensor | float | None = None, length: float | None = None) -> PolicyLoss:
+                        mask: torch.Tensor, clip: PolicyClip, weights: torch.Tensor | None = None,
+                        totals: Totals | None = None) -> PolicyLoss:
     """L_clip = agg[w * min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)], rho = `policy_ratio`.
 
     Where A > 0 and rho > 1 + eps_high, or A < 0 and rho < 1 - eps_low, the min picks the
     constant clipped term and the token contributes no gradient. eps_high above eps_low is DAPO's
-    clip-higher (more room for unlikely tokens to rise); `clip_high` unset is `clip_low`, PPO's
-    symmetric clip. `weights` w (constants; 1 when None) are `engine_importance_weights` when
-    another engine sampled the tokens. `aggregation` and `denominator`: `aggregate`; the figures
-    are token means over `num_tokens` (this batch's when unset).
+    clip-higher (more room for unlikely tokens to rise). `weights` w (constants; 1 when None) are
+    `engine_importance_weights` when another engine sampled the tokens. agg: `aggregate` over
+    `totals.denominator`; the figures are token means over `totals.tokens` (this batch's when unset).
     # (B, T) x 4 -> PolicyLoss"""
-    clip_high = clip_low if clip_high is None else clip_high
-    ratio = policy_ratio(logprobs, old_logprobs, mask, level)
+    high = clip.low if clip.high is None else clip.high
+    ratio = policy_ratio(logprobs, old_logprobs, mask, clip.level)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip.low, 1.0 + high)
     per_token = torch.max(unclipped, clipped)
-    loss = aggregate(per_token if weights is None else per_token * weights, mask, aggregation, denominator, length)
+    loss = aggregate(per_token if weights is None else per_token * weights, mask, clip.aggregation,
+                     None if totals is None else totals.denominator, clip.length)
+    num_tokens = None if totals is None else totals.tokens
     return PolicyLoss(
         loss=loss,
         clip_fraction=masked_mean((clipped > unclipped).float(), mask, num_tokens=num_tokens),

@@ -1,10 +1,12 @@
 """PPO's rollout on a sampler: sample, then the passes PPO needs besides (old log-probs and values
 unless the sampling pass gave them, and the reference's log-probs). PPO's iterations and every
-evaluation of a policy (`stages.rl.evaluation`, PPO's and DPO's) call `rollout`.
+evaluation of a policy (`stages.rl.evaluation`, PPO's and DPO's) call `rollout`. Which prompts an
+iteration samples: `Prompts`, `prompt_batch`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -17,7 +19,10 @@ from stages.rl.ppo_models import Models, forward_response, policy_and_values, re
 from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from rlhf.config_common import SamplingConfig
+    from rlhf.config_ppo import PPOConfig
 
 
 def policy_sampler(models: Models) -> HFSampler:
@@ -145,3 +150,32 @@ def rollout_rows(batch: Rollout, rows: list[int]) -> Rollout:
                    pick(batch.logprobs), pick(batch.ref_logprobs), pick(batch.values), pick(batch.entropy),
                    pick(batch.has_eos), [batch.texts[i] for i in rows], [batch.prompts[i] for i in rows],
                    pick(batch.engine_logprobs))
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The prompts PPO samples, as each use of them needs them."""
+
+    texts: list[str]
+    messages: list[list[dict]]
+    columns: list[dict]
+    """Each prompt's declared extra columns (`reward.columns`): the reward functions' inputs."""
+    per_iteration: int
+    """Prompts per sampling round, over all processes: `rollout_batch_size / samples_per_prompt`."""
+
+    @classmethod
+    def of(cls, frame: pd.DataFrame, cfg: PPOConfig) -> Prompts:
+        return cls(list(frame["prompt"]), [json.loads(m) for m in frame["prompt_messages"]],
+                   frame[list(cfg.reward.columns)].to_dict("records"), cfg.rollout_batch_size // cfg.samples_per_prompt)
+
+
+def prompt_batch(order_seed: int, n_prompts: int, cursor: int, size: int) -> list[int]:
+    """Indices of the next `size` prompts from a seeded shuffle that is redrawn for every pass."""
+    picks = []
+    while len(picks) < size:
+        pass_number, position = divmod(cursor, n_prompts)
+        order = torch.randperm(n_prompts, generator=torch.Generator().manual_seed(order_seed + pass_number))
+        take = min(size - len(picks), n_prompts - position)
+        picks += order[position:position + take].tolist()
+        cursor += take
+    return picks

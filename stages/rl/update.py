@@ -17,6 +17,8 @@ from stages.common.errors import NonFiniteLossError
 from stages.common.tensors import entropy_of, logprobs_of, masked_mean
 from stages.engines.sampler import Sampler
 from stages.rl.ppo_math import (
+    PolicyClip,
+    Totals,
     aggregate,
     clipped_policy_loss,
     clipped_value_loss,
@@ -210,17 +212,17 @@ def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.
     warming_up = iteration <= cfg.freeze_policy_iterations
     logits, values = trainer.actor_critic(micro.queries, micro.query_mask, micro.responses, micro.mask, warming_up)
     logprobs = logprobs_of(logits, micro.responses, cfg.sampling.temperature)
-    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, counted, cfg.clip_range, cfg.clip_high,
-                                 num_tokens, micro.engine_weights, cfg.ratio_level, cfg.loss_aggregation, denominator,
-                                 cfg.aggregation_length)
+    clip = PolicyClip(cfg.clip_range, cfg.clip_high, cfg.ratio_level, cfg.loss_aggregation, cfg.aggregation_length)
+    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, counted, clip, micro.engine_weights,
+                                 Totals(num_tokens, denominator))
     # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
     entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.sampling.temperature), counted,
                           num_tokens=num_tokens)
     policy_terms = policy.loss - cfg.entropy_coef * entropy
     figures = {}
     if kl_loss_coef > 0:
-        kl_loss = aggregate(kl_estimate(logprobs, micro.ref_logprobs, "k3"), counted, cfg.loss_aggregation, denominator,
-                            cfg.aggregation_length)
+        kl_loss = aggregate(kl_estimate(logprobs, micro.ref_logprobs, "k3"), counted, clip.aggregation, denominator,
+                            clip.length)
         policy_terms = policy_terms + kl_loss_coef * kl_loss
         figures["kl_loss"] = kl_loss.item()
     loss = (0.0 if warming_up else 1.0) * policy_terms
