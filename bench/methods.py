@@ -42,11 +42,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
+GRPO = {"advantage_estimator": "grpo", "samples_per_prompt": 4, "kl.init_coef": 0.2}
+RULE_ALONE = {**GRPO, "reward": {"terms": [{"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject"}]}}
+
 METHODS: dict[str, dict] = {
     "ppo (gae)": {"advantage_estimator": "gae"},
     # GRPO's beta weighs a k3 loss term averaged over tokens, not a penalty summed into each return:
     # the same KL takes a larger beta (demo sweep, KL to SFT: 0.05 -> 25.4, 0.1 -> 17.2, 0.2 -> 4.75, 0.3 -> 1.85).
-    "grpo": {"advantage_estimator": "grpo", "samples_per_prompt": 4, "kl.init_coef": 0.2},
+    "grpo": GRPO,
     "rloo": {"advantage_estimator": "rloo", "samples_per_prompt": 4},
     "reinforce++": {"advantage_estimator": "reinforce++"},
     "reinforce++-baseline": {"advantage_estimator": "reinforce++-baseline", "samples_per_prompt": 4},
@@ -63,9 +66,20 @@ METHODS: dict[str, dict] = {
         {"name": "reward_model"}, {"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject",
                                    "weight": 0.5}]}},
     # No reward model: the same rule alone, the score a GRPO group compares (`stages: [sft, ppo]`).
-    "grpo, on-subject rule alone": {"advantage_estimator": "grpo", "samples_per_prompt": 4, "kl.init_coef": 0.2,
-                                    "reward": {"terms": [{"name": "on_subject",
-                                                          "function": "rlhf.demo_rewards:names_the_subject"}]}},
+    "grpo, on-subject rule alone": RULE_ALONE,
+    # The policy-loss options (README "Choosing a method"): each on GRPO beside the plain row.
+    "grpo, clip-higher": {**GRPO, "clip_range_high": 0.14},  # 1.4x the demo's clip 0.1 below, as DAPO's 0.28 to 0.2
+    "grpo, seq-mean-token-mean": {**GRPO, "loss_aggregation": "seq-mean-token-mean"},
+    "grpo, dr. grpo": {**GRPO, "loss_aggregation": "seq-mean-token-sum-norm", "group_std_normalize": False},
+    "grpo, batch-normalized (no group std)": {**GRPO, "group_batch_normalize": True, "group_std_normalize": False},
+    "grpo, gspo": {**GRPO, "ratio_level": "sequence", "loss_aggregation": "seq-mean-token-mean",
+                   "clip_range": 3e-4, "clip_range_high": 4e-4},  # GSPO's paper's sequence-level clip
+    "grpo, truncated masked": {**GRPO, "mask_truncated_responses": True},
+    # Dynamic sampling matters where groups tie: the on-subject rule alone scores 1, 0 or -1.
+    "grpo, on-subject rule alone, dynamic sampling": {**RULE_ALONE, "dynamic_sampling": {"max_rounds": 4}},
+    "grpo, on-subject rule alone, dapo": {**RULE_ALONE, "clip_range_high": 0.14, "dynamic_sampling": {"max_rounds": 4},
+                                          "mask_truncated_responses": True,
+                                          "reward": {**RULE_ALONE["reward"], "overlong": {"buffer": 6}}},
 }
 """Each method's settings on top of its config section (`ppo`; `dpo` for DPO)."""
 
