@@ -99,6 +99,23 @@ def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_af
     assert _stopped(started[0])
 
 
+def test_dynamic_sampling_and_the_policy_loss_options_sample_on_the_vllm_server(servable, tmp_path, started):
+    """DAPO's dynamic sampling takes its extra rounds from the server, and the loss options (GSPO's
+    ratio, clip-higher) combine with the engine's importance-sampling correction."""
+    cfg, trained = servable
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {
+        "advantage_estimator": "grpo", "samples_per_prompt": 4, "dynamic_sampling": {"max_rounds": 3},
+        "ratio_level": "sequence", "loss_aggregation": "seq-mean-token-mean", "clip_range_high": 0.28,
+        "reward": {"terms": [{"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject"}]}})
+    result = run_ppo(ppo, trained, tmp_path / "out")
+    assert len(started) == 1  # one server for every round of every iteration
+    assert all(1 <= row["rollout/sampling_rounds"] <= 3 for row in result.history)
+    assert any(row["rollout/filtered_share"] > 0 for row in result.history), "no tied group: nothing was filtered"
+    assert all(abs(row["rollout/engine_importance_weight"] - 1) < 1e-4 for row in result.history)
+    assert result.history[-1]["rollout/kl"] != 0
+    assert _stopped(started[0])
+
+
 def test_a_sharded_policy_is_streamed_to_the_server_and_sampled_by_bothprocesses(servable, tmp_path):
     """Two FSDP2 processes: the first starts the server, both write their shards of the policy into
     the served folder (`save_streamed`) and both send their own prompts."""
