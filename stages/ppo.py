@@ -393,7 +393,7 @@ def iteration_figures(trainer: PPOTrainer, episodes: Episodes, train: dict[str, 
         figures["rollout/score_raw"] = scores.raw.mean().item()
     if episodes.returns is not None:
         figures["train/explained_variance"] = explained_variance(batch.values, episodes.returns, batch.mask)
-    if len(scores.terms) > 1 or trainer.reward_functions:  # functions, or the overlong penalty beside the model
+    if trainer.reward_functions or trainer.cfg.reward.overlong:  # terms besides the reward model's
         figures |= term_figures(scores.terms, {f.term.name for f in trainer.reward_functions})
     if batch.engine_logprobs is not None:
         gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.mask  # (B, T)

@@ -13,7 +13,6 @@ the two-process worker: each rank takes its half of the saved rollout.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -25,16 +24,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def rows_of(batch, rows: torch.Tensor):
-    """The rollout restricted to `rows` (what a process holds of the global rollout)."""
-    picked = {}
-    for field in dataclasses.fields(batch):
-        value = getattr(batch, field.name)
-        if value is not None:  # a field the rollout does not hold (no critic, no other engine's log-probs)
-            picked[field.name] = value[rows] if isinstance(value, torch.Tensor) else [value[i] for i in rows.tolist()]
-    return dataclasses.replace(batch, **picked)
 
 
 def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg,
@@ -254,6 +243,7 @@ def _worker(folder: Path, engine: str) -> None:
 
     from rlhf.config_ppo import PPOConfig
     from stages.rl.ppo_models import ActorCritic, load_models
+    from stages.rl.ppo_rollout import rollout_rows
     from stages.runtime.holding import Replicated, Sharded
 
     state = PartialState(cpu=True)
@@ -269,7 +259,7 @@ def _worker(folder: Path, engine: str) -> None:
     sharded = all(hasattr(p, "full_tensor") for p in models.trainable())
     half = len(work["batch"].responses) // state.num_processes
     rows = torch.arange(state.process_index * half, (state.process_index + 1) * half)
-    local = rows_of(work["batch"], rows)
+    local = rollout_rows(work["batch"], rows.tolist())
     found = gradients(models, accelerator, actor_critic, local, work["advantages"][rows], work["returns"][rows], cfg)
     if state.is_main_process:
         torch.save(found | {"sharded": sharded}, folder / "gradients.pt")

@@ -82,6 +82,11 @@ class Episodes:
     """(B, T) the tokens the loss terms count: the response mask, less truncated responses with
     `mask_truncated_responses`; None: the response mask."""
 
+    @property
+    def counted(self) -> torch.Tensor:
+        """The tokens the loss terms count. # (B, T)"""
+        return self.batch.mask if self.loss_mask is None else self.loss_mask
+
 
 @dataclass
 class UpdateStats:
@@ -180,7 +185,7 @@ def accumulate_gradients(trainer: PPOTrainer, episodes: Episodes, rows: torch.Te
     `micro_batch_size` and process count (tested to 1e-5). Returned figures are this process's
     sums on the same scale, so their mean over processes is the minibatch's token mean."""
     accelerator, cfg = trainer.accelerator, trainer.cfg
-    counted = (episodes.batch.mask if episodes.loss_mask is None else episodes.loss_mask)[rows]  # (b, T)
+    counted = episodes.counted[rows]  # (b, T)
     num_tokens = sum_over_processes(accelerator, counted.sum())
     num_tokens = num_tokens.clamp(min=1.0) / accelerator.num_processes
     denominator = num_tokens  # the policy and KL losses' `aggregate`: tokens, or sequences (x a length)
