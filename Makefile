@@ -28,8 +28,9 @@ BENCH_VENV := .bench-venv
 bench-env:  ## the TRL 1.12 environment the benchmarks compare against, from locks/bench-trl.txt
 	scripts/locks.sh sync $(BENCH_VENV) locks/bench-trl.txt
 
-bench: install bench-env  ## PPO benchmark: ours against TRL 1.12's PPOTrainer on the same work
-	$(PY) -m bench.ppo --config $${BENCH_CONFIG:-configs/bench.yaml} --reference $(BENCH_VENV)/bin/python
+bench: install bench-env  ## PPO benchmark: ours against TRL 1.12's PPOTrainer on the same work, each phase, the machine's limits; appends to the history
+	$(PY) -m bench.ppo --config $${BENCH_CONFIG:-configs/bench.yaml} --reference $(BENCH_VENV)/bin/python \
+		--history bench/results/bench-history.jsonl
 
 bench-quality: install bench-env  ## PPO learning quality: KL - gold-reward frontier, ours against TRL 1.12, 3 betas x 3 seeds
 	$(PY) -m bench.quality --config $${BENCH_CONFIG:-configs/demo.yaml} --reference $(BENCH_VENV)/bin/python

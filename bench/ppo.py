@@ -107,14 +107,30 @@ def resident_memory_mb() -> float:
     return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 2**20
 
 
+TOP_PHASES = ("generate", "forward", "score", "reward_functions", "advantages", "train", "weight_sync")
+"""Our stage's `time/<phase>` figures that do not overlap; `forward`'s parts are `values`, `policy_forward` and
+`reference`. What an iteration spends outside them (figures, logging) is `other`."""
+TRL_PHASES = ("generate", "reference", "values", "score", "logging", "gc")
+"""What `bench/trl_reference.py` times inside TRL's PPOTrainer; the rest of its iteration is `update`
+(advantages, then every epoch and minibatch of policy and value model)."""
+
+
 def summarize(rows: list[dict[str, float]], work: Work, name: str, peak_memory_mb: float) -> dict:
-    """Median figures over the timed iterations of every round."""
-    median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    """Median figures over the timed iterations of every round; each phase's median on its own."""
+    median = {key: statistics.median(row.get(key, 0.0) for row in rows) for key in rows[0]}
+    split = {k: v for k, v in median.items() if k not in ("seconds", "generated_tokens", "rss_mb")}
     return {"name": name, "iterations": len(rows), "seconds_per_iteration": median["seconds"],
             "episodes_per_second": work.episodes / median["seconds"],
             "generated_tokens_per_second": median["generated_tokens"] / median["seconds"],
-            "split": {k: median[k] for k in ("generate", "forward", "score", "train") if k in median},
-            "peak_memory_mb": peak_memory_mb}
+            "sampling_tokens_per_second": median["generated_tokens"] / median["generate"] if "generate" in median else None,
+            "split": split, "peak_memory_mb": peak_memory_mb}
+
+
+def round_spread(rows: list[dict[str, float]], rounds: int) -> float:
+    """The run-to-run spread of the seconds per iteration: (slowest - fastest) / median of the rounds' medians."""
+    per_round = len(rows) // rounds
+    medians = [statistics.median(r["seconds"] for r in rows[i * per_round:(i + 1) * per_round]) for i in range(rounds)]
+    return (max(medians) - min(medians)) / statistics.median(medians)
 
 
 def matmul_peak_flops(threads: int, size: int = 1024, repeats: int = 30) -> float:
@@ -124,17 +140,67 @@ def matmul_peak_flops(threads: int, size: int = 1024, repeats: int = 30) -> floa
 
     torch.set_num_threads(threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
+    return 2 * size**3 / _best_seconds(lambda: a @ b, repeats)
+
+
+def _best_seconds(work, repeats: int) -> float:
     for _ in range(3):
-        a @ b
+        work()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        a @ b
+        work()
         best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    return best
+
+
+def gemm_flops_at(shapes: list[list[int]], threads: int, repeats: int = 20) -> float:
+    """The float32 rate of the update's own matrix products: for every linear layer call the update
+    made, `(rows, in, out, trained, calls)`, the forward product, the backward product for the input's
+    gradient and (trained) the one for the weight's, each timed at its shape (best of `repeats`), weighted
+    by how often it ran. The limit the update's linear layers could reach on this machine at these shapes."""
+    import torch
+
+    torch.set_num_threads(threads)
+    flops = seconds = 0.0
+    for rows, inner, outer, trained, calls in shapes:
+        x, w, g = torch.randn(rows, inner), torch.randn(outer, inner), torch.randn(rows, outer)
+        products = [lambda: x @ w.T, lambda: g @ w] + ([lambda: g.T @ x] if trained else [])
+        for product in products:
+            flops += calls * 2 * rows * inner * outer
+            seconds += calls * _best_seconds(product, repeats)
+    return flops / seconds
+
+
+def memory_bandwidth(threads: int, megabytes: int = 512, repeats: int = 10) -> float:
+    """Bytes per second this machine moves in a large copy at `threads` threads (read + write counted)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32).normal_()
+    b = torch.empty_like(a)
+    return 2 * a.numel() * 4 / _best_seconds(lambda: b.copy_(a), repeats)
 
 
 # --- ours -------------------------------------------------------------------------------------
+
+
+def _linear_calls(modules) -> tuple[list, list]:
+    """Forward hooks on every linear layer of `modules` that count its calls by shape, for `gemm_flops_at`."""
+    import collections
+
+    import torch
+
+    calls, handles = collections.Counter(), []
+    for module in modules:
+        for layer in module.modules():
+            if isinstance(layer, torch.nn.Linear):
+                def hook(layer, inputs, _output):
+                    if torch.is_grad_enabled():
+                        rows = inputs[0].numel() // layer.in_features
+                        calls[(rows, layer.in_features, layer.out_features, int(layer.weight.requires_grad))] += 1
+                handles.append(layer.register_forward_hook(hook))
+    return calls, handles
 
 
 def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup: int, iterations: int,
@@ -144,32 +210,62 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
     from torch.utils.flop_counter import FlopCounterMode
 
     import stages.ppo
+    import stages.rl.ppo_rollout
     from rlhf.config import load_config
     from stages.runtime.models import set_determinism
     from stages.ppo import PPOInputs, train_ppo
     from stages.common.reporting import Reporting
 
-    counted, real_update = {}, stages.ppo.ppo_update
+    counted, once = {}, {}
+    real_update, real_save, real_hand_off = stages.ppo.ppo_update, stages.ppo.save_state, stages.ppo.hand_off
 
-    def ppo_update(*args, **kwargs):
-        """The first update (the warm-up iteration's, untimed) under torch's FLOP counter."""
-        if counted:
-            return real_update(*args, **kwargs)
+    def ppo_update(trainer, *args, **kwargs):
+        """The first update (the warm-up iteration's, untimed) under torch's FLOP counter, its linear layers' shapes counted."""
+        if "train_flops" in counted:
+            return real_update(trainer, *args, **kwargs)
+        trained = [m for m in (trainer.models.policy, trainer.models.critic) if m is not None]
+        calls, handles = _linear_calls(trained)
         with FlopCounterMode(display=False) as counter:
-            figures = real_update(*args, **kwargs)
-        counted["train_flops"] = counter.get_total_flops()
+            figures = real_update(trainer, *args, **kwargs)
+        for handle in handles:
+            handle.remove()
+        counted.update(train_flops=counter.get_total_flops(), gemm_shapes=[[*key, n] for key, n in calls.items()],
+                       policy_bytes=sum(p.numel() * p.element_size() for p in trainer.models.policy.parameters()))
         return figures
 
+    def timed_once(name, function):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            result = function(*args, **kwargs)
+            once[name] = once.get(name, 0.0) + time.perf_counter() - start
+            return result
+        return wrapper
+
+    def in_chunks(items, sampling):
+        """The sampling batch: how many prompts one decode loop carries at once."""
+        chunks = real_in_chunks(items, sampling)
+        counted["sampling_batch"] = max(counted.get("sampling_batch", 0), *map(len, chunks))
+        return chunks
+
+    real_in_chunks = stages.rl.ppo_rollout.in_chunks
+    stages.rl.ppo_rollout.in_chunks = in_chunks
     stages.ppo.ppo_update = ppo_update
+    stages.ppo.save_state = timed_once("checkpoint", real_save)
+    stages.ppo.hand_off = timed_once("final evaluation and hand-off", real_hand_off)
 
     set_determinism(False, threads)
     cfg = load_config(config_file, overrides | {"ppo.num_iterations": warmup + iterations}).ppo
-    rows = []
+    rows, marks = [], []
 
     def record(figures: dict[str, float], iteration: int) -> None:
+        """Called once per iteration, as it logs: the seconds between two calls are a whole iteration."""
+        marks.append(time.perf_counter())
         if iteration > warmup:
-            rows.append({"seconds": figures["time/iteration"], "generate": figures["time/generate"],
-                         "forward": figures["time/forward"], "score": figures["time/score"], "train": figures["time/train"],
+            phases = {k.removeprefix("time/"): v for k, v in figures.items()
+                      if k.startswith("time/") and k not in ("time/iteration", "time/tokens_per_second")}
+            seconds = marks[-1] - marks[-2]
+            rows.append({"seconds": seconds, **phases,
+                         "other": seconds - sum(phases.get(k, 0.0) for k in TOP_PHASES),
                          "generated_tokens": figures["rollout/response_length"] * work.episodes,
                          "rss_mb": resident_memory_mb()})
 
@@ -179,7 +275,7 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
         train_ppo(cfg, PPOInputs(str(assets / "policy"), str(assets / "reward"), prompts, eval_prompts), Path(out),
                   Reporting(metrics=record))
     assert torch.get_num_threads() == threads
-    return {"rows": rows, "peak_memory_mb": peak_memory_mb(), **counted}
+    return {"rows": rows, "peak_memory_mb": peak_memory_mb(), "once": once, **counted}
 
 
 # --- the orchestration ------------------------------------------------------------------------
@@ -201,6 +297,84 @@ def _report(result: dict) -> None:
           f"peak memory {result['peak_memory_mb']:.0f} MB; split: {shown}")
 
 
+def phase_table(results: dict) -> str:
+    """Seconds per iteration of each phase, ours against TRL's where it has the phase."""
+    ours, trl = results["ours"]["split"], results.get("trl", {}).get("split", {})
+    rows = [("generate", "generate", "generate"), ("forward: policy (not reused)", "policy_forward", None),
+            ("forward: values", "values", "values"), ("forward: reference", "reference", "reference"),
+            ("score (reward model)", "score", "score"), ("reward functions", "reward_functions", None),
+            ("advantages", "advantages", None), ("update", "train", "update"), ("weight sync", "weight_sync", None),
+            ("logging", None, "logging"), ("garbage collection", None, "gc"), ("other (figures, logging)", "other", None),
+            ("whole iteration (median)", None, None)]
+    lines = [f"  {'phase (s per iteration, median)':<36} {'ours':>8} {'TRL 1.12':>9}"]
+    for label, key_ours, key_trl in rows:
+        if label.startswith("whole"):
+            cells = [results["ours"]["seconds_per_iteration"], results.get("trl", {}).get("seconds_per_iteration")]
+        else:
+            cells = [ours.get(key_ours) if key_ours else None, trl.get(key_trl) if key_trl else None]
+        if all(cell is None for cell in cells):
+            continue
+        lines.append(f"  {label:<36} " + " ".join(f"{'-' if c is None else f'{c:.3f}':>8}" for c in cells))
+    return "\n".join(lines)
+
+
+def machine_limits(ours: dict, extra: dict, threads: int, peak_flops: float) -> dict:
+    """The update's FLOP/s against the measured rate of its own matrix products, and sampling's tokens/s
+    against reading the policy's weights once per decode step at the measured copy bandwidth."""
+    train_flops = extra["train_flops"]
+    achieved = train_flops / ours["split"]["train"]
+    gemm = gemm_flops_at(extra["gemm_shapes"], threads)
+    bandwidth = memory_bandwidth(threads)
+    bound = extra["sampling_batch"] * bandwidth / extra["policy_bytes"]
+    return {"train_gflop": train_flops / 1e9, "train_gflops": achieved / 1e9, "gemm_gflops": gemm / 1e9,
+            "peak_gflops": peak_flops / 1e9, "update_vs_gemm": achieved / gemm, "update_vs_peak": achieved / peak_flops,
+            "bandwidth_gbs": bandwidth / 1e9, "policy_mb": extra["policy_bytes"] / 1e6,
+            "sampling_batch": extra["sampling_batch"], "sampling_tokens_per_second": ours["sampling_tokens_per_second"],
+            "sampling_bound_tokens_per_second": bound, "sampling_vs_bandwidth": ours["sampling_tokens_per_second"] / bound}
+
+
+def machine_type(threads: int) -> str:
+    """What makes two runs comparable: the processor, its core count and the threads used."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    import os
+
+    return f"{model}, {os.cpu_count()} cores, {threads} threads"
+
+
+def history_entry(args, results: dict, limits: dict, speedup: float | None, threads: int, spread: dict) -> dict:
+    import datetime
+
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": commit.stdout.strip() + ("+changes" if dirty else ""), "machine": machine_type(threads),
+            "config": args.config, "overrides": args.set, "rounds": args.rounds,
+            "seconds_per_iteration": {name: r["seconds_per_iteration"] for name, r in results.items()},
+            "round_spread": spread, "speedup_vs_trl": speedup,
+            "phases": {name: r["split"] for name, r in results.items()}, "limits": limits}
+
+
+def compare_with_history(path: Path, entry: dict) -> str:
+    """The change from the last run on the same machine type with the same work; a slowdown of more than
+    10% beyond the larger of the two runs' round-to-round spreads is flagged."""
+    same = [e for e in map(json.loads, path.read_text().splitlines() if path.exists() else [])
+            if e["machine"] == entry["machine"] and e["config"] == entry["config"] and e["overrides"] == entry["overrides"]]
+    if not same:
+        return f"  history: first run on this machine type ({entry['machine']}) in {path}"
+    last = same[-1]
+    before, now = last["seconds_per_iteration"]["ours"], entry["seconds_per_iteration"]["ours"]
+    change = now / before - 1
+    allowed = 0.10 + max(last["round_spread"]["ours"], entry["round_spread"]["ours"])
+    line = (f"  history: ours {before:.3f} -> {now:.3f} s/iteration ({change:+.1%}) since {last['commit']} "
+            f"({last['date'][:10]}); speedup {last['speedup_vs_trl'] or float('nan'):.2f} -> "
+            f"{entry['speedup_vs_trl'] or float('nan'):.2f}")
+    if change > allowed:
+        line += f"\n  SLOWDOWN: ours is {change:.1%} slower, beyond the {allowed:.1%} allowed (10% + round spread)"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/bench.yaml", help="pipeline config whose ppo section is the work")
@@ -215,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state", default=str(REPO / ".rlhf" / "bench"), help="where the built model and prompts go")
     for name, value in asdict(ModelShape()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    parser.add_argument("--history", help="append this run's figures to this JSON-lines file and compare with the "
+                        "last run there on the same machine type (make bench: bench/results/bench-history.jsonl)")
     parser.add_argument("--role", choices=["orchestrate", "ours"], default="orchestrate", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shape = ModelShape(**{name: getattr(args, name) for name in asdict(ModelShape())})
@@ -242,25 +418,43 @@ def main(argv: list[str] | None = None) -> int:
     rows = {name: [] for name in commands}
     peaks = {name: 0.0 for name in commands}
     peak_flops = matmul_peak_flops(threads)
-    train_flops = None
+    ours_extra: dict = {}
     for _ in range(args.rounds):
         for name, command in commands.items():
             result = _child(command)
             rows[name] += result["rows"]
             peaks[name] = max(peaks[name], result["peak_memory_mb"])
-            train_flops = result.get("train_flops", train_flops)
+            if name == "ours":
+                ours_extra = {k: v for k, v in result.items() if k not in ("rows", "peak_memory_mb")}
     peak_flops = max(peak_flops, matmul_peak_flops(threads))
     results = {name: summarize(rows[name], work, name, peaks[name]) for name in commands}
     if args.rows:
         Path(args.rows).write_text(json.dumps(rows["ours"]))
     for result in results.values():
         _report(result)
-    achieved = train_flops / results["ours"]["split"]["train"]
-    print(f"  ours: training phase {train_flops / 1e9:.2f} GFLOP per iteration at {achieved / 1e9:.2f} GFLOP/s, "
-          f"{achieved / peak_flops:.0%} of this machine's float32 matrix-multiply peak ({peak_flops / 1e9:.1f} GFLOP/s "
-          f"at {threads} threads, measured in this run)")
+    print(phase_table(results))
+    for name, seconds in ours_extra.get("once", {}).items():
+        print(f"  ours, once per run: {name} {seconds:.3f} s")
+    limits = machine_limits(results["ours"], ours_extra, threads, peak_flops)
+    print(f"  ours: update phase {limits['train_gflop']:.2f} GFLOP per iteration at {limits['train_gflops']:.2f} GFLOP/s: "
+          f"{limits['update_vs_gemm']:.0%} of the float32 rate of its own matrix products at their shapes "
+          f"({limits['gemm_gflops']:.1f} GFLOP/s), {limits['update_vs_peak']:.0%} of the 1024x1024 peak "
+          f"({peak_flops / 1e9:.1f} GFLOP/s), both measured in this run at {threads} threads")
+    print(f"  ours: sampling {limits['sampling_tokens_per_second']:.0f} tokens/s = {limits['sampling_vs_bandwidth']:.1%} "
+          f"of the bound of reading the policy's weights ({limits['policy_mb']:.1f} MB) once per decode step of "
+          f"{limits['sampling_batch']} sequences at the measured copy bandwidth ({limits['bandwidth_gbs']:.1f} GB/s): "
+          f"{limits['sampling_bound_tokens_per_second']:.0f} tokens/s")
+    speedup = None
     if "trl" in results:
-        print(f"PPO speedup_vs_trl={results['ours']['episodes_per_second'] / results['trl']['episodes_per_second']:.2f}")
+        speedup = results["ours"]["episodes_per_second"] / results["trl"]["episodes_per_second"]
+    if args.history:
+        entry = history_entry(args, results, limits, speedup, threads,
+                              {name: round_spread(rows[name], args.rounds) for name in rows})
+        print(compare_with_history(Path(args.history), entry))
+        with Path(args.history).open("a") as history:
+            history.write(json.dumps(entry) + "\n")
+    if speedup is not None:
+        print(f"PPO speedup_vs_trl={speedup:.2f}")
     return 0
 
 

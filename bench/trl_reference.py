@@ -8,12 +8,15 @@ TRL 1.12.0 but not this project; it reads the folders `bench/ppo.py` built and p
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -35,9 +38,31 @@ def main() -> int:
     from datasets import Dataset
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                               TrainerCallback)
+    import trl.experimental.ppo.ppo_trainer as trl_ppo
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     torch.set_num_threads(args.threads)
+    phases = defaultdict(float)
+
+    def timed(phase_of, function):
+        """`function`, its seconds added to the phase `phase_of(*args)` names (None: not counted)."""
+        def wrapper(*call_args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*call_args, **kwargs)
+            finally:
+                phase = phase_of(*call_args)
+                if phase:
+                    phases[phase] += time.perf_counter() - start
+        return wrapper
+
+    # The rollout's parts, as TRL's PPOTrainer.train calls them by module-level name; in the update the
+    # same `forward` runs with gradients, and is left in the update's time.
+    trl_ppo.batch_generation = timed(lambda *_: "generate", trl_ppo.batch_generation)
+    trl_ppo.forward = timed(lambda *_: None if torch.is_grad_enabled() else "reference", trl_ppo.forward)
+    trl_ppo.get_reward = timed(lambda model, *_: "score" if model is reward_model else "values", trl_ppo.get_reward)
+    trl_ppo.gc = SimpleNamespace(collect=timed(lambda *_: "gc", gc.collect))
+    PPOTrainer.log = timed(lambda *_: "logging", PPOTrainer.log)
     tokenizer = AutoTokenizer.from_pretrained(assets / "policy", padding_side="left")
     prompts = [json.loads(line)["prompt"] for line in (assets / "prompts.jsonl").read_text().splitlines()]
     dataset = Dataset.from_dict({"input_ids": [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]})
@@ -51,11 +76,16 @@ def main() -> int:
         def __init__(self):
             self.marks: list[float] = []
 
+            self.phases: list[dict[str, float]] = []
+
         def on_train_begin(self, *_, **__):
             self.marks.append(time.perf_counter())
+            phases.clear()
 
         def on_step_end(self, *_, **__):
             self.marks.append(time.perf_counter())
+            self.phases.append(dict(phases))
+            phases.clear()
 
     clock = IterationClock()
     total = args.warmup + args.iterations
@@ -69,17 +99,19 @@ def main() -> int:
             learning_rate=work.learning_rate, kl_coef=work.kl_coef, temperature=work.temperature, stop_token="eos",
             num_sample_generations=0, report_to=[], save_strategy="no", logging_steps=10_000, use_cpu=True,
             seed=work.seed, dataloader_num_workers=0)
+        reward_model = value_like("reward")
         trainer = PPOTrainer(
             args=config, processing_class=tokenizer,
             model=AutoModelForCausalLM.from_pretrained(assets / "policy"),
             ref_model=AutoModelForCausalLM.from_pretrained(assets / "policy"),
-            reward_model=value_like("reward"), value_model=value_like("reward"),
+            reward_model=reward_model, value_model=value_like("reward"),
             train_dataset=dataset, eval_dataset=dataset.select(range(8)), callbacks=[clock])
         trainer.train()
     seconds = [b - a for a, b in zip(clock.marks, clock.marks[1:])][args.warmup:]
     assert len(seconds) == args.iterations, clock.marks
     # TRL does not report how many tokens it generated; every response counts in full (an upper bound).
-    rows = [{"seconds": s, "generated_tokens": work.episodes * work.response_length} for s in seconds]
+    rows = [{"seconds": s, **p, "update": s - sum(p.values()), "generated_tokens": work.episodes * work.response_length}
+            for s, p in zip(seconds, clock.phases[args.warmup:])]
     print("RESULT=" + json.dumps({"rows": rows, "peak_memory_mb": peak_memory_mb()}))
     return 0
 

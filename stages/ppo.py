@@ -43,7 +43,7 @@ from transformers import get_scheduler
 from rlhf.config_ppo import OVERLONG_TERM, PPOConfig
 from schemas.adapters import last_user_message
 from stages.common.errors import StageUserError
-from stages.common.reporting import Reporting
+from stages.common.reporting import Reporting, timed
 from stages.common.tensors import masked_mean
 from stages.engines.vllm_server import sampler_for
 from stages.memory.phases import Counts
@@ -190,9 +190,8 @@ def sample_until_full(trainer: PPOTrainer, loop: LoopState, prompts: Prompts, it
 @torch.no_grad()
 def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timings: dict[str, float]) -> torch.Tensor:
     """The reward model's outputs for the rollout's responses, before normalisation. # -> (B,)"""
-    start = time.perf_counter()
-    raw = scorer.score(prompt_messages, batch.texts, normalized=False, complete=batch.has_eos.tolist())
-    timings["score"] = time.perf_counter() - start
+    with timed(timings, "score"):
+        raw = scorer.score(prompt_messages, batch.texts, normalized=False, complete=batch.has_eos.tolist())
     return raw.to(batch.queries.device)
 
 
@@ -223,11 +222,10 @@ def function_terms(trainer: PPOTrainer, messages: list[list[dict]], texts: list[
     process's rows computed on the main process (collective). # -> {name: (B,)}"""
     if not trainer.reward_functions:
         return {}
-    start = time.perf_counter()
-    rows = list(zip(messages, texts, columns))
-    every = _functions_on_main(trainer, rows, iteration)
-    first = trainer.accelerator.process_index * len(rows)
-    timings["reward_functions"] = time.perf_counter() - start
+    with timed(timings, "reward_functions"):
+        rows = list(zip(messages, texts, columns))
+        every = _functions_on_main(trainer, rows, iteration)
+        first = trainer.accelerator.process_index * len(rows)
     return {name: _as_tensor(values[first:first + len(rows)], trainer.accelerator.device)
             for name, values in every.items()}
 
@@ -551,17 +549,16 @@ def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: P
 
         beta = loop.kl.value
         reward_beta, kl_loss_coef = (0.0, cfg.kl.loss_coef + beta) if cfg.kl_in_loss else (beta, cfg.kl.loss_coef)
-        kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.mask  # (B, T)
-        advantages, returns = advantages_and_returns(accelerator, batch, kl, scores, reward_beta, cfg)
-        episodes = Episodes(iteration, batch, messages, scores, kl, beta, reward_beta, kl_loss_coef, advantages, returns,
-                            engine_weights(batch, cfg), loss_mask(batch, cfg))
+        with timed(timings, "advantages"):
+            kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.mask  # (B, T)
+            advantages, returns = advantages_and_returns(accelerator, batch, kl, scores, reward_beta, cfg)
+            episodes = Episodes(iteration, batch, messages, scores, kl, beta, reward_beta, kl_loss_coef, advantages,
+                                returns, engine_weights(batch, cfg), loss_mask(batch, cfg))
 
-        start = time.perf_counter()
-        train = ppo_update(trainer, episodes)
-        timings["train"] = time.perf_counter() - start
-        start = time.perf_counter()
-        trainer.sampler.sync(models.policy)
-        timings["weight_sync"] = time.perf_counter() - start
+        with timed(timings, "train"):
+            train = ppo_update(trainer, episodes)
+        with timed(timings, "weight_sync"):
+            trainer.sampler.sync(models.policy)
 
         figures = over_processes(accelerator, iteration_figures(trainer, episodes, train, timings, started)
                                  | sampling_figures)

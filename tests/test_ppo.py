@@ -40,7 +40,8 @@ def test_score_rises_over_a_short_run(tiny_config, trained, tmp_path):
     for key in ("rollout/kl", "rollout/kl_coef", "rollout/entropy", "train/policy_loss", "train/value_loss",
                 "train/clip_fraction", "train/approx_kl", "train/explained_variance", "train/ratio_mean",
                 "train/ratio_max", "rollout/response_length", "rollout/eos_rate", "train/learning_rate",
-                "time/generate", "time/forward", "time/score", "time/train", "time/tokens_per_second", "rollout/non_score_reward",
+                "time/generate", "time/forward", "time/values", "time/reference", "time/score", "time/advantages",
+                "time/train", "time/tokens_per_second", "rollout/non_score_reward",
                 "rollout/score_std", "train/initial_ratio_deviation"):
         assert key in result.history[-1], key
     assert result.history[-1]["train/learning_rate"] < result.history[0]["train/learning_rate"]  # linear decay

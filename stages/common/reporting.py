@@ -7,7 +7,9 @@ caller's. A stage calls the ones it has something for; each does nothing unless 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pandas as pd
@@ -16,6 +18,16 @@ import pandas as pd
 MEASURED = ("time/", "memory/")
 """Prefixes of the figures that measure the machine a stage ran on (wall-clock times, memory),
 not the stage's result: two identical runs agree on every other figure."""
+
+
+@contextmanager
+def timed(timings: dict[str, float], phase: str) -> Iterator[None]:
+    """Adds the block's wall-clock seconds to `timings[phase]` (a stage logs them as `time/<phase>`)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[phase] = timings.get(phase, 0.0) + time.perf_counter() - start
 
 
 def _ignore(*_) -> None:

@@ -7,13 +7,13 @@ iteration samples: `Prompts`, `prompt_batch`.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 
+from stages.common.reporting import timed
 from stages.common.tensors import entropy_of, is_end, logprobs_of, response_mask
 from stages.rl.ppo_models import Models, forward_response, policy_and_values, reference_policy
 from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling
@@ -67,7 +67,6 @@ def rollout(models: Models, sampler: Sampler, prompts: list[str], sampling: Samp
     `engine_logprobs`, which are kept beside), and the reference's log-probs; `sampling.micro_batch_size`
     prompts at a time, the pieces then padded into one batch."""
     models.train(False)
-    timings["generate"] = timings["forward"] = 0.0
     return concat_rollouts([_rollout_chunk(models, sampler, chunk, sampling, timings)
                             for chunk in in_chunks(prompts, sampling)], models.tokenizer.pad_token_id)
 
@@ -80,26 +79,28 @@ def _gave_what_the_update_needs(models: Models, sampled: Generation) -> bool:
 
 def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
                    timings: dict[str, float]) -> Rollout:
-    start = time.perf_counter()
+    """Phases timed: `generate`; `forward`, the passes after it: `values` (the critic on the sampling
+    pass's outputs) or `policy_forward` (the policy's log-probs, with the values), and `reference`."""
     temperature = sampling.temperature
-    sampled = sampler.generate(prompts, Sampling(sampling.response_length, temperature))
+    with timed(timings, "generate"):
+        sampled = sampler.generate(prompts, Sampling(sampling.response_length, temperature))
     queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
-    timings["generate"] += time.perf_counter() - start
 
-    start = time.perf_counter()
-    mask = response_mask(responses, models.stop_ids)
-    if models.reuse_sampling_pass and _gave_what_the_update_needs(models, sampled):
-        logprobs, entropy = sampled.logprobs, sampled.entropy
-        values = None if models.critic is None else models.critic.values(sampled.hidden, queries, query_mask, responses,
-                                                                          mask, models.precision)
-    else:
-        logits, values = policy_and_values(models, queries, query_mask, responses, mask)
-        logprobs, entropy = logprobs_of(logits, responses, temperature), entropy_of(logits, temperature)
-    with reference_policy(models) as reference:
-        ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
-                                         precision=models.precision)
-    ref_logprobs = logprobs_of(ref_logits, responses, temperature)
-    timings["forward"] += time.perf_counter() - start
+    with timed(timings, "forward"):
+        mask = response_mask(responses, models.stop_ids)
+        if models.reuse_sampling_pass and _gave_what_the_update_needs(models, sampled):
+            logprobs, entropy = sampled.logprobs, sampled.entropy
+            with timed(timings, "values"):
+                values = None if models.critic is None else models.critic.values(
+                    sampled.hidden, queries, query_mask, responses, mask, models.precision)
+        else:
+            with timed(timings, "policy_forward"):
+                logits, values = policy_and_values(models, queries, query_mask, responses, mask)
+                logprobs, entropy = logprobs_of(logits, responses, temperature), entropy_of(logits, temperature)
+        with timed(timings, "reference"), reference_policy(models) as reference:
+            ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
+                                             precision=models.precision)
+            ref_logprobs = logprobs_of(ref_logits, responses, temperature)
     engine_logprobs = None if sampled.engine_logprobs is None else sampled.engine_logprobs * mask
     return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask,
                    None if values is None else values * mask, entropy,
