@@ -18,7 +18,10 @@ invocation (the best of repeated square products, before and after the runs).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
+import platform
 import resource
 import statistics
 import subprocess
@@ -110,9 +113,6 @@ def resident_memory_mb() -> float:
 TOP_PHASES = ("generate", "forward", "score", "reward_functions", "advantages", "train", "weight_sync")
 """Our stage's `time/<phase>` figures that do not overlap; `forward`'s parts are `values`, `policy_forward` and
 `reference`. What an iteration spends outside them (figures, logging) is `other`."""
-TRL_PHASES = ("generate", "reference", "values", "score", "logging", "gc")
-"""What `bench/trl_reference.py` times inside TRL's PPOTrainer; the rest of its iteration is `update`
-(advantages, then every epoch and minibatch of policy and value model)."""
 
 
 def summarize(rows: list[dict[str, float]], work: Work, name: str, peak_memory_mb: float) -> dict:
@@ -185,10 +185,8 @@ def memory_bandwidth(threads: int, megabytes: int = 512, repeats: int = 10) -> f
 # --- ours -------------------------------------------------------------------------------------
 
 
-def _linear_calls(modules) -> tuple[list, list]:
+def _linear_calls(modules) -> tuple[collections.Counter, list]:
     """Forward hooks on every linear layer of `modules` that count its calls by shape, for `gemm_flops_at`."""
-    import collections
-
     import torch
 
     calls, handles = collections.Counter(), []
@@ -333,13 +331,17 @@ def machine_limits(ours: dict, extra: dict, threads: int, peak_flops: float) -> 
             "sampling_bound_tokens_per_second": bound, "sampling_vs_bandwidth": ours["sampling_tokens_per_second"] / bound}
 
 
+def cpu_model() -> str:
+    """The processor's name as the kernel reports it."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.processor() or "unknown")
+
+
 def machine_type(threads: int) -> str:
     """What makes two runs comparable: the processor, its core count and the threads used."""
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
-    import os
-
-    return f"{model}, {os.cpu_count()} cores, {threads} threads"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {threads} threads"
 
 
 def history_entry(args, results: dict, limits: dict, speedup: float | None, threads: int, spread: dict) -> dict:

@@ -28,6 +28,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.ppo import cpu_model
+
 REPO = Path(__file__).resolve().parent.parent
 OURS = re.compile(r"ours: (?P<seconds>[\d.]+) s/iteration.*split: (?P<split>.*)$")
 PHASE = re.compile(r"([a-z_/]+) ([\d.]+) s")
@@ -119,20 +121,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{figures['min']:>6.3f}-{figures['max']:<6.3f}  {phases}")
     out = Path(args.out or REPO / "bench" / "results" / f"bisect-{datetime.date.today()}.json")
     out.write_text(json.dumps({"date": str(datetime.date.today()), "machine": platform.machine(),
-                               "processor": _cpu_model(), "cores": os.cpu_count(), "note": args.note,
+                               "processor": cpu_model(), "cores": os.cpu_count(), "note": args.note,
                                "rounds": args.rounds, "warmup": args.warmup, "iterations": args.iterations,
                                "variants": results}, indent=1) + "\n")
     print(f"results: {out}")
     return 0
-
-
-def _cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -75,7 +75,6 @@ def main() -> int:
 
         def __init__(self):
             self.marks: list[float] = []
-
             self.phases: list[dict[str, float]] = []
 
         def on_train_begin(self, *_, **__):
