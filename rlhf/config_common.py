@@ -188,6 +188,8 @@ class VLLMConfig(_Frozen):
     """KV cache size in GiB (vLLM's `--kv-cache-memory-bytes`); unset: vLLM sizes it from `gpu_memory_utilization` on a GPU, 1 GiB on a CPU."""
     max_model_len: PositiveInt | None = None
     """Longest prompt plus response the server accepts; unset: the model's `max_position_embeddings`."""
+    cpu_cores: str | None = None
+    """On a CPU: the cores the server computes on, as vLLM's `VLLM_CPU_OMP_THREADS_BIND` lists them (e.g. "1" or "8-15"); the trainer takes the pipeline's `num_threads`. Unset: every core, which the synchronous loop wants (trainer and server take turns); give each its share with `ppo.rollout.max_staleness` (docs/performance.md, "Sampling while training")."""
     startup_timeout: PositiveFloat = 600.0
     """Seconds to wait for the server to answer `/health` before the stage fails."""
     importance_sampling: Literal["token", "sequence"] | None = "token"

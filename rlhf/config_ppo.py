@@ -122,6 +122,13 @@ class DynamicSamplingConfig(_Frozen):
     """Sampling rounds an iteration may take, its first included; a batch still not full then is filled with dropped groups, with a warning."""
 
 
+class RolloutConfig(_Frozen):
+    """When rollouts are sampled relative to the updates that train on them."""
+
+    max_staleness: int = Field(0, ge=0)
+    """Updates a rollout may lag behind the policy it trains: 0 samples each iteration's rollout with the weights it trains from (synchronous); 1 has the vLLM server sample iteration k+1's rollouts with the weights of iteration k-1 while the trainer updates on iteration k's (one step off-policy, `rollout/staleness`), corrected by `vllm.importance_sampling` against old log-probs the trainer recomputes under the weights it updates from; larger values keep more rollouts sampled ahead. Needs `rollout_engine: vllm`."""
+
+
 class RewardTermsConfig(_Frozen):
     """What the RL stage's score is: the weighted sum of its terms."""
 
@@ -177,6 +184,8 @@ class PPOConfig(TrainedStage, SampledStage):
     """Train LoRA adapters on the policy instead of all its weights (by default on every linear layer, the output head included); the reference is the policy with its adapters disabled, and the hand-off checkpoint has them merged."""
     sampling: SamplingConfig = SamplingConfig()
     """How rollouts and evaluations sample."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Sampling ahead of the updates (asynchronous rollouts on the vLLM server)."""
     old_logprobs: Literal["auto", "sampling", "recompute"] = "auto"
     """Where rollout log-probs and values come from: the sampling pass, a second forward, or auto (sampling in fp32, recompute in 16 bits: under bf16 autocast, or a LoRA policy whose own weights are bf16 by `frozen_dtype`)."""
     num_iterations: PositiveInt = 100
@@ -330,10 +339,28 @@ class PPOConfig(TrainedStage, SampledStage):
         if self.reward.overlong is not None and self.reward.overlong.buffer >= self.sampling.response_length:
             raise ValueError(f"reward.overlong.buffer ({self.reward.overlong.buffer}) must be shorter than "
                              f"sampling.response_length ({self.sampling.response_length})")
+        if self.rollout.max_staleness:
+            self._can_sample_ahead()
         minibatch = self.rollout_batch_size // (self.num_minibatches * processes)
         if isinstance(self.micro_batch_size, int) and minibatch % self.micro_batch_size:
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must divide the minibatch ({minibatch})")
         return self
+
+    def _can_sample_ahead(self) -> None:
+        """What `rollout.max_staleness` above 0 cannot combine with, and why."""
+        staleness = f"rollout.max_staleness ({self.rollout.max_staleness})"
+        if self.rollout_engine != "vllm":
+            raise ValueError(f"{staleness} samples on the vLLM server while the trainer updates; with rollout_engine "
+                             f"{self.rollout_engine!r} the trained model samples itself, in the trainer's own processes, "
+                             "so there is nothing to overlap: set rollout_engine: vllm, or max_staleness 0")
+        if self.vllm.importance_sampling is None:
+            raise ValueError(f"{staleness} trains on rollouts an older policy sampled, which only "
+                             "vllm.importance_sampling's weights (pi_trainer / pi_vllm) correct; without them the "
+                             "update is biased: set vllm.importance_sampling to token or sequence, or max_staleness 0")
+        if self.dynamic_sampling is not None:
+            raise ValueError(f"{staleness} samples the next iteration's prompts before this one is scored, but "
+                             "dynamic_sampling decides how many prompts an iteration takes from its scores: unset "
+                             "one of them")
 
     @property
     def uses_critic(self) -> bool:

@@ -25,7 +25,7 @@ Whether the processes hold whole models (DDP) or shards of them (FSDP2) is `stag
 business: the loop below reads the same either way.
 
 The equations live in `stages.rl.ppo_math`, the update in `stages.rl.update`, the models and the critic
-in `stages.rl.ppo_models`, the reward model's scores in `stages.rl.scoring`,
+in `stages.rl.ppo_models`, the scores in `stages.rl.ppo_scores` (the reward model's in `stages.rl.scoring`),
 full-state checkpoints in `stages.rl.ppo_state`."""
 
 from __future__ import annotations
@@ -40,16 +40,16 @@ import torch
 from accelerate import Accelerator
 from transformers import get_scheduler
 
-from rlhf.config_ppo import OVERLONG_TERM, PPOConfig
+from rlhf.config_ppo import PPOConfig
 from schemas.adapters import last_user_message
 from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting, timed
 from stages.common.tensors import masked_mean
+from stages.engines.sampler import Generation
 from stages.engines.vllm_server import sampler_for
 from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches
 from stages.rl.evaluation import (
-    FunctionJudge,
     HeldOut,
     evaluate,
     evaluate_midway,
@@ -57,7 +57,6 @@ from stages.rl.evaluation import (
 )
 from stages.rl.ppo_math import (
     KLController,
-    apply_eos_penalty,
     discounted_returns,
     engine_importance_weights,
     explained_variance,
@@ -66,25 +65,30 @@ from stages.rl.ppo_math import (
     groups_with_signal,
     grpo_advantages,
     kl_estimate,
-    overlong_penalty,
     rloo_advantages,
     sequence_rewards,
     token_rewards,
-    weighted_reward,
 )
-from stages.rl.ppo_models import ActorCritic, Models, load_models, rounds_to_16_bits
+from stages.rl.ppo_models import ActorCritic, load_models, rounds_to_16_bits
 from stages.rl.ppo_rollout import Prompts, Rollout, concat_rollouts, policy_sampler, prompt_batch, rollout, rollout_rows
 from stages.rl.ppo_state import (
     LoopState,
-    Normalization,
     load_state,
     save_state_everywhere,
 )
-from stages.rl.reward_functions import load_reward_functions, reward_values
-from stages.rl.scoring import RewardScorer, Scores, concat_scores, fit_normalization
+from stages.rl.ppo_scores import (
+    adopt_normalization,
+    first_normalization,
+    function_judge,
+    function_terms,
+    raw_scores,
+    scores_of,
+)
+from stages.rl.reward_functions import load_reward_functions
+from stages.rl.sampling_ahead import SamplingAhead
+from stages.rl.scoring import Scores, concat_scores
 from stages.rl.update import Episodes, PPOTrainer, ppo_update
 from stages.runtime.collectives import (
-    computed_on_main,
     gathered,
     over_processes,
     sum_over_processes,
@@ -135,17 +139,24 @@ class Sampled:
     """Sampling rounds it took (more than one with `dynamic_sampling`), each `Prompts.per_iteration` prompts."""
 
 
-def sample_round(trainer: PPOTrainer, loop: LoopState, prompts: Prompts, cursor: int, iteration: int,
-                 timings: dict[str, float]) -> Sampled:
-    """One round: this process's share of the next `prompts.per_iteration` prompts from `cursor`, each
-    sampled `samples_per_prompt` times (a prompt's group on consecutive rows), and scored. The first
-    round of a run fits the reward normalisation (collective, as are the reward functions)."""
-    cfg, models, accelerator = trainer.cfg, trainer.models, trainer.accelerator
+def round_picks(trainer: PPOTrainer, prompts: Prompts, cursor: int) -> list[int]:
+    """This process's share of the next `prompts.per_iteration` prompts from `cursor`, each repeated
+    `samples_per_prompt` times (a prompt's group on consecutive rows): indices into `prompts`."""
+    cfg, accelerator = trainer.cfg, trainer.accelerator
     local = prompts.per_iteration // accelerator.num_processes
     picks = prompt_batch(cfg.seed, len(prompts.texts), cursor, prompts.per_iteration)
-    picks = [i for i in picks[accelerator.process_index * local:][:local] for _ in range(cfg.samples_per_prompt)]
+    return [i for i in picks[accelerator.process_index * local:][:local] for _ in range(cfg.samples_per_prompt)]
+
+
+def sample_round(trainer: PPOTrainer, loop: LoopState, prompts: Prompts, cursor: int, iteration: int,
+                 timings: dict[str, float], sampled: list[Generation] | None = None) -> Sampled:
+    """One round: the prompts of `round_picks`, sampled (unless `sampled` earlier, by `SamplingAhead`)
+    and scored. The first round of a run fits the reward normalisation (collective, as are the
+    reward functions)."""
+    cfg, models, accelerator = trainer.cfg, trainer.models, trainer.accelerator
+    picks = round_picks(trainer, prompts, cursor)
     messages = [prompts.messages[i] for i in picks]
-    batch = rollout(models, trainer.sampler, [prompts.texts[i] for i in picks], cfg.sampling, timings)
+    batch = rollout(models, trainer.sampler, [prompts.texts[i] for i in picks], cfg.sampling, timings, sampled)
     raw = raw_scores(models.scorer, batch, messages, timings) if models.scorer is not None else None
     if models.scorer is not None and loop.normalization is None:
         loop.normalization = first_normalization(accelerator, models.scorer, raw, cfg)
@@ -184,101 +195,23 @@ def sample_until_full(trainer: PPOTrainer, loop: LoopState, prompts: Prompts, it
                    len(rounds)), figures
 
 
-# --- score ------------------------------------------------------------------------------------
+def sample_ahead(trainer: PPOTrainer, ahead: SamplingAhead, loop: LoopState, prompts: Prompts, iteration: int,
+                 timings: dict[str, float]) -> tuple[Sampled, dict[str, float]]:
+    """This iteration's round, sampled earlier on the server (`stages.rl.sampling_ahead`), after
+    submitting the next iterations' (so the server samples them while this one trains), then scored
+    under the models as they are now. Timed: `rollout_wait`, this iteration's wait for its rollout;
+    `generate`, the server's seconds on it, spent beside earlier work."""
+    per_iteration = prompts.per_iteration
 
+    def texts_of(k: int) -> list[str]:  # every iteration takes one round: no dynamic sampling here
+        return [prompts.texts[i] for i in round_picks(trainer, prompts, loop.cursor + (k - iteration) * per_iteration)]
 
-@torch.no_grad()
-def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timings: dict[str, float]) -> torch.Tensor:
-    """The reward model's outputs for the rollout's responses, before normalisation. # -> (B,)"""
-    with timed(timings, "score"):
-        raw = scorer.score(prompt_messages, batch.texts, normalized=False, complete=batch.has_eos.tolist())
-    return raw.to(batch.queries.device)
-
-
-def scores_of(raw: torch.Tensor | None, batch: Rollout, scorer: RewardScorer | None, cfg: PPOConfig,
-              functions: dict[str, torch.Tensor] | None = None) -> Scores:
-    """The rollout's scores from the reward model's `raw` outputs (None, with no `scorer`, where the
-    reward has no model term), the reward functions' values (`function_terms`; none when the
-    reward has no function terms) and the overlong penalty (`reward.overlong`, when set)."""
-    normalized, terms = None, {}
-    if scorer is not None:
-        normalized = scorer.normalize(raw)
-        model_term = apply_eos_penalty(normalized, batch.has_eos, cfg.missing_eos_score)
-        if cfg.score_clip is not None:
-            model_term = model_term.clamp(-cfg.score_clip, cfg.score_clip)
-        terms = {term.name: model_term for term in cfg.reward.terms if term.function is None}
-    terms |= functions or {}
-    if cfg.reward.overlong is not None:
-        terms[OVERLONG_TERM] = overlong_penalty(batch.mask.sum(dim=1), cfg.sampling.response_length,
-                                                cfg.reward.overlong.buffer)
-    # a function's NaN is "no reward" (its answers are checked finite)
-    used = weighted_reward(terms, cfg.reward.weights, no_reward=functions or ())
-    return Scores(raw, normalized, terms, used)
-
-
-def function_terms(trainer: PPOTrainer, messages: list[list[dict]], texts: list[str], columns: list[dict],
-                   iteration: int, timings: dict[str, float]) -> dict[str, torch.Tensor]:
-    """Each reward function's values for this process's responses (NaN where it gave none), every
-    process's rows computed on the main process (collective). # -> {name: (B,)}"""
-    if not trainer.reward_functions:
-        return {}
-    with timed(timings, "reward_functions"):
-        rows = list(zip(messages, texts, columns))
-        every = _functions_on_main(trainer, rows, iteration)
-        first = trainer.accelerator.process_index * len(rows)
-    return {name: _as_tensor(values[first:first + len(rows)], trainer.accelerator.device)
-            for name, values in every.items()}
-
-
-def function_judge(trainer: PPOTrainer) -> FunctionJudge | None:
-    """The reward functions as the evaluations score with them (None without function terms). Every
-    process holds the same held-out prompts; the main process's responses are the ones judged and
-    reported, so only its rows are sent to the functions (collective)."""
-    if not trainer.reward_functions:
-        return None
-    accelerator = trainer.accelerator
-
-    def values(messages: list[list[dict]], texts: list[str], columns: list[dict], judged: str) -> dict[str, torch.Tensor]:
-        rows = list(zip(messages, texts, columns)) if accelerator.is_main_process else []
-        every = _functions_on_main(trainer, rows, judged)
-        return {name: _as_tensor(v, accelerator.device) for name, v in every.items()}
-
-    return FunctionJudge(values, {term.name: term.weight for term in trainer.cfg.reward.terms},
-                         trainer.cfg.reward.uses_model)
-
-
-def _functions_on_main(trainer: PPOTrainer, rows: list[tuple], batch: int | str) -> dict[str, list[float | None]]:
-    """Every reward function's checked values for every process's (prompt messages, response, columns)
-    rows, computed on the main process (collective)."""
-
-    def compute(every: list[tuple]) -> dict[str, list[float | None]]:
-        prompts, responses, records = ([row[i] for row in every] for i in range(3))
-        return {f.term.name: reward_values(f, prompts, responses, {c: [r[c] for r in records] for c in f.columns},
-                                           batch) for f in trainer.reward_functions}
-
-    return computed_on_main(trainer.accelerator, rows, compute)
-
-
-def _as_tensor(values: list[float | None], device: torch.device) -> torch.Tensor:
-    """A function's values, NaN where it gave none. # -> (B,)"""
-    return torch.tensor([float("nan") if v is None else v for v in values], device=device)
-
-
-def adopt_normalization(models: Models, normalization: Normalization, batch: Rollout) -> Rollout:
-    """The scorer, and the critic if it takes it, on the fitted scale; the rollout's values mapped alike."""
-    return replace(batch, values=models.adopt_normalization(normalization.gain, normalization.bias, batch.values))
-
-
-def first_normalization(accelerator: Accelerator, scorer: RewardScorer, raw: torch.Tensor,
-                        cfg: PPOConfig) -> Normalization:
-    """The reward normalisation PPO keeps for the whole run: refitted on the first iteration's raw
-    scores over all processes (so scores start at mean 0, std 1 under PPO's own temperature,
-    response length and prompts, where the reward stage sampled with its own), or the reward
-    checkpoint's own when `refit_normalization` is off (collective). Cut-off responses count too:
-    `missing_eos_score` is a score on this same scale."""
-    if not cfg.refit_normalization:
-        return Normalization(scorer.gain, scorer.bias)
-    return Normalization(*fit_normalization(gathered(accelerator, raw.float())))
+    ahead.fill(iteration, trainer.cfg.num_iterations, texts_of)
+    with timed(timings, "rollout_wait"):
+        earlier = ahead.take(iteration)
+    timings["generate"] = earlier.seconds
+    sampled = sample_round(trainer, loop, prompts, loop.cursor, iteration, timings, earlier.generations)
+    return sampled, {"rollout/staleness": float(iteration - 1 - earlier.version)}
 
 
 # --- advantage --------------------------------------------------------------------------------
@@ -398,7 +331,10 @@ def iteration_figures(trainer: PPOTrainer, episodes: Episodes, train: dict[str, 
         figures |= {"rollout/vllm_logprob_gap": masked_mean(gap, batch.mask).item(),
                     "rollout/vllm_logprob_gap_max": gap.max().item()}
     if episodes.engine_weights is not None:
-        figures["rollout/engine_importance_weight"] = masked_mean(episodes.engine_weights, batch.mask).item()
+        weights = episodes.engine_weights[batch.mask.bool()]  # (tokens,)
+        figures |= {"rollout/engine_importance_weight": weights.mean().item(),
+                    "rollout/engine_importance_weight_std": weights.std().item() if len(weights) > 1 else 0.0,
+                    "rollout/engine_importance_weight_capped": (weights >= trainer.cfg.vllm.importance_sampling_cap - 1e-6).float().mean().item()}
     elapsed = time.perf_counter() - started
     return figures | {"time/iteration": elapsed,
                       "time/tokens_per_second": batch.mask.sum().item() * accelerator.num_processes / elapsed}
@@ -478,10 +414,10 @@ def resume(trainer: PPOTrainer, state_dir: Path, reporting: Reporting) -> LoopSt
     return loop
 
 
-def save_state(trainer: PPOTrainer, state_dir: Path, loop: LoopState) -> None:
-    """A full-state checkpoint of every process (collective)."""
-    save_state_everywhere(trainer.accelerator, state_dir, trainer.models, trainer.optimizer, trainer.scheduler,
-                          trainer.scaler, loop)
+def save_state(trainer: PPOTrainer, state_dir: Path, loop: LoopState, ahead: SamplingAhead | None = None) -> None:
+    """A full-state checkpoint of every process (collective), with the rollouts sampled ahead."""
+    rank = trainer.accelerator.process_index
+    save_state_everywhere(trainer, state_dir, loop, None if ahead is None else lambda staging: ahead.save(staging, rank))
 
 
 def hand_off(trainer: PPOTrainer, loop: LoopState, held_out: HeldOut, inputs: PPOInputs, output_dir: Path,
@@ -520,15 +456,18 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
     cfg = with_micro_batches("ppo", cfg, Counts(ppo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,
                              inputs.reward_location, reporting)
     trainer = build_trainer(cfg, inputs, output_dir)
+    ahead = SamplingAhead(trainer.sampler, cfg.sampling, cfg.rollout.max_staleness) if cfg.rollout.max_staleness else None
     try:
-        return _train(trainer, cfg, inputs, output_dir, reporting)
+        return _train(trainer, ahead, cfg, inputs, output_dir, reporting)
     finally:
+        if ahead is not None:
+            ahead.close()
         trainer.sampler.close()  # a vLLM server stopped however the stage ends
 
 
-def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
+def _train(trainer: PPOTrainer, ahead: SamplingAhead | None, cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
            reporting: Reporting) -> PPOResult | None:
-    """`train_ppo`'s loop and hand-off, on a built trainer."""
+    """`train_ppo`'s loop and hand-off, on a built trainer (and its rollouts sampled ahead, if any)."""
     accelerator, models = trainer.accelerator, trainer.models
     # Before a resume or a reference refresh can change the reference: it is the SFT policy now.
     held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, accelerator.device,
@@ -537,11 +476,15 @@ def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: P
     loop = LoopState(kl=KLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon))
     if (state_dir / "loop.json").exists():
         loop = resume(trainer, state_dir, reporting)
+        if ahead is not None:
+            ahead.resume(state_dir, accelerator.process_index, accelerator.device, version=loop.iteration)
     prompts = Prompts.of(inputs.prompts, cfg)
 
     while loop.iteration < cfg.num_iterations:
         iteration, started, timings = loop.iteration + 1, time.perf_counter(), {}
-        if cfg.dynamic_sampling is None:
+        if ahead is not None:
+            sampled, sampling_figures = sample_ahead(trainer, ahead, loop, prompts, iteration, timings)
+        elif cfg.dynamic_sampling is None:
             sampled, sampling_figures = sample_round(trainer, loop, prompts, loop.cursor, iteration, timings), {}
         else:
             sampled, sampling_figures = sample_until_full(trainer, loop, prompts, iteration, timings)
@@ -557,8 +500,13 @@ def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: P
 
         with timed(timings, "train"):
             train = ppo_update(trainer, episodes)
+        if ahead is not None:
+            with timed(timings, "sampling_wait"):
+                ahead.settle()  # the server takes new weights with nothing in flight
         with timed(timings, "weight_sync"):
             trainer.sampler.sync(models.policy)
+        if ahead is not None:
+            ahead.synced(iteration)
 
         figures = over_processes(accelerator, iteration_figures(trainer, episodes, train, timings, started)
                                  | sampling_figures)
@@ -576,6 +524,6 @@ def _train(trainer: PPOTrainer, cfg: PPOConfig, inputs: PPOInputs, output_dir: P
         loop.history = loop.history + [{"iteration": iteration, **figures}]
         reporting.progress(iteration, cfg.num_iterations)
         if iteration % cfg.checkpoint_every == 0 or iteration == cfg.num_iterations:
-            save_state(trainer, state_dir, loop)  # the last one too: if the upload fails, a rerun goes straight to evaluation
+            save_state(trainer, state_dir, loop, ahead)  # the last one too: if the upload fails, a rerun goes straight to evaluation
 
     return hand_off(trainer, loop, held_out, inputs, output_dir, reporting)

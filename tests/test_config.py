@@ -134,6 +134,23 @@ def test_vllm_rollouts_are_refused_where_they_cannot_run(tmp_path):
     assert load_config("configs/tiny.yaml", {"ppo.vllm.python": str(tmp_path / "python")})  # unused with hf
 
 
+_AHEAD = {"ppo.rollout_engine": "vllm", "ppo.vllm.python": sys.executable, "demo.num_heads": 2,
+          "ppo.rollout.max_staleness": 1}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"ppo.rollout_engine": "hf"}, "the trained model samples itself, in the trainer's own processes"),
+    ({"ppo.vllm.importance_sampling": None}, "without them the update is biased"),
+    ({"ppo.advantage_estimator": "grpo", "ppo.dynamic_sampling": {"max_rounds": 2}},
+     "dynamic_sampling decides how many prompts an iteration takes from its scores"),
+])
+def test_sampling_ahead_is_refused_where_it_cannot_hold(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("configs/tiny.yaml", _AHEAD | overrides)
+    cfg = load_config("configs/tiny.yaml", _AHEAD | {"ppo.advantage_estimator": "rloo", "ppo.lora": {"r": 4}})
+    assert cfg.ppo.rollout.max_staleness == 1  # with the other estimators, LoRA, functions and the KL controller
+
+
 def test_a_checkpoint_with_heads_vllm_cannot_serve_is_refused_before_a_server_starts():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -277,7 +277,7 @@ def test_ppo_runs_on_cuda_with_bf16(tiny_config, trained, tmp_path):
 
 
 def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, trained):
-    from stages.ppo import raw_scores, scores_of
+    from stages.rl.ppo_scores import raw_scores, scores_of
     from stages.rl.ppo_rollout import policy_sampler, rollout
 
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])

@@ -217,6 +217,27 @@ def test_engine_importance_weights_per_token_and_per_sequence_truncated_at_the_c
     assert same.tolist()[0] == [1.0, 1.0, 0.0]
 
 
+def test_a_rollout_sampled_one_update_ago_is_clipped_near_the_updates_start_and_weighted_to_its_sampler():
+    """Decoupled PPO as `ppo.rollout.max_staleness: 1` trains (stages.rl.sampling_ahead): the server
+    drew the tokens with v0 (behaviour), the trainer recomputed the old log-probs under v1, where the
+    update starts (proximal), and the update has moved the policy to theta. Two tokens, cap 2:
+      token 1: pi_v0 0.5, pi_v1 0.4, pi_theta 0.6, A = +1: ratio 0.6 / 0.4 = 1.5, clipped to 1.2;
+               weight 0.4 / 0.5 = 0.8; term -0.8 * min(1.5, 1.2) = -0.96
+      token 2: pi_v0 0.1, pi_v1 0.3, pi_theta 0.3, A = -1: ratio 1; weight 3, truncated to 2;
+               term -2 * (-1) = +2
+    token mean: (-0.96 + 2) / 2 = 0.52. Clipping against the sampler's v0 instead would have given
+    token 1 a ratio of 1.2 (inside the clip, -1.2) and no weight: the loss would follow v0, not v1."""
+    behaviour = torch.tensor([[0.5, 0.1]]).log()
+    proximal = torch.tensor([[0.4, 0.3]]).log()
+    current = torch.tensor([[0.6, 0.3]]).log()
+    advantages, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
+    weights = engine_importance_weights(proximal, behaviour, mask, "token", cap=2.0)
+    assert weights.tolist()[0] == pytest.approx([0.8, 2.0])
+    loss = clipped_policy_loss(current, proximal, advantages, mask, PolicyClip(0.2), weights)
+    assert loss.loss.item() == pytest.approx(0.52)
+    assert loss.ratio.tolist()[0] == pytest.approx([1.5, 1.0])
+
+
 def test_importance_weights_scale_each_tokens_policy_loss_term():
     # Ratio 1 (old = new), advantages 2 and -4 -> terms -2 and +4; weights 0.5 and 1.5 -> (-1 + 6) / 2 = 2.5
     logprobs = torch.tensor([[-1.0, -1.0]], requires_grad=True)

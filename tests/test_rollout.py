@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlhf.config import with_overrides
-from stages.rl.ppo_models import load_models
+from stages.common.tensors import logprobs_of
+from stages.rl.ppo_models import forward_response, load_models
 from stages.rl.ppo_rollout import policy_sampler, rollout
 from stages.engines.sampler import Generation, HFSampler, Sampling
 from tests.helpers import AUTO_RESOLVED
@@ -58,3 +59,27 @@ def test_a_rollout_recomputes_what_its_sampler_cannot_give(tiny_config, trained)
     for name in ("logprobs", "ref_logprobs", "values", "entropy"):
         torch.testing.assert_close(getattr(recomputed, name) * full.mask, getattr(full, name) * full.mask,
                                    atol=1e-4, rtol=0, msg=name)
+
+
+def test_a_rollout_sampled_earlier_is_scored_under_the_policy_as_it_is_now(tiny_config, trained):
+    """Responses sampled ahead by an older policy (`stages.rl.sampling_ahead`): the rollout takes
+    them as they were sampled, keeps the sampler's log-probs as `engine_logprobs`, and computes the
+    old log-probs under the policy's weights now, where the next update starts."""
+    cfg = _cfg(tiny_config, sampling={"response_length": 12})
+    models = load_models(cfg, trained["sft"], trained["reward"])
+    prompts = list(trained["prompts"]["prompt"][:4])
+    torch.manual_seed(0)
+    earlier = policy_sampler(models).generate(prompts, Sampling(12, 1.0))  # by the weights as they were
+    ahead = replace(earlier, logprobs=None, entropy=None, hidden=None, engine_logprobs=earlier.logprobs)
+    with torch.no_grad():
+        for p in models.policy.parameters():
+            p.mul_(1.05)  # an update since
+    timings = {}
+    batch = rollout(models, policy_sampler(models), prompts, cfg.sampling, timings, sampled=[ahead])
+    assert "generate" not in timings and torch.equal(batch.responses, earlier.responses)
+    with torch.no_grad():  # the new weights' own pass over the same tokens
+        logits, _ = forward_response(models.policy, batch.queries, batch.query_mask, batch.responses, batch.mask,
+                                     want_hidden=False, precision=models.precision)
+    torch.testing.assert_close(batch.logprobs, logprobs_of(logits, batch.responses, 1.0) * batch.mask)
+    torch.testing.assert_close(batch.engine_logprobs, earlier.logprobs * batch.mask, atol=0, rtol=0)
+    assert (batch.logprobs - batch.engine_logprobs).abs().max() > 1e-3  # the two policies differ

@@ -131,6 +131,11 @@ def test_a_sharded_policy_is_streamed_to_the_server_and_sampled_by_bothprocesses
     assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
     assert all(row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history)
     assert result.history[-1]["rollout/kl"] != 0
+    # and GRPO sampling ahead: each process keeps its own rollouts in flight, the sync waits for both
+    ahead = with_overrides(ppo, {"advantage_estimator": "grpo", "samples_per_prompt": 4, "rollout": {"max_staleness": 1}})
+    result = call_stage(train_ppo, ahead, inputs, tmp_path / "ahead", Reporting(), deterministic=True, num_threads=1)
+    assert [row["rollout/staleness"] for row in result.history] == [0.0, 1.0, 1.0]
+    assert all(row["train/initial_ratio_deviation"] < 1e-4 for row in result.history)
 
 
 def test_the_reward_stages_normalisation_and_dpos_evaluation_sample_on_vllm_too(servable, tmp_path, started):
@@ -152,13 +157,43 @@ def test_the_reward_stages_normalisation_and_dpos_evaluation_sample_on_vllm_too(
     assert len(started) == 2 and all(_stopped(sampler) for sampler in started)
 
 
-def test_a_killed_and_resumed_vllm_run_ends_at_the_uninterrupted_runs_weights(servable, tmp_path):
-    """vLLM's sampling is repeatable here with a fixed seed per request (the seeds come from the
-    trainer's random stream, which the full-state checkpoint keeps), so resuming ends where an
-    uninterrupted run does, as with `hf`."""
+@pytest.mark.parametrize("estimator, changes", [
+    ("gae", {"lora": {"r": 4}, "reward": {"terms": [
+        {"name": "reward_model"}, {"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject"}]}}),
+    ("rloo", {"samples_per_prompt": 4}),
+    ("reinforce++", {}),
+])
+def test_sampling_ahead_trains_on_rollouts_one_update_old_weighted_to_the_server(servable, tmp_path, started,
+                                                                                estimator, changes):
+    """`rollout.max_staleness: 1`: iteration k's rollout was sampled by the server while iteration
+    k-1 trained, with the weights before that update; the trainer recomputes the old log-probs under
+    the weights it updates from, so the ratio starts at 1 and the importance weights carry the lag."""
     cfg, trained = servable
-    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"num_iterations": 6, "checkpoint_every": 3})
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | changes | {"advantage_estimator": estimator,
+                                                             "rollout": {"max_staleness": 1}})
+    result = run_ppo(ppo, trained, tmp_path / "out")
+    history = result.history
+    assert [row["rollout/staleness"] for row in history] == [0.0, 1.0, 1.0]
+    assert all(row["train/initial_ratio_deviation"] < 1e-4 for row in history)  # old log-probs: the update's start
+    assert history[0]["rollout/vllm_logprob_gap_max"] < 1e-4  # sampled by the weights it trains from
+    assert all(row["rollout/vllm_logprob_gap"] > 10 * history[0]["rollout/vllm_logprob_gap"] for row in history[1:])
+    assert all(row["rollout/engine_importance_weight_std"] > 10 * history[0]["rollout/engine_importance_weight_std"]
+               for row in history[1:])
+    assert all(row["time/generate"] > 0 and "time/sampling_wait" in row for row in history)
+    assert "eval/kl" in history[1]  # the midway evaluation sampled on the server between iterations
+    assert len(started) == 1 and _stopped(started[0])
+
+
+def test_a_killed_and_resumed_vllm_run_sampling_ahead_ends_at_the_uninterrupted_runs_weights(servable, tmp_path):
+    """vLLM's sampling is repeatable here with a fixed seed per request (the seeds come from the
+    trainer's random stream, which the full-state checkpoint keeps), and the rollout sampled ahead
+    of the checkpoint is checkpointed with it, so resuming ends where an uninterrupted run does."""
+    cfg, trained = servable
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"num_iterations": 6, "checkpoint_every": 3,
+                                                   "rollout": {"max_staleness": 1}})
     reference, resumed = killed_and_resumed(ppo, trained, tmp_path)
+    assert [row["rollout/staleness"] for row in resumed.history] == [0.0] + [1.0] * 5
+    assert (tmp_path / "interrupted" / "state" / "sampled_ahead_rank0.safetensors").exists()
     assert [row["rollout/score"] for row in resumed.history] == [row["rollout/score"] for row in reference.history]
     a = (tmp_path / "whole" / "checkpoint" / "model.safetensors").read_bytes()
     b = (tmp_path / "interrupted" / "checkpoint" / "model.safetensors").read_bytes()
@@ -181,7 +216,8 @@ def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_reru
     from stages.common.reporting import Reporting
 
     cfg, trained = servable
-    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"num_iterations": 4, "checkpoint_every": 2})
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"num_iterations": 4, "checkpoint_every": 2,
+                                                   "rollout": {"max_staleness": 1}})  # a rollout in flight when killed
     arguments, parked = tmp_path / "arguments.pkl", tmp_path / "parked"
     arguments.write_bytes(pickle.dumps((ppo, trained, tmp_path / "out")))
     before = _served_folders()

@@ -81,6 +81,8 @@ class VLLMServer:
             # vLLM's CPU worker keeps a core for its HTTP front end by default; the trainer and the
             # server take turns (the trainer waits while the server samples), so sampling gets them all.
             environment.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            if settings.cpu_cores is not None:
+                environment["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores
             # vLLM's CPU guide: preload Intel's OpenMP runtime, which its environment ships
             iomp = vllm_python(settings).parent.parent / "lib" / "libiomp5.so"
             if iomp.exists():

@@ -91,6 +91,16 @@ def groups_of(rows: list[list[int]]) -> list[tuple[list[int], int]]:
     return groups
 
 
+@dataclass(frozen=True)
+class Requests:
+    """Prompts as the server takes them, ready to send."""
+
+    queries: torch.Tensor  # (B, Tq) left-padded prompt ids
+    query_mask: torch.Tensor  # (B, Tq)
+    bodies: list[dict]
+    """One `/inference/v1/generate` body per run of equal prompts (`groups_of`)."""
+
+
 @dataclass
 class VLLMSampler:
     """Samples from a vLLM server that holds the policy's weights as of the last `sync`.
@@ -157,17 +167,32 @@ class VLLMSampler:
             self.served = None
 
     def generate(self, prompts: list[str], sampling: Sampling) -> Generation:
+        return self.answer([self.requests(prompts, sampling)])[0]
+
+    def requests(self, prompts: list[str], sampling: Sampling) -> Requests:
+        """The server's requests for `prompts`: tokenised here, their seeds drawn from this thread's
+        random stream (so sampling repeats with it, on resume too, whichever thread later sends them)."""
         batch = left_padded(self.tokenizer, prompts, torch.device("cpu"))
         queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
         rows = [row[mask.bool()].tolist() for row, mask in zip(queries, query_mask)]
-        # The request seeds come from the caller's random stream: sampling repeats with it, and on resume.
         first_seed = int(torch.randint(0, 2**31 - 1 - len(rows), (1,)))
-        requests = [{"token_ids": prompt, "sampling_params": {
+        bodies = [{"token_ids": prompt, "sampling_params": {
             "n": count, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature or 0.0,
             "top_p": 1.0, "top_k": 0, "seed": first_seed + index, "logprobs": 0,
             "stop_token_ids": self.stop_ids, "ignore_eos": False, "detokenize": False}}
             for index, (prompt, count) in enumerate(groups_of(rows))]
-        answers = self.endpoint.generate(requests)
+        return Requests(queries, query_mask, bodies)
+
+    def answer(self, batches: list[Requests]) -> list[Generation]:
+        """Each batch's responses: every request sent at once (the server batches them), from any thread."""
+        answers = self.endpoint.generate([body for batch in batches for body in batch.bodies])
+        generations, start = [], 0
+        for batch in batches:
+            mine, start = answers[start:start + len(batch.bodies)], start + len(batch.bodies)
+            generations.append(self._generation(batch, mine))
+        return generations
+
+    def _generation(self, batch: Requests, answers: list[dict]) -> Generation:
         choices = [choice for answer in answers for choice in sorted(answer["choices"], key=lambda c: c["index"])]
         tokens = [choice["token_ids"] for choice in choices]
         logprobs = [[entry["logprob"] for entry in choice["logprobs"]["content"]] for choice in choices]
@@ -177,5 +202,5 @@ class VLLMSampler:
         engine_logprobs = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in logprobs])  # (B, T)
         responses = truncate_after_eos(responses, self.stop_ids, pad)
         on = self.device
-        return Generation(queries.to(on), query_mask.to(on), responses.to(on),
+        return Generation(batch.queries.to(on), batch.query_mask.to(on), responses.to(on),
                           engine_logprobs=engine_logprobs.to(on))

@@ -61,14 +61,17 @@ def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:
 
 @torch.no_grad()
 def rollout(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
-            timings: dict[str, float]) -> Rollout:
+            timings: dict[str, float], sampled: list[Generation] | None = None) -> Rollout:
     """Sample responses, then the passes PPO needs besides: old log-probs and values (from the
     sampling pass when `models.reuse_sampling_pass` and the sampler gave them: never an engine's own,
-    `engine_logprobs`, which are kept beside), and the reference's log-probs; `sampling.micro_batch_size`
-    prompts at a time, the pieces then padded into one batch."""
+    `engine_logprobs`, which are kept beside), and the reference's log-probs, under the models as
+    they are now; `sampling.micro_batch_size` prompts at a time, the pieces then padded into one
+    batch. `sampled`: the chunks' responses, sampled earlier (`stages.rl.sampling_ahead`)."""
     models.train(False)
-    return concat_rollouts([_rollout_chunk(models, sampler, chunk, sampling, timings)
-                            for chunk in in_chunks(prompts, sampling)], models.tokenizer.pad_token_id)
+    chunks = in_chunks(prompts, sampling)
+    return concat_rollouts([_rollout_chunk(models, sampler, chunk, sampling, timings, earlier)
+                            for chunk, earlier in zip(chunks, sampled or [None] * len(chunks), strict=True)],
+                           models.tokenizer.pad_token_id)
 
 
 def _gave_what_the_update_needs(models: Models, sampled: Generation) -> bool:
@@ -78,12 +81,14 @@ def _gave_what_the_update_needs(models: Models, sampled: Generation) -> bool:
 
 
 def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
-                   timings: dict[str, float]) -> Rollout:
-    """Phases timed: `generate`; `forward`, the passes after it: `values` (the critic on the sampling
-    pass's outputs) or `policy_forward` (the policy's log-probs, with the values), and `reference`."""
+                   timings: dict[str, float], sampled: Generation | None = None) -> Rollout:
+    """Phases timed: `generate` (unless `sampled` earlier); `forward`, the passes after it: `values`
+    (the critic on the sampling pass's outputs) or `policy_forward` (the policy's log-probs, with the
+    values), and `reference`."""
     temperature = sampling.temperature
-    with timed(timings, "generate"):
-        sampled = sampler.generate(prompts, Sampling(sampling.response_length, temperature))
+    if sampled is None:
+        with timed(timings, "generate"):
+            sampled = sampler.generate(prompts, Sampling(sampling.response_length, temperature))
     queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
 
     with timed(timings, "forward"):

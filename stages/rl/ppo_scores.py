@@ -1,0 +1,117 @@
+"""PPO's scores for one iteration's episodes: the reward model's (normalised, with the EOS penalty
+and clipping), the Python reward functions' (computed on the main process for every process) and
+the overlong penalty, as the weighted sum the stage trains on; and the reward normalisation fitted
+on the first rollouts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from accelerate import Accelerator
+
+from rlhf.config_ppo import OVERLONG_TERM, PPOConfig
+from stages.common.reporting import timed
+from stages.rl.evaluation import FunctionJudge
+from stages.rl.ppo_math import apply_eos_penalty, overlong_penalty, weighted_reward
+from stages.rl.ppo_models import Models
+from stages.rl.ppo_rollout import Rollout
+from stages.rl.ppo_state import Normalization
+from stages.rl.reward_functions import reward_values
+from stages.rl.scoring import RewardScorer, Scores, fit_normalization
+from stages.rl.update import PPOTrainer
+from stages.runtime.collectives import computed_on_main, gathered
+
+
+@torch.no_grad()
+def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timings: dict[str, float]) -> torch.Tensor:
+    """The reward model's outputs for the rollout's responses, before normalisation. # -> (B,)"""
+    with timed(timings, "score"):
+        raw = scorer.score(prompt_messages, batch.texts, normalized=False, complete=batch.has_eos.tolist())
+    return raw.to(batch.queries.device)
+
+
+def scores_of(raw: torch.Tensor | None, batch: Rollout, scorer: RewardScorer | None, cfg: PPOConfig,
+              functions: dict[str, torch.Tensor] | None = None) -> Scores:
+    """The rollout's scores from the reward model's `raw` outputs (None, with no `scorer`, where the
+    reward has no model term), the reward functions' values (`function_terms`; none when the
+    reward has no function terms) and the overlong penalty (`reward.overlong`, when set)."""
+    normalized, terms = None, {}
+    if scorer is not None:
+        normalized = scorer.normalize(raw)
+        model_term = apply_eos_penalty(normalized, batch.has_eos, cfg.missing_eos_score)
+        if cfg.score_clip is not None:
+            model_term = model_term.clamp(-cfg.score_clip, cfg.score_clip)
+        terms = {term.name: model_term for term in cfg.reward.terms if term.function is None}
+    terms |= functions or {}
+    if cfg.reward.overlong is not None:
+        terms[OVERLONG_TERM] = overlong_penalty(batch.mask.sum(dim=1), cfg.sampling.response_length,
+                                                cfg.reward.overlong.buffer)
+    # a function's NaN is "no reward" (its answers are checked finite)
+    used = weighted_reward(terms, cfg.reward.weights, no_reward=functions or ())
+    return Scores(raw, normalized, terms, used)
+
+
+def function_terms(trainer: PPOTrainer, messages: list[list[dict]], texts: list[str], columns: list[dict],
+                   iteration: int, timings: dict[str, float]) -> dict[str, torch.Tensor]:
+    """Each reward function's values for this process's responses (NaN where it gave none), every
+    process's rows computed on the main process (collective). # -> {name: (B,)}"""
+    if not trainer.reward_functions:
+        return {}
+    with timed(timings, "reward_functions"):
+        rows = list(zip(messages, texts, columns))
+        every = _functions_on_main(trainer, rows, iteration)
+        first = trainer.accelerator.process_index * len(rows)
+    return {name: _as_tensor(values[first:first + len(rows)], trainer.accelerator.device)
+            for name, values in every.items()}
+
+
+def function_judge(trainer: PPOTrainer) -> FunctionJudge | None:
+    """The reward functions as the evaluations score with them (None without function terms). Every
+    process holds the same held-out prompts; the main process's responses are the ones judged and
+    reported, so only its rows are sent to the functions (collective)."""
+    if not trainer.reward_functions:
+        return None
+    accelerator = trainer.accelerator
+
+    def values(messages: list[list[dict]], texts: list[str], columns: list[dict], judged: str) -> dict[str, torch.Tensor]:
+        rows = list(zip(messages, texts, columns)) if accelerator.is_main_process else []
+        every = _functions_on_main(trainer, rows, judged)
+        return {name: _as_tensor(v, accelerator.device) for name, v in every.items()}
+
+    return FunctionJudge(values, {term.name: term.weight for term in trainer.cfg.reward.terms},
+                         trainer.cfg.reward.uses_model)
+
+
+def _functions_on_main(trainer: PPOTrainer, rows: list[tuple], batch: int | str) -> dict[str, list[float | None]]:
+    """Every reward function's checked values for every process's (prompt messages, response, columns)
+    rows, computed on the main process (collective)."""
+
+    def compute(every: list[tuple]) -> dict[str, list[float | None]]:
+        prompts, responses, records = ([row[i] for row in every] for i in range(3))
+        return {f.term.name: reward_values(f, prompts, responses, {c: [r[c] for r in records] for c in f.columns},
+                                           batch) for f in trainer.reward_functions}
+
+    return computed_on_main(trainer.accelerator, rows, compute)
+
+
+def _as_tensor(values: list[float | None], device: torch.device) -> torch.Tensor:
+    """A function's values, NaN where it gave none. # -> (B,)"""
+    return torch.tensor([float("nan") if v is None else v for v in values], device=device)
+
+
+def adopt_normalization(models: Models, normalization: Normalization, batch: Rollout) -> Rollout:
+    """The scorer, and the critic if it takes it, on the fitted scale; the rollout's values mapped alike."""
+    return replace(batch, values=models.adopt_normalization(normalization.gain, normalization.bias, batch.values))
+
+
+def first_normalization(accelerator: Accelerator, scorer: RewardScorer, raw: torch.Tensor,
+                        cfg: PPOConfig) -> Normalization:
+    """The reward normalisation PPO keeps for the whole run: refitted on the first iteration's raw
+    scores over all processes (so scores start at mean 0, std 1 under PPO's own temperature,
+    response length and prompts, where the reward stage sampled with its own), or the reward
+    checkpoint's own when `refit_normalization` is off (collective). Cut-off responses count too:
+    `missing_eos_score` is a score on this same scale."""
+    if not cfg.refit_normalization:
+        return Normalization(scorer.gain, scorer.bias)
+    return Normalization(*fit_normalization(gathered(accelerator, raw.float())))

@@ -1,0 +1,151 @@
+"""Sampling ahead of the updates (`ppo.rollout.max_staleness` s > 0): the vLLM server samples the
+next iterations' rollouts while the trainer scores and updates on this one's.
+
+    iteration k, s = 1
+      trainer thread   take k | submit k+1 | forward passes, score, advantages, update | settle | sync v_k
+      sampler thread                 `-- the server samples k+1 with v_{k-1} ----------'
+
+Versions: v_j is the policy after j updates; the server holds v_j from the sync that ends iteration j.
+Rollout k is submitted at iteration k - s (at the first iteration run, for those before), so it is
+sampled by v_{k-1-s} and trained from v_{k-1}: staleness s (less in the first s iterations), logged
+as `rollout/staleness`.
+
+Which policy the old log-probs are computed under: v_{k-1}, the weights the update starts from.
+The trainer recomputes them in its forward passes after taking the rollout (a vLLM rollout never
+reuses the sampling pass), so the clipped ratio pi_theta / pi_{v_{k-1}} keeps each update near
+where it starts, as in synchronous PPO, and the truncated importance weights of
+`vllm.importance_sampling`, min(pi_{v_{k-1}} / pi_vllm, cap), correct for the tokens having been
+drawn by the older v_{k-1-s} on the server (and for the engine's own numerics): decoupled PPO's
+proximal and behaviour policies (Hilton et al. 2022; AReaL).
+
+The server reloads weights only with nothing in flight: the trainer `settle`s (waits for every
+submitted rollout) before each sync, so a rollout is sampled by one version whole. The requests,
+and with them the seeds that make sampling repeatable, are made on the trainer's thread when a
+rollout is submitted; the sampler thread only sends them and reads the answers.
+
+Resume: at every full-state checkpoint the rollouts sampled ahead are complete (settled before the
+sync that precedes it), and they are checkpointed with it (`save`, `load`), not sampled again:
+sampling them again would need the older weights that drew them. Each process keeps its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from rlhf.config_common import SamplingConfig
+from stages.engines.sampler import Generation, Sampling
+from stages.engines.vllm_server import VLLMSampler
+from stages.rl.ppo_rollout import in_chunks
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One iteration's rollout as the server answered it: its chunks (`in_chunks`), the version of
+    the weights that sampled it and the seconds the server took."""
+
+    generations: list[Generation]
+    version: int
+    seconds: float
+
+
+@dataclass
+class Ahead:
+    """A rollout submitted to the server, for iteration `iteration`."""
+
+    iteration: int
+    future: Future[Sampled]
+
+
+class SamplingAhead:
+    """The rollouts of the next `max_staleness` iterations, sampled on a vLLM server by a thread of their own."""
+
+    def __init__(self, sampler: VLLMSampler, sampling: SamplingConfig, max_staleness: int):
+        self.sampler, self.sampling, self.max_staleness = sampler, sampling, max_staleness
+        self.version = 0
+        """Updates the server's weights hold (the last `synced`)."""
+        self.pending: deque[Ahead] = deque()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="rlhf-sampling-ahead")
+
+    def fill(self, iteration: int, last: int, prompts_of: Callable[[int], list[str]]) -> None:
+        """Submit, in order, the rollouts of iterations `iteration` to `iteration + max_staleness`
+        (none past `last`) not yet submitted; `prompts_of(k)`: this process's prompts of iteration k."""
+        start = self.pending[-1].iteration + 1 if self.pending else iteration
+        for k in range(start, min(iteration + self.max_staleness, last) + 1):
+            sampling = Sampling(self.sampling.response_length, self.sampling.temperature)
+            requests = [self.sampler.requests(chunk, sampling) for chunk in in_chunks(prompts_of(k), self.sampling)]
+            self.pending.append(Ahead(k, self._thread.submit(self._sample, requests, self.version)))
+
+    def _sample(self, requests: list, version: int) -> Sampled:
+        """On the sampler thread: send the requests, wait for the answers."""
+        clock = time.perf_counter()
+        generations = self.sampler.answer(requests)
+        return Sampled(generations, version, time.perf_counter() - clock)
+
+    def take(self, iteration: int) -> Sampled:
+        """Iteration `iteration`'s rollout (waiting for it if the server is still sampling it)."""
+        ahead = self.pending.popleft()
+        if ahead.iteration != iteration:
+            raise RuntimeError(f"sampled ahead for iteration {ahead.iteration}, but iteration {iteration} asked")
+        return ahead.future.result()
+
+    def settle(self) -> None:
+        """Wait until nothing is in flight: the server may take new weights."""
+        for ahead in self.pending:
+            ahead.future.result()
+
+    def synced(self, version: int) -> None:
+        self.version = version
+
+    def close(self) -> None:
+        """Drop what is not yet sent; what is in flight ends with the server (stopped after this)."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    # --- full-state checkpoints ------------------------------------------------------------------
+
+    def save(self, folder: Path, rank: int) -> None:
+        """This process's rollouts sampled ahead (complete: call after `settle`) into `folder`."""
+        tensors, index = {}, []
+        for ahead in self.pending:
+            sampled = ahead.future.result()
+            for chunk, generation in enumerate(sampled.generations):
+                for name, value in dataclasses.asdict(generation).items():
+                    if value is not None:
+                        tensors[f"{ahead.iteration}.{chunk}.{name}"] = value.contiguous()
+            index.append({"iteration": ahead.iteration, "version": sampled.version, "seconds": sampled.seconds,
+                          "chunks": len(sampled.generations)})
+        save_file(tensors, str(folder / _file(rank)), metadata={"pending": json.dumps(index)})
+
+    def resume(self, folder: Path, rank: int, device: torch.device, version: int) -> None:
+        """Continue from a full-state checkpoint after iteration `version`, to whose weights the
+        server was synced: its rollouts sampled ahead as it holds them (none where it has no file:
+        a checkpoint written without sampling ahead)."""
+        self.version = version
+        path = folder / _file(rank)
+        if not path.exists():
+            return
+        with safe_open(str(path), "pt") as opened:
+            index = json.loads(opened.metadata()["pending"])
+        tensors = load_file(str(path), device=str(device))
+        fields = [f.name for f in dataclasses.fields(Generation)]
+        for entry in index:
+            k = entry["iteration"]
+            generations = [Generation(**{name: tensors.get(f"{k}.{chunk}.{name}") for name in fields})
+                           for chunk in range(entry["chunks"])]
+            done: Future[Sampled] = Future()
+            done.set_result(Sampled(generations, entry["version"], entry["seconds"]))
+            self.pending.append(Ahead(k, done))
+
+
+def _file(rank: int) -> str:
+    return f"sampled_ahead_rank{rank}.safetensors"
