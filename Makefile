@@ -47,8 +47,8 @@ bench-ray: install  ## each stage at 2 FSDP2 processes, accelerate launch agains
 bench-memory: install  ## the memory plan against measurement: SFT, reward, PPO (full and LoRA) on ~10M, ~100M, ~400M Llamas
 	$(PY) -m bench.memory
 
-bench-rollout: install vllm-env  ## rollout engines: sampling tokens/s and whole PPO iterations, transformers against vLLM
-	$(PY) -m bench.rollout
+bench-rollout: install vllm-env  ## rollout engines: sampling tokens/s and whole PPO iterations (64 and 128 tokens), transformers against vLLM, synchronous and sampling ahead
+	$(PY) -m bench.rollout --ppo-response-lengths 64 128
 
 stress-launch: install  ## every 2-process job of the test suite, 20 times each: how each one ended (clean, aborted after done, failed)
 	$(PY) -m bench.launch_stress --runs $${RUNS:-20}

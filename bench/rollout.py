@@ -12,10 +12,12 @@
    weights). Tokens/s counts the tokens generated (up to and including an end token) over the
    wall time of the call; the mean of `--repeats` calls after one warm-up call. vLLM's start (a
    new server, loading the model) is reported apart.
-2. PPO: whole iterations of the PPO stage on the ~100M model with `rollout_engine: hf` and `vllm`
-   (`WORK`: four models, the critic from the reward checkpoint), each in a process of its own; the
-   split per iteration (sampling, the trainer's forward passes, scoring, the update, the weight
-   sync) as means over the iterations after the first. The server's start is part of the stage
+2. PPO: whole iterations of the PPO stage on the ~100M model (`WORK`: four models, the critic
+   from the reward checkpoint) as each of `--ppo-variants` (`PPO_VARIANTS`: `hf`, `vllm`, and
+   `vllm-ahead`, `ppo.rollout.max_staleness: 1`), each in a process of its own; the split per
+   iteration (sampling, the trainer's waits for it, the trainer's forward passes, scoring, the
+   update, the weight sync) as means over the iterations after the first, and the share of the
+   server's sampling hidden behind the trainer's work. The server's start is part of the stage
    but not of an iteration; it is reported apart.
 
 Prints Markdown tables and writes `bench/results/rollout-<date>[-<tag>].json`. A benchmark, not a test.
@@ -83,17 +85,33 @@ def sampling_rows(model: str, name: str, prompts: list[str], new_tokens: int, re
     return rows
 
 
-def ppo_row(engine: str, checkpoint: str, world: Path, work: Path, response_length: int) -> dict:
-    """The PPO stage with `rollout_engine: engine` on the checkpoint, in this process; its row."""
+PPO_VARIANTS = {
+    "hf": ({"rollout_engine": "hf"}, None),
+    "vllm": ({"rollout_engine": "vllm"}, None),
+    "vllm-ahead": ({"rollout_engine": "vllm", "rollout.max_staleness": 1}, None),
+    "vllm-ahead-split": ({"rollout_engine": "vllm", "rollout.max_staleness": 1, "vllm.cpu_cores": "1"}, 1),
+}
+"""The PPO rows a run can take: (overrides, trainer threads; None: torch's default). `vllm-ahead`: the
+server samples the next iteration's rollout while the trainer updates, both on every core;
+`-split`: the server on the last core (`vllm.cpu_cores`), the trainer on one thread."""
+
+
+def ppo_row(variant: str, checkpoint: str, world: Path, work: Path, response_length: int) -> dict:
+    """The PPO stage as `variant` (`PPO_VARIANTS`) on the checkpoint, in this process; its row."""
     import shutil
+
+    import torch
 
     from rlhf.config import load_config, with_overrides
     from schemas.validate import LengthBudget, load_validated
     from stages.runtime.models import load_tokenizer
     from stages.ppo import PPOInputs, train_ppo
 
-    cfg = with_overrides(load_config("configs/tiny.yaml").ppo, WORK | {"rollout_engine": engine,
-                                                                       "sampling.response_length": response_length})
+    overrides, threads = PPO_VARIANTS[variant]
+    if threads is not None:
+        torch.set_num_threads(threads)
+    cfg = with_overrides(load_config("configs/tiny.yaml").ppo, WORK | overrides |
+                         {"sampling.response_length": response_length})
     tokenizer = load_tokenizer(checkpoint)
     budget = LengthBudget(cfg.max_prompt_length, cfg.max_prompt_length + cfg.sampling.response_length)
     prompts, eval_prompts = (load_validated(str(world / f"{name}.jsonl"), "prompt", tokenizer=tokenizer,
@@ -102,14 +120,18 @@ def ppo_row(engine: str, checkpoint: str, world: Path, work: Path, response_leng
     clock = time.perf_counter()
     result = train_ppo(cfg, PPOInputs(checkpoint, checkpoint, prompts, eval_prompts), work)
     stage_seconds = time.perf_counter() - clock
-    later = result.history[1:]
+    later = result.history[1:]  # sampling ahead starts with iteration 2
     mean = lambda key: sum(h.get(key, 0.0) for h in later) / len(later)  # noqa: E731
-    row = {"engine": engine, "response_length_limit": response_length, "stage_seconds": stage_seconds, "iterations": len(result.history),
-           **{key: mean(f"time/{key}") for key in ("iteration", "generate", "forward", "score", "train", "weight_sync")},
-           "response_length": mean("rollout/response_length")}
+    phases = ("iteration", "generate", "rollout_wait", "forward", "score", "train", "sampling_wait", "weight_sync")
+    row = {"engine": variant, "response_length_limit": response_length, "stage_seconds": stage_seconds,
+           "iterations": len(result.history), "trainer_threads": torch.get_num_threads(),
+           **{key: mean(f"time/{key}") for key in phases}, "response_length": mean("rollout/response_length")}
     row["sampling_tokens_per_second"] = cfg.rollout_batch_size * row["response_length"] / row["generate"]
-    if engine == "vllm":
+    # the server's sampling hidden behind the trainer's work: 1 - what the trainer waited for it / what it took
+    row["overlap"] = 1 - (row["rollout_wait"] + row["sampling_wait"]) / row["generate"] if cfg.rollout.max_staleness else 0.0
+    if variant != "hf":
         row["vllm_logprob_gap_max"] = max(h["rollout/vllm_logprob_gap_max"] for h in result.history)
+        row["staleness"] = [h.get("rollout/staleness", 0.0) for h in result.history]
     return row
 
 
@@ -121,7 +143,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-ppo", action="store_true", help="the sampling table only")
     parser.add_argument("--ppo-response-lengths", nargs="+", type=int, default=[64], metavar="T",
-                        help="PPO's `sampling.response_length`, one pair of PPO rows (hf, vllm) each")
+                        help="PPO's `sampling.response_length`, one row per variant each")
+    parser.add_argument("--ppo-variants", nargs="+", default=["hf", "vllm", "vllm-ahead"], choices=list(PPO_VARIANTS),
+                        help="the PPO rows at each length (PPO_VARIANTS)")
     parser.add_argument("--skip-sampling", action="store_true", help="the PPO table only")
     parser.add_argument("--tag", help="results file rollout-<date>-<tag>.json")
     parser.add_argument("--sampling", nargs=2, metavar=("MODEL", "NAME"), help=argparse.SUPPRESS)  # a child
@@ -139,8 +163,9 @@ def main() -> None:
         print("ROWS=" + json.dumps(rows))
         return
     if args.ppo:
-        engine, length = args.ppo[0], int(args.ppo[1])
-        print("ROW=" + json.dumps(ppo_row(engine, str(args.state / "checkpoint-100m"), world, args.state / engine, length)))
+        variant, length = args.ppo[0], int(args.ppo[1])
+        print("ROW=" + json.dumps(ppo_row(variant, str(args.state / "checkpoint-100m"), world, args.state / variant,
+                                          length)))
         return
 
     import torch
@@ -177,17 +202,20 @@ def main() -> None:
         start = f"{row['engine_start_seconds']:.0f} s" if row["engine_start_seconds"] else "-"
         print(f"| {row['model']} ({row['parameters'] / 1e6:.1f}M) | {row['engine']} | {row['tokens_per_second']:.0f} | "
               f"{row['tokens_per_second'] / base['tokens_per_second']:.2f}x | {start} |")
-    ppo = [] if args.skip_ppo else [child("--ppo", engine, str(length), key="ROW=")
-                                    for length in args.ppo_response_lengths for engine in ("hf", "vllm")]
+    ppo = [] if args.skip_ppo else [child("--ppo", variant, str(length), key="ROW=")
+                                    for length in args.ppo_response_lengths for variant in args.ppo_variants]
     if ppo:
-        print("\nPPO on the ~100M Llama (four models), seconds per iteration (mean of iterations 2-4)\n")
-        print("| response tokens | engine | iteration | sampling | forward passes | scoring | update | weight sync | "
-              "sampling tokens/s | stage (with server start) |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("\nPPO on the ~100M Llama (four models), seconds per iteration (mean of iterations 2-4); with "
+              "sampling ahead, sampling is the server's time beside the trainer's work, and the trainer "
+              "waits only for what is not hidden (rollout wait + wait before the sync)\n")
+        print("| response tokens | variant | trainer threads | iteration | sampling | trainer's waits | forward "
+              "passes | scoring | update | weight sync | overlap | stage (with server start) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in ppo:
-            print(f"| {r['response_length_limit']} | {r['engine']} | {r['iteration']:.1f} | {r['generate']:.1f} | {r['forward']:.1f} | {r['score']:.1f} "
-                  f"| {r['train']:.1f} | {r['weight_sync']:.2f} | {r['sampling_tokens_per_second']:.0f} | "
-                  f"{r['stage_seconds']:.0f} s |")
+            waits = r["rollout_wait"] + r["sampling_wait"] if r["overlap"] else r["generate"]
+            print(f"| {r['response_length_limit']} | {r['engine']} | {r['trainer_threads']} | {r['iteration']:.1f} | "
+                  f"{r['generate']:.1f} | {waits:.1f} | {r['forward']:.1f} | {r['score']:.1f} | {r['train']:.1f} | "
+                  f"{r['weight_sync']:.2f} | {r['overlap']:.0%} | {r['stage_seconds']:.0f} s |")
     out = REPO / "bench" / "results" / f"rollout-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
     out.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "work": WORK,
                                "prompts": args.prompts, "new_tokens": args.new_tokens, "sampling": sampling,

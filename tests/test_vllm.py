@@ -184,6 +184,32 @@ def test_sampling_ahead_trains_on_rollouts_one_update_old_weighted_to_the_server
     assert len(started) == 1 and _stopped(started[0])
 
 
+def test_a_failure_while_the_server_samples_ahead_leaves_no_server_and_no_sampling_thread(servable, tmp_path, started,
+                                                                                           monkeypatch):
+    import threading
+
+    import stages.ppo
+
+    cfg, trained = servable
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"rollout": {"max_staleness": 1}})
+    real_update, calls = stages.ppo.ppo_update, []
+
+    def failing_update(*args, **kwargs):  # iteration 2's update, with iteration 3's rollout submitted to the server
+        calls.append(True)
+        if len(calls) == 2:
+            raise RuntimeError("the update failed")
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(stages.ppo, "ppo_update", failing_update)
+    with pytest.raises(RuntimeError, match="the update failed"):
+        run_ppo(ppo, trained, tmp_path / "out")
+    assert len(started) == 1 and _stopped(started[0])
+    deadline = time.monotonic() + 30
+    while any(t.name.startswith("rlhf-sampling-ahead") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the sampling thread outlived the failed stage"
+        time.sleep(0.2)
+
+
 def test_a_killed_and_resumed_vllm_run_sampling_ahead_ends_at_the_uninterrupted_runs_weights(servable, tmp_path):
     """vLLM's sampling is repeatable here with a fixed seed per request (the seeds come from the
     trainer's random stream, which the full-state checkpoint keeps), and the rollout sampled ahead
