@@ -2,8 +2,10 @@
 
 One iteration of `train_ppo` reads top to bottom:
 
-    rollout    sample `samples_per_prompt` responses to each of a batch of prompts; keep
-               log-probs, values (GAE only), reference log-probs
+    rollout    sample `samples_per_prompt` responses to each of a batch of prompts (with
+               `rollout.max_staleness`, sampled on the vLLM server while earlier iterations
+               trained: `stages.rl.sampling_ahead`); keep log-probs, values (GAE only),
+               reference log-probs, all under the models as they are now
     score      the reward's terms: the reward model scores prompt + response text (EOS penalty,
                optional clipping), Python reward functions score the texts; their weighted sum
     advantage  gae          r_t = -beta * KL_t, plus the score on the last response token;
@@ -13,6 +15,7 @@ One iteration of `train_ppo` reads top to bottom:
                reinforce++  discounted returns of r_t (score minus group mean for -baseline); whitened
     update     num_ppo_epochs x shuffled minibatches (micro-batches accumulate):
                loss = -L_clip [+ c1 L_V] - c2 H [+ c3 KL]; grad-norm clip; AdamW, warmup + linear decay
+    sync       the policy's weights to the sampler (a vLLM server; nothing in flight)
     control    adaptive (or fixed) KL coefficient; optional reference refresh
 every `eval_every` iterations and after the last one
     evaluate   held-out prompts: the policy against the SFT policy's responses

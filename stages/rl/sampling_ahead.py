@@ -50,7 +50,7 @@ from stages.rl.ppo_rollout import in_chunks
 
 
 @dataclass(frozen=True)
-class Sampled:
+class SampledAhead:
     """One iteration's rollout as the server answered it: its chunks (`in_chunks`), the version of
     the weights that sampled it and the seconds the server took."""
 
@@ -64,7 +64,7 @@ class Ahead:
     """A rollout submitted to the server, for iteration `iteration`."""
 
     iteration: int
-    future: Future[Sampled]
+    future: Future[SampledAhead]
 
 
 class SamplingAhead:
@@ -86,13 +86,13 @@ class SamplingAhead:
             requests = [self.sampler.requests(chunk, sampling) for chunk in in_chunks(prompts_of(k), self.sampling)]
             self.pending.append(Ahead(k, self._thread.submit(self._sample, requests, self.version)))
 
-    def _sample(self, requests: list, version: int) -> Sampled:
+    def _sample(self, requests: list, version: int) -> SampledAhead:
         """On the sampler thread: send the requests, wait for the answers."""
         clock = time.perf_counter()
         generations = self.sampler.answer(requests)
-        return Sampled(generations, version, time.perf_counter() - clock)
+        return SampledAhead(generations, version, time.perf_counter() - clock)
 
-    def take(self, iteration: int) -> Sampled:
+    def take(self, iteration: int) -> SampledAhead:
         """Iteration `iteration`'s rollout (waiting for it if the server is still sampling it)."""
         ahead = self.pending.popleft()
         if ahead.iteration != iteration:
@@ -142,8 +142,8 @@ class SamplingAhead:
             k = entry["iteration"]
             generations = [Generation(**{name: tensors.get(f"{k}.{chunk}.{name}") for name in fields})
                            for chunk in range(entry["chunks"])]
-            done: Future[Sampled] = Future()
-            done.set_result(Sampled(generations, entry["version"], entry["seconds"]))
+            done: Future[SampledAhead] = Future()
+            done.set_result(SampledAhead(generations, entry["version"], entry["seconds"]))
             self.pending.append(Ahead(k, done))
 
 
