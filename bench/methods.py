@@ -56,12 +56,15 @@ METHODS: dict[str, dict] = {
     "dpo": {},
     # The critic as LoRA adapters and a value head on the reward model the scorer holds (one copy of it, not two).
     "ppo (gae), reward-lora critic": {"advantage_estimator": "gae", "critic.kind": "reward-lora"},
-    # LoRA on the policy (the defaults: rank 8 on every linear layer and the output head): its own weights are the reference.
+    # LoRA on the policy (the defaults: rank 8 on every linear layer and the output head): its own weights are the
+    # reference.
     "ppo (gae), lora policy": {"advantage_estimator": "gae", "lora": {}},
     "ppo (gae), lora policy r1": {"advantage_estimator": "gae", "lora": {"r": 1}},
     "ppo (gae), lora policy without head adapters": {"advantage_estimator": "gae", "lora": {"output_layer": False}},
-    "ppo (gae), lora policy, reward-lora critic": {"advantage_estimator": "gae", "lora": {}, "critic.kind": "reward-lora"},
-    # The reward model plus a rule written from the prompts alone (rlhf.demo_rewards): -1 for not naming the asked subject.
+    "ppo (gae), lora policy, reward-lora critic": {"advantage_estimator": "gae", "lora": {},
+                                                   "critic.kind": "reward-lora"},
+    # The reward model plus a rule written from the prompts alone (rlhf.demo_rewards): -1 for not naming the asked
+    # subject.
     "ppo (gae), reward model + on-subject rule": {"advantage_estimator": "gae", "reward": {"terms": [
         {"name": "reward_model"}, {"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject",
                                    "weight": 0.5}]}},
@@ -128,16 +131,15 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
     import torch
 
     import stages.ppo
+    from bench.quality import UPSTREAM_METRICS, train_upstream
+    from bench.scale import held_bytes
     from rlhf.config import load_config, with_overrides
     from rlhf.demo_world import build_world, judge_evaluation
     from schemas.validate import LengthBudget, load_validated
-    from stages.runtime.models import load_tokenizer, set_determinism
+    from stages.common.reporting import Reporting
     from stages.dpo import DPOInputs, train_dpo
     from stages.ppo import PPOInputs, train_ppo
-    from stages.common.reporting import Reporting
-
-    from bench.quality import UPSTREAM_METRICS, train_upstream
-    from bench.scale import held_bytes
+    from stages.runtime.models import load_tokenizer, set_determinism
 
     section = "dpo" if method == "dpo" else "ppo"
     cfg = load_config(config, (overrides or {}) | {f"{section}.{key}": value for key, value in settings.items()})
@@ -168,16 +170,16 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
         iterations.setdefault(step, {}).update({k: v for k, v in figures.items() if k in TRACED})
 
     stages.ppo.ppo_update = ppo_update
-    real_build = stages.ppo.build_trainer
+    real_build = stages.ppo.build_learner
 
-    def build_trainer(cfg, inputs, output_dir):
+    def build_learner(cfg, inputs, output_dir):
         trainer = real_build(cfg, inputs, output_dir)
         for name, parameter in trainer.models.policy.named_parameters():
             if any(part in name for part in freeze):
                 parameter.requires_grad_(False)  # no gradient: AdamW steps over it
         return trainer
 
-    stages.ppo.build_trainer = build_trainer
+    stages.ppo.build_learner = build_learner
     clock = time.perf_counter()
     if method == "dpo":
         pairs = [load_validated(str(world / f"{name}.jsonl"), "preference", tokenizer=tokenizer,
@@ -195,7 +197,8 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"method": method, "settings": settings, **({"frozen": list(freeze)} if freeze else {}),
             "seed": getattr(cfg, section).seed, "seconds": seconds,
-            "peak_memory_bytes": peak, "memory_kind": "cuda allocated" if torch.cuda.is_available() else "process max RSS",
+            "peak_memory_bytes": peak,
+            "memory_kind": "cuda allocated" if torch.cuda.is_available() else "process max RSS",
             **held, "held_bytes": sum(held.values()) if held else None,
             "kl_budget": getattr(cfg, section).evaluation.kl_budget, **result.metrics, **gold,
             **({"trace": [iterations.get(i + 1, {}) | change for i, change in enumerate(changes)]} if trace else {}),
@@ -209,8 +212,8 @@ def table_of(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         judged_by_rm = (f"{r['eval/win_rate_rm']:.3f}" if "eval/win_rate_rm" in r else
-                        f"(no reward model; by its functions {r['eval/win_rate_reward']:.3f})" if "eval/win_rate_reward" in r
-                        else "(no reward model)")
+                        f"(no reward model; by its functions {r['eval/win_rate_reward']:.3f})"
+                        if "eval/win_rate_reward" in r else "(no reward model)")
         held = f"{r['held_bytes'] / 2**20:.2f} MiB" if r.get("held_bytes") else "-"
         lines.append(f"| {r['method']} | {r.get('seed', '')} | {r['eval/gold_win_rate']:.3f} ± "
                      f"{r['eval/gold_win_rate_se']:.3f} | {r['eval/kl']:.2f} ({r['kl_budget']:g}) | {judged_by_rm} | "
@@ -227,15 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a `ppo` field for every method (YAML value), after the method's own settings")
     parser.add_argument("--config-set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a dotted key of the whole config (YAML value), e.g. demo.num_heads=2; use a --state of its own "
-                             "when it changes the demo world or the SFT and reward sections")
+                        help="a dotted key of the whole config (YAML value), e.g. demo.num_heads=2; use a --state "
+                             "of its own when it changes the demo world or the SFT and reward sections")
     parser.add_argument("--seeds", nargs="+", type=int, default=[None], metavar="SEED",
                         help="run each method once per training seed (default: the config's)")
     parser.add_argument("--tag", help="results file methods-<date>-<tag>.json")
     parser.add_argument("--trace", action="store_true",
                         help="keep each iteration's figures and the policy's weight change by part in the results")
     parser.add_argument("--freeze", nargs="+", default=[], metavar="PART",
-                        help="diagnosis: keep the policy's parameters whose names hold PART as they are (e.g. embed norm)")
+                        help="diagnosis: keep the policy's parameters whose names hold PART as they are "
+                             "(e.g. embed norm)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this method, print its row as JSON
     args = parser.parse_args(argv)
     state = Path(args.state)
@@ -251,9 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     for method in args.methods:
         for seed in args.seeds:
             seeded = [] if seed is None else [f"--set=seed={seed}"]
-            done = subprocess.run([sys.executable, "-m", "bench.methods", "--config", args.config, "--state", str(state),
+            done = subprocess.run([sys.executable, "-m", "bench.methods", "--config", args.config,
+                                   "--state", str(state),
                                    "--one", method, *(f"--set={item}" for item in args.set), *seeded,
-                                   *(["--trace"] if args.trace else []), *(["--freeze", *args.freeze] if args.freeze else []),
+                                   *(["--trace"] if args.trace else []),
+                                   *(["--freeze", *args.freeze] if args.freeze else []),
                                    *(f"--config-set={item}" for item in args.config_set)],
                                   capture_output=True, text=True, cwd=REPO)
             if done.returncode != 0:

@@ -69,8 +69,8 @@ def build_assets(config_file: str, overrides: dict, shape: ModelShape, root: Pat
     from rlhf.demo_locations import resolve_location
     from rlhf.demo_world import build_world
     from schemas.validate import LengthBudget, load_validated
+    from stages.rewards.scoring import load_reward_model
     from stages.runtime.models import load_tokenizer, save_checkpoint
-    from stages.rl.scoring import load_reward_model
 
     cfg = load_config(config_file, overrides)
     ppo = cfg.ppo
@@ -84,7 +84,8 @@ def build_assets(config_file: str, overrides: dict, shape: ModelShape, root: Pat
             intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
             num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_heads,
             max_position_embeddings=shape.max_position_embeddings, tie_word_embeddings=True,
-            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id))
         save_checkpoint(policy, tokenizer, folder / "policy")
         save_checkpoint(load_reward_model(str(folder / "policy"), tokenizer), tokenizer, folder / "reward")
     budget = LengthBudget(ppo.max_prompt_length, ppo.max_prompt_length + ppo.sampling.response_length)
@@ -122,7 +123,8 @@ def summarize(rows: list[dict[str, float]], work: Work, name: str, peak_memory_m
     return {"name": name, "iterations": len(rows), "seconds_per_iteration": median["seconds"],
             "episodes_per_second": work.episodes / median["seconds"],
             "generated_tokens_per_second": median["generated_tokens"] / median["seconds"],
-            "sampling_tokens_per_second": median["generated_tokens"] / median["generate"] if "generate" in median else None,
+            "sampling_tokens_per_second": (median["generated_tokens"] / median["generate"] if "generate" in median
+                                           else None),
             "split": split, "peak_memory_mb": peak_memory_mb}
 
 
@@ -165,7 +167,8 @@ def gemm_flops_at(shapes: list[list[int]], threads: int, repeats: int = 20) -> f
     flops = seconds = 0.0
     for rows, inner, outer, trained, calls in shapes:
         x, w, g = torch.randn(rows, inner), torch.randn(outer, inner), torch.randn(rows, outer)
-        products = [lambda: x @ w.T, lambda: g @ w] + ([lambda: g.T @ x] if trained else [])
+        # Each product is timed at once, in this iteration: the lambdas never outlive x, w and g.
+        products = [lambda: x @ w.T, lambda: g @ w] + ([lambda: g.T @ x] if trained else [])  # noqa: B023
         for product in products:
             flops += calls * 2 * rows * inner * outer
             seconds += calls * _best_seconds(product, repeats)
@@ -210,15 +213,16 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
     import stages.ppo
     import stages.rl.ppo_rollout
     from rlhf.config import load_config
-    from stages.runtime.models import set_determinism
-    from stages.ppo import PPOInputs, train_ppo
     from stages.common.reporting import Reporting
+    from stages.ppo import PPOInputs, train_ppo
+    from stages.runtime.models import set_determinism
 
     counted, once = {}, {}
     real_update, real_save, real_hand_off = stages.ppo.ppo_update, stages.ppo.save_state, stages.ppo.hand_off
 
     def ppo_update(trainer, *args, **kwargs):
-        """The first update (the warm-up iteration's, untimed) under torch's FLOP counter, its linear layers' shapes counted."""
+        """The first update (the warm-up iteration's, untimed) under torch's FLOP counter, its linear layers'
+        shapes counted."""
         if "train_flops" in counted:
             return real_update(trainer, *args, **kwargs)
         trained = [m for m in (trainer.models.policy, trainer.models.critic) if m is not None]
@@ -291,7 +295,8 @@ def _report(result: dict) -> None:
     split = result["split"]
     shown = ", ".join(f"{k} {v:.3f} s" for k, v in split.items()) if split else "not reported"
     print(f"  {result['name']:>5}: {result['seconds_per_iteration']:.3f} s/iteration, "
-          f"{result['episodes_per_second']:.1f} episodes/s, {result['generated_tokens_per_second']:.0f} generated tokens/s, "
+          f"{result['episodes_per_second']:.1f} episodes/s, "
+          f"{result['generated_tokens_per_second']:.0f} generated tokens/s, "
           f"peak memory {result['peak_memory_mb']:.0f} MB; split: {shown}")
 
 
@@ -302,7 +307,8 @@ def phase_table(results: dict) -> str:
             ("forward: values", "values", "values"), ("forward: reference", "reference", "reference"),
             ("score (reward model)", "score", "score"), ("reward functions", "reward_functions", None),
             ("advantages", "advantages", None), ("update", "train", "update"), ("weight sync", "weight_sync", None),
-            ("logging", None, "logging"), ("garbage collection", None, "gc"), ("other (figures, logging)", "other", None),
+            ("logging", None, "logging"), ("garbage collection", None, "gc"),
+            ("other (figures, logging)", "other", None),
             ("whole iteration (median)", None, None)]
     lines = [f"  {'phase (s per iteration, median)':<36} {'ours':>8} {'TRL 1.12':>9}"]
     for label, key_ours, key_trl in rows:
@@ -328,7 +334,8 @@ def machine_limits(ours: dict, extra: dict, threads: int, peak_flops: float) -> 
             "peak_gflops": peak_flops / 1e9, "update_vs_gemm": achieved / gemm, "update_vs_peak": achieved / peak_flops,
             "bandwidth_gbs": bandwidth / 1e9, "policy_mb": extra["policy_bytes"] / 1e6,
             "sampling_batch": extra["sampling_batch"], "sampling_tokens_per_second": ours["sampling_tokens_per_second"],
-            "sampling_bound_tokens_per_second": bound, "sampling_vs_bandwidth": ours["sampling_tokens_per_second"] / bound}
+            "sampling_bound_tokens_per_second": bound,
+            "sampling_vs_bandwidth": ours["sampling_tokens_per_second"] / bound}
 
 
 def cpu_model() -> str:
@@ -350,7 +357,7 @@ def history_entry(args, results: dict, limits: dict, speedup: float | None, thre
     commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
                            text=True).stdout.strip()
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "commit": commit.stdout.strip() + ("+changes" if dirty else ""), "machine": machine_type(threads),
             "config": args.config, "overrides": args.set, "rounds": args.rounds,
             "seconds_per_iteration": {name: r["seconds_per_iteration"] for name, r in results.items()},
@@ -362,7 +369,8 @@ def compare_with_history(path: Path, entry: dict) -> str:
     """The change from the last run on the same machine type with the same work; a slowdown of more than
     10% beyond the larger of the two runs' round-to-round spreads is flagged."""
     same = [e for e in map(json.loads, path.read_text().splitlines() if path.exists() else [])
-            if e["machine"] == entry["machine"] and e["config"] == entry["config"] and e["overrides"] == entry["overrides"]]
+            if e["machine"] == entry["machine"] and e["config"] == entry["config"]
+            and e["overrides"] == entry["overrides"]]
     if not same:
         return f"  history: first run on this machine type ({entry['machine']}) in {path}"
     last = same[-1]
@@ -402,15 +410,16 @@ def main(argv: list[str] | None = None) -> int:
     assets, work, threads = build_assets(args.config, overrides, shape, Path(args.state))
 
     if args.role == "ours":
-        print("RESULT=" + json.dumps(run_ours(args.config, overrides, assets, work, args.warmup, args.iterations, threads)))
+        print("RESULT=" + json.dumps(run_ours(args.config, overrides, assets, work, args.warmup, args.iterations,
+                                              threads)))
         return 0
 
     print(f"PPO benchmark: {args.config}; model {asdict(shape)}; {work.episodes} episodes x {work.response_length} "
           f"tokens per iteration, {work.ppo_epochs} epochs x {work.minibatches} minibatches; {threads} threads; "
           f"{args.rounds} alternating rounds of {args.warmup} warm-up + {args.iterations} timed iterations each, "
           f"median over all timed iterations", flush=True)
-    common = [*(f"--set={item}" for item in args.set), "--config", args.config, "--warmup", str(args.warmup), "--iterations", str(args.iterations),
-              "--state", args.state] + [f"--{k.replace('_', '-')}={v}" for k, v in asdict(shape).items()]
+    common = [*(f"--set={item}" for item in args.set), "--config", args.config, "--warmup", str(args.warmup),
+              "--iterations", str(args.iterations), "--state", args.state] + [f"--{k.replace('_', '-')}={v}" for k, v in asdict(shape).items()]
     commands = {"ours": [sys.executable, "-m", "bench.ppo", "--role", "ours", *common]}
     if args.reference != "none":
         commands["trl"] = [args.reference, str(REPO / "bench" / "trl_reference.py"), "--assets", str(assets),
@@ -438,11 +447,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, seconds in ours_extra.get("once", {}).items():
         print(f"  ours, once per run: {name} {seconds:.3f} s")
     limits = machine_limits(results["ours"], ours_extra, threads, peak_flops)
-    print(f"  ours: update phase {limits['train_gflop']:.2f} GFLOP per iteration at {limits['train_gflops']:.2f} GFLOP/s: "
+    print(f"  ours: update phase {limits['train_gflop']:.2f} GFLOP per iteration at "
+          f"{limits['train_gflops']:.2f} GFLOP/s: "
           f"{limits['update_vs_gemm']:.0%} of the float32 rate of its own matrix products at their shapes "
           f"({limits['gemm_gflops']:.1f} GFLOP/s), {limits['update_vs_peak']:.0%} of the 1024x1024 peak "
           f"({peak_flops / 1e9:.1f} GFLOP/s), both measured in this run at {threads} threads")
-    print(f"  ours: sampling {limits['sampling_tokens_per_second']:.0f} tokens/s = {limits['sampling_vs_bandwidth']:.1%} "
+    print(f"  ours: sampling {limits['sampling_tokens_per_second']:.0f} tokens/s = "
+          f"{limits['sampling_vs_bandwidth']:.1%} "
           f"of the bound of reading the policy's weights ({limits['policy_mb']:.1f} MB) once per decode step of "
           f"{limits['sampling_batch']} sequences at the measured copy bandwidth ({limits['bandwidth_gbs']:.1f} GB/s): "
           f"{limits['sampling_bound_tokens_per_second']:.0f} tokens/s")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import shutil
 import subprocess
@@ -48,8 +49,9 @@ DIFFERENCES = [
     "(its Llama score head has no bias, so no shift: about mean -0.27, std 0.96 at the start).",
     "A response without EOS: ours scores it -3 (ppo.missing_eos_score replaces the score); TRL subtracts "
     "missing_eos_penalty=3 from the reward model's score.",
-    "Critic: ours as configured (`critic.kind`, `critic.normalize` columns: by default the reward model with the refitted "
-    "gain and bias applied to its head); TRL's value model is the same gain-scaled reward model, without a bias.",
+    "Critic: ours as configured (`critic.kind`, `critic.normalize` columns: by default the reward model with the "
+    "refitted gain and bias applied to its head); TRL's value model is the same gain-scaled reward model, without a "
+    "bias.",
     "Optimiser: ours clips the gradient norm at 1.0 and uses AdamW eps 1e-5 (ppo.max_grad_norm; CleanRL's and "
     "OpenAI's PPO eps); TRL's PPOTrainer does not clip and uses eps 1e-8. Both decay the learning rate linearly "
     "to 0, ours per optimiser step, TRL per iteration.",
@@ -60,8 +62,8 @@ DIFFERENCES = [
 def train_upstream(cfg, world: Path, state: Path) -> tuple[Path, Path]:
     """SFT and reward checkpoints from the config's sections, trained once and kept."""
     from schemas.validate import LengthBudget, load_validated
-    from stages.runtime.models import load_tokenizer
     from stages.reward import RewardInputs, train_reward
+    from stages.runtime.models import load_tokenizer
     from stages.sft import SFTInputs, train_sft
 
     sft_folder, reward_folder = state / "sft" / "checkpoint", state / "reward" / "checkpoint"
@@ -91,7 +93,7 @@ def scaled_reward_model(reward_folder: Path, state: Path) -> Path:
     """The reward model with its score head multiplied by the stored normalisation gain, for TRL."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from stages.rl.scoring import NORMALIZATION_KEY
+    from stages.rewards.scoring import NORMALIZATION_KEY
 
     folder = state / "reward-scaled"
     if not (folder / "config.json").exists():
@@ -143,7 +145,8 @@ CANDIDATES: dict[str, dict] = {
     # The demo's PPO settings before this benchmark chose lr 1e-3 with clip 0.1 (the rows named "default" in
     # bench/results/quality-2026-11-23.json are these).
     "learning rate 3e-4, clip 0.2": {"learning_rate": 3.0e-4, "clip_range": 0.2},
-    # One model trained, not two; three iterations that train only the value head first (no collapse, docs/performance.md).
+    # One model trained, not two; three iterations that train only the value head first (no collapse,
+    # docs/performance.md).
     "shared critic, 3 warm-up iterations": {"critic.kind": "shared", "critic.freeze_policy_iterations": 3},
     # The critic as LoRA adapters and a value head on the reward model the scorer holds.
     "reward-lora critic": {"critic.kind": "reward-lora"},
@@ -191,8 +194,8 @@ def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_promp
     shape of its run: the curve of those evaluations against training time, response lengths, and the
     proxy score, gold reward and KL of every iteration's rollouts (the over-optimisation curve)."""
     from rlhf.demo_world import mean_gold_reward
-    from stages.ppo import PPOInputs, train_ppo
     from stages.common.reporting import Reporting
+    from stages.ppo import PPOInputs, train_ppo
 
     shutil.rmtree(out, ignore_errors=True)  # a finished run's state there would be resumed, whatever its config
     gold, evaluations = {}, {}
@@ -201,16 +204,17 @@ def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_promp
                           evaluation=lambda table, i: evaluations.update({i: table}))
     result = train_ppo(ppo_cfg, PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts), out, reporting)
     clock = dict(zip([row["iteration"] for row in result.history],
-                     np.cumsum([row["time/iteration"] for row in result.history]).tolist()))
+                     np.cumsum([row["time/iteration"] for row in result.history]).tolist(), strict=True))
     evaluations[len(result.history)] = result.evaluation
     lengths = [row["rollout/response_length"] for row in result.history]
-    worst_drop = max((a - b) / a for a, b in zip(lengths, lengths[1:]))
+    worst_drop = max((a - b) / a for a, b in itertools.pairwise(lengths))
     rollouts = [{"iteration": row["iteration"], "kl": row["rollout/kl"], "proxy": row["rollout/score"],
                  "gold": gold[row["iteration"]]} for row in result.history]
     return result.checkpoint, {"first_length": lengths[0], "min_length": min(lengths), "worst_length_drop": worst_drop,
                                "curve": rollouts, "train_seconds": clock[len(result.history)],
                                "final_table": result.evaluation,
-                               "evaluations": [gold_point(table, i, clock[i]) for i, table in sorted(evaluations.items())]}
+                               "evaluations": [gold_point(table, i, clock[i])
+                                               for i, table in sorted(evaluations.items())]}
 
 
 def run_trl(reference: str, sft_folder: Path, reward_folder: Path, prompts_file: Path, ppo_cfg, beta: float, seed: int,
@@ -226,7 +230,8 @@ def run_trl(reference: str, sft_folder: Path, reward_folder: Path, prompts_file:
                 "missing_eos_penalty": -(ppo_cfg.missing_eos_score or 0.0), "snapshot_every": ppo_cfg.evaluation.every}
     shutil.rmtree(out, ignore_errors=True)
     command = [reference, str(REPO / "bench" / "trl_quality.py"), "--policy", str(sft_folder), "--reward",
-               str(reward_folder), "--prompts", str(prompts_file), "--out", str(out), "--settings", json.dumps(settings)]
+               str(reward_folder), "--prompts", str(prompts_file), "--out", str(out),
+               "--settings", json.dumps(settings)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     if done.returncode != 0:
         sys.exit(f"TRL run failed: {' '.join(command)}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
@@ -398,7 +403,7 @@ def time_png(rows: list[dict], path: Path) -> None:
     betas = sorted({r["beta"] for r in rows})
     figure, axes = plt.subplots(1, len(betas), figsize=(6.4 * len(betas), 4.6), squeeze=False)
     colors = plt.cm.tab20.colors  # one per candidate: the default cycle's ten repeat
-    for axis, beta in zip(axes[0], betas):
+    for axis, beta in zip(axes[0], betas, strict=True):
         for index, candidate in enumerate([TRL, *CANDIDATES]):
             group = [r for r in rows if r["candidate"] == candidate and r["beta"] == beta]
             if not group:
@@ -488,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts_file = state / "prompts.jsonl"
     prompts.to_json(prompts_file, orient="records", lines=True)
     print(f"quality benchmark: {args.config}; upstream ready after {time.perf_counter() - started:.0f} s; "
-          f"{cfg.ppo.num_iterations} iterations x {cfg.ppo.rollout_batch_size} episodes x {cfg.ppo.sampling.response_length} "
+          f"{cfg.ppo.num_iterations} iterations x {cfg.ppo.rollout_batch_size} episodes x "
+          f"{cfg.ppo.sampling.response_length} "
           f"tokens; evaluated every {args.eval_every}; betas {args.betas}; seeds {args.seeds}", flush=True)
 
     def fixed(settings: dict, beta: float, seed: int):
@@ -534,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = print_and_draw(rows, stem)
     write_results(stem.with_suffix(".json"), args.config, overrides, rows, time.perf_counter() - started)
     stem.with_name(f"{stem.name}-time-to-quality.json").write_text(json.dumps(summary, indent=1))
-    print(f"\nwrote {stem.with_suffix('.json')}, its -time-to-quality.json summary, and PNGs: {stem.name}.png (frontier), "
+    print(f"\nwrote {stem.with_suffix('.json')}, its -time-to-quality.json summary, and PNGs: "
+          f"{stem.name}.png (frontier), "
           f"{stem.name}-overoptimization.png, {stem.name}-time.png, in {time.perf_counter() - started:.0f} s")
     return 0
 

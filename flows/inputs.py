@@ -20,11 +20,10 @@ from rlhf.demo_locations import DEMO_SCHEME, resolve_location
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.common.errors import ChatTemplateError
-from stages.memory.phases import Counts
+from stages.memory.phases import Counts, Device, this_device
 from stages.memory.plan import Plan, model_shapes, plan
-from stages.memory.phases import Device, this_device
+from stages.rewards.functions import RewardFunctionError, load_reward_functions
 from stages.runtime.models import load_tokenizer, tokenizer_digest
-from stages.rl.reward_functions import RewardFunctionError, load_reward_functions
 
 
 def length_budget(cfg: PipelineConfig, stage: str) -> LengthBudget:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,8 +20,8 @@ from rlhf import stack, tracking
 from rlhf.config import PipelineConfig, config_hash
 from rlhf.config_common import DataSource, StageName, vllm_python
 from rlhf.demo_locations import resolve_location
+from stages.rewards.functions import source_digests
 from stages.runtime.models import folder_digest
-from stages.rl.reward_functions import source_digests
 
 AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo", "dpo")
 """Stages in pipeline order; `dpo` is the alternative to reward + PPO (`stages: [sft, dpo]`)."""
@@ -322,7 +322,7 @@ def _candidate(run, runs: Runs) -> str:
     made_with = made.get(tracking.TAG_CONFIG_FILE, "config unknown")
     overrides = made.get(tracking.TAG_OVERRIDES, "{}")
     made_with += f" with overrides {overrides}" if overrides not in ("{}", "") else ""
-    when = datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.fromtimestamp(run.info.start_time / 1000, UTC).strftime("%Y-%m-%d %H:%M UTC")
     stage = tags.get(tracking.TAG_STAGE, "?")
     text = f"`{_name(run)}` ({made_with}, {when}, {stage} section {tags.get(tracking.TAG_CONFIG_HASH, '?')[:12]}"
     own_id = tags.get(tracking.TAG_UPSTREAM + "sft")

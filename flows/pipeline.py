@@ -24,12 +24,35 @@ from prefect.utilities.urls import url_for
 from pydantic import BaseModel, Field
 
 from flows.form import DPOForm, PPOForm, RewardForm, SFTForm, form_overrides
-from flows.inputs import (context_problems, input_problems, is_demo, logged_prompts, memory_plan, memory_problems,
-                          train_and_eval_data)
-from flows.lineage import (AVAILABLE_STAGES, RLHF_STAGES, ExperimentRuns, StageRecord, reused_record, stack_changes,
-                           stage_keys, upstream_runs)
-from flows.reports import (GoldJudgments, evaluation_report, log_overhead, pipeline_note, pipeline_summary, ppo_report,
-                           reward_report, reward_terms_note)
+from flows.inputs import (
+    context_problems,
+    input_problems,
+    is_demo,
+    logged_prompts,
+    memory_plan,
+    memory_problems,
+    train_and_eval_data,
+)
+from flows.lineage import (
+    AVAILABLE_STAGES,
+    RLHF_STAGES,
+    ExperimentRuns,
+    StageRecord,
+    reused_record,
+    stack_changes,
+    stage_keys,
+    upstream_runs,
+)
+from flows.reports import (
+    GoldJudgments,
+    evaluation_report,
+    log_overhead,
+    pipeline_note,
+    pipeline_summary,
+    ppo_report,
+    reward_report,
+    reward_terms_note,
+)
 from flows.stage_runs import StageContext, StageJob, StageRun, refuse, run_stage, stage_memory
 from rlhf import stack, tracking
 from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
@@ -139,7 +162,7 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
     Python functions alone), fetched through MLflow; the policy registered (as an MLflow
     transformers model) unless the config says not to."""
     from stages.ppo import PPOInputs, train_ppo
-    from stages.rl.reward_functions import source_digests
+    from stages.rewards.functions import source_digests
 
     section = ctx.config.ppo
 
@@ -230,16 +253,17 @@ def close_crashed_runs(flow, flow_run, state) -> None:
     tracking.kill_runs_of_flow_run(str(flow_run.id))
 
 
+# The defaults are the run form's, which Prefect shows as they are; the flow never mutates them (B006, B008).
 @flow(name="rlhf", on_crashed=[close_crashed_runs])
 def rlhf(
-    stages: list[StageName] = list(RLHF_STAGES),
+    stages: list[StageName] = list(RLHF_STAGES),  # noqa: B006
     config_file: str = "configs/demo.yaml",
     sft: SFTForm = SFTForm(),
     reward: RewardForm = RewardForm(),
     ppo: PPOForm = PPOForm(),
     dpo: DPOForm = DPOForm(),
-    overrides: dict[str, Any] = {},
-    upstream: UpstreamRuns = UpstreamRuns(),
+    overrides: dict[str, Any] = {},  # noqa: B006
+    upstream: UpstreamRuns = UpstreamRuns(),  # noqa: B008
     use_cache: bool = True,
 ) -> list[StageRecord] | State:
     """Run the named RLHF stages in pipeline order, as children of one MLflow pipeline run.

@@ -46,7 +46,7 @@ from stages.launch.call import call_stage
 from stages.launch.job import LaunchError
 from stages.memory.plan import Plan, plan_table
 from stages.memory.shapes import GIB
-from stages.rl.reward_functions import source_digests
+from stages.rewards.functions import source_digests
 from stages.runtime.models import folder_digest
 
 SYSTEM_METRICS_INTERVAL_S = 5.0

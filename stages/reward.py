@@ -35,7 +35,7 @@ from stages.engines.sampler import HFSampler, Sampling
 from stages.engines.vllm_server import sampler_for
 from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches
-from stages.rl.scoring import (
+from stages.rewards.scoring import (
     NORMALIZATION_KEY,
     RewardScorer,
     fit_normalization,

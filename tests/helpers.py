@@ -79,8 +79,8 @@ def reward_inputs(world: Path, tokenizer, trained: dict):
 
 def run_ppo(cfg, trained: dict, out: Path, reporting=None):
     """PPO in this process from the session's SFT and reward checkpoints."""
-    from stages.ppo import PPOInputs, train_ppo
     from stages.common.reporting import Reporting
+    from stages.ppo import PPOInputs, train_ppo
 
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     return train_ppo(cfg, inputs, out, reporting or Reporting())
@@ -165,8 +165,9 @@ def park_after_first_checkpoint(marker: str) -> None:
     import time
 
     import stages.ppo
+    import stages.rl.ppo_sampling
 
-    saved, real_save_state, real_rollout = [], stages.ppo.save_state_everywhere, stages.ppo.rollout
+    saved, real_save_state, real_rollout = [], stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout
 
     def save_state(*args, **kwargs):
         saved.append(True)
@@ -178,5 +179,5 @@ def park_after_first_checkpoint(marker: str) -> None:
             time.sleep(3600)
         return real_rollout(*args, **kwargs)
 
-    stages.ppo.save_state_everywhere, stages.ppo.rollout = save_state, rollout
+    stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout = save_state, rollout
 

@@ -34,8 +34,9 @@ LAYERS = {
     "stages/memory": ("stages.common", "stages.runtime", "stages.memory") + CONFIG,
     "stages/launch": ("stages.common", "stages.runtime", "stages.memory", "stages.launch") + CONFIG,
     "stages/engines": ("stages.common", "stages.runtime", "stages.engines") + CONFIG,
-    "stages/rl": ("stages.common", "stages.runtime", "stages.memory", "stages.engines", "stages.rl", "rlhf.evaluation")
-                 + CONFIG,
+    "stages/rewards": ("stages.common", "stages.runtime", "stages.memory", "stages.rewards") + CONFIG,
+    "stages/rl": ("stages.common", "stages.runtime", "stages.memory", "stages.engines", "stages.rewards", "stages.rl",
+                  "rlhf.evaluation") + CONFIG,
     "stages": ("stages", "rlhf.evaluation") + CONFIG,  # the stage entry points, stages/*.py
     "flows": None,  # the top: the flow, its tasks and the `rlhf` command may import anything
 }

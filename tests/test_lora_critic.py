@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.config import with_overrides
 from rlhf.config_common import LoRAConfig
+from stages.common.reporting import Reporting
 from stages.memory.shapes import model_shape
 from stages.rl.ppo_models import RewardCritic, RewardLoRACritic, load_models
-from stages.common.reporting import Reporting
-from stages.rl.scoring import RewardScorer, last_token_scores
+from stages.rewards.scoring import RewardScorer, last_token_scores
 from tests.helpers import killed_and_resumed, run_ppo
 
 

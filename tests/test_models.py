@@ -74,7 +74,7 @@ def test_one_small_adamw_step_moves_float32_weights_where_bf16_would_round_it_aw
         ids = torch.tensor([[1, 5, 6, 7, 8]])
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
-        changed = sum((p.detach() != b).sum().item() for p, b in zip(model.parameters(), before))
+        changed = sum((p.detach() != b).sum().item() for p, b in zip(model.parameters(), before, strict=True))
         moved[dtype] = changed / sum(b.numel() for b in before)
     assert moved[torch.float32] > 0.95 and moved[torch.bfloat16] < 0.5, moved
 
@@ -165,7 +165,7 @@ def test_streamed_hand_off_is_the_merged_model(tmp_path, family, targets, task):
     index above the size limit, LoRA adapters merged and a trained score head in place, a plain folder
     `from_pretrained` reads back equal to `merge_and_unload` of the same model."""
     from rlhf.config_common import LoRAConfig
-    from stages.rl.scoring import load_reward_model
+    from stages.rewards.scoring import load_reward_model
     from stages.runtime.holding import save_streamed
     from stages.runtime.lora import merged, with_lora
     from stages.runtime.models import load_causal_lm, load_tokenizer

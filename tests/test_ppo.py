@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 from rlhf.config import with_overrides
 from rlhf.config_common import LoRAConfig
 from rlhf.config_ppo import PPOConfig
-from stages.runtime.models import load_tokenizer, position_ids_for
 from stages.common.errors import NonFiniteLossError
-from stages.rl.ppo_models import forward_response, load_models, reference_policy
 from stages.common.reporting import Reporting
+from stages.rl.ppo_models import forward_response, load_models, reference_policy
+from stages.runtime.models import load_tokenizer, position_ids_for
 from tests.helpers import AUTO_RESOLVED, killed_and_resumed, run_ppo
 
 
@@ -221,7 +221,7 @@ def test_group_estimators_need_groups_of_whole_responses():
         PPOConfig(advantage_estimator="rloo", samples_per_prompt=1)
     with pytest.raises(ValueError, match=r"samples_per_prompt \(3\) must divide rollout_batch_size \(64\)"):
         PPOConfig(advantage_estimator="grpo", samples_per_prompt=3)
-    with pytest.raises(ValueError, match="'reinforce\+\+' learns no critic; leave the critic section out"):
+    with pytest.raises(ValueError, match=r"'reinforce\+\+' learns no critic; leave the critic section out"):
         PPOConfig(advantage_estimator="reinforce++", critic={"freeze_policy_iterations": 1})
     assert PPOConfig(advantage_estimator="reinforce++").critic is None and PPOConfig().critic.kind == "reward"
     assert PPOConfig(advantage_estimator="reinforce++").samples_per_prompt == 1  # the batch is its baseline
@@ -253,7 +253,7 @@ def test_a_reference_refresh_under_lora_is_refused():
 
 def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_checkpoint(tiny_config, trained, tmp_path,
                                                                                   monkeypatch):
-    from stages.rl.scoring import RewardScorer
+    from stages.rewards.scoring import RewardScorer
 
     calls = {"n": 0}
     original = RewardScorer.raw_scores
@@ -277,8 +277,8 @@ def test_ppo_runs_on_cuda_with_bf16(tiny_config, trained, tmp_path):
 
 
 def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, trained):
-    from stages.rl.ppo_scores import raw_scores, scores_of
     from stages.rl.ppo_rollout import policy_sampler, rollout
+    from stages.rl.ppo_scores import raw_scores, scores_of
 
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(4)
@@ -292,9 +292,9 @@ def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, 
     raw = raw_scores(models.scorer, batch, messages, {})
     torch.testing.assert_close(raw, as_they_are)
     assert not torch.allclose(raw, completed)  # an appended EOS would have changed the score
-    assert scores_of(raw, batch, models.scorer, cfg).used.tolist() == [-3.0] * 4  # missing_eos_score
+    assert scores_of(raw, batch, models.scorer, cfg).reward.tolist() == [-3.0] * 4  # missing_eos_score
     unpenalised = scores_of(raw, batch, models.scorer, _cfg(tiny_config, missing_eos_score=None))
-    torch.testing.assert_close(unpenalised.used, unpenalised.normalized)
+    torch.testing.assert_close(unpenalised.reward, unpenalised.normalized)
 
 
 def test_bf16_autocast_on_the_cpu_keeps_float32_weights_and_a_bf16_reference(tiny_config, trained, tmp_path):
@@ -312,7 +312,7 @@ def test_bf16_autocast_on_the_cpu_keeps_float32_weights_and_a_bf16_reference(tin
 
 
 def test_a_ratio_off_1_before_the_first_update_is_warned_about(tiny_config):
-    from stages.ppo import warnings_of
+    from stages.rl.ppo_report import warnings_of
 
     figures = {"rollout/kl": 1.0, "rollout/response_length": 8.0, "rollout/eos_rate": 1.0, "train/ratio_max": 1.0,
                "train/initial_ratio_deviation": 0.03}
@@ -321,7 +321,7 @@ def test_a_ratio_off_1_before_the_first_update_is_warned_about(tiny_config):
 
 
 def test_a_length_collapse_within_one_iteration_is_warned_about(tiny_config):
-    from stages.ppo import warnings_of
+    from stages.rl.ppo_report import warnings_of
 
     figures = {"rollout/kl": 1.0, "rollout/response_length": 2.6, "rollout/eos_rate": 1.0, "train/ratio_max": 1.0,
                "train/initial_ratio_deviation": 0.0}
@@ -362,9 +362,9 @@ def test_draw_samples_the_categorical_it_is_given():
 def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, trained):
     """What the rollout reuses from the KV-cached sampling steps is what a full forward computes."""
     from stages.common.tensors import entropy_of, logprobs_of, response_mask
+    from stages.engines.sampler import Sampling
     from stages.rl.ppo_models import policy_and_values
     from stages.rl.ppo_rollout import policy_sampler
-    from stages.engines.sampler import Sampling
 
     cfg = _cfg(tiny_config, sampling={"temperature": 0.7}, critic={"kind": "shared"})
     models = load_models(cfg, trained["sft"], trained["reward"])
@@ -384,8 +384,7 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
 
 
 def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_config, trained):
-    from stages.rl.update import micro_batch
-    from stages.rl.ppo_rollout import Rollout
+    from stages.rl.batch import TrainingBatch, micro_batch
 
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
     pad, eos = models.tokenizer.pad_token_id, models.tokenizer.eos_token_id
@@ -394,11 +393,14 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
     responses = torch.tensor([[8, eos, pad, pad], [9, pad, pad, pad], [10, 11, 12, eos]])
     mask = torch.tensor([[1.0, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
     per_token = torch.arange(12.0).view(3, 4)
-    batch = Rollout(queries, query_mask, responses, mask, per_token, per_token, per_token, per_token,
-                    torch.ones(3, dtype=torch.bool), [], [])
-    micro = micro_batch(batch, per_token, per_token, torch.tensor([1, 0]))
+    batch = TrainingBatch(queries=queries, query_mask=query_mask, responses=responses, mask=mask, logprobs=per_token,
+                          ref_logprobs=per_token, values=per_token, entropy=per_token,
+                          has_eos=torch.ones(3, dtype=torch.bool), texts=["a", "b", "c"], prompts=["p", "q", "r"],
+                          advantages=per_token, returns=per_token)
+    micro = micro_batch(batch, torch.tensor([1, 0]))
     assert micro.queries.tolist() == [[pad, 7], [5, 6]] and micro.query_mask.tolist() == [[0, 1], [1, 1]]
     assert micro.responses.tolist() == [[9, pad], [8, eos]] and micro.values.tolist() == [[4.0, 5.0], [0.0, 1.0]]
+    assert micro.advantages.tolist() == [[4.0, 5.0], [0.0, 1.0]] and micro.texts == ["b", "a"]  # every field, one rule
     # The trimmed rows give the model the same inputs at the same positions.
     with torch.inference_mode():
         full, _ = forward_response(models.policy, queries[[1, 0]], query_mask[[1, 0]], responses[[1, 0]], mask[[1, 0]],
@@ -411,9 +413,9 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
 def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_config, trained):
     """`sampling.micro_batch_size`: pieces sampled and scored apart, then padded into one batch, hold
     the log-probs and values one pass over the joined batch computes (padding changes nothing)."""
-    from stages.rl.ppo_rollout import policy_sampler, rollout
     from stages.common.tensors import logprobs_of
     from stages.rl.ppo_models import policy_and_values
+    from stages.rl.ppo_rollout import policy_sampler, rollout
 
     cfg = _cfg(tiny_config, sampling={"micro_batch_size": 3, "response_length": 12})
     models = load_models(cfg, trained["sft"], trained["reward"])

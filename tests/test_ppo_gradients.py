@@ -44,30 +44,36 @@ def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg
 
 
 def _trainer(cfg, accelerator, models, actor_critic, optimizer=None, scheduler=None):
-    """What the update reads of a trainer; no optimizer where only gradients are wanted."""
+    """What the update reads of a learner; no optimizer where only gradients are wanted."""
     from stages.rl.ppo_rollout import policy_sampler
-    from stages.rl.update import PPOTrainer
+    from stages.rl.update import Learner
 
-    return PPOTrainer(cfg, accelerator, models, actor_critic, optimizer, scheduler,
-                      torch.amp.GradScaler("cpu", enabled=False), policy_sampler(models))
+    return Learner(cfg=cfg, accelerator=accelerator, models=models, actor_critic=actor_critic, optimizer=optimizer,
+                   scheduler=scheduler, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                   sampler=policy_sampler(models))
 
 
 def _episodes(cfg, batch, advantages, returns, loss_mask=None):
     """What the update reads of an iteration's episodes (no scores or KL figures)."""
-    from stages.rl.update import Episodes
+    import dataclasses
 
-    return Episodes(1, batch, [], None, torch.zeros_like(batch.logprobs), 0.0, 0.0, cfg.kl.loss_coef, advantages,
-                    returns, loss_mask=loss_mask)
+    from stages.rl.advantages import Episodes, KLWeights
+    from stages.rl.batch import TrainingBatch
+
+    trained = TrainingBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)},
+                            advantages=advantages, returns=returns, loss_mask=loss_mask)
+    return Episodes(iteration=1, batch=trained, messages=[], scores=None, kl=torch.zeros_like(batch.logprobs),
+                    weights=KLWeights(beta=0.0, in_reward=0.0, in_loss=cfg.kl.loss_coef))
 
 
 def _setup(tiny_config, trained, critic="reward", lora=False):
     from rlhf.config import with_overrides
     from rlhf.config_common import LoRAConfig
     from stages.common.tensors import masked_whiten
-    from stages.rl.ppo_scores import raw_scores, scores_of
     from stages.rl.ppo_math import gae, kl_estimate, token_rewards
     from stages.rl.ppo_models import load_models
     from stages.rl.ppo_rollout import policy_sampler, rollout
+    from stages.rl.ppo_scores import raw_scores, scores_of
     from tests.helpers import (
         AUTO_RESOLVED,  # here, not at the top: this file also runs as a script, outside the package
     )
@@ -82,7 +88,7 @@ def _setup(tiny_config, trained, critic="reward", lora=False):
     raw = raw_scores(models.scorer, batch, [json.loads(m) for m in prompts["prompt_messages"]], {})
     lengths = batch.mask.sum(1)
     assert lengths.min() < lengths.max(), "responses of equal length would not tell the normalisations apart"
-    rewards = token_rewards(scores_of(raw, batch, models.scorer, cfg).used, kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05, batch.mask)
+    rewards = token_rewards(scores_of(raw, batch, models.scorer, cfg).reward, kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05, batch.mask)
     advantages, returns = gae(rewards, batch.values, batch.mask, 1.0, 0.95)
     # A step away from the rollout policy, so ratios differ from 1 and some tokens are clipped; and from
     # the critic's fresh adapters, whose B = 0 would leave their A without a gradient.
@@ -96,8 +102,8 @@ def _setup(tiny_config, trained, critic="reward", lora=False):
 
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    for name in a:  # assert_close calls `msg` at once, in this iteration
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")  # noqa: B023
 
 
 @pytest.mark.parametrize("critic", ["reward", "shared"])
@@ -148,9 +154,10 @@ def test_masking_truncated_responses_trains_as_if_only_the_ended_ones_were_sampl
     from accelerate import Accelerator
 
     from rlhf.config import with_overrides
-    from stages.ppo import loss_mask
+    from stages.rl.advantages import loss_mask
     from stages.rl.ppo_models import ActorCritic, load_models
-    from stages.rl.ppo_rollout import policy_sampler, rollout, rollout_rows
+    from stages.rl.batch import rows_of
+    from stages.rl.ppo_rollout import policy_sampler, rollout
     from tests.helpers import AUTO_RESOLVED
 
     cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {
@@ -169,7 +176,7 @@ def test_masking_truncated_responses_trains_as_if_only_the_ended_ones_were_sampl
     accelerator, actor_critic = Accelerator(cpu=True), ActorCritic(models)
     masked = gradients(models, accelerator, actor_critic, batch, advantages, None, cfg, counted)
     ended = batch.has_eos.nonzero().flatten().tolist()
-    alone = gradients(models, accelerator, actor_critic, rollout_rows(batch, ended), advantages[ended], None,
+    alone = gradients(models, accelerator, actor_critic, rows_of(batch, ended), advantages[ended], None,
                       cfg.model_copy(update={"micro_batch_size": None}))
     assert sum(g.norm() for g in masked.values()) > 0
     for name in masked:
@@ -243,7 +250,7 @@ def _worker(folder: Path, engine: str) -> None:
 
     from rlhf.config_ppo import PPOConfig
     from stages.rl.ppo_models import ActorCritic, load_models
-    from stages.rl.ppo_rollout import rollout_rows
+    from stages.rl.batch import rows_of
     from stages.runtime.holding import Replicated, Sharded
 
     state = PartialState(cpu=True)
@@ -259,7 +266,7 @@ def _worker(folder: Path, engine: str) -> None:
     sharded = all(hasattr(p, "full_tensor") for p in models.trainable())
     half = len(work["batch"].responses) // state.num_processes
     rows = torch.arange(state.process_index * half, (state.process_index + 1) * half)
-    local = rollout_rows(work["batch"], rows.tolist())
+    local = rows_of(work["batch"], rows.tolist())
     found = gradients(models, accelerator, actor_critic, local, work["advantages"][rows], work["returns"][rows], cfg)
     if state.is_main_process:
         torch.save(found | {"sharded": sharded}, folder / "gradients.pt")

@@ -11,11 +11,17 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
 from schemas.validate import LengthBudget, load_validated
-from stages.runtime.models import load_tokenizer
 from stages.common.reporting import Reporting
 from stages.reward import RewardGateError, RewardInputs, bradley_terry_loss, calibration, train_reward
-from stages.rl.scoring import init_reward_head
-from stages.rl.scoring import NORMALIZATION_KEY, RewardScorer, fit_normalization, last_token_scores, load_reward_model
+from stages.rewards.scoring import (
+    NORMALIZATION_KEY,
+    RewardScorer,
+    fit_normalization,
+    init_reward_head,
+    last_token_scores,
+    load_reward_model,
+)
+from stages.runtime.models import load_tokenizer
 
 
 def test_bradley_terry_loss_and_gradient_on_a_hand_worked_pair():

@@ -22,7 +22,7 @@ import torch
 
 from rlhf.config import load_config, with_overrides
 from rlhf.config_ppo import RewardTermsConfig
-from stages.rl.reward_functions import RewardFunctionError, load_reward_functions, reward_values, source_digests
+from stages.rewards.functions import RewardFunctionError, load_reward_functions, reward_values, source_digests
 from tests.helpers import run_ppo
 
 PROMPTS = [[{"role": "user", "content": "Describe my dog."}], [{"role": "user", "content": "How is the park?"}]]
@@ -137,7 +137,7 @@ def test_ppo_scores_with_the_weighted_sum_and_logs_each_term(tiny_config, traine
     tables = []
     result = run_ppo(_ppo(tiny_config, tmp_path / "rules", "rules_constant:one_or_none"), trained, tmp_path / "run",
                      Reporting(rollouts=lambda frame, step: tables.append(frame)))
-    for row, table in zip(result.history, tables):
+    for row, table in zip(result.history, tables, strict=True):
         n = len(table)
         # score_used = mean over responses of (model term + 0.5 x rule), the first response's rule giving nothing
         assert row["rollout/score_used"] == pytest.approx(row["rollout/reward/reward_model"] + 0.5 * (n - 1) / n, abs=1e-5)
@@ -183,9 +183,9 @@ def test_on_two_processes_the_function_runs_on_the_main_process_for_every_respon
     """Every process's responses are scored by one call on the first process; each process trains on
     its own rows' values (the logged figures are the whole batch's)."""
     from rlhf.config_common import LaunchConfig
+    from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
     from stages.ppo import PPOInputs, train_ppo
-    from stages.common.reporting import Reporting
 
     rules = tmp_path / "rules"
     _module(rules, "rules_where", """
@@ -230,9 +230,8 @@ def test_a_reward_of_functions_alone_takes_no_reward_model_and_gae_starts_its_cr
 
 
 def test_ppo_without_a_reward_model_trains_on_the_functions_and_evaluates_by_them(tiny_config, trained, tmp_path):
-    from stages.ppo import PPOInputs, train_ppo
-
     from stages.common.reporting import Reporting
+    from stages.ppo import PPOInputs, train_ppo
 
     cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE, "advantage_estimator": "grpo",
                                            "samples_per_prompt": 4, "num_iterations": 2, "evaluation.every": 1,
@@ -299,9 +298,9 @@ def test_sharded_ppo_without_a_reward_model_trains_its_policy_critic_and_evaluat
     """FSDP2 over two processes, GAE with the critic started from the policy: nothing of the sharded
     path needs a reward model."""
     from rlhf.config_common import LaunchConfig
+    from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
     from stages.ppo import PPOInputs, train_ppo
-    from stages.common.reporting import Reporting
 
     fsdp = LaunchConfig(num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml")
     cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE, "launch": fsdp, "num_iterations": 2})

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-
 MEASURED = ("time/", "memory/")
 """Prefixes of the figures that measure the machine a stage ran on (wall-clock times, memory),
 not the stage's result: two identical runs agree on every other figure."""

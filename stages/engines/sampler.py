@@ -21,10 +21,9 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from stages.common.tensors import entropy_of, is_end, logprobs_of, truncate_after_eos
 from stages.runtime.holding import Holding, Replicated
 from stages.runtime.models import Precision, left_padded, position_ids_for
-from stages.common.tensors import entropy_of, is_end, logprobs_of, truncate_after_eos
-
 
 # --- the sampler --------------------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ from stages.memory.shapes import (
 # --- the parts of a plan --------------------------------------------------------------------------
 
 SCORING_BATCH = 64
-"""Sequences the reward model scores in one pass (`stages.rl.scoring.RewardScorer.raw_scores`)."""
+"""Sequences the reward model scores in one pass (`stages.rewards.scoring.RewardScorer.raw_scores`)."""
 
 
 @dataclass(frozen=True)

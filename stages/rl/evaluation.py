@@ -11,8 +11,8 @@ terms' weighted sum and the win rate by it.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pandas as pd
@@ -21,12 +21,12 @@ import torch
 from rlhf.config_common import EvaluationConfig, SamplingConfig
 from rlhf.config_ppo import PPOConfig
 from rlhf.evaluation import win_rate
+from stages.common.reporting import Reporting
 from stages.common.tensors import is_end
+from stages.engines.sampler import Sampler, Sampling
 from stages.rl.ppo_math import kl_estimate, weighted_reward
 from stages.rl.ppo_models import Models, reference_policy
 from stages.rl.ppo_rollout import in_chunks, reference_sampler, rollout
-from stages.common.reporting import Reporting
-from stages.engines.sampler import Sampler, Sampling
 
 
 @contextmanager

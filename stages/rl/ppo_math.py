@@ -10,29 +10,39 @@ loss and the accumulated gradient does not depend on how the minibatch is split.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 
-from stages.common.tensors import last_token_index, masked_mean, masked_var
+from stages.common.tensors import last_token_index, masked_mean, masked_var, masked_whiten
 
 # --- KL penalty and rewards ------------------------------------------------------------------
 
 
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": lambda log_ratio: log_ratio,  # log pi - log pi_ref: unbiased, can be negative
+    "k3": lambda log_ratio: torch.expm1(-log_ratio) + log_ratio,  # (r - 1) - log r, r = pi_ref / pi: never negative
+}
+"""Per-token estimators of KL(pi || pi_ref) from samples of pi (Schulman 2020), by name (`kl.estimator`)."""
+
+
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi.
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi: `KL_ESTIMATORS[estimator]`.
 
     k1 = log pi - log pi_ref                       (unbiased, can be negative)
     k3 = (r - 1) - log r,  r = pi_ref / pi         (unbiased, never negative; Schulman 2020)
     # (B, T), (B, T) -> (B, T)"""
-    log_ratio = logprobs - ref_logprobs
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"unknown KL estimator {estimator!r}; expected k1 or k3")
+    return _named(KL_ESTIMATORS, estimator, "KL estimator")(logprobs - ref_logprobs)
+
+
+def _named(table: dict, name: str, what: str):
+    """`table[name]`, or an error naming what is known."""
+    if name not in table:
+        raise ValueError(f"unknown {what} {name!r}; expected one of {', '.join(table)}")
+    return table[name]
 
 
 def apply_eos_penalty(scores: torch.Tensor, has_eos: torch.Tensor, penalty_score: float | None) -> torch.Tensor:
@@ -161,11 +171,106 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
     return returns
 
 
+# --- the estimators, by name -------------------------------------------------------------------
+
+
+Whiten = Callable[..., torch.Tensor]
+"""`masked_whiten(x, mask, shift_mean=True)`, or the stage's collective version over every process's tokens."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EstimatorInputs:
+    """What an advantage estimator reads of one iteration's episodes."""
+
+    scores: torch.Tensor  # (B,) each response's reward
+    kl: torch.Tensor  # (B, T) the per-token KL to the reference, masked
+    beta: float  # the KL's weight in the reward: 0 where it is a loss term instead (GRPO)
+    mask: torch.Tensor  # (B, T)
+    values: torch.Tensor | None = None  # (B, T) the critic's (GAE only)
+    group_size: int = 1  # consecutive responses to one prompt
+    gamma: float = 1.0
+    lam: float = 0.95  # GAE's lambda
+    whiten_rewards: bool = False  # GAE: whiten the token rewards (not their mean) before the recursion
+    std_normalize: bool = True  # GRPO: divide by the group's std (false: Dr. GRPO)
+
+
+def gae_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE on r_t = -beta * KL_t plus the score on the last token; returns = A + V (A before whitening)."""
+    rewards = token_rewards(e.scores, e.kl, e.beta, e.mask)
+    if e.whiten_rewards:
+        rewards = whiten(rewards, e.mask, shift_mean=False)
+    return gae(rewards, e.values, e.mask, e.gamma, e.lam)
+
+
+def grpo_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
+    """GRPO on the score alone: its KL is a loss term (`kl_weights`)."""
+    return grpo_advantages(e.scores, e.mask, e.group_size, e.std_normalize), None
+
+
+def rloo_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
+    """RLOO on R = score - beta * sum KL."""
+    return rloo_advantages(sequence_rewards(e.scores, e.kl, e.beta, e.mask), e.mask, e.group_size), None
+
+
+def reinforce_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
+    """REINFORCE++: discounted returns of r_t = -beta * KL_t plus the score on the last token."""
+    return discounted_returns(token_rewards(e.scores, e.kl, e.beta, e.mask), e.mask, e.gamma), None
+
+
+def reinforce_baseline_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
+    """REINFORCE++-baseline: REINFORCE++ on the score less its group's mean."""
+    return reinforce_estimate(dataclasses.replace(e, scores=group_baselined(e.scores, e.group_size)), whiten)
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: its advantages (and returns, for a critic), and how they are whitened."""
+
+    estimate: Callable[[EstimatorInputs, Whiten], tuple[torch.Tensor, torch.Tensor | None]]
+    """(advantages, returns or None) before the batch whitening. # -> (B, T), (B, T) | None"""
+    whitened: bool
+    """True: the advantages are whitened over the whole batch; False: only with `group_batch_normalize`
+    (the group estimators' baselines are already on the scores' scale)."""
+    learns_critic: bool = False
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    "gae": Estimator(gae_estimate, whitened=True, learns_critic=True),
+    "grpo": Estimator(grpo_estimate, whitened=False),
+    "rloo": Estimator(rloo_estimate, whitened=False),
+    "reinforce++": Estimator(reinforce_estimate, whitened=True),
+    "reinforce++-baseline": Estimator(reinforce_baseline_estimate, whitened=True),
+}
+"""`advantage_estimator`'s choices (docs/methods.md); the config's choices are tested to be these keys."""
+
+
+def estimator_named(name: str) -> Estimator:
+    """`ESTIMATORS[name]`; an unknown name is refused."""
+    return _named(ESTIMATORS, name, "advantage estimator")
+
+
 # --- losses ----------------------------------------------------------------------------------
 
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-"""How per-token loss terms become one loss (verl's `loss_agg_mode` names): `aggregate`."""
+def _sequences(mask: torch.Tensor) -> torch.Tensor:
+    """Sequences with a token in the mask. # (B, T) -> ()"""
+    return (mask.sum(dim=1) > 0).float().sum()
+
+
+def _per_length(mask: torch.Tensor, length: float | None) -> torch.Tensor:
+    if length is None:
+        raise ValueError("seq-mean-token-sum-norm divides by a constant length; give `length`")
+    return _sequences(mask) * length
+
+
+AGGREGATIONS: dict[str, Callable[[torch.Tensor, float | None], torch.Tensor]] = {
+    "token-mean": lambda mask, length: mask.sum(),  # every token alike (DAPO, TRL's `dapo`)
+    "seq-mean-token-mean": lambda mask, length: _sequences(mask),  # every sequence alike (GRPO as published)
+    "seq-mean-token-sum": lambda mask, length: _sequences(mask),
+    "seq-mean-token-sum-norm": _per_length,  # Dr. GRPO: a constant length, no length bias
+}
+"""How per-token loss terms become one loss (verl's `loss_agg_mode` names), by name: what `aggregate`
+divides a batch's sums by (`loss_denominator`)."""
 
 
 def loss_denominator(mask: torch.Tensor, aggregation: str, length: float | None = None) -> torch.Tensor:
@@ -174,16 +279,7 @@ def loss_denominator(mask: torch.Tensor, aggregation: str, length: float | None 
     Summed over micro-batches and processes it is the whole minibatch's, so each micro-batch's loss
     is its share of one minibatch loss. A sequence counts where it has a token in the mask.
     # (B, T) -> ()"""
-    if aggregation == "token-mean":
-        return mask.sum()
-    sequences = (mask.sum(dim=1) > 0).float().sum()
-    if aggregation in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        return sequences
-    if aggregation == "seq-mean-token-sum-norm":
-        if length is None:
-            raise ValueError("seq-mean-token-sum-norm divides by a constant length; give `length`")
-        return sequences * length
-    raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+    return _named(AGGREGATIONS, aggregation, "loss aggregation")(mask, length)
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "token-mean",
@@ -199,10 +295,9 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "t
     its micro-batches and processes); left unset, this batch's. # (B, T), (B, T) -> ()"""
     if denominator is None:
         denominator = loss_denominator(mask, aggregation, length).clamp(min=1.0)
+    _named(AGGREGATIONS, aggregation, "loss aggregation")
     if aggregation == "seq-mean-token-mean":
         return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum() / denominator
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
     return (per_token * mask).sum() / denominator
 
 

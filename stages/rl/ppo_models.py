@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from rlhf.config_common import LoRAConfig
 from rlhf.config_ppo import PPOConfig
-from stages.rl.scoring import RewardScorer, load_reward_model
+from stages.rewards.scoring import RewardScorer, load_reward_model
 from stages.runtime.holding import Holding, Replicated
 from stages.runtime.lora import copied, lora_config, restore_adapters, with_lora
 from stages.runtime.models import (

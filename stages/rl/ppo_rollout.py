@@ -15,8 +15,9 @@ from transformers import PreTrainedModel
 
 from stages.common.reporting import timed
 from stages.common.tensors import entropy_of, is_end, logprobs_of, response_mask
-from stages.rl.ppo_models import Models, forward_response, policy_and_values, reference_policy
 from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling
+from stages.rl.batch import Rollout, concat
+from stages.rl.ppo_models import Models, forward_response, policy_and_values, reference_policy
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -35,24 +36,6 @@ def reference_sampler(models: Models, reference: PreTrainedModel) -> HFSampler:
     return HFSampler(reference, models.tokenizer, models.stop_ids, models.precision, models.holding)
 
 
-@dataclass
-class Rollout:
-    """One iteration's episodes; every tensor is (B, T) over response tokens unless noted."""
-
-    queries: torch.Tensor  # (B, Tq) left-padded prompt ids
-    query_mask: torch.Tensor  # (B, Tq)
-    responses: torch.Tensor  # truncated after the first EOS, then padding
-    mask: torch.Tensor
-    logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    values: torch.Tensor | None  # None without a critic
-    entropy: torch.Tensor
-    has_eos: torch.Tensor  # (B,) the response ended with an end token
-    texts: list[str]
-    prompts: list[str]
-    engine_logprobs: torch.Tensor | None = None  # the sampling engine's own log-probs (vLLM); None: the trainer sampled
-
-
 def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:
     """`items` in runs of `sampling.micro_batch_size` (one run when unset): what a process samples at once."""
     size = sampling.micro_batch_size or max(len(items), 1)
@@ -69,9 +52,9 @@ def rollout(models: Models, sampler: Sampler, prompts: list[str], sampling: Samp
     batch. `sampled`: the chunks' responses, sampled earlier (`stages.rl.sampling_ahead`)."""
     models.train(False)
     chunks = in_chunks(prompts, sampling)
-    return concat_rollouts([_rollout_chunk(models, sampler, chunk, sampling, timings, earlier)
-                            for chunk, earlier in zip(chunks, sampled or [None] * len(chunks), strict=True)],
-                           models.tokenizer.pad_token_id)
+    return concat([_rollout_chunk(models, sampler, chunk, sampling, timings, earlier)
+                   for chunk, earlier in zip(chunks, sampled or [None] * len(chunks), strict=True)],
+                  models.tokenizer.pad_token_id)
 
 
 def _gave_what_the_update_needs(models: Models, sampled: Generation) -> bool:
@@ -107,55 +90,12 @@ def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], samplin
                                              precision=models.precision)
             ref_logprobs = logprobs_of(ref_logits, responses, temperature)
     engine_logprobs = None if sampled.engine_logprobs is None else sampled.engine_logprobs * mask
-    return Rollout(queries, query_mask, responses, mask, logprobs * mask, ref_logprobs * mask,
-                   None if values is None else values * mask, entropy,
+    return Rollout(queries=queries, query_mask=query_mask, responses=responses, mask=mask,
+                   logprobs=logprobs * mask, ref_logprobs=ref_logprobs * mask,
+                   values=None if values is None else values * mask, entropy=entropy,
                    has_eos=is_end(responses, models.stop_ids).any(dim=1),
                    texts=models.tokenizer.batch_decode(responses, skip_special_tokens=True), prompts=prompts,
                    engine_logprobs=engine_logprobs)
-
-
-def concat_rollouts(chunks: list[Rollout], pad_id: int) -> Rollout:
-    """Rollouts of consecutive prompts as one: prompts padded on the left, responses on the right,
-    to the widest of them (padding is masked out, and position ids count real tokens only)."""
-    if len(chunks) == 1:
-        return chunks[0]
-    width = max(c.queries.shape[1] for c in chunks)
-    steps = max(c.responses.shape[1] for c in chunks)
-
-    def left(x: torch.Tensor, value) -> torch.Tensor:  # (b, tq) -> (b, width)
-        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
-
-    def right(x: torch.Tensor | None, value) -> torch.Tensor | None:  # (b, t) -> (b, steps)
-        return None if x is None else torch.nn.functional.pad(x, (0, steps - x.shape[1]), value=value)
-
-    def joined(pieces: list) -> torch.Tensor | None:
-        return None if pieces[0] is None else torch.cat(pieces)
-
-    return Rollout(
-        queries=joined([left(c.queries, pad_id) for c in chunks]),
-        query_mask=joined([left(c.query_mask, 0) for c in chunks]),
-        responses=joined([right(c.responses, pad_id) for c in chunks]),
-        mask=joined([right(c.mask, 0) for c in chunks]),
-        logprobs=joined([right(c.logprobs, 0.0) for c in chunks]),
-        ref_logprobs=joined([right(c.ref_logprobs, 0.0) for c in chunks]),
-        values=joined([right(c.values, 0.0) for c in chunks]),
-        entropy=joined([right(c.entropy, 0.0) for c in chunks]),
-        has_eos=torch.cat([c.has_eos for c in chunks]),
-        texts=[t for c in chunks for t in c.texts], prompts=[p for c in chunks for p in c.prompts],
-        engine_logprobs=joined([right(c.engine_logprobs, 0.0) for c in chunks]))
-
-
-def rollout_rows(batch: Rollout, rows: list[int]) -> Rollout:
-    """These rows of a rollout, in this order (padding columns kept). # (B, T) -> (len(rows), T)"""
-    index = torch.tensor(rows, dtype=torch.long, device=batch.responses.device)
-
-    def pick(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x[index]
-
-    return Rollout(pick(batch.queries), pick(batch.query_mask), pick(batch.responses), pick(batch.mask),
-                   pick(batch.logprobs), pick(batch.ref_logprobs), pick(batch.values), pick(batch.entropy),
-                   pick(batch.has_eos), [batch.texts[i] for i in rows], [batch.prompts[i] for i in rows],
-                   pick(batch.engine_logprobs))
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,13 @@ from accelerate import Accelerator
 
 from rlhf.config_ppo import OVERLONG_TERM, PPOConfig
 from stages.common.reporting import timed
+from stages.rewards.functions import reward_values
+from stages.rewards.scoring import RewardScorer, Scores, fit_normalization
+from stages.rl.batch import Rollout
 from stages.rl.evaluation import FunctionJudge
 from stages.rl.ppo_math import apply_eos_penalty, overlong_penalty, weighted_reward
-from stages.rl.ppo_models import Models
-from stages.rl.ppo_rollout import Rollout
 from stages.rl.ppo_state import Normalization
-from stages.rl.reward_functions import reward_values
-from stages.rl.scoring import RewardScorer, Scores, fit_normalization
-from stages.rl.update import PPOTrainer
+from stages.rl.update import Learner
 from stages.runtime.collectives import computed_on_main, gathered
 
 
@@ -48,51 +47,51 @@ def scores_of(raw: torch.Tensor | None, batch: Rollout, scorer: RewardScorer | N
         terms[OVERLONG_TERM] = overlong_penalty(batch.mask.sum(dim=1), cfg.sampling.response_length,
                                                 cfg.reward.overlong.buffer)
     # a function's NaN is "no reward" (its answers are checked finite)
-    used = weighted_reward(terms, cfg.reward.weights, no_reward=functions or ())
-    return Scores(raw, normalized, terms, used)
+    reward = weighted_reward(terms, cfg.reward.weights, no_reward=functions or ())
+    return Scores(raw=raw, normalized=normalized, terms=terms, reward=reward)
 
 
-def function_terms(trainer: PPOTrainer, messages: list[list[dict]], texts: list[str], columns: list[dict],
+def function_terms(learner: Learner, messages: list[list[dict]], texts: list[str], columns: list[dict],
                    iteration: int, timings: dict[str, float]) -> dict[str, torch.Tensor]:
     """Each reward function's values for this process's responses (NaN where it gave none), every
     process's rows computed on the main process (collective). # -> {name: (B,)}"""
-    if not trainer.reward_functions:
+    if not learner.reward_functions:
         return {}
     with timed(timings, "reward_functions"):
         rows = list(zip(messages, texts, columns))
-        every = _functions_on_main(trainer, rows, iteration)
-        first = trainer.accelerator.process_index * len(rows)
-    return {name: _as_tensor(values[first:first + len(rows)], trainer.accelerator.device)
+        every = _functions_on_main(learner, rows, iteration)
+        first = learner.accelerator.process_index * len(rows)
+    return {name: _as_tensor(values[first:first + len(rows)], learner.accelerator.device)
             for name, values in every.items()}
 
 
-def function_judge(trainer: PPOTrainer) -> FunctionJudge | None:
+def function_judge(learner: Learner) -> FunctionJudge | None:
     """The reward functions as the evaluations score with them (None without function terms). Every
     process holds the same held-out prompts; the main process's responses are the ones judged and
     reported, so only its rows are sent to the functions (collective)."""
-    if not trainer.reward_functions:
+    if not learner.reward_functions:
         return None
-    accelerator = trainer.accelerator
+    accelerator = learner.accelerator
 
     def values(messages: list[list[dict]], texts: list[str], columns: list[dict], judged: str) -> dict[str, torch.Tensor]:
         rows = list(zip(messages, texts, columns)) if accelerator.is_main_process else []
-        every = _functions_on_main(trainer, rows, judged)
+        every = _functions_on_main(learner, rows, judged)
         return {name: _as_tensor(v, accelerator.device) for name, v in every.items()}
 
-    return FunctionJudge(values, {term.name: term.weight for term in trainer.cfg.reward.terms},
-                         trainer.cfg.reward.uses_model)
+    return FunctionJudge(values, {term.name: term.weight for term in learner.cfg.reward.terms},
+                         learner.cfg.reward.uses_model)
 
 
-def _functions_on_main(trainer: PPOTrainer, rows: list[tuple], batch: int | str) -> dict[str, list[float | None]]:
+def _functions_on_main(learner: Learner, rows: list[tuple], batch: int | str) -> dict[str, list[float | None]]:
     """Every reward function's checked values for every process's (prompt messages, response, columns)
     rows, computed on the main process (collective)."""
 
     def compute(every: list[tuple]) -> dict[str, list[float | None]]:
         prompts, responses, records = ([row[i] for row in every] for i in range(3))
         return {f.term.name: reward_values(f, prompts, responses, {c: [r[c] for r in records] for c in f.columns},
-                                           batch) for f in trainer.reward_functions}
+                                           batch) for f in learner.reward_functions}
 
-    return computed_on_main(trainer.accelerator, rows, compute)
+    return computed_on_main(learner.accelerator, rows, compute)
 
 
 def _as_tensor(values: list[float | None], device: torch.device) -> torch.Tensor:
@@ -100,9 +99,13 @@ def _as_tensor(values: list[float | None], device: torch.device) -> torch.Tensor
     return torch.tensor([float("nan") if v is None else v for v in values], device=device)
 
 
-def adopt_normalization(models: Models, normalization: Normalization, batch: Rollout) -> Rollout:
-    """The scorer, and the critic if it takes it, on the fitted scale; the rollout's values mapped alike."""
-    return replace(batch, values=models.adopt_normalization(normalization.gain, normalization.bias, batch.values))
+def fitted_normalization(learner: Learner, raw: torch.Tensor, batch: Rollout) -> tuple[Normalization, Rollout]:
+    """The reward normalisation PPO keeps for the whole run, fitted on its first round's `raw`
+    scores (`first_normalization`) and adopted: the scorer, and the critic if it takes it, on the
+    fitted scale, and the round's values mapped alike (collective)."""
+    normalization = first_normalization(learner.accelerator, learner.models.scorer, raw, learner.cfg)
+    values = learner.models.adopt_normalization(normalization.gain, normalization.bias, batch.values)
+    return normalization, replace(batch, values=values)
 
 
 def first_normalization(accelerator: Accelerator, scorer: RewardScorer, raw: torch.Tensor,

@@ -20,7 +20,7 @@ from stages.rl.ppo_math import KLController
 from stages.rl.ppo_models import Models
 
 if TYPE_CHECKING:
-    from stages.rl.update import PPOTrainer
+    from stages.rl.update import Learner
 
 
 @dataclass(frozen=True)
@@ -95,23 +95,23 @@ def write_atomically(folder: Path, write: Callable[[Path], None], accelerator: A
     accelerator.wait_for_everyone()
 
 
-def save_state_everywhere(trainer: PPOTrainer, folder: Path, loop: LoopState,
+def save_state_everywhere(learner: Learner, folder: Path, loop: LoopState,
                           own: Callable[[Path], None] | None = None) -> None:
     """Write a full-state checkpoint atomically (a staging folder, renamed once complete), keeping
     only the newest (collective). Weights and optimizer state as the models are held: written by
     the main process when every process holds them whole, one shard per process when sharded;
     the main process writes the rest, with every process's random generators. `own(staging)`:
     what each process writes of its own besides (its rollouts sampled ahead)."""
-    accelerator, models = trainer.accelerator, trainer.models
+    accelerator, models = learner.accelerator, learner.models
     rng = rng_states(accelerator)
 
     def write(staging: Path) -> None:
-        models.holding.save(staging, _held(models), trainer.optimizer)
+        models.holding.save(staging, _held(models), learner.optimizer)
         if own is not None:
             own(staging)
         if accelerator.is_main_process:
-            torch.save(trainer.scheduler.state_dict(), staging / "scheduler.pt")
-            torch.save(trainer.scaler.state_dict(), staging / "scaler.pt")
+            torch.save(learner.scheduler.state_dict(), staging / "scheduler.pt")
+            torch.save(learner.scaler.state_dict(), staging / "scaler.pt")
             save_file(rng, str(staging / "rng.safetensors"))
             (staging / "loop.json").write_text(loop.to_json())
 

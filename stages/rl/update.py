@@ -2,7 +2,7 @@
 accumulated over micro-batches and processes (`accumulate_gradients`) as one token mean, the
 clipped policy loss and the value loss from `stages.rl.ppo_math`, and the optimizer step. A new
 policy loss is an equation in `stages.rl.ppo_math` and is applied here, in `_micro_batch_step`.
-`PPOTrainer` is what every process trains with (built by `stages.ppo.build_trainer`)."""
+`Learner` is what every process trains with (built by `stages.ppo.build_learner`)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from rlhf.config_ppo import PPOConfig
 from stages.common.errors import NonFiniteLossError
 from stages.common.tensors import entropy_of, logprobs_of, masked_mean
 from stages.engines.sampler import Sampler
+from stages.rewards.functions import RewardFunction
+from stages.rl.advantages import Episodes
+from stages.rl.batch import TrainingBatch, micro_batch
 from stages.rl.ppo_math import (
     PolicyClip,
     Totals,
@@ -26,20 +29,15 @@ from stages.rl.ppo_math import (
     loss_denominator,
 )
 from stages.rl.ppo_models import Models
-from stages.rl.ppo_rollout import Rollout
-from stages.rl.reward_functions import RewardFunction
-from stages.rl.scoring import Scores
-from stages.runtime.collectives import (
-    MAX_FIGURES,
-    sum_over_processes,
-)
+from stages.runtime.collectives import combined, sum_over_processes
 
 # --- update -----------------------------------------------------------------------------------
 
 
 @dataclass
-class PPOTrainer:
-    """What every process of a PPO run trains with, built once by `build_trainer`."""
+class Learner:
+    """What every process of a PPO run learns with: its models, optimizer, schedule and sampler,
+    built once by `stages.ppo.build_learner`."""
 
     cfg: PPOConfig
     accelerator: Accelerator
@@ -55,37 +53,9 @@ class PPOTrainer:
     reward_functions: list[RewardFunction] = field(default_factory=list)
     """The `reward` terms that are Python functions, imported and checked."""
 
-
-@dataclass(frozen=True)
-class Episodes:
-    """One iteration's rollout with what was scored and estimated on it: what the update trains on
-    and the iteration's figures report."""
-
-    iteration: int
-    batch: Rollout
-    messages: list[list[dict]]
-    """Each episode's prompt as chat messages."""
-    scores: Scores
-    kl: torch.Tensor
-    """(B, T) the per-token KL estimate (`kl_estimator`) to the reference, masked."""
-    beta: float
-    """The KL controller's coefficient this iteration."""
-    reward_beta: float
-    """The KL coefficient in the reward: `beta`, or 0 when the KL is a loss term (`kl_in_loss`)."""
-    kl_loss_coef: float
-    """The weight of the k3 KL loss term."""
-    advantages: torch.Tensor  # (B, T)
-    returns: torch.Tensor | None  # (B, T), GAE only
-    engine_weights: torch.Tensor | None = None
-    """(B, T) importance weights for the engine mismatch (`engine_weights`); None: the trainer sampled, or no correction."""
-    loss_mask: torch.Tensor | None = None
-    """(B, T) the tokens the loss terms count: the response mask, less truncated responses with
-    `mask_truncated_responses`; None: the response mask."""
-
-    @property
-    def counted(self) -> torch.Tensor:
-        """The tokens the loss terms count. # (B, T)"""
-        return self.batch.mask if self.loss_mask is None else self.loss_mask
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter the optimizer steps: the policy's (or its adapters) and the critic's."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
 
 @dataclass
@@ -97,65 +67,24 @@ class UpdateStats:
             self.values.setdefault(key, []).append(float(value))
 
     def means(self) -> dict[str, float]:
-        return {key: (max(v) if key.endswith(MAX_FIGURES) else float(np.mean(v))) for key, v in self.values.items()}
+        return {key: combined(key, v, lambda v: float(np.mean(v))) for key, v in self.values.items()}
 
 
-@dataclass(frozen=True)
-class MicroBatch:
-    """Some rows of a rollout, without the columns that are padding in all of them."""
-
-    queries: torch.Tensor  # (b, tq)
-    query_mask: torch.Tensor
-    responses: torch.Tensor  # (b, t)
-    mask: torch.Tensor
-    logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    values: torch.Tensor | None  # None without a critic, as are the returns
-    advantages: torch.Tensor
-    returns: torch.Tensor | None
-    engine_weights: torch.Tensor | None = None  # None: no engine-mismatch correction
-    loss_mask: torch.Tensor | None = None  # the tokens the losses count; None: `mask`
-
-    @property
-    def counted(self) -> torch.Tensor:
-        """The tokens the loss terms count. # (b, t)"""
-        return self.mask if self.loss_mask is None else self.loss_mask
-
-
-def micro_batch(batch: Rollout, advantages: torch.Tensor, returns: torch.Tensor | None,
-                rows: torch.Tensor, engine_weights: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None) -> MicroBatch:
-    """The rows' tensors, dropping leading prompt columns and trailing response columns that no
-    row uses: the rollout is padded for its longest prompt and response, a micro-batch need not be.
-    Position ids count real tokens, so dropping all-padding columns changes no position."""
-    query_mask, mask = batch.query_mask[rows], batch.mask[rows]
-    first = int(query_mask.any(dim=0).long().argmax())  # first prompt column with a real token
-    end = int(mask.any(dim=0).nonzero().max()) + 1  # past the last response column with a real token
-
-    def responses_of(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x[rows][:, :end]
-
-    return MicroBatch(batch.queries[rows][:, first:], query_mask[:, first:], responses_of(batch.responses),
-                      mask[:, :end], responses_of(batch.logprobs), responses_of(batch.ref_logprobs),
-                      responses_of(batch.values), responses_of(advantages), responses_of(returns),
-                      responses_of(engine_weights), responses_of(loss_mask))
-
-
-def ppo_update(trainer: PPOTrainer, episodes: Episodes) -> dict[str, float]:
+def ppo_update(learner: Learner, episodes: Episodes) -> dict[str, float]:
     """num_ppo_epochs passes of shuffled minibatches over this process's rollout, one optimizer step each.
     `initial_ratio_deviation`, max |ratio - 1| over the first minibatch before any step, checks that
     the update computes the policy the rollout sampled from (dropout off, same precision)."""
-    cfg, optimizer, scaler, holding = trainer.cfg, trainer.optimizer, trainer.scaler, trainer.models.holding
-    trainer.actor_critic.train(True)
-    trained = [p for group in optimizer.param_groups for p in group["params"]]
-    policy_parameters = list(trainer.models.policy.parameters())
+    cfg, optimizer, scaler, holding = learner.cfg, learner.optimizer, learner.scaler, learner.models.holding
+    learner.actor_critic.train(True)
+    trained = learner.trained_parameters()
+    policy_parameters = list(learner.models.policy.parameters())
     in_policy = {id(p) for p in policy_parameters}
     critic_parameters = [p for p in trained if id(p) not in in_policy]  # the value head or the critic model
     n = len(episodes.batch.responses)
     stats = UpdateStats()
     for epoch in range(cfg.num_ppo_epochs):
         for index, minibatch in enumerate(torch.randperm(n).split(n // cfg.num_minibatches)):
-            figures = accumulate_gradients(trainer, episodes, minibatch.to(episodes.batch.responses.device))
+            figures = accumulate_gradients(learner, episodes, minibatch.to(episodes.batch.responses.device))
             deviation = figures.pop("ratio_deviation_max")
             if epoch == 0 and index == 0:
                 stats.add(initial_ratio_deviation=deviation)
@@ -169,13 +98,13 @@ def ppo_update(trainer: PPOTrainer, episodes: Episodes) -> dict[str, float]:
                 figures["critic_grad_norm"] = holding.clip_grad_norm(critic_parameters, cfg.max_grad_norm)
             scaler.step(optimizer)
             scaler.update()
-            trainer.scheduler.step()
+            learner.scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             stats.add(**figures, grad_norm=grad_norm)
     return stats.means()
 
 
-def accumulate_gradients(trainer: PPOTrainer, episodes: Episodes, rows: torch.Tensor) -> dict[str, float]:
+def accumulate_gradients(learner: Learner, episodes: Episodes, rows: torch.Tensor) -> dict[str, float]:
     """Gradients of one minibatch (these `rows` of this process's rollout), accumulated over its
     micro-batches and averaged over processes (DDP: at the last one; FSDP2: at each, into shards).
 
@@ -184,8 +113,8 @@ def accumulate_gradients(trainer: PPOTrainer, episodes: Episodes, rows: torch.Te
     because DDP and FSDP2 divide the summed gradients by P. The gradient is then the same for every
     `micro_batch_size` and process count (tested to 1e-5). Returned figures are this process's
     sums on the same scale, so their mean over processes is the minibatch's token mean."""
-    accelerator, cfg = trainer.accelerator, trainer.cfg
-    counted = episodes.counted[rows]  # (b, T)
+    accelerator, cfg = learner.accelerator, learner.cfg
+    counted = episodes.batch.counted[rows]  # (b, T)
     num_tokens = sum_over_processes(accelerator, counted.sum())
     num_tokens = num_tokens.clamp(min=1.0) / accelerator.num_processes
     denominator = num_tokens  # the policy and KL losses' `aggregate`: tokens, or sequences (x a length)
@@ -194,28 +123,27 @@ def accumulate_gradients(trainer: PPOTrainer, episodes: Episodes, rows: torch.Te
                                                                        cfg.aggregation_length))
         denominator = denominator.clamp(min=1.0) / accelerator.num_processes
     micro_batches = rows.split(cfg.micro_batch_size or len(rows))
-    totals: dict[str, float] = {}
+    parts: dict[str, list[float]] = {}
     for position, micro_rows in enumerate(micro_batches):
-        with trainer.models.holding.accumulating(trainer.actor_critic, last=position == len(micro_batches) - 1):
-            micro = micro_batch(episodes.batch, episodes.advantages, episodes.returns, micro_rows,
-                                episodes.engine_weights, episodes.loss_mask)
-            figures = _micro_batch_step(trainer, micro, num_tokens, denominator, episodes.iteration,
-                                        episodes.kl_loss_coef)
+        with learner.models.holding.accumulating(learner.actor_critic, last=position == len(micro_batches) - 1):
+            micro = micro_batch(episodes.batch, micro_rows)
+            figures = _micro_batch_step(learner, micro, num_tokens, denominator, episodes.iteration,
+                                        episodes.weights.in_loss)
         for key, value in figures.items():
-            totals[key] = max(totals.get(key, 0.0), value) if key.endswith(MAX_FIGURES) else totals.get(key, 0.0) + value
-    return totals
+            parts.setdefault(key, []).append(value)
+    return {key: combined(key, values, sum) for key, values in parts.items()}
 
 
-def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.Tensor, denominator: torch.Tensor,
+def _micro_batch_step(learner: Learner, micro: TrainingBatch, num_tokens: torch.Tensor, denominator: torch.Tensor,
                       iteration: int, kl_loss_coef: float) -> dict[str, float]:
     """Forward and backward of one micro-batch: its masked loss sums over the minibatch's `num_tokens`
     (the policy and KL losses: over its `denominator`, as `loss_aggregation` counts); the value loss
     only with a critic."""
-    cfg, counted = trainer.cfg, micro.counted
+    cfg, counted = learner.cfg, micro.counted
     # Critic warm-up: the policy terms stay in the graph at weight 0 (every parameter gets a
     # gradient, as DDP needs); `ppo_update` then drops the policy's gradients before the step.
     warming_up = iteration <= cfg.freeze_policy_iterations
-    logits, values = trainer.actor_critic(micro.queries, micro.query_mask, micro.responses, micro.mask, warming_up)
+    logits, values = learner.actor_critic(micro.queries, micro.query_mask, micro.responses, micro.mask, warming_up)
     logprobs = logprobs_of(logits, micro.responses, cfg.sampling.temperature)
     clip = PolicyClip(cfg.clip_range, cfg.clip_high, cfg.ratio_level, cfg.loss_aggregation, cfg.aggregation_length)
     policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, counted, clip, micro.engine_weights,
@@ -239,7 +167,7 @@ def _micro_batch_step(trainer: PPOTrainer, micro: MicroBatch, num_tokens: torch.
     if not torch.isfinite(loss):
         raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
                                  "the last full-state checkpoint is kept")
-    trainer.scaler.scale(loss).backward()
+    learner.scaler.scale(loss).backward()
     ratio = policy.ratio.detach()
     return figures | dict(policy_loss=policy.loss.item(), entropy=entropy.item(),
                           clip_fraction=policy.clip_fraction.item(), approx_kl=policy.approx_kl.item(),

@@ -14,6 +14,11 @@ MAX_FIGURES = ("_max", "initial_ratio_deviation")
 """Figures summarised by their largest value (over minibatches and processes), not their mean."""
 
 
+def combined(key: str, values: list, total) -> float:
+    """Figure `key`'s values as one: the largest for `MAX_FIGURES`, else `total(values)` (a sum or a mean)."""
+    return max(values) if key.endswith(MAX_FIGURES) else total(values)
+
+
 def over_processes(accelerator: Accelerator, figures: dict[str, float]) -> dict[str, float]:
     """Each figure averaged over processes; `MAX_FIGURES` take the largest (collective)."""
     if accelerator.num_processes == 1:
@@ -25,6 +30,11 @@ def over_processes(accelerator: Accelerator, figures: dict[str, float]) -> dict[
     torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
     return {k: (largest[i] if k.endswith(MAX_FIGURES) else summed[i] / accelerator.num_processes).item()
             for i, k in enumerate(keys)}
+
+
+def mean_over_processes(accelerator: Accelerator, value: float) -> float:
+    """`value`'s mean over processes (collective), as `over_processes` takes a figure's."""
+    return over_processes(accelerator, {"value": value})["value"]
 
 
 def sum_over_processes(accelerator: Accelerator, x: torch.Tensor) -> torch.Tensor:

@@ -399,14 +399,6 @@ def finish_checkpoint(folder: Path, tokenizer: PreTrainedTokenizerBase, dtype: t
     return folder
 
 
-def save_trained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path, cfg: StageSettings,
-                 base_location: str, trained: list[torch.nn.Parameter]) -> tuple[Path, dict[str, str]]:
-    """A stage's final checkpoint in its configured `checkpoint_dtype`, and the run's precision tags
-    (`trained`: the parameters its optimizer updated)."""
-    saved, tags = saved_dtype_and_tags(cfg, base_location, trained)
-    return save_checkpoint(model, tokenizer, folder, saved), tags
-
-
 def saved_dtype_and_tags(cfg: StageSettings, base_location: str, trained: list[torch.nn.Parameter]
                          ) -> tuple[torch.dtype, dict[str, str]]:
     """The dtype a stage's final checkpoint is written in (`checkpoint_dtype`), and the run's precision tags."""

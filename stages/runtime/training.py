@@ -8,10 +8,10 @@ import torch
 from transformers import TrainerCallback
 
 from rlhf.config_common import LaunchConfig, TrainingConfig
+from stages.common.reporting import Reporting
 from stages.runtime.holding import Holding, Sharded, held_as, holding_for
 from stages.runtime.lora import restore_adapters
 from stages.runtime.models import resolve_precision
-from stages.common.reporting import Reporting
 
 _UNLOGGED = ("epoch", "total_flos", "runtime", "per_second", "preparation_time")
 

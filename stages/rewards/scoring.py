@@ -165,21 +165,21 @@ class Scores:
     """Each term of `reward` by name: the reward model's normalised score with a cut-off response
     given `missing_eos_score` (when set), clipped to `score_clip` (when set); each function's
     values (NaN where it gave none)."""
-    used: torch.Tensor
-    """What the reward adds: the terms' weighted sum."""
+    reward: torch.Tensor
+    """The reward PPO trains on: the terms' weighted sum."""
 
     @property
-    def shown(self) -> torch.Tensor:
+    def reported(self) -> torch.Tensor:
         """The score figures and tables show as `score`: the reward model's normalised score, or
         without a reward model the terms' weighted sum."""
-        return self.normalized if self.normalized is not None else self.used
+        return self.normalized if self.normalized is not None else self.reward
 
     def rows(self, rows: list[int]) -> Scores:
         """These responses' scores, in this order."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.used.device)
-        return Scores(None if self.raw is None else self.raw[index],
-                      None if self.normalized is None else self.normalized[index],
-                      {name: values[index] for name, values in self.terms.items()}, self.used[index])
+        index = torch.tensor(rows, dtype=torch.long, device=self.reward.device)
+        return Scores(raw=None if self.raw is None else self.raw[index],
+                      normalized=None if self.normalized is None else self.normalized[index],
+                      terms={name: values[index] for name, values in self.terms.items()}, reward=self.reward[index])
 
 
 def concat_scores(parts: list[Scores]) -> Scores:
@@ -187,6 +187,6 @@ def concat_scores(parts: list[Scores]) -> Scores:
     def joined(pieces: list) -> torch.Tensor | None:
         return None if pieces[0] is None else torch.cat(pieces)
 
-    return Scores(joined([p.raw for p in parts]), joined([p.normalized for p in parts]),
-                  {name: torch.cat([p.terms[name] for p in parts]) for name in parts[0].terms},
-                  torch.cat([p.used for p in parts]))
+    return Scores(raw=joined([p.raw for p in parts]), normalized=joined([p.normalized for p in parts]),
+                  terms={name: torch.cat([p.terms[name] for p in parts]) for name in parts[0].terms},
+                  reward=torch.cat([p.reward for p in parts]))

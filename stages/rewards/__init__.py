@@ -1,0 +1,1 @@
+"""The reward as the stages compute it: the reward model scorer (`scoring`) and Python reward functions (`functions`)."""

@@ -1,0 +1,135 @@
+"""What a PPO iteration reports: its figures (`iteration_figures`; the reward terms' own,
+`term_figures`), the warnings they raise (`warnings_of`), and the episodes and samples tables
+(`report_iteration`)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pandas as pd
+import torch
+
+from rlhf.config_ppo import PPOConfig
+from schemas.adapters import last_user_message
+from stages.common.reporting import Reporting
+from stages.common.tensors import masked_mean
+from stages.rl.advantages import Episodes
+from stages.rl.ppo_math import explained_variance
+from stages.rl.ppo_models import rounds_to_16_bits
+from stages.rl.ppo_state import LoopState
+from stages.rl.update import Learner
+from stages.runtime.collectives import gathered
+from stages.runtime.models import Precision, resolve_precision
+
+
+def initial_ratio_threshold(cfg: PPOConfig, precision: Precision) -> float:
+    """`warn_initial_ratio_deviation`, or its default: in fp32 a rollout and a fresh forward agree to
+    ~1e-6; in 16 bits, shapes that differ between the rollout and the update round differently."""
+    if cfg.warnings.initial_ratio_deviation is not None:
+        return cfg.warnings.initial_ratio_deviation
+    return 5e-2 if rounds_to_16_bits(cfg, precision) else 1e-3
+
+
+def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, iteration: int,
+              previous_length: float | None = None) -> list[str]:
+    found = []
+    length = figures["rollout/response_length"]
+    if previous_length is not None and length < (1 - cfg.warnings.length_collapse) * previous_length:
+        found.append(f"mean response length collapsed from {previous_length:.1f} to {length:.1f} tokens in one "
+                     "iteration: the policy is learning to stop early (check the value loss and the KL)")
+    if figures["rollout/kl"] > cfg.evaluation.kl_budget:
+        found.append(f"mean KL per sequence {figures['rollout/kl']:.2f} is over the budget of {cfg.evaluation.kl_budget}")
+    drift = abs(figures["rollout/response_length"] - first_length) / max(first_length, 1e-6)
+    if drift > cfg.warnings.length_drift:
+        found.append(f"mean response length {figures['rollout/response_length']:.1f} drifted {drift:.0%} "
+                     f"from {first_length:.1f}")
+    if figures.get("rollout/filled_share", 0.0) > 0:
+        found.append(f"dynamic sampling took its {cfg.dynamic_sampling.max_rounds} rounds and still filled "
+                     f"{figures['rollout/filled_share']:.0%} of the batch with groups whose scores are all equal (no "
+                     f"signal; {figures['rollout/filtered_share']:.0%} of the groups sampled were): raise "
+                     "dynamic_sampling.max_rounds, or give the reward more spread")
+    if figures["rollout/eos_rate"] < cfg.warnings.eos_rate:
+        found.append(f"only {figures['rollout/eos_rate']:.0%} of responses end with EOS")
+    if figures["train/ratio_max"] > cfg.warnings.ratio_max:
+        found.append(f"policy ratio reached {figures['train/ratio_max']:.1f} (threshold {cfg.warnings.ratio_max})")
+    threshold = initial_ratio_threshold(cfg, resolve_precision(cfg.precision))
+    if figures["train/initial_ratio_deviation"] > threshold:
+        found.append(f"before the first update the policy ratio was already {figures['train/initial_ratio_deviation']:.2g} "
+                     f"from 1 (threshold {threshold:g}): rollout and training compute different policies (dropout "
+                     "left on, or precision drift; try ppo.old_logprobs: recompute)")
+    return [f"iteration {iteration}: {message}" for message in found]
+
+
+def iteration_figures(learner: Learner, episodes: Episodes, train: dict[str, float], timings: dict[str, float],
+                      started: float) -> dict[str, float]:
+    """What one iteration logs, this process's share (`over_processes` combines them); `started`:
+    the iteration's start on the `time.perf_counter` clock."""
+    batch, scores, kl, accelerator = episodes.batch, episodes.scores, episodes.kl, learner.accelerator
+    figures = {
+        "rollout/score": scores.reported.mean().item(),
+        "rollout/score_std": gathered(accelerator, scores.reported).std().item(),  # over all processes' scores
+        "rollout/score_used": scores.reward.mean().item(),
+        "rollout/non_score_reward": (-episodes.weights.in_reward * kl).sum(1).mean().item(),
+        "rollout/kl": kl.sum(1).mean().item(),
+        "rollout/kl_coef": episodes.weights.beta,
+        "rollout/entropy": masked_mean(batch.entropy, batch.mask).item(),
+        "rollout/response_length": batch.mask.sum(1).float().mean().item(),
+        "rollout/eos_rate": batch.has_eos.float().mean().item(),
+        **{f"train/{k}": v for k, v in train.items()},
+        "train/learning_rate": learner.scheduler.get_last_lr()[0],
+        **{f"time/{k}": v for k, v in timings.items()},
+    }
+    if scores.raw is not None:
+        figures["rollout/score_raw"] = scores.raw.mean().item()
+    if batch.returns is not None:
+        figures["train/explained_variance"] = explained_variance(batch.values, batch.returns, batch.mask)
+    if learner.reward_functions or learner.cfg.reward.overlong:  # terms besides the reward model's
+        figures |= term_figures(scores.terms, {f.term.name for f in learner.reward_functions})
+    if batch.engine_logprobs is not None:
+        gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.mask  # (B, T)
+        figures |= {"rollout/vllm_logprob_gap": masked_mean(gap, batch.mask).item(),
+                    "rollout/vllm_logprob_gap_max": gap.max().item()}
+    if batch.engine_weights is not None:
+        weights = batch.engine_weights[batch.mask.bool()]  # (tokens,)
+        figures |= {"rollout/engine_importance_weight": weights.mean().item(),
+                    "rollout/engine_importance_weight_std": weights.std().item() if len(weights) > 1 else 0.0,
+                    "rollout/engine_importance_weight_capped": (weights >= learner.cfg.vllm.importance_sampling_cap - 1e-6).float().mean().item()}
+    elapsed = time.perf_counter() - started
+    return figures | {"time/iteration": elapsed,
+                      "time/tokens_per_second": batch.mask.sum().item() * accelerator.num_processes / elapsed}
+
+
+def term_figures(terms: dict[str, torch.Tensor], functions: set[str]) -> dict[str, float]:
+    """Each reward term's mean and std over the responses it scored; for a function, the share of
+    responses it gave no reward (`_none`)."""
+    figures = {}
+    for name, values in terms.items():  # (B,) each, NaN where a function gave none
+        given = values[~values.isnan()]
+        figures[f"rollout/reward/{name}"] = given.mean().item() if len(given) else 0.0
+        figures[f"rollout/reward/{name}_std"] = given.std().item() if len(given) > 1 else 0.0
+        if name in functions:
+            figures[f"rollout/reward/{name}_none"] = values.isnan().float().mean().item()
+    return figures
+
+
+def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, episodes: Episodes,
+                     figures: dict[str, float]) -> None:
+    """Warnings, figures, every episode, and now and then a few samples to read."""
+    iteration, batch, messages, scores = episodes.iteration, episodes.batch, episodes.messages, episodes.scores
+    previous_length = loop.history[-1]["rollout/response_length"] if loop.history else None
+    for message in warnings_of(cfg, figures, loop.first_length, iteration, previous_length):
+        reporting.warning(message)
+    reporting.metrics(figures, iteration)
+    # With reward functions or the overlong penalty each term is a column too (`reward/<name>`; NaN where a function gave none).
+    terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} \
+        if cfg.reward.functions or cfg.reward.overlong else {}
+    reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
+                                     "score": scores.reported.cpu().numpy(), **terms,
+                                     "kl": episodes.kl.sum(1).cpu().numpy()}), iteration)
+    if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
+        shown = slice(0, cfg.num_logged_samples)
+        reporting.samples(pd.DataFrame({"user": [last_user_message(m) for m in messages[shown]],
+                                        "response": batch.texts[shown],
+                                        "score": scores.reported[shown].cpu().numpy(),
+                                        **{name: values[shown] for name, values in terms.items()}}), iteration)
