@@ -2,7 +2,7 @@
 
     rlhf validate --kind {sft,preference,prompt} PATH [--format F] [--tokenizer T --max-prompt-length N --max-length N]
     rlhf summary [--experiment rlhf]      the latest pipeline run and its stage runs, with links to the MLflow UI
-    rlhf config-reference                 every config field with its default and meaning (Markdown)
+    rlhf config-reference [--write PATH]  every config field with its default and meaning (Markdown: docs/config.md)
     rlhf plan CONFIG [--processes N] [--device-memory GiB] [--stages ...] [--json]
                                           each stage's memory per process, from the models' configs alone
 """
@@ -65,12 +65,22 @@ def _summary(args: argparse.Namespace) -> int:
     return 0 if parent.info.status == "FINISHED" else 1
 
 
-def _config_reference(args: argparse.Namespace) -> int:
+CONFIG_REFERENCE = "docs/config.md"
+"""Where the configuration reference lives, relative to the repository; `tests/test_config.py` keeps it current."""
+
+
+def config_reference() -> str:
+    """The configuration reference page: every config field with its default and meaning, from the fields'
+    docstrings. `rlhf config-reference` prints it; `--write docs/config.md` regenerates the page."""
     from pydantic import BaseModel
 
     from rlhf.config import PipelineConfig
 
+    sources: set[str] = set()
+
     def rows(model: type[BaseModel], prefix: str):
+        sources.update(cls.__module__ for cls in model.__mro__
+                       if issubclass(cls, BaseModel) and cls.__module__.startswith("rlhf."))
         for name, field in model.model_fields.items():
             annotation = field.annotation
             nested = next((a for a in getattr(annotation, "__args__", (annotation,))
@@ -87,8 +97,30 @@ def _config_reference(args: argparse.Namespace) -> int:
                 shown = "required" if field.is_required() else f"`{default!r}`"
                 yield f"| `{key}` | {shown} | {field.description or ''} |"
 
-    print("| field | default | meaning |\n|---|---|---|")
-    print("\n".join(rows(PipelineConfig, "")))
+    table = "\n".join(rows(PipelineConfig, ""))
+    files = ", ".join(f"`{module.replace('.', '/')}.py`" for module in sorted(sources))
+    return (
+        "# Configuration reference\n\n"
+        "Every config field, its default and its meaning. Generated from the fields' docstrings in\n"
+        f"{files}:\n"
+        "do not edit this page by hand. After changing a field, regenerate it with\n"
+        f"`.venv/bin/rlhf config-reference --write {CONFIG_REFERENCE}` (`tests/test_config.py` fails while it\n"
+        "is out of date). Fields that need more than a line are explained in [settings.md](settings.md);\n"
+        "how to set them (a config file, the run form, an override) is in [running.md](running.md).\n\n"
+        "| field | default | meaning |\n|---|---|---|\n"
+        f"{table}\n"
+    )
+
+
+def _config_reference(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    page = config_reference()
+    if args.write:
+        Path(args.write).write_text(page)
+        print(f"wrote {args.write}")
+    else:
+        sys.stdout.write(page)
     return 0
 
 
@@ -140,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     summary.add_argument("--experiment", default="rlhf")
     summary.set_defaults(run=_summary)
 
-    reference = commands.add_parser("config-reference", help="print the configuration reference")
+    reference = commands.add_parser("config-reference", help=f"print the configuration reference ({CONFIG_REFERENCE})")
+    reference.add_argument("--write", metavar="PATH",
+                           help=f"write it to PATH instead of printing it ({CONFIG_REFERENCE} regenerates the page)")
     reference.set_defaults(run=_config_reference)
 
     planner = commands.add_parser("plan", help="each stage's memory per process, and whether it fits")
