@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: lock bench-env vllm-env golden demo test test-fast bench bench-quality bench-methods bench-scale bench-ray bench-memory bench-rollout plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env
+.PHONY: lock lint bench-env vllm-env golden demo test test-fast bench bench-quality bench-methods bench-scale bench-ray bench-memory bench-rollout plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env
 
 # Every environment is installed exactly from its lock (locks/, scripts/locks.sh): a package that
 # differs from the lock is named and put back, one the lock does not name is removed. Syncing an
@@ -94,6 +94,13 @@ demo: up  ## run the whole pipeline on the embedded demo world through Prefect
 # Debian's chromium, chromium-driver and python3-selenium drive the UIs; the system Python has them.
 screenshots:  ## after `make demo`, with the stack up: what the UIs show, into docs/ui/
 	eval "$$(scripts/stack.sh env)" && /usr/bin/python3 scripts/screenshots.py --out docs/ui
+
+# ruff from its own small environment, exactly locks/lint.txt (scripts/lint.in); its rules are pyproject.toml's
+# [tool.ruff]. `ruff check` only: the code is not laid out by `ruff format`, and running it would rewrite every file.
+LINT_VENV := .lint-venv
+lint:  ## ruff check on the whole repository (rules: pyproject.toml [tool.ruff]); .ci/run runs it before the tests
+	scripts/locks.sh sync $(LINT_VENV) locks/lint.txt
+	$(LINT_VENV)/bin/ruff check .
 
 test: install  ## run the whole test suite
 	$(PY) -m pytest

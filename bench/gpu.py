@@ -51,7 +51,7 @@ def ceilings() -> dict:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_s = timed(lambda: a @ b, repeats=20)
-    del src, dst, a, b
+    src = dst = a = b = None  # frees the buffers (not `del`: the lambdas above name them)
     torch.cuda.empty_cache()
     return {"copy_bandwidth_bytes_per_s": 2 * n / copy_s, "bf16_matmul_flops": 2 * 8192 ** 3 / mm_s}
 
@@ -79,12 +79,13 @@ def decode(limits: dict, batch: int = 64, prompt: int = 64, new: int = 128, comp
 
     seconds = timed(run, repeats=3, warmup=1)
     cfg = model.config
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    kv_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+                    * 2)
     mean_context = prompt + new / 2
     step_bytes = params * 2 + batch * mean_context * kv_per_token  # weights once per step + every sequence's KV cache
     bound_tokens_per_s = limits["copy_bandwidth_bytes_per_s"] / step_bytes * batch
     tokens_per_s = batch * new / seconds
-    del model
+    model = None  # frees the weights (not `del`: run() above names it)
     torch.cuda.empty_cache()
     return {"engine": "transformers generate" + (" (static cache, torch.compile reduce-overhead)" if compiled else ""),
             "batch": batch, "prompt_tokens": prompt, "new_tokens": new,
@@ -123,9 +124,10 @@ def train_step(limits: dict, lora: bool, batch: int = 16, length: int = 512, che
     # forward 2N per token, backward 4N (2N through the activations, 2N for weight gradients; LoRA's
     # frozen weights skip the latter, so its useful work is ~4N: reported, MFU counts 6N for full only)
     flops = (6 if not lora else 4) * params * tokens
-    del model, optimizer
+    model = optimizer = None  # frees them (not `del`: step() above names them)
     torch.cuda.empty_cache()
-    return {"lora": lora, "gradient_checkpointing": checkpointing, "batch": batch, "length": length, "parameters": params,
+    return {"lora": lora, "gradient_checkpointing": checkpointing, "batch": batch, "length": length,
+            "parameters": params,
             "trained_parameters": sum(p.numel() for p in trained), "seconds": seconds,
             "tokens_per_s": tokens / seconds, "model_flops_per_s": flops / seconds,
             "mfu_of_measured_matmul": flops / seconds / limits["bf16_matmul_flops"], "peak_allocated_bytes": peak}
@@ -143,7 +145,9 @@ def main() -> None:
     record["limits"] = ceilings()
     print(json.dumps(record["limits"]), flush=True)
     record["decode"] = [decode(record["limits"])]
-    try:  # transformers 5.17's static cache under CUDA graphs raised "accessing tensor output of CUDAGraphs that has been overwritten" on the H200
+    # transformers 5.17's static cache under CUDA graphs raised "accessing tensor output of CUDAGraphs that has
+    # been overwritten" on the H200
+    try:
         record["decode"].append(decode(record["limits"], compiled=True))
     except RuntimeError as e:
         record["decode"].append({"engine": "transformers generate (static cache, torch.compile reduce-overhead)",

@@ -44,7 +44,8 @@ Job = Callable[[Path], str]
 
 
 def _upstream(root: Path):
-    """The tiny world, its datasets, and SFT and reward checkpoints trained as the tests' `trained` fixture trains them."""
+    """The tiny world, its datasets, and SFT and reward checkpoints trained as the tests' `trained` fixture
+    trains them."""
     from rlhf.config import load_config
     from rlhf.demo_world import build_world
     from stages.runtime.models import load_tokenizer
@@ -75,11 +76,11 @@ def _outcome(call: Callable[[list[str]], object], folder: Path) -> str:
 def jobs(root: Path) -> dict[str, Job]:
     from rlhf.config import with_overrides
     from rlhf.config_common import LaunchConfig
+    from stages.common.reporting import Reporting
+    from stages.dpo import DPOInputs, train_dpo
     from stages.launch.call import call_stage
     from stages.launch.job import LaunchError
-    from stages.dpo import DPOInputs, train_dpo
     from stages.ppo import PPOInputs, train_ppo
-    from stages.common.reporting import Reporting
     from stages.reward import RewardInputs, train_reward
     from stages.sft import SFTInputs, train_sft
     from tests.stand_in_stages import KilledAfterFirstCheckpoint, ppo_killed_after_first_checkpoint
@@ -126,12 +127,15 @@ def jobs(root: Path) -> dict[str, Job]:
         "dpo-fsdp": stage(train_dpo, cfg.dpo.model_copy(update={"max_steps": 8, "batch_size": 8, "launch": fsdp}),
                           dpo_inputs),
         "ppo-fsdp": stage(train_ppo, ppo(fsdp, num_iterations=4, checkpoint_every=2), ppo_inputs),
-        "ppo-fsdp-reward-lora": stage(train_ppo, ppo(fsdp, num_iterations=4, checkpoint_every=2, critic={"kind": "reward-lora"},
-                                                     frozen_dtype="bfloat16"), ppo_inputs),
+        "ppo-fsdp-reward-lora": stage(train_ppo, ppo(fsdp, num_iterations=4, checkpoint_every=2,
+                                                     critic={"kind": "reward-lora"}, frozen_dtype="bfloat16"),
+                                      ppo_inputs),
         "ppo-fsdp-shared": stage(train_ppo, ppo(fsdp, critic={"kind": "shared"}, ref_refresh_every=2,
                                                 sharded_sampling="per_layer"), ppo_inputs),
         "ppo-fsdp-killed-resumed": killed_then_resumed,
-        "sft-lora-fsdp": stage(train_sft, sft_small.model_validate(sft_small.model_dump() | {"lora": {"r": 4}, "launch": fsdp.model_dump()}), sft_inputs),
+        "sft-lora-fsdp": stage(train_sft, sft_small.model_validate(sft_small.model_dump()
+                                                                   | {"lora": {"r": 4}, "launch": fsdp.model_dump()}),
+                               sft_inputs),
     }
 
 
@@ -141,7 +145,8 @@ def main() -> None:
     parser.add_argument("--jobs", nargs="*", help="only these jobs (default: all)")
     parser.add_argument("--tag", default="", help="suffix of the results file")
     parser.add_argument("--cores", type=Path, help="keep the core dump of a process that aborted here (run under "
-                        "`ulimit -c unlimited`; the kernel writes `core` into the launch's working folder, the repository)")
+                        "`ulimit -c unlimited`; the kernel writes `core` into the launch's working folder, the "
+                        "repository)")
     args = parser.parse_args()
 
     out = REPO / "bench" / "results" / f"launch-stress-{datetime.date.today()}{'-' + args.tag if args.tag else ''}.json"

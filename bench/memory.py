@@ -105,15 +105,14 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
 
     from rlhf.config import load_config, with_overrides
     from schemas.validate import LengthBudget, load_validated
-    from stages.launch.call import call_stage
-    from stages.memory.phases import Counts
-    from stages.memory.plan import FSDP_CONFIG, plan
-    from stages.memory.phases import Device
-    from stages.memory.shapes import GIB, RUNTIME_GIB, model_shape
-    from stages.runtime.models import load_tokenizer
-    from stages.ppo import PPOInputs, train_ppo
     from stages.common.reporting import Reporting
+    from stages.launch.call import call_stage
+    from stages.memory.phases import Counts, Device
+    from stages.memory.plan import FSDP_CONFIG, plan
+    from stages.memory.shapes import GIB, RUNTIME_GIB, model_shape
+    from stages.ppo import PPOInputs, train_ppo
     from stages.reward import RewardInputs, train_reward
+    from stages.runtime.models import load_tokenizer
     from stages.sft import SFTInputs, train_sft
 
     base = load_config("configs/tiny.yaml")
@@ -207,14 +206,16 @@ def main() -> None:
             r = rows[-1]
             print(f"{size} {stage} {lora} x{processes}: state {_gib(r['state_measured_gib'])} GiB measured, "
                   f"{r['state_planned_gib']:.3f} planned; peak {r['peak_measured_gib']:.3f} measured "
-                  f"({r['peak_rss_gib']:.3f} RSS), {r['peak_planned_gib']:.3f} planned (x{r['peak_ratio']:.2f})", flush=True)
+                  f"({r['peak_rss_gib']:.3f} RSS), {r['peak_planned_gib']:.3f} planned (x{r['peak_ratio']:.2f})",
+                  flush=True)
     print("\n| size | stage | | processes | state measured (GiB) | planned | error | peak measured (GiB) | planned "
           "| planned / measured | peak RSS (GiB) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         error = "-" if r["state_error"] is None else f"{r['state_error']:+.1%}"
         print(f"| {r['size']} | {r['stage']} | {'LoRA' if r['lora'] else 'full'} | {r['processes']} | "
-              f"{_gib(r['state_measured_gib'])} | {r['state_planned_gib']:.3f} | {error} | {r['peak_measured_gib']:.3f} | "
+              f"{_gib(r['state_measured_gib'])} | {r['state_planned_gib']:.3f} | {error} | "
+              f"{r['peak_measured_gib']:.3f} | "
               f"{r['peak_planned_gib']:.3f} | {r['peak_ratio']:.2f} | {r['peak_rss_gib']:.3f} |")
     out = REPO / "bench" / "results" / f"memory-{datetime.date.today().isoformat()}.json"
     out.write_text(json.dumps(rows, indent=2) + "\n")

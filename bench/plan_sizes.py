@@ -45,9 +45,8 @@ METHODS: dict[str, tuple[str, dict]] = {
 def fewest_gpus(model: str, stage: str, settings: dict, folder: Path) -> tuple[int | None, str, float]:
     """The fewest GPUs (FSDP2 above one) on which `stage` fits; its peak phase and GiB per GPU there."""
     from rlhf.config import load_config
-    from stages.memory.phases import Counts
+    from stages.memory.phases import Counts, Device
     from stages.memory.plan import plan
-    from stages.memory.phases import Device
     from stages.memory.shapes import GIB, model_shape
 
     location = str(write_config(folder / model, model))

@@ -418,8 +418,9 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens per iteration, {work.ppo_epochs} epochs x {work.minibatches} minibatches; {threads} threads; "
           f"{args.rounds} alternating rounds of {args.warmup} warm-up + {args.iterations} timed iterations each, "
           f"median over all timed iterations", flush=True)
-    common = [*(f"--set={item}" for item in args.set), "--config", args.config, "--warmup", str(args.warmup),
-              "--iterations", str(args.iterations), "--state", args.state] + [f"--{k.replace('_', '-')}={v}" for k, v in asdict(shape).items()]
+    common = ([*(f"--set={item}" for item in args.set), "--config", args.config, "--warmup", str(args.warmup),
+               "--iterations", str(args.iterations), "--state", args.state]
+              + [f"--{k.replace('_', '-')}={v}" for k, v in asdict(shape).items()])
     commands = {"ours": [sys.executable, "-m", "bench.ppo", "--role", "ours", *common]}
     if args.reference != "none":
         commands["trl"] = [args.reference, str(REPO / "bench" / "trl_reference.py"), "--assets", str(assets),

@@ -40,6 +40,7 @@ def _cluster(home: Path, port: int) -> tuple[dict, float]:
 
 
 def main() -> None:
+    from bench.launch_stress import _upstream
     from rlhf.config import with_overrides
     from rlhf.config_common import LaunchConfig
     from stages.common.reporting import Reporting
@@ -48,7 +49,6 @@ def main() -> None:
     from stages.ppo import PPOInputs, train_ppo
     from stages.reward import RewardInputs, train_reward
     from stages.sft import SFTInputs, train_sft
-    from bench.launch_stress import _upstream
     from tests.helpers import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -100,9 +100,11 @@ def main() -> None:
                     "runs": t | {"ray_launch_seconds": launch_seconds[stage]}}
             for stage, t in seconds.items()}
     lines = [f"Ray cluster start (2 raylets): {cluster_seconds:.1f} s", "",
-             "| stage (2 x FSDP2) | accelerate launch (s) | Ray gang (s) | Ray overhead (s) | Ray: driver start to rank 0 (s) |",
+             "| stage (2 x FSDP2) | accelerate launch (s) | Ray gang (s) | Ray overhead (s) "
+             "| Ray: driver start to rank 0 (s) |",
              "|---|---|---|---|---|"]
-    lines += [f"| {stage} | {r['local_s']:.1f} | {r['ray_s']:.1f} | {r['overhead_s']:+.1f} | {r['ray_launch_seconds']:.1f} |"
+    lines += [f"| {stage} | {r['local_s']:.1f} | {r['ray_s']:.1f} | {r['overhead_s']:+.1f} "
+              f"| {r['ray_launch_seconds']:.1f} |"
               for stage, r in rows.items()]
     print("\n".join(lines))
     out = REPO / "bench" / "results" / f"ray-launch-{datetime.date.today()}{'-' + args.tag if args.tag else ''}.json"

@@ -39,7 +39,8 @@ WORK = {"sampling.response_length": 64, "rollout_batch_size": 32, "num_iteration
         "num_minibatches": 1, "evaluation.every": None, "evaluation.samples_per_prompt": 1, "checkpoint_every": 100,
         "critic.kind": "reward", "missing_eos_score": None, "precision": "fp32", "micro_batch_size": None,
         "sampling.micro_batch_size": None, "max_prompt_length": 32}
-"""The PPO work of each engine: 32 responses per iteration (of up to `--ppo-response-lengths` tokens), one optimizer step."""
+"""The PPO work of each engine: 32 responses per iteration (of up to `--ppo-response-lengths` tokens), one
+optimizer step."""
 
 
 def sampling_rows(model: str, name: str, prompts: list[str], new_tokens: int, repeats: int) -> list[dict]:
@@ -48,10 +49,10 @@ def sampling_rows(model: str, name: str, prompts: list[str], new_tokens: int, re
     from transformers import AutoModelForCausalLM
 
     from rlhf.config_common import VLLMConfig
-    from stages.runtime.models import load_tokenizer, stop_token_ids
     from stages.common.tensors import response_mask
     from stages.engines.sampler import HFSampler, Sampling
     from stages.engines.vllm_server import VLLMSampler
+    from stages.runtime.models import load_tokenizer, stop_token_ids
 
     tokenizer = load_tokenizer(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
@@ -104,8 +105,8 @@ def ppo_row(variant: str, checkpoint: str, world: Path, work: Path, response_len
 
     from rlhf.config import load_config, with_overrides
     from schemas.validate import LengthBudget, load_validated
-    from stages.runtime.models import load_tokenizer
     from stages.ppo import PPOInputs, train_ppo
+    from stages.runtime.models import load_tokenizer
 
     overrides, threads = PPO_VARIANTS[variant]
     if threads is not None:
@@ -128,7 +129,8 @@ def ppo_row(variant: str, checkpoint: str, world: Path, work: Path, response_len
            **{key: mean(f"time/{key}") for key in phases}, "response_length": mean("rollout/response_length")}
     row["sampling_tokens_per_second"] = cfg.rollout_batch_size * row["response_length"] / row["generate"]
     # the server's sampling hidden behind the trainer's work: 1 - what the trainer waited for it / what it took
-    row["overlap"] = 1 - (row["rollout_wait"] + row["sampling_wait"]) / row["generate"] if cfg.rollout.max_staleness else 0.0
+    row["overlap"] = (1 - (row["rollout_wait"] + row["sampling_wait"]) / row["generate"] if cfg.rollout.max_staleness
+                      else 0.0)
     if variant != "hf":
         row["vllm_logprob_gap_max"] = max(h["rollout/vllm_logprob_gap_max"] for h in result.history)
         row["staleness"] = [h.get("rollout/staleness", 0.0) for h in result.history]
@@ -216,7 +218,8 @@ def main() -> None:
             print(f"| {r['response_length_limit']} | {r['engine']} | {r['trainer_threads']} | {r['iteration']:.1f} | "
                   f"{r['generate']:.1f} | {waits:.1f} | {r['forward']:.1f} | {r['score']:.1f} | {r['train']:.1f} | "
                   f"{r['weight_sync']:.2f} | {r['overlap']:.0%} | {r['stage_seconds']:.0f} s |")
-    out = REPO / "bench" / "results" / f"rollout-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
+    out = (REPO / "bench" / "results"
+           / f"rollout-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json")
     out.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "work": WORK,
                                "prompts": args.prompts, "new_tokens": args.new_tokens, "sampling": sampling,
                                "ppo": ppo}, indent=2) + "\n")

@@ -50,7 +50,8 @@ ENGINES: dict[str, dict] = {
                                       "sharded_sampling": "per_layer"},
     # The critic as adapters and a value head on the reward model the scorer holds: one copy of it, not two.
     "1 process, critic: reward-lora": {"launch": {"num_processes": 1}, "critic.kind": "reward-lora"},
-    "2 x FSDP2, critic: reward-lora": {"launch": {"num_processes": 2, "accelerate_config": "configs/accelerate/fsdp.yaml"},
+    "2 x FSDP2, critic: reward-lora": {"launch": {"num_processes": 2,
+                                                  "accelerate_config": "configs/accelerate/fsdp.yaml"},
                                        "sharded_sampling": "whole", "critic.kind": "reward-lora"},
 }
 """Each engine's `ppo` settings on top of `WORK`."""
@@ -136,7 +137,8 @@ def build_checkpoint(world: Path, folder: Path, hidden: int, layers: int) -> str
 
     tokenizer = load_tokenizer(str(world / "model"))
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 64 * 64,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden,
+                         intermediate_size=int(hidden * 8 / 3) // 64 * 64,
                          num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256,
                          max_position_embeddings=512, tie_word_embeddings=False,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
@@ -147,15 +149,14 @@ def build_checkpoint(world: Path, folder: Path, hidden: int, layers: int) -> str
 
 def run_engine(name: str, checkpoint: str, world: Path, work: Path) -> dict:
     """One engine's PPO run in this process (one process) or its launch (two); its row."""
-    from rlhf.config import load_config, with_overrides
-    from schemas.validate import LengthBudget, load_validated
-    from stages.launch.call import call_stage
-    from stages.runtime.models import load_tokenizer
-    from stages.ppo import PPOInputs
-    from stages.common.reporting import Reporting
-
     # By their importable name: the launched processes unpickle the call, and `python -m` runs this as __main__.
     from bench.scale import Measured, measured_ppo
+    from rlhf.config import load_config, with_overrides
+    from schemas.validate import LengthBudget, load_validated
+    from stages.common.reporting import Reporting
+    from stages.launch.call import call_stage
+    from stages.ppo import PPOInputs
+    from stages.runtime.models import load_tokenizer
 
     cfg = with_overrides(load_config("configs/tiny.yaml").ppo, WORK | ENGINES[name])
     tokenizer = load_tokenizer(checkpoint)
@@ -230,7 +231,8 @@ def main() -> None:
               f"{r['seconds_per_iteration']:.1f} | {r['sampling_tokens_per_second']:.1f} |")
     import torch
 
-    out = REPO / "bench" / "results" / f"scale-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json"
+    out = (REPO / "bench" / "results"
+           / f"scale-{datetime.date.today().isoformat()}{'-' + args.tag if args.tag else ''}.json")
     out.write_text(json.dumps({"hidden": args.hidden, "layers": args.layers, "work": WORK, "torch": torch.__version__,
                                "device": "cpu", "rows": rows}, indent=2) + "\n")
     print(f"\nwritten: {out.relative_to(REPO)}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import sys
@@ -35,10 +36,9 @@ def main() -> int:
     assets, work = Path(args.assets), Work(**json.loads(args.work))
 
     import torch
-    from datasets import Dataset
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                              TrainerCallback)
     import trl.experimental.ppo.ppo_trainer as trl_ppo
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     torch.set_num_threads(args.threads)
@@ -106,11 +106,11 @@ def main() -> int:
             reward_model=reward_model, value_model=value_like("reward"),
             train_dataset=dataset, eval_dataset=dataset.select(range(8)), callbacks=[clock])
         trainer.train()
-    seconds = [b - a for a, b in zip(clock.marks, clock.marks[1:])][args.warmup:]
+    seconds = [b - a for a, b in itertools.pairwise(clock.marks)][args.warmup:]
     assert len(seconds) == args.iterations, clock.marks
     # TRL does not report how many tokens it generated; every response counts in full (an upper bound).
     rows = [{"seconds": s, **p, "update": s - sum(p.values()), "generated_tokens": work.episodes * work.response_length}
-            for s, p in zip(seconds, clock.phases[args.warmup:])]
+            for s, p in zip(seconds, clock.phases[args.warmup:], strict=True)]
     print("RESULT=" + json.dumps({"rows": rows, "peak_memory_mb": peak_memory_mb()}))
     return 0
 

@@ -59,7 +59,8 @@ def _form(title: str, stage: str, config: type[BaseModel], dotted_names: list[st
         else:
             annotation = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
             description = field.description
-        fields[name] = (Optional[annotation], Field(None, description=description))
+        # Optional[] (not `annotation | None`): a type built at run time; Optional takes any type form as it is.
+        fields[name] = (Optional[annotation], Field(None, description=description))  # noqa: UP045
     form = create_model(title, __base__=StageForm,
                         __doc__=f"{stage} settings for this run: empty fields keep the config file's values.", **fields)
     form.stage, form.data_fields, form.paths = stage, frozenset(data_fields), paths

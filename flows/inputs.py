@@ -36,7 +36,8 @@ def length_budget(cfg: PipelineConfig, stage: str) -> LengthBudget:
 
 @dataclass(frozen=True)
 class TokenizerSource:
-    """A tokenizer the way a stage loads it: the model location, remote code, and the chat template given in the config."""
+    """A tokenizer the way a stage loads it: the model location, remote code, and the chat template given in the
+    config."""
 
     model: str
     trust_remote_code: bool
@@ -76,7 +77,8 @@ def data_inputs(cfg: PipelineConfig, stage: str) -> dict[str, DataInput]:
     else:
         kind, extra = "preference", {"normalization": DataInput(reward.normalization_prompts, "prompt", policy)}
         measured_by = (TokenizerSource(reward.model, reward.trust_remote_code, reward.chat_template) if reward.model
-                       else TokenizerSource(sft.model, sft.trust_remote_code, reward.chat_template or sft.chat_template))
+                       else TokenizerSource(sft.model, sft.trust_remote_code,
+                                            reward.chat_template or sft.chat_template))
     section = getattr(cfg, stage)
     found = {"train": DataInput(section.train_data, kind, measured_by)}
     if section.eval_data is not None:
@@ -217,7 +219,8 @@ def data_counts(cfg: PipelineConfig, world: str | None) -> Counts:
         except (DataContractError, ValueError):
             return None
 
-    return Counts(ppo_eval_prompts=count(cfg.ppo.evaluation.prompts), dpo_eval_prompts=count(cfg.dpo.evaluation.prompts),
+    return Counts(ppo_eval_prompts=count(cfg.ppo.evaluation.prompts),
+                  dpo_eval_prompts=count(cfg.dpo.evaluation.prompts),
                   reward_normalization_prompts=count(cfg.reward.normalization_prompts))
 
 

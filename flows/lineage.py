@@ -28,7 +28,8 @@ AVAILABLE_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo", "dpo")
 RLHF_STAGES: tuple[StageName, ...] = ("sft", "reward", "ppo")
 """The classic pipeline, what a flow run runs when no stages are named."""
 UPSTREAM: dict[str, tuple[StageName, ...]] = {"sft": (), "reward": ("sft",), "ppo": ("sft", "reward"), "dpo": ("sft",)}
-"""The stages whose results each stage starts from (`upstream_stages`: PPO without a reward model needs no reward run)."""
+"""The stages whose results each stage starts from (`upstream_stages`: PPO without a reward model needs no reward
+run)."""
 
 
 def upstream_stages(stage: StageName, cfg: PipelineConfig) -> tuple[StageName, ...]:
@@ -114,7 +115,8 @@ def _work(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str
 
 
 def stage_vllm(stage: str, cfg: PipelineConfig) -> Path | None:
-    """The vLLM environment's Python where `stage` samples on vLLM (its version is then part of the stack), else None."""
+    """The vLLM environment's Python where `stage` samples on vLLM (its version is then part of the stack), else
+    None."""
     section = getattr(cfg, stage)
     return vllm_python(section.vllm) if getattr(section, "rollout_engine", "hf") == "vllm" else None
 
@@ -131,13 +133,15 @@ def stack_changes(stage: str, cfg: PipelineConfig, earlier_run) -> str:
     tags = earlier_run.data.tags
     before = {name: tags.get(stack.TAG + name, "unrecorded") for name in now if name != "environment"}
     before["environment"] = "locked" if tags.get(stack.TAG + "locked") == "true" else "unlocked"
-    return "; ".join(stack.changes(before, now)) or "the stack's tags are unchanged (the earlier run recorded another key)"
+    return ("; ".join(stack.changes(before, now))
+            or "the stack's tags are unchanged (the earlier run recorded another key)")
 
 
 def reused_record(stage: StageName, run) -> StageRecord:
     """The record of an earlier finished MLflow run that stands in for `stage`."""
     tags = run.data.tags
-    return StageRecord(stage=stage, run_id=run.info.run_id, checkpoint_uri=f"runs:/{run.info.run_id}/{tracking.CHECKPOINT_PATH}",
+    return StageRecord(stage=stage, run_id=run.info.run_id,
+                       checkpoint_uri=f"runs:/{run.info.run_id}/{tracking.CHECKPOINT_PATH}",
                        config_hash=tags[tracking.TAG_CONFIG_HASH], data_digest=tags.get(tracking.TAG_DATA_DIGEST, ""),
                        checkpoint_digest=tags.get(tracking.TAG_CHECKPOINT_DIGEST, ""), metrics=run.data.metrics,
                        warnings=int(tags.get(tracking.TAG_WARNINGS, 0)), reused=True)
@@ -176,7 +180,8 @@ LATEST_ANY = "latest whatever its config, as upstream.any_config asks"
 FROM_SFT = "latest with this config trained from that SFT run"
 FROM_SFT_ANY = "latest trained from that SFT run whatever its config, as upstream.any_config asks"
 OWN = "its own upstream"
-SEPARATE_REWARD_MODEL = "reward.model makes the reward model a separate model, so its run need not come from this SFT run"
+SEPARATE_REWARD_MODEL = ("reward.model makes the reward model a separate model, so its run need not come from this "
+                         "SFT run")
 
 
 @dataclass(frozen=True)
@@ -199,7 +204,8 @@ class Upstream:
         return {name: c.run.info.run_id for name, c in self.chosen.items()}
 
     def describe(self) -> str:
-        """`reward run `reward · mature-goose` (latest with this config); SFT run `sft · mature-goose` (its own upstream)`."""
+        """`reward run `reward · mature-goose` (latest with this config); SFT run `sft · mature-goose` (its own
+        upstream)`."""
         return "; ".join(f"{LABELS[name]} run `{_name(c.run)}` ({c.why})" for name, c in self.chosen.items())
 
 
@@ -241,7 +247,8 @@ def upstream_runs(stage: StageName, records: dict[str, StageRecord], given: dict
         if sft is None:
             own = runs.get(own_id) if own_id else None
             if own is None:
-                raise LookupError(f"stage {stage}: reward run `{_name(reward.run)}` ({reward.run.info.run_id}) names no "
+                raise LookupError(f"stage {stage}: reward run `{_name(reward.run)}` ({reward.run.info.run_id}) "
+                                  f"names no "
                                   f"SFT run that still exists as the one it was trained from (tag "
                                   f"{tracking.TAG_UPSTREAM}sft: {own_id or 'none'}); pass upstream.sft_run_id")
             return Upstream({"reward": reward, "sft": Chosen(own, OWN)})
@@ -261,7 +268,8 @@ def upstream_runs(stage: StageName, records: dict[str, StageRecord], given: dict
     for candidate in runs.finished("reward", wanted["reward"]):
         own = fitting_sft.get(candidate.data.tags.get(tracking.TAG_UPSTREAM + "sft", ""))
         if own is not None:
-            return Upstream({"reward": Chosen(candidate, LATEST_ANY if any_config else LATEST), "sft": Chosen(own, OWN)})
+            return Upstream({"reward": Chosen(candidate, LATEST_ANY if any_config else LATEST),
+                             "sft": Chosen(own, OWN)})
     raise LookupError(_nothing_fits(stage, "reward", cfg, runs, any_config))
 
 
@@ -297,13 +305,16 @@ def _nothing_fits(stage: str, name: str, cfg: PipelineConfig, runs: Runs, any_co
     """Why no `name` run fits, the nearest candidates and what to do."""
     recent = runs.finished(name)
     if sft is not None:
-        recent = [run for run in recent if run.data.tags.get(tracking.TAG_UPSTREAM + "sft") == sft.run.info.run_id] or recent
-    wanted = "" if any_config else f" made with this config's {name} section (rlhf.config_hash {config_hash(getattr(cfg, name))})"
+        recent = [run for run in recent
+                  if run.data.tags.get(tracking.TAG_UPSTREAM + "sft") == sft.run.info.run_id] or recent
+    wanted = ("" if any_config
+              else f" made with this config's {name} section (rlhf.config_hash {config_hash(getattr(cfg, name))})")
     if sft is not None:
         wanted += f" trained from SFT run `{_name(sft.run)}` ({sft.run.info.run_id})"
     elif name == "reward" and not any_config:
         wanted += f" from an SFT run made with its sft section (rlhf.config_hash {config_hash(cfg.sft)})"
-    todo = (f"Run rlhf/{name} with this config first" + (" (rlhf/full for both stages)" if name == "reward" and sft is None else "")
+    todo = (f"Run rlhf/{name} with this config first"
+            + (" (rlhf/full for both stages)" if name == "reward" and sft is None else "")
             + (f" with upstream.sft_run_id {sft.run.info.run_id}" if sft is not None else "")
             + f", or pass upstream.{name}_run_id" + ("" if any_config else "; upstream.any_config takes the latest "
                                                      "run whatever its config"))
@@ -315,7 +326,8 @@ def _nothing_fits(stage: str, name: str, cfg: PipelineConfig, runs: Runs, any_co
 
 
 def _candidate(run, runs: Runs) -> str:
-    """`reward · mature-goose` (configs/tiny.yaml, 2026-11-23 18:02 UTC, reward section 1a2b3c4d5e6f, from SFT run ...)."""
+    """`reward · mature-goose` (configs/tiny.yaml, 2026-11-23 18:02 UTC, reward section 1a2b3c4d5e6f, from SFT
+    run ...)."""
     tags = run.data.tags
     pipeline = runs.get(tags[tracking.TAG_PIPELINE]) if tags.get(tracking.TAG_PIPELINE) else None
     made = pipeline.data.tags if pipeline is not None else {}

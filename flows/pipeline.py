@@ -173,7 +173,8 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
         if section.reward.functions:  # which functions, and which source of each, made this run's reward
             digests = source_digests(section.reward)
             mlflow.set_tag(tracking.TAG_REWARD_FUNCTIONS, ", ".join(
-                f"{t.name}={t.function} (weight {t.weight:g}, source {digests[t.name][:12]})" for t in section.reward.functions))
+                f"{t.name}={t.function} (weight {t.weight:g}, source {digests[t.name][:12]})"
+                for t in section.reward.functions))
         tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
         train = logged_prompts(ctx.config, "ppo", "prompts", "prompts", ctx.world, tokenizer)
         evaluation = logged_prompts(ctx.config, "ppo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)
@@ -254,6 +255,8 @@ def close_crashed_runs(flow, flow_run, state) -> None:
 
 
 # The defaults are the run form's, which Prefect shows as they are; the flow never mutates them (B006, B008).
+# Each line of the docstring's Args is a form field's description, which Prefect reads line by line (a line
+# broken there would show broken in the form): they stay long (E501).
 @flow(name="rlhf", on_crashed=[close_crashed_runs])
 def rlhf(
     stages: list[StageName] = list(RLHF_STAGES),  # noqa: B006
@@ -278,11 +281,12 @@ def rlhf(
         overrides: Any other config field by dotted name, applied last, e.g. {"ppo.evaluation.kl_budget": 8, "ppo.lora": {"r": 16}}; the README's configuration reference lists every field.
         upstream: Upstream runs for a stage run alone; empty: the latest finished runs made with this config's sft and reward sections that belong together (PPO: a reward run and the SFT run it was trained from); the flow's log and the stage run's description say which and why.
         use_cache: Reuse a finished run with the same config, data, code and upstream runs instead of running the stage again.
-    """
+    """  # noqa: E501
     logger = get_run_logger()
     missing = [s for s in stages if s not in AVAILABLE_STAGES]
     if missing:
-        return refuse(f"stage(s) {', '.join(missing)} not available in this version; available: {', '.join(AVAILABLE_STAGES)}")
+        return refuse(f"stage(s) {', '.join(missing)} not available in this version; "
+                      f"available: {', '.join(AVAILABLE_STAGES)}")
     overrides = form_overrides(sft, reward, ppo, dpo) | overrides
     try:
         cfg = load_config(config_file, overrides)
@@ -339,6 +343,13 @@ def warn_if_stale(logger, stage: StageName, cfg: PipelineConfig, work: str) -> N
                        stale[0].info.run_id, stack_changes(stage, cfg, stale[0]))
 
 
+def warn_if_unregistered(logger, stage: StageName, cfg: PipelineConfig, cached) -> None:
+    """Say so when a reused PPO or DPO run registered no policy though the registry is on."""
+    if stage in ("ppo", "dpo") and cfg.registry.enabled and tracking.TAG_REGISTERED_MODEL not in cached.data.tags:
+        logger.warning("%s: the reused run %s registered no policy (it ran with registry.enabled false); "
+                       "rerun with use_cache false to register one", stage, cached.info.run_id)
+
+
 def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request, world: str | None,
                 memory: Plan | None) -> list[StageRecord] | State:
     """The stages in pipeline order under one MLflow pipeline run: each starts from the records
@@ -378,9 +389,7 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request,
             MlflowClient().set_tag(parent_run_id, tracking.TAG_REUSED + name, cached.info.run_id)
             logger.info("%s: reusing finished run %s (same config, data, code and upstream runs)", name,
                         cached.info.run_id)
-            if name in ("ppo", "dpo") and cfg.registry.enabled and tracking.TAG_REGISTERED_MODEL not in cached.data.tags:
-                logger.warning("%s: the reused run %s registered no policy (it ran with registry.enabled false); "
-                               "rerun with use_cache false to register one", name, cached.info.run_id)
+            warn_if_unregistered(logger, name, cfg, cached)
             return reused_record(name, cached)
         if request.use_cache:
             warn_if_stale(logger, name, cfg, work)
@@ -391,7 +400,8 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request,
         if not state.is_completed():
             raise StageFailed(f"stage {name} failed: {state.message}")
         record = state.result()
-        logger.info("%s run %s: %s", name, record.run_id, ", ".join(f"{k}={v:.4g}" for k, v in sorted(record.metrics.items())))
+        logger.info("%s run %s: %s", name, record.run_id,
+                    ", ".join(f"{k}={v:.4g}" for k, v in sorted(record.metrics.items())))
         return record
 
     ok = False

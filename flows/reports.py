@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timezone
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import mlflow
@@ -201,7 +201,7 @@ def evaluation_report(table: pd.DataFrame, metrics: dict[str, float], warnings: 
     mlflow.log_table(table.drop(columns=["prompt", "prompt_messages"]).assign(user=users), "evaluation.json")
     mlflow.log_text("\n".join(warnings) or "no warnings", "warnings.txt")
     return [{"user": u, "response": f"{r}  (SFT: {s})"} for u, r, s in
-            zip(users[:4], table["policy_response"].head(4), table["sft_response"].head(4))]
+            zip(users[:4], table["policy_response"].head(4), table["sft_response"].head(4), strict=True)]
 
 
 def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: GoldJudgments | None,
@@ -225,12 +225,14 @@ def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: Gol
 def log_overhead(parent_run_id: str, ran: list[StageRecord]) -> None:
     """Wall time since the flow run was requested against the stages' own work: what Prefect,
     MLflow, data validation, artifact transfer and process start-up cost, on the pipeline run."""
-    wall = (datetime.now(timezone.utc) - get_run_context().flow_run.created).total_seconds()
+    wall = (datetime.now(UTC) - get_run_context().flow_run.created).total_seconds()
     work = sum(r.metrics.get(STAGE_SECONDS, 0.0) for r in ran)
     figures = {"time/wall_seconds": wall, "time/stage_work_seconds": work,
                "time/orchestration_seconds": wall - work, "time/orchestration_share": (wall - work) / wall}
-    MlflowClient().log_batch(parent_run_id, metrics=[Metric(k, v, int(time.time() * 1000), 0) for k, v in figures.items()])
-    get_run_logger().info("orchestration: %.1f s of %.1f s since the run was requested (%.0f%%); stages' own work %.1f s",
+    MlflowClient().log_batch(parent_run_id,
+                             metrics=[Metric(k, v, int(time.time() * 1000), 0) for k, v in figures.items()])
+    get_run_logger().info("orchestration: %.1f s of %.1f s since the run was requested (%.0f%%); "
+                          "stages' own work %.1f s",
                           wall - work, wall, 100 * (wall - work) / wall, work)
 
 

@@ -58,7 +58,8 @@ class StageMemory:
     """A stage's memory plan as its run logs it."""
 
     figures: dict[str, float]
-    """`plan/predicted_peak_gib` (per process), `plan/state_gib` (weights, gradients, optimizer), `plan/fits` (1 or 0)."""
+    """`plan/predicted_peak_gib` (per process), `plan/state_gib` (weights, gradients, optimizer), `plan/fits`
+    (1 or 0)."""
     table: str
     """The plan in Markdown (`memory_plan.md` on the run)."""
 
@@ -165,7 +166,8 @@ class StageRun:
                          **callbacks)
 
     def params(self, values: dict) -> None:
-        MlflowClient().log_batch(self.run_id, params=[Param(name, param_value(value)) for name, value in values.items()])
+        MlflowClient().log_batch(self.run_id,
+                                 params=[Param(name, param_value(value)) for name, value in values.items()])
 
 
 @contextmanager
@@ -239,7 +241,8 @@ class StageJob:
     """The held-out prompts' digest a policy is registered under (PPO, DPO); None: nothing to register."""
 
 
-def run_stage(stage: StageName, ctx: StageContext, unit: str, prepare: Callable[[StageRun], StageJob]) -> StageRecord | State:
+def run_stage(stage: StageName, ctx: StageContext, unit: str,
+              prepare: Callable[[StageRun], StageJob]) -> StageRecord | State:
     """The stage's task body: its run (`stage_run`), `prepare` inside it, the stage called on the
     processes its config asks for and timed (`time/stage_seconds`), its tags, report and `finish`,
     the policy registered when `prepare` says so and the config allows. A user error (bad data, a
@@ -297,7 +300,8 @@ def register(ctx: StageContext, method: StageName, run_id: str, checkpoint: Path
     registration = tracking.register_policy(run_id, checkpoint, registry.model_name, registry.champion_alias, tags,
                                             evaluation_key, figure, metrics.get(figure, float("nan")))
     mlflow.set_tag(tracking.TAG_REGISTERED_MODEL, f"{registry.model_name}/{registration.version}")
-    get_run_logger().info("registered %s version %s; %s", registry.model_name, registration.version, registration.reason)
+    get_run_logger().info("registered %s version %s; %s", registry.model_name, registration.version,
+                          registration.reason)
 
 
 def method_name(cfg: PipelineConfig, stage: StageName) -> str:

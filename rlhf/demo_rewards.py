@@ -13,7 +13,7 @@ def names_the_subject(prompts: list[list[dict]], responses: list[str]) -> list[f
     """-1 for a response that does not name the thing its prompt asks about ("Describe my dog." ->
     "dog"), 0 for one that does; None (no reward) where the prompt names nothing this rule can find."""
     values: list[float | None] = []
-    for messages, response in zip(prompts, responses):
+    for messages, response in zip(prompts, responses, strict=True):
         asked = _ASKED_ABOUT.search(messages[-1]["content"])
         if asked is None:
             values.append(None)

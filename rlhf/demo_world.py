@@ -89,7 +89,8 @@ def _prompt(rng: random.Random) -> tuple[str, str]:
 
 
 def _distinct_prompts(rng: random.Random, n: int) -> list[str]:
-    every = [t.format(d, s) + e for t in PROMPT_TEMPLATES for d in DETERMINERS for s in SUBJECTS for e in PROMPT_ENDINGS]
+    every = [t.format(d, s) + e
+             for t in PROMPT_TEMPLATES for d in DETERMINERS for s in SUBJECTS for e in PROMPT_ENDINGS]
     if n > len(every):
         raise ValueError(f"the demo world has {len(every)} distinct prompts; {n} were asked for")
     return rng.sample(every, n)

@@ -12,7 +12,7 @@ def curves(history: list[dict[str, float]], keys: list[str], title: str):
     """One panel per metric against the iteration number."""
     figure, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.2), squeeze=False)
     iterations = [row["iteration"] for row in history]
-    for axis, key in zip(axes[0], keys):
+    for axis, key in zip(axes[0], keys, strict=True):
         axis.plot(iterations, [row.get(key, float("nan")) for row in history], linewidth=1.5)
         axis.set_title(key)
         axis.set_xlabel("iteration")
@@ -34,7 +34,7 @@ def overoptimization(history: list[dict[str, float]], gold: dict[int, float], wi
               ("gold reward", [gold[row["iteration"]] for row in rows], "tab:green"))
     figure, proxy_axis = plt.subplots(figsize=(6.4, 4.2))
     gold_axis = proxy_axis.twinx()
-    for axis, (label, values, color) in zip((proxy_axis, gold_axis), series):
+    for axis, (label, values, color) in zip((proxy_axis, gold_axis), series, strict=True):
         axis.scatter(kl, values, color=color, alpha=0.25, s=10)
         axis.plot(running_mean(kl, window), running_mean(values, window), color=color, linewidth=1.8, label=label)
         axis.set_ylabel(label, color=color)

@@ -54,7 +54,8 @@ TAG_REGISTERED_MODEL = "rlhf.registered_model"  # on a PPO or DPO run -> `<regis
 TAG_REWARD_FUNCTIONS = "rlhf.reward_functions"  # on a PPO run: its reward's function terms, weights and source digests
 TAG_NOTE = "mlflow.note.content"  # the run's description, shown on its overview page
 CHECKPOINT_PATH = "checkpoint"
-ENVIRONMENT_PATH = "environment.txt"  # on a stage run: every installed package, `name==version` (normalized names), sorted
+# on a stage run: every installed package, `name==version` (normalized names), sorted
+ENVIRONMENT_PATH = "environment.txt"
 DATA_PATH = "data"
 
 
@@ -236,14 +237,16 @@ def log_data(frame: pd.DataFrame, name: str, source: str, digest: str, context: 
         path = Path(tmp) / f"{name}.parquet"
         frame.to_parquet(path)
         mlflow.log_artifact(str(path), DATA_PATH)
-    dataset = mlflow.data.from_pandas(frame.reset_index(drop=True), source=redact(source), name=name, digest=digest[:32])
+    dataset = mlflow.data.from_pandas(frame.reset_index(drop=True), source=redact(source), name=name,
+                                      digest=digest[:32])
     mlflow.log_input(dataset, context=context)
 
 
 def download_checkpoint(run_id: str, dst: Path) -> Path:
     """An upstream stage's checkpoint, fetched through MLflow (never a local side path)."""
     dst.mkdir(parents=True, exist_ok=True)
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=f"runs:/{run_id}/{CHECKPOINT_PATH}", dst_path=str(dst)))
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=f"runs:/{run_id}/{CHECKPOINT_PATH}",
+                                                    dst_path=str(dst)))
 
 
 def finished_runs(experiment_name: str, stage: str, tags: dict[str, str] | None = None, max_results: int = 1000):
@@ -285,7 +288,8 @@ _MODEL_TRAINING_VIEW = "?workflowType=machine_learning"
 
 
 def experiment_url(experiment_id: str) -> str | None:
-    """Link to the experiment's runs table in the MLflow UI (Model-training view), when tracking goes through a server."""
+    """Link to the experiment's runs table in the MLflow UI (Model-training view), when tracking goes through a
+    server."""
     uri = mlflow.get_tracking_uri()
     if not uri.startswith("http"):
         return None
@@ -377,7 +381,8 @@ def register_policy(run_id: str, checkpoint: Path, model_name: str, alias: str, 
     client = MlflowClient()
     version = str(info.registered_model_version)
     value = float(f"{value:.6g}")  # as the tag holds it, so a tie with the holder's tag is a tie
-    for key, text in {**tags, TAG_EVALUATION_KEY: evaluation_key, TAG_JUDGED_BY: figure, figure: f"{value:.6g}"}.items():
+    for key, text in {**tags, TAG_EVALUATION_KEY: evaluation_key, TAG_JUDGED_BY: figure,
+                      figure: f"{value:.6g}"}.items():
         client.set_model_version_tag(model_name, version, key, redact(str(text)))
     holder = alias_holder(model_name, alias)
     held = float(holder.tags.get(figure, "nan")) if holder is not None else math.nan
@@ -402,7 +407,8 @@ def register_policy(run_id: str, checkpoint: Path, model_name: str, alias: str, 
 _SECRETS = [
     # user:password@, also after a path library collapsed the URI's "//"
     (re.compile(r"(?P<keep>[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2}[^/\s:@]+:)[^@\s/]+@"), r"\g<keep>***@"),
-    (re.compile(r"(?P<keep>(?:token|key|secret|password|passwd|sig|signature|credential)s?=)[^&\s\"']+", re.I), r"\g<keep>***"),
+    (re.compile(r"(?P<keep>(?:token|key|secret|password|passwd|sig|signature|credential)s?=)[^&\s\"']+", re.I),
+     r"\g<keep>***"),
     (re.compile(r"\bhf_[A-Za-z0-9]{20,}\b"), "hf_***"),  # Hugging Face access tokens
 ]
 

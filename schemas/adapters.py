@@ -72,7 +72,8 @@ def parse_hh(transcript: Any, column: str) -> Messages:
     if parts[0].strip() or len(parts) < 3:
         raise _RowError(column, "not an HH transcript: expected '\\n\\nHuman: ... \\n\\nAssistant: ...'")
     roles = {"Human": "user", "Assistant": "assistant"}
-    return [{"role": roles[speaker], "content": text.strip()} for speaker, text in zip(parts[1::2], parts[2::2])]
+    return [{"role": roles[speaker], "content": text.strip()}
+            for speaker, text in zip(parts[1::2], parts[2::2], strict=True)]
 
 
 def last_user_message(messages: Messages) -> str:

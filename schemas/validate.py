@@ -89,15 +89,17 @@ def _contract_problems(error: pa.errors.SchemaErrors) -> list[Problem]:
 def _length_problems(frame: pd.DataFrame, kind: str, tokenizer, budget: LengthBudget) -> list[Problem]:
     problems = []
     prompt_lengths = [len(ids) for ids in tokenizer(list(frame["prompt"]), add_special_tokens=False)["input_ids"]]
-    for row, n in zip(frame.index, prompt_lengths):
+    for row, n in zip(frame.index, prompt_lengths, strict=True):
         if n > budget.max_prompt_length:
-            problems.append(Problem(int(row), "prompt", f"{n} tokens, over the prompt budget of {budget.max_prompt_length}"))
+            problems.append(Problem(int(row), "prompt",
+                                    f"{n} tokens, over the prompt budget of {budget.max_prompt_length}"))
     for column in REPLY_COLUMNS[kind]:
         reply = tokenizer(list(frame[column]), add_special_tokens=False)["input_ids"]
-        for row, n_prompt, ids in zip(frame.index, prompt_lengths, reply):
+        for row, n_prompt, ids in zip(frame.index, prompt_lengths, reply, strict=True):
             total = n_prompt + len(ids) + 1
             if total > budget.max_length:
-                problems.append(Problem(int(row), column, f"{total} tokens with the prompt, over the budget of {budget.max_length}"))
+                problems.append(Problem(int(row), column,
+                                        f"{total} tokens with the prompt, over the budget of {budget.max_length}"))
     return problems
 
 
@@ -140,9 +142,11 @@ def load_validated(
     fmt = detect_format(raw, kind) if format == "auto" else format
     if (fmt, kind) not in REQUIRED:
         raise DataContractError(source, [Problem(None, None, f"format {fmt!r} does not apply to {kind} data")])
-    missing = [c for c in REQUIRED[fmt, kind] if c not in raw.columns and not (c == "response" and "completion" in raw.columns)]
+    missing = [c for c in REQUIRED[fmt, kind]
+               if c not in raw.columns and not (c == "response" and "completion" in raw.columns)]
     if missing:
-        problems = [Problem(None, c, f"missing column (the {fmt} format needs {', '.join(REQUIRED[fmt, kind])})") for c in missing]
+        problems = [Problem(None, c, f"missing column (the {fmt} format needs {', '.join(REQUIRED[fmt, kind])})")
+                    for c in missing]
         raise DataContractError(source, problems, unit)
 
     frame, problems = ADAPTERS[fmt](raw, kind)

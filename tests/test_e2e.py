@@ -117,7 +117,7 @@ def test_bad_inputs_fail_their_deployment_runs_with_one_clear_error_and_no_run(s
         requests.append((deployment, {"config_file": "configs/tiny.yaml", "overrides": {field: str(BAD / name)}}))
     states = submit_and_wait(stack, requests)
 
-    for (name, kind, expected), (state, message, _) in zip(CORPUS, states):
+    for (name, kind, expected), (state, message, _) in zip(CORPUS, states, strict=True):
         stage = READER[kind][0].removeprefix("rlhf/")
         assert state == "FAILED", (name, state, message)
         assert message.startswith(f"{stage} stage: {BAD / name}:"), (name, message)
@@ -158,7 +158,8 @@ def test_full_deployment_with_every_stage_sharded_registers_a_loadable_policy(st
     assert runs["reward"].data.tags["rlhf.upstream.sft"] == runs["sft"].info.run_id
     assert len(client.get_metric_history(runs["ppo"].info.run_id, "rollout/score")) > 1
     assert "eval/gold_win_rate" in runs["ppo"].data.metrics
-    assert {"checkpoint", "samples", "evaluation.json"} <= {a.path for a in client.list_artifacts(runs["ppo"].info.run_id)}
+    assert {"checkpoint", "samples", "evaluation.json"} <= {a.path
+                                                             for a in client.list_artifacts(runs["ppo"].info.run_id)}
     assert "samples.json" in {a.path for a in client.list_artifacts(runs["sft"].info.run_id)}
 
     import mlflow

@@ -22,8 +22,8 @@ def test_win_rate_counts_ties_half_and_takes_its_error_over_prompts():
 def test_the_sft_baseline_is_the_same_for_runs_with_different_training_seeds(tiny_config, trained):
     from rlhf.config import with_overrides
     from stages.rl.evaluation import HeldOut, evaluate
-    from stages.rl.ppo_rollout import policy_sampler
     from stages.rl.ppo_models import load_models
+    from stages.rl.ppo_rollout import policy_sampler
 
     tables = []
     for seed in (0, 1):

@@ -122,7 +122,8 @@ def test_two_pipeline_runs_at_once_keep_their_files_and_runs_apart(stack):
     client = mlflow_client(stack)
     digests, sft_spans = [], []
     for _, _, flow_run_id in states:
-        (pipeline,) = _runs(stack, f"tags.`{tracking.TAG_PREFECT_FLOW_RUN}` = '{flow_run_id}' and tags.`rlhf.stages` != ''")
+        (pipeline,) = _runs(stack,
+                            f"tags.`{tracking.TAG_PREFECT_FLOW_RUN}` = '{flow_run_id}' and tags.`rlhf.stages` != ''")
         stage_runs = {r.data.tags[tracking.TAG_STAGE]: r for r in
                       _runs(stack, f"tags.`{tracking.TAG_PIPELINE}` = '{pipeline.info.run_id}'")}
         assert sorted(stage_runs) == ["ppo", "reward", "sft"]

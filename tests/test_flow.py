@@ -195,7 +195,8 @@ def test_ppo_run_has_lineage_curves_samples_plots_and_a_registered_policy(finish
     assert ppo.run_id in {v.run_id for v in versions}
     assert run.data.tags["rlhf.registered_model"].startswith("rlhf-policy/")
     version = client.get_model_version("rlhf-policy", run.data.tags["rlhf.registered_model"].split("/")[1])
-    assert version.tags["rlhf.method"] == "ppo" and version.tags["rlhf.pipeline_run_id"] == run.data.tags["rlhf.pipeline_run_id"]
+    assert (version.tags["rlhf.method"] == "ppo"
+            and version.tags["rlhf.pipeline_run_id"] == run.data.tags["rlhf.pipeline_run_id"])
     assert float(version.tags["eval/gold_win_rate"]) == pytest.approx(run.data.metrics["eval/gold_win_rate"], rel=1e-5)
     assert version.tags[tracking.TAG_CONFIG_HASH] == ppo.config_hash
 
@@ -205,15 +206,19 @@ def test_runs_are_named_after_config_and_flow_run_and_described(finished):
     runs = [client.get_run(record.run_id) for record in finished]
     parent = client.get_run(runs[0].data.tags["mlflow.parentRunId"])
     label = parent.info.run_name.removeprefix("tiny · ")
-    assert label != parent.info.run_name and [r.info.run_name for r in runs] == [f"{s} · {label}" for s in ("sft", "reward", "ppo")]
+    assert label != parent.info.run_name and [r.info.run_name for r in runs] == [f"{s} · {label}"
+                                                                                for s in ("sft", "reward", "ppo")]
     # the resolved config, field by field and whole
-    assert parent.data.params["ppo.learning_rate"] == "0.0003" and parent.data.params["sft.train_data.path"] == "demo:sft"
+    assert (parent.data.params["ppo.learning_rate"] == "0.0003"
+            and parent.data.params["sft.train_data.path"] == "demo:sft")
     config = yaml.safe_load(mlflow.artifacts.load_text(f"runs:/{parent.info.run_id}/config.yaml"))
     assert config["ppo"]["num_iterations"] == 3 and config["registry"]["model_name"] == "rlhf-policy"
     note = parent.data.tags["mlflow.note.content"]
-    assert note.startswith("Config `configs/tiny.yaml`, no overrides.") and "| ppo |" in note and "gold_win_rate" in note
+    assert (note.startswith("Config `configs/tiny.yaml`, no overrides.") and "| ppo |" in note
+            and "gold_win_rate" in note)
     ppo_note = runs[2].data.tags["mlflow.note.content"]
-    assert ppo_note.startswith("**ppo**: gold_win_rate ") and runs[2].data.tags["rlhf.warnings"] == str(finished[2].warnings)
+    assert (ppo_note.startswith("**ppo**: gold_win_rate ")
+            and runs[2].data.tags["rlhf.warnings"] == str(finished[2].warnings))
     # system metrics: sampled while the stage ran
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(runs[2].data.metrics)
     # samples show what the user said, not the chat template
@@ -307,7 +312,8 @@ def test_stages_alone_start_from_coherent_runs_of_their_own_config_among_other_m
 
     def upstream(record) -> dict[str, str]:
         tags = client.get_run(record.run_id).data.tags
-        return {k.removeprefix(tracking.TAG_UPSTREAM): v for k, v in tags.items() if k.startswith(tracking.TAG_UPSTREAM)}
+        return {k.removeprefix(tracking.TAG_UPSTREAM): v
+                for k, v in tags.items() if k.startswith(tracking.TAG_UPSTREAM)}
 
     def name(record) -> str:
         return client.get_run(record.run_id).info.run_name
@@ -491,8 +497,8 @@ def test_redaction_patterns():
 
 
 def test_summary_lists_ran_and_reused_stage_runs(finished, capsys):
-    from flows.pipeline import rlhf
     from flows.cli import main as cli
+    from flows.pipeline import rlhf
 
     rlhf(config_file="configs/tiny.yaml")  # everything reused
     assert cli(["summary"]) == 0
@@ -508,12 +514,14 @@ def test_every_stage_on_two_processes_logs_to_its_run_like_one_process(finished)
     two = {f"{stage}.launch.num_processes": 2 for stage in ("sft", "reward", "ppo")}
     sft, reward, ppo = rlhf(config_file="configs/tiny.yaml", overrides={"experiment": "rlhf-two", **two})
     client = MlflowClient()
-    for record, one in zip((sft, reward, ppo), finished):
+    for record, one in zip((sft, reward, ppo), finished, strict=True):
         run = client.get_run(record.run_id)
         assert run.info.status == "FINISHED" and run.data.params["launch.num_processes"] == "2"
         assert set(one.metrics) <= set(record.metrics), record.stage
-        assert {a.path for a in client.list_artifacts(one.run_id)} == {a.path for a in client.list_artifacts(record.run_id)}
-    assert len(client.get_metric_history(sft.run_id, "train/loss")) == len(client.get_metric_history(finished[0].run_id, "train/loss"))
+        assert ({a.path for a in client.list_artifacts(one.run_id)}
+                == {a.path for a in client.list_artifacts(record.run_id)})
+    assert (len(client.get_metric_history(sft.run_id, "train/loss"))
+            == len(client.get_metric_history(finished[0].run_id, "train/loss")))
     assert len(client.get_metric_history(ppo.run_id, "rollout/score")) == 3
     assert abs(sft.metrics["eval/loss"] - finished[0].metrics["eval/loss"]) < 0.02 * finished[0].metrics["eval/loss"]
 

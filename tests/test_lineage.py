@@ -93,7 +93,8 @@ def test_inside_one_pipeline_a_stage_alone_starts_from_the_latest_runs():
     records = {stage: record(stage, run) for stage, run in second.items()}
     resolved = upstream_runs("ppo", records, {}, TINY, runs)
     assert resolved.run_ids == {"reward": second["reward"].info.run_id, "sft": second["sft"].info.run_id}
-    assert resolved.describe() == "reward run `reward · second` (this pipeline run); SFT run `sft · second` (this pipeline run)"
+    assert resolved.describe() == ("reward run `reward · second` (this pipeline run); "
+                                   "SFT run `sft · second` (this pipeline run)")
 
 
 def test_ppo_whose_reward_is_functions_alone_starts_from_an_sft_run_and_no_reward_run():
@@ -132,7 +133,8 @@ def test_the_reasons_say_which_runs_and_why():
     runs.pipeline("mature-goose", TINY, "configs/tiny.yaml")
     assert upstream_runs("ppo", {}, {}, TINY, runs).describe() == (
         "reward run `reward · mature-goose` (latest with this config); SFT run `sft · mature-goose` (its own upstream)")
-    assert upstream_runs("dpo", {}, {}, TINY, runs).describe() == "SFT run `sft · mature-goose` (latest with this config)"
+    assert (upstream_runs("dpo", {}, {}, TINY, runs).describe()
+            == "SFT run `sft · mature-goose` (latest with this config)")
     assert upstream_runs("sft", {}, {}, TINY, runs).describe() == ""
 
 
@@ -209,7 +211,8 @@ def test_when_no_run_fits_the_refusal_names_the_hash_the_nearest_runs_and_what_t
     with pytest.raises(LookupError) as refused:
         resolve("dpo", TINY, runs)
     message = str(refused.value)
-    assert f"rlhf.config_hash {config_hash(TINY.sft)}); none of the 2 finished sft runs in experiment 'rlhf' is" in message
+    assert (f"rlhf.config_hash {config_hash(TINY.sft)}); none of the 2 finished sft runs in experiment 'rlhf' is"
+            in message)
     lines = message.splitlines()
     assert lines[1].startswith("  - `sft · short` (configs/tiny.yaml with overrides {\"sft.max_steps\": 2}, 2025-")
     assert lines[1].endswith(f"UTC, sft section {config_hash(SHORT_SFT.sft)[:12]})")
@@ -222,7 +225,8 @@ def test_when_no_run_fits_the_refusal_names_the_hash_the_nearest_runs_and_what_t
             f"{config_hash(TINY.reward)}) from an SFT run made with its sft section (rlhf.config_hash "
             f"{config_hash(TINY.sft)})") in message
     assert f"from SFT run `sft · gpt2` (sft section {config_hash(GPT2.sft)[:12]})" in message
-    assert "Run rlhf/reward with this config first (rlhf/full for both stages), or pass upstream.reward_run_id" in message
+    assert ("Run rlhf/reward with this config first (rlhf/full for both stages), or pass upstream.reward_run_id"
+            in message)
 
 
 def test_any_config_takes_the_latest_runs_whatever_their_config_and_keeps_the_pair_together():

@@ -15,8 +15,8 @@ from rlhf.config import with_overrides
 from rlhf.config_common import LoRAConfig
 from stages.common.reporting import Reporting
 from stages.memory.shapes import model_shape
-from stages.rl.ppo_models import RewardCritic, RewardLoRACritic, load_models
 from stages.rewards.scoring import RewardScorer, last_token_scores
+from stages.rl.ppo_models import RewardCritic, RewardLoRACritic, load_models
 from tests.helpers import killed_and_resumed, run_ppo
 
 
@@ -32,10 +32,11 @@ def _held_parameters(models) -> dict[int, torch.nn.Parameter]:
 
 def _inputs(models):
     tokenizer = models.tokenizer
-    queries = tokenizer(["<s><|user|>Describe the cat.<|assistant|>", "<s><|user|>Describe our river. Please.<|assistant|>"],
+    queries = tokenizer(["<s><|user|>Describe the cat.<|assistant|>",
+                         "<s><|user|>Describe our river. Please.<|assistant|>"],
                         return_tensors="pt", padding=True, add_special_tokens=False)
-    responses = tokenizer(["The cat is warm.</s>", "The river is calm and cold.</s>"], return_tensors="pt", padding=True,
-                          padding_side="right", add_special_tokens=False)
+    responses = tokenizer(["The cat is warm.</s>", "The river is calm and cold.</s>"], return_tensors="pt",
+                          padding=True, padding_side="right", add_special_tokens=False)
     return (None, queries["input_ids"], queries["attention_mask"], responses["input_ids"], responses["attention_mask"],
             models.precision)
 
@@ -85,7 +86,8 @@ def test_a_reward_model_with_another_tokenizer_is_refused(tiny_config, trained, 
     other = load_tokenizer(str(folder))
     other.add_special_tokens({"additional_special_tokens": ["<extra>"]})
     other.save_pretrained(folder)
-    with pytest.raises(ValueError, match="ppo.critic.kind = 'reward-lora' needs the reward model .* to share the policy's"):
+    with pytest.raises(ValueError,
+                       match="ppo.critic.kind = 'reward-lora' needs the reward model .* to share the policy's"):
         load_models(_cfg(tiny_config), trained["sft"], str(folder))
 
 
@@ -94,7 +96,8 @@ def test_a_run_holds_one_copy_of_the_reward_model(tiny_config, trained):
     whole = load_models(_cfg(tiny_config, **{"critic.kind": "reward"}), trained["sft"], trained["reward"])
     reward_parameters = sum(p.numel() for p in whole.scorer.model.parameters())
     critic_parameters = sum(p.numel() for p in lora.critic.parameters())
-    held = {name: sum(p.numel() for p in _held_parameters(m).values()) for name, m in (("lora", lora), ("whole", whole))}
+    held = {name: sum(p.numel() for p in _held_parameters(m).values())
+            for name, m in (("lora", lora), ("whole", whole))}
     # `reward`: policy, reference, reward model and a second reward model; `reward-lora`: the adapters and head instead.
     assert held["whole"] - held["lora"] == reward_parameters - critic_parameters
     # the critic trains what the memory plan counts for it: its adapters and a score-sized head
@@ -113,7 +116,8 @@ def test_training_the_critic_leaves_the_reward_model_and_its_scores_as_they_were
     models = kept["models"]
     fresh = RewardScorer.from_pretrained(trained["reward"])
     # The reward model's own weights, bit for bit (peft renames an adapted weight `base_layer`).
-    own = {name.replace(".base_layer", ""): p for name, p in models.scorer.model.named_parameters() if "lora_" not in name}
+    own = {name.replace(".base_layer", ""): p
+           for name, p in models.scorer.model.named_parameters() if "lora_" not in name}
     assert own.keys() == dict(fresh.model.named_parameters()).keys()
     assert all(torch.equal(p, fresh.model.get_parameter(name)) for name, p in own.items())
     assert any(p.abs().max() > 0 for name, p in models.scorer.model.named_parameters() if "lora_B" in name)
@@ -151,7 +155,8 @@ def test_a_killed_run_resumes_to_the_same_end(tiny_config, trained, tmp_path):
 def test_a_lora_policy_holds_its_own_weights_in_frozen_dtype_and_hands_over_a_plain_float32_model(tiny_config, trained,
                                                                                                tmp_path):
     lora = LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
-    cfg = _cfg(tiny_config, **{"critic.kind": "reward"}, lora=lora, frozen_dtype="bfloat16", num_iterations=3, learning_rate=3e-3)
+    cfg = _cfg(tiny_config, **{"critic.kind": "reward"}, lora=lora, frozen_dtype="bfloat16", num_iterations=3,
+               learning_rate=3e-3)
     models = load_models(cfg, trained["sft"], trained["reward"])
     assert {p.dtype for p in models.policy.parameters() if not p.requires_grad} == {torch.bfloat16}
     assert {p.dtype for p in models.trainable()} == {torch.float32}

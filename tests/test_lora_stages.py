@@ -26,9 +26,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhf.config_common import LaunchConfig, LoRAConfig
 from stages import dpo, reward, sft
+from stages.common.reporting import Reporting
 from stages.launch.call import call_stage
 from stages.runtime.models import load_tokenizer
-from stages.common.reporting import Reporting
 from tests.helpers import close, dataset
 
 LORA = LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

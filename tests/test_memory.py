@@ -14,9 +14,8 @@ from bench.published import PUBLISHED, PUBLISHED_PARAMETERS, write_config
 from flows.cli import main as cli
 from rlhf.config import PipelineConfig, load_config, with_overrides
 from rlhf.config_common import LoRAConfig, PolicyLoRAConfig
-from stages.memory.phases import Counts
+from stages.memory.phases import Counts, Device
 from stages.memory.plan import AUTO_MARGIN, plan, plan_stage, ranks_per_node, resolve_micro_batches, resolved_values
-from stages.memory.phases import Device
 from stages.memory.shapes import GIB, model_shape, reward_shape
 
 GPU_80GB = ["--device-memory", str(80e9 / GIB), "--device-kind", "gpu"]
@@ -48,7 +47,8 @@ def test_adapter_and_parameter_counts_are_what_the_built_models_hold(family, wor
     shape = model_shape(location)
     assert shape.parameters == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(location).parameters())
     for lora in (PolicyLoRAConfig(), LoRAConfig(r=1),
-                 LoRAConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj", "c_fc", "dense_h_to_4h"])):
+                 LoRAConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj", "c_fc",
+                                                 "dense_h_to_4h"])):
         policy = with_lora(AutoModelForCausalLM.from_pretrained(location), lora, "CAUSAL_LM")
         assert shape.lora_parameters(lora) == sum(p.numel() for p in policy.parameters() if p.requires_grad)
         reward = with_lora(AutoModelForSequenceClassification.from_pretrained(location, num_labels=1), lora, "SEQ_CLS")
@@ -109,18 +109,21 @@ def test_every_stage_of_an_8b_pipeline_fits_eight_gpus_sharded_with_micro_batche
             "gradient_checkpointing": True}
     cfg = cfg.model_validate(cfg.model_dump() | {stage: getattr(cfg, stage).model_dump() | fsdp
                                                   for stage in ("sft", "reward", "ppo", "dpo")})
-    assert cfg.ppo.micro_batch_size == cfg.ppo.sampling.micro_batch_size == cfg.reward.normalization_micro_batch_size == "auto"
+    assert (cfg.ppo.micro_batch_size == cfg.ppo.sampling.micro_batch_size
+            == cfg.reward.normalization_micro_batch_size == "auto")
     gpu = Device("cuda", 80e9)
     result = plan(cfg, ["sft", "reward", "ppo", "dpo"], shapes, gpu, Counts(64, 64, 64))
     assert all(result.verdicts.values()), {s: p.peak / GIB for s, p in result.stages.items()}
     chosen = result.micro_batches
     assert set(chosen) == {"reward", "ppo", "dpo"} and chosen["ppo"]["sharded_sampling"] == "whole"
-    assert isinstance(chosen["ppo"]["sampling.micro_batch_size"], int) and isinstance(chosen["ppo"]["micro_batch_size"], int)
+    assert (isinstance(chosen["ppo"]["sampling.micro_batch_size"], int)
+            and isinstance(chosen["ppo"]["micro_batch_size"], int))
     # The largest that fits: the next size up does not fit within the margin.
     ppo = result.stages["ppo"]
     assert ppo.peak <= AUTO_MARGIN * gpu.memory
     doubled = with_overrides(cfg.ppo, {"sampling.micro_batch_size": 2 * chosen["ppo"]["sampling.micro_batch_size"],
-                                       "micro_batch_size": chosen["ppo"]["micro_batch_size"], "sharded_sampling": "whole"})
+                                       "micro_batch_size": chosen["ppo"]["micro_batch_size"],
+                                       "sharded_sampling": "whole"})
     assert plan_stage(cfg, "ppo", shapes, gpu, Counts(64, 64, 64), section=doubled).peak > AUTO_MARGIN * gpu.memory
     one_gpu = plan(cfg, ["sft"], shapes, gpu, Counts(64, 64, 64), processes=1)
     assert not one_gpu.verdicts["sft"]  # 16 bytes per parameter: 128 GB before activations
@@ -149,8 +152,11 @@ def test_70b_fits_8_gpus_with_lora_and_32_with_full_fine_tuning_offloaded(tmp_pa
     weights bf16) over 8 GPUs of 80 GB; full fine-tuning over 32, whose PPO and DPO fit only with the
     shards in host memory (configs/accelerate/fsdp-offload.yaml), which the plan then counts there."""
     gpu, counts, stages = Device("cuda", 80e9), Counts(64, 64, 64), ["sft", "reward", "ppo", "dpo"]
-    launch = lambda n, engine="fsdp": {"launch": {"num_processes": n, "accelerate_config": f"configs/accelerate/{engine}.yaml"},
-                                       "gradient_checkpointing": True}
+
+    def launch(n, engine="fsdp"):
+        return {"launch": {"num_processes": n, "accelerate_config": f"configs/accelerate/{engine}.yaml"},
+                "gradient_checkpointing": True}
+
     lora = _llama3_70b_pipeline(tmp_path / "lora", launch(8) | {"lora": {"r": 8}},
                                 ppo={"critic": {"kind": "reward-lora"}, "frozen_dtype": "bfloat16"},
                                 dpo={"frozen_dtype": "bfloat16"})
@@ -162,7 +168,8 @@ def test_70b_fits_8_gpus_with_lora_and_32_with_full_fine_tuning_offloaded(tmp_pa
     result = plan(full, stages, shapes, gpu, counts)
     assert result.verdicts["sft"] and result.verdicts["reward"]
     assert not result.verdicts["ppo"] and not result.verdicts["dpo"]  # the shards, gradients and AdamW alone: 69.6 GiB
-    offloaded = _llama3_70b_pipeline(tmp_path / "offloaded", launch(32, "fsdp-offload"), ppo={"frozen_dtype": "bfloat16"})
+    offloaded = _llama3_70b_pipeline(tmp_path / "offloaded", launch(32, "fsdp-offload"),
+                                     ppo={"frozen_dtype": "bfloat16"})
     result = plan(offloaded, stages, shapes, gpu, counts)
     assert all(result.verdicts.values()), {s: p.peak / GIB for s, p in result.stages.items()}
     assert result.nodes == {stage: [8, 8, 8, 8] for stage in stages}  # four nodes of 8 GPUs
@@ -170,7 +177,8 @@ def test_70b_fits_8_gpus_with_lora_and_32_with_full_fine_tuning_offloaded(tmp_pa
     assert all(h.weights == h.optimizer == 0 and h.host > 0 for h in ppo.held)
     assert "gradients" not in ppo.phases["update"]
     # Offloading only the frozen models: the reference and reward model move to host memory, nothing else.
-    frozen_only = plan_stage(full, "ppo", shapes, gpu, counts, section=with_overrides(full.ppo, {"offload_frozen": True}))
+    frozen_only = plan_stage(full, "ppo", shapes, gpu, counts,
+                             section=with_overrides(full.ppo, {"offload_frozen": True}))
     moved = {h.name for h in frozen_only.held if h.host > 0}
     assert moved == {"reference", "reward model"}
     assert frozen_only.peak < plan_stage(full, "ppo", shapes, gpu, counts).peak
@@ -213,7 +221,7 @@ def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tm
     for run, changes in enumerate(({"critic.kind": "reward"}, {"lora": LoRAConfig(), "critic.kind": "shared"})):
         held: dict[str, int] = {}
 
-        def update(trainer, episodes):
+        def update(trainer, episodes, held=held):  # this run's `held`, bound now
             figures = real_update(trainer, episodes)
             if not held:
                 models = trainer.models

@@ -23,7 +23,6 @@ from schemas.validate import LengthBudget, load_validated
 from tests.model_families import CHATML_TEMPLATE, FAMILIES, build_family
 
 
-
 def _budget(folder) -> LengthBudget:
     """Token budgets inside the model's context (GPT-2's learned positions stop at 128); Llama 3's
     template writes a dated system header into every prompt, so prompts get up to 128 tokens."""
@@ -43,14 +42,13 @@ def _changed_share(before: dict[str, torch.Tensor], after: dict[str, torch.Tenso
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                              pipeline)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
     from rlhf.config import with_overrides
-    from stages.runtime.models import load_causal_lm, load_tokenizer, reply_end_id, stop_token_ids
-    from stages.ppo import PPOInputs, train_ppo
     from stages.common.reporting import Reporting
+    from stages.ppo import PPOInputs, train_ppo
     from stages.reward import RewardInputs, train_reward
+    from stages.runtime.models import load_causal_lm, load_tokenizer, reply_end_id, stop_token_ids
     from stages.sft import SFTInputs, train_sft
 
     family = FAMILIES[name]
@@ -75,7 +73,8 @@ def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
                                                "sampling.response_length": 8, "num_iterations": 2, "precision": "fp32"})
     warnings = []
     ppo = train_ppo(ppo_cfg, PPOInputs(str(sft.checkpoint), str(reward.checkpoint), data("prompts", "prompt"),
-                                       data("prompts_eval", "prompt")), tmp_path / "ppo", Reporting(warning=warnings.append))
+                                       data("prompts_eval", "prompt")), tmp_path / "ppo",
+                    Reporting(warning=warnings.append))
 
     # bf16 in, float32 trained, bf16 out
     for result in (sft, reward, ppo):
@@ -98,7 +97,8 @@ def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
     policy = load_causal_lm(str(ppo.checkpoint), trained_tokenizer)
     assert stop_token_ids(policy) == list(family.expected_stop_ids(trained_tokenizer))
     # every checkpoint reloads with the Auto classes, in the dtype it was saved in
-    for folder, auto in ((sft.checkpoint, AutoModelForCausalLM), (reward.checkpoint, AutoModelForSequenceClassification),
+    for folder, auto in ((sft.checkpoint, AutoModelForCausalLM),
+                         (reward.checkpoint, AutoModelForSequenceClassification),
                          (ppo.checkpoint, AutoModelForCausalLM)):
         assert auto.from_pretrained(folder, dtype="auto").dtype == torch.bfloat16
         assert AutoTokenizer.from_pretrained(folder).chat_template
@@ -114,7 +114,8 @@ def test_a_model_without_a_chat_template_is_refused_before_anything_trains(world
     base = build_family("gpt2", tmp_path)
     cfg = load_config("configs/tiny.yaml", {"sft.model": str(base)})
     (report,) = check_inputs.fn(cfg, ["sft", "reward", "ppo"], str(world))
-    assert report.startswith(f"sft stage: the tokenizer at {base} has no chat template; set the stage's `chat_template`")
+    assert report.startswith(f"sft stage: the tokenizer at {base} has no chat template; "
+                             "set the stage's `chat_template`")
     budgets = {f"{stage}.max_prompt_length": 48 for stage in ("sft", "reward", "ppo")}
     budgets |= {"sft.max_length": 96, "reward.max_length": 96}  # GPT-2's BPE spells ChatML's markers in several tokens
     given = load_config("configs/tiny.yaml", {"sft.model": str(base), "sft.chat_template": CHATML_TEMPLATE, **budgets})

@@ -95,9 +95,9 @@ def test_dropout_is_off_in_modules_and_in_config_probabilities():
     """OPT passes `config.dropout` and `attention_dropout` to functional dropout and skips layers
     with `layerdrop`: zeroing `nn.Dropout` modules alone leaves all three on in train mode."""
     torch.manual_seed(0)
-    model = OPTForCausalLM(OPTConfig(vocab_size=50, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
-                                     word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.3,
-                                     attention_dropout=0.3, layerdrop=0.5))
+    model = OPTForCausalLM(OPTConfig(vocab_size=50, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                     num_attention_heads=2, word_embed_proj_dim=32, max_position_embeddings=64,
+                                     dropout=0.3, attention_dropout=0.3, layerdrop=0.5))
     ids = torch.tensor([[2, 5, 6, 7, 8, 9]])
     model.eval()
     expected = model(input_ids=ids).logits
@@ -115,7 +115,8 @@ def test_reply_end_comes_from_the_chat_template(tokenizer, world):
     assert reply_end_id(tokenizer) == tokenizer.eos_token_id  # the demo template closes replies with EOS
     chatml = AutoTokenizer.from_pretrained(str(world / "model"))
     chatml.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    chatml.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    chatml.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                            "{% endfor %}"
                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     assert reply_end_id(chatml) == chatml.convert_tokens_to_ids("<|im_end|>") != chatml.eos_token_id
 
@@ -147,7 +148,8 @@ def test_log_probs_do_not_trust_logits_to_keep(tiny_config, trained):
     queries = models.tokenizer(["<s><|user|>Describe the cat.<|assistant|>"], return_tensors="pt",
                                add_special_tokens=False)
     responses = models.tokenizer(["The cat is warm.</s>"], return_tensors="pt", add_special_tokens=False)
-    args = (queries["input_ids"], queries["attention_mask"], responses["input_ids"], responses["attention_mask"].float())
+    args = (queries["input_ids"], queries["attention_mask"], responses["input_ids"],
+            responses["attention_mask"].float())
     with torch.no_grad():
         kept, kept_hidden = forward_response(models.policy, *args, want_hidden=True, precision=models.precision)
         full, full_hidden = forward_response(IgnoresLogitsToKeep(models.policy), *args, want_hidden=True,

@@ -84,7 +84,8 @@ def test_policy_losses_and_their_gradients_match_trls(loss_type, level, aggregat
     clip = PolicyClip(0.2, epsilon_high, ratio_level, aggregation, MAX_LENGTH)
     ours = clipped_policy_loss(ours_logprobs, old, token_advantages, mask, clip).loss
     if beta:
-        ours = ours + beta * aggregate(kl_estimate(ours_logprobs, reference, "k3"), mask, aggregation, length=MAX_LENGTH)
+        ours = ours + beta * aggregate(kl_estimate(ours_logprobs, reference, "k3"), mask, aggregation,
+                                       length=MAX_LENGTH)
     ours.backward()
 
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-5, abs=1e-6)

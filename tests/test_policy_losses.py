@@ -87,7 +87,8 @@ REFUSED = [
     ({"loss_aggregation_length": 8}, "loss_aggregation_length is the constant"),
     ({"clip_range_high": 0.1}, "below clip_range"),
     ({"reward": {"overlong": {"buffer": 64}}, "sampling": {"response_length": 64}}, "must be shorter"),
-    ({"reward": RULE | {"overlong": {}, "terms": [{"name": "overlong", "function": "rlhf.demo_rewards:length_penalty"}]}},
+    ({"reward": RULE | {"overlong": {},
+                        "terms": [{"name": "overlong", "function": "rlhf.demo_rewards:length_penalty"}]}},
      "name of reward.overlong's term"),
 ]
 

@@ -85,7 +85,8 @@ def test_evaluations_every_eval_every_iterations_leave_training_as_it_was(tiny_c
     cfg = _cfg(tiny_config, num_iterations=4, evaluation={"every": 2})
     result = run_ppo(cfg, trained, tmp_path / "evaluated", Reporting(
         metrics=lambda figures, i: logged.setdefault(i, {}).update(figures),
-        evaluation=lambda table, i: tables.update({i: table}), progress=lambda done, total: progress.append((done, total))))
+        evaluation=lambda table, i: tables.update({i: table}),
+        progress=lambda done, total: progress.append((done, total))))
     assert sorted(tables) == [2]  # the last evaluation is the stage's result, not a midway report
     assert list(tables[2]["sft_response"]) == list(result.evaluation["sft_response"])  # one baseline for all
     assert {"eval/win_rate_rm", "eval/kl", "eval/score"} <= set(logged[2]) and "eval/kl" in result.history[1]
@@ -119,7 +120,8 @@ def test_normalize_critic_maps_the_critic_like_the_scorer_maps_raw_scores(tiny_c
 def test_left_padding_does_not_change_log_probs(tiny_config, trained):
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
     tokenizer = models.tokenizer
-    prompts = ["<s><|user|>Describe the cat.<|assistant|>", "<s><|user|>What do you think of our river? Please.<|assistant|>"]
+    prompts = ["<s><|user|>Describe the cat.<|assistant|>",
+               "<s><|user|>What do you think of our river? Please.<|assistant|>"]
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     assert batch["attention_mask"][0, 0] == 0  # the shorter prompt is left-padded
     assert position_ids_for(batch["attention_mask"])[0].tolist()[-1] == batch["attention_mask"][0].sum() - 1
@@ -130,7 +132,8 @@ def test_left_padding_does_not_change_log_probs(tiny_config, trained):
                                      responses["attention_mask"], want_hidden=False, precision=models.precision)
         alone = tokenizer([prompts[0]], return_tensors="pt", add_special_tokens=False)
         single, _ = forward_response(models.policy, alone["input_ids"], alone["attention_mask"],
-                                     responses["input_ids"][:1], responses["attention_mask"][:1], want_hidden=False, precision=models.precision)
+                                     responses["input_ids"][:1], responses["attention_mask"][:1], want_hidden=False,
+                                     precision=models.precision)
     n = int(responses["attention_mask"][0].sum())
     assert torch.allclose(padded[0, :n], single[0, :n], atol=1e-4)
 
@@ -169,8 +172,8 @@ def test_value_head_on_the_policy_body(tiny_config, trained, tmp_path):
 def test_critic_warm_up_trains_the_critic_and_leaves_the_policy_as_it_was(tiny_config, trained, tmp_path, critic):
     from safetensors.torch import load_file
 
-    cfg = _cfg(tiny_config, critic={"kind": critic, "freeze_policy_iterations": 2}, num_iterations=3, checkpoint_every=2,
-               learning_rate=1e-3)
+    cfg = _cfg(tiny_config, critic={"kind": critic, "freeze_policy_iterations": 2}, num_iterations=3,
+               checkpoint_every=2, learning_rate=1e-3)
     states = {}
 
     def keep_state(figures, iteration):
@@ -238,7 +241,8 @@ def test_choosing_an_estimator_alone_gives_a_config_that_runs(estimator, group, 
     explicit = load_config("configs/demo.yaml", {"ppo.advantage_estimator": estimator, "ppo.samples_per_prompt": 8,
                                                  "ppo.kl.init_coef": 0.1})
     assert (explicit.ppo.samples_per_prompt, explicit.ppo.kl.init_coef) == (8, 0.1)
-    assert PPOConfig.model_validate(cfg.ppo.model_dump()) == cfg.ppo  # resolved once: a dumped config reads back the same
+    # resolved once: a dumped config reads back the same
+    assert PPOConfig.model_validate(cfg.ppo.model_dump()) == cfg.ppo
 
 
 def test_warm_up_must_leave_iterations_to_train():
@@ -433,8 +437,8 @@ def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_
     mask = batch.mask
     torch.testing.assert_close(logprobs_of(logits, batch.responses, cfg.sampling.temperature) * mask, batch.logprobs,
                                atol=1e-5, rtol=0)
-    torch.testing.assert_close(logprobs_of(ref_logits, batch.responses, cfg.sampling.temperature) * mask, batch.ref_logprobs,
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(logprobs_of(ref_logits, batch.responses, cfg.sampling.temperature) * mask,
+                               batch.ref_logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(values * mask, batch.values, atol=1e-5, rtol=0)
     # The pieces' responses were padded to the longest: nothing real was cut.
     assert models.tokenizer.batch_decode(batch.responses, skip_special_tokens=True) == batch.texts

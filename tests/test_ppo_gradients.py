@@ -88,7 +88,8 @@ def _setup(tiny_config, trained, critic="reward", lora=False):
     raw = raw_scores(models.scorer, batch, [json.loads(m) for m in prompts["prompt_messages"]], {})
     lengths = batch.mask.sum(1)
     assert lengths.min() < lengths.max(), "responses of equal length would not tell the normalisations apart"
-    rewards = token_rewards(scores_of(raw, batch, models.scorer, cfg).reward, kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05, batch.mask)
+    rewards = token_rewards(scores_of(raw, batch, models.scorer, cfg).reward,
+                            kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05, batch.mask)
     advantages, returns = gae(rewards, batch.values, batch.mask, 1.0, 0.95)
     # A step away from the rollout policy, so ratios differ from 1 and some tokens are clipped; and from
     # the critic's fresh adapters, whose B = 0 would leave their A without a gradient.
@@ -155,8 +156,8 @@ def test_masking_truncated_responses_trains_as_if_only_the_ended_ones_were_sampl
 
     from rlhf.config import with_overrides
     from stages.rl.advantages import loss_mask
-    from stages.rl.ppo_models import ActorCritic, load_models
     from stages.rl.batch import rows_of
+    from stages.rl.ppo_models import ActorCritic, load_models
     from stages.rl.ppo_rollout import policy_sampler, rollout
     from tests.helpers import AUTO_RESOLVED
 
@@ -249,8 +250,8 @@ def _worker(folder: Path, engine: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from rlhf.config_ppo import PPOConfig
-    from stages.rl.ppo_models import ActorCritic, load_models
     from stages.rl.batch import rows_of
+    from stages.rl.ppo_models import ActorCritic, load_models
     from stages.runtime.holding import Replicated, Sharded
 
     state = PartialState(cpu=True)

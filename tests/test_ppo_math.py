@@ -78,7 +78,8 @@ def test_masks_under_early_eos():
     responses = torch.tensor([[5, EOS, 7, EOS], [5, 6, 7, 8], [EOS, 6, EOS, 8]])
     mask = response_mask(responses, [EOS])
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
-    assert truncate_after_eos(responses, [EOS], PAD).tolist() == [[5, EOS, PAD, PAD], [5, 6, 7, 8], [EOS, PAD, PAD, PAD]]
+    assert (truncate_after_eos(responses, [EOS], PAD).tolist()
+            == [[5, EOS, PAD, PAD], [5, 6, 7, 8], [EOS, PAD, PAD, PAD]])
     assert last_token_index(mask).tolist() == [1, 3, 0]
 
 
@@ -87,7 +88,8 @@ def test_a_response_ends_at_the_first_of_several_end_tokens():
     EOT, END = 7, 8
     responses = torch.tensor([[5, END, 6, EOT], [5, 6, EOT, END], [5, 6, 6, 6]])
     assert response_mask(responses, [EOT, END]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
-    assert truncate_after_eos(responses, [EOT, END], PAD).tolist() == [[5, END, PAD, PAD], [5, 6, EOT, PAD], [5, 6, 6, 6]]
+    assert (truncate_after_eos(responses, [EOT, END], PAD).tolist()
+            == [[5, END, PAD, PAD], [5, 6, EOT, PAD], [5, 6, 6, 6]])
     assert is_end(responses, [EOT, END]).any(dim=1).tolist() == [True, True, False]
 
 
@@ -355,7 +357,8 @@ def test_rloo_subtracts_the_mean_of_the_other_responses():
     assert rloo_advantages(rewards, torch.ones(3, 2), 3)[:, 0].tolist() == pytest.approx([-3.0, -1.5, 4.5])
     # the sequence reward keeps the KL penalty: 1 - 0.1 * (0.5 + 0.5), the token after EOS not counted
     kl = torch.tensor([[0.5, 0.5, 7.0]])
-    assert sequence_rewards(torch.tensor([1.0]), kl, 0.1, torch.tensor([[1.0, 1.0, 0.0]])).tolist() == pytest.approx([0.9])
+    assert (sequence_rewards(torch.tensor([1.0]), kl, 0.1, torch.tensor([[1.0, 1.0, 0.0]])).tolist()
+            == pytest.approx([0.9]))
     with pytest.raises(ValueError, match="two responses"):
         rloo_advantages(rewards, torch.ones(3, 2), 1)
 
@@ -428,7 +431,8 @@ def _verl_reinforce_pp(token_level_rewards, response_mask, gamma):
 def _verl_reinforce_pp_baseline(token_level_rewards, response_mask, index):
     scores = token_level_rewards.sum(dim=-1).clone()
     groups = _verl_group_stats(scores, index)
-    out = torch.stack([scores[i] - (groups[key].mean() if len(groups[key]) > 1 else 0.0) for i, key in enumerate(index)])
+    out = torch.stack([scores[i] - (groups[key].mean() if len(groups[key]) > 1 else 0.0)
+                       for i, key in enumerate(index)])
     out = out.unsqueeze(-1).tile([1, token_level_rewards.shape[1]]) * response_mask
     return _verl_whiten(out, response_mask) * response_mask
 
@@ -477,6 +481,7 @@ def test_reinforce_plus_plus_matches_verl(seed):
     # per token after the baseline as OpenRLHF's reinforce_baseline does; without KL the two agree.
     returns = discounted_returns(token_rewards(group_baselined(scores, k), kl, 0.0, mask), mask, 1.0)
     assert torch.allclose(masked_whiten(returns, mask),
-                          _verl_reinforce_pp_baseline(_verl_token_rewards(scores, kl, 0.0, mask), mask, index), atol=1e-5)
+                          _verl_reinforce_pp_baseline(_verl_token_rewards(scores, kl, 0.0, mask), mask, index),
+                          atol=1e-5)
     assert masked_mean(masked_whiten(returns, mask), mask).abs() < 1e-5
     assert masked_var(masked_whiten(returns, mask), mask) == pytest.approx(1.0, abs=1e-4)

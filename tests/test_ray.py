@@ -8,6 +8,7 @@ The Ray gang and `accelerate launch` run the same stage function on the same pro
 from __future__ import annotations
 
 import json
+
 import pytest
 
 from rlhf.config import with_overrides
@@ -30,7 +31,8 @@ def _run(train, section, inputs, folder):
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_config, trained, tmp_path_factory):
     """PPO sharded over two local processes (`accelerate launch`): the digest every Ray run must end at."""
-    cfg = with_overrides(tiny_config.ppo, {"launch": LaunchConfig(num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml"),
+    cfg = with_overrides(tiny_config.ppo, {"launch": LaunchConfig(num_processes=2,
+                                                                  accelerate_config="configs/accelerate/fsdp.yaml"),
                                            "num_iterations": 4, "checkpoint_every": 2})
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     return cfg, inputs, folder_digest(_run(train_ppo, cfg, inputs, tmp_path_factory.mktemp("local")).checkpoint)
@@ -93,7 +95,8 @@ def test_with_no_retries_a_killed_rank_fails_the_stage_naming_it(ray_cluster, un
 
     cfg, inputs, _ = uninterrupted
     killed = RankKilledOnce(inputs, rank=1, marker=tmp_path / "killed")
-    with pytest.raises(LaunchError, match=r"rank 1 \(node [0-9a-f]{12}, [0-9.]+, pid \d+\): WorkerHealthCheckFailedError"):
+    with pytest.raises(LaunchError,
+                       match=r"rank 1 \(node [0-9a-f]{12}, [0-9.]+, pid \d+\): WorkerHealthCheckFailedError"):
         _run(ppo_with_a_rank_killed_once, with_overrides(cfg, {"launch": ray_launch(ray_cluster)}), killed,
              tmp_path / "run")
 

@@ -35,7 +35,8 @@ def test_bradley_terry_loss_and_gradient_on_a_hand_worked_pair():
     assert r_c.grad.item() == pytest.approx(-(1 - 1 / (1 + math.exp(-1))), abs=1e-6)
     assert r_r.grad.item() == pytest.approx(1 - 1 / (1 + math.exp(-1)), abs=1e-6)
     # A margin of 1 asks for more: -log sigmoid(0) = log 2.
-    assert bradley_terry_loss(torch.tensor([2.0]), torch.tensor([1.0]), torch.tensor([1.0])).item() == pytest.approx(math.log(2))
+    assert (bradley_terry_loss(torch.tensor([2.0]), torch.tensor([1.0]), torch.tensor([1.0])).item()
+            == pytest.approx(math.log(2)))
 
 
 def test_reward_head_initialisation_scale():
@@ -68,7 +69,8 @@ def test_score_is_read_at_the_last_real_token_under_either_padding(world, side):
 
 def test_last_token_scores_matches_the_model_own_pooling_for_right_padding(world):
     scorer = _scorer(world)
-    batch = scorer.tokenizer.pad({"input_ids": scorer.encode(["Hi", "Describe the cat."], ["Hello.", "The cat is warm."])},
+    batch = scorer.tokenizer.pad({"input_ids": scorer.encode(["Hi", "Describe the cat."],
+                                                             ["Hello.", "The cat is warm."])},
                                  return_tensors="pt")
     with torch.no_grad():
         ours = last_token_scores(scorer.model, batch["input_ids"], batch["attention_mask"])
@@ -135,8 +137,8 @@ def test_scorer_retokenises_decoded_text_with_its_own_tokenizer(world, tmp_path)
     backend = Tokenizer.from_file(str(world / "model" / "tokenizer.json"))
     backend.add_special_tokens(["<extra_0>", "<extra_1>"])  # shifts nothing, but new ids exist
     other = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                    chat_template="{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-                                                  "{% if add_generation_prompt %}[assistant] {% endif %}")
+                                    chat_template="{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+                                                  "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
     model = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(other), hidden_size=32, intermediate_size=64,
                                                        num_hidden_layers=1, num_attention_heads=2, num_labels=1,
                                                        pad_token_id=other.pad_token_id))
@@ -175,6 +177,7 @@ def test_interrupted_reward_training_resumes_from_its_trainer_checkpoint(world, 
         train_reward(cfg, inputs, tmp_path / "cut", Reporting(metrics=crash_at_step_6))
     assert (tmp_path / "cut" / "trainer" / "checkpoint-4").is_dir()
     steps = []
-    resumed = train_reward(cfg, inputs, tmp_path / "cut", Reporting(metrics=lambda metrics, step: steps.append((step, metrics))))
+    resumed = train_reward(cfg, inputs, tmp_path / "cut",
+                           Reporting(metrics=lambda metrics, step: steps.append((step, metrics))))
     assert min(s for s, m in steps if "train/loss" in m) > 4  # training picked up after step 4
     assert resumed.metrics["eval/loss"] == pytest.approx(whole.metrics["eval/loss"], rel=1e-5)

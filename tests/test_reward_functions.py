@@ -140,7 +140,8 @@ def test_ppo_scores_with_the_weighted_sum_and_logs_each_term(tiny_config, traine
     for row, table in zip(result.history, tables, strict=True):
         n = len(table)
         # score_used = mean over responses of (model term + 0.5 x rule), the first response's rule giving nothing
-        assert row["rollout/score_used"] == pytest.approx(row["rollout/reward/reward_model"] + 0.5 * (n - 1) / n, abs=1e-5)
+        assert row["rollout/score_used"] == pytest.approx(row["rollout/reward/reward_model"] + 0.5 * (n - 1) / n,
+                                                          abs=1e-5)
         assert row["rollout/reward/rule"] == 1.0 and row["rollout/reward/rule_none"] == pytest.approx(1 / n)
         assert math.isnan(table["reward/rule"].iloc[0]) and (table["reward/rule"].iloc[1:] == 1.0).all()
         assert "reward/reward_model" in table.columns and "time/reward_functions" in row

@@ -8,9 +8,9 @@ import torch
 
 from rlhf.config import with_overrides
 from stages.common.tensors import logprobs_of
+from stages.engines.sampler import Generation, HFSampler, Sampling
 from stages.rl.ppo_models import forward_response, load_models
 from stages.rl.ppo_rollout import policy_sampler, rollout
-from stages.engines.sampler import Generation, HFSampler, Sampling
 from tests.helpers import AUTO_RESOLVED
 
 

@@ -57,5 +57,6 @@ def test_resumed_training_state_never_unpickles_arbitrary_objects(tiny_config, t
     marker = tmp_path / "pwned"
     (tmp_path / "state" / "optimizer.pt").write_bytes(pickle.dumps({"state": _Payload(marker)}))
     with pytest.raises(pickle.UnpicklingError):
-        train_ppo(cfg, PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"]), tmp_path)
+        train_ppo(cfg, PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"]),
+                  tmp_path)
     assert not marker.exists()

@@ -48,7 +48,8 @@ def test_sft_learns_the_demo_task_and_saves_a_loadable_checkpoint(world, tiny_co
     model = AutoModelForCausalLM.from_pretrained(result.checkpoint, use_safetensors=True)
     reloaded = AutoTokenizer.from_pretrained(result.checkpoint)
     assert reloaded.chat_template == tokenizer.chat_template
-    assert json.loads((result.checkpoint / "generation_config.json").read_text())["eos_token_id"] == tokenizer.eos_token_id
+    assert (json.loads((result.checkpoint / "generation_config.json").read_text())["eos_token_id"]
+            == tokenizer.eos_token_id)
     assert model.config.pad_token_id == tokenizer.pad_token_id
 
 
@@ -79,9 +80,11 @@ def test_any_local_causal_lm_works_in_place_of_the_demo_model(foreign_model, wor
                         "{% if add_generation_prompt %}assistant: {% endif %}")
     tokenizer = load_tokenizer(str(foreign_model), chat_template=str(template))
     assert tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
-    cfg = tiny_config.sft.model_copy(update={"max_steps": 2, "model": str(foreign_model), "chat_template": str(template)})
+    cfg = tiny_config.sft.model_copy(update={"max_steps": 2, "model": str(foreign_model),
+                                             "chat_template": str(template)})
     train = _data(world, cfg, tokenizer, "sft")
-    assert train.iloc[0]["prompt"] == "user: " + json.loads(train.iloc[0]["prompt_messages"])[0]["content"] + "\nassistant: "
+    assert (train.iloc[0]["prompt"]
+            == "user: " + json.loads(train.iloc[0]["prompt_messages"])[0]["content"] + "\nassistant: ")
     result = train_sft(cfg, SFTInputs(str(foreign_model), train, train.head(4)), tmp_path)
     model = AutoModelForCausalLM.from_pretrained(result.checkpoint)
     assert model.get_input_embeddings().num_embeddings == len(tokenizer)  # grew by the added pad token
@@ -91,7 +94,8 @@ def test_any_local_causal_lm_works_in_place_of_the_demo_model(foreign_model, wor
 
 def test_interrupted_sft_resumes_from_its_trainer_checkpoint(world, tiny_config, tokenizer, tmp_path):
     cfg = tiny_config.sft.model_copy(update={"max_steps": 8, "checkpoint_every": 4, "logging_steps": 2})
-    inputs = SFTInputs(str(world / "model"), _data(world, cfg, tokenizer, "sft"), _data(world, cfg, tokenizer, "sft_eval"))
+    inputs = SFTInputs(str(world / "model"), _data(world, cfg, tokenizer, "sft"),
+                       _data(world, cfg, tokenizer, "sft_eval"))
     whole = train_sft(cfg, inputs, tmp_path / "whole")
 
     def crash_at_step_6(metrics, step):
@@ -102,6 +106,7 @@ def test_interrupted_sft_resumes_from_its_trainer_checkpoint(world, tiny_config,
         train_sft(cfg, inputs, tmp_path / "cut", Reporting(metrics=crash_at_step_6))
     assert (tmp_path / "cut" / "trainer" / "checkpoint-4").is_dir()
     steps = []
-    resumed = train_sft(cfg, inputs, tmp_path / "cut", Reporting(metrics=lambda metrics, step: steps.append((step, metrics))))
+    resumed = train_sft(cfg, inputs, tmp_path / "cut",
+                        Reporting(metrics=lambda metrics, step: steps.append((step, metrics))))
     assert min(s for s, m in steps if "train/loss" in m) > 4  # training picked up after step 4
     assert resumed.metrics["eval/loss"] == pytest.approx(whole.metrics["eval/loss"], rel=1e-5)

