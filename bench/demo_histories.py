@@ -9,7 +9,7 @@ per stage, its config hash, its checkpoint's and data's digests, the stack it ra
 figures (`time/`, `memory/`, and the trainers' runtime and throughput figures) differ from run to
 run on the same work, so they are left out. `compare` lists every metric whose history differs
 and every digest that differs, and exits 1 if any does. `tests/golden/demo.json` is such a dump of
-the demo on the locked stack (README, "Reproducibility").
+the demo on the locked stack (docs/reproducibility.md).
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ def jobs(root: Path) -> dict[str, Job]:
     ddp = LaunchConfig(num_processes=2)
     fsdp = LaunchConfig(num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml")
     sft_inputs = SFTInputs(str(world / "model"), frames["sft"], frames["sft_eval"])
-    reward_inputs = RewardInputs(sft, sft, frames["preferences"], frames["preferences_eval"], frames["prompts_eval"])
+    reward_inputs = RewardInputs(model_location=sft, policy_location=sft, train=frames["preferences"],
+                                 evaluation=frames["preferences_eval"], normalization_prompts=frames["prompts_eval"])
     dpo_inputs = DPOInputs(sft, frames["preferences"], frames["preferences_eval"], frames["prompts_eval"])
     ppo_inputs = PPOInputs(sft, reward, frames["prompts"], frames["prompts_eval"])
 

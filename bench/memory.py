@@ -137,9 +137,10 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
     if stage == "sft":
         train, inputs = train_sft, SFTInputs(checkpoint, data("sft", "sft"), data("sft_eval", "sft"))
     elif stage == "reward":
-        train, inputs = train_reward, RewardInputs(checkpoint, checkpoint, data("preferences", "preference"),
-                                                   data("preferences_eval", "preference"),
-                                                   data("prompts_eval", "prompt"))
+        train, inputs = train_reward, RewardInputs(model_location=checkpoint, policy_location=checkpoint,
+                                                   train=data("preferences", "preference"),
+                                                   evaluation=data("preferences_eval", "preference"),
+                                                   normalization_prompts=data("prompts_eval", "prompt"))
     else:
         train, inputs = train_ppo, PPOInputs(checkpoint, checkpoint, data("prompts", "prompt"),
                                              data("prompts_eval", "prompt"))

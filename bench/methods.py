@@ -8,7 +8,7 @@ same SFT (and reward) checkpoints, prompts and response budget.
 `--trace` keeps each iteration's figures and the policy's weight change by part (embeddings,
 attention, MLP, norms, output head); `--freeze` trains the policy with some of its parameters held
 (full fine-tuning without the embeddings and norms reproduced the LoRA policy's failure:
-docs/performance.md, "Why a LoRA policy learned little").
+docs/performance.md, "2026-11-25: why a LoRA policy learned little").
 
 1. SFT and reward checkpoints are trained once with the demo config's sections (`bench.quality`).
 2. Each method runs the demo config's PPO section with its own settings (`METHODS`: the estimator,
@@ -70,7 +70,7 @@ METHODS: dict[str, dict] = {
                                    "weight": 0.5}]}},
     # No reward model: the same rule alone, the score a GRPO group compares (`stages: [sft, ppo]`).
     "grpo, on-subject rule alone": RULE_ALONE,
-    # The policy-loss options (README "Choosing a method"): each on GRPO beside the plain row.
+    # The policy-loss options (docs/methods.md): each on GRPO beside the plain row.
     "grpo, clip-higher": {**GRPO, "clip_range_high": 0.14},  # 1.4x the demo's clip 0.1 below, as DAPO's 0.28 to 0.2
     "grpo, seq-mean-token-mean": {**GRPO, "loss_aggregation": "seq-mean-token-mean"},
     "grpo, dr. grpo": {**GRPO, "loss_aggregation": "seq-mean-token-sum-norm", "group_std_normalize": False},

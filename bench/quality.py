@@ -77,10 +77,12 @@ def train_upstream(cfg, world: Path, state: Path) -> tuple[Path, Path]:
 
     sft = train_sft(cfg.sft, SFTInputs(str(world / "model"), data(cfg.sft, "sft", "sft"),
                                        data(cfg.sft, "sft_eval", "sft")), state / "sft")
-    reward = train_reward(cfg.reward, RewardInputs(str(sft.checkpoint), str(sft.checkpoint),
-                                                   data(cfg.reward, "preferences", "preference"),
-                                                   data(cfg.reward, "preferences_eval", "preference"),
-                                                   data(cfg.reward, "prompts_eval", "prompt")), state / "reward")
+    reward = train_reward(cfg.reward, RewardInputs(model_location=str(sft.checkpoint),
+                                                   policy_location=str(sft.checkpoint),
+                                                   train=data(cfg.reward, "preferences", "preference"),
+                                                   evaluation=data(cfg.reward, "preferences_eval", "preference"),
+                                                   normalization_prompts=data(cfg.reward, "prompts_eval", "prompt")),
+                          state / "reward")
     (state / UPSTREAM_METRICS).write_text(json.dumps({"sft": sft.metrics, "reward": reward.metrics}, indent=1))
     return sft_folder, reward_folder
 

@@ -73,7 +73,7 @@ def sampling_rows(model: str, name: str, prompts: list[str], new_tokens: int, re
                      "parameters": sum(p.numel() for p in policy.parameters())})
         print(f"{name}, {engine}: {rows[-1]['tokens_per_second']:.0f} tokens/s", flush=True)
 
-    hf = HFSampler(policy, tokenizer, stop_ids)
+    hf = HFSampler(model=policy, tokenizer=tokenizer, stop_ids=stop_ids)
     measure("hf", hf, Sampling(new_tokens, 1.0, logprobs=True))
     measure("hf generate", hf, Sampling(new_tokens, 1.0, logprobs=False))
     clock = time.perf_counter()

@@ -129,8 +129,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     from flows.inputs import memory_plan
     from rlhf.config import ConfigError, load_config
-    from stages.memory.plan import plan_json, plan_table
     from stages.memory.phases import Device, this_device
+    from stages.memory.plan import plan_json, plan_table
     from stages.memory.shapes import GIB
 
     try:
@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     planner.add_argument("--processes", type=int, help="plan each stage on this many processes (its launch's engine)")
     planner.add_argument("--processes-per-node", type=int,
                          help="processes one node holds (default: 8 on GPUs, one machine on the CPU)")
-    planner.add_argument("--device-memory", type=float, help="GiB of one device (default: this machine's GPU, else its RAM)")
+    planner.add_argument("--device-memory", type=float,
+                         help="GiB of one device (default: this machine's GPU, else its RAM)")
     planner.add_argument("--device-kind", choices=["gpu", "cpu"], default="gpu",
                          help="with --device-memory: a GPU per process, or RAM the processes share")
     planner.add_argument("--stages", nargs="+", default=["sft", "reward", "ppo", "dpo"],

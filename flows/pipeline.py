@@ -149,7 +149,8 @@ def run_reward(ctx: StageContext) -> StageRecord | State:
         prompts = logged_prompts(ctx.config, "reward", "normalization", "normalization-prompts", ctx.world,
                                  load_tokenizer(policy_location))
         demo = is_demo(section.eval_data) or (section.eval_data is None and is_demo(section.train_data))
-        inputs = RewardInputs(model_location, policy_location, train.frame, evaluation.frame, prompts.frame)
+        inputs = RewardInputs(model_location=model_location, policy_location=policy_location, train=train.frame,
+                              evaluation=evaluation.frame, normalization_prompts=prompts.frame)
         return StageJob(train_reward, inputs, train, run.reporting(),
                         lambda result, metrics: reward_report(result, metrics, section.num_table_rows, demo))
 
@@ -278,7 +279,7 @@ def rlhf(
         reward: Reward-model settings for this run; empty fields keep the config file's values.
         ppo: PPO settings for this run; empty fields keep the config file's values.
         dpo: DPO settings for this run; empty fields keep the config file's values.
-        overrides: Any other config field by dotted name, applied last, e.g. {"ppo.evaluation.kl_budget": 8, "ppo.lora": {"r": 16}}; the README's configuration reference lists every field.
+        overrides: Any other config field by dotted name, applied last, e.g. {"ppo.evaluation.kl_budget": 8, "ppo.lora": {"r": 16}}; docs/config.md lists every field.
         upstream: Upstream runs for a stage run alone; empty: the latest finished runs made with this config's sft and reward sections that belong together (PPO: a reward run and the SFT run it was trained from); the flow's log and the stage run's description say which and why.
         use_cache: Reuse a finished run with the same config, data, code and upstream runs instead of running the stage again.
     """  # noqa: E501

@@ -68,9 +68,10 @@ def stage_memory(result: Plan, stage: str) -> StageMemory:
     planned = result.stages[stage]
     return StageMemory({"plan/predicted_peak_gib": planned.peak / GIB, "plan/state_gib": planned.state_bytes() / GIB,
                         "plan/fits": float(result.verdicts[stage])},
-                       plan_table(Plan(result.device, {stage: planned}, {stage: result.verdicts[stage]},
-                                       {stage: result.fixes.get(stage, [])},
-                                       {stage: result.micro_batches.get(stage, {})})))
+                       plan_table(Plan(device=result.device, stages={stage: planned},
+                                       verdicts={stage: result.verdicts[stage]},
+                                       fixes={stage: result.fixes.get(stage, [])},
+                                       micro_batches={stage: result.micro_batches.get(stage, {})})))
 
 
 @dataclass(frozen=True)

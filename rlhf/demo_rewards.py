@@ -1,5 +1,5 @@
 """Rule-based reward functions for the demo world, as a user would write them from reading its
-prompts (`ppo.reward.terms`, README "Rewards from Python functions"). They never read the world's
+prompts (`ppo.reward.terms`, docs/reward-functions.md). They never read the world's
 hidden gold function: a rule is what it says and nothing more."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@
 # torch: this machine type's PyPI serves the CUDA build of torch, and the CPU build
 # (torch-2.13.0+cpu) lies in /opt/wheels, so every command here looks there too (TORCH_WHEELS).
 # On another machine point TORCH_WHEELS at a folder or index page holding that same wheel (PyTorch's
-# CPU index has it, with the hash the lock records); a GPU machine's CUDA torch: README, "GPU machines".
+# CPU index has it, with the hash the lock records); a GPU machine's CUDA torch: docs/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

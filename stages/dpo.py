@@ -110,7 +110,7 @@ def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting
         reference = copied(model).eval().requires_grad_(False)
         if cfg.launch.sharded:  # several processes, FSDP2
             # In host memory too when the accelerate config offloads every model (`fsdp_offload_params`).
-            holding = Sharded(PartialState(), "per_layer", offload_trained=cfg.launch.offload_params)
+            holding = Sharded(accelerator=PartialState(), gather="per_layer", offload_trained=cfg.launch.offload_params)
             reference = holding.frozen(reference)
     args = TRLDPOConfig(**trainer_arguments(cfg, output_dir), beta=cfg.beta, loss_type=[cfg.loss_type],
                         label_smoothing=cfg.label_smoothing, disable_dropout=True)
@@ -139,7 +139,8 @@ def evaluation_models(policy: torch.nn.Module, holding: Holding, cfg: DPOConfig,
     disable_dropout(policy)
     reference = holding.frozen(reference.eval().requires_grad_(False))
     precision = resolve_precision(cfg.precision)
-    return Models(policy.to(device()), None, reference, None, tokenizer, precision, stop_token_ids(policy), holding,
+    return Models(policy=policy.to(device()), critic=None, reference=reference, scorer=None, tokenizer=tokenizer,
+                  precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
                   reuse_sampling_pass=reuse_sampling_pass("auto", precision.autocast_dtype is not None))
 
 

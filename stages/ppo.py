@@ -85,7 +85,7 @@ class PPOInputs:
     """Validated held-out prompts for the evaluations (every `eval_every` iterations and at the end)."""
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class PPOResult:
     checkpoint: Path
     """The final policy as a plain Hugging Face folder (no value head, LoRA merged)."""
@@ -176,7 +176,8 @@ def hand_off(learner: Learner, loop: LoopState, held_out: HeldOut, inputs: PPOIn
     metrics["train/iterations"] = float(loop.iteration)
     if models.scorer is not None:
         metrics |= {"normalization/gain": models.scorer.gain, "normalization/bias": models.scorer.bias}
-    return PPOResult(checkpoint, metrics, loop.history, evaluation, tags | held)
+    return PPOResult(checkpoint=checkpoint, metrics=metrics, history=loop.history, evaluation=evaluation,
+                     tags=tags | held)
 
 
 def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> PPOResult | None:

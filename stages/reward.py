@@ -105,7 +105,8 @@ def sample_references(cfg: RewardConfig, policy_location: str, prompts: list[str
     per_prompt = cfg.normalization_samples
     repeated = [p for p in prompts for _ in range(per_prompt)]  # a prompt's samples on consecutive rows
     stop_ids = stop_token_ids(policy)
-    sampler = sampler_for(cfg, HFSampler(policy, tokenizer, stop_ids, holding=holding), cfg.seed, log,
+    sampler = sampler_for(cfg, HFSampler(model=policy, tokenizer=tokenizer, stop_ids=stop_ids,
+                                         holding=holding), cfg.seed, log,
                           cfg.launch.engine == "ray")
     sampling = Sampling(cfg.max_length - cfg.max_prompt_length, temperature=1.0, logprobs=False)
     size = cfg.normalization_micro_batch_size or max(len(repeated), 1)
@@ -120,7 +121,7 @@ def sample_references(cfg: RewardConfig, policy_location: str, prompts: list[str
     return [(i // per_prompt, text, bool(done)) for i, (text, done) in enumerate(zip(texts, complete))]
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class RewardInputs:
     model_location: str
     """Where the reward model starts: the SFT checkpoint, or a model named in the config."""
@@ -134,7 +135,7 @@ class RewardInputs:
     """Validated prompts the policy answers for the normalisation."""
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class RewardResult:
     checkpoint: Path | None
     """Hugging Face folder (safetensors, tokenizer, normalisation in config.json); None if the gate failed."""
@@ -228,5 +229,6 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
     if not main:
         return None
     scores = evaluation.assign(score_chosen=(gain * chosen + bias).numpy(), score_rejected=(gain * rejected + bias).numpy())
-    return RewardResult(checkpoint, metrics, scores, calibration(margins, margins > 0, cfg.calibration_buckets),
-                        tags | held)
+    return RewardResult(checkpoint=checkpoint, metrics=metrics, eval_scores=scores,
+                        calibration=calibration(margins, margins > 0, cfg.calibration_buckets),
+                        tags=tags | held)

@@ -103,7 +103,7 @@ def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Re
     answers = []
     if len(picks):  # on every process: a sharded model needs them all
         greedy = Sampling(cfg.max_length - cfg.max_prompt_length, temperature=None, logprobs=False)
-        sampler = HFSampler(model, tokenizer, stop_token_ids(model), holding=holding)
+        sampler = HFSampler(model=model, tokenizer=tokenizer, stop_ids=stop_token_ids(model), holding=holding)
         answers = tokenizer.batch_decode(sampler.generate(list(picks["prompt"]), greedy).responses,
                                          skip_special_tokens=True)
     users = [last_user_message(json.loads(m)) for m in picks["prompt_messages"]]

@@ -74,8 +74,10 @@ def reward_inputs(world: Path, tokenizer, trained: dict):
     """The tiny world's preference pairs, from the session's SFT checkpoint."""
     from stages.reward import RewardInputs
 
-    return RewardInputs(trained["sft"], trained["sft"], dataset(world, tokenizer, "preferences"),
-                        dataset(world, tokenizer, "preferences_eval"), dataset(world, tokenizer, "prompts_eval"))
+    return RewardInputs(model_location=trained["sft"], policy_location=trained["sft"],
+                        train=dataset(world, tokenizer, "preferences"),
+                        evaluation=dataset(world, tokenizer, "preferences_eval"),
+                        normalization_prompts=dataset(world, tokenizer, "prompts_eval"))
 
 
 def run_ppo(cfg, trained: dict, out: Path, reporting=None):
@@ -118,8 +120,10 @@ def train_upstream(cfg, world: Path, frames: dict[str, pd.DataFrame], root: Path
     sft = train_sft(cfg.sft.model_copy(update={"max_steps": 40}),
                     SFTInputs(str(world / "model"), frames["sft"], frames["sft_eval"]), root / "sft")
     reward = train_reward(cfg.reward.model_copy(update={"max_steps": 30}),
-                          RewardInputs(str(sft.checkpoint), str(sft.checkpoint), frames["preferences"],
-                                       frames["preferences_eval"], frames["prompts_eval"]), root / "reward")
+                          RewardInputs(model_location=str(sft.checkpoint), policy_location=str(sft.checkpoint),
+                                       train=frames["preferences"],
+                                       evaluation=frames["preferences_eval"],
+                                       normalization_prompts=frames["prompts_eval"]), root / "reward")
     return str(sft.checkpoint), str(reward.checkpoint)
 
 

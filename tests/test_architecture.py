@@ -211,3 +211,30 @@ def test_the_pipeline_module_stays_small():
     lines = len((REPO / "flows" / "pipeline.py").read_text().splitlines())
     assert lines < 450, f"flows/pipeline.py has {lines} lines: what is not the flow's wiring belongs in another module"
 
+
+
+MAX_POSITIONAL_FIELDS = 4
+
+
+def _dataclass_decorator(node: ast.ClassDef) -> ast.expr | None:
+    for decorator in node.decorator_list:
+        if "dataclass" in ast.unparse(decorator.func if isinstance(decorator, ast.Call) else decorator):
+            return decorator
+    return None
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "stages").rglob("*.py")), ids=lambda p: p.relative_to(REPO).as_posix())
+def test_dataclasses_of_more_than_four_fields_are_built_by_keyword(path):
+    """A positional call of a dataclass with many fields hides which value is which (and breaks
+    silently when a field is added in the middle): such dataclasses are `kw_only`, so Python refuses
+    the positional call."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        decorator = isinstance(node, ast.ClassDef) and _dataclass_decorator(node)
+        if not decorator:
+            continue
+        fields = [s for s in node.body if isinstance(s, ast.AnnAssign) and "ClassVar" not in ast.unparse(s.annotation)]
+        keyword_only = isinstance(decorator, ast.Call) and any(
+            k.arg == "kw_only" and getattr(k.value, "value", False) for k in decorator.keywords)
+        assert len(fields) <= MAX_POSITIONAL_FIELDS or keyword_only, (
+            f"{path.relative_to(REPO)}:{node.lineno} {node.name} has {len(fields)} fields: declare it "
+            "@dataclass(kw_only=True) and build it by keyword")

@@ -6,6 +6,7 @@ import re
 import sys
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from flows.cli import main as cli
@@ -16,8 +17,8 @@ def test_demo_config_loads_and_overrides_apply():
     cfg = load_config("configs/demo.yaml", {"sft.learning_rate": 1e-4, "sft.train_data.path": "data/x.jsonl"})
     assert cfg.sft.learning_rate == 1e-4 and cfg.sft.train_data.path == "data/x.jsonl"
     assert cfg.sft.eval_data.path == "demo:sft_eval"
-    with pytest.raises(Exception):
-        cfg.sft.learning_rate = 1.0  # frozen
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        cfg.sft.learning_rate = 1.0
 
 
 @pytest.mark.parametrize("overrides,field", [
@@ -132,7 +133,8 @@ def test_launch_settings_that_cannot_run_are_refused(overrides, message):
 
 def test_vllm_rollouts_are_refused_where_they_cannot_run(tmp_path):
     # the demo model's heads (64 / 4 = 16 wide) are not served by vLLM's CPU build; 2 heads of 32 are
-    with pytest.raises(ConfigError, match=re.escape("demo model's attention heads are 16 wide") + ".*demo.num_heads: 2"):
+    with pytest.raises(ConfigError,
+                       match=re.escape("demo model's attention heads are 16 wide") + ".*demo.num_heads: 2"):
         load_config("configs/tiny.yaml", {"ppo.rollout_engine": "vllm", "ppo.vllm.python": sys.executable})
     assert load_config("configs/tiny.yaml", {"ppo.rollout_engine": "vllm", "ppo.vllm.python": sys.executable,
                                              "demo.num_heads": 2}).ppo.rollout_engine == "vllm"

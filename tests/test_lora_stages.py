@@ -44,7 +44,8 @@ def inputs(world, tokenizer):
     pairs, pairs_eval = dataset(world, tokenizer, "preferences"), dataset(world, tokenizer, "preferences_eval")
     prompts_eval = dataset(world, tokenizer, "prompts_eval")
     return {"sft": sft.SFTInputs(base, dataset(world, tokenizer, "sft"), dataset(world, tokenizer, "sft_eval")),
-            "reward": reward.RewardInputs(base, base, pairs, pairs_eval, prompts_eval),
+            "reward": reward.RewardInputs(model_location=base, policy_location=base, train=pairs,
+                                          evaluation=pairs_eval, normalization_prompts=prompts_eval),
             "dpo": dpo.DPOInputs(base, pairs, pairs_eval, prompts_eval)}
 
 

@@ -66,8 +66,10 @@ def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
     sft = train_sft(tiny_config.sft.model_copy(update={**common, "model": str(base), "learning_rate": 1e-3}),
                     SFTInputs(str(base), data("sft", "sft"), data("sft_eval", "sft")), tmp_path / "sft")
     reward = train_reward(tiny_config.reward.model_copy(update=common),
-                          RewardInputs(str(sft.checkpoint), str(sft.checkpoint), data("preferences", "preference"),
-                                       data("preferences_eval", "preference"), data("prompts_eval", "prompt")),
+                          RewardInputs(model_location=str(sft.checkpoint), policy_location=str(sft.checkpoint),
+                                       train=data("preferences", "preference"),
+                                       evaluation=data("preferences_eval", "preference"),
+                                       normalization_prompts=data("prompts_eval", "prompt")),
                           tmp_path / "reward")
     ppo_cfg = with_overrides(tiny_config.ppo, {"max_prompt_length": budget.max_prompt_length,
                                                "sampling.response_length": 8, "num_iterations": 2, "precision": "fp32"})

@@ -81,7 +81,7 @@ def test_policy_losses_and_their_gradients_match_trls(loss_type, level, aggregat
 
     ours_logprobs = new.clone().requires_grad_(True)
     token_advantages = advantages[:, None] * mask  # (B, T): the same advantage on every token of a response
-    clip = PolicyClip(0.2, epsilon_high, ratio_level, aggregation, MAX_LENGTH)
+    clip = PolicyClip(low=0.2, high=epsilon_high, level=ratio_level, aggregation=aggregation, length=MAX_LENGTH)
     ours = clipped_policy_loss(ours_logprobs, old, token_advantages, mask, clip).loss
     if beta:
         ours = ours + beta * aggregate(kl_estimate(ours_logprobs, reference, "k3"), mask, aggregation,
@@ -97,5 +97,5 @@ def test_the_cross_check_fails_on_a_broken_formula():
     """The comparison discriminates: a symmetric clip where TRL clips higher differs from TRL's loss."""
     new, old, reference, advantages, mask = _batch(seed=3)
     theirs = _trl_loss("bnpo", "token", 0.2, 0.28, 0.0, new, old, reference, advantages, mask)
-    ours = clipped_policy_loss(new, old, advantages[:, None] * mask, mask, PolicyClip(0.2, 0.2)).loss
+    ours = clipped_policy_loss(new, old, advantages[:, None] * mask, mask, PolicyClip(low=0.2, high=0.2)).loss
     assert ours.item() != pytest.approx(theirs.item(), rel=1e-5, abs=1e-6)

@@ -258,7 +258,7 @@ def _worker(folder: Path, engine: str) -> None:
     work = torch.load(folder / "work.pt", weights_only=False)
     cfg = PPOConfig.model_validate(work["cfg"]).model_copy(update={"micro_batch_size": 2})
     accelerator = Accelerator(cpu=True)
-    holding = Sharded(accelerator) if engine == "fsdp" else Replicated(accelerator)
+    holding = Sharded(accelerator=accelerator) if engine == "fsdp" else Replicated(accelerator)
     models = load_models(cfg, work["sft"], work["reward"], holding)
     actor_critic = holding.trained(ActorCritic(models))
     # Whole tensors into whatever each process holds of them (a `reward-lora` critic's adapters were

@@ -100,9 +100,9 @@ def test_losses_over_a_given_token_count_add_up_across_micro_batches():
     advantages = torch.tensor([[1.0, 2.0, 3.0], [10.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     logprobs = torch.zeros(2, 3)
-    whole = clipped_policy_loss(logprobs, logprobs, advantages, mask, PolicyClip(0.2)).loss  # -(1+2+3+10)/4 = -4
+    whole = clipped_policy_loss(logprobs, logprobs, advantages, mask, PolicyClip(low=0.2)).loss  # -(1+2+3+10)/4 = -4
     parts = [clipped_policy_loss(logprobs[i:i + 1], logprobs[i:i + 1], advantages[i:i + 1], mask[i:i + 1],
-                                 PolicyClip(0.2), totals=Totals(4.0, 4.0)).loss for i in range(2)]
+                                 PolicyClip(low=0.2), totals=Totals(4.0, 4.0)).loss for i in range(2)]
     assert whole.item() == pytest.approx(-4.0) and sum(parts).item() == pytest.approx(-4.0)
     value_parts = [clipped_value_loss(torch.zeros(1, 3), torch.zeros(1, 3), advantages[i:i + 1], mask[i:i + 1], 0.2,
                                       num_tokens=4.0)[0] for i in range(2)]
@@ -120,7 +120,7 @@ def test_clipped_objective_four_cases_and_where_the_gradient_vanishes():
     for advantage, ratio, expected, has_gradient in cases:
         old = torch.tensor([[-1.0]])
         new = (old + math.log(ratio)).clone().requires_grad_(True)
-        out = clipped_policy_loss(new, old, torch.tensor([[advantage]]), torch.ones(1, 1), PolicyClip(eps))
+        out = clipped_policy_loss(new, old, torch.tensor([[advantage]]), torch.ones(1, 1), PolicyClip(low=eps))
         assert out.loss.item() == pytest.approx(expected), (advantage, ratio)
         out.loss.backward()
         # d(-A * rho)/d log pi = -A * rho when unclipped
@@ -138,12 +138,13 @@ def test_clip_higher_gives_rising_tokens_more_room_than_falling_ones():
     for advantage, ratio, expected, has_gradient in cases:
         old = torch.tensor([[-1.0]])
         new = (old + math.log(ratio)).clone().requires_grad_(True)
-        out = clipped_policy_loss(new, old, torch.tensor([[advantage]]), torch.ones(1, 1), PolicyClip(0.2, 0.28))
+        out = clipped_policy_loss(new, old, torch.tensor([[advantage]]), torch.ones(1, 1), PolicyClip(low=0.2,
+                                                                                                      high=0.28))
         assert out.loss.item() == pytest.approx(expected), (advantage, ratio)
         out.loss.backward()
         assert new.grad.item() == pytest.approx(-advantage * ratio if has_gradient else 0.0), (advantage, ratio)
     symmetric = clipped_policy_loss(torch.tensor([[math.log(1.25)]]), torch.zeros(1, 1), torch.ones(1, 1),
-                                    torch.ones(1, 1), PolicyClip(0.2))
+                                    torch.ones(1, 1), PolicyClip(low=0.2))
     assert symmetric.loss.item() == pytest.approx(-1.2) and symmetric.clip_fraction.item() == 1.0
 
 
@@ -168,7 +169,7 @@ def test_loss_aggregations_on_two_responses_of_three_tokens_and_one():
         loss_denominator(mask, "seq-mean-token-sum-norm")
 
 
-GSPO = PolicyClip(0.2, level="sequence", aggregation="seq-mean-token-mean")
+GSPO = PolicyClip(low=0.2, level="sequence", aggregation="seq-mean-token-mean")
 
 
 def test_gspo_ratio_is_the_geometric_mean_of_a_sequences_token_ratios_and_clips_whole_sequences():
@@ -235,7 +236,7 @@ def test_a_rollout_sampled_one_update_ago_is_clipped_near_the_updates_start_and_
     advantages, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
     weights = engine_importance_weights(proximal, behaviour, mask, "token", cap=2.0)
     assert weights.tolist()[0] == pytest.approx([0.8, 2.0])
-    loss = clipped_policy_loss(current, proximal, advantages, mask, PolicyClip(0.2), weights)
+    loss = clipped_policy_loss(current, proximal, advantages, mask, PolicyClip(low=0.2), weights)
     assert loss.loss.item() == pytest.approx(0.52)
     assert loss.ratio.tolist()[0] == pytest.approx([1.5, 1.0])
 
@@ -245,12 +246,12 @@ def test_importance_weights_scale_each_tokens_policy_loss_term():
     logprobs = torch.tensor([[-1.0, -1.0]], requires_grad=True)
     advantages, mask = torch.tensor([[2.0, -4.0]]), torch.ones(1, 2)
     weights = torch.tensor([[0.5, 1.5]])
-    out = clipped_policy_loss(logprobs, logprobs.detach(), advantages, mask, PolicyClip(0.2), weights)
+    out = clipped_policy_loss(logprobs, logprobs.detach(), advantages, mask, PolicyClip(low=0.2), weights)
     assert out.loss.item() == pytest.approx(2.5)
     out.loss.backward()
     # d/d log pi of w * (-A * rho) / 2 at rho = 1: -w * A / 2 -> -0.5 and +3.0
     assert logprobs.grad.tolist()[0] == pytest.approx([-0.5, 3.0])
-    unweighted = clipped_policy_loss(logprobs, logprobs.detach(), advantages, mask, PolicyClip(0.2)).loss
+    unweighted = clipped_policy_loss(logprobs, logprobs.detach(), advantages, mask, PolicyClip(low=0.2)).loss
     assert unweighted.item() == pytest.approx(1.0)  # (-2 + 4) / 2
 
 

@@ -104,7 +104,7 @@ def _golden(records: dict) -> dict:
     from rlhf import stack
 
     here = stack.current()
-    return {"made_by": f"`{REFRESH}` (tests/test_reliability.py); README, 'Reproducibility'",
+    return {"made_by": f"`{REFRESH}` (tests/test_reliability.py); docs/reproducibility.md",
             "machine": here.machine, "stack": here.key(), "lock": here.lock_digest,
             "stages": {stage: {"checkpoint_digest": r["checkpoint_digest"], "data_digest": r["data_digest"],
                                "metrics": _results(r["metrics"])} for stage, r in sorted(records.items())}}

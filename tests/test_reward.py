@@ -103,8 +103,10 @@ def test_reward_stage_trains_normalises_and_saves(world, tiny_config, tmp_path):
     location = str(world / "model")
     tokenizer = load_tokenizer(location)
     prompts = load_validated(str(world / "prompts_eval.jsonl"), "prompt", tokenizer=tokenizer).frame
-    result = train_reward(cfg, RewardInputs(location, location, _pairs(world, "preferences", tokenizer),
-                                            _pairs(world, "preferences_eval", tokenizer), prompts), tmp_path)
+    result = train_reward(cfg, RewardInputs(model_location=location, policy_location=location,
+                                            train=_pairs(world, "preferences", tokenizer),
+                                            evaluation=_pairs(world, "preferences_eval", tokenizer),
+                                            normalization_prompts=prompts), tmp_path)
     assert result.metrics["eval/loss"] < result.metrics["eval/loss_untrained"]
     config = json.loads((result.checkpoint / "config.json").read_text())
     assert config[NORMALIZATION_KEY]["gain"] == pytest.approx(result.metrics["normalization/gain"])
@@ -123,8 +125,10 @@ def test_quality_gate_fails_with_measured_and_required_figures(world, tiny_confi
     location = str(world / "model")
     tokenizer = load_tokenizer(location)
     with pytest.raises(RewardGateError, match=r"accuracy 0\.\d{3} is below the required 0\.999") as caught:
-        train_reward(cfg, RewardInputs(location, location, _pairs(world, "preferences", tokenizer),
-                                       _pairs(world, "preferences_eval", tokenizer), None), tmp_path)
+        train_reward(cfg, RewardInputs(model_location=location, policy_location=location,
+                                       train=_pairs(world, "preferences", tokenizer),
+                                       evaluation=_pairs(world, "preferences_eval", tokenizer),
+                                       normalization_prompts=None), tmp_path)
     assert "eval/accuracy" in caught.value.metrics
     assert not (tmp_path / "checkpoint").exists()
 
@@ -165,8 +169,9 @@ def test_interrupted_reward_training_resumes_from_its_trainer_checkpoint(world, 
     location = str(world / "model")
     tokenizer = load_tokenizer(location)
     prompts = load_validated(str(world / "prompts_eval.jsonl"), "prompt", tokenizer=tokenizer).frame
-    inputs = RewardInputs(location, location, _pairs(world, "preferences", tokenizer),
-                          _pairs(world, "preferences_eval", tokenizer), prompts)
+    inputs = RewardInputs(model_location=location, policy_location=location,
+                          train=_pairs(world, "preferences", tokenizer),
+                          evaluation=_pairs(world, "preferences_eval", tokenizer), normalization_prompts=prompts)
     whole = train_reward(cfg, inputs, tmp_path / "whole")
 
     def crash_at_step_6(metrics, step):
@@ -177,7 +182,7 @@ def test_interrupted_reward_training_resumes_from_its_trainer_checkpoint(world, 
         train_reward(cfg, inputs, tmp_path / "cut", Reporting(metrics=crash_at_step_6))
     assert (tmp_path / "cut" / "trainer" / "checkpoint-4").is_dir()
     steps = []
-    resumed = train_reward(cfg, inputs, tmp_path / "cut",
-                           Reporting(metrics=lambda metrics, step: steps.append((step, metrics))))
+    resumed = train_reward(cfg, inputs, tmp_path / "cut", Reporting(metrics=lambda metrics,
+                                                                    step: steps.append((step, metrics))))
     assert min(s for s, m in steps if "train/loss" in m) > 4  # training picked up after step 4
     assert resumed.metrics["eval/loss"] == pytest.approx(whole.metrics["eval/loss"], rel=1e-5)

@@ -146,8 +146,10 @@ def test_the_reward_stages_normalisation_and_dpos_evaluation_sample_on_vllm_too(
     cfg, trained = servable
     frames = trained["frames"]
     reward = train_reward(cfg.reward.model_copy(update={"max_steps": 2, "rollout_engine": "vllm"}),
-                          RewardInputs(trained["sft"], trained["sft"], frames["preferences"],
-                                       frames["preferences_eval"], frames["prompts_eval"]), tmp_path / "reward")
+                          RewardInputs(model_location=trained["sft"], policy_location=trained["sft"],
+                                       train=frames["preferences"],
+                                       evaluation=frames["preferences_eval"],
+                                       normalization_prompts=frames["prompts_eval"]), tmp_path / "reward")
     assert reward.metrics["normalization/reference_std_raw"] > 0  # scores of responses the server sampled
     assert "Application startup complete" in (tmp_path / "reward" / "vllm.log").read_text()
     dpo = train_dpo(cfg.dpo.model_copy(update={"max_steps": 2, "rollout_engine": "vllm"}),

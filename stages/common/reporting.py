@@ -33,7 +33,7 @@ def _ignore(*_) -> None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Reporting:
     metrics: Callable[[dict[str, float], int], None] = _ignore
     """(figures, step): training and evaluation figures, named as MLflow shows them (`train/loss`)."""

@@ -42,7 +42,7 @@ class Sampling:
     consume the random stream differently, so a caller keeps the one its recorded figures came from."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Generation:
     """Sampled responses; (B, T) over response tokens unless noted. None: the engine cannot give it."""
 
@@ -79,7 +79,7 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HFSampler:
     """A transformers model sampling itself: it holds the live weights, so `sync` is a no-op."""
 
@@ -133,8 +133,9 @@ class HFSampler:
                 step_ids, positions = token, positions[:, -1:] + 1
                 attention_mask = torch.cat([attention_mask, torch.ones_like(token)], dim=1)
         responses = truncate_after_eos(torch.cat(tokens, dim=1), self.stop_ids, self.tokenizer.pad_token_id)
-        return Generation(queries, query_mask, responses, torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1),
-                          torch.cat(hidden, dim=1))
+        return Generation(queries=queries, query_mask=query_mask, responses=responses,
+                          logprobs=torch.cat(logprobs, dim=1), entropy=torch.cat(entropy, dim=1),
+                          hidden=torch.cat(hidden, dim=1))
 
     @torch.inference_mode()
     def _transformers_generate(self, prompts: list[str], sampling: Sampling) -> Generation:
@@ -150,5 +151,5 @@ class HFSampler:
                                  pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.stop_ids)  # (B, Tq + T)
         model.train(was_training)
         new_tokens = out[:, batch["input_ids"].shape[1]:]  # (B, T)
-        return Generation(batch["input_ids"], batch["attention_mask"],
-                          truncate_after_eos(new_tokens, self.stop_ids, self.tokenizer.pad_token_id))
+        return Generation(queries=batch["input_ids"], query_mask=batch["attention_mask"],
+                          responses=truncate_after_eos(new_tokens, self.stop_ids, self.tokenizer.pad_token_id))

@@ -101,7 +101,7 @@ class Requests:
     """One `/inference/v1/generate` body per run of equal prompts (`groups_of`)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class VLLMSampler:
     """Samples from a vLLM server that holds the policy's weights as of the last `sync`.
 
@@ -150,7 +150,8 @@ class VLLMSampler:
                 served.stop()
                 raise
         endpoint = broadcast_object_list([endpoint])[0]
-        return cls(tokenizer, hf.stop_ids, state, folder, dtype, endpoint, served, policy.device)
+        return cls(tokenizer=tokenizer, stop_ids=hf.stop_ids, state=state, folder=folder, dtype=dtype,
+                   endpoint=endpoint, served=served, device=policy.device)
 
     def sync(self, policy: torch.nn.Module) -> None:
         """The policy's current weights into the served folder and the server (every process calls it)."""
@@ -202,5 +203,5 @@ class VLLMSampler:
         engine_logprobs = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in logprobs])  # (B, T)
         responses = truncate_after_eos(responses, self.stop_ids, pad)
         on = self.device
-        return Generation(batch.queries.to(on), batch.query_mask.to(on), responses.to(on),
+        return Generation(queries=batch.queries.to(on), query_mask=batch.query_mask.to(on), responses=responses.to(on),
                           engine_logprobs=engine_logprobs.to(on))

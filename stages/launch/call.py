@@ -30,7 +30,8 @@ def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Repor
             result = train(section, inputs, output_dir, reporting)
         return with_figures(result, peak)
     threads = max(1, (num_threads or os.cpu_count() or 1) // launch.num_processes)
-    call = StageCall(train, section, inputs, output_dir, deterministic, threads, attempt=uuid.uuid4().hex)
+    call = StageCall(train=train, section=section, inputs=inputs, output_dir=output_dir, deterministic=deterministic,
+                     num_threads=threads, attempt=uuid.uuid4().hex)
     if launch.engine == "ray":
         from stages.launch import ray_gang
 

@@ -40,7 +40,7 @@ class LaunchError(RuntimeError):
     """The multi-process job failed; the message holds the tail of its log."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StageCall:
     """One stage function call, as every process of a launch makes it."""
 

@@ -84,7 +84,7 @@ def _autocast(section: TrainedStage, device: Device) -> str | None:
     return {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[precision]
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Held:
     """One model as a process holds it."""
 
@@ -106,7 +106,7 @@ class Held:
     model's gradients and optimizer state); the device then holds only what is gathered."""
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class StagePlan:
     """One stage's predicted memory per process, and whether it fits."""
 
@@ -152,8 +152,10 @@ class StagePlan:
 def _frozen(name: str, shape: ModelShape, dtype: str, sharding: int) -> Held:
     """A frozen model held in `dtype` by one of `sharding` processes (`sharding` 1: whole)."""
     gathered = shape.outside_layers * _bytes_of(dtype) if sharding > 1 else 0.0
-    return Held(name, shape.parameters, 0, shape.parameters * _bytes_of(dtype) / sharding, 0.0, 0.0, gathered,
-                f"frozen {dtype}")
+    return Held(name=name, parameters=shape.parameters, trained=0,
+                weights=shape.parameters * _bytes_of(dtype) / sharding, gradients=0.0, optimizer=0.0,
+                gathered=gathered,
+                how=f"frozen {dtype}")
 
 
 def _trained(name: str, shape: ModelShape, lora: LoRAConfig | None, frozen_dtype: str, sharding: int,
@@ -169,8 +171,9 @@ def _trained(name: str, shape: ModelShape, lora: LoRAConfig | None, frozen_dtype
         weights = shape.parameters * _bytes_of(frozen_dtype) + 4 * trained_params
         gathered_dtype = _bytes_of(frozen_dtype)
     gathered = shape.outside_layers * gathered_dtype if sharding > 1 else 0.0
-    return Held(name, shape.parameters, trained_params, weights / sharding, 4 * trained_params / sharding,
-                ADAM_BYTES * trained_params / sharding, gathered, how)
+    return Held(name=name, parameters=shape.parameters, trained=trained_params, weights=weights / sharding,
+                gradients=4 * trained_params / sharding,
+                optimizer=ADAM_BYTES * trained_params / sharding, gathered=gathered, how=how)
 
 
 def _engine(launch: LaunchConfig, processes: int | None) -> tuple[int, bool]:
@@ -299,7 +302,7 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
     if sharded:
         phases["loading"] = loading(sum(h.weights for h in held) + received, model, device.kind)
         alone = frozenset({"loading"})
-    return StagePlan(stage, n, sharded, held, phases, notes, alone)
+    return StagePlan(stage=stage, processes=n, sharded=sharded, held=held, phases=phases, notes=notes, alone=alone)
 
 
 def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, device: Device, counts: Counts,
@@ -378,4 +381,4 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, 
     if sharded:
         phases["loading"] = loading(sum(h.weights for h in held) + received, policy, device.kind)
         alone = frozenset({"loading"})
-    return StagePlan("ppo", n, sharded, held, phases, notes, alone)
+    return StagePlan(stage="ppo", processes=n, sharded=sharded, held=held, phases=phases, notes=notes, alone=alone)

@@ -239,7 +239,7 @@ def vllm_gpus(section, device: Device) -> int:
     return section.vllm.tensor_parallel_size
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class Plan:
     device: Device
     stages: dict[str, StagePlan]
@@ -289,7 +289,8 @@ def plan(cfg: PipelineConfig, stages: list[str], shapes: dict[str, ModelShape], 
     fixes = {stage: what_fits(sections[stage], stage, shapes, device, counts)
              for stage, ok in verdicts.items() if not ok}
     chosen = {stage: resolved_values(stage, getattr(cfg, stage), sections[stage]) for stage in stages}
-    return Plan(device, plans, verdicts, fixes, {stage: values for stage, values in chosen.items() if values}, nodes)
+    return Plan(device=device, stages=plans, verdicts=verdicts, fixes=fixes,
+                micro_batches={stage: values for stage, values in chosen.items() if values}, nodes=nodes)
 
 
 def _count_text(n: int) -> str:

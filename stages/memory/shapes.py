@@ -23,7 +23,7 @@ RUNTIME_GIB = 0.75
 # --- model shapes -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class ModelShape:
     """What memory depends on in a model, read off its config built on the meta device."""
 
@@ -87,10 +87,12 @@ def model_shape(location: str, trust_remote_code: bool = False) -> ModelShape:
     head = model.get_output_embeddings()
     own_head = 0 if head is None or head.weight is embedding else head.weight.numel()
     head_name = next((name for name, module in model.named_modules() if module is head), None)
-    return ModelShape(location, parameters, len(layers), hidden, intermediate, kv_heads * head_size,
-                      model.get_input_embeddings().num_embeddings,
-                      max(sum(p.numel() for p in layer.parameters()) for layer in layers),
-                      sum(p.numel() for p in model.parameters() if id(p) not in in_layers), own_head, linears, head_name)
+    return ModelShape(location=location, parameters=parameters, layers=len(layers), hidden=hidden,
+                      intermediate=intermediate, kv_width=kv_heads * head_size,
+                      vocab=model.get_input_embeddings().num_embeddings,
+                      layer_parameters=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+                      outside_layers=sum(p.numel() for p in model.parameters() if id(p) not in in_layers),
+                      head_parameters=own_head, linears=linears, head_name=head_name)
 
 
 def _fans(module) -> tuple[int, int]:

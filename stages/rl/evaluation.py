@@ -53,7 +53,7 @@ class FunctionJudge:
         return weighted_reward(values, self.weights, no_reward=values)
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class HeldOut:
     """The held-out prompts, each `evaluation.samples_per_prompt` times, and the SFT policy's responses
     to them, which every evaluation judges the policy against."""
@@ -87,7 +87,7 @@ class HeldOut:
                 responses = sampler.generate(chunk, Sampling(sampling.response_length, sampling.temperature)).responses
                 texts += models.tokenizer.batch_decode(responses, skip_special_tokens=True)
                 complete += is_end(responses, models.stop_ids).any(dim=1).tolist()
-        return cls(prompts, messages, texts, complete, records)
+        return cls(prompts=prompts, messages=messages, sft_texts=texts, sft_complete=complete, columns=records)
 
 
 @torch.no_grad()

@@ -321,7 +321,7 @@ def policy_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch
     raise ValueError(f"unknown importance sampling level {level!r}; expected token or sequence")
 
 
-@dataclass(frozen=True)
+@dataclass(kw_only=True, frozen=True)
 class PolicyClip:
     """How the policy loss clips its ratio and averages its terms (`clipped_policy_loss`)."""
 

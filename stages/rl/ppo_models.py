@@ -181,7 +181,7 @@ Critic = SharedValueHead | RewardCritic | RewardLoRACritic
 # --- the models of a run -------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Models:
     policy: PreTrainedModel
     critic: Critic | None
@@ -301,8 +301,9 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
     if critic is not None:
         holding.place_trained(critic)
     precision = resolve_precision(cfg.precision)
-    return Models(policy, critic, reference, scorer, tokenizer, precision, stop_token_ids(policy), holding,
-                  reuse_sampling_pass(cfg.old_logprobs, rounds_to_16_bits(cfg, precision)))
+    return Models(policy=policy, critic=critic, reference=reference, scorer=scorer, tokenizer=tokenizer,
+                  precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
+                  reuse_sampling_pass=reuse_sampling_pass(cfg.old_logprobs, rounds_to_16_bits(cfg, precision)))
 
 
 @contextmanager

@@ -28,12 +28,14 @@ if TYPE_CHECKING:
 
 def policy_sampler(models: Models) -> HFSampler:
     """The sampler of a PPO run's policy."""
-    return HFSampler(models.policy, models.tokenizer, models.stop_ids, models.precision, models.holding)
+    return HFSampler(model=models.policy, tokenizer=models.tokenizer, stop_ids=models.stop_ids,
+                     precision=models.precision, holding=models.holding)
 
 
 def reference_sampler(models: Models, reference: PreTrainedModel) -> HFSampler:
     """A sampler of the frozen reference (`reference_policy(models)`), held as the policy is."""
-    return HFSampler(reference, models.tokenizer, models.stop_ids, models.precision, models.holding)
+    return HFSampler(model=reference, tokenizer=models.tokenizer, stop_ids=models.stop_ids, precision=models.precision,
+                     holding=models.holding)
 
 
 def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:

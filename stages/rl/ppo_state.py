@@ -31,7 +31,7 @@ class Normalization:
     bias: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoopState:
     """Everything besides tensors that a resumed run needs to continue exactly."""
 

@@ -34,7 +34,7 @@ from stages.runtime.collectives import combined, sum_over_processes
 # --- update -----------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Learner:
     """What every process of a PPO run learns with: its models, optimizer, schedule and sampler,
     built once by `stages.ppo.build_learner`."""
@@ -145,7 +145,8 @@ def _micro_batch_step(learner: Learner, micro: TrainingBatch, num_tokens: torch.
     warming_up = iteration <= cfg.freeze_policy_iterations
     logits, values = learner.actor_critic(micro.queries, micro.query_mask, micro.responses, micro.mask, warming_up)
     logprobs = logprobs_of(logits, micro.responses, cfg.sampling.temperature)
-    clip = PolicyClip(cfg.clip_range, cfg.clip_high, cfg.ratio_level, cfg.loss_aggregation, cfg.aggregation_length)
+    clip = PolicyClip(low=cfg.clip_range, high=cfg.clip_high, level=cfg.ratio_level, aggregation=cfg.loss_aggregation,
+                      length=cfg.aggregation_length)
     policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, counted, clip, micro.engine_weights,
                                  Totals(num_tokens, denominator))
     # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.

@@ -119,7 +119,7 @@ class Replicated:
         optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Sharded:
     """FSDP2: each process holds 1/N of every model's parameters (and of the trained ones'
     gradients and optimizer state); a unit per decoder layer, gathered for its forward and
@@ -479,5 +479,6 @@ def holding_for(accelerator: Accelerator, launch: LaunchConfig, gather: Gather, 
     if gather not in ("whole", "per_layer"):
         raise ValueError(f"sharded_sampling {gather!r} must be resolved first (stages.memory.plan.with_micro_batches)")
     if launch.sharded and accelerator.num_processes > 1:
-        return Sharded(accelerator, gather, autocast_dtype, launch.offload_params, offload_frozen)
+        return Sharded(accelerator=accelerator, gather=gather, autocast_dtype=autocast_dtype,
+                       offload_trained=launch.offload_params, offload_frozen=offload_frozen)
     return Replicated(accelerator)

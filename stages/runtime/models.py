@@ -449,7 +449,7 @@ def encode_pairs(tokenizer: PreTrainedTokenizerBase, prompts: list[str], chosen:
 
 def set_determinism(deterministic: bool, num_threads: int | None) -> None:
     """Deterministic kernels and a fixed CPU thread count: the conditions under which the same
-    config, seed and data give identical results (on CPU; see README, Guarantees)."""
+    config, seed and data give identical results (on CPU; see docs/reproducibility.md)."""
     import os
 
     if num_threads is not None:

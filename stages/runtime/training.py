@@ -73,7 +73,8 @@ def prepare_sharding(trainer) -> None:
     # name, which a sharded layer's class (FSDP2's subclass) no longer has.
     plugin.set_auto_wrap_policy(trainer.model)
     autocast = torch.bfloat16 if trainer.args.bf16 else None
-    Sharded(trainer.accelerator, "per_layer", autocast, offload_trained=offload).place_trained(trainer.model)
+    Sharded(accelerator=trainer.accelerator, gather="per_layer", autocast_dtype=autocast,
+            offload_trained=offload).place_trained(trainer.model)
 
 
 def untrained_evaluation(trainer) -> dict[str, float]:

@@ -1,0 +1,128 @@
+"""PPO's named choices are tables in `stages.rl.ppo_math` (estimators, KL estimators, loss
+aggregations): the config offers exactly the table's names, an unknown name is refused, and each
+estimator in the table computes its published equation (the equations themselves are worked by
+hand in tests/test_ppo_math.py). And the one batch type (`stages.rl.batch`): rows, concatenation and
+trimming act on every field by the axis it declares."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+import torch
+
+from rlhf.config_ppo import KLConfig, PPOConfig
+from stages.common.tensors import masked_whiten
+from stages.rl.batch import Rollout, TrainingBatch, concat, micro_batch, rows_of
+from stages.rl.ppo_math import (
+    AGGREGATIONS,
+    ESTIMATORS,
+    KL_ESTIMATORS,
+    EstimatorInputs,
+    aggregate,
+    discounted_returns,
+    estimator_named,
+    gae,
+    group_baselined,
+    grpo_advantages,
+    kl_estimate,
+    rloo_advantages,
+    sequence_rewards,
+    token_rewards,
+)
+
+
+def _choices(model, name: str) -> tuple:
+    return typing.get_args(model.model_fields[name].annotation)
+
+
+def test_the_config_offers_exactly_the_tables_names():
+    assert _choices(PPOConfig, "advantage_estimator") == tuple(ESTIMATORS)
+    assert _choices(KLConfig, "estimator") == tuple(KL_ESTIMATORS)
+    assert _choices(PPOConfig, "loss_aggregation") == tuple(AGGREGATIONS)
+
+
+def test_unknown_names_are_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'ppo2'; expected one of gae, grpo"):
+        estimator_named("ppo2")
+    with pytest.raises(ValueError, match="unknown KL estimator 'k2'"):
+        kl_estimate(torch.zeros(1, 2), torch.zeros(1, 2), "k2")
+    with pytest.raises(ValueError, match="unknown loss aggregation 'sum'"):
+        aggregate(torch.zeros(1, 2), torch.ones(1, 2), "sum")
+
+
+def _inputs(**changes) -> EstimatorInputs:
+    torch.manual_seed(0)
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    return EstimatorInputs(scores=torch.tensor([1.0, -0.5, 2.0, 0.25]), kl=torch.rand(4, 3) * mask, beta=0.1,
+                           mask=mask, values=torch.rand(4, 3) * mask, group_size=2, gamma=0.9, lam=0.8,
+                           **changes)
+
+
+def test_each_estimator_in_the_table_is_its_equation():
+    e = _inputs()
+    rewards = token_rewards(e.scores, e.kl, e.beta, e.mask)
+    expected = {
+        "gae": gae(rewards, e.values, e.mask, e.gamma, e.lam),
+        "grpo": (grpo_advantages(e.scores, e.mask, 2), None),
+        "rloo": (rloo_advantages(sequence_rewards(e.scores, e.kl, e.beta, e.mask), e.mask, 2), None),
+        "reinforce++": (discounted_returns(rewards, e.mask, e.gamma), None),
+        "reinforce++-baseline": (discounted_returns(token_rewards(group_baselined(e.scores, 2), e.kl, e.beta, e.mask),
+                                                    e.mask, e.gamma), None),
+    }
+    for name, (advantages, returns) in expected.items():
+        got, got_returns = ESTIMATORS[name].estimate(e, masked_whiten)
+        torch.testing.assert_close(got, advantages, rtol=0, atol=0, msg=name)
+        assert (got_returns is None) == (returns is None), name
+        if returns is not None:
+            torch.testing.assert_close(got_returns, returns, rtol=0, atol=0)
+    # Whitening: gae and the reinforce++ family over the batch; the group estimators only when asked.
+    assert {name for name, estimator in ESTIMATORS.items() if estimator.whitened} == {
+        "gae", "reinforce++", "reinforce++-baseline"}
+    assert [name for name, estimator in ESTIMATORS.items() if estimator.learns_critic] == ["gae"]
+
+
+def test_gae_whitens_its_rewards_with_the_whitening_it_is_given():
+    e = _inputs(whiten_rewards=True)
+    seen = []
+
+    def whiten(x, mask, shift_mean=True):
+        seen.append(shift_mean)
+        return masked_whiten(x, mask, shift_mean)
+
+    advantages, _ = ESTIMATORS["gae"].estimate(e, whiten)
+    rewards = masked_whiten(token_rewards(e.scores, e.kl, e.beta, e.mask), e.mask, shift_mean=False)
+    torch.testing.assert_close(advantages, gae(rewards, e.values, e.mask, e.gamma, e.lam)[0], rtol=0, atol=0)
+    assert seen == [False]  # the rewards' scale, not their mean
+
+
+def _rollout(prompt_width: int, steps: int, first: int) -> Rollout:
+    """Two rows whose tensors count up from `first`, so every value says where it came from."""
+    def counting(width: int) -> torch.Tensor:
+        return torch.arange(first, first + 2 * width, dtype=torch.float).view(2, width)
+
+    return Rollout(queries=counting(prompt_width).long(), query_mask=torch.ones(2, prompt_width, dtype=torch.long),
+                   responses=counting(steps).long(), mask=torch.ones(2, steps), logprobs=counting(steps),
+                   ref_logprobs=counting(steps), values=None, entropy=counting(steps),
+                   has_eos=torch.tensor([True, False]), texts=[f"t{first}", f"u{first}"],
+                   prompts=[f"p{first}", f"q{first}"])
+
+
+def test_concat_pads_prompts_on_the_left_and_responses_on_the_right_and_joins_the_rest():
+    joined = concat([_rollout(1, 3, 0), _rollout(2, 1, 100)], pad_id=-1)
+    assert joined.queries.tolist() == [[-1, 0], [-1, 1], [100, 101], [102, 103]]
+    assert joined.query_mask.tolist() == [[0, 1], [0, 1], [1, 1], [1, 1]]
+    assert joined.responses.tolist() == [[0, 1, 2], [3, 4, 5], [100, -1, -1], [101, -1, -1]]
+    assert joined.logprobs.tolist() == [[0, 1, 2], [3, 4, 5], [100, 0, 0], [101, 0, 0]]
+    assert joined.has_eos.tolist() == [True, False, True, False]
+    assert joined.texts == ["t0", "u0", "t100", "u100"] and joined.values is None
+
+
+def test_rows_and_micro_batches_take_every_field_including_the_training_ones():
+    batch = _rollout(2, 3, 0)
+    assert rows_of(batch, [1, 0]).prompts == ["q0", "p0"]
+    trained = TrainingBatch(**vars(batch) | {"mask": torch.tensor([[1.0, 1, 0], [1, 0, 0]])},
+                            advantages=torch.ones(2, 3), returns=None, loss_mask=torch.tensor([[1.0, 0, 0], [1, 0, 0]]))
+    micro = micro_batch(trained, torch.tensor([1]))
+    assert micro.responses.tolist() == [[3]] and micro.advantages.tolist() == [[1.0]] and micro.texts == ["u0"]
+    assert micro.counted.tolist() == [[1.0]]  # the loss mask, trimmed with the rest
