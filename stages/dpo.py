@@ -95,7 +95,8 @@ def encoded_pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> da
                                        "rejected_ids": rejected_ids})
 
 
-def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> DPOTrainer:
+def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path,
+                  reporting: Reporting = Reporting()) -> DPOTrainer:
     """TRL's DPOTrainer from our config. The reference is a frozen copy of the SFT model as loaded
     (embeddings resized as the policy's; under FSDP sharded as soon as made, for TRL's own would be read
     whole on every process); with `cfg.lora`, TRL wraps the policy with LoRA adapters (float32, on
@@ -144,7 +145,8 @@ def evaluation_models(policy: torch.nn.Module, holding: Holding, cfg: DPOConfig,
                   reuse_sampling_pass=reuse_sampling_pass("auto", precision.autocast_dtype is not None))
 
 
-def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> DPOResult | None:
+def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path,
+              reporting: Reporting = Reporting()) -> DPOResult | None:
     """Train the SFT policy with DPO on validated pairs, then evaluate it against the SFT policy.
     Resumes from the newest trainer checkpoint an interrupted attempt left in `output_dir`.
     On several processes every one trains, evaluates and takes part in saving (a sharded model needs

@@ -95,7 +95,8 @@ class PPOResult:
     evaluation: pd.DataFrame
     """Held-out prompts with PPO and SFT responses, their scores and the KL of the PPO response."""
     tags: dict[str, str] = field(default_factory=dict)
-    """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and `rlhf.held_as`."""
+    """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and
+    `rlhf.held_as`."""
 
 
 def build_learner(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> Learner:
@@ -103,8 +104,8 @@ def build_learner(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> Learne
     schedule and sampler. Rank 0 keeps the single-process random stream; the others sample with their own."""
     accelerator = Accelerator()
     torch.manual_seed(cfg.seed)
-    holding = holding_for(accelerator, cfg.launch, cfg.sharded_sampling, resolve_precision(cfg.precision).autocast_dtype,
-                          cfg.offload_frozen)
+    autocast = resolve_precision(cfg.precision).autocast_dtype
+    holding = holding_for(accelerator, cfg.launch, cfg.sharded_sampling, autocast, cfg.offload_frozen)
     models = load_models(cfg, inputs.sft_location, inputs.reward_location, holding)
     if accelerator.process_index > 0:
         torch.manual_seed(cfg.seed + accelerator.process_index)
@@ -153,7 +154,8 @@ def start_or_resume(learner: Learner, ahead: SamplingAhead | None, state_dir: Pa
 def save_state(learner: Learner, state_dir: Path, loop: LoopState, ahead: SamplingAhead | None = None) -> None:
     """A full-state checkpoint of every process (collective), with the rollouts sampled ahead."""
     rank = learner.accelerator.process_index
-    save_state_everywhere(learner, state_dir, loop, None if ahead is None else lambda staging: ahead.save(staging, rank))
+    own = None if ahead is None else lambda staging: ahead.save(staging, rank)
+    save_state_everywhere(learner, state_dir, loop, own)
 
 
 def hand_off(learner: Learner, loop: LoopState, held_out: HeldOut, inputs: PPOInputs, output_dir: Path,
@@ -180,7 +182,8 @@ def hand_off(learner: Learner, loop: LoopState, held_out: HeldOut, inputs: PPOIn
                      tags=tags | held)
 
 
-def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Reporting = Reporting()) -> PPOResult | None:
+def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
+              reporting: Reporting = Reporting()) -> PPOResult | None:
     """Run PPO and evaluate against the SFT policy. Resumes from `output_dir/state` when a
     full-state checkpoint of an earlier, interrupted run is there. On several processes every
     one trains and evaluates (a sharded model needs them all); only the main one reports, saves and returns."""
@@ -192,7 +195,8 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path, reporting: Re
     cfg = with_micro_batches("ppo", cfg, Counts(ppo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,
                              inputs.reward_location, reporting)
     learner = build_learner(cfg, inputs, output_dir)
-    ahead = SamplingAhead(learner.sampler, cfg.sampling, cfg.rollout.max_staleness) if cfg.rollout.max_staleness else None
+    staleness = cfg.rollout.max_staleness
+    ahead = SamplingAhead(learner.sampler, cfg.sampling, staleness) if staleness else None
     try:
         return _train(learner, ahead, inputs, output_dir, reporting)
     finally:

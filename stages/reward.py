@@ -62,7 +62,8 @@ from stages.runtime.training import (
 """Model-config entry holding {"gain": g, "bias": b}: normalised score = g * raw + b."""
 
 
-def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: torch.Tensor | float = 0.0) -> torch.Tensor:
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor,
+                       margin: torch.Tensor | float = 0.0) -> torch.Tensor:
     """-log sigmoid(r_c - r_r - m), averaged over pairs. # (B,), (B,), (B,) or scalar -> ()"""
     return -torch.nn.functional.logsigmoid(r_chosen - r_rejected - margin).mean()
 
@@ -70,8 +71,8 @@ def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin:
 def _pairs(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
     prompt_ids, chosen_ids, rejected_ids = encode_pairs(tokenizer, list(frame["prompt"]), list(frame["chosen"]),
                                                         list(frame["rejected"]))
-    columns: dict[str, list] = {"chosen_ids": [p + c for p, c in zip(prompt_ids, chosen_ids)],
-                                "rejected_ids": [p + r for p, r in zip(prompt_ids, rejected_ids)]}
+    columns: dict[str, list] = {"chosen_ids": [p + c for p, c in zip(prompt_ids, chosen_ids, strict=True)],
+                                "rejected_ids": [p + r for p, r in zip(prompt_ids, rejected_ids, strict=True)]}
     if "margin" in frame.columns:
         columns["margin"] = [float(m) for m in frame["margin"]]
     return datasets.Dataset.from_dict(columns)
@@ -118,7 +119,7 @@ def sample_references(cfg: RewardConfig, policy_location: str, prompts: list[str
             complete += is_end(responses, stop_ids).any(dim=1).tolist()
     finally:
         sampler.close()
-    return [(i // per_prompt, text, bool(done)) for i, (text, done) in enumerate(zip(texts, complete))]
+    return [(i // per_prompt, text, bool(done)) for i, (text, done) in enumerate(zip(texts, complete, strict=True))]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -146,7 +147,8 @@ class RewardResult:
     calibration: pd.DataFrame
     """Accuracy by margin bucket."""
     tags: dict[str, str] = field(default_factory=dict)
-    """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and `rlhf.held_as`."""
+    """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and
+    `rlhf.held_as`."""
 
 
 def build_trainer(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
@@ -158,7 +160,8 @@ def build_trainer(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
     tokenizer = load_tokenizer(inputs.model_location, padding_side="right", trust_remote_code=cfg.trust_remote_code,
                                chat_template=cfg.chat_template)
     model = load_reward_model(inputs.model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
-    args = TRLRewardConfig(**trainer_arguments(cfg, output_dir), center_rewards_coefficient=cfg.center_rewards_coefficient,
+    args = TRLRewardConfig(**trainer_arguments(cfg, output_dir),
+                           center_rewards_coefficient=cfg.center_rewards_coefficient,
                            disable_dropout=True)
     trainer = RewardTrainer(model=model, args=args, train_dataset=_pairs(inputs.train, tokenizer),
                             eval_dataset=_pairs(inputs.evaluation, tokenizer), processing_class=tokenizer,
@@ -178,7 +181,8 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
     needs them all); only the main one writes and returns."""
     model_location, evaluation = inputs.model_location, inputs.evaluation
     prompts = inputs.normalization_prompts
-    cfg = with_micro_batches("reward", cfg, Counts(reward_normalization_prompts=None if prompts is None else len(prompts)),
+    cfg = with_micro_batches("reward", cfg,
+                             Counts(reward_normalization_prompts=None if prompts is None else len(prompts)),
                              inputs.policy_location, model_location, reporting)
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
     tokenizer = trainer.processing_class
@@ -228,7 +232,8 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
     holding.save_plain(model, tokenizer, checkpoint, saved)  # LoRA merged; sharded: a tensor at a time
     if not main:
         return None
-    scores = evaluation.assign(score_chosen=(gain * chosen + bias).numpy(), score_rejected=(gain * rejected + bias).numpy())
+    scores = evaluation.assign(score_chosen=(gain * chosen + bias).numpy(),
+                               score_rejected=(gain * rejected + bias).numpy())
     return RewardResult(checkpoint=checkpoint, metrics=metrics, eval_scores=scores,
                         calibration=calibration(margins, margins > 0, cfg.calibration_buckets),
                         tags=tags | held)

@@ -53,18 +53,20 @@ class SFTResult:
     samples: list[dict[str, str]] = field(default_factory=list)
     """Greedy answers to held-out prompts: {prompt, response, reference}."""
     tags: dict[str, str] = field(default_factory=dict)
-    """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and `rlhf.held_as`."""
+    """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and
+    `rlhf.held_as`."""
 
 
 def _encoded(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
     prompt_ids, reply_ids = encode_replies(tokenizer, list(frame["prompt"]), list(frame["response"]))
     return datasets.Dataset.from_dict({
-        "input_ids": [p + r for p, r in zip(prompt_ids, reply_ids)],
-        "completion_mask": [[0] * len(p) + [1] * len(r) for p, r in zip(prompt_ids, reply_ids)],
+        "input_ids": [p + r for p, r in zip(prompt_ids, reply_ids, strict=True)],
+        "completion_mask": [[0] * len(p) + [1] * len(r) for p, r in zip(prompt_ids, reply_ids, strict=True)],
     })
 
 
-def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Reporting = Reporting()) -> SFTTrainer:
+def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path,
+                  reporting: Reporting = Reporting()) -> SFTTrainer:
     """TRL's SFTTrainer set up from our config: completion-only loss, no checkpoints of its own.
     The model keeps the dropout its config sets: regularisation for supervised learning, as TRL does.
     With `cfg.lora`, TRL wraps it with LoRA adapters (peft) and trains those alone."""
@@ -87,7 +89,8 @@ def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting
     return trainer
 
 
-def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Reporting = Reporting()) -> SFTResult | None:
+def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path,
+              reporting: Reporting = Reporting()) -> SFTResult | None:
     """Fine-tune the base causal LM (or, with `cfg.lora`, LoRA adapters on it, merged into the saved
     checkpoint) on validated (prompt, response) records. On several processes every one trains, samples
     and takes part in saving (a sharded model needs them all); only the main one writes and returns."""
@@ -107,7 +110,8 @@ def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path, reporting: Re
         answers = tokenizer.batch_decode(sampler.generate(list(picks["prompt"]), greedy).responses,
                                          skip_special_tokens=True)
     users = [last_user_message(json.loads(m)) for m in picks["prompt_messages"]]
-    samples = [{"user": u, "response": a, "reference": r} for u, a, r in zip(users, answers, picks["response"])]
+    samples = [{"user": u, "response": a, "reference": r}
+               for u, a, r in zip(users, answers, picks["response"], strict=True)]
 
     saved, tags = saved_dtype_and_tags(cfg, inputs.model_location, updated)
     checkpoint = output_dir / "checkpoint"

@@ -75,7 +75,8 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
     """One token per row from categorical `probs` by inverse-CDF sampling: one uniform number per
     row, where torch.multinomial draws one per vocabulary entry. # (B, V) -> (B, 1)"""
     cdf = probs.cumsum(dim=-1)  # (B, V)
-    u = torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]  # scaled: cdf[-1] may round below 1
+    # scaled: cdf[-1] may round below 1
+    u = torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)
 
 

@@ -28,7 +28,8 @@ from rlhf.config_common import VLLMConfig, vllm_python
 from stages.common.errors import StageUserError
 
 CPU_KV_CACHE_GIB = 1.0
-"""KV cache of a CPU server when `vllm.kv_cache_gib` is unset (vLLM's CPU default, 4 GiB, or a share of the host's memory, is more than a rollout of short responses uses)."""
+"""KV cache of a CPU server when `vllm.kv_cache_gib` is unset (vLLM's CPU default, 4 GiB, or a share
+of the host's memory, is more than a rollout of short responses uses)."""
 MAX_CONCURRENT_REQUESTS = 64
 """Requests in flight at once: the server batches what arrives together."""
 
@@ -143,7 +144,8 @@ def post(url: str, body: dict, timeout: float | None = 600.0) -> Any:
         with urllib.request.urlopen(request, timeout=timeout) as answer:
             content = answer.read()
     except urllib.error.HTTPError as e:
-        raise VLLMServerError(f"vLLM answered {url} with {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+        answer = e.read().decode(errors="replace")[:2000]
+        raise VLLMServerError(f"vLLM answered {url} with {e.code}: {answer}") from None
     return json.loads(content) if content else None
 
 

@@ -17,8 +17,9 @@ tensor at a time), then `reload_weights` and a reset of the prefix cache, whose 
 old weights computed. A policy whose output head is tied to its input embeddings is served untied,
 with the head written as a tensor of its own: vLLM's CPU build (0.32.0) reloads the embeddings but
 keeps the head it made at start, so tied, the served policy drifts from the trained one after the
-first update (measured: log-prob gap 0.86 after a reload, against 5e-7 untied). vLLM's NCCL weight transfer needs vLLM importable in the trainer's process,
-which the conflicting pins rule out; the folder is the path on a GPU too.
+first update (measured: log-prob gap 0.86 after a reload, against 5e-7 untied). vLLM's NCCL
+weight transfer needs vLLM importable in the trainer's process, which the conflicting pins rule
+out; the folder is the path on a GPU too.
 
 The first process starts and stops the server; every process sends its own prompts to it. The
 server is stopped when the stage ends, fails or is cancelled (`VLLMSampler.close`), and dies with
@@ -175,7 +176,7 @@ class VLLMSampler:
         random stream (so sampling repeats with it, on resume too, whichever thread later sends them)."""
         batch = left_padded(self.tokenizer, prompts, torch.device("cpu"))
         queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
-        rows = [row[mask.bool()].tolist() for row, mask in zip(queries, query_mask)]
+        rows = [row[mask.bool()].tolist() for row, mask in zip(queries, query_mask, strict=True)]
         first_seed = int(torch.randint(0, 2**31 - 1 - len(rows), (1,)))
         bodies = [{"token_ids": prompt, "sampling_params": {
             "n": count, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature or 0.0,

@@ -174,7 +174,8 @@ def start_rank(call: StageCall):
     if call.section.launch.sharded:
         # Sharded loading, whatever the accelerate config says: every process builds each model on the meta
         # device, the first reads the checkpoint a tensor at a time and sends every process its shards
-        # (`stages.runtime.models.load_pretrained`, `stages.runtime.holding.receive_from_rank0`); LoRA adapters as peft drew them.
+        # (`stages.runtime.models.load_pretrained`, `stages.runtime.holding.receive_from_rank0`); LoRA
+        # adapters as peft drew them.
         os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
         keep_initial_adapters()
     if call.section.launch.sharded and state.distributed_type == DistributedType.MULTI_CPU:

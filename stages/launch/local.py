@@ -119,9 +119,10 @@ def _recorded_done(spec: Path, rank: int, attempt: str) -> bool:
 
 
 def _failed_ranks(lines: list[str]) -> str:
-    """Each failed process's exception, as torch.distributed prefixes its traceback lines ("[rank1]: RuntimeError: ..."),
-    or the signal that killed it, from the launcher's report ("rank : 1 (local_rank: 1)" ... "Signal 6 (SIGABRT)
-    received by PID ..."), which otherwise leaves the cause out."""
+    """Each failed process's exception, as torch.distributed prefixes its traceback lines
+    ("[rank1]: RuntimeError: ..."), or the signal that killed it, from the launcher's report
+    ("rank : 1 (local_rank: 1)" ... "Signal 6 (SIGABRT) received by PID ..."), which otherwise leaves
+    the cause out."""
     raised, rank = {}, None
     for line in lines:
         if found := re.match(r"\[rank(\d+)\]: ((?:\w+\.)*\w*(?:Error|Exception|Exit|Interrupt)\b.*)", line):

@@ -72,7 +72,8 @@ def run(call: StageCall, reporting: Reporting):
     command = [sys.executable, "-m", "stages.launch.ray_gang", str(spec)]
     returncode = follow(command, spec, reporting, dict(os.environ, PYTHONUNBUFFERED="1"))
     if returncode != 0 or not (spec / RESULT).exists():
-        why = (spec / FAILURE).read_text() if (spec / FAILURE).exists() else f"the Ray driver exited with code {returncode}"
+        failure = spec / FAILURE
+        why = failure.read_text() if failure.exists() else f"the Ray driver exited with code {returncode}"
         raise LaunchError(f"the {call.section.launch.num_processes}-process Ray gang failed: {why}; its log is "
                           f"{spec / 'launch.log'}; last lines:\n{log_tail(spec)}")
     result = pickle.loads((spec / RESULT).read_bytes())
@@ -157,7 +158,8 @@ def _resolve(address: str) -> str:
         target = os.environ.get("RAY_ADDRESS") or (local[0] if local else None)
         if target is None:
             raise LaunchError("launch.ray_address is auto, and no Ray cluster runs on this machine (none started "
-                              "with `ray start` or `make ray-up`, no RAY_ADDRESS): start one, or set launch.ray_address")
+                              "with `ray start` or `make ray-up`, no RAY_ADDRESS): start one, or set "
+                              "launch.ray_address")
     if local and local[1] is not None and target == local[0] and "RAY_AUTH_MODE" not in os.environ:
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(local[1]))
     return target
@@ -257,8 +259,10 @@ def describe_failure(error: BaseException, joined: list[dict]) -> str:
         j = last.get(rank)
         return f"rank {rank}" + (f" (node {j['node'][:12]}, {j['ip']}, pid {j['pid']})" if j else "")
 
-    return "; ".join(f"{where(rank)}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:500] if str(e).strip() else ''}"
-                     for rank, e in sorted(failures.items()))
+    def last_line(e: BaseException) -> str:
+        return str(e).strip().splitlines()[-1][:500] if str(e).strip() else ""
+
+    return "; ".join(f"{where(rank)}: {type(e).__name__}: {last_line(e)}" for rank, e in sorted(failures.items()))
 
 
 # --- the Inbox: what the ranks tell the driver --------------------------------------------------

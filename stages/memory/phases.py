@@ -250,8 +250,8 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
     sharding = n if sharded else 1
     notes: list[str] = []
     frozen = section.frozen_dtype if stage == "dpo" else "float32"  # under LoRA adapters
-    trained = _trained("reward model" if stage == "reward" else "policy", model, section.lora, frozen, sharding, compute,
-                       head_trains=stage == "reward")
+    trained = _trained("reward model" if stage == "reward" else "policy", model, section.lora, frozen, sharding,
+                       compute, head_trains=stage == "reward")
     held = [trained]
     if stage == "dpo" and section.lora is None:  # the reference: a frozen copy (LoRA: the adapters disabled)
         held.append(_frozen("reference", model, "float32", sharding))
@@ -287,7 +287,8 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
         phases["hand-off"] = streamed | {
             "evaluation_reference": reference / sharding,
             "evaluation_samples": kv_cache(model, sequences, length, autocast),
-            "evaluation_forwards": forward_without_gradients(model, sequences, length, section.sampling.response_length + 1,
+            "evaluation_forwards": forward_without_gradients(model, sequences, length,
+                                                             section.sampling.response_length + 1,
                                                              autocast)}
     alone, received = frozenset(), 0.0
     if sharded and device.kind == "cuda" and section.launch.offload_params:  # on the CPU, host memory is the device's
@@ -340,8 +341,8 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, 
     trained = [h for h in held if h.trained]
     largest_layer = max(policy.layer_parameters, (reward or policy).layer_parameters) * compute
     update = _training_extras(trained, n, sharded, autocast, largest_layer) | {
-        "policy_activations": training_activations(policy, micro, length, section.sampling.response_length + 1, autocast,
-                                                   section.gradient_checkpointing)}
+        "policy_activations": training_activations(policy, micro, length, section.sampling.response_length + 1,
+                                                   autocast, section.gradient_checkpointing)}
     if critic_kind in ("reward", "reward-lora", "policy"):
         update["critic_activations"] = training_activations(critic_model, micro, length, 0, autocast,
                                                             section.gradient_checkpointing)
@@ -355,13 +356,15 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, 
     scored = min(rolled, SCORING_BATCH)
     phases = {
         "sampling": gathered_policy | {"kv_cache": kv_cache(policy, rolled, length, autocast)},
-        "rollout_forwards": {"logits": forward_without_gradients(policy, rolled, length, section.sampling.response_length + 1,
+        "rollout_forwards": {"logits": forward_without_gradients(policy, rolled, length,
+                                                                 section.sampling.response_length + 1,
                                                                  autocast)} | (
             {"scoring": forward_without_gradients(reward, scored, length, 0, autocast)} if reward is not None else {}),
         "update": update,
         "evaluation": gathered_policy | {
             "kv_cache": kv_cache(policy, judged, length, autocast),
-            "logits": forward_without_gradients(policy, judged, length, section.sampling.response_length + 1, autocast)},
+            "logits": forward_without_gradients(policy, judged, length, section.sampling.response_length + 1,
+                                                autocast)},
     }
     alone = frozenset()
     if sharded:

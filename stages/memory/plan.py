@@ -71,7 +71,8 @@ def auto_fields(stage: StageName, section, counts: Counts, processes: int | None
         fields.append(("sharded_sampling", ["whole", "per_layer"]))
     if stage == "ppo" and section.sampling.micro_batch_size == "auto":
         evaluated = (counts.ppo_eval_prompts or 64) * section.evaluation.samples_per_prompt
-        fields.append(("sampling.micro_batch_size", [None, *_halvings(max(section.rollout_batch_size // n, evaluated))]))
+        sampled_at_once = max(section.rollout_batch_size // n, evaluated)
+        fields.append(("sampling.micro_batch_size", [None, *_halvings(sampled_at_once)]))
     if stage == "ppo" and section.micro_batch_size == "auto":
         minibatch = section.rollout_batch_size // (section.num_minibatches * n)
         fields.append(("micro_batch_size", [None, *(d for d in range(minibatch - 1, 0, -1) if minibatch % d == 0)]))
@@ -161,7 +162,8 @@ def knobs(stage: StageName, section: TrainedStage) -> list[tuple[str, dict]]:
     if stage == "ppo" and section.sharded_sampling == "whole":  # acts only when sharded: see `sharding_over`
         found.append(("ppo.sharded_sampling: per_layer", {"sharded_sampling": "per_layer"}))
     if stage == "ppo" and section.uses_critic and section.critic.kind == "reward":
-        found.append(("ppo.critic.kind: reward-lora", {"critic": section.critic.model_copy(update={"kind": "reward-lora"})}))
+        found.append(("ppo.critic.kind: reward-lora",
+                      {"critic": section.critic.model_copy(update={"kind": "reward-lora"})}))
     if section.lora is None:
         found.append((f"{stage}.lora: {{}}", {"lora": PolicyLoRAConfig() if stage == "ppo" else LoRAConfig()}))
     return found
@@ -202,7 +204,7 @@ def what_fits(section: TrainedStage, stage: StageName, shapes: dict[str, ModelSh
             if fits(chosen):
                 add(chosen, 1)
         for chosen in itertools.combinations(options, size - 1):
-            for n, sharding in zip((2, 4, 8, 16, 32, 64), shardings):
+            for n, sharding in zip((2, 4, 8, 16, 32, 64), shardings, strict=False):
                 if fits(chosen + (sharding,)):
                     add(chosen + (sharding,), n)
                     break
@@ -312,8 +314,9 @@ def plan_table(result: Plan) -> str:
                   "", "| model | parameters | held as | weights (GiB) | gradients | optimizer | gathered |",
                   "|---|---|---|---|---|---|---|"]
         for h in p.held:
-            lines.append(f"| {h.name} | {_count_text(h.parameters)} ({_count_text(h.trained)} trained) | {h.how} | {h.weights / GIB:.2f} | "
-                         f"{h.gradients / GIB:.2f} | {h.optimizer / GIB:.2f} | {h.gathered / GIB:.2f} |")
+            lines.append(f"| {h.name} | {_count_text(h.parameters)} ({_count_text(h.trained)} trained) | {h.how} | "
+                         f"{h.weights / GIB:.2f} | {h.gradients / GIB:.2f} | {h.optimizer / GIB:.2f} | "
+                         f"{h.gathered / GIB:.2f} |")
         lines += ["", "| phase | on top of the resident models (GiB) | total |", "|---|---|---|"]
         for phase, items in p.phases.items():
             parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in items.items())

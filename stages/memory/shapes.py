@@ -107,7 +107,7 @@ def reward_shape(policy_like: ModelShape) -> ModelShape:
     head = policy_like.head_parameters
     return replace(policy_like, parameters=policy_like.parameters - head + policy_like.hidden, vocab=1,
                    outside_layers=policy_like.outside_layers - head + policy_like.hidden, head_parameters=0,
-                   linears=tuple(l for l in policy_like.linears if l[0] != "lm_head"))
+                   linears=tuple(linear for linear in policy_like.linears if linear[0] != "lm_head"))
 
 
 # --- activations and caches -------------------------------------------------------------------------

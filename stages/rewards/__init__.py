@@ -1,1 +1,2 @@
-"""The reward as the stages compute it: the reward model scorer (`scoring`) and Python reward functions (`functions`)."""
+"""The reward as the stages compute it: the reward model scorer (`scoring`) and Python reward
+functions (`functions`)."""

@@ -98,15 +98,16 @@ def source_digests(cfg: RewardTermsConfig) -> dict[str, str]:
 
 def reward_values(function: RewardFunction, prompts: list[list[dict]], responses: list[str],
                   columns: dict[str, list], batch: int | str) -> list[float | None]:
-    """`function` on one batch (`batch`: the iteration, or which evaluation, for messages), its answer checked: one real,
-    finite number or None per response."""
+    """`function` on one batch (`batch`: the iteration, or which evaluation, for messages), its answer
+    checked: one real, finite number or None per response."""
     given = {name: columns[name] for name in function.columns}
     try:
         answer = function.call(prompts, responses, **given)
     except Exception as e:  # noqa: BLE001 - a user's function: name it and the prompt it failed on
         row = _failing_row(function, prompts, responses, given)
         where = f" on row {row} (prompt {_prompt_text(prompts[row])!r})" if row is not None else ""
-        raise RewardFunctionError(f"{function.describe()} raised in batch {batch}{where}: {type(e).__name__}: {e}") from e
+        raise RewardFunctionError(f"{function.describe()} raised in batch {batch}{where}: "
+                                  f"{type(e).__name__}: {e}") from e
     if isinstance(answer, (str, bytes)) or not isinstance(answer, Sequence) and not hasattr(answer, "__len__"):
         raise RewardFunctionError(f"{function.describe()} returned {type(answer).__name__} in batch {batch}; "
                                   "it must return one float (or None) per response")

@@ -65,7 +65,8 @@ class RewardScorer:
         scorer.score([[{"role": "user", "content": "Describe the cat."}]], ["The cat is warm."])
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, gain: float = 1.0, bias: float = 0.0):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, gain: float = 1.0,
+                 bias: float = 0.0):
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         self.model, self.tokenizer, self.gain, self.bias = model.eval(), tokenizer, gain, bias
@@ -73,8 +74,8 @@ class RewardScorer:
         """Adapter layers the reward model came with (a LoRA reward model not yet merged): part of it, always on."""
 
     @classmethod
-    def from_pretrained(cls, location: str | Path, *, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-                        place=None) -> RewardScorer:
+    def from_pretrained(cls, location: str | Path, *, dtype: torch.dtype = torch.float32,
+                        trust_remote_code: bool = False, place=None) -> RewardScorer:
         """`place(model)` puts the model where it runs (PPO's holding may shard it); default: this device."""
         tokenizer = load_tokenizer(str(location), trust_remote_code=trust_remote_code)
         model = load_reward_model(str(location), tokenizer, dtype=dtype, trust_remote_code=trust_remote_code,

@@ -131,7 +131,8 @@ def judged_by_functions(judge: FunctionJudge, held_out: HeldOut, policy_texts: l
         for name, values in judged[who].items():  # (B,) NaN where the function gave none
             table[f"{who}_reward/{name}"] = values.cpu().numpy()
             given = values[~values.isnan()]
-            metrics[f"eval/reward/{name}" + ("_sft" if who == "sft" else "")] = given.mean().item() if len(given) else 0.0
+            key = f"eval/reward/{name}" + ("_sft" if who == "sft" else "")
+            metrics[key] = given.mean().item() if len(given) else 0.0
     if not judge.with_model:
         table["policy_score"] = judge.weighted(judged["policy"]).cpu().numpy()
         table["sft_score"] = judge.weighted(judged["sft"]).cpu().numpy()

@@ -83,7 +83,8 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, beta: float, mask: tor
 # --- advantages ------------------------------------------------------------------------------
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over response tokens, backwards in time:
 
         delta_t = r_t + gamma * V_{t+1} - V_t        (V after the last real token is 0)

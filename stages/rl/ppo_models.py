@@ -36,7 +36,8 @@ from stages.runtime.models import (
 
 
 def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
-                     mask: torch.Tensor, want_hidden: bool, precision: Precision) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     mask: torch.Tensor, want_hidden: bool, precision: Precision
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits that predict each response token, and the final hidden states at the same
     positions, from one pass over prompt + response. # -> (B, T, V), (B, T, H) | None"""
     input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
@@ -197,7 +198,8 @@ class Models:
     holding: Holding = field(default_factory=Replicated)
     """How the processes hold the models: whole on each (one process, DDP) or sharded (FSDP2)."""
     reuse_sampling_pass: bool = True
-    """Old log-probs (and shared-body values) from the sampling pass, else from a second forward (`reuse_sampling_pass`)."""
+    """Old log-probs (and shared-body values) from the sampling pass, else from a second forward
+    (`reuse_sampling_pass`)."""
 
     def trainable(self) -> list[torch.nn.Parameter]:
         return [p for m in self.trained_modules() for p in m.parameters() if p.requires_grad]
@@ -265,7 +267,8 @@ def build_critic(cfg: PPOConfig, policy: PreTrainedModel, tokenizer, scorer: Rew
         raise ValueError(f"ppo.critic.kind = {critic.kind!r} starts from the reward model, and there is none")
     if scorer.tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"ppo.critic.kind = {critic.kind!r} needs the reward model at {reward_location} to share "
-                         "the policy's tokenizer (the critic reads the policy's token ids); use ppo.critic.kind = 'shared'")
+                         "the policy's tokenizer (the critic reads the policy's token ids); use "
+                         "ppo.critic.kind = 'shared'")
     if critic.kind == "reward-lora":
         return RewardLoRACritic(scorer, critic.lora, rescale=critic.normalize)
     return RewardCritic(load_reward_model(reward_location, tokenizer, trust_remote_code=cfg.trust_remote_code,

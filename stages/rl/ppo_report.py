@@ -39,7 +39,8 @@ def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, 
         found.append(f"mean response length collapsed from {previous_length:.1f} to {length:.1f} tokens in one "
                      "iteration: the policy is learning to stop early (check the value loss and the KL)")
     if figures["rollout/kl"] > cfg.evaluation.kl_budget:
-        found.append(f"mean KL per sequence {figures['rollout/kl']:.2f} is over the budget of {cfg.evaluation.kl_budget}")
+        found.append(f"mean KL per sequence {figures['rollout/kl']:.2f} is over the budget of "
+                     f"{cfg.evaluation.kl_budget}")
     drift = abs(figures["rollout/response_length"] - first_length) / max(first_length, 1e-6)
     if drift > cfg.warnings.length_drift:
         found.append(f"mean response length {figures['rollout/response_length']:.1f} drifted {drift:.0%} "
@@ -55,7 +56,8 @@ def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, 
         found.append(f"policy ratio reached {figures['train/ratio_max']:.1f} (threshold {cfg.warnings.ratio_max})")
     threshold = initial_ratio_threshold(cfg, resolve_precision(cfg.precision))
     if figures["train/initial_ratio_deviation"] > threshold:
-        found.append(f"before the first update the policy ratio was already {figures['train/initial_ratio_deviation']:.2g} "
+        deviation = figures["train/initial_ratio_deviation"]
+        found.append(f"before the first update the policy ratio was already {deviation:.2g} "
                      f"from 1 (threshold {threshold:g}): rollout and training compute different policies (dropout "
                      "left on, or precision drift; try ppo.old_logprobs: recompute)")
     return [f"iteration {iteration}: {message}" for message in found]
@@ -92,9 +94,10 @@ def iteration_figures(learner: Learner, episodes: Episodes, train: dict[str, flo
                     "rollout/vllm_logprob_gap_max": gap.max().item()}
     if batch.engine_weights is not None:
         weights = batch.engine_weights[batch.mask.bool()]  # (tokens,)
+        capped = weights >= learner.cfg.vllm.importance_sampling_cap - 1e-6
         figures |= {"rollout/engine_importance_weight": weights.mean().item(),
                     "rollout/engine_importance_weight_std": weights.std().item() if len(weights) > 1 else 0.0,
-                    "rollout/engine_importance_weight_capped": (weights >= learner.cfg.vllm.importance_sampling_cap - 1e-6).float().mean().item()}
+                    "rollout/engine_importance_weight_capped": capped.float().mean().item()}
     elapsed = time.perf_counter() - started
     return figures | {"time/iteration": elapsed,
                       "time/tokens_per_second": batch.mask.sum().item() * accelerator.num_processes / elapsed}
@@ -121,7 +124,8 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
     for message in warnings_of(cfg, figures, loop.first_length, iteration, previous_length):
         reporting.warning(message)
     reporting.metrics(figures, iteration)
-    # With reward functions or the overlong penalty each term is a column too (`reward/<name>`; NaN where a function gave none).
+    # With reward functions or the overlong penalty each term is a column too (`reward/<name>`; NaN where
+    # a function gave none).
     terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} \
         if cfg.reward.functions or cfg.reward.overlong else {}
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,

@@ -23,7 +23,8 @@ from stages.rl.update import Learner
 from stages.runtime.collectives import sum_over_processes
 
 Sample = Callable[[int, dict[str, float]], tuple[Sampled, dict[str, float]]]
-"""`sample(iteration, timings)`: the iteration's `Sampled` and the sampling's own figures; phases timed into `timings`."""
+"""`sample(iteration, timings)`: the iteration's `Sampled` and the sampling's own figures; phases
+timed into `timings`."""
 
 
 def sampling_for(learner: Learner, loop: LoopState, prompts: Prompts, ahead: SamplingAhead | None) -> Sample:

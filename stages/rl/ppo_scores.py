@@ -58,7 +58,7 @@ def function_terms(learner: Learner, messages: list[list[dict]], texts: list[str
     if not learner.reward_functions:
         return {}
     with timed(timings, "reward_functions"):
-        rows = list(zip(messages, texts, columns))
+        rows = list(zip(messages, texts, columns, strict=True))
         every = _functions_on_main(learner, rows, iteration)
         first = learner.accelerator.process_index * len(rows)
     return {name: _as_tensor(values[first:first + len(rows)], learner.accelerator.device)
@@ -73,8 +73,9 @@ def function_judge(learner: Learner) -> FunctionJudge | None:
         return None
     accelerator = learner.accelerator
 
-    def values(messages: list[list[dict]], texts: list[str], columns: list[dict], judged: str) -> dict[str, torch.Tensor]:
-        rows = list(zip(messages, texts, columns)) if accelerator.is_main_process else []
+    def values(messages: list[list[dict]], texts: list[str], columns: list[dict], judged: str
+               ) -> dict[str, torch.Tensor]:
+        rows = list(zip(messages, texts, columns, strict=True)) if accelerator.is_main_process else []
         every = _functions_on_main(learner, rows, judged)
         return {name: _as_tensor(v, accelerator.device) for name, v in every.items()}
 

@@ -88,7 +88,8 @@ def ppo_update(learner: Learner, episodes: Episodes) -> dict[str, float]:
             deviation = figures.pop("ratio_deviation_max")
             if epoch == 0 and index == 0:
                 stats.add(initial_ratio_deviation=deviation)
-            if episodes.iteration <= cfg.freeze_policy_iterations:  # no step at all: Adam's moments and step count stay fresh
+            # Critic warm-up: no policy step at all, so Adam's moments and step count stay fresh.
+            if episodes.iteration <= cfg.freeze_policy_iterations:
                 for parameter in policy_parameters:
                     parameter.grad = None
             scaler.unscale_(optimizer)  # clipping reads true gradient norms (no-op without fp16 loss scaling)
@@ -150,8 +151,8 @@ def _micro_batch_step(learner: Learner, micro: TrainingBatch, num_tokens: torch.
     policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, counted, clip, micro.engine_weights,
                                  Totals(num_tokens, denominator))
     # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
-    entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.sampling.temperature), counted,
-                          num_tokens=num_tokens)
+    entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.sampling.temperature),
+                          counted, num_tokens=num_tokens)
     policy_terms = policy.loss - cfg.entropy_coef * entropy
     figures = {}
     if kl_loss_coef > 0:

@@ -47,7 +47,8 @@ def sum_over_processes(accelerator: Accelerator, x: torch.Tensor) -> torch.Tenso
 
 
 def gathered(accelerator: Accelerator, x: torch.Tensor) -> torch.Tensor:
-    """Every process's `x` concatenated along the first dimension, in rank order (collective). # (B, ...) -> (P * B, ...)"""
+    """Every process's `x` concatenated along the first dimension, in rank order (collective).
+    # (B, ...) -> (P * B, ...)"""
     return x if accelerator.num_processes == 1 else accelerator.gather(x)
 
 

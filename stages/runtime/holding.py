@@ -321,8 +321,8 @@ def receive_from_rank0(model: torch.nn.Module, sent: dict[str, torch.Tensor], sk
         if sent:
             whole = materialise(sent[name])
             if whole.is_meta:
-                raise ValueError(f"{name} of {type(model).__name__} is neither in its checkpoint nor initialised on the "
-                                 "first process: nothing to send")
+                raise ValueError(f"{name} of {type(model).__name__} is neither in its checkpoint nor initialised "
+                                 "on the first process: nothing to send")
             whole = whole.detach().to(device(), local.dtype)
         else:
             with unfilled_memory():
@@ -331,7 +331,7 @@ def receive_from_rank0(model: torch.nn.Module, sent: dict[str, torch.Tensor], sk
         with torch.no_grad():
             if isinstance(local, DTensor):
                 shape, offset = compute_local_shape_and_global_offset(whole.shape, local.device_mesh, local.placements)
-                local.to_local().copy_(whole[tuple(slice(o, o + n) for n, o in zip(shape, offset))])
+                local.to_local().copy_(whole[tuple(slice(o, o + n) for n, o in zip(shape, offset, strict=True))])
             else:
                 local.copy_(whole)
         del whole
@@ -373,7 +373,8 @@ def plain_tensors(module: torch.nn.Module, untie: bool = False) -> list[tuple[st
         if ".lora_" in name or ".original_module." in name:
             continue  # merged into the base weight / replaced by the trained copy
         owner, _, leaf = name.rpartition(".")
-        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        plain = name.removeprefix("base_model.model.")
+        plain = plain.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
         layer = lora.get(owner.removesuffix(".base_layer")) if owner.endswith(".base_layer") else None
         if layer is not None and set(layer.lora_embedding_A):
             raise ValueError(f"{owner}: LoRA on embeddings is not merged by the streamed hand-off")
@@ -426,7 +427,7 @@ def save_streamed(module: torch.nn.Module, tokenizer, folder: Path, dtype: torch
             (folder / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}, indent=2) + "\n")
         if getattr(plain, "generation_config", None) is not None:
             plain.generation_config.save_pretrained(folder)
-    for file, members in zip(names, files):
+    for file, members in zip(names, files, strict=True):
         with open(folder / file, "wb") if main else nullcontext() as out:
             if main:
                 out.write(_safetensors_header([(name, shape, kind) for name, shape, kind, _ in members]))
@@ -435,7 +436,7 @@ def save_streamed(module: torch.nn.Module, tokenizer, folder: Path, dtype: torch
                 if main:
                     out.write(tensor.to("cpu", kind).contiguous().view(torch.uint8).numpy().data)
     if main and len(files) > 1:
-        weight_map = {name: file for file, members in zip(names, files) for name, *_ in members}
+        weight_map = {name: file for file, members in zip(names, files, strict=True) for name, *_ in members}
         total = sum(shape.numel() * kind.itemsize for _, shape, kind, _ in entries)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

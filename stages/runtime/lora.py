@@ -30,7 +30,8 @@ def lora_config(settings: LoRAConfig, task_type: LoRATask, model: torch.nn.Modul
     modules = dict(model.named_modules())
     linears = [name for name, module in modules.items() if isinstance(module, (torch.nn.Linear, Conv1D))]
     own = model.get_output_embeddings() if task_type == "CAUSAL_LM" else next(
-        (getattr(model, name) for name in ("score", "classifier") if isinstance(getattr(model, name, None), torch.nn.Module)),
+        (getattr(model, name) for name in ("score", "classifier")
+         if isinstance(getattr(model, name, None), torch.nn.Module)),
         None)
     head = next((name for name, module in modules.items() if module is own), None) if own is not None else None
     adapt_head = task_type == "CAUSAL_LM" and getattr(settings, "output_layer", False)  # PPO's policy only
@@ -136,7 +137,8 @@ def copied(module: torch.nn.Module) -> torch.nn.Module:
     import copy
 
     twin = copy.deepcopy(module)
-    for mine, its in zip(module.state_dict(keep_vars=True).values(), twin.state_dict(keep_vars=True).values()):
+    for mine, its in zip(module.state_dict(keep_vars=True).values(), twin.state_dict(keep_vars=True).values(),
+                         strict=True):
         if hasattr(mine, CHECKPOINT_TENSOR):
             setattr(its, CHECKPOINT_TENSOR, getattr(mine, CHECKPOINT_TENSOR))
     return twin

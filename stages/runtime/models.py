@@ -21,7 +21,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from stages.common.errors import ChatTemplateError
 
-if TYPE_CHECKING:  # the modelling half of transformers takes seconds to import; a flow that only validates data never needs it
+# the modelling half of transformers takes seconds to import; a flow that only validates data never needs it
+if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from rlhf.config_common import StageSettings
@@ -308,7 +309,8 @@ def fit_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase)
         listed = [] if listed is None else list(listed) if isinstance(listed, (list, tuple)) else [listed]
         stops = [reply_end_id(tokenizer), tokenizer.eos_token_id]
         stops = list(dict.fromkeys(stops + listed))
-        generation.eos_token_id = stops if len(stops) > 1 else stops[0]  # a lone id stays an int, as hub configs write it
+        # a lone id stays an int, as hub configs write it
+        generation.eos_token_id = stops if len(stops) > 1 else stops[0]
         generation.pad_token_id = tokenizer.pad_token_id
         generation.bos_token_id = tokenizer.bos_token_id
 
@@ -349,7 +351,8 @@ def precision_tags(precision: Precision, trained: list[torch.nn.Parameter], save
     the trained parameters, not assumed), the autocast dtype, and the saved checkpoint's dtype."""
     updated = sorted({_dtype_name(p.dtype) for p in trained})
     return {"rlhf.trainable_dtype": ",".join(updated),
-            "rlhf.autocast_dtype": "none" if precision.autocast_dtype is None else _dtype_name(precision.autocast_dtype),
+            "rlhf.autocast_dtype": ("none" if precision.autocast_dtype is None
+                                    else _dtype_name(precision.autocast_dtype)),
             "rlhf.checkpoint_dtype": _dtype_name(saved)}
 
 
@@ -374,7 +377,9 @@ def dtype_named(name: str) -> torch.dtype:
 
 def output_dtype(setting: str, base_location: str, *, trust_remote_code: bool = False) -> torch.dtype:
     """The dtype a stage saves its checkpoint in: `base` keeps its starting checkpoint's."""
-    return checkpoint_dtype(base_location, trust_remote_code=trust_remote_code) if setting == "base" else dtype_named(setting)
+    if setting == "base":
+        return checkpoint_dtype(base_location, trust_remote_code=trust_remote_code)
+    return dtype_named(setting)
 
 
 def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path,
@@ -434,7 +439,8 @@ def encode_replies(tokenizer: PreTrainedTokenizerBase, prompts: list[str], repli
     end = [reply_end_id(tokenizer)]
     complete = [True] * len(replies) if complete is None else complete
     reply_ids = [ids + end if closed else ids
-                 for ids, closed in zip(tokenizer(list(replies), add_special_tokens=False)["input_ids"], complete, strict=True)]
+                 for ids, closed in zip(tokenizer(list(replies), add_special_tokens=False)["input_ids"], complete,
+                                        strict=True)]
     return prompt_ids, reply_ids
 
 

@@ -39,7 +39,8 @@ class ForwardLogs(TrainerCallback):
         self.reporting.progress(state.global_step, state.max_steps)
 
 
-def trained_as_held(trainer, launch: LaunchConfig) -> tuple[torch.nn.Module, Holding, list[torch.nn.Parameter], dict[str, str]]:
+def trained_as_held(trainer, launch: LaunchConfig
+                    ) -> tuple[torch.nn.Module, Holding, list[torch.nn.Parameter], dict[str, str]]:
     """The trained model as the trainer's processes hold it (unwrapped from DDP; under FSDP2 still
     sharded, so every process takes part in what reads it), how they hold it (a sharded one is sampled
     layer by layer, never gathered whole), the parameters its optimizer updated, and the `rlhf.held_as`
@@ -49,7 +50,8 @@ def trained_as_held(trainer, launch: LaunchConfig) -> tuple[torch.nn.Module, Hol
     state = PartialState()
     trainer.optimizer.state.clear()  # its moments are in the trainer's checkpoints; what follows needs the memory
     model = trainer.accelerator.unwrap_model(trainer.model)
-    holding = holding_for(trainer.accelerator, launch, "per_layer", None)  # offloaded as accelerate offloads the trained one
+    # offloaded as accelerate offloads the trained one
+    holding = holding_for(trainer.accelerator, launch, "per_layer", None)
     return model, holding, [p for p in model.parameters() if p.requires_grad], held_as(model, state.num_processes)
 
 
