@@ -14,9 +14,14 @@ MAX_FIGURES = ("_max", "initial_ratio_deviation")
 """Figures summarised by their largest value (over minibatches and processes), not their mean."""
 
 
+def is_max_figure(key: str) -> bool:
+    """Whether figure `key` is summarised by its largest value (`MAX_FIGURES`)."""
+    return key.endswith(MAX_FIGURES)
+
+
 def combined(key: str, values: list, total) -> float:
     """Figure `key`'s values as one: the largest for `MAX_FIGURES`, else `total(values)` (a sum or a mean)."""
-    return max(values) if key.endswith(MAX_FIGURES) else total(values)
+    return max(values) if is_max_figure(key) else total(values)
 
 
 def over_processes(accelerator: Accelerator, figures: dict[str, float]) -> dict[str, float]:
@@ -28,7 +33,7 @@ def over_processes(accelerator: Accelerator, figures: dict[str, float]) -> dict[
     summed, largest = values.clone(), values.clone()
     torch.distributed.all_reduce(summed)
     torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
-    return {k: (largest[i] if k.endswith(MAX_FIGURES) else summed[i] / accelerator.num_processes).item()
+    return {k: (largest[i] if is_max_figure(k) else summed[i] / accelerator.num_processes).item()
             for i, k in enumerate(keys)}
 
 
