@@ -233,7 +233,7 @@ def _train(learner: Learner, ahead: SamplingAhead | None, inputs: PPOInputs, out
         figures = over_processes(accelerator, iteration_figures(learner, episodes, train, timings, started)
                                  | sampling_figures)  # this iteration's, over every process
         # 5. control: the KL coefficient, fed the mean KL per sequence over every process
-        kl_per_sequence = mean_over_processes(accelerator, episodes.kl.sum(1).mean().item())
+        kl_per_sequence = mean_over_processes(accelerator, episodes.sequence_kl.mean().item())
         loop.kl.update(kl_per_sequence, cfg.rollout_batch_size)
         if cfg.ref_refresh_every and iteration % cfg.ref_refresh_every == 0:
             models.reference.load_state_dict(models.policy.state_dict())

@@ -55,13 +55,10 @@ def _trainer(cfg, accelerator, models, actor_critic, optimizer=None, scheduler=N
 
 def _episodes(cfg, batch, advantages, returns, loss_mask=None):
     """What the update reads of an iteration's episodes (no scores or KL figures)."""
-    import dataclasses
-
     from stages.rl.advantages import Episodes, KLWeights
     from stages.rl.batch import TrainingBatch
 
-    trained = TrainingBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)},
-                            advantages=advantages, returns=returns, loss_mask=loss_mask)
+    trained = TrainingBatch.of(batch, advantages=advantages, returns=returns, loss_mask=loss_mask)
     return Episodes(iteration=1, batch=trained, messages=[], scores=None, kl=torch.zeros_like(batch.logprobs),
                     weights=KLWeights(beta=0.0, in_reward=0.0, in_loss=cfg.kl.loss_coef))
 

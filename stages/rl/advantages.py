@@ -5,7 +5,6 @@ the tokens the losses count."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +50,11 @@ class Episodes:
     """(B, T) the per-token KL estimate (`kl.estimator`) to the reference, masked."""
     weights: KLWeights
 
+    @property
+    def sequence_kl(self) -> torch.Tensor:
+        """Each response's KL to the reference, summed over its tokens. # (B,)"""
+        return self.kl.sum(1)
+
 
 def episodes_of(accelerator: Accelerator, cfg: PPOConfig, iteration: int, sampled: Sampled,
                 weights: KLWeights) -> Episodes:
@@ -58,9 +62,8 @@ def episodes_of(accelerator: Accelerator, cfg: PPOConfig, iteration: int, sample
     batch, scores = sampled.batch, sampled.scores
     kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.mask  # (B, T)
     advantages, returns = advantages_and_returns(accelerator, cfg, batch, kl, scores.reward, weights.in_reward)
-    trained = TrainingBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)},
-                            advantages=advantages, returns=returns, engine_weights=engine_weights(batch, cfg),
-                            loss_mask=loss_mask(batch, cfg))
+    trained = TrainingBatch.of(batch, advantages=advantages, returns=returns,
+                               engine_weights=engine_weights(batch, cfg), loss_mask=loss_mask(batch, cfg))
     return Episodes(iteration=iteration, batch=trained, messages=sampled.messages, scores=scores, kl=kl,
                     weights=weights)
 

@@ -73,6 +73,11 @@ class TrainingBatch(Rollout):
     loss_mask: torch.Tensor | None = response_columns(default=None)
     """(B, T) the response mask less truncated responses (`mask_truncated_responses`); None: `mask`."""
 
+    @classmethod
+    def of(cls, rollout: Rollout, **training: Any) -> TrainingBatch:
+        """`rollout`'s fields with the training ones (`advantages`, `returns`, ...) added."""
+        return cls(**{f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}, **training)
+
     @property
     def counted(self) -> torch.Tensor:
         """The tokens the loss terms count. # (B, T)"""

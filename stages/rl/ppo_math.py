@@ -232,11 +232,10 @@ class Estimator:
     whitened: bool
     """True: the advantages are whitened over the whole batch; False: only with `group_batch_normalize`
     (the group estimators' baselines are already on the scores' scale)."""
-    learns_critic: bool = False
 
 
 ESTIMATORS: dict[str, Estimator] = {
-    "gae": Estimator(gae_estimate, whitened=True, learns_critic=True),
+    "gae": Estimator(gae_estimate, whitened=True),
     "grpo": Estimator(grpo_estimate, whitened=False),
     "rloo": Estimator(rloo_estimate, whitened=False),
     "reinforce++": Estimator(reinforce_estimate, whitened=True),

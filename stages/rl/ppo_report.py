@@ -73,7 +73,7 @@ def iteration_figures(learner: Learner, episodes: Episodes, train: dict[str, flo
         "rollout/score_std": gathered(accelerator, scores.reported).std().item(),  # over all processes' scores
         "rollout/score_used": scores.reward.mean().item(),
         "rollout/non_score_reward": (-episodes.weights.in_reward * kl).sum(1).mean().item(),
-        "rollout/kl": kl.sum(1).mean().item(),
+        "rollout/kl": episodes.sequence_kl.mean().item(),
         "rollout/kl_coef": episodes.weights.beta,
         "rollout/entropy": masked_mean(batch.entropy, batch.mask).item(),
         "rollout/response_length": batch.mask.sum(1).float().mean().item(),
@@ -130,7 +130,7 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
         if cfg.reward.functions or cfg.reward.overlong else {}
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
                                      "score": scores.reported.cpu().numpy(), **terms,
-                                     "kl": episodes.kl.sum(1).cpu().numpy()}), iteration)
+                                     "kl": episodes.sequence_kl.cpu().numpy()}), iteration)
     if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
         shown = slice(0, cfg.num_logged_samples)
         reporting.samples(pd.DataFrame({"user": [last_user_message(m) for m in messages[shown]],
