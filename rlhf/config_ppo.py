@@ -129,6 +129,42 @@ class RolloutConfig(_Frozen):
     """Updates a rollout may lag behind the policy it trains (0: synchronous); above 0 needs `rollout_engine: vllm`."""
 
 
+class EnvironmentConfig(_Frozen):
+    """Multi-turn episodes: the policy acts over several turns against an environment, e.g. calling tools
+    (docs/environments.md). Exactly one of `tools`, `factory` and `rollout` says what the environment is."""
+
+    tools: str | None = None
+    """`module:function` giving a prompt record's tools (typed Python functions) to the built-in tool-calling loop."""
+    factory: str | None = None
+    """`module:function` giving a prompt record's environment (`reset(row)`, `step(text)`), for other environments."""
+    rollout: str | None = None
+    """`module:function` `(row, engine, tokenizer) -> Episode`: a whole episode by hand, for what the loop cannot do."""
+    paths: list[str] = []
+    """Folders put in front of the import path to find those functions (absolute, or relative to the run's folder)."""
+    max_turns: PositiveInt = 4
+    """Assistant turns an episode may take; one that wants more ends `truncated`."""
+    turn_tokens: PositiveInt | None = None
+    """New tokens per assistant turn at most; unset: `sampling.response_length`."""
+    episode_tokens: PositiveInt = 96
+    """Tokens after the prompt an episode holds at most: the model's turns, tool results and the template's glue."""
+    malformed_call_reward: float = -1.0
+    """Reward of a turn whose tool call cannot be parsed or run (the model is told the error as the tool's answer)."""
+    max_malformed_calls: int = Field(1, ge=0)
+    """Malformed calls an episode may make; one more and it fails (left out of the update, `rollout/failed_share`)."""
+
+    @model_validator(mode="after")
+    def _one_environment(self) -> EnvironmentConfig:
+        """Exactly one of tools, factory and rollout, each `module:function`."""
+        given = {name: getattr(self, name) for name in ("tools", "factory", "rollout") if getattr(self, name)}
+        if len(given) != 1:
+            raise ValueError("environment: give exactly one of tools, factory and rollout "
+                             f"(given: {', '.join(given) or 'none'})")
+        for name, location in given.items():
+            if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", location):
+                raise ValueError(f"environment.{name}: {location!r} is not 'module:function'")
+        return self
+
+
 class RewardTermsConfig(_Frozen):
     """What the RL stage's score is: the weighted sum of its terms."""
 
@@ -274,6 +310,8 @@ class PPOConfig(TrainedStage, SampledStage):
     """With FSDP2: gather the whole policy per rollout (`whole`) or a layer per token (`per_layer`); `auto`: by fit."""
     rollout: RolloutConfig = RolloutConfig()
     """Sampling ahead of the updates (asynchronous rollouts on the vLLM server)."""
+    environment: EnvironmentConfig | None = None
+    """Multi-turn episodes against an environment (tools); unset: one response to each prompt."""
 
     DERIVED: ClassVar[dict[str, str]] = {"advantage_estimator": "critic", "reward": "critic"}
     """`auto` fields resolved from another, which `with_overrides` resolves again when that one changes."""
@@ -422,6 +460,20 @@ class PPOConfig(TrainedStage, SampledStage):
             raise ValueError(f"{staleness} samples the next iteration's prompts before this one is scored, but "
                              "dynamic_sampling decides how many prompts an iteration takes from its scores: unset "
                              "one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _environment_runs_here(self) -> PPOConfig:
+        """Episodes step their environment between turns, on the process that samples them: not ahead of the
+        update, and not with a sharded policy (whose every sampling step is collective)."""
+        if self.environment is None:
+            return self
+        if self.rollout.max_staleness:
+            raise ValueError("environment: episodes step their environment between turns, which sampling ahead "
+                             "(rollout.max_staleness above 0) does not run: set max_staleness 0")
+        if self.launch.sharded and self.rollout_engine == "hf":
+            raise ValueError("environment: a sharded policy samples collectively, step by step, while each process's "
+                             "episodes end after different numbers of turns: use rollout_engine vllm, or DDP")
         return self
 
     @property

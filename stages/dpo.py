@@ -161,7 +161,7 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path,
     model, holding, updated, held = trained_as_held(trainer, cfg.launch)
 
     models = evaluation_models(model, holding, cfg, inputs.sft_location)
-    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, device())
+    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling)
     sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log",
                           cfg.launch.engine == "ray")
     try:

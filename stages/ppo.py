@@ -53,6 +53,7 @@ from rlhf.config_ppo import PPOConfig
 from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting, timed
 from stages.engines.vllm_server import sampler_for
+from stages.envs.loop import episode_runner
 from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches
 from stages.rewards.functions import load_reward_functions
@@ -118,9 +119,11 @@ def build_learner(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> Learne
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log", cfg.launch.engine == "ray")
+    episodes = episode_runner(cfg.environment, models.tokenizer, inputs.sft_location, models.stop_ids,
+                              cfg.sampling.response_length)
     return Learner(cfg=cfg, accelerator=accelerator, models=models, actor_critic=actor_critic, optimizer=optimizer,
                    scheduler=scheduler, scaler=scaler, sampler=sampler,
-                   reward_functions=load_reward_functions(cfg.reward))
+                   reward_functions=load_reward_functions(cfg.reward), episodes=episodes)
 
 
 def resume(learner: Learner, state_dir: Path, reporting: Reporting) -> LoopState:
@@ -210,8 +213,8 @@ def _train(learner: Learner, ahead: SamplingAhead | None, inputs: PPOInputs, out
     """`train_ppo`'s loop and hand-off, on a built learner (and its rollouts sampled ahead, if any)."""
     cfg, accelerator, models = learner.cfg, learner.accelerator, learner.models
     # Before a resume or a reference refresh can change the reference: it is the SFT policy now.
-    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, accelerator.device,
-                              tuple(cfg.reward.columns))
+    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, tuple(cfg.reward.columns),
+                              learner.episodes)
     state_dir = output_dir / "state"
     loop = start_or_resume(learner, ahead, state_dir, reporting)
     prompts = Prompts.of(inputs.prompts, cfg)

@@ -35,8 +35,9 @@ LAYERS = {
     "stages/launch": ("stages.common", "stages.runtime", "stages.memory", "stages.launch") + CONFIG,
     "stages/engines": ("stages.common", "stages.runtime", "stages.engines") + CONFIG,
     "stages/rewards": ("stages.common", "stages.runtime", "stages.memory", "stages.rewards") + CONFIG,
-    "stages/rl": ("stages.common", "stages.runtime", "stages.memory", "stages.engines", "stages.rewards", "stages.rl",
-                  "rlhf.evaluation") + CONFIG,
+    "stages/envs": ("stages.common", "stages.runtime", "stages.engines", "stages.envs") + CONFIG,
+    "stages/rl": ("stages.common", "stages.runtime", "stages.memory", "stages.engines", "stages.envs", "stages.rewards",
+                  "stages.rl", "rlhf.evaluation") + CONFIG,
     "stages": ("stages", "rlhf.evaluation") + CONFIG,  # the stage entry points, stages/*.py
     "flows": None,  # the top: the flow, its tasks and the `rlhf` command may import anything
 }

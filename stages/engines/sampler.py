@@ -23,7 +23,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from stages.common.tensors import entropy_of, is_end, logprobs_of, truncate_after_eos
 from stages.runtime.holding import Holding, Replicated
-from stages.runtime.models import Precision, left_padded, position_ids_for
+from stages.runtime.models import Precision, left_padded, left_padded_ids, position_ids_for
 
 # --- the sampler --------------------------------------------------------------------------------
 
@@ -60,6 +60,11 @@ class Sampler(Protocol):
 
     def generate(self, prompts: list[str], sampling: Sampling) -> Generation:
         """Responses to rendered `prompts`, one per prompt (repeat a prompt for several)."""
+        ...
+
+    def generate_ids(self, prompts: list[list[int]], sampling: Sampling) -> Generation:
+        """Responses to prompts given as token ids, never re-tokenised (a multi-turn episode's
+        context so far: `stages.envs`)."""
         ...
 
     def sync(self, policy: torch.nn.Module) -> None:
@@ -100,23 +105,28 @@ class HFSampler:
         return None
 
     def generate(self, prompts: list[str], sampling: Sampling) -> Generation:
+        return self._generate(left_padded(self.tokenizer, prompts, self.model.device), sampling)
+
+    def generate_ids(self, prompts: list[list[int]], sampling: Sampling) -> Generation:
+        return self._generate(left_padded_ids(prompts, self.tokenizer.pad_token_id, self.model.device), sampling)
+
+    def _generate(self, batch: dict[str, torch.Tensor], sampling: Sampling) -> Generation:
         if sampling.logprobs:
-            return self._decode(prompts, sampling)
-        return self._transformers_generate(prompts, sampling)
+            return self._decode(batch, sampling)
+        return self._transformers_generate(batch, sampling)
 
     @torch.no_grad()
-    def _decode(self, prompts: list[str], sampling: Sampling) -> Generation:
+    def _decode(self, batch: dict[str, torch.Tensor], sampling: Sampling) -> Generation:
         """Up to `max_new_tokens` tokens per prompt, one KV-cached step at a time, keeping each
         token's log-prob, the entropy and the final hidden state of the step that produced it: the
         rollout then needs no second policy pass for old log-probs and (shared-body) values. Stops
         early once every row has an end token (on every process, when the model is sharded)."""
         model = self.model
-        batch = left_padded(self.tokenizer, prompts, model.device)
         queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
         attention_mask, positions = query_mask, position_ids_for(query_mask)
         step_ids, cache = queries, DynamicCache()
         tokens, logprobs, entropy, hidden = [], [], [], []
-        finished = torch.zeros(len(prompts), dtype=torch.bool, device=model.device)
+        finished = torch.zeros(len(queries), dtype=torch.bool, device=model.device)
         with self.precision.autocast(model.device), self.holding.sampling(model):
             for _ in range(sampling.max_new_tokens):
                 out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
@@ -139,10 +149,9 @@ class HFSampler:
                           hidden=torch.cat(hidden, dim=1))
 
     @torch.inference_mode()
-    def _transformers_generate(self, prompts: list[str], sampling: Sampling) -> Generation:
+    def _transformers_generate(self, batch: dict[str, torch.Tensor], sampling: Sampling) -> Generation:
         """transformers' `generate`, the model in eval mode for it (dropout off)."""
         model = self.model
-        batch = left_padded(self.tokenizer, prompts, model.device)
         options = {"do_sample": False} if sampling.temperature is None else {
             "do_sample": True, "temperature": sampling.temperature, "top_k": 0, "top_p": 1.0}
         was_training = model.training

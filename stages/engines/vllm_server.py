@@ -48,7 +48,7 @@ from stages.common.tensors import truncate_after_eos
 from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling
 from stages.engines.vllm_process import LocalServed
 from stages.runtime.holding import save_streamed
-from stages.runtime.models import left_padded
+from stages.runtime.models import left_padded, left_padded_ids
 
 
 def head_size(model: PreTrainedModel) -> int:
@@ -171,10 +171,17 @@ class VLLMSampler:
     def generate(self, prompts: list[str], sampling: Sampling) -> Generation:
         return self.answer([self.requests(prompts, sampling)])[0]
 
+    def generate_ids(self, prompts: list[list[int]], sampling: Sampling) -> Generation:
+        batch = left_padded_ids(prompts, self.tokenizer.pad_token_id, torch.device("cpu"))
+        return self.answer([self._requests_of(batch, sampling)])[0]
+
     def requests(self, prompts: list[str], sampling: Sampling) -> Requests:
         """The server's requests for `prompts`: tokenised here, their seeds drawn from this thread's
         random stream (so sampling repeats with it, on resume too, whichever thread later sends them)."""
-        batch = left_padded(self.tokenizer, prompts, torch.device("cpu"))
+        return self._requests_of(left_padded(self.tokenizer, prompts, torch.device("cpu")), sampling)
+
+    def _requests_of(self, batch: dict[str, torch.Tensor], sampling: Sampling) -> Requests:
+        """The requests for a left-padded batch of prompt ids: the server takes token ids, never text."""
         queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
         rows = [row[mask.bool()].tolist() for row, mask in zip(queries, query_mask, strict=True)]
         first_seed = int(torch.randint(0, 2**31 - 1 - len(rows), (1,)))

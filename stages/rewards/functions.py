@@ -20,17 +20,16 @@ checkpoint is kept, so the stage resumes from it.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import math
 import numbers
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf.config_ppo import RewardTerm, RewardTermsConfig
 from stages.common.errors import StageUserError
+from stages.common.user_code import imported_function, on_import_path
 
 
 class RewardFunctionError(StageUserError):
@@ -53,24 +52,13 @@ class RewardFunction:
 def load_reward_functions(cfg: RewardTermsConfig) -> list[RewardFunction]:
     """Every function term of `cfg`, imported (from the project, or `cfg.paths` first) and checked
     to take `(prompts, responses, **columns)`."""
-    for folder in reversed(cfg.paths):
-        location = str(Path(folder).resolve())
-        if location not in sys.path:
-            sys.path.insert(0, location)
+    on_import_path(cfg.paths)
     return [_load(term, tuple(cfg.columns)) for term in cfg.functions]
 
 
 def _load(term: RewardTerm, columns: tuple[str, ...]) -> RewardFunction:
-    module_name, attribute = term.function.split(":")
     described = f"reward term {term.name!r} ({term.function})"
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - whatever importing user code raises, the message names it
-        raise RewardFunctionError(f"{described}: cannot import {module_name!r}: {type(e).__name__}: {e} "
-                                  "(is its folder in reward.paths?)") from None
-    call = getattr(module, attribute, None)
-    if not callable(call):
-        raise RewardFunctionError(f"{described}: module {module_name!r} has no function {attribute!r}")
+    call = imported_function(term.function, described, RewardFunctionError, "reward.paths")
     try:
         inspect.signature(call).bind([], [], **{column: [] for column in columns})
     except TypeError as e:

@@ -13,7 +13,13 @@ from accelerate import Accelerator
 from rlhf.config_ppo import PPOConfig
 from stages.rewards.scoring import Scores
 from stages.rl.batch import Rollout, Sampled, TrainingBatch
-from stages.rl.ppo_math import EstimatorInputs, engine_importance_weights, estimator_named, kl_estimate
+from stages.rl.ppo_math import (
+    EstimatorInputs,
+    engine_importance_weights,
+    estimator_named,
+    failed_at_group_mean,
+    kl_estimate,
+)
 from stages.runtime.collectives import whiten_over_processes
 
 
@@ -60,7 +66,7 @@ def episodes_of(accelerator: Accelerator, cfg: PPOConfig, iteration: int, sample
                 weights: KLWeights) -> Episodes:
     """The KL, the advantages (and GAE's returns), the engine weights and the loss mask of a scored rollout."""
     batch, scores = sampled.batch, sampled.scores
-    kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.mask  # (B, T)
+    kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.own  # (B, T)
     advantages, returns = advantages_and_returns(accelerator, cfg, batch, kl, scores.reward, weights.in_reward)
     trained = TrainingBatch.of(batch, advantages=advantages, returns=returns,
                                engine_weights=engine_weights(batch, cfg), loss_mask=loss_mask(batch, cfg))
@@ -76,18 +82,21 @@ def advantages_and_returns(accelerator: Accelerator, cfg: PPOConfig, batch: Roll
     `group_batch_normalize` whitens them over the batch. `kl` is per token and masked, `reward` the
     scores' weighted sum, `beta` the KL's weight in the reward. # -> (B, T), (B, T) | None"""
     estimator = estimator_named(cfg.advantage_estimator)
-    inputs = EstimatorInputs(scores=reward, kl=kl, beta=beta, mask=batch.mask, values=batch.values,
+    if batch.episodes is not None:  # a failed episode trains nothing and leaves its group's baseline alone
+        failed = torch.tensor([e.status == "failed" for e in batch.episodes], device=reward.device)
+        reward = failed_at_group_mean(reward, failed, cfg.samples_per_prompt)
+    inputs = EstimatorInputs(scores=reward, kl=kl, beta=beta, mask=batch.own, values=batch.values,
                              group_size=cfg.samples_per_prompt, gamma=cfg.gamma,
                              lam=cfg.critic.lam if cfg.critic is not None else 0.95,
                              whiten_rewards=cfg.critic is not None and cfg.critic.whiten_rewards,
-                             std_normalize=cfg.group_std_normalize)
+                             std_normalize=cfg.group_std_normalize, turn_rewards=batch.turn_rewards)
 
     def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
         return whiten_over_processes(accelerator, x, mask, shift_mean=shift_mean)
 
     advantages, returns = estimator.estimate(inputs, whiten)
     if estimator.whitened or cfg.group_batch_normalize:
-        advantages = whiten(advantages, batch.mask)
+        advantages = whiten(advantages, batch.own)
     return advantages, returns
 
 
@@ -96,7 +105,7 @@ def engine_weights(batch: Rollout, cfg: PPOConfig) -> torch.Tensor | None:
     (`vllm.importance_sampling`); None where the trainer sampled or the correction is off. # (B, T)"""
     if batch.engine_logprobs is None or cfg.vllm.importance_sampling is None:
         return None
-    return engine_importance_weights(batch.logprobs, batch.engine_logprobs, batch.mask, cfg.vllm.importance_sampling,
+    return engine_importance_weights(batch.logprobs, batch.engine_logprobs, batch.own, cfg.vllm.importance_sampling,
                                      cfg.vllm.importance_sampling_cap)
 
 
@@ -105,4 +114,4 @@ def loss_mask(batch: Rollout, cfg: PPOConfig) -> torch.Tensor | None:
     responses cut off without an end token; None (the response mask) otherwise. # (B, T)"""
     if not cfg.mask_truncated_responses:
         return None
-    return batch.mask * batch.has_eos.unsqueeze(1)
+    return batch.own * batch.has_eos.unsqueeze(1)

@@ -7,7 +7,8 @@ taking rows (`rows_of`), joining consecutive batches (`concat`) and dropping all
 (`trimmed`) are written once, over `dataclasses.fields`: a new field is declared in one place.
 
     prompt columns    (B, Tq) left-padded: the prompt's ids and mask
-    response columns  (B, T) right-padded: response ids, mask and every per-token figure
+    response columns  (B, T) right-padded: response ids, mask and every per-token figure (in a multi-turn
+                      episode, everything after the prompt; `own` marks the model's tokens)
     per row           (B,) tensors, or lists with one item per row
 """
 
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from stages.envs.episode import Episode
 from stages.rewards.scoring import Scores
 
 PAD_ID = "pad_id"
@@ -60,6 +62,18 @@ class Rollout:
     prompts: list[str] = per_row()  # the prompts, rendered
     engine_logprobs: torch.Tensor | None = response_columns(default=None)
     """(B, T) the sampling engine's own log-probs (vLLM), masked; None: the trainer sampled."""
+    trainable: torch.Tensor | None = response_columns(default=None)
+    """(B, T) 1.0 on the model's own tokens of a multi-turn episode (`stages.envs`): tool results and the
+    template's glue are context, in no loss term or denominator; None: every response token is the model's."""
+    turn_rewards: torch.Tensor | None = response_columns(default=None)
+    """(B, T) a multi-turn episode's turn rewards, each on its turn's last token; None: single-turn."""
+    episodes: list[Episode] | None = per_row(default=None)
+    """Each row's multi-turn episode (its turns, tool calls, status, transcript); None: single-turn."""
+
+    @property
+    def own(self) -> torch.Tensor:
+        """The model's own response tokens: what the KL, the advantages and the losses count. # (B, T)"""
+        return self.mask if self.trainable is None else self.trainable
 
 
 @dataclass(kw_only=True)
@@ -81,7 +95,7 @@ class TrainingBatch(Rollout):
     @property
     def counted(self) -> torch.Tensor:
         """The tokens the loss terms count. # (B, T)"""
-        return self.mask if self.loss_mask is None else self.loss_mask
+        return self.own if self.loss_mask is None else self.loss_mask
 
 
 def rows_of(batch: Batch, rows: list[int] | torch.Tensor) -> Batch:

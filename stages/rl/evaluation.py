@@ -10,6 +10,7 @@ terms' weighted sum and the win rate by it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -24,9 +25,11 @@ from rlhf.evaluation import win_rate
 from stages.common.reporting import Reporting
 from stages.common.tensors import is_end
 from stages.engines.sampler import Sampler, Sampling
+from stages.envs.episode import Episode, episode_figures, transcript
+from stages.envs.loop import EpisodeRunner
 from stages.rl.ppo_math import kl_estimate, weighted_reward
 from stages.rl.ppo_models import Models, reference_policy
-from stages.rl.ppo_rollout import in_chunks, reference_sampler, rollout
+from stages.rl.ppo_rollout import Episodic, in_chunks, reference_sampler, rollout
 
 
 @contextmanager
@@ -65,29 +68,51 @@ class HeldOut:
     """False where the SFT response was cut off at `sampling.response_length` without an end token."""
     columns: list[dict]
     """Each prompt's declared extra columns (PPO's `reward.columns`) by name, for the reward functions."""
+    runner: EpisodeRunner | None = None
+    """Multi-turn episodes (`ppo.environment`): both policies answer by acting against the environment."""
+    sft_episodes: list[Episode] | None = None
+    """The SFT policy's episodes, where `runner` is set."""
+
+    @property
+    def episodic(self) -> Episodic | None:
+        """The held-out prompts as episodes' records, where the evaluation is multi-turn."""
+        if self.runner is None:
+            return None
+        return Episodic(self.runner, [{"messages": m, **c} for m, c in zip(self.messages, self.columns, strict=True)])
 
     @classmethod
     @torch.no_grad()
     def sample(cls, models: Models, eval_prompts: pd.DataFrame, evaluation: EvaluationConfig, sampling: SamplingConfig,
-               device: torch.device, columns: tuple[str, ...] = ()) -> HeldOut:
-        """The SFT responses, sampled before training starts (so from the SFT policy even when the
-        reference is refreshed later, or the run resumes), from `evaluation.seed` alone: every run
-        from the same SFT checkpoint and prompts, whatever its training seed or settings, is judged
-        against the same responses (common random numbers)."""
+               columns: tuple[str, ...] = (), runner: EpisodeRunner | None = None) -> HeldOut:
+        """The SFT responses (with `runner`, its episodes), sampled before training starts (so from the
+        SFT policy even when the reference is refreshed later, or the run resumes), from
+        `evaluation.seed` alone: every run from the same SFT checkpoint and prompts, whatever its
+        training seed or settings, is judged against the same responses (common random numbers)."""
         repeat = evaluation.samples_per_prompt
         prompts = [p for p in eval_prompts["prompt"] for _ in range(repeat)]
         messages = [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)]
         records = [r for r in eval_prompts[list(columns)].to_dict("records") for _ in range(repeat)]
+        held_out = cls(prompts=prompts, messages=messages, sft_texts=[], sft_complete=[], columns=records,
+                       runner=runner)
         models.train(False)
-        texts, complete = [], []
-        with own_random_stream(device), reference_policy(models) as reference:
+        texts, complete, episodes = [], [], []
+        with own_random_stream(models.policy.device), reference_policy(models) as reference:
             torch.manual_seed(evaluation.seed)
             sampler = reference_sampler(models, reference)
-            for chunk in in_chunks(prompts, sampling):
+            episodic = held_out.episodic
+            for chunk, rows in zip(in_chunks(prompts, sampling), in_chunks(episodic.rows if episodic else prompts,
+                                                                           sampling), strict=True):
+                if episodic is not None:
+                    answers = runner.run(sampler, rows, sampling.temperature)
+                    texts += [e.answer for e in answers]
+                    complete += [e.status == "ok" for e in answers]
+                    episodes += answers
+                    continue
                 responses = sampler.generate(chunk, Sampling(sampling.response_length, sampling.temperature)).responses
                 texts += models.tokenizer.batch_decode(responses, skip_special_tokens=True)
                 complete += is_end(responses, models.stop_ids).any(dim=1).tolist()
-        return cls(prompts=prompts, messages=messages, sft_texts=texts, sft_complete=complete, columns=records)
+        return dataclasses.replace(held_out, sft_texts=texts, sft_complete=complete,
+                                   sft_episodes=episodes if runner is not None else None)
 
 
 @torch.no_grad()
@@ -102,12 +127,18 @@ def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: Ev
     Training's random stream is the caller's to keep (`own_random_stream`) when training goes on."""
     prompts, messages = held_out.prompts, held_out.messages
     torch.manual_seed(evaluation.seed + 1)
-    policy = rollout(models, sampler, prompts, sampling, {})
-    kl = (kl_estimate(policy.logprobs, policy.ref_logprobs) * policy.mask).sum(1)
+    policy = rollout(models, sampler, prompts, sampling, {}, episodic=held_out.episodic)
+    kl = (kl_estimate(policy.logprobs, policy.ref_logprobs) * policy.own).sum(1)
     table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
                           "policy_response": policy.texts, "sft_response": held_out.sft_texts, "kl": kl.cpu().numpy()})
-    metrics = {"eval/kl": table["kl"].mean(), "eval/response_length": policy.mask.sum(1).float().mean().item(),
+    metrics = {"eval/kl": table["kl"].mean(), "eval/response_length": policy.own.sum(1).float().mean().item(),
                "eval/eos_rate": policy.has_eos.float().mean().item()}
+    if policy.episodes is not None:  # the conversations, and how often each policy called a tool
+        table = table.assign(**pd.DataFrame(held_out.columns, index=table.index),
+                             policy_episode=[transcript(e) for e in policy.episodes],
+                             sft_episode=[transcript(e) for e in held_out.sft_episodes])
+        metrics |= episode_figures(policy.episodes, "eval")
+        metrics["eval/tool_call_rate_sft"] = episode_figures(held_out.sft_episodes, "eval")["eval/tool_call_rate"]
     if models.scorer is not None:
         table["policy_score"] = models.scorer.score(messages, policy.texts, complete=policy.has_eos.tolist()).numpy()
         table["sft_score"] = models.scorer.score(messages, held_out.sft_texts, complete=held_out.sft_complete).numpy()

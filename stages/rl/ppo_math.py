@@ -91,6 +91,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         A_t     = delta_t + gamma * lam * A_{t+1}
         returns = A + V
 
+    where t + 1 is the next token the mask counts: in a multi-turn episode the tool's tokens between
+    two turns are skipped, not steps.
+
     # (B, T), (B, T), (B, T) -> (B, T), (B, T)"""
     values = values * mask
     advantages = torch.zeros_like(rewards)
@@ -99,7 +102,11 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         advantages[:, t] = (delta + gamma * lam * next_advantage) * mask[:, t]
-        next_value, next_advantage = values[:, t], advantages[:, t]
+        # A masked-out token (padding, or a tool's answer inside an episode) is not a step: the next
+        # step of the token before it is the model's next own token.
+        counted = mask[:, t] > 0
+        next_value = torch.where(counted, values[:, t], next_value)
+        next_advantage = torch.where(counted, advantages[:, t], next_advantage)
     return advantages, advantages + values
 
 
@@ -155,20 +162,30 @@ def rloo_advantages(rewards: torch.Tensor, mask: torch.Tensor, group_size: int) 
     return (group - leave_one_out).reshape(-1, 1) * mask
 
 
-def group_baselined(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """score_i - mean_g score: REINFORCE++-baseline's scores, before the KL reward. # (B,) -> (B,)"""
-    group = grouped(scores, group_size)
-    return (group - group.mean(dim=1, keepdim=True)).reshape(-1)
+def group_baselined(scores: torch.Tensor, group_size: int, totals: torch.Tensor | None = None) -> torch.Tensor:
+    """score_i - mean_g total: REINFORCE++-baseline's scores, before the KL reward; `totals`, each
+    episode's whole return where it has more than its score (turn rewards), else the scores. # (B,) -> (B,)"""
+    means = grouped(scores if totals is None else totals, group_size).mean(dim=1, keepdim=True)  # (G, 1)
+    return (grouped(scores, group_size) - means).reshape(-1)
+
+
+def failed_at_group_mean(scores: torch.Tensor, failed: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Failed episodes' scores set to the mean of their group's others (0 where all failed): a failed
+    episode trains no token, and so must not move its group's baseline either. # (B,), (B,) bool -> (B,)"""
+    ok = grouped((~failed).float(), group_size)  # (G, K)
+    mean_ok = (grouped(scores, group_size) * ok).sum(dim=1, keepdim=True) / ok.sum(dim=1, keepdim=True).clamp(min=1)
+    return torch.where(failed, mean_ok.expand(-1, group_size).reshape(-1), scores)
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """REINFORCE returns, backwards in time: G_t = r_t + gamma * G_{t+1} (0 after the last real token).
+    """REINFORCE returns, backwards in time: G_t = r_t + gamma * G_{t+1} (0 after the last real token;
+    t + 1 the next token the mask counts).
     # (B, T), (B, T) -> (B, T)"""
     returns = torch.zeros_like(rewards)
     next_return = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
         returns[:, t] = (rewards[:, t] + gamma * next_return) * mask[:, t]
-        next_return = returns[:, t]
+        next_return = torch.where(mask[:, t] > 0, returns[:, t], next_return)  # masked-out tokens are not steps
     return returns
 
 
@@ -193,11 +210,21 @@ class EstimatorInputs:
     lam: float = 0.95  # GAE's lambda
     whiten_rewards: bool = False  # GAE: whiten the token rewards (not their mean) before the recursion
     std_normalize: bool = True  # GRPO: divide by the group's std (false: Dr. GRPO)
+    turn_rewards: torch.Tensor | None = None  # (B, T) an episode's turn rewards, each on its turn's last token
+
+    def token_rewards(self) -> torch.Tensor:
+        """r_t = -beta * KL_t, the score on the last token and each turn's reward on its own last. # (B, T)"""
+        rewards = token_rewards(self.scores, self.kl, self.beta, self.mask)
+        return rewards if self.turn_rewards is None else rewards + self.turn_rewards
+
+    def episode_scores(self) -> torch.Tensor:
+        """Each episode's score with its turn rewards summed in: what a group baseline compares. # (B,)"""
+        return self.scores if self.turn_rewards is None else self.scores + self.turn_rewards.sum(dim=1)
 
 
 def gae_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE on r_t = -beta * KL_t plus the score on the last token; returns = A + V (A before whitening)."""
-    rewards = token_rewards(e.scores, e.kl, e.beta, e.mask)
+    rewards = e.token_rewards()
     if e.whiten_rewards:
         rewards = whiten(rewards, e.mask, shift_mean=False)
     return gae(rewards, e.values, e.mask, e.gamma, e.lam)
@@ -205,22 +232,23 @@ def gae_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[to
 
 def grpo_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
     """GRPO on the score alone: its KL is a loss term (`kl_weights`)."""
-    return grpo_advantages(e.scores, e.mask, e.group_size, e.std_normalize), None
+    return grpo_advantages(e.episode_scores(), e.mask, e.group_size, e.std_normalize), None
 
 
 def rloo_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
     """RLOO on R = score - beta * sum KL."""
-    return rloo_advantages(sequence_rewards(e.scores, e.kl, e.beta, e.mask), e.mask, e.group_size), None
+    return rloo_advantages(sequence_rewards(e.episode_scores(), e.kl, e.beta, e.mask), e.mask, e.group_size), None
 
 
 def reinforce_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
     """REINFORCE++: discounted returns of r_t = -beta * KL_t plus the score on the last token."""
-    return discounted_returns(token_rewards(e.scores, e.kl, e.beta, e.mask), e.mask, e.gamma), None
+    return discounted_returns(e.token_rewards(), e.mask, e.gamma), None
 
 
 def reinforce_baseline_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
     """REINFORCE++-baseline: REINFORCE++ on the score less its group's mean."""
-    return reinforce_estimate(dataclasses.replace(e, scores=group_baselined(e.scores, e.group_size)), whiten)
+    baselined = group_baselined(e.scores, e.group_size, None if e.turn_rewards is None else e.episode_scores())
+    return reinforce_estimate(dataclasses.replace(e, scores=baselined), whiten)
 
 
 @dataclass(frozen=True)

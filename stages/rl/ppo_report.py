@@ -14,6 +14,7 @@ from rlhf.config_ppo import PPOConfig
 from schemas.adapters import last_user_message
 from stages.common.reporting import Reporting
 from stages.common.tensors import masked_mean
+from stages.envs.episode import episode_figures, transcript
 from stages.rl.advantages import Episodes
 from stages.rl.ppo_math import explained_variance
 from stages.rl.ppo_models import rounds_to_16_bits
@@ -75,8 +76,8 @@ def iteration_figures(learner: Learner, episodes: Episodes, train: dict[str, flo
         "rollout/non_score_reward": (-episodes.weights.in_reward * kl).sum(1).mean().item(),
         "rollout/kl": episodes.sequence_kl.mean().item(),
         "rollout/kl_coef": episodes.weights.beta,
-        "rollout/entropy": masked_mean(batch.entropy, batch.mask).item(),
-        "rollout/response_length": batch.mask.sum(1).float().mean().item(),
+        "rollout/entropy": masked_mean(batch.entropy, batch.own).item(),
+        "rollout/response_length": batch.own.sum(1).float().mean().item(),
         "rollout/eos_rate": batch.has_eos.float().mean().item(),
         **{f"train/{k}": v for k, v in train.items()},
         "train/learning_rate": learner.scheduler.get_last_lr()[0],
@@ -85,15 +86,17 @@ def iteration_figures(learner: Learner, episodes: Episodes, train: dict[str, flo
     if scores.raw is not None:
         figures["rollout/score_raw"] = scores.raw.mean().item()
     if batch.returns is not None:
-        figures["train/explained_variance"] = explained_variance(batch.values, batch.returns, batch.mask)
+        figures["train/explained_variance"] = explained_variance(batch.values, batch.returns, batch.own)
     if learner.reward_functions or learner.cfg.reward.overlong:  # terms besides the reward model's
         figures |= term_figures(scores.terms, {f.term.name for f in learner.reward_functions})
     if batch.engine_logprobs is not None:
-        gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.mask  # (B, T)
-        figures |= {"rollout/vllm_logprob_gap": masked_mean(gap, batch.mask).item(),
+        gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.own  # (B, T)
+        figures |= {"rollout/vllm_logprob_gap": masked_mean(gap, batch.own).item(),
                     "rollout/vllm_logprob_gap_max": gap.max().item()}
+    if batch.episodes is not None:
+        figures |= episode_figures(batch.episodes, "rollout")
     if batch.engine_weights is not None:
-        weights = batch.engine_weights[batch.mask.bool()]  # (tokens,)
+        weights = batch.engine_weights[batch.own.bool()]  # (tokens,)
         capped = weights >= learner.cfg.vllm.importance_sampling_cap - 1e-6
         figures |= {"rollout/engine_importance_weight": weights.mean().item(),
                     "rollout/engine_importance_weight_std": weights.std().item() if len(weights) > 1 else 0.0,
@@ -128,12 +131,16 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
     # a function gave none).
     terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} \
         if cfg.reward.functions or cfg.reward.overlong else {}
+    # A multi-turn episode's whole conversation, tool results marked `[tool <name>]`, and its status.
+    turns = {} if batch.episodes is None else {"episode": [transcript(e) for e in batch.episodes],
+                                               "status": [e.status for e in batch.episodes]}
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
                                      "score": scores.reported.cpu().numpy(), **terms,
-                                     "kl": episodes.sequence_kl.cpu().numpy()}), iteration)
+                                     "kl": episodes.sequence_kl.cpu().numpy(), **turns}), iteration)
     if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
         shown = slice(0, cfg.num_logged_samples)
         reporting.samples(pd.DataFrame({"user": [last_user_message(m) for m in messages[shown]],
                                         "response": batch.texts[shown],
                                         "score": scores.reported[shown].cpu().numpy(),
-                                        **{name: values[shown] for name, values in terms.items()}}), iteration)
+                                        **{name: values[shown] for name, values in terms.items()},
+                                        **{name: values[shown] for name, values in turns.items()}}), iteration)

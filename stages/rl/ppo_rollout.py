@@ -16,6 +16,8 @@ from transformers import PreTrainedModel
 from stages.common.reporting import timed
 from stages.common.tensors import entropy_of, is_end, logprobs_of, response_mask
 from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling
+from stages.envs.episode import EpisodeGeneration
+from stages.envs.loop import EpisodeRunner
 from stages.rl.batch import Rollout, concat
 from stages.rl.ppo_models import Models, forward_response, policy_and_values, reference_policy
 
@@ -44,19 +46,42 @@ def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:
     return [items[start:start + size] for start in range(0, len(items), size)]
 
 
+@dataclass(frozen=True)
+class Episodic:
+    """Multi-turn episodes instead of single responses: the environment's runner and each prompt's record."""
+
+    runner: EpisodeRunner
+    rows: list[dict]
+    """Each prompt's record: `messages` and the declared columns (`reward.columns`), in the prompts' order."""
+
+    def chunks(self, sampling: SamplingConfig) -> list[Episodic]:
+        return [Episodic(self.runner, rows) for rows in in_chunks(self.rows, sampling)]
+
+
 @torch.no_grad()
 def rollout(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
-            timings: dict[str, float], sampled: list[Generation] | None = None) -> Rollout:
-    """Sample responses, then the passes PPO needs besides: old log-probs and values (from the
-    sampling pass when `models.reuse_sampling_pass` and the sampler gave them: never an engine's own,
-    `engine_logprobs`, which are kept beside), and the reference's log-probs, under the models as
-    they are now; `sampling.micro_batch_size` prompts at a time, the pieces then padded into one
-    batch. `sampled`: the chunks' responses, sampled earlier (`stages.rl.sampling_ahead`)."""
+            timings: dict[str, float], sampled: list[Generation] | None = None,
+            episodic: Episodic | None = None) -> Rollout:
+    """Sample responses (or, `episodic`, multi-turn episodes), then the passes PPO needs besides: old
+    log-probs and values (from the sampling pass when `models.reuse_sampling_pass` and the sampler gave
+    them: never an engine's own, `engine_logprobs`, which are kept beside), and the reference's
+    log-probs, under the models as they are now; `sampling.micro_batch_size` prompts at a time, the
+    pieces then padded into one batch. `sampled`: the chunks' responses, sampled earlier
+    (`stages.rl.sampling_ahead`)."""
     models.train(False)
     chunks = in_chunks(prompts, sampling)
-    return concat([_rollout_chunk(models, sampler, chunk, sampling, timings, earlier)
-                   for chunk, earlier in zip(chunks, sampled or [None] * len(chunks), strict=True)],
+    episodes = [None] * len(chunks) if episodic is None else episodic.chunks(sampling)
+    return concat([_rollout_chunk(models, sampler, chunk, sampling, timings, earlier, rows)
+                   for chunk, earlier, rows in zip(chunks, sampled or [None] * len(chunks), episodes, strict=True)],
                   models.tokenizer.pad_token_id)
+
+
+def _sampled(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
+             episodic: Episodic | None) -> Generation:
+    """The chunk's responses, or its episodes (`EpisodeGeneration`)."""
+    if episodic is None:
+        return sampler.generate(prompts, Sampling(sampling.response_length, sampling.temperature))
+    return episodic.runner.generation(sampler, episodic.rows, sampling.temperature, models.policy.device)
 
 
 def _gave_what_the_update_needs(models: Models, sampled: Generation) -> bool:
@@ -66,18 +91,22 @@ def _gave_what_the_update_needs(models: Models, sampled: Generation) -> bool:
 
 
 def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
-                   timings: dict[str, float], sampled: Generation | None = None) -> Rollout:
+                   timings: dict[str, float], sampled: Generation | None = None,
+                   episodic: Episodic | None = None) -> Rollout:
     """Phases timed: `generate` (unless `sampled` earlier); `forward`, the passes after it: `values`
     (the critic on the sampling pass's outputs) or `policy_forward` (the policy's log-probs, with the
-    values), and `reference`."""
+    values), and `reference`. In an episode the passes run over all its tokens (tool results are
+    context) and its figures are kept on the model's own tokens (`own`)."""
     temperature = sampling.temperature
     if sampled is None:
         with timed(timings, "generate"):
-            sampled = sampler.generate(prompts, Sampling(sampling.response_length, temperature))
+            sampled = _sampled(models, sampler, prompts, sampling, episodic)
     queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
+    episodes = sampled if isinstance(sampled, EpisodeGeneration) else None
 
     with timed(timings, "forward"):
-        mask = response_mask(responses, models.stop_ids)
+        mask = response_mask(responses, models.stop_ids) if episodes is None else episodes.mask
+        own = mask if episodes is None else episodes.trainable
         if models.reuse_sampling_pass and _gave_what_the_update_needs(models, sampled):
             logprobs, entropy = sampled.logprobs, sampled.entropy
             with timed(timings, "values"):
@@ -91,13 +120,20 @@ def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], samplin
             ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
                                              precision=models.precision)
             ref_logprobs = logprobs_of(ref_logits, responses, temperature)
-    engine_logprobs = None if sampled.engine_logprobs is None else sampled.engine_logprobs * mask
+    engine_logprobs = None if sampled.engine_logprobs is None else sampled.engine_logprobs * own
+    if episodes is None:
+        has_eos = is_end(responses, models.stop_ids).any(dim=1)
+        texts = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
+    else:  # an episode "ended" where it finished: its answer is its last turn
+        has_eos = torch.tensor([e.status == "ok" for e in episodes.episodes], device=responses.device)
+        texts = [e.answer for e in episodes.episodes]
     return Rollout(queries=queries, query_mask=query_mask, responses=responses, mask=mask,
-                   logprobs=logprobs * mask, ref_logprobs=ref_logprobs * mask,
-                   values=None if values is None else values * mask, entropy=entropy,
-                   has_eos=is_end(responses, models.stop_ids).any(dim=1),
-                   texts=models.tokenizer.batch_decode(responses, skip_special_tokens=True), prompts=prompts,
-                   engine_logprobs=engine_logprobs)
+                   logprobs=logprobs * own, ref_logprobs=ref_logprobs * own,
+                   values=None if values is None else values * own, entropy=entropy, has_eos=has_eos, texts=texts,
+                   prompts=prompts, engine_logprobs=engine_logprobs,
+                   trainable=None if episodes is None else episodes.trainable,
+                   turn_rewards=None if episodes is None else episodes.turn_rewards,
+                   episodes=None if episodes is None else episodes.episodes)
 
 
 @dataclass(frozen=True)
@@ -110,6 +146,10 @@ class Prompts:
     """Each prompt's declared extra columns (`reward.columns`): the reward functions' inputs."""
     per_iteration: int
     """Prompts per sampling round, over all processes: `rollout_batch_size / samples_per_prompt`."""
+
+    def records(self, picks: list[int]) -> list[dict]:
+        """These prompts as an environment's records: `messages` and the declared columns."""
+        return [{"messages": self.messages[i], **self.columns[i]} for i in picks]
 
     @classmethod
     def of(cls, frame: pd.DataFrame, cfg: PPOConfig) -> Prompts:

@@ -15,7 +15,7 @@ from stages.engines.sampler import Generation
 from stages.rewards.scoring import concat_scores
 from stages.rl.batch import Sampled, concat, rows_of
 from stages.rl.ppo_math import groups_with_signal
-from stages.rl.ppo_rollout import Prompts, prompt_batch, rollout
+from stages.rl.ppo_rollout import Episodic, Prompts, prompt_batch, rollout
 from stages.rl.ppo_scores import fitted_normalization, function_terms, raw_scores, scores_of
 from stages.rl.ppo_state import LoopState
 from stages.rl.sampling_ahead import SamplingAhead
@@ -66,7 +66,9 @@ def sample_round(learner: Learner, loop: LoopState, prompts: Prompts, cursor: in
     cfg, models = learner.cfg, learner.models
     picks = round_picks(learner, prompts, cursor)
     messages = [prompts.messages[i] for i in picks]
-    batch = rollout(models, learner.sampler, [prompts.texts[i] for i in picks], cfg.sampling, timings, sampled)
+    episodic = None if learner.episodes is None else Episodic(learner.episodes, prompts.records(picks))
+    batch = rollout(models, learner.sampler, [prompts.texts[i] for i in picks], cfg.sampling, timings, sampled,
+                    episodic)
     raw = raw_scores(models.scorer, batch, messages, timings) if models.scorer is not None else None
     if raw is not None and loop.normalization is None:  # the run's first round: the reward's scale
         loop.normalization, batch = fitted_normalization(learner, raw, batch)

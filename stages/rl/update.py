@@ -16,6 +16,7 @@ from rlhf.config_ppo import PPOConfig
 from stages.common.errors import NonFiniteLossError
 from stages.common.tensors import entropy_of, logprobs_of, masked_mean
 from stages.engines.sampler import Sampler
+from stages.envs.loop import EpisodeRunner
 from stages.rewards.functions import RewardFunction
 from stages.rl.advantages import Episodes
 from stages.rl.batch import TrainingBatch, micro_batch
@@ -52,6 +53,8 @@ class Learner:
     """What the rollouts and evaluations sample the policy with."""
     reward_functions: list[RewardFunction] = field(default_factory=list)
     """The `reward` terms that are Python functions, imported and checked."""
+    episodes: EpisodeRunner | None = None
+    """Multi-turn episodes against `environment`; None: one response per prompt."""
 
     def trained_parameters(self) -> list[torch.nn.Parameter]:
         """Every parameter the optimizer steps: the policy's (or its adapters) and the critic's."""
@@ -175,4 +178,4 @@ def _micro_batch_step(learner: Learner, micro: TrainingBatch, num_tokens: torch.
                           clip_fraction=policy.clip_fraction.item(), approx_kl=policy.approx_kl.item(),
                           ratio_mean=masked_mean(ratio, counted, num_tokens=num_tokens).item(),
                           ratio_max=(ratio * counted).max().item(),
-                          ratio_deviation_max=((ratio - 1).abs() * micro.mask).max().item())
+                          ratio_deviation_max=((ratio - 1).abs() * micro.own).max().item())

@@ -427,6 +427,15 @@ def left_padded(tokenizer: PreTrainedTokenizerBase, prompts: list[str], on: torc
                      padding_side="left").to(on)
 
 
+def left_padded_ids(prompts: list[list[int]], pad_id: int, on: torch.device) -> dict[str, torch.Tensor]:
+    """Prompts given as token ids as one batch padded on the left, as `left_padded` pads rendered ones.
+    # -> {"input_ids": (B, Tq), "attention_mask": (B, Tq)}"""
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], dtype=torch.long)
+    return {"input_ids": input_ids.to(on), "attention_mask": mask.to(on)}
+
+
 def encode_replies(tokenizer: PreTrainedTokenizerBase, prompts: list[str], replies: list[str],
                    complete: list[bool] | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids of rendered prompts and of replies closed by the reply-end token, the way every

@@ -1,0 +1,119 @@
+"""A multi-turn episode as token ids: what the environment loop (`stages.envs.loop`) or a user's own
+rollout function gives, and how a batch of them becomes the rollout's tensors (`episode_batch`).
+
+An episode is a list of segments. The first is the prompt; then the model's turns (trainable: the
+ids it sampled, never re-tokenised) alternate with what the environment said back (not trainable:
+tool results, other roles and the chat template's glue). Each trainable segment has its turn's
+reward; the episode has a status: `ok` (it ended), `truncated` (a turn or the episode ran out of
+tokens, or of turns) or `failed` (the environment raised, or too many malformed calls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from stages.engines.sampler import Generation
+
+Status = Literal["ok", "truncated", "failed"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of an episode's token ids, the model's own (`trainable`) or not."""
+
+    ids: list[int]
+    trainable: bool
+    reward: float = 0.0
+    """A trainable segment's turn reward (the environment's `step` reward): it lands on the turn's last token."""
+
+
+@dataclass(kw_only=True)
+class Episode:
+    """One prompt's episode: its segments (the first the prompt), its status and transcript."""
+
+    segments: list[Segment]
+    status: Status = "ok"
+    messages: list[dict] = field(default_factory=list)
+    """The conversation as chat messages, the model's turns included (for the samples table)."""
+    answer: str = ""
+    """The model's last turn, decoded without special tokens: what the reward functions score."""
+    tool_calls: int = 0
+    """Tool calls the model made (well-formed or not)."""
+    error: str | None = None
+    """Why a `failed` episode failed."""
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.segments[0].ids
+
+    @property
+    def turns(self) -> int:
+        """The model's turns."""
+        return sum(s.trainable for s in self.segments)
+
+
+@dataclass(kw_only=True)
+class EpisodeGeneration(Generation):
+    """A batch of episodes as the rollout takes them: the prompt as queries, everything after it as
+    the response (B, T), the model's own tokens marked. Failed episodes are kept as rows with no
+    trainable token, so every process holds the same number of rows; their score is set aside."""
+
+    mask: torch.Tensor  # (B, T) 1.0 on every real token after the prompt: what the forward passes attend to
+    trainable: torch.Tensor  # (B, T) 1.0 on the model's own tokens of an episode that did not fail
+    turn_rewards: torch.Tensor  # (B, T) each turn's reward on its last token, 0 elsewhere
+    episodes: list[Episode]
+
+
+def episode_batch(episodes: list[Episode], pad_id: int, device: torch.device) -> EpisodeGeneration:
+    """Episodes as one left-padded prompt batch and one right-padded batch of what follows."""
+    prompts = [e.prompt_ids for e in episodes]
+    rests = [[i for s in e.segments[1:] for i in s.ids] for e in episodes]
+    width, steps = max(len(p) for p in prompts), max(1, max(len(r) for r in rests))
+    queries = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # (B, Tq)
+    query_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    responses = torch.tensor([r + [pad_id] * (steps - len(r)) for r in rests])  # (B, T)
+    mask = torch.zeros(len(episodes), steps)
+    trainable, turn_rewards = torch.zeros(len(episodes), steps), torch.zeros(len(episodes), steps)
+    for row, episode in enumerate(episodes):
+        start = 0
+        for segment in episode.segments[1:]:
+            end = start + len(segment.ids)
+            mask[row, start:end] = 1.0
+            if segment.trainable and episode.status != "failed" and end > start:
+                trainable[row, start:end] = 1.0
+                turn_rewards[row, end - 1] += segment.reward
+            start = end
+    return EpisodeGeneration(queries=queries.to(device), query_mask=query_mask.to(device),
+                             responses=responses.to(device), mask=mask.to(device), trainable=trainable.to(device),
+                             turn_rewards=turn_rewards.to(device), episodes=episodes)
+
+
+def transcript(episode: Episode) -> str:
+    """The conversation as one readable text, each message on its own line under its role; tool
+    results marked `[tool <name>]` so they stand apart from the model's turns."""
+    lines = []
+    for message in episode.messages:
+        role = message["role"]
+        label = f"[tool {message.get('name', '')}]".replace(" ]", "]") if role == "tool" else f"[{role}]"
+        lines.append(f"{label} {message['content']}")
+    return "\n".join(lines) + (f"\n[{episode.status}]" if episode.status != "ok" else "")
+
+
+def episode_figures(episodes: list[Episode], prefix: str) -> dict[str, float]:
+    """A batch of episodes' figures: the model's turns and tool calls per episode, the share that
+    called a tool, failed or were truncated, and the tokens per episode in no loss term (`masked_tokens`:
+    tool results and the template's glue, and all of a failed episode's)."""
+    n = max(len(episodes), 1)
+
+    def masked(e: Episode) -> int:
+        return sum(len(s.ids) for s in e.segments[1:] if not s.trainable or e.status == "failed")
+
+    return {f"{prefix}/turns": sum(e.turns for e in episodes) / n,
+            f"{prefix}/tool_calls": sum(e.tool_calls for e in episodes) / n,
+            f"{prefix}/tool_call_rate": sum(e.tool_calls > 0 for e in episodes) / n,
+            f"{prefix}/failed_share": sum(e.status == "failed" for e in episodes) / n,
+            f"{prefix}/truncated_share": sum(e.status == "truncated" for e in episodes) / n,
+            f"{prefix}/masked_tokens": sum(masked(e) for e in episodes) / n}
