@@ -1,0 +1,244 @@
+"""Multi-turn episodes (`stages.envs`): the tool-call parser, the turn loop on a scripted engine
+(two valid calls, one malformed, then an answer), the template delta against a full render, the
+batch the rollout builds from episodes, and the loss with tool tokens against the model's own alone."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlhf.config import with_overrides
+from rlhf.config_ppo import EnvironmentConfig
+from stages.common.errors import StageUserError
+from stages.engines.sampler import Generation, Sampling
+from stages.envs.environment import ToolEnvironment, parse_tool_calls
+from stages.envs.episode import Episode, Segment, episode_batch, episode_figures, transcript
+from stages.envs.loop import ChatDelta, EpisodeRunner, TemplateNotPrefixPreserving, episode_runner
+from stages.runtime.models import left_padded_ids
+from tests.helpers import AUTO_RESOLVED
+
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|user|>{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}<|system|>{{ message['content'] }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""The demo template with a `tool` role (shown under the system marker: the tiny world's tokenizer has no tool one)."""
+
+CALL = '<tool_call>{"name":"f"}</tool_call>'
+"""A short call: the tiny world's tokenizer learned no merges for JSON."""
+LIKED = "warm, calm, kind"
+
+
+def f(subject: str = "") -> str:
+    """Which adjectives this user likes.
+
+    Args:
+        subject: the thing the user asked about.
+    """
+    return LIKED
+
+
+def tools_of(row: dict) -> list:
+    return [f]
+
+
+@pytest.fixture()
+def chat_tokenizer(tokenizer):
+    mine = copy.deepcopy(tokenizer)
+    mine.chat_template = TOOL_TEMPLATE
+    return mine
+
+
+class Scripted:
+    """An engine that answers every turn with fixed text, encoded once: the same ids whatever the context."""
+
+    def __init__(self, tokenizer, turns: list[str], end: bool = True):
+        self.tokenizer, self.calls, self.prompts = tokenizer, 0, []
+        self.turns = [tokenizer(t, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if end else [])
+                      for t in turns]
+
+    def generate_ids(self, prompts: list[list[int]], sampling: Sampling) -> Generation:
+        self.prompts.append([list(p) for p in prompts])
+        ids = self.turns[self.calls][:sampling.max_new_tokens]
+        self.calls += 1
+        batch = left_padded_ids(prompts, self.tokenizer.pad_token_id, torch.device("cpu"))
+        return Generation(queries=batch["input_ids"], query_mask=batch["attention_mask"],
+                          responses=torch.tensor([ids] * len(prompts)))
+
+
+def _runner(tokenizer, turn_tokens: int = 48, **settings) -> EpisodeRunner:
+    config = EnvironmentConfig(tools="tests.test_environments:tools_of", **({"episode_tokens": 200} | settings))
+    return episode_runner(config, tokenizer, "test-model", [tokenizer.eos_token_id], turn_tokens)
+
+
+ROW = {"messages": [{"role": "user", "content": "Describe the cat."}]}
+
+
+def test_tool_calls_are_parsed_in_the_hermes_convention():
+    assert parse_tool_calls("The cat is warm.") is None
+    assert parse_tool_calls(CALL) == [{"name": "f", "arguments": {}}]
+    two = parse_tool_calls(CALL + " and " + CALL)
+    assert len(two) == 2 and all(isinstance(c, dict) for c in two)
+    assert "not JSON" in parse_tool_calls("<tool_call>{oops</tool_call>")[0]
+    assert "not closed" in parse_tool_calls('<tool_call>{"name": "x"}')[0]
+    assert "must be" in parse_tool_calls('<tool_call>["x"]</tool_call>')[0]
+
+
+def test_two_calls_a_malformed_one_and_an_answer_through_the_real_loop(chat_tokenizer):
+    """The scripted engine calls twice, then malformed, then answers: four turns, the malformed one
+    costs `malformed_call_reward`, each tool result is context (not trainable), the episode is ok."""
+    script = [CALL, CALL, "<tool_call>{oops</tool_call>", "The cat is warm and calm."]
+    engine = Scripted(chat_tokenizer, script)
+    [episode] = _runner(chat_tokenizer, max_turns=6).run(engine, [ROW], 1.0)
+    assert episode.status == "ok" and episode.turns == 4 and episode.tool_calls == 3
+    assert [s.reward for s in episode.segments if s.trainable] == [0.0, 0.0, -1.0, 0.0]
+    assert [m["role"] for m in episode.messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant",
+                                                     "tool", "assistant"]
+    assert episode.messages[2]["content"] == LIKED and episode.messages[6]["content"].startswith("error: ")
+    assert episode.answer == "The cat is warm and calm."
+    # Token in, token out: each turn's ids are exactly what the engine sampled, never re-tokenised.
+    assert [s.ids for s in episode.segments if s.trainable] == engine.turns
+    # verl's check: the trainable tokens decode to the model's turns alone, no tool text or marker among them.
+    trainable = chat_tokenizer.decode([i for s in episode.segments if s.trainable for i in s.ids])
+    assert LIKED not in trainable and "error" not in trainable and "<|system|>" not in trainable
+    context = chat_tokenizer.decode([i for s in episode.segments[1:] if not s.trainable for i in s.ids])
+    assert LIKED in context and "<|system|>" in context
+
+
+def test_the_template_delta_equals_a_full_render_on_every_turn(chat_tokenizer):
+    """Every context the engine was given is the full render of the conversation so far, tokenised,
+    and so is the finished episode."""
+    engine = Scripted(chat_tokenizer, [CALL, CALL, "The cat is warm."])
+    [episode] = _runner(chat_tokenizer).run(engine, [ROW], 1.0)
+    conversations = [episode.messages[:1], episode.messages[:3], episode.messages[:5]]
+    for given, messages in zip(engine.prompts, conversations, strict=True):
+        full = chat_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert given[0] == chat_tokenizer(full, add_special_tokens=False)["input_ids"]
+    whole = chat_tokenizer.apply_chat_template(episode.messages, tokenize=False)
+    assert [i for s in episode.segments for i in s.ids] == chat_tokenizer(whole, add_special_tokens=False)["input_ids"]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_model(chat_tokenizer):
+    """A template that drops an earlier assistant turn's content once another message follows (as
+    reasoning templates drop earlier thinking) has no exact delta."""
+    rewriting = copy.deepcopy(chat_tokenizer)
+    rewriting.chat_template = TOOL_TEMPLATE.replace(
+        "<|assistant|>{{ message['content'] }}{{ eos_token }}",
+        "<|assistant|>{% if loop.last %}{{ message['content'] }}{% endif %}{{ eos_token }}")
+    with pytest.raises(TemplateNotPrefixPreserving, match="test-model.*not prefix-preserving"):
+        _runner(rewriting)
+    no_tool_role = copy.deepcopy(chat_tokenizer)
+    no_tool_role.chat_template = "{% for m in messages %}{% if m['role'] == 'tool' %}" \
+                                 "{{ raise_exception('no tools') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(StageUserError, match="cannot render a conversation with a tool"):
+        _runner(no_tool_role)
+
+
+def test_an_episode_ends_truncated_or_failed(chat_tokenizer):
+    """Out of tokens mid-turn: truncated; past `max_malformed_calls`: failed; an environment that
+    raises: failed, the run goes on; more calls than `max_turns`: truncated."""
+    [cut] = _runner(chat_tokenizer).run(Scripted(chat_tokenizer, ["The cat is warm."], end=False), [ROW], 1.0)
+    assert cut.status == "truncated" and cut.turns == 1
+    bad = "<tool_call>{oops</tool_call>"
+    [failed] = _runner(chat_tokenizer, max_malformed_calls=1).run(Scripted(chat_tokenizer, [bad, bad]), [ROW], 1.0)
+    assert failed.status == "failed" and "2 malformed" in failed.error
+    [endless] = _runner(chat_tokenizer, max_turns=2).run(Scripted(chat_tokenizer, [CALL, CALL]), [ROW], 1.0)
+    assert endless.status == "truncated" and endless.turns == 2
+
+    class Raising(ToolEnvironment):
+        def step(self, text):
+            raise RuntimeError("the sandbox is down")
+
+    runner = _runner(chat_tokenizer)
+    runner = EpisodeRunner(settings=runner.settings, make=lambda row: Raising([], runner.settings), rollout=None,
+                           chat=runner.chat, stop_ids=runner.stop_ids, turn_tokens=runner.turn_tokens)
+    [broken] = runner.run(Scripted(chat_tokenizer, [CALL]), [ROW], 1.0)
+    assert broken.status == "failed" and "sandbox is down" in broken.error
+
+
+def test_a_batch_of_episodes_marks_the_models_tokens_and_turn_rewards():
+    """Queries left-padded, everything after the prompt right-padded; trainable on the model's
+    tokens of episodes that did not fail; each turn's reward on its last token."""
+    ok = Episode(segments=[Segment([1, 2], False), Segment([5, 6, 7], True, reward=-1.0), Segment([8], False),
+                           Segment([9, 3], True, reward=0.5)])
+    failed = Episode(segments=[Segment([1], False), Segment([5, 3], True)], status="failed")
+    batch = episode_batch([ok, failed], pad_id=0, device=torch.device("cpu"))
+    assert batch.queries.tolist() == [[1, 2], [0, 1]] and batch.query_mask.tolist() == [[1, 1], [0, 1]]
+    assert batch.responses.tolist() == [[5, 6, 7, 8, 9, 3], [5, 3, 0, 0, 0, 0]]
+    assert batch.mask.tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]]
+    assert batch.trainable.tolist() == [[1, 1, 1, 0, 1, 1], [0, 0, 0, 0, 0, 0]]
+    assert batch.turn_rewards.tolist() == [[0, 0, -1, 0, 0, 0.5], [0] * 6]
+    figures = episode_figures([ok, failed], "rollout")
+    assert figures["rollout/failed_share"] == 0.5 and figures["rollout/turns"] == 1.5
+    assert figures["rollout/masked_tokens"] == (1 + 2) / 2  # the tool's token; all of the failed episode's
+    assert "[failed]" in transcript(failed)
+
+
+def _scripted_rollout(tiny_config, trained, chat_tokenizer, script, **changes):
+    from stages.rl.ppo_models import load_models
+    from stages.rl.ppo_rollout import Episodic, rollout
+
+    cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"sampling": {"response_length": 48}} | changes)
+    models = load_models(cfg, trained["sft"], trained["reward"])
+    models.tokenizer = chat_tokenizer
+    rows = [{"messages": [{"role": "user", "content": p}]} for p in trained["prompts"]["prompt"][:2]]
+    engine = Scripted(chat_tokenizer, script)
+    batch = rollout(models, engine, [""] * 2, cfg.sampling, {}, episodic=Episodic(_runner(chat_tokenizer), rows))
+    return cfg, models, batch
+
+
+def test_the_rollout_keeps_every_figure_on_the_models_own_tokens(tiny_config, trained, chat_tokenizer, monkeypatch):
+    """Log-probs, the reference's and the KL are zero on tool tokens; the forward pass still reads
+    them as context (the answer's log-probs change when the tool's answer does)."""
+    cfg, models, batch = _scripted_rollout(tiny_config, trained, chat_tokenizer, [CALL, "The cat is warm."])
+    context = (batch.mask - batch.trainable).bool()
+    assert context.any() and (batch.logprobs[context] == 0).all() and (batch.ref_logprobs[context] == 0).all()
+    assert batch.turn_rewards is not None and batch.has_eos.all() and batch.texts == ["The cat is warm."] * 2
+    import tests.test_environments as as_imported  # the module the environment imported the tool from
+
+    monkeypatch.setattr(as_imported, "LIKED", "cold, rude, stale")
+    _, _, other = _scripted_rollout(tiny_config, trained, chat_tokenizer, [CALL, "The cat is warm."])
+    last = batch.trainable[0].nonzero().flatten()[-4:]
+    assert not torch.allclose(batch.logprobs[0, last], other.logprobs[0, last])
+
+
+def test_the_loss_and_its_gradient_ignore_tool_tokens(tiny_config, trained, chat_tokenizer):
+    """Whatever the advantages, old log-probs and values say on tool tokens, the loss and every
+    gradient are those of the model's own tokens: tool tokens are in no term and no denominator."""
+    from accelerate import Accelerator
+
+    from stages.rl.advantages import Episodes, KLWeights
+    from stages.rl.batch import TrainingBatch
+    from stages.rl.ppo_models import ActorCritic
+    from stages.rl.ppo_rollout import policy_sampler
+    from stages.rl.update import Learner, accumulate_gradients
+
+    cfg, models, batch = _scripted_rollout(tiny_config, trained, chat_tokenizer, [CALL, "The cat is warm."],
+                                           critic={"kind": "shared"})
+    context = batch.mask - batch.trainable
+
+    def gradients(noise: float) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        torch.manual_seed(1)
+        advantages = torch.randn_like(batch.mask) * batch.trainable + noise * context
+        trained_batch = TrainingBatch.of(batch, advantages=advantages, returns=advantages + noise * context)
+        trained_batch.logprobs = batch.logprobs + noise * context
+        for parameter in models.trainable():
+            parameter.grad = None
+        learner = Learner(cfg=cfg, accelerator=Accelerator(cpu=True), models=models, actor_critic=ActorCritic(models),
+                          optimizer=None, scheduler=None, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                          sampler=policy_sampler(models))
+        episodes = Episodes(iteration=5, batch=trained_batch, messages=[], scores=None, kl=torch.zeros_like(batch.mask),
+                            weights=KLWeights(0.0, 0.0, 0.1))
+        figures = accumulate_gradients(learner, episodes, torch.arange(len(batch.responses)))
+        return {n: p.grad.clone() for n, p in ActorCritic(models).named_parameters() if p.requires_grad}, figures
+
+    clean, clean_figures = gradients(0.0)
+    noisy, noisy_figures = gradients(1e3)
+    for name in clean:
+        torch.testing.assert_close(noisy[name], clean[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert noisy_figures["policy_loss"] == pytest.approx(clean_figures["policy_loss"], rel=1e-5)
+    assert noisy_figures["value_loss"] == pytest.approx(clean_figures["value_loss"], rel=1e-5)
