@@ -44,6 +44,8 @@ class Episode:
     """Tool calls the model made (well-formed or not)."""
     error: str | None = None
     """Why a `failed` episode failed."""
+    columns: dict = field(default_factory=dict)
+    """The prompt record's declared columns (`reward.columns`), for the tables."""
 
     @property
     def prompt_ids(self) -> list[int]:

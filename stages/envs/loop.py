@@ -117,6 +117,8 @@ class EpisodeRunner:
             episodes = [checked_episode(self.rollout(row, sampler, self.chat.tokenizer), row) for row in rows]
         else:
             episodes = self.run(sampler, rows, temperature)
+        for episode, row in zip(episodes, rows, strict=True):
+            episode.columns = {name: value for name, value in row.items() if name != "messages"}
         return episode_batch(episodes, self.chat.tokenizer.pad_token_id, device)
 
     def run(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Episode]:

@@ -133,7 +133,9 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
         if cfg.reward.functions or cfg.reward.overlong else {}
     # A multi-turn episode's whole conversation, tool results marked `[tool <name>]`, and its status.
     turns = {} if batch.episodes is None else {"episode": [transcript(e) for e in batch.episodes],
-                                               "status": [e.status for e in batch.episodes]}
+                                               "status": [e.status for e in batch.episodes],
+                                               **{c: [e.columns.get(c) for e in batch.episodes]
+                                                  for c in cfg.reward.columns}}
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
                                      "score": scores.reported.cpu().numpy(), **terms,
                                      "kl": episodes.sequence_kl.cpu().numpy(), **turns}), iteration)
