@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -17,6 +18,8 @@ class DemoWorldConfig(BaseModel):
 
     seed: int = 0
     """Seeds every random choice: data, tokenizer corpus order and model initialisation."""
+    task: Literal["describe", "tools"] = "describe"
+    """`describe` a subject; `tools`: describe it with the adjectives a `preferences` tool says its user likes."""
     n_sft: int = 2000
     """SFT demonstrations for training."""
     n_sft_eval: int = 200
@@ -33,6 +36,8 @@ class DemoWorldConfig(BaseModel):
     """Bradley-Terry temperature of the labelling coin: P(a > b) = sigmoid((g_a - g_b) / T)."""
     off_subject_rate: float = 0.1
     """Share of demonstrations that (wrongly) talk about another subject."""
+    tool_call_rate: float = 0.5
+    """`task: tools`: share of demonstrations that call the tool before answering (the others guess)."""
     vocab_size: int = 512
     """Byte-level BPE vocabulary size."""
     hidden_size: int = 64
@@ -47,8 +52,9 @@ class DemoWorldConfig(BaseModel):
     """Context length."""
 
     def fingerprint(self) -> str:
-        """Digest of the config and of the world builder's source: a new world whenever either changes."""
-        source = Path(__file__).with_name("demo_world.py").read_bytes()
+        """Digest of the config and of the world builder's source (and its tool's): a new world whenever
+        either changes."""
+        source = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("demo_world.py", "demo_tools.py"))
         payload = json.dumps(self.model_dump(), sort_keys=True).encode() + source
         return hashlib.sha256(payload).hexdigest()[:16]
 

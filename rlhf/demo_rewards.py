@@ -25,3 +25,26 @@ def names_the_subject(prompts: list[list[dict]], responses: list[str]) -> list[f
 def length_penalty(prompts: list[list[dict]], responses: list[str]) -> list[float]:
     """Minus the number of words past eight: long answers cost."""
     return [-float(max(0, len(response.split()) - 8)) for response in responses]
+
+
+# The adjectives the demo world's answers are made of, as a user reads them off its demonstrations
+# and its `preferences` tool's answers (rlhf/demo_world.py draws from the same thirty).
+ADJECTIVES = frozenset((
+    "good", "great", "lovely", "bright", "happy", "kind", "warm", "calm", "fresh", "sweet",
+    "bad", "awful", "dull", "sad", "cold", "rude", "ugly", "noisy", "stale", "bitter",
+    "big", "small", "old", "new", "red", "blue", "round", "tall", "long", "plain",
+))
+_WORD = re.compile(r"[a-z]+")
+
+
+def uses_liked_adjectives(prompts: list[list[dict]], responses: list[str], liked: list[str]) -> list[float]:
+    """The tools world's verifiable reward (`reward.columns: [liked]`): +1 for each distinct adjective
+    the prompt's user likes (`liked`, space-separated, what the `preferences` tool tells) that the
+    response names, -1 for each distinct other adjective it names. A response that never asked the
+    tool can only guess."""
+    values = []
+    for response, likes in zip(responses, liked, strict=True):
+        named = set(_WORD.findall(response.lower())) & ADJECTIVES
+        wanted = set(likes.lower().split())
+        values.append(float(len(named & wanted) - len(named - wanted)))
+    return values

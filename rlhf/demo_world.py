@@ -11,6 +11,13 @@ noise), so a reward model can learn what PPO should then optimise.
 Everything is built deterministically from a seed and saved as ordinary Hugging Face folders
 and JSONL files; the pipeline treats the result exactly like a hub model and user data.
 `gold_score` is for labelling pairs and for evaluation only: no training stage imports it.
+
+The tools world (`demo.task: tools`) gives each user liked adjectives (a record's `liked` column)
+that only the `preferences` tool (rlhf/demo_tools.py) tells; its gold, `gold_tool_score`, rewards
+the liked ones and penalises any other, so an answer that never sees the tool's result can only
+guess (3 of 30). Its demonstrations are chat transcripts (`messages`: user, assistant, tool roles)
+of which `tool_call_rate` call the tool before answering with liked adjectives; its preference pairs
+and prompts are the describe world's (the prompts with `liked` added).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import re
 from pathlib import Path
 
 from rlhf.demo_locations import DemoWorldConfig
+from rlhf.demo_tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_NAME, call_text, liked_text
 from rlhf.evaluation import win_rate
 
 SUBJECTS = ("cat", "dog", "park", "city", "movie", "book", "song", "garden", "river", "house", "train", "coffee")
@@ -36,20 +44,32 @@ PROMPT_TEMPLATES = (
 DETERMINERS = ("the", "my", "your", "this", "that", "our")
 PROMPT_ENDINGS = ("", " Please.", " Be brief.")
 
+
+
+def _chat_template(more_roles: str = "") -> str:
+    return (
+        "{{ bos_token }}"
+        "{% for message in messages %}"
+        "{% if message['role'] == 'system' %}<|system|>{{ message['content'] }}"
+        "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}"
+        "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}{{ eos_token }}"
+        + more_roles
+        + "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+
+
 # Rendering of a conversation; the same template is stored in the tokenizer, so the pipeline
 # only ever meets it through `tokenizer.apply_chat_template`.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}<|system|>{{ message['content'] }}"
-    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}{{ eos_token }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+CHAT_TEMPLATE = _chat_template()
+# The tools world's: a tool's answer follows the assistant's call as `<|tool|>...` (no end-of-turn
+# token: the assistant's next turn follows). Only appends, so a conversation's rendering is a prefix
+# of its rendering with one more message (multi-turn training and episodes rely on it).
+TOOLS_CHAT_TEMPLATE = _chat_template("{% elif message['role'] == 'tool' %}<|tool|>{{ message['content'] }}")
 SPECIAL_TOKENS = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"}
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+TOOL_TOKENS = ("<|tool|>", TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
 
 
 # --- the hidden gold preference -------------------------------------------------------------
@@ -65,6 +85,25 @@ def gold_score(prompt: str, response: str) -> float:
     words = _WORD.findall(response.lower())
     distinct = set(words)
     score = float(len(distinct & set(POSITIVE)) - len(distinct & set(NEGATIVE)))
+    named = distinct & set(SUBJECTS)
+    if named & asked:
+        score += 1.0
+    elif named:
+        score -= 1.0
+    score -= 0.5 * max(0, len(words) - 10)
+    return score
+
+
+def gold_tool_score(prompt: str, liked: str, response: str) -> float:
+    """Hidden quality of a tools-world response for a user who likes `liked` (space-separated
+    adjectives): +1 per distinct liked adjective, -1 per distinct adjective that is not liked, +1 for
+    naming the asked-about subject, -1 for naming another subject instead, -0.5 per word beyond ten."""
+    asked = {w for w in _WORD.findall(prompt.lower()) if w in SUBJECTS}
+    words = _WORD.findall(response.lower())
+    distinct = set(words)
+    likes = set(liked.split())
+    adjectives = distinct & set(ADJECTIVES)
+    score = float(len(adjectives & likes) - len(adjectives - likes))
     named = distinct & set(SUBJECTS)
     if named & asked:
         score += 1.0
@@ -96,10 +135,11 @@ def _distinct_prompts(rng: random.Random, n: int) -> list[str]:
     return rng.sample(every, n)
 
 
-def _response(rng: random.Random, subject: str, off_subject_rate: float) -> str:
+def _response(rng: random.Random, subject: str, off_subject_rate: float, pool: tuple[str, ...] = ADJECTIVES) -> str:
+    """A sentence of 1 to 3 adjectives of `pool` about the subject (sometimes, wrongly, another one)."""
     if rng.random() < off_subject_rate:
         subject = rng.choice([s for s in SUBJECTS if s != subject])
-    adjectives = rng.sample(ADJECTIVES, rng.randint(1, 3))
+    adjectives = rng.sample(pool, rng.randint(1, 3))
     if len(adjectives) == 1:
         described = adjectives[0]
     else:
@@ -134,6 +174,10 @@ def _unique(rng: random.Random, n: int, make, key) -> list[dict]:
 
 def build_records(cfg: DemoWorldConfig) -> dict[str, list[dict]]:
     """All demo data sets, split so that no held-out record also appears in training."""
+    return _tools_records(cfg) if cfg.task == "tools" else _describe_records(cfg)
+
+
+def _describe_records(cfg: DemoWorldConfig) -> dict[str, list[dict]]:
     rng = random.Random(cfg.seed)
 
     def sft_record() -> dict:
@@ -155,16 +199,55 @@ def build_records(cfg: DemoWorldConfig) -> dict[str, list[dict]]:
     }
 
 
+def _transcript(rng: random.Random, cfg: DemoWorldConfig) -> dict:
+    """A tools-world demonstration: a chat transcript that calls the tool (`tool_call_rate` of them)
+    and answers with liked adjectives, or answers at once with random ones; and its user's `liked`."""
+    subject, prompt = _prompt(rng)
+    liked = tuple(rng.sample(ADJECTIVES, 3))
+    messages = [{"role": "user", "content": prompt}]
+    if rng.random() < cfg.tool_call_rate:
+        messages += [{"role": "assistant", "content": call_text(subject)},
+                     {"role": "tool", "name": TOOL_NAME, "content": liked_text(" ".join(liked))},
+                     {"role": "assistant", "content": _response(rng, subject, cfg.off_subject_rate, liked)}]
+    else:
+        messages.append({"role": "assistant", "content": _response(rng, subject, cfg.off_subject_rate)})
+    return {"messages": messages, "liked": " ".join(liked)}
+
+
+def _tools_records(cfg: DemoWorldConfig) -> dict[str, list[dict]]:
+    """The describe world's preference pairs and prompts (each prompt with its user's `liked`
+    adjectives), and chat transcripts as demonstrations; drawn from their own random stream."""
+    records = _describe_records(cfg)
+    rng = random.Random(f"tools:{cfg.seed}")
+    sft = _unique(rng, cfg.n_sft + cfg.n_sft_eval, lambda: _transcript(rng, cfg),
+                  lambda r: json.dumps(r["messages"]))
+    for name in ("prompts", "prompts_eval"):
+        records[name] = [{"prompt": r["prompt"], "liked": " ".join(rng.sample(ADJECTIVES, 3))} for r in records[name]]
+    return records | {"sft": sft[: cfg.n_sft], "sft_eval": sft[cfg.n_sft :]}
+
+
+def _corpus(records: dict[str, list[dict]]) -> list[str]:
+    """The tokenizer's training text: the prompts, the demonstrations and the preference pairs."""
+    corpus = [r["prompt"] for r in records["prompts"]]
+    corpus += [r["prompt"] + " " + r["response"] if "response" in r else " ".join(m["content"] for m in r["messages"])
+               for r in records["sft"]]
+    corpus += [r["chosen"] + " " + r["rejected"] for r in records["preferences"]]
+    return corpus
+
+
 # --- tokenizer and model --------------------------------------------------------------------
 
 
 def build_tokenizer(corpus: list[str], cfg: DemoWorldConfig):
     """Byte-level BPE trained on the task corpus, with distinct pad/bos/eos, left padding and
-    the chat template. No special tokens are added implicitly: the chat template places them."""
+    the chat template (the tools world's: with the tool role and the tool-call markers as special
+    tokens). No special tokens are added implicitly: the chat template places them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = [SPECIAL_TOKENS["pad"], SPECIAL_TOKENS["bos"], SPECIAL_TOKENS["eos"], *ROLE_TOKENS]
+    tools = cfg.task == "tools"
+    roles = [*ROLE_TOKENS, *TOOL_TOKENS] if tools else list(ROLE_TOKENS)
+    specials = [SPECIAL_TOKENS["pad"], SPECIAL_TOKENS["bos"], SPECIAL_TOKENS["eos"], *roles]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -180,9 +263,9 @@ def build_tokenizer(corpus: list[str], cfg: DemoWorldConfig):
         pad_token=SPECIAL_TOKENS["pad"],
         bos_token=SPECIAL_TOKENS["bos"],
         eos_token=SPECIAL_TOKENS["eos"],
-        additional_special_tokens=list(ROLE_TOKENS),
+        additional_special_tokens=roles,
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
         model_max_length=cfg.max_position_embeddings,
     )
 
@@ -235,10 +318,7 @@ def build_world(root: Path, cfg: DemoWorldConfig = DemoWorldConfig()) -> Path:
     for name, rows in records.items():
         _write_jsonl(staging / f"{name}.jsonl", rows)
 
-    corpus = [r["prompt"] for r in records["prompts"]]
-    corpus += [r["prompt"] + " " + r["response"] for r in records["sft"]]
-    corpus += [r["chosen"] + " " + r["rejected"] for r in records["preferences"]]
-    tokenizer = build_tokenizer(corpus, cfg)
+    tokenizer = build_tokenizer(_corpus(records), cfg)
     model = build_model(tokenizer, cfg)
     model.save_pretrained(staging / "model", safe_serialization=True)
     tokenizer.save_pretrained(staging / "model")
@@ -254,12 +334,21 @@ def build_world(root: Path, cfg: DemoWorldConfig = DemoWorldConfig()) -> Path:
 
 def last_user_turns(prompt_messages: list[str]) -> list[str]:
     """The demo world's prompt in each conversation (JSON messages): its last user turn."""
-    return [json.loads(messages)[-1]["content"] for messages in prompt_messages]
+    return [next(m["content"] for m in reversed(json.loads(messages)) if m["role"] == "user")
+            for messages in prompt_messages]
 
 
-def mean_gold_reward(prompt_messages: list[str], responses: list[str]) -> float:
-    """Mean gold reward of responses to conversations given as JSON messages (a PPO iteration's episodes)."""
-    golds = [gold_score(p, r) for p, r in zip(last_user_turns(prompt_messages), responses, strict=True)]
+def _golds(prompts: list[str], responses: list[str], liked: list[str] | None) -> list[float]:
+    """Each response's gold: `gold_score`, or with users' `liked` adjectives the tools world's `gold_tool_score`."""
+    if liked is None:
+        return [gold_score(p, r) for p, r in zip(prompts, responses, strict=True)]
+    return [gold_tool_score(p, k, r) for p, k, r in zip(prompts, liked, responses, strict=True)]
+
+
+def mean_gold_reward(prompt_messages: list[str], responses: list[str], liked: list[str] | None = None) -> float:
+    """Mean gold reward of responses to conversations given as JSON messages (a PPO iteration's episodes);
+    with `liked` (each prompt's user's liked adjectives, space-separated), the tools world's gold."""
+    golds = _golds(last_user_turns(prompt_messages), responses, liked)
     return sum(golds) / max(len(golds), 1)
 
 
@@ -277,11 +366,13 @@ def gold_accuracy(prompts: list[str], chosen: list[str], rejected: list[str],
     return hits / counted if counted else float("nan")
 
 
-def gold_comparison(prompts: list[str], responses: list[str], baseline: list[str]) -> dict[str, float]:
+def gold_comparison(prompts: list[str], responses: list[str], baseline: list[str],
+                    liked: list[str] | None = None) -> dict[str, float]:
     """Gold reward of `responses` and of `baseline`, and the share of prompts where the response
-    beats the baseline under the gold function (ties count half), with its standard error over prompts."""
-    ours = [gold_score(p, r) for p, r in zip(prompts, responses, strict=True)]
-    theirs = [gold_score(p, r) for p, r in zip(prompts, baseline, strict=True)]
+    beats the baseline under the gold function (ties count half), with its standard error over prompts;
+    with `liked`, the tools world's gold (`gold_tool_score`)."""
+    ours = _golds(prompts, responses, liked)
+    theirs = _golds(prompts, baseline, liked)
     wins, wins_se = win_rate(ours, theirs, prompts)
     n = max(len(ours), 1)
     return {"eval/gold_reward": sum(ours) / n, "eval/gold_reward_sft": sum(theirs) / n, "eval/gold_win_rate": wins,
@@ -290,6 +381,9 @@ def gold_comparison(prompts: list[str], responses: list[str], baseline: list[str
 
 def judge_evaluation(table) -> dict[str, float]:
     """`gold_comparison` of a policy's held-out evaluation table (the stages' `evaluate`: columns
-    `prompt_messages`, `policy_response`, `sft_response`): the policy against the SFT responses."""
+    `prompt_messages`, `policy_response`, `sft_response`): the policy against the SFT responses. A table
+    with a `liked` column (the tools world's prompts) is judged by the tools world's gold: the responses
+    are then the final answers, without the tool calls and results before them."""
+    liked = list(table["liked"]) if "liked" in table else None
     return gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]),
-                           list(table["sft_response"]))
+                           list(table["sft_response"]), liked)
