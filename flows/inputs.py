@@ -29,7 +29,7 @@ from stages.runtime.models import load_tokenizer, tokenizer_digest
 def length_budget(cfg: PipelineConfig, stage: str) -> LengthBudget:
     """The token budget `stage`'s records must fit: PPO's prompts leave room for the response."""
     if stage == "ppo":
-        return LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.sampling.response_length)
+        return LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.response_tokens)
     section = getattr(cfg, stage)
     return LengthBudget(section.max_prompt_length, section.max_length)
 
@@ -161,7 +161,8 @@ def context_problems(cfg: PipelineConfig, stages: list[str], world: str | None) 
     needs = {"sft": ("sft.max_length", cfg.sft.model, base),
              "reward": ("reward.max_length", cfg.reward.model or cfg.sft.model,
                         context(cfg.reward.model, cfg.reward.trust_remote_code) if cfg.reward.model else base),
-             "ppo": ("ppo.sampling.response_length", cfg.sft.model, base),
+             "ppo": ("ppo.environment.episode_tokens" if cfg.ppo.environment else "ppo.sampling.response_length",
+                     cfg.sft.model, base),
              "dpo": ("dpo.max_length", cfg.sft.model, base)}
     problems = []
     for stage in stages:

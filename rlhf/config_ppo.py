@@ -492,6 +492,12 @@ class PPOConfig(TrainedStage, SampledStage):
         return self.clip_range if self.clip_range_high is None else self.clip_range_high
 
     @property
+    def response_tokens(self) -> int:
+        """Tokens after the prompt a rollout's sequence holds at most: `environment.episode_tokens` in
+        multi-turn episodes, `sampling.response_length` otherwise."""
+        return self.sampling.response_length if self.environment is None else self.environment.episode_tokens
+
+    @property
     def aggregation_length(self) -> int:
         """Dr. GRPO's constant length (`seq-mean-token-sum-norm`)."""
         return self.loss_aggregation_length or self.sampling.response_length

@@ -15,7 +15,7 @@ from stages.common.errors import StageUserError
 from stages.engines.sampler import Generation, Sampling
 from stages.envs.environment import ToolEnvironment, parse_tool_calls
 from stages.envs.episode import Episode, Segment, episode_batch, episode_figures, transcript
-from stages.envs.loop import ChatDelta, EpisodeRunner, TemplateNotPrefixPreserving, episode_runner
+from stages.envs.loop import EpisodeRunner, TemplateNotPrefixPreserving, episode_runner
 from stages.runtime.models import left_padded_ids
 from tests.helpers import AUTO_RESOLVED
 

@@ -335,13 +335,13 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, 
     elif critic_kind in ("shared", "detached"):
         notes.append("critic: a value head on the policy's body (hidden + 1 parameters)")
 
-    length = section.max_prompt_length + section.sampling.response_length
+    length = section.max_prompt_length + section.response_tokens
     local = section.rollout_batch_size // n
     micro = section.micro_batch_size or section.rollout_batch_size // (section.num_minibatches * n)
     trained = [h for h in held if h.trained]
     largest_layer = max(policy.layer_parameters, (reward or policy).layer_parameters) * compute
     update = _training_extras(trained, n, sharded, autocast, largest_layer) | {
-        "policy_activations": training_activations(policy, micro, length, section.sampling.response_length + 1,
+        "policy_activations": training_activations(policy, micro, length, section.response_tokens + 1,
                                                    autocast, section.gradient_checkpointing)}
     if critic_kind in ("reward", "reward-lora", "policy"):
         update["critic_activations"] = training_activations(critic_model, micro, length, 0, autocast,
@@ -357,13 +357,13 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, 
     phases = {
         "sampling": gathered_policy | {"kv_cache": kv_cache(policy, rolled, length, autocast)},
         "rollout_forwards": {"logits": forward_without_gradients(policy, rolled, length,
-                                                                 section.sampling.response_length + 1,
+                                                                 section.response_tokens + 1,
                                                                  autocast)} | (
             {"scoring": forward_without_gradients(reward, scored, length, 0, autocast)} if reward is not None else {}),
         "update": update,
         "evaluation": gathered_policy | {
             "kv_cache": kv_cache(policy, judged, length, autocast),
-            "logits": forward_without_gradients(policy, judged, length, section.sampling.response_length + 1,
+            "logits": forward_without_gradients(policy, judged, length, section.response_tokens + 1,
                                                 autocast)},
     }
     alone = frozenset()
