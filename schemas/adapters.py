@@ -4,11 +4,14 @@
 - `hh`: Anthropic HH-RLHF transcripts: `chosen` and `rejected` are whole
   "\\n\\nHuman: ... \\n\\nAssistant: ..." dialogues; their shared history is the prompt.
 - `chat`: message lists (UltraFeedback-binarized style): `chosen`/`rejected` (or SFT
-  `messages`) are lists of {role, content} ending with the assistant's reply.
+  `messages`) are lists of {role, content} ending with the assistant's reply. A `tool` message
+  (a tool's answer, with an optional string `name`) follows the assistant turn that called it.
 
 Every adapter returns the frame with `prompt` (the last user turn, for the contract's checks),
 the reply columns as text, and `prompt_messages` (the whole prompt conversation, rendered later
-with the model's own chat template), plus the problems it found, row by row.
+with the model's own chat template), plus the problems it found, row by row. The chat adapter's
+SFT records also keep the whole conversation, normalised, as JSON (`messages`): a transcript
+(`is_transcript`: a tool turn, or several assistant turns) is trained on every assistant turn.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import pandas as pd
 
 from schemas.errors import Problem
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 Messages = list[dict[str, str]]
 
 
@@ -49,8 +52,25 @@ def _as_messages(value: Any, column: str) -> Messages:
             raise _RowError(column, f"message {i} is not a {{role, content}} object with string values")
         if m["role"] not in ROLES:
             raise _RowError(column, f"message {i} has unknown role {m['role']!r} (expected one of {', '.join(ROLES)})")
-        messages.append({"role": m["role"], "content": m["content"]})
+        messages.append({"role": m["role"], "content": m["content"]} | _tool_name(m, i, column))
+        if m["role"] == "tool" and (i == 1 or messages[-2]["role"] not in ("assistant", "tool")):
+            raise _RowError(column, f"message {i} is a tool's answer that follows no assistant turn (its call)")
     return messages
+
+
+def _tool_name(message: dict, i: int, column: str) -> dict[str, str]:
+    """A tool message's `name` (the tool that answered), where it has one."""
+    if message["role"] != "tool" or message.get("name") is None:
+        return {}
+    if not isinstance(message["name"], str):
+        raise _RowError(column, f"message {i}: a tool message's name must be a string")
+    return {"name": message["name"]}
+
+
+def is_transcript(messages: Messages) -> bool:
+    """A conversation trained on every assistant turn rather than its last reply: it has a tool turn,
+    or more than one assistant turn."""
+    return any(m["role"] == "tool" for m in messages) or sum(m["role"] == "assistant" for m in messages) > 1
 
 
 def _split_reply(messages: Messages, column: str) -> tuple[Messages, str]:
@@ -123,8 +143,13 @@ def adapt_hh(frame: pd.DataFrame, kind: str) -> tuple[pd.DataFrame, list[Problem
 
 def adapt_chat(frame: pd.DataFrame, kind: str) -> tuple[pd.DataFrame, list[Problem]]:
     def sft_row(record: pd.Series) -> dict:
-        prompt, response = _split_reply(_as_messages(record["messages"], "messages"), "messages")
-        return {"prompt": last_user_message(prompt), "response": response, "prompt_messages": json.dumps(prompt)}
+        messages = _as_messages(record["messages"], "messages")
+        prompt, response = _split_reply(messages, "messages")
+        first_reply = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        if is_transcript(messages) and not any(m["role"] == "user" for m in messages[:first_reply]):
+            raise _RowError("messages", f"message {first_reply + 1} is an assistant turn with no user turn before it")
+        return {"prompt": last_user_message(prompt), "response": response, "prompt_messages": json.dumps(prompt),
+                "messages": json.dumps(messages)}
 
     def pair_row(record: pd.Series) -> dict:
         return _pair_row(record, _as_messages)

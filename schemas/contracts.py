@@ -4,10 +4,12 @@ Each contract checks the plain-text form every input format is adapted to (see
 `schemas.adapters`): `prompt` is the user's turn, the other columns are assistant replies.
 Columns are typed `Any` and checked element by element, so a wrong type is reported on its
 own row rather than as one column-level dtype failure. Extra columns are allowed.
+`SFTTranscript` checks, besides, the whole conversations a chat-format SFT file keeps (`messages`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pandas as pd
@@ -36,6 +38,36 @@ class SFTExample(pa.DataFrameModel):
     @pa.check("prompt", "response", element_wise=True, error="must not be blank")
     def not_blank(cls, value: Any) -> bool:
         return _not_blank(value)
+
+    class Config:
+        strict = False
+
+
+TRANSCRIPT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _is_transcript_json(value: Any) -> bool:
+    """A JSON list of {role, content} messages of known roles, with string values, ending with an assistant turn."""
+    try:
+        messages = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError:
+        return False
+    return (isinstance(messages, list) and bool(messages)
+            and all(isinstance(m, dict) and m.get("role") in TRANSCRIPT_ROLES and isinstance(m.get("content"), str)
+                    for m in messages)
+            and messages[-1]["role"] == "assistant")
+
+
+class SFTTranscript(pa.DataFrameModel):
+    """A demonstration as a whole conversation (`messages`, JSON), trained on each of its assistant turns."""
+
+    messages: Series[Any] = pa.Field(nullable=False)
+
+    @pa.check("messages", element_wise=True,
+              error="must be a JSON list of {role, content} messages (system, user, assistant, tool) ending with an "
+                    "assistant turn")
+    def transcript(cls, value: Any) -> bool:
+        return _is_transcript_json(value)
 
     class Config:
         strict = False

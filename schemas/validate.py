@@ -5,6 +5,9 @@
     prompt           the prompt as the model sees it (rendered with the tokenizer's chat template)
     prompt_messages  the prompt conversation as JSON, for re-rendering with another tokenizer
     response | chosen, rejected   reply texts (no end-of-sequence token)
+    messages         SFT in the chat format, where a record is a transcript (a tool turn, or several
+                     assistant turns): each record's whole conversation as JSON, trained on every
+                     assistant turn (absent otherwise, so single-reply data keeps its form and digest)
 
 or raises one `DataContractError` listing every refused record. Nothing is trained on data
 that did not pass through here.
@@ -20,8 +23,8 @@ from typing import Literal
 import pandas as pd
 import pandera.pandas as pa
 
-from schemas.adapters import ADAPTERS, REQUIRED, detect_format
-from schemas.contracts import CONTRACTS, REPLY_COLUMNS
+from schemas.adapters import ADAPTERS, REQUIRED, detect_format, is_transcript
+from schemas.contracts import CONTRACTS, REPLY_COLUMNS, SFTTranscript
 from schemas.errors import DataContractError, Problem
 from schemas.readers import read_table
 
@@ -113,6 +116,12 @@ def _duplicate_rows(frame: pd.DataFrame, kind: str, unit: str) -> list[Problem]:
     return [Problem(int(row), None, f"duplicate of {unit} {int(first_seen[row])}") for row in frame.index[repeated]]
 
 
+def _has_transcripts(frame: pd.DataFrame, kind: str, fmt: str) -> bool:
+    """Chat-format SFT records of which some are transcripts: their whole conversations are kept."""
+    return (kind == "sft" and fmt == "chat" and "messages" in frame.columns
+            and any(is_transcript(json.loads(m)) for m in frame["messages"]))
+
+
 def _rendered_prompts(conversations: pd.Series, tokenizer) -> list[str]:
     """Each JSON conversation rendered for the model; a conversation repeated across records
     (one prompt, several preference pairs) is rendered once."""
@@ -155,10 +164,12 @@ def load_validated(
         problems += duplicate_rows
     else:
         frame = frame.drop(index=[p.row for p in duplicate_rows])
-    try:
-        CONTRACTS[kind].validate(frame, lazy=True)
-    except pa.errors.SchemaErrors as e:
-        problems += _contract_problems(e)
+    transcripts = _has_transcripts(frame, kind, fmt)
+    for contract in (CONTRACTS[kind], SFTTranscript) if transcripts else (CONTRACTS[kind],):
+        try:
+            contract.validate(frame, lazy=True)
+        except pa.errors.SchemaErrors as e:
+            problems += _contract_problems(e)
     if problems:
         raise DataContractError(source, problems, unit)
 
@@ -171,6 +182,8 @@ def load_validated(
     kept = ["prompt", "prompt_messages", *REPLY_COLUMNS[kind]]
     if kind == "preference" and "margin" in frame.columns:
         kept.append("margin")
+    if transcripts:
+        kept.append("messages")
     kept += [c for c in columns if c not in kept]
     canonical = frame[kept].astype({c: "float64" if c == "margin" else object for c in kept})
     return ValidatedData(frame=canonical, source=source, kind=kind, format=fmt, digest=data_digest(canonical),

@@ -2,7 +2,10 @@
 
 Plain Python: a frozen config, a base model location and validated data in; a checkpoint
 folder and metrics out. The loss covers only the response tokens and the EOS that ends them:
-records are encoded with `encode_replies` and handed to TRL with a completion mask.
+records are encoded with `encode_replies` and handed to TRL with a completion mask. A transcript
+(chat data with a tool turn or several assistant turns, kept whole as `messages`) is rendered with
+the chat template turn by turn (`encode_transcript`) and learned on every assistant turn; the user's,
+the tools' and the template's text around them is context.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from trl import SFTConfig as TRLSFTConfig
 from trl import SFTTrainer
 
 from rlhf.config import SFTConfig
-from schemas.adapters import last_user_message
+from schemas.adapters import is_transcript, last_user_message
+from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting
 from stages.engines.sampler import HFSampler, Sampling
 from stages.runtime.lora import lora_config
@@ -39,7 +43,7 @@ class SFTInputs:
     model_location: str
     """The base causal LM: a local folder or a hub name."""
     train: pd.DataFrame
-    """Validated (prompt, response) records."""
+    """Validated (prompt, response) records; chat transcripts also with `messages` (schemas.validate)."""
     evaluation: pd.DataFrame
     """Held-out records of the same contract."""
 
@@ -57,12 +61,53 @@ class SFTResult:
     `rlhf.held_as`."""
 
 
-def _encoded(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase) -> datasets.Dataset:
+class TranscriptTemplateError(StageUserError):
+    """A chat template that renders a transcript's earlier turns differently once a message is added."""
+
+
+def encode_transcript(tokenizer: PreTrainedTokenizerBase, messages: list[dict],
+                      template: str = "the tokenizer's") -> tuple[list[int], list[int]]:
+    """A whole conversation's token ids and its completion mask: 1 on each assistant turn's tokens (its
+    content and the end-of-turn text the template closes it with), 0 on everything else. Each assistant
+    turn is what `messages[:i + 1]` adds to the rendering of `messages[:i]` with the generation prompt, so
+    the template must only append; `template` names it in the refusal where it does not."""
+    def render(upto: int, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    input_ids, mask, rendered = [], [], ""
+    for i in (i for i, m in enumerate(messages) if m["role"] == "assistant"):
+        opened, closed = render(i, True), render(i + 1, False)
+        for shorter, longer, what in ((rendered, opened, f"message {i + 1}'s turn is opened"),
+                                      (opened, closed, f"assistant message {i + 1} is added")):
+            if not longer.startswith(shorter):
+                raise TranscriptTemplateError(
+                    f"{template} chat template is not prefix-preserving: once {what} it renders the conversation "
+                    f"so far differently ({shorter[-40:]!r} is not the start of what follows), so a transcript's "
+                    "assistant turns cannot be told from the rest. Training on transcripts (tool turns, several "
+                    "assistant turns) needs a template that only appends: set the stage's `chat_template`")
+        context, turn = ids(opened[len(rendered):]), ids(closed[len(opened):])
+        input_ids += context + turn
+        mask += [0] * len(context) + [1] * len(turn)
+        rendered = closed
+    return input_ids, mask
+
+
+def _encoded(frame: pd.DataFrame, tokenizer: PreTrainedTokenizerBase,
+             template: str = "the tokenizer's") -> datasets.Dataset:
+    """Input ids and completion masks: (prompt, response) records as `encode_replies` encodes them,
+    transcripts (`messages`) by `encode_transcript`."""
     prompt_ids, reply_ids = encode_replies(tokenizer, list(frame["prompt"]), list(frame["response"]))
-    return datasets.Dataset.from_dict({
-        "input_ids": [p + r for p, r in zip(prompt_ids, reply_ids, strict=True)],
-        "completion_mask": [[0] * len(p) + [1] * len(r) for p, r in zip(prompt_ids, reply_ids, strict=True)],
-    })
+    input_ids = [p + r for p, r in zip(prompt_ids, reply_ids, strict=True)]
+    masks = [[0] * len(p) + [1] * len(r) for p, r in zip(prompt_ids, reply_ids, strict=True)]
+    if "messages" in frame.columns:
+        for row, conversation in enumerate(frame["messages"]):
+            messages = json.loads(conversation)
+            if is_transcript(messages):
+                input_ids[row], masks[row] = encode_transcript(tokenizer, messages, template)
+    return datasets.Dataset.from_dict({"input_ids": input_ids, "completion_mask": masks})
 
 
 def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path,
@@ -75,11 +120,12 @@ def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path,
                                chat_template=cfg.chat_template)
     model = load_causal_lm(inputs.model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
     args = TRLSFTConfig(**trainer_arguments(cfg, output_dir), completion_only_loss=True, packing=False)
+    template = f"the stage's ({cfg.chat_template})" if cfg.chat_template else f"{inputs.model_location}'s"
     trainer = SFTTrainer(
         model=model,
         args=args,
-        train_dataset=_encoded(inputs.train, tokenizer),
-        eval_dataset=_encoded(inputs.evaluation, tokenizer),
+        train_dataset=_encoded(inputs.train, tokenizer, template),
+        eval_dataset=_encoded(inputs.evaluation, tokenizer, template),
         processing_class=tokenizer,
         callbacks=[ForwardLogs(reporting)],
         peft_config=None if cfg.lora is None else lora_config(cfg.lora, "CAUSAL_LM", model),
