@@ -68,6 +68,15 @@ def trained(tmp_path_factory, world, tiny_config, tokenizer):
     return {"sft": sft, "reward": reward, "prompts": frames["prompts"], "eval_prompts": frames["prompts_eval"]}
 
 
+@pytest.fixture(scope="session")
+def tools_trained(tmp_path_factory):
+    """The tiny tool world (`demo.task: tools`) and an SFT checkpoint trained on its transcripts, for
+    the multi-turn tests: (config, trained)."""
+    from tests.helpers import tools_upstream
+
+    return tools_upstream(tmp_path_factory.mktemp("tools"))
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
     """A two-node Ray cluster on this machine (`scripts/ray_cluster.sh`: two raylets of one CPU each) on

@@ -44,17 +44,21 @@ AUTO_RESOLVED = {"micro_batch_size": None, "sampling.micro_batch_size": None, "s
 (`train_ppo` itself resolves `auto`, `stages.memory.plan.with_micro_batches`)."""
 
 
-def dataset(world: Path, tokenizer, name: str) -> pd.DataFrame:
-    """One demo-world dataset, validated under the tiny config's length budget (32 prompt, 64 total tokens)."""
+def dataset(world: Path, tokenizer, name: str, budget: tuple[int, int] = (32, 64),
+            prompt_columns: tuple[str, ...] = ()) -> pd.DataFrame:
+    """One demo-world dataset, validated under a length budget (prompt, total tokens): the tiny config's by
+    default; prompts keep `prompt_columns` (`ppo.reward.columns`)."""
     from schemas.validate import LengthBudget, load_validated
 
-    return load_validated(str(world / f"{name}.jsonl"), DATASETS[name], tokenizer=tokenizer,
-                          budget=LengthBudget(32, 64)).frame
+    kind = DATASETS[name]
+    return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer, budget=LengthBudget(*budget),
+                          columns=prompt_columns if kind == "prompt" else ()).frame
 
 
-def world_frames(world: Path, tokenizer) -> dict[str, pd.DataFrame]:
+def world_frames(world: Path, tokenizer, budget: tuple[int, int] = (32, 64),
+                 prompt_columns: tuple[str, ...] = ()) -> dict[str, pd.DataFrame]:
     """Every demo-world dataset, as `dataset` validates it."""
-    return {name: dataset(world, tokenizer, name) for name in DATASETS}
+    return {name: dataset(world, tokenizer, name, budget, prompt_columns) for name in DATASETS}
 
 
 def close(a: float, b: float, rel: float = 0.005) -> bool:
@@ -125,6 +129,36 @@ def train_upstream(cfg, world: Path, frames: dict[str, pd.DataFrame], root: Path
                                        evaluation=frames["preferences_eval"],
                                        normalization_prompts=frames["prompts_eval"]), root / "reward")
     return str(sft.checkpoint), str(reward.checkpoint)
+
+
+TOOLS_OVERRIDES = {
+    "demo.task": "tools",
+    "sft.max_prompt_length": 64,  # a transcript's conversation before its last answer
+    "sft.max_length": 96,
+    "ppo.environment": {"tools": "rlhf.demo_tools:tools", "max_turns": 3, "turn_tokens": 24, "episode_tokens": 64},
+    "ppo.reward": {"terms": [{"name": "liked", "function": "rlhf.demo_rewards:uses_liked_adjectives"}],
+                   "columns": ["liked"]},
+    "ppo.advantage_estimator": "grpo",
+    "ppo.samples_per_prompt": 2,
+}
+"""The tiny config on the demo's tool world (`configs/tools.yaml` shrunk): GRPO in multi-turn episodes."""
+
+
+def tools_upstream(root: Path, **overrides) -> tuple:
+    """The tiny tool world and an SFT checkpoint trained (40 steps) on its transcripts: (config, the
+    `trained` dict `run_ppo` takes, with no reward model)."""
+    from rlhf.config import load_config
+    from rlhf.demo_world import build_world
+    from stages.runtime.models import load_tokenizer
+    from stages.sft import SFTInputs, train_sft
+
+    cfg = load_config("configs/tiny.yaml", TOOLS_OVERRIDES | overrides)
+    world = build_world(root / "worlds", cfg.demo)
+    frames = world_frames(world, load_tokenizer(str(world / "model")), (64, 96), tuple(cfg.ppo.reward.columns))
+    sft = train_sft(cfg.sft.model_copy(update={"max_steps": 40}),
+                    SFTInputs(str(world / "model"), frames["sft"], frames["sft_eval"]), root / "sft")
+    return cfg, {"sft": str(sft.checkpoint), "reward": None, "prompts": frames["prompts"],
+                 "eval_prompts": frames["prompts_eval"], "frames": frames}
 
 
 def free_port() -> int:

@@ -242,3 +242,55 @@ def test_the_loss_and_its_gradient_ignore_tool_tokens(tiny_config, trained, chat
         torch.testing.assert_close(noisy[name], clean[name], rtol=1e-5, atol=1e-7, msg=name)
     assert noisy_figures["policy_loss"] == pytest.approx(clean_figures["policy_loss"], rel=1e-5)
     assert noisy_figures["value_loss"] == pytest.approx(clean_figures["value_loss"], rel=1e-5)
+
+
+# --- the PPO stage in episodes on the demo's tool world ------------------------------------------
+
+
+def _tool_cfg(cfg, **changes):
+    return with_overrides(cfg.ppo, AUTO_RESOLVED | changes)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_ppo_trains_in_episodes_on_the_tool_world(tools_trained, tmp_path, estimator):
+    """The stage runs episodes against the demo's tool (GRPO, and GAE with a critic on the policy):
+    the figures of turns and tool calls, the episode columns of the tables, the evaluation's."""
+    from stages.common.reporting import Reporting
+    from tests.helpers import run_ppo
+
+    cfg, trained = tools_trained
+    ppo = _tool_cfg(cfg, advantage_estimator=estimator, samples_per_prompt=2 if estimator == "grpo" else 1)
+    rollouts = {}
+    result = run_ppo(ppo, trained, tmp_path / estimator, Reporting(rollouts=lambda t, i: rollouts.update({i: t})))
+    last = result.history[-1]
+    for name in ("turns", "tool_calls", "tool_call_rate", "failed_share", "truncated_share", "masked_tokens"):
+        assert f"rollout/{name}" in last and f"eval/{name}" in result.metrics
+    assert last["rollout/turns"] >= 1 and "eval/tool_call_rate_sft" in result.metrics
+    assert {"episode", "status", "liked"} <= set(rollouts[ppo.num_iterations].columns)
+    assert {"policy_episode", "sft_episode", "liked"} <= set(result.evaluation.columns)
+    assert "[user]" in result.evaluation["policy_episode"].iloc[0]
+
+
+def test_a_killed_run_in_episodes_resumes_to_the_same_end(tools_trained, tmp_path):
+    """Killed after its checkpoint at iteration 3 and rerun: the same figures and weights, to the bit."""
+    from tests.helpers import killed_and_resumed
+
+    cfg, trained = tools_trained
+    ppo = _tool_cfg(cfg, num_iterations=6, checkpoint_every=3)
+    reference, resumed = killed_and_resumed(ppo, trained, tmp_path)
+    assert [row["rollout/tool_calls"] for row in resumed.history] == \
+        [row["rollout/tool_calls"] for row in reference.history]
+    assert resumed.metrics == reference.metrics
+    a = (tmp_path / "whole" / "checkpoint" / "model.safetensors").read_bytes()
+    b = (tmp_path / "interrupted" / "checkpoint" / "model.safetensors").read_bytes()
+    assert a == b
+
+
+def test_what_episodes_cannot_do_is_refused_with_the_reason(tools_trained):
+    cfg, _ = tools_trained
+    with pytest.raises(ValueError, match="sampling ahead"):
+        _tool_cfg(cfg, rollout_engine="vllm", rollout={"max_staleness": 1}, vllm={"importance_sampling": "token"})
+    with pytest.raises(ValueError, match="exactly one of tools, factory and rollout"):
+        _tool_cfg(cfg, environment={"factory": "a:b"})
+    with pytest.raises(ValueError, match="not 'module:function'"):
+        EnvironmentConfig(tools="no-colon")
