@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf.demo_locations import DemoWorldConfig, resolve_location
-from rlhf.demo_world import build_records, build_world, gold_prefers, gold_score
+from rlhf.demo_world import CHAT_TEMPLATE, build_records, build_world, gold_prefers, gold_score
+
+# The describe world as it was before the tools task existed (issue 62): its records' and its chat
+# template's digests. Its tokenizer and weights were compared byte for byte then; these keep the data.
+DESCRIBE_RECORDS = {
+    "default": "1b3daeab6200b32e634bbfbde4463fd9e911c1e5dfd43ea169c43caceab6ed33",
+    "tiny": "50970b7e394ebbdd2b4a6ab62917389876273188e0f1a4529393fc6501f6cf46",
+}
+DESCRIBE_TEMPLATE = "15cdb4ee5beb3ed46b705fe9bc851861d0b35d7663da8ecb21362442c2437e06"
 
 
 def test_gold_score_on_hand_worked_cases():
@@ -29,6 +38,15 @@ def test_records_are_deterministic_and_splits_disjoint():
     assert build_records(cfg.model_copy(update={"seed": 1})) != a
     train_prompts = {r["prompt"] for r in a["prompts"]}
     assert not train_prompts & {r["prompt"] for r in a["prompts_eval"]}
+
+
+def test_the_default_world_is_the_describe_world_unchanged():
+    tiny = DemoWorldConfig(n_sft=64, n_sft_eval=16, n_pairs=64, n_pairs_eval=16, n_prompts=16, n_prompts_eval=8)
+    for name, cfg in (("default", DemoWorldConfig()), ("tiny", tiny)):
+        assert cfg.task == "describe"
+        digest = hashlib.sha256(json.dumps(build_records(cfg), sort_keys=True).encode()).hexdigest()
+        assert digest == DESCRIBE_RECORDS[name], name
+    assert hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest() == DESCRIBE_TEMPLATE
 
 
 def test_labels_are_noisy_but_mostly_agree_with_gold():
