@@ -45,8 +45,8 @@ DETERMINERS = ("the", "my", "your", "this", "that", "our")
 PROMPT_ENDINGS = ("", " Please.", " Be brief.")
 
 
-
 def _chat_template(more_roles: str = "") -> str:
+    """The demo's chat template, with `more_roles` as further `{% elif %}` branches of the role."""
     return (
         "{{ bos_token }}"
         "{% for message in messages %}"
