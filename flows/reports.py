@@ -181,9 +181,11 @@ class GoldJudgments:
 
     @classmethod
     def of_rollouts(cls, folder: Path, log) -> GoldJudgments:
-        """`rollout/gold_reward` of every iteration's episodes (the over-optimisation curve)."""
+        """`rollout/gold_reward` of every iteration's episodes (the over-optimisation curve); in the tool
+        world (a `liked` column) by its gold, on the episodes' final answers."""
         return cls(folder / "rollout-gold.jsonl", log, lambda table: {
-            "rollout/gold_reward": mean_gold_reward(list(table["prompt_messages"]), list(table["response"]))})
+            "rollout/gold_reward": mean_gold_reward(list(table["prompt_messages"]), list(table["response"]),
+                                                    list(table["liked"]) if "liked" in table else None)})
 
     @classmethod
     def of_evaluations(cls, folder: Path, log) -> GoldJudgments:

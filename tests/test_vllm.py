@@ -99,6 +99,21 @@ def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_af
     assert _stopped(started[0])
 
 
+def test_episodes_sample_their_turns_on_the_vllm_server_from_token_ids(tmp_path_factory, tmp_path, started):
+    """Multi-turn episodes on the tool world: every turn sampled on the server from the context's token
+    ids; what it samples is what the trainer computes on the model's own tokens; the server stopped after."""
+    from tests.helpers import tools_upstream
+
+    cfg, trained = tools_upstream(tmp_path_factory.mktemp("tools"), **{"demo.num_heads": 2,
+                                                                         "ppo.rollout_engine": "vllm"})
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED)
+    result = run_ppo(ppo, trained, tmp_path / "out")
+    assert len(started) == 1 and _stopped(started[0])
+    assert all(row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history)
+    assert all(row["rollout/turns"] >= 1 for row in result.history) and "eval/tool_call_rate" in result.metrics
+    assert result.history[-1]["rollout/kl"] != 0
+
+
 def test_dynamic_sampling_and_the_policy_loss_options_sample_on_the_vllm_server(servable, tmp_path, started):
     """DAPO's dynamic sampling takes its extra rounds from the server, and the loss options (GSPO's
     ratio, clip-higher) combine with the engine's importance-sampling correction."""

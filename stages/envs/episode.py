@@ -28,6 +28,9 @@ class Segment:
     trainable: bool
     reward: float = 0.0
     """A trainable segment's turn reward (the environment's `step` reward): it lands on the turn's last token."""
+    logprobs: list[float] | None = None
+    """A trainable segment's log-probs by the engine that sampled it, where that engine is not the trainer
+    (vLLM): the rollout weighs the mismatch as for single responses (`engine_logprobs`)."""
 
 
 @dataclass(kw_only=True)
@@ -79,6 +82,7 @@ def episode_batch(episodes: list[Episode], pad_id: int, device: torch.device) ->
     responses = torch.tensor([r + [pad_id] * (steps - len(r)) for r in rests])  # (B, T)
     mask = torch.zeros(len(episodes), steps)
     trainable, turn_rewards = torch.zeros(len(episodes), steps), torch.zeros(len(episodes), steps)
+    engine = torch.zeros(len(episodes), steps)
     for row, episode in enumerate(episodes):
         start = 0
         for segment in episode.segments[1:]:
@@ -87,10 +91,14 @@ def episode_batch(episodes: list[Episode], pad_id: int, device: torch.device) ->
             if segment.trainable and episode.status != "failed" and end > start:
                 trainable[row, start:end] = 1.0
                 turn_rewards[row, end - 1] += segment.reward
+            if segment.logprobs is not None:
+                engine[row, start:end] = torch.tensor(segment.logprobs[:end - start])
             start = end
+    sampled_elsewhere = any(s.logprobs is not None for e in episodes for s in e.segments)
     return EpisodeGeneration(queries=queries.to(device), query_mask=query_mask.to(device),
                              responses=responses.to(device), mask=mask.to(device), trainable=trainable.to(device),
-                             turn_rewards=turn_rewards.to(device), episodes=episodes)
+                             turn_rewards=turn_rewards.to(device), episodes=episodes,
+                             engine_logprobs=engine.to(device) if sampled_elsewhere else None)
 
 
 def transcript(episode: Episode) -> str:

@@ -130,8 +130,10 @@ class EpisodeRunner:
                 break
             sampled = sampler.generate_ids([e.context for e in active], Sampling(self.turn_tokens, temperature))
             real = response_mask(sampled.responses, self.stop_ids).bool().tolist()  # (b, T)
-            for episode, ids, mask in zip(active, sampled.responses.tolist(), real, strict=True):
-                self._turn(episode, [i for i, m in zip(ids, mask, strict=True) if m])
+            engine = [None] * len(active) if sampled.engine_logprobs is None else sampled.engine_logprobs.tolist()
+            for episode, ids, mask, logprobs in zip(active, sampled.responses.tolist(), real, engine, strict=True):
+                kept = sum(mask)
+                self._turn(episode, ids[:kept], None if logprobs is None else logprobs[:kept])
         return [episode.episode() for episode in live]
 
     def _start(self, row: dict) -> _Live:
@@ -143,18 +145,19 @@ class EpisodeRunner:
         return _Live(environment=environment, messages=messages, tools=tools, rendered=rendered,
                      segments=[Segment(prompt, trainable=False)], context=list(prompt))
 
-    def _turn(self, episode: _Live, ids: list[int]) -> None:
-        """One sampled turn: kept as sampled (cut to the episode's budget), then the environment's answer."""
+    def _turn(self, episode: _Live, ids: list[int], logprobs: list[float] | None) -> None:
+        """One sampled turn (and the engine's log-probs of it, where not the trainer's): kept as sampled
+        (cut to the episode's budget), then the environment's answer."""
         room = self.settings.episode_tokens - episode.after_prompt
         ended = bool(ids) and ids[-1] in self.stop_ids and len(ids) <= room
-        ids = ids[:room]
+        ids, logprobs = ids[:room], None if logprobs is None else logprobs[:room]
         tokenizer = self.chat.tokenizer
         text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
         episode.answer = tokenizer.decode(ids, skip_special_tokens=True)
         calls = parse_tool_calls(text)
         episode.tool_calls += len(calls or [])
         if not ended:  # out of tokens mid-turn: nothing the environment could answer
-            episode.add(Segment(ids, trainable=True))
+            episode.add(Segment(ids, trainable=True, logprobs=logprobs))
             episode.status = "truncated"
             return
         try:
@@ -163,7 +166,7 @@ class EpisodeRunner:
             step, episode.status, episode.error = Step(None), "failed", str(e)
         except Exception as e:  # noqa: BLE001 - the user's environment failed: the episode fails, the run goes on
             step, episode.status, episode.error = Step(None), "failed", f"{type(e).__name__}: {e}"
-        episode.add(Segment(ids, trainable=True, reward=float(step.reward)))
+        episode.add(Segment(ids, trainable=True, reward=float(step.reward), logprobs=logprobs))
         episode.rendered += tokenizer.decode(ids, skip_special_tokens=False)
         episode.messages = episode.messages + [{"role": "assistant", "content": text}]
         if episode.status is not None:

@@ -1,0 +1,152 @@
+"""Multi-turn benchmark: does RL in episodes learn to call the demo's tool and use what it says?
+
+    python -m bench.tools                        (seeds 0-2, GRPO and PPO; about 30 minutes on 2 cores)
+    python -m bench.tools --seeds 0 --estimators grpo --iterations 10
+
+On the tool world (`configs/tools.yaml`, `demo.task: tools`), SFT is trained once on its transcripts
+(which call the tool half of the time). Then, for every training seed and estimator (`grpo`; `gae`,
+PPO with a critic on the policy), two runs from that checkpoint with the same prompts, reward function
+and work per iteration:
+
+- `episodes`: multi-turn, against the built-in tool-calling environment (`ppo.environment`);
+- `single-turn`: the same policy trained without the environment, answering in one turn (a tool call
+  it writes is then just text): the baseline the episodes must beat.
+
+Each final policy is judged on the held-out prompts by the hidden gold function, on its final answers,
+against the SFT policy's answers in episodes (the tool run's evaluation baseline, common random
+numbers, so every run of a seed meets the same SFT answers): gold reward, gold win rate with its
+standard error, the tool-call rate before (SFT) and after, the KL to SFT per sequence (the model's own
+tokens) and the training seconds (the sum of `time/iteration`). Writes
+`bench/results/tools-<date>.json` and prints a table. A benchmark, not a test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def upstream(cfg, state: Path):
+    """The tool world, its validated frames and the SFT checkpoint (trained once, kept in `state`)."""
+    from flows.inputs import length_budget
+    from rlhf.demo_world import build_world
+    from schemas.validate import load_validated
+    from stages.runtime.models import load_tokenizer
+    from stages.sft import SFTInputs, train_sft
+
+    world = build_world(state / "worlds", cfg.demo)
+    tokenizer = load_tokenizer(str(world / "model"))
+
+    def frame(name: str, kind: str, stage: str, columns: tuple[str, ...] = ()):
+        return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer,
+                              budget=length_budget(cfg, stage), columns=columns).frame
+
+    columns = tuple(cfg.ppo.reward.columns)
+    frames = {"prompts": frame("prompts", "prompt", "ppo", columns),
+              "prompts_eval": frame("prompts_eval", "prompt", "ppo", columns)}
+    checkpoint = state / "sft" / "checkpoint"
+    if not (checkpoint / "config.json").exists():
+        train_sft(cfg.sft, SFTInputs(str(world / "model"), frame("sft", "sft", "sft"), frame("sft_eval", "sft", "sft")),
+                  state / "sft")
+    return checkpoint, frames
+
+
+def run(ppo_cfg, sft: Path, frames: dict, out: Path) -> dict:
+    """One PPO run and its final evaluation table."""
+    from stages.ppo import PPOInputs, train_ppo
+
+    shutil.rmtree(out, ignore_errors=True)
+    result = train_ppo(ppo_cfg, PPOInputs(str(sft), None, frames["prompts"], frames["prompts_eval"]), out)
+    return {"table": result.evaluation, "metrics": result.metrics,
+            "train_seconds": float(sum(row["time/iteration"] for row in result.history)),
+            "final_rollout": {k: v for k, v in result.history[-1].items() if k.startswith("rollout/")}}
+
+
+def judged(table, sft_answers: list[str]) -> dict:
+    """The table's final answers against the SFT policy's answers in episodes, by the gold function."""
+    from rlhf.demo_world import gold_comparison, last_user_turns
+
+    gold = gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]), sft_answers,
+                           list(table["liked"]))
+    return {key.removeprefix("eval/"): value for key, value in gold.items()} | {"kl": float(table["kl"].mean())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rlhf.config import load_config, with_overrides
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/tools.yaml")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--estimators", nargs="+", default=["grpo", "gae"])
+    parser.add_argument("--iterations", type=int, default=None, help="ppo.num_iterations (default: the config's)")
+    parser.add_argument("--state", type=Path, default=REPO / ".rlhf" / "bench-tools")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    cfg = load_config(args.config)
+    started = time.time()
+    sft, frames = upstream(cfg, args.state)
+    rows = []
+    for seed in args.seeds:
+        for estimator in args.estimators:
+            changes = {"seed": seed, "advantage_estimator": estimator, "evaluation": {"every": None}}
+            if args.iterations:
+                changes["num_iterations"] = args.iterations
+            episodes = with_overrides(cfg.ppo, changes | {"samples_per_prompt": "auto"})
+            single = with_overrides(episodes, {"environment": None})
+            tools = run(episodes, sft, frames, args.state / f"{estimator}-{seed}-episodes")
+            alone = run(single, sft, frames, args.state / f"{estimator}-{seed}-single")
+            sft_answers = list(tools["table"]["sft_response"])
+            for setting, result in (("episodes", tools), ("single-turn", alone)):
+                metrics = result["metrics"]
+                rows.append({"seed": seed, "estimator": estimator, "setting": setting,
+                             **judged(result["table"], sft_answers),
+                             "tool_call_rate": metrics.get("eval/tool_call_rate"),
+                             "tool_call_rate_sft": tools["metrics"]["eval/tool_call_rate_sft"],
+                             "train_seconds": result["train_seconds"], "final_rollout": result["final_rollout"]})
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "final_rollout"}), flush=True)
+    summary = summarise(rows)
+    print(summary)
+    out = args.out or REPO / "bench" / "results" / f"tools-{datetime.date.today()}.json"
+    out.write_text(json.dumps({"config": args.config, "seeds": args.seeds, "iterations": args.iterations,
+                               "machine": platform.processor() or platform.machine(),
+                               "seconds": time.time() - started, "runs": rows, "summary": summary}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def summarise(rows: list[dict]) -> str:
+    """Mean and spread (min-max over seeds) per estimator and setting."""
+    lines = ["| estimator | setting | gold win rate vs SFT | gold reward (SFT's) | tool calls: SFT -> after | "
+             "KL | train s |", "|---|---|---|---|---|---|---|"]
+    for estimator in dict.fromkeys(r["estimator"] for r in rows):
+        for setting in ("episodes", "single-turn"):
+            mine = [r for r in rows if r["estimator"] == estimator and r["setting"] == setting]
+            if not mine:
+                continue
+
+            calls = "-" if mine[0]["tool_call_rate"] is None else _spread(mine, "tool_call_rate", 2)
+            lines.append(f"| {estimator} | {setting} | {_spread(mine, 'gold_win_rate')} | "
+                         f"{_spread(mine, 'gold_reward', 2)} ({np.mean([r['gold_reward_sft'] for r in mine]):.2f}) | "
+                         f"{np.mean([r['tool_call_rate_sft'] for r in mine]):.2f} -> {calls} | "
+                         f"{_spread(mine, 'kl', 1)} | {_spread(mine, 'train_seconds', 0)} |")
+    return "\n".join(lines)
+
+
+def _spread(rows: list[dict], key: str, digits: int = 3) -> str:
+    """Mean [min, max] of `key` over `rows`."""
+    values = np.array([r[key] for r in rows], dtype=float)
+    return f"{values.mean():.{digits}f} [{values.min():.{digits}f}, {values.max():.{digits}f}]"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
