@@ -111,7 +111,6 @@ class Judge:
     responses to the held-out prompts (common random numbers), sampled once here."""
 
     def __init__(self, sft_folder: Path, reward_folder: Path, eval_prompts, ppo_cfg):
-        import torch
 
         from stages.memory.phases import Counts
         from stages.memory.plan import with_micro_batches
@@ -123,8 +122,7 @@ class Judge:
                                      str(reward_folder))
         self.cfg = ppo_cfg
         self.models = load_models(ppo_cfg, str(sft_folder), str(reward_folder))
-        self.held_out = HeldOut.sample(self.models, eval_prompts, ppo_cfg.evaluation, ppo_cfg.sampling,
-                                       torch.device("cpu"))
+        self.held_out = HeldOut.sample(self.models, eval_prompts, ppo_cfg.evaluation, ppo_cfg.sampling)
 
     def __call__(self, policy_folder: Path):
         """The evaluation table of the policy saved in `policy_folder`."""

@@ -9,9 +9,10 @@ import re
 _ASKED_ABOUT = re.compile(r"\b(?:the|my|your|this|that|our) ([a-z]+)\b", re.IGNORECASE)
 
 
-def names_the_subject(prompts: list[list[dict]], responses: list[str]) -> list[float | None]:
+def names_the_subject(prompts: list[list[dict]], responses: list[str], **columns: list) -> list[float | None]:
     """-1 for a response that does not name the thing its prompt asks about ("Describe my dog." ->
-    "dog"), 0 for one that does; None (no reward) where the prompt names nothing this rule can find."""
+    "dog"), 0 for one that does; None (no reward) where the prompt names nothing this rule can find.
+    Other declared columns (`reward.columns`) are taken and not read."""
     values: list[float | None] = []
     for messages, response in zip(prompts, responses, strict=True):
         asked = _ASKED_ABOUT.search(messages[-1]["content"])
@@ -22,8 +23,8 @@ def names_the_subject(prompts: list[list[dict]], responses: list[str]) -> list[f
     return values
 
 
-def length_penalty(prompts: list[list[dict]], responses: list[str]) -> list[float]:
-    """Minus the number of words past eight: long answers cost."""
+def length_penalty(prompts: list[list[dict]], responses: list[str], **columns: list) -> list[float]:
+    """Minus the number of words past eight: long answers cost. Other declared columns are taken and not read."""
     return [-float(max(0, len(response.split()) - 8)) for response in responses]
 
 

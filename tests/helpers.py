@@ -131,6 +131,24 @@ def train_upstream(cfg, world: Path, frames: dict[str, pd.DataFrame], root: Path
     return str(sft.checkpoint), str(reward.checkpoint)
 
 
+TOOL_ANSWER = "warm, calm, kind"
+"""What `scripted_tools`' one tool answers (a test may change it)."""
+
+
+def scripted_tools(row: dict) -> list:
+    """`environment.tools` for the scripted-engine tests: one tool, `f`, whose name is short."""
+
+    def f(subject: str = "") -> str:
+        """Which adjectives this user likes.
+
+        Args:
+            subject: the thing the user asked about.
+        """
+        return TOOL_ANSWER
+
+    return [f]
+
+
 TOOLS_OVERRIDES = {
     "demo.task": "tools",
     "sft.max_prompt_length": 64,  # a transcript's conversation before its last answer

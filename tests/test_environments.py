@@ -17,6 +17,7 @@ from stages.envs.environment import ToolEnvironment, parse_tool_calls
 from stages.envs.episode import Episode, Segment, episode_batch, episode_figures, transcript
 from stages.envs.loop import EpisodeRunner, TemplateNotPrefixPreserving, episode_runner
 from stages.runtime.models import left_padded_ids
+from tests import helpers
 from tests.helpers import AUTO_RESOLVED
 
 TOOL_TEMPLATE = (
@@ -30,20 +31,7 @@ TOOL_TEMPLATE = (
 
 CALL = '<tool_call>{"name":"f"}</tool_call>'
 """A short call: the tiny world's tokenizer learned no merges for JSON."""
-LIKED = "warm, calm, kind"
-
-
-def f(subject: str = "") -> str:
-    """Which adjectives this user likes.
-
-    Args:
-        subject: the thing the user asked about.
-    """
-    return LIKED
-
-
-def tools_of(row: dict) -> list:
-    return [f]
+LIKED = helpers.TOOL_ANSWER
 
 
 @pytest.fixture()
@@ -71,7 +59,7 @@ class Scripted:
 
 
 def _runner(tokenizer, turn_tokens: int = 48, **settings) -> EpisodeRunner:
-    config = EnvironmentConfig(tools="tests.test_environments:tools_of", **({"episode_tokens": 200} | settings))
+    config = EnvironmentConfig(tools="tests.helpers:scripted_tools", **({"episode_tokens": 200} | settings))
     return episode_runner(config, tokenizer, "test-model", [tokenizer.eos_token_id], turn_tokens)
 
 
@@ -198,9 +186,7 @@ def test_the_rollout_keeps_every_figure_on_the_models_own_tokens(tiny_config, tr
     context = (batch.mask - batch.trainable).bool()
     assert context.any() and (batch.logprobs[context] == 0).all() and (batch.ref_logprobs[context] == 0).all()
     assert batch.turn_rewards is not None and batch.has_eos.all() and batch.texts == ["The cat is warm."] * 2
-    import tests.test_environments as as_imported  # the module the environment imported the tool from
-
-    monkeypatch.setattr(as_imported, "LIKED", "cold, rude, stale")
+    monkeypatch.setattr(helpers, "TOOL_ANSWER", "cold, rude, stale")
     _, _, other = _scripted_rollout(tiny_config, trained, chat_tokenizer, [CALL, "The cat is warm."])
     last = batch.trainable[0].nonzero().flatten()[-4:]
     assert not torch.allclose(batch.logprobs[0, last], other.logprobs[0, last])
@@ -294,3 +280,47 @@ def test_what_episodes_cannot_do_is_refused_with_the_reason(tools_trained):
         _tool_cfg(cfg, environment={"factory": "a:b"})
     with pytest.raises(ValueError, match="not 'module:function'"):
         EnvironmentConfig(tools="no-colon")
+
+
+MISTRAL_TOOLS_TEMPLATE = (
+    "{% set last_user = namespace(at=-1) %}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{% set last_user.at = loop.index0 %}{% endif %}{% endfor %}"
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{% if loop.index0 == last_user.at and tools %}"
+    "[AVAILABLE_TOOLS] {{ tools | tojson }}"
+    "[/AVAILABLE_TOOLS]{% endif %}[INST] {{ message['content'] }} [/INST]"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}[TOOL_RESULTS] {{ {'content': message['content']} | tojson }}"
+    "[/TOOL_RESULTS]{% endif %}{% endfor %}"
+)
+"""Mistral's v0.3 layout of tools (before the last user turn), calls and results, on the v0.1 SentencePiece
+tokenizer (its markers as text)."""
+
+
+@pytest.mark.parametrize("family, template", [("gpt2", "chatml"), ("llama", "mistral-tools")])
+def test_the_delta_equals_a_full_render_for_real_tokenizers(tmp_path, family, template):
+    """GPT-2's byte-level BPE (ChatML as text) and Mistral's SentencePiece (a tools-capable template):
+    every context the engine is given is the full render of the conversation so far. For GPT-2 the ids
+    are the full render's, tokenised; SentencePiece merges across the template's boundary where a
+    model's turn starts ("[/INST]" then "<tool_call>" tokenise as "]<" together), so there a model
+    continuing the prompt cannot sample the full render's ids, and the check is on the text."""
+    from stages.runtime.models import load_tokenizer
+    from tests.model_families import CHATML_TEMPLATE, build_family
+
+    folder = build_family(family, tmp_path)
+    tokenizer = load_tokenizer(str(folder), chat_template=CHATML_TEMPLATE if template == "chatml"
+                               else MISTRAL_TOOLS_TEMPLATE)
+    runner = _runner(tokenizer, turn_tokens=64, max_turns=4)
+    engine = Scripted(tokenizer, [CALL, CALL, "The cat is warm and calm."])
+    tools = runner.make(ROW).schemas()
+    [episode] = runner.run(engine, [ROW], 1.0)
+    assert episode.status == "ok" and episode.turns == 3
+    for [context], turn in zip(engine.prompts, (1, 3, 5), strict=True):
+        full = tokenizer.apply_chat_template(episode.messages[:turn], tools=tools, tokenize=False,
+                                             add_generation_prompt=True)
+        segments = episode.segments[:turn]  # the prompt, then a turn and the tool's answer each time
+        assert [i for s in segments for i in s.ids] == context
+        # Decoded a segment at a time: SentencePiece's decoder spaces special tokens in a longer decode.
+        assert "".join(tokenizer.decode(s.ids) for s in segments) == full, f"turn {turn}"
+        if family == "gpt2":
+            assert context == tokenizer(full, add_special_tokens=False)["input_ids"], f"turn {turn}"

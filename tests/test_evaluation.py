@@ -4,12 +4,9 @@ sampled with common random numbers, so two PPO runs are judged against the same 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rlhf.evaluation import win_rate
 from tests.helpers import AUTO_RESOLVED
-
-CPU = torch.device("cpu")
 
 
 def test_win_rate_counts_ties_half_and_takes_its_error_over_prompts():
@@ -29,13 +26,13 @@ def test_the_sft_baseline_is_the_same_for_runs_with_different_training_seeds(tin
     for seed in (0, 1):
         cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"seed": seed, "evaluation.samples_per_prompt": 2})
         models = load_models(cfg, trained["sft"], trained["reward"])
-        held_out = HeldOut.sample(models, trained["eval_prompts"], cfg.evaluation, cfg.sampling, CPU)
+        held_out = HeldOut.sample(models, trained["eval_prompts"], cfg.evaluation, cfg.sampling)
         metrics, table = evaluate(models, policy_sampler(models), held_out, cfg.evaluation, cfg.sampling)
         tables.append(table)
         assert 0 <= metrics["eval/win_rate_rm"] <= 1 and metrics["eval/win_rate_rm_se"] > 0
     assert list(tables[0]["sft_response"]) == list(tables[1]["sft_response"])
     other = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"evaluation.seed": 7, "evaluation.samples_per_prompt": 2})
     models = load_models(other, trained["sft"], trained["reward"])
-    held_out = HeldOut.sample(models, trained["eval_prompts"], other.evaluation, other.sampling, CPU)
+    held_out = HeldOut.sample(models, trained["eval_prompts"], other.evaluation, other.sampling)
     _, moved = evaluate(models, policy_sampler(models), held_out, other.evaluation, other.sampling)
     assert list(moved["sft_response"]) != list(tables[0]["sft_response"])
