@@ -72,12 +72,22 @@ def run(ppo_cfg, sft: Path, frames: dict, out: Path) -> dict:
 
 
 def judged(table, sft_answers: list[str]) -> dict:
-    """The table's final answers against the SFT policy's answers in episodes, by the gold function."""
-    from rlhf.demo_world import gold_comparison, last_user_turns
+    """The table's final answers against the SFT policy's answers in episodes, by the gold function;
+    in episodes, the gold reward of the answers that followed a tool call and of those that did not."""
+    from rlhf.demo_world import gold_comparison, gold_tool_score, last_user_turns
 
-    gold = gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]), sft_answers,
-                           list(table["liked"]))
-    return {key.removeprefix("eval/"): value for key, value in gold.items()} | {"kl": float(table["kl"].mean())}
+    prompts = last_user_turns(table["prompt_messages"])
+    gold = gold_comparison(prompts, list(table["policy_response"]), sft_answers, list(table["liked"]))
+    figures = {key.removeprefix("eval/"): value for key, value in gold.items()} | {"kl": float(table["kl"].mean())}
+    for who in ("policy", "sft"):
+        if f"{who}_tool_calls" not in table:
+            continue
+        golds = np.array([gold_tool_score(p, liked, answer) for p, liked, answer in
+                          zip(prompts, table["liked"], table[f"{who}_response"], strict=True)])
+        called = np.array(table[f"{who}_tool_calls"]) > 0
+        figures[f"{who}_gold_after_call"] = float(golds[called].mean()) if called.any() else None
+        figures[f"{who}_gold_without_call"] = float(golds[~called].mean()) if (~called).any() else None
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -324,3 +324,32 @@ def test_the_delta_equals_a_full_render_for_real_tokenizers(tmp_path, family, te
         assert "".join(tokenizer.decode(s.ids) for s in segments) == full, f"turn {turn}"
         if family == "gpt2":
             assert context == tokenizer(full, add_special_tokens=False)["input_ids"], f"turn {turn}"
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "rloo", "reinforce++", "reinforce++-baseline"])
+def test_every_estimator_gives_advantages_on_the_models_tokens_alone(tiny_config, trained, chat_tokenizer,
+                                                                      estimator):
+    """Each estimator on episodes with a turn reward: finite advantages on the model's tokens, zero on
+    the tool's; the turn reward reaches the first turn's tokens (GAE's and REINFORCE++'s recursion
+    skips the tool's tokens, the group estimators sum it into the episode's score)."""
+    from accelerate import Accelerator
+
+    from stages.rewards.scoring import Scores
+    from stages.rl.advantages import episodes_of, kl_weights
+    from stages.rl.batch import Sampled
+
+    grouped = estimator in ("grpo", "rloo", "reinforce++-baseline")
+    changes = {"advantage_estimator": estimator, "samples_per_prompt": 2 if grouped else 1}
+    cfg, models, batch = _scripted_rollout(tiny_config, trained, chat_tokenizer, [CALL, "The cat is warm."],
+                                           **changes)
+    first_turn_end = batch.trainable[0].nonzero().flatten()
+    first_turn_end = first_turn_end[(first_turn_end.diff() > 1).nonzero().flatten()[0]]
+    batch.turn_rewards[0, first_turn_end] = 2.0  # the first episode's call earned something
+    scores = torch.tensor([0.0, 0.0])
+    sampled = Sampled(batch, [[{"role": "user", "content": "x"}]] * 2,
+                      Scores(raw=None, normalized=scores, terms={}, reward=scores))
+    episodes = episodes_of(Accelerator(cpu=True), cfg, 1, sampled, kl_weights(cfg, 0.0))
+    advantages = episodes.batch.advantages
+    context = (batch.mask - batch.trainable).bool()
+    assert torch.isfinite(advantages).all() and (advantages[context] == 0).all()
+    assert advantages[0, :first_turn_end + 1].abs().sum() > 0

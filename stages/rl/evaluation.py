@@ -133,10 +133,13 @@ def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: Ev
                           "policy_response": policy.texts, "sft_response": held_out.sft_texts, "kl": kl.cpu().numpy()})
     metrics = {"eval/kl": table["kl"].mean(), "eval/response_length": policy.own.sum(1).float().mean().item(),
                "eval/eos_rate": policy.has_eos.float().mean().item()}
+    if held_out.columns and held_out.columns[0]:  # the records' declared columns, which a judge may read
+        table = table.assign(**pd.DataFrame(held_out.columns, index=table.index))
     if policy.episodes is not None:  # the conversations, and how often each policy called a tool
-        table = table.assign(**pd.DataFrame(held_out.columns, index=table.index),
-                             policy_episode=[transcript(e) for e in policy.episodes],
-                             sft_episode=[transcript(e) for e in held_out.sft_episodes])
+        table = table.assign(policy_episode=[transcript(e) for e in policy.episodes],
+                             sft_episode=[transcript(e) for e in held_out.sft_episodes],
+                             policy_tool_calls=[e.tool_calls for e in policy.episodes],
+                             sft_tool_calls=[e.tool_calls for e in held_out.sft_episodes])
         metrics |= episode_figures(policy.episodes, "eval")
         metrics["eval/tool_call_rate_sft"] = episode_figures(held_out.sft_episodes, "eval")["eval/tool_call_rate"]
     if models.scorer is not None:
