@@ -471,9 +471,10 @@ class PPOConfig(TrainedStage, SampledStage):
         if self.rollout.max_staleness:
             raise ValueError("environment: episodes step their environment between turns, which sampling ahead "
                              "(rollout.max_staleness above 0) does not run: set max_staleness 0")
-        if self.launch.sharded and self.rollout_engine == "hf":
-            raise ValueError("environment: a sharded policy samples collectively, step by step, while each process's "
-                             "episodes end after different numbers of turns: use rollout_engine vllm, or DDP")
+        if self.launch.sharded:
+            raise ValueError("environment: a sharded policy samples collectively, step by step (the SFT baseline's "
+                             "episodes too, on any rollout_engine), while each process's episodes end after different "
+                             "numbers of turns: launch with DDP (no accelerate FSDP config)")
         return self
 
     @property

@@ -149,6 +149,19 @@ def scripted_tools(row: dict) -> list:
     return [f]
 
 
+def one_turn_episode(row: dict, engine, tokenizer):
+    """`environment.rollout` for the tests: a whole episode by hand, one sampled turn after the prompt."""
+    from stages.engines.sampler import Sampling
+    from stages.envs.episode import Episode, Segment
+
+    prompt = tokenizer(tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False)["input_ids"]
+    sampled = engine.generate_ids([prompt], Sampling(8)).responses[0].tolist()
+    answer = [i for i in sampled if i != tokenizer.pad_token_id]
+    return Episode(segments=[Segment(prompt, False), Segment(answer, True, reward=0.5)],
+                   answer=tokenizer.decode(answer, skip_special_tokens=True))
+
+
 TOOLS_OVERRIDES = {
     "demo.task": "tools",
     "sft.max_prompt_length": 64,  # a transcript's conversation before its last answer

@@ -353,3 +353,49 @@ def test_every_estimator_gives_advantages_on_the_models_tokens_alone(tiny_config
     context = (batch.mask - batch.trainable).bool()
     assert torch.isfinite(advantages).all() and (advantages[context] == 0).all()
     assert advantages[0, :first_turn_end + 1].abs().sum() > 0
+
+
+def test_an_environment_that_cannot_start_or_answers_wrongly_fails_its_episode_not_the_run(chat_tokenizer):
+    runner = _runner(chat_tokenizer)
+
+    class Broken(ToolEnvironment):
+        def reset(self, row):
+            raise KeyError("liked")
+
+    class Wrong(ToolEnvironment):
+        def step(self, text):
+            return {"messages": []}
+
+    for environment, reason in ((Broken, "KeyError"), (Wrong, "must return (messages, reward, done)")):
+        mine = EpisodeRunner(settings=runner.settings, make=lambda row, e=environment: e([], runner.settings),
+                             rollout=None, chat=runner.chat, stop_ids=runner.stop_ids, turn_tokens=runner.turn_tokens)
+        [episode] = mine.run(Scripted(chat_tokenizer, [CALL]), [ROW], 1.0)
+        assert episode.status == "failed" and reason in episode.error
+
+
+def test_a_turn_asks_for_no_more_than_the_episodes_budget_leaves(chat_tokenizer):
+    asked = []
+
+    class Recording(Scripted):
+        def generate_ids(self, prompts, sampling):
+            asked.append(sampling.max_new_tokens)
+            return super().generate_ids(prompts, sampling)
+
+    engine = Recording(chat_tokenizer, [CALL, CALL, "The cat is warm."])
+    calls = len(engine.turns[0])
+    [episode] = _runner(chat_tokenizer, turn_tokens=48, episode_tokens=calls + 30).run(engine, [ROW], 1.0)
+    assert asked[0] == 48 and asked[1] < 48 and episode.status == "truncated"
+    assert sum(len(s.ids) for s in episode.segments[1:]) <= calls + 30
+
+
+def test_the_escape_hatch_writes_whole_episodes_for_training_and_evaluation(chat_tokenizer):
+    config = EnvironmentConfig(rollout="tests.helpers:one_turn_episode")
+    runner = episode_runner(config, chat_tokenizer, "test-model", [chat_tokenizer.eos_token_id], 16)
+    engine = Scripted(chat_tokenizer, ["The cat is warm.", "The cat is warm."])
+    [episode] = runner.episodes(engine, [ROW], 1.0)  # what the evaluation's SFT baseline runs
+    assert episode.turns == 1 and episode.answer == "The cat is warm."
+    batch = runner.generation(engine, [ROW], 1.0, torch.device("cpu"))  # what the rollout runs
+    assert batch.trainable.sum() == len(engine.turns[0]) and batch.turn_rewards.sum() == 0.5
+    with pytest.raises(StageUserError, match="must return a stages.envs.episode.Episode"):
+        EpisodeRunner(settings=config, make=None, rollout=lambda row, engine, tokenizer: "text", chat=runner.chat,
+                      stop_ids=runner.stop_ids, turn_tokens=16).episodes(engine, [ROW], 1.0)

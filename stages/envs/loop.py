@@ -24,7 +24,6 @@ from stages.envs.environment import (
     Environment,
     EnvironmentFactory,
     Step,
-    TooManyMalformedCalls,
     environment_factory,
     parse_tool_calls,
 )
@@ -71,7 +70,7 @@ class ChatDelta:
 class _Live:
     """An episode while it runs."""
 
-    environment: Environment
+    environment: Environment | None
     messages: list[dict]
     tools: list[dict] | None
     rendered: str
@@ -113,22 +112,28 @@ class EpisodeRunner:
     def generation(self, sampler: Sampler, rows: list[dict], temperature: float | None,
                    device: torch.device) -> EpisodeGeneration:
         """Every row's episode, as the rollout's batch."""
-        if self.rollout is not None:
-            episodes = [checked_episode(self.rollout(row, sampler, self.chat.tokenizer), row) for row in rows]
-        else:
-            episodes = self.run(sampler, rows, temperature)
+        episodes = self.episodes(sampler, rows, temperature)
         for episode, row in zip(episodes, rows, strict=True):
             episode.columns = {name: value for name, value in row.items() if name != "messages"}
         return episode_batch(episodes, self.chat.tokenizer.pad_token_id, device)
 
+    def episodes(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Episode]:
+        """The episodes of `rows`: by the user's rollout function, or the loop."""
+        if self.rollout is not None:
+            return [checked_episode(self.rollout(row, sampler, self.chat.tokenizer), row) for row in rows]
+        return self.run(sampler, rows, temperature)
+
     def run(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Episode]:
-        """The episodes of `rows`, all turns of a round sampled at once."""
+        """The episodes of `rows`, all turns of a round sampled at once, each call asking for no more
+        tokens than the turn and the roomiest episode's budget allow."""
         live = [self._start(row) for row in rows]
         for _ in range(self.settings.max_turns):
             active = [episode for episode in live if episode.status is None]
             if not active:
                 break
-            sampled = sampler.generate_ids([e.context for e in active], Sampling(self.turn_tokens, temperature))
+            room = max(self.settings.episode_tokens - e.after_prompt for e in active)
+            sampled = sampler.generate_ids([e.context for e in active],
+                                           Sampling(min(self.turn_tokens, room), temperature))
             real = response_mask(sampled.responses, self.stop_ids).bool().tolist()  # (b, T)
             engine = [None] * len(active) if sampled.engine_logprobs is None else sampled.engine_logprobs.tolist()
             for episode, ids, mask, logprobs in zip(active, sampled.responses.tolist(), real, engine, strict=True):
@@ -137,13 +142,19 @@ class EpisodeRunner:
         return [episode.episode() for episode in live]
 
     def _start(self, row: dict) -> _Live:
-        environment = self.make(row)
-        messages = list(environment.reset(row))
+        """An episode's start: its environment reset, the conversation rendered. An environment that
+        cannot start fails its episode (on the record's own messages), not the run."""
+        environment, status, error = None, None, None
+        try:
+            environment = self.make(row)
+            messages = list(environment.reset(row))
+        except Exception as e:  # noqa: BLE001 - the user's environment failed: the episode fails, the run goes on
+            messages, status, error = list(row["messages"]), "failed", f"{type(e).__name__}: {e}"
         tools = environment.schemas() if hasattr(environment, "schemas") else None
         rendered = self.chat.render(messages, tools)
         prompt = self.chat.ids(rendered)
         return _Live(environment=environment, messages=messages, tools=tools, rendered=rendered,
-                     segments=[Segment(prompt, trainable=False)], context=list(prompt))
+                     segments=[Segment(prompt, trainable=False)], context=list(prompt), status=status, error=error)
 
     def _turn(self, episode: _Live, ids: list[int], logprobs: list[float] | None) -> None:
         """One sampled turn (and the engine's log-probs of it, where not the trainer's): kept as sampled
@@ -160,25 +171,39 @@ class EpisodeRunner:
             episode.add(Segment(ids, trainable=True, logprobs=logprobs))
             episode.status = "truncated"
             return
-        try:
-            step = Step(*episode.environment.step(text))
-        except TooManyMalformedCalls as e:
-            step, episode.status, episode.error = Step(None), "failed", str(e)
-        except Exception as e:  # noqa: BLE001 - the user's environment failed: the episode fails, the run goes on
-            step, episode.status, episode.error = Step(None), "failed", f"{type(e).__name__}: {e}"
-        episode.add(Segment(ids, trainable=True, reward=float(step.reward), logprobs=logprobs))
-        episode.rendered += tokenizer.decode(ids, skip_special_tokens=False)
         episode.messages = episode.messages + [{"role": "assistant", "content": text}]
+        try:
+            step = checked_step(episode.environment.step(text))
+            delta = [] if step.done or not step.messages else self._observed(episode, ids, step.messages)
+        except Exception as e:  # noqa: BLE001 - the environment (or its messages' rendering) failed: so does the episode
+            step, delta, episode.status, episode.error = Step(None), [], "failed", f"{type(e).__name__}: {e}"
+        episode.add(Segment(ids, trainable=True, reward=step.reward, logprobs=logprobs))
         if episode.status is not None:
             return
         if step.done or not step.messages:
             episode.status = "ok"
             return
-        episode.messages = episode.messages + list(step.messages)
-        episode.rendered, delta = self.chat.delta(episode.rendered, episode.messages, episode.tools)
         episode.add(Segment(delta[:max(self.settings.episode_tokens - episode.after_prompt, 0)], trainable=False))
         if episode.after_prompt >= self.settings.episode_tokens:
             episode.status = "truncated"
+
+    def _observed(self, episode: _Live, ids: list[int], messages: list[dict]) -> list[int]:
+        """The environment's messages appended: the ids of the template's delta after the model's turn
+        (refused, failing the episode, where the turn does not render as it was sampled)."""
+        rendered = episode.rendered + self.chat.tokenizer.decode(ids, skip_special_tokens=False)
+        episode.messages = episode.messages + list(messages)
+        episode.rendered, delta = self.chat.delta(rendered, episode.messages, episode.tools)
+        return delta
+
+
+def checked_step(answer: object) -> Step:
+    """An environment's `step` answer as a `Step`: a (messages, reward, done) tuple, messages a list or None."""
+    if not isinstance(answer, tuple) or not 1 <= len(answer) <= 3:
+        raise TypeError(f"step must return (messages, reward, done), got {type(answer).__name__}")
+    step = Step(*answer)
+    if step.messages is not None and not isinstance(step.messages, list):
+        raise TypeError(f"step's messages must be a list of chat messages or None, got {type(step.messages).__name__}")
+    return Step(step.messages, float(step.reward), bool(step.done))
 
 
 def checked_episode(episode: object, row: dict) -> Episode:

@@ -84,7 +84,8 @@ def advantages_and_returns(accelerator: Accelerator, cfg: PPOConfig, batch: Roll
     estimator = estimator_named(cfg.advantage_estimator)
     if batch.episodes is not None:  # a failed episode trains nothing and leaves its group's baseline alone
         failed = torch.tensor([e.status == "failed" for e in batch.episodes], device=reward.device)
-        reward = failed_at_group_mean(reward, failed, cfg.samples_per_prompt)
+        totals = reward + batch.turn_rewards.sum(dim=1)  # (B,) a failed episode has no turn rewards
+        reward = failed_at_group_mean(reward, failed, cfg.samples_per_prompt, totals)
     inputs = EstimatorInputs(scores=reward, kl=kl, beta=beta, mask=batch.own, values=batch.values,
                              group_size=cfg.samples_per_prompt, gamma=cfg.gamma,
                              lam=cfg.critic.lam if cfg.critic is not None else 0.95,

@@ -169,11 +169,14 @@ def group_baselined(scores: torch.Tensor, group_size: int, totals: torch.Tensor 
     return (grouped(scores, group_size) - means).reshape(-1)
 
 
-def failed_at_group_mean(scores: torch.Tensor, failed: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Failed episodes' scores set to the mean of their group's others (0 where all failed): a failed
-    episode trains no token, and so must not move its group's baseline either. # (B,), (B,) bool -> (B,)"""
+def failed_at_group_mean(scores: torch.Tensor, failed: torch.Tensor, group_size: int,
+                         totals: torch.Tensor | None = None) -> torch.Tensor:
+    """Failed episodes' scores set to the mean of their group's others' totals (`totals`: each
+    episode's score with its turn rewards; a failed one has none), 0 where all failed: a failed episode
+    trains no token, and its group's mean baseline stays the others' own. # (B,), (B,) bool -> (B,)"""
     ok = grouped((~failed).float(), group_size)  # (G, K)
-    mean_ok = (grouped(scores, group_size) * ok).sum(dim=1, keepdim=True) / ok.sum(dim=1, keepdim=True).clamp(min=1)
+    of = grouped(scores if totals is None else totals, group_size)
+    mean_ok = (of * ok).sum(dim=1, keepdim=True) / ok.sum(dim=1, keepdim=True).clamp(min=1)
     return torch.where(failed, mean_ok.expand(-1, group_size).reshape(-1), scores)
 
 

@@ -44,7 +44,7 @@ def scores_of(raw: torch.Tensor | None, batch: Rollout, scorer: RewardScorer | N
         terms = {term.name: model_term for term in cfg.reward.terms if term.function is None}
     terms |= functions or {}
     if cfg.reward.overlong is not None:
-        terms[OVERLONG_TERM] = overlong_penalty(batch.own.sum(dim=1), cfg.sampling.response_length,
+        terms[OVERLONG_TERM] = overlong_penalty(batch.own.sum(dim=1), cfg.response_tokens,
                                                 cfg.reward.overlong.buffer)
     # a function's NaN is "no reward" (its answers are checked finite)
     reward = weighted_reward(terms, cfg.reward.weights, no_reward=functions or ())
