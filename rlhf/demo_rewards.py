@@ -41,11 +41,11 @@ _WORD = re.compile(r"[a-z]+")
 def uses_liked_adjectives(prompts: list[list[dict]], responses: list[str], liked: list[str]) -> list[float]:
     """The tools world's verifiable reward (`reward.columns: [liked]`): +1 for each distinct adjective
     the prompt's user likes (`liked`, space-separated, what the `preferences` tool tells) that the
-    response names, -1 for each distinct other adjective it names. A response that never asked the
-    tool can only guess."""
+    response names, -1 for each distinct other adjective it names, -1 for naming none (a description
+    says something). A response that never asked the tool can only guess."""
     values = []
     for response, likes in zip(responses, liked, strict=True):
         named = set(_WORD.findall(response.lower())) & ADJECTIVES
         wanted = set(likes.lower().split())
-        values.append(float(len(named & wanted) - len(named - wanted)))
+        values.append(float(len(named & wanted) - len(named - wanted)) - (0.0 if named else 1.0))
     return values

@@ -19,8 +19,9 @@ TOOL_NAME = "preferences"
 
 
 def liked_text(liked: str) -> str:
-    """The tool's answer for a record's `liked` column: "warm calm kind" -> "warm, calm, kind"."""
-    return ", ".join(liked.split())
+    """The tool's answer for a record's `liked` column: "warm calm kind" -> "likes: warm, calm, kind"
+    (each adjective after a space, as it is written in an answer: the same token to copy)."""
+    return "likes: " + ", ".join(liked.split())
 
 
 def tools(row: dict) -> list[Callable]:

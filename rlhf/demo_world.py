@@ -96,14 +96,15 @@ def gold_score(prompt: str, response: str) -> float:
 
 def gold_tool_score(prompt: str, liked: str, response: str) -> float:
     """Hidden quality of a tools-world response for a user who likes `liked` (space-separated
-    adjectives): +1 per distinct liked adjective, -1 per distinct adjective that is not liked, +1 for
-    naming the asked-about subject, -1 for naming another subject instead, -0.5 per word beyond ten."""
+    adjectives): +1 per distinct liked adjective, -1 per distinct adjective that is not liked, -1 for
+    none at all (a description says something), +1 for naming the asked-about subject, -1 for naming
+    another subject instead, -0.5 per word beyond ten."""
     asked = {w for w in _WORD.findall(prompt.lower()) if w in SUBJECTS}
     words = _WORD.findall(response.lower())
     distinct = set(words)
     likes = set(liked.split())
     adjectives = distinct & set(ADJECTIVES)
-    score = float(len(adjectives & likes) - len(adjectives - likes))
+    score = float(len(adjectives & likes) - len(adjectives - likes)) - (0.0 if adjectives else 1.0)
     named = distinct & set(SUBJECTS)
     if named & asked:
         score += 1.0

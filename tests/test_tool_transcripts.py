@@ -63,7 +63,7 @@ def test_the_tools_world_needs_its_tool(tools_world):
     for row in calling:
         user, call, answer, final = row["messages"]
         assert (user["role"], call["role"], answer["role"], final["role"]) == ("user", "assistant", "tool", "assistant")
-        assert answer == {"role": "tool", "name": "preferences", "content": ", ".join(row["liked"].split())}
+        assert answer == {"role": "tool", "name": "preferences", "content": "likes: " + ", ".join(row["liked"].split())}
         asked = next(s for s in SUBJECTS if re.search(rf"\b{s}\b", user["content"]))
         assert call["content"] == call_text(asked)
         assert set(final["content"].lower().rstrip(".").replace(",", "").split()) & set(ADJECTIVES) \
@@ -212,6 +212,7 @@ def test_gold_tool_score_on_hand_worked_cases():
     assert gold_tool_score(prompt, "cold rude ugly", "The cat is cold and rude.") == 3.0  # tastes differ
     long = "The cat is " + " ".join(["warm"] * 10) + "."  # 13 words: 3 over budget
     assert gold_tool_score(prompt, liked, long) == 2.0 - 1.5
+    assert gold_tool_score(prompt, liked, "The cat is.") == 0.0  # no adjective at all: -1, the subject +1
     table = pd.DataFrame({"prompt_messages": [json.dumps([{"role": "user", "content": prompt}])] * 2,
                           "policy_response": ["The cat is warm.", "The cat is kind and calm."],
                           "sft_response": ["The cat is bad.", "The cat is kind and calm."],
@@ -227,9 +228,9 @@ def test_gold_tool_score_on_hand_worked_cases():
 
 def test_the_tool_and_the_verifiable_reward():
     (preferences,) = tools({"liked": "warm calm kind"})
-    assert preferences.__name__ == "preferences" and preferences("cat") == "warm, calm, kind"
+    assert preferences.__name__ == "preferences" and preferences("cat") == "likes: warm, calm, kind"
     assert call_text("cat") == '<tool_call>{"name": "preferences", "arguments": {"subject": "cat"}}</tool_call>'
     assert REWARD_ADJECTIVES == set(ADJECTIVES)  # the user's copy is the world's list
     assert uses_liked_adjectives([[{"role": "user", "content": "Describe the cat."}]] * 3,
                                  ["The cat is warm and kind.", "The cat is warm and cold.", "The cat."],
-                                 ["warm calm kind"] * 3) == [2.0, 0.0, 0.0]
+                                 ["warm calm kind"] * 3) == [2.0, 0.0, -1.0]
