@@ -73,6 +73,10 @@ class VLLMServer:
                    "--max-model-len", str(max_model_len),
                    "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
                    "--tensor-parallel-size", str(settings.tensor_parallel_size)]
+        if not torch.cuda.is_available():
+            # vLLM 0.32's CPU runner fails a seeded request whose prompt was split over two steps
+            # ("CPU Generator does not use offset"): multi-turn contexts exceed one step's token budget.
+            command += ["--no-enable-chunked-prefill"]
         if kv_cache_gib is not None:
             command += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
         environment = os.environ | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
