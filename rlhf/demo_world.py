@@ -81,17 +81,9 @@ def gold_score(prompt: str, response: str) -> float:
     """Hidden quality of a response: +1 per distinct pleasant adjective, -1 per distinct
     unpleasant one, +1 for naming the asked-about subject, -1 for naming another subject
     instead, and -0.5 per word beyond ten."""
-    asked = {w for w in _WORD.findall(prompt.lower()) if w in SUBJECTS}
     words = _WORD.findall(response.lower())
     distinct = set(words)
-    score = float(len(distinct & set(POSITIVE)) - len(distinct & set(NEGATIVE)))
-    named = distinct & set(SUBJECTS)
-    if named & asked:
-        score += 1.0
-    elif named:
-        score -= 1.0
-    score -= 0.5 * max(0, len(words) - 10)
-    return score
+    return float(len(distinct & set(POSITIVE)) - len(distinct & set(NEGATIVE))) + _subject_and_length(prompt, words)
 
 
 def gold_tool_score(prompt: str, liked: str, response: str) -> float:
@@ -99,19 +91,20 @@ def gold_tool_score(prompt: str, liked: str, response: str) -> float:
     adjectives): +1 per distinct liked adjective, -1 per distinct adjective that is not liked, -1 for
     none at all (a description says something), +1 for naming the asked-about subject, -1 for naming
     another subject instead, -0.5 per word beyond ten."""
-    asked = {w for w in _WORD.findall(prompt.lower()) if w in SUBJECTS}
     words = _WORD.findall(response.lower())
-    distinct = set(words)
     likes = set(liked.split())
-    adjectives = distinct & set(ADJECTIVES)
+    adjectives = set(words) & set(ADJECTIVES)
     score = float(len(adjectives & likes) - len(adjectives - likes)) - (0.0 if adjectives else 1.0)
-    named = distinct & set(SUBJECTS)
-    if named & asked:
-        score += 1.0
-    elif named:
-        score -= 1.0
-    score -= 0.5 * max(0, len(words) - 10)
-    return score
+    return score + _subject_and_length(prompt, words)
+
+
+def _subject_and_length(prompt: str, words: list[str]) -> float:
+    """Both worlds' gold beside the adjectives: +1 for naming the asked-about subject, -1 for naming
+    another subject instead, -0.5 per word beyond ten (all multiples of 0.5: exact in any order)."""
+    asked = {w for w in _WORD.findall(prompt.lower()) if w in SUBJECTS}
+    named = set(words) & set(SUBJECTS)
+    score = 1.0 if named & asked else -1.0 if named else 0.0
+    return score - 0.5 * max(0, len(words) - 10)
 
 
 def gold_prefers(prompt: str, a: str, b: str) -> float:
