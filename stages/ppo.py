@@ -222,6 +222,7 @@ def _train(learner: Learner, ahead: SamplingAhead | None, inputs: PPOInputs, out
 
     while loop.iteration < cfg.num_iterations:
         iteration, started, timings = loop.iteration + 1, time.perf_counter(), {}
+        models.counts.reset()  # this iteration's passes only, not the evaluations' between
         # 1. sample and score this process's share of the episodes
         sampled, sampling_figures = sample(iteration, timings)
         # 2. advantage: the KL to the reference, weighted where `kl_weights` puts beta

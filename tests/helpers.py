@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 DATA = Path(__file__).parent / "data"
 """Hand-written data files: `good/` that each contract accepts, `bad/` that each refuses."""
@@ -251,3 +252,75 @@ def park_after_first_checkpoint(marker: str) -> None:
 
     stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout = save_state, rollout
 
+
+# --- PPO's gradient, as the update accumulates it (tests/test_ppo_gradients.py, tests/test_packing.py) ---
+
+
+def ppo_gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg,
+              loss_mask=None) -> dict[str, torch.Tensor]:
+    """The trained parameters' gradients after accumulating this process's whole rollout as one minibatch."""
+    from stages.rl.update import accumulate_gradients
+
+    for parameter in models.trainable():
+        parameter.grad = None
+    trainer = ppo_trainer(cfg, accelerator, models, actor_critic)
+    accumulate_gradients(trainer, ppo_episodes(cfg, batch, advantages, returns, loss_mask),
+                         torch.arange(len(batch.responses)))
+    from stages.rl.ppo_models import ActorCritic
+
+    # A sharded gradient is gathered whole (collective) to compare it with the one-process gradient.
+    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for name, p in ActorCritic(models).named_parameters() if p.requires_grad}
+
+
+def ppo_trainer(cfg, accelerator, models, actor_critic, optimizer=None, scheduler=None):
+    """What the update reads of a learner; no optimizer where only gradients are wanted."""
+    from stages.rl.ppo_rollout import policy_sampler
+    from stages.rl.update import Learner
+
+    return Learner(cfg=cfg, accelerator=accelerator, models=models, actor_critic=actor_critic, optimizer=optimizer,
+                   scheduler=scheduler, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                   sampler=policy_sampler(models))
+
+
+def ppo_episodes(cfg, batch, advantages, returns, loss_mask=None):
+    """What the update reads of an iteration's episodes (no scores or KL figures)."""
+    from stages.rl.advantages import Episodes, KLWeights
+    from stages.rl.batch import TrainingBatch
+
+    trained = TrainingBatch.of(batch, advantages=advantages, returns=returns, loss_mask=loss_mask)
+    return Episodes(iteration=1, batch=trained, messages=[], scores=None, kl=torch.zeros_like(batch.logprobs),
+                    weights=KLWeights(beta=0.0, in_reward=0.0, in_loss=cfg.kl.loss_coef))
+
+
+def ppo_gradient_setup(tiny_config, trained, critic="reward", lora=False, **overrides):
+    """A rollout of 8 of the tiny trained models' prompts, its GAE advantages (whitened) and returns, and the
+    policy (and critic adapters) moved a step away from it: what the gradient tests accumulate."""
+    from rlhf.config import with_overrides
+    from rlhf.config_common import LoRAConfig
+    from stages.common.tensors import masked_whiten
+    from stages.rl.ppo_math import gae, kl_estimate, token_rewards
+    from stages.rl.ppo_models import load_models
+    from stages.rl.ppo_rollout import policy_sampler, rollout
+    from stages.rl.ppo_scores import raw_scores, scores_of
+    cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"rollout_batch_size": 8, "num_minibatches": 1,
+                                                           "sampling.response_length": 16, "critic.kind": critic,
+                                                           "lora": LoRAConfig() if lora else None} | overrides)
+    torch.manual_seed(0)
+    models = load_models(cfg, trained["sft"], trained["reward"])
+    prompts = trained["prompts"].head(8)
+    batch = rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg.sampling, {})
+    raw = raw_scores(models.scorer, batch, [json.loads(m) for m in prompts["prompt_messages"]], {})
+    lengths = batch.mask.sum(1)
+    assert lengths.min() < lengths.max(), "responses of equal length would not tell the normalisations apart"
+    rewards = token_rewards(scores_of(raw, batch, models.scorer, cfg).reward,
+                            kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05, batch.mask)
+    advantages, returns = gae(rewards, batch.values, batch.mask, 1.0, 0.95)
+    # A step away from the rollout policy, so ratios differ from 1 and some tokens are clipped; and from
+    # the critic's fresh adapters, whose B = 0 would leave their A without a gradient.
+    with torch.no_grad():
+        for parameter in models.policy.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter))
+        for parameter in getattr(models.critic, "adapters", torch.nn.Module()).parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter))
+    return cfg, models, batch, masked_whiten(advantages, batch.mask), returns

@@ -13,7 +13,6 @@ the two-process worker: each rank takes its half of the saved rollout.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -24,78 +23,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg,
-              loss_mask=None) -> dict[str, torch.Tensor]:
-    """The trained parameters' gradients after accumulating this process's whole rollout as one minibatch."""
-    from stages.rl.update import accumulate_gradients
-
-    for parameter in models.trainable():
-        parameter.grad = None
-    trainer = _trainer(cfg, accelerator, models, actor_critic)
-    accumulate_gradients(trainer, _episodes(cfg, batch, advantages, returns, loss_mask),
-                         torch.arange(len(batch.responses)))
-    from stages.rl.ppo_models import ActorCritic
-
-    # A sharded gradient is gathered whole (collective) to compare it with the one-process gradient.
-    return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-            for name, p in ActorCritic(models).named_parameters() if p.requires_grad}
-
-
-def _trainer(cfg, accelerator, models, actor_critic, optimizer=None, scheduler=None):
-    """What the update reads of a learner; no optimizer where only gradients are wanted."""
-    from stages.rl.ppo_rollout import policy_sampler
-    from stages.rl.update import Learner
-
-    return Learner(cfg=cfg, accelerator=accelerator, models=models, actor_critic=actor_critic, optimizer=optimizer,
-                   scheduler=scheduler, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                   sampler=policy_sampler(models))
-
-
-def _episodes(cfg, batch, advantages, returns, loss_mask=None):
-    """What the update reads of an iteration's episodes (no scores or KL figures)."""
-    from stages.rl.advantages import Episodes, KLWeights
-    from stages.rl.batch import TrainingBatch
-
-    trained = TrainingBatch.of(batch, advantages=advantages, returns=returns, loss_mask=loss_mask)
-    return Episodes(iteration=1, batch=trained, messages=[], scores=None, kl=torch.zeros_like(batch.logprobs),
-                    weights=KLWeights(beta=0.0, in_reward=0.0, in_loss=cfg.kl.loss_coef))
-
-
-def _setup(tiny_config, trained, critic="reward", lora=False):
-    from rlhf.config import with_overrides
-    from rlhf.config_common import LoRAConfig
-    from stages.common.tensors import masked_whiten
-    from stages.rl.ppo_math import gae, kl_estimate, token_rewards
-    from stages.rl.ppo_models import load_models
-    from stages.rl.ppo_rollout import policy_sampler, rollout
-    from stages.rl.ppo_scores import raw_scores, scores_of
-    from tests.helpers import (
-        AUTO_RESOLVED,  # here, not at the top: this file also runs as a script, outside the package
-    )
-
-    cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"rollout_batch_size": 8, "num_minibatches": 1,
-                                                           "sampling.response_length": 16, "critic.kind": critic,
-                                                           "lora": LoRAConfig() if lora else None})
-    torch.manual_seed(0)
-    models = load_models(cfg, trained["sft"], trained["reward"])
-    prompts = trained["prompts"].head(8)
-    batch = rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg.sampling, {})
-    raw = raw_scores(models.scorer, batch, [json.loads(m) for m in prompts["prompt_messages"]], {})
-    lengths = batch.mask.sum(1)
-    assert lengths.min() < lengths.max(), "responses of equal length would not tell the normalisations apart"
-    rewards = token_rewards(scores_of(raw, batch, models.scorer, cfg).reward,
-                            kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05, batch.mask)
-    advantages, returns = gae(rewards, batch.values, batch.mask, 1.0, 0.95)
-    # A step away from the rollout policy, so ratios differ from 1 and some tokens are clipped; and from
-    # the critic's fresh adapters, whose B = 0 would leave their A without a gradient.
-    with torch.no_grad():
-        for parameter in models.policy.parameters():
-            parameter.add_(0.02 * torch.randn_like(parameter))
-        for parameter in getattr(models.critic, "adapters", torch.nn.Module()).parameters():
-            parameter.add_(0.02 * torch.randn_like(parameter))
-    return cfg, models, batch, masked_whiten(advantages, batch.mask), returns
 
 
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -109,13 +36,14 @@ def test_micro_batch_size_does_not_change_the_gradient(tiny_config, trained, cri
     from accelerate import Accelerator
 
     from stages.rl.ppo_models import ActorCritic
+    from tests.helpers import ppo_gradient_setup, ppo_gradients
 
-    cfg, models, batch, advantages, returns = _setup(tiny_config, trained, critic)
+    cfg, models, batch, advantages, returns = ppo_gradient_setup(tiny_config, trained, critic)
     accelerator, actor_critic = Accelerator(cpu=True), ActorCritic(models)
-    whole = gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg)
+    whole = ppo_gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg)
     assert sum(g.norm() for g in whole.values()) > 0
     for micro in (1, 2, 4):
-        split = gradients(models, accelerator, actor_critic, batch, advantages, returns,
+        split = ppo_gradients(models, accelerator, actor_critic, batch, advantages, returns,
                           cfg.model_copy(update={"micro_batch_size": micro}))
         _assert_same(split, whole)
 
@@ -130,18 +58,19 @@ def test_no_loss_aggregation_or_ratio_level_depends_on_the_micro_batch_size(tiny
     from rlhf.config import with_overrides
     from rlhf.config_ppo import PPOConfig
     from stages.rl.ppo_models import ActorCritic
+    from tests.helpers import ppo_gradient_setup, ppo_gradients
 
-    cfg, models, batch, advantages, returns = _setup(tiny_config, trained)
+    cfg, models, batch, advantages, returns = ppo_gradient_setup(tiny_config, trained)
     accelerator, actor_critic = Accelerator(cpu=True), ActorCritic(models)
     loss_mask = batch.mask.clone()
     loss_mask[[0, 3]] = 0.0  # as two truncated responses are with `mask_truncated_responses`
     for aggregation in PPOConfig.model_fields["loss_aggregation"].annotation.__args__:
         varied = with_overrides(cfg, {"loss_aggregation": aggregation, "ratio_level": ratio_level,
                                       "clip_range_high": 0.28, "kl.loss_coef": 0.1})
-        whole = gradients(models, accelerator, actor_critic, batch, advantages, returns, varied, loss_mask)
+        whole = ppo_gradients(models, accelerator, actor_critic, batch, advantages, returns, varied, loss_mask)
         assert sum(g.norm() for g in whole.values()) > 0
         for micro in (1, 4):
-            split = gradients(models, accelerator, actor_critic, batch, advantages, returns,
+            split = ppo_gradients(models, accelerator, actor_critic, batch, advantages, returns,
                               varied.model_copy(update={"micro_batch_size": micro}), loss_mask)
             _assert_same(split, whole)
 
@@ -156,7 +85,7 @@ def test_masking_truncated_responses_trains_as_if_only_the_ended_ones_were_sampl
     from stages.rl.batch import rows_of
     from stages.rl.ppo_models import ActorCritic, load_models
     from stages.rl.ppo_rollout import policy_sampler, rollout
-    from tests.helpers import AUTO_RESOLVED
+    from tests.helpers import AUTO_RESOLVED, ppo_gradients
 
     cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {
         "advantage_estimator": "grpo", "samples_per_prompt": 4, "rollout_batch_size": 8, "num_minibatches": 1,
@@ -172,9 +101,9 @@ def test_masking_truncated_responses_trains_as_if_only_the_ended_ones_were_sampl
         for parameter in models.policy.parameters():
             parameter.add_(0.02 * torch.randn_like(parameter))
     accelerator, actor_critic = Accelerator(cpu=True), ActorCritic(models)
-    masked = gradients(models, accelerator, actor_critic, batch, advantages, None, cfg, counted)
+    masked = ppo_gradients(models, accelerator, actor_critic, batch, advantages, None, cfg, counted)
     ended = batch.has_eos.nonzero().flatten().tolist()
-    alone = gradients(models, accelerator, actor_critic, rows_of(batch, ended), advantages[ended], None,
+    alone = ppo_gradients(models, accelerator, actor_critic, rows_of(batch, ended), advantages[ended], None,
                       cfg.model_copy(update={"micro_batch_size": None}))
     assert sum(g.norm() for g in masked.values()) > 0
     for name in masked:
@@ -189,14 +118,15 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
     from rlhf.config import with_overrides
     from stages.rl.ppo_models import ActorCritic
     from stages.rl.update import ppo_update
+    from tests.helpers import ppo_episodes, ppo_gradient_setup, ppo_trainer
 
     def one_update(vf_coef: float):
-        cfg, models, batch, advantages, returns = _setup(tiny_config, trained)
+        cfg, models, batch, advantages, returns = ppo_gradient_setup(tiny_config, trained)
         cfg = with_overrides(cfg, {"critic.vf_coef": vf_coef, "num_ppo_epochs": 1})
         optimizer = torch.optim.SGD(models.trainable(), lr=1e-2)  # Adam would hide a rescaled gradient
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        trainer = _trainer(cfg, Accelerator(cpu=True), models, ActorCritic(models), optimizer, scheduler)
-        figures = ppo_update(trainer, _episodes(cfg, batch, advantages, returns))
+        trainer = ppo_trainer(cfg, Accelerator(cpu=True), models, ActorCritic(models), optimizer, scheduler)
+        figures = ppo_update(trainer, ppo_episodes(cfg, batch, advantages, returns))
         return figures, models
 
     light, light_models = one_update(0.1)
@@ -218,10 +148,11 @@ def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(ti
 
     from rlhf.config import with_overrides
     from stages.rl.ppo_models import ActorCritic
+    from tests.helpers import ppo_gradient_setup, ppo_gradients
 
-    cfg, models, batch, advantages, returns = _setup(tiny_config, trained, critic, lora)
+    cfg, models, batch, advantages, returns = ppo_gradient_setup(tiny_config, trained, critic, lora)
     cfg = with_overrides(cfg, loss)
-    one = gradients(models, Accelerator(cpu=True), ActorCritic(models), batch, advantages, returns, cfg)
+    one = ppo_gradients(models, Accelerator(cpu=True), ActorCritic(models), batch, advantages, returns, cfg)
     assert all(g.norm() > 0 for g in one.values())
     torch.save({"cfg": cfg.model_dump(mode="json"), "sft": trained["sft"], "reward": trained["reward"],
                 "trained": ActorCritic(models).state_dict(), "batch": batch, "advantages": advantages,
@@ -250,6 +181,7 @@ def _worker(folder: Path, engine: str) -> None:
     from stages.rl.batch import rows_of
     from stages.rl.ppo_models import ActorCritic, load_models
     from stages.runtime.holding import Replicated, Sharded
+    from tests.helpers import ppo_gradients
 
     state = PartialState(cpu=True)
     work = torch.load(folder / "work.pt", weights_only=False)
@@ -265,7 +197,8 @@ def _worker(folder: Path, engine: str) -> None:
     half = len(work["batch"].responses) // state.num_processes
     rows = torch.arange(state.process_index * half, (state.process_index + 1) * half)
     local = rows_of(work["batch"], rows.tolist())
-    found = gradients(models, accelerator, actor_critic, local, work["advantages"][rows], work["returns"][rows], cfg)
+    found = ppo_gradients(models, accelerator, actor_critic, local, work["advantages"][rows], work["returns"][rows],
+                          cfg)
     if state.is_main_process:
         torch.save(found | {"sharded": sharded}, folder / "gradients.pt")
 

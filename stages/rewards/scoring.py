@@ -30,6 +30,7 @@ from stages.runtime.models import (
     load_tokenizer,
     position_ids_for,
 )
+from stages.runtime.packing import TokenCounts
 
 NORMALIZATION_KEY = "rlhf_reward_normalization"
 
@@ -72,6 +73,8 @@ class RewardScorer:
         self.model, self.tokenizer, self.gain, self.bias = model.eval(), tokenizer, gain, bias
         self._own_adapters = {id(m) for m in model.modules() if isinstance(m, BaseTunerLayer)}
         """Adapter layers the reward model came with (a LoRA reward model not yet merged): part of it, always on."""
+        self.counts: TokenCounts | None = None
+        """Where each scoring pass adds its real and computed positions (phase `score`); None: not counted."""
 
     @classmethod
     def from_pretrained(cls, location: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -100,6 +103,8 @@ class RewardScorer:
             for start in range(0, len(sequences), batch_size):
                 chunk = sequences[start:start + batch_size]
                 batch = self.tokenizer.pad({"input_ids": chunk}, return_tensors="pt").to(self.model.device)
+                if self.counts is not None:
+                    self.counts.add("score", float(batch["attention_mask"].sum()), batch["input_ids"].numel())
                 scores.append(last_token_scores(self.model, batch["input_ids"], batch["attention_mask"]).float().cpu())
         return torch.cat(scores) if scores else torch.empty(0)
 

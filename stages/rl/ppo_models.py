@@ -33,17 +33,26 @@ from stages.runtime.models import (
     resolve_precision,
     stop_token_ids,
 )
+from stages.runtime.packing import Passes, TokenCounts
 
 
 def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
-                     mask: torch.Tensor, want_hidden: bool, precision: Precision
+                     mask: torch.Tensor, want_hidden: bool, passes: Passes
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits that predict each response token, and the final hidden states at the same
-    positions, from one pass over prompt + response. # -> (B, T, V), (B, T, H) | None"""
-    input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
-    attention_mask = torch.cat([query_mask, mask.long()], dim=1)
+    positions, from one pass over prompt + response, padded or packed as `passes` says (zero at
+    masked-out positions when packed). # -> (B, T, V), (B, T, H) | None"""
     steps = responses.shape[1]
-    with precision.autocast(input_ids.device):
+    packed = passes.layout(queries, query_mask, responses, mask)
+    with passes.precision.autocast(queries.device):
+        if packed is not None:  # no attention mask: the position ids' restarts are the sequences' bounds
+            out = model(input_ids=packed.ids, position_ids=packed.positions, output_hidden_states=want_hidden,
+                        use_cache=False, logits_to_keep=packed.kept)
+            # A model that ignores `logits_to_keep` returns every column.
+            kept = out.logits if out.logits.shape[1] == len(packed.kept) else out.logits[:, packed.kept]
+            return packed.logits(kept), packed.hidden(out.hidden_states[-1]) if want_hidden else None
+        input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
+        attention_mask = torch.cat([query_mask, mask.long()], dim=1)
         # Only the last T + 1 positions need the vocabulary projection: the logits at position p predict token p + 1.
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
                     output_hidden_states=want_hidden, use_cache=False, logits_to_keep=steps + 1)
@@ -51,6 +60,53 @@ def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: 
     logits = out.logits[:, -(steps + 1):-1]  # (B, T, V)
     hidden = out.hidden_states[-1][:, -(steps + 1):-1] if want_hidden else None  # (B, T, H)
     return logits, hidden
+
+
+def last_hidden(base: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
+                mask: torch.Tensor, passes: Passes) -> torch.Tensor:
+    """A base model's (no head) final hidden states before each response token, from one pass over
+    prompt + response, padded or packed. # -> (B, T, H)"""
+    packed = passes.layout(queries, query_mask, responses, mask)
+    with passes.precision.autocast(queries.device):
+        if packed is not None:
+            return packed.hidden(base(input_ids=packed.ids, position_ids=packed.positions,
+                                      use_cache=False).last_hidden_state)
+        input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
+        attention_mask = torch.cat([query_mask, mask.long()], dim=1)
+        hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
+                      use_cache=False).last_hidden_state  # (B, Tq + T, H)
+    return hidden[:, -(responses.shape[1] + 1):-1]  # the states before each response token
+
+
+def padding_free_refusal(model: PreTrainedModel, base: bool = False) -> str | None:
+    """Why `model` cannot take packed passes, or None: a probe of three short sequences (two of them
+    packed into one row) run padded and packed, whose outputs must agree (as float round-off allows at
+    the model's dtype). A model whose attention ignores the position ids' restarts lets one sequence
+    see another; one whose forward takes no `position_ids` or `logits_to_keep` fails outright.
+    `base`: a body without a head (`last_hidden`), else a causal LM (`forward_response`)."""
+    vocab = model.config.get_text_config().vocab_size
+    ids = (torch.arange(12).reshape(3, 4) * 7 + 3) % vocab  # (3, 4) arbitrary real ids
+    query_mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0]])  # lengths 6, 3 and 2: a row of 6 holds the two short ones
+    on = next(model.parameters()).device
+    inputs = [x.to(on) for x in (ids, query_mask, ids[:, :2], mask)]
+    try:
+        with torch.no_grad():
+            ways = [Passes(precision=resolve_precision("fp32"), padding_free=way) for way in (False, True)]
+            if base:
+                outputs = [last_hidden(model, *inputs, way) for way in ways]
+            else:
+                outputs = [forward_response(model, *inputs, want_hidden=False, passes=way)[0] for way in ways]
+    except (TypeError, ValueError, RuntimeError, IndexError) as error:
+        return f"{type(model).__name__} failed a packed forward pass: {error}"
+    padded, packed = (x * inputs[3].unsqueeze(-1) for x in outputs)
+    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 3e-2
+    gap = float((padded - packed).abs().max() / padded.abs().max().clamp(min=1e-6))
+    if gap > tolerance:
+        return (f"{type(model).__name__}'s packed outputs differ from its padded ones by {gap:.2g} (relative; at most "
+                f"{tolerance:g} expected): its attention does not keep packed sequences apart "
+                f"(attn_implementation {model.config._attn_implementation!r})")
+    return None
 
 
 # --- critics ------------------------------------------------------------------------------------
@@ -70,7 +126,7 @@ class SharedValueHead(torch.nn.Module):
         torch.nn.init.normal_(self.linear.weight, std=1.0 / math.sqrt(hidden_size + 1))
         torch.nn.init.zeros_(self.linear.bias)
 
-    def values(self, policy_hidden: torch.Tensor, queries, query_mask, responses, mask, precision: Precision,
+    def values(self, policy_hidden: torch.Tensor, queries, query_mask, responses, mask, passes: Passes,
                detach_body: bool = False) -> torch.Tensor:  # (B, T, H) -> (B, T)
         hidden = policy_hidden.to(self.linear.weight.dtype)
         return self.linear(hidden.detach() if self.detach_body or detach_body else hidden).squeeze(-1)
@@ -127,10 +183,9 @@ class RewardCritic(ScoreHeadCritic):
     def head(self) -> torch.nn.Module:
         return self.model.score
 
-    def values(self, policy_hidden, queries, query_mask, responses, mask, precision: Precision,
+    def values(self, policy_hidden, queries, query_mask, responses, mask, passes: Passes,
                detach_body: bool = False) -> torch.Tensor:  # -> (B, T)
-        _, hidden = forward_response(self.model, queries, query_mask, responses, mask, want_hidden=True,
-                                     precision=precision)
+        hidden = last_hidden(self.model.base_model, queries, query_mask, responses, mask, passes)
         return self.head(hidden).squeeze(-1).float() + self.offset
 
 
@@ -163,17 +218,10 @@ class RewardLoRACritic(ScoreHeadCritic):
             getattr(layer, name) for layer in model.modules() if isinstance(layer, BaseTunerLayer)
             for name in layer.adapter_layer_names if len(getattr(layer, name, ())))
 
-    def values(self, policy_hidden, queries, query_mask, responses, mask, precision: Precision,
+    def values(self, policy_hidden, queries, query_mask, responses, mask, passes: Passes,
                detach_body: bool = False) -> torch.Tensor:  # -> (B, T)
-        input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
-        attention_mask = torch.cat([query_mask, mask.long()], dim=1)
-        with precision.autocast(input_ids.device):
-            hidden = self.scorer.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                                  position_ids=position_ids_for(attention_mask),
-                                                  use_cache=False).last_hidden_state  # (B, Tq + T, H)
-        # The states before each response token, as the policy's logits that predict it.
-        hidden = hidden[:, -(responses.shape[1] + 1):-1].float()  # (B, T, H)
-        return self.head(hidden).squeeze(-1) + self.offset
+        hidden = last_hidden(self.scorer.model.base_model, queries, query_mask, responses, mask, passes)
+        return self.head(hidden.float()).squeeze(-1) + self.offset
 
 
 Critic = SharedValueHead | RewardCritic | RewardLoRACritic
@@ -200,6 +248,15 @@ class Models:
     reuse_sampling_pass: bool = True
     """Old log-probs (and shared-body values) from the sampling pass, else from a second forward
     (`reuse_sampling_pass`)."""
+    padding_free: bool | str = False
+    """The passes over prompt + response packed (`ppo.padding_free`; False where the models cannot take it)."""
+    counts: TokenCounts = field(default_factory=TokenCounts)
+    """Real and computed positions of every pass, by phase, since the last report."""
+
+    def passes(self, phase: str) -> Passes:
+        """How a pass of `phase` (`update`, `reference`, ...) computes, counted under that name."""
+        return Passes(precision=self.precision, padding_free=self.padding_free, pad_id=self.tokenizer.pad_token_id,
+                      counts=self.counts, phase=phase)
 
     def trainable(self) -> list[torch.nn.Parameter]:
         return [p for m in self.trained_modules() for p in m.parameters() if p.requires_grad]
@@ -286,6 +343,7 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
     frozen = dtype_named(cfg.frozen_dtype)
     tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
     policy = build_policy(cfg, sft_location, tokenizer)
+    padding_free = packing_setting(cfg.padding_free, [(policy, False)])  # probed whole, before any sharding
     reference = None
     if cfg.lora is None:
         reference = holding.frozen(copied(policy).to(frozen).eval().requires_grad_(False))
@@ -299,14 +357,43 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
                                               place=lambda model: model)
         scorer.model.requires_grad_(False)
     critic = build_critic(cfg, policy, tokenizer, scorer, reward_location, sft_location)
+    padding_free = packing_setting(padding_free, critic_bodies(critic))
     if scorer is not None:
         scorer.model = holding.frozen(scorer.model)
     if critic is not None:
         holding.place_trained(critic)
     precision = resolve_precision(cfg.precision)
+    counts = TokenCounts()
+    if scorer is not None:
+        scorer.counts = counts
     return Models(policy=policy, critic=critic, reference=reference, scorer=scorer, tokenizer=tokenizer,
                   precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
-                  reuse_sampling_pass=reuse_sampling_pass(cfg.old_logprobs, rounds_to_16_bits(cfg, precision)))
+                  reuse_sampling_pass=reuse_sampling_pass(cfg.old_logprobs, rounds_to_16_bits(cfg, precision)),
+                  padding_free=padding_free, counts=counts)
+
+
+def critic_bodies(critic: Critic | None) -> list[tuple[PreTrainedModel, bool]]:
+    """The models a critic runs passes of its own through (none for the shared value head), as
+    `packing_setting` probes them: (model, a body without a head)."""
+    if isinstance(critic, RewardCritic):
+        return [(critic.model.base_model, True)]
+    if isinstance(critic, RewardLoRACritic):
+        return [(critic.scorer.model.base_model, True)]
+    return []
+
+
+def packing_setting(setting: bool | str, models: list[tuple[PreTrainedModel, bool]]) -> bool | str:
+    """`ppo.padding_free` as these models can take it: refused with the reason where asked for
+    (True) and a model's probe fails (`padding_free_refusal`); `auto` then runs padded (False)."""
+    if setting is False:
+        return False
+    for model, base in models:
+        reason = padding_free_refusal(model, base)
+        if reason is not None and setting is True:
+            raise ValueError(f"ppo.padding_free: {reason}; set it to auto (padded where refused) or false")
+        if reason is not None:
+            return False
+    return setting
 
 
 @contextmanager
@@ -319,19 +406,17 @@ def reference_policy(models: Models) -> Iterator[PreTrainedModel]:
             yield models.policy
 
 
-def policy_and_values(models: Models, queries, query_mask, responses, mask,
-                      freeze_policy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def policy_and_values(models: Models, queries, query_mask, responses, mask, freeze_policy: bool = False,
+                      phase: str = "update") -> tuple[torch.Tensor, torch.Tensor | None]:
     """Policy logits and values for the response tokens (None without a critic); with the shared
-    value head, one backbone pass (`freeze_policy`: the value loss does not reach the body).
-    # (B, T, V), (B, T)"""
-    critic = models.critic
+    value head, one backbone pass (`freeze_policy`: the value loss does not reach the body). Its
+    passes are counted under `phase`. # (B, T, V), (B, T)"""
+    critic, passes = models.critic, models.passes(phase)
     logits, hidden = forward_response(models.policy, queries, query_mask, responses, mask,
-                                      want_hidden=critic is not None and critic.reads_policy_hidden,
-                                      precision=models.precision)
+                                      want_hidden=critic is not None and critic.reads_policy_hidden, passes=passes)
     if critic is None:
         return logits, None
-    return logits, critic.values(hidden, queries, query_mask, responses, mask, models.precision,
-                                 detach_body=freeze_policy)
+    return logits, critic.values(hidden, queries, query_mask, responses, mask, passes, detach_body=freeze_policy)
 
 
 class ActorCritic(torch.nn.Module):

@@ -82,6 +82,7 @@ def iteration_figures(learner: Learner, episodes: Episodes, train: dict[str, flo
         **{f"train/{k}": v for k, v in train.items()},
         "train/learning_rate": learner.scheduler.get_last_lr()[0],
         **{f"time/{k}": v for k, v in timings.items()},
+        **learner.models.counts.shares(),  # perf/padding_share/<phase>: positions computed that held no token
     }
     if scores.raw is not None:
         figures["rollout/score_raw"] = scores.raw.mean().item()

@@ -103,22 +103,25 @@ def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], samplin
             sampled = _sampled(models, sampler, prompts, sampling, episodic)
     queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
     episodes = sampled if isinstance(sampled, EpisodeGeneration) else None
+    mask = response_mask(responses, models.stop_ids) if episodes is None else episodes.mask
+    if isinstance(sampler, HFSampler) and episodes is None:  # the decode loop runs every row to the longest one
+        models.counts.add("generate", float(query_mask.sum() + mask.sum()), queries.numel() + responses.numel())
 
     with timed(timings, "forward"):
-        mask = response_mask(responses, models.stop_ids) if episodes is None else episodes.mask
         own = mask if episodes is None else episodes.trainable
         if models.reuse_sampling_pass and _gave_what_the_update_needs(models, sampled):
             logprobs, entropy = sampled.logprobs, sampled.entropy
             with timed(timings, "values"):
                 values = None if models.critic is None else models.critic.values(
-                    sampled.hidden, queries, query_mask, responses, mask, models.precision)
+                    sampled.hidden, queries, query_mask, responses, mask, models.passes("values"))
         else:
             with timed(timings, "policy_forward"):
-                logits, values = policy_and_values(models, queries, query_mask, responses, mask)
+                logits, values = policy_and_values(models, queries, query_mask, responses, mask,
+                                                   phase="policy_forward")
                 logprobs, entropy = logprobs_of(logits, responses, temperature), entropy_of(logits, temperature)
         with timed(timings, "reference"), reference_policy(models) as reference:
             ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
-                                             precision=models.precision)
+                                             passes=models.passes("reference"))
             ref_logprobs = logprobs_of(ref_logits, responses, temperature)
     engine_logprobs = None if sampled.engine_logprobs is None else sampled.engine_logprobs * own
     if episodes is None:

@@ -30,7 +30,8 @@ from stages.rl.ppo_math import (
     loss_denominator,
 )
 from stages.rl.ppo_models import Models
-from stages.runtime.collectives import combined, sum_over_processes
+from stages.runtime.collectives import combined, gathered, sum_over_processes
+from stages.runtime.packing import micro_batches_needed, split_by_tokens
 
 # --- update -----------------------------------------------------------------------------------
 
@@ -126,7 +127,7 @@ def accumulate_gradients(learner: Learner, episodes: Episodes, rows: torch.Tenso
         denominator = sum_over_processes(accelerator, loss_denominator(counted, cfg.loss_aggregation,
                                                                        cfg.aggregation_length))
         denominator = denominator.clamp(min=1.0) / accelerator.num_processes
-    micro_batches = rows.split(cfg.micro_batch_size or len(rows))
+    micro_batches = micro_batch_rows(learner, episodes.batch, rows)
     parts: dict[str, list[float]] = {}
     for position, micro_rows in enumerate(micro_batches):
         with learner.models.holding.accumulating(learner.actor_critic, last=position == len(micro_batches) - 1):
@@ -136,6 +137,24 @@ def accumulate_gradients(learner: Learner, episodes: Episodes, rows: torch.Tenso
         for key, value in figures.items():
             parts.setdefault(key, []).append(value)
     return {key: combined(key, values, sum) for key, values in parts.items()}
+
+
+def micro_batch_rows(learner: Learner, batch: TrainingBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+    """A minibatch's rows as micro-batches: `micro_batch_size` rows each, or, with `micro_batch_tokens`,
+    rows of like length together, each micro-batch about the token budget, as many on every process
+    (the count all agree on: DDP and FSDP2 synchronise per micro-batch) (collective)."""
+    cfg = learner.cfg
+    if cfg.micro_batch_tokens is None:
+        return list(rows.split(cfg.micro_batch_size or len(rows)))
+    budget = cfg.micro_batch_tokens
+    if budget == "auto":  # the positions `micro_batch_size` rows of the longest allowed sequences would take
+        budget = (cfg.micro_batch_size or len(rows)) * (cfg.max_prompt_length + cfg.response_tokens)
+    prompt_lengths = batch.query_mask[rows].sum(dim=1).tolist()
+    response_lengths = batch.mask[rows].sum(dim=1).long().tolist()
+    needed = micro_batches_needed(prompt_lengths, response_lengths, budget, learner.models.padding_free is not False)
+    count = int(gathered(learner.accelerator, torch.tensor([needed], device=rows.device)).max())
+    lengths = [a + b for a, b in zip(prompt_lengths, response_lengths, strict=True)]
+    return [rows[torch.tensor(run, device=rows.device)] for run in split_by_tokens(lengths, min(count, len(rows)))]
 
 
 def _micro_batch_step(learner: Learner, micro: TrainingBatch, num_tokens: torch.Tensor, denominator: torch.Tensor,
