@@ -47,6 +47,8 @@ class SFTConfig(TrainingConfig):
     """Held-out demonstrations; when unset, `eval_fraction` of `train_data` is held out."""
     num_samples: int = Field(4, ge=0)
     """Held-out prompts answered greedily after training, shown as samples."""
+    padding_free: bool = False
+    """TRL's padding-free batches: a batch as one row, sequences kept apart by position ids (for flash-attention)."""
 
 
 class RewardConfig(TrainingConfig, SampledStage):

@@ -46,6 +46,7 @@ from stages.runtime.models import (
 )
 from stages.runtime.training import (
     ForwardLogs,
+    count_padding,
     last_trainer_checkpoint,
     prepare_sharding,
     trained_as_held,
@@ -115,6 +116,7 @@ def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path,
             reference = holding.frozen(reference)
     args = TRLDPOConfig(**trainer_arguments(cfg, output_dir), beta=cfg.beta, loss_type=[cfg.loss_type],
                         label_smoothing=cfg.label_smoothing, disable_dropout=True)
+    logs = ForwardLogs(reporting)
     trainer = EncodedDPOTrainer(
         model=model,
         ref_model=reference,
@@ -122,10 +124,11 @@ def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path,
         train_dataset=encoded_pairs(inputs.train, tokenizer),
         eval_dataset=encoded_pairs(inputs.evaluation, tokenizer),
         processing_class=tokenizer,
-        callbacks=[ForwardLogs(reporting)],
+        callbacks=[logs],
         peft_config=None if cfg.lora is None else lora_config(cfg.lora, "CAUSAL_LM", model),
     )
     trainer.remove_callback(PrinterCallback)
+    count_padding(trainer, logs)
     prepare_sharding(trainer)
     return trainer
 

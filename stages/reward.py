@@ -52,6 +52,7 @@ from stages.runtime.models import (
 )
 from stages.runtime.training import (
     ForwardLogs,
+    count_padding,
     last_trainer_checkpoint,
     prepare_sharding,
     trained_as_held,
@@ -163,11 +164,13 @@ def build_trainer(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
     args = TRLRewardConfig(**trainer_arguments(cfg, output_dir),
                            center_rewards_coefficient=cfg.center_rewards_coefficient,
                            disable_dropout=True)
+    logs = ForwardLogs(reporting)
     trainer = RewardTrainer(model=model, args=args, train_dataset=_pairs(inputs.train, tokenizer),
                             eval_dataset=_pairs(inputs.evaluation, tokenizer), processing_class=tokenizer,
-                            callbacks=[ForwardLogs(reporting)],
+                            callbacks=[logs],
                             peft_config=None if cfg.lora is None else lora_config(cfg.lora, "SEQ_CLS", model))
     trainer.remove_callback(PrinterCallback)
+    count_padding(trainer, logs)
     prepare_sharding(trainer)
     return trainer
 

@@ -30,6 +30,7 @@ from stages.runtime.lora import lora_config
 from stages.runtime.models import encode_replies, load_causal_lm, load_tokenizer, saved_dtype_and_tags, stop_token_ids
 from stages.runtime.training import (
     ForwardLogs,
+    count_padding,
     last_trainer_checkpoint,
     prepare_sharding,
     trained_as_held,
@@ -119,18 +120,22 @@ def build_trainer(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path,
     tokenizer = load_tokenizer(inputs.model_location, trust_remote_code=cfg.trust_remote_code,
                                chat_template=cfg.chat_template)
     model = load_causal_lm(inputs.model_location, tokenizer, trust_remote_code=cfg.trust_remote_code)
-    args = TRLSFTConfig(**trainer_arguments(cfg, output_dir), completion_only_loss=True, packing=False)
+    # Padding-free: records past the length budget were refused, so TRL's `max_length` has nothing to cut.
+    padding_free = {"padding_free": True, "max_length": None} if cfg.padding_free else {}
+    args = TRLSFTConfig(**trainer_arguments(cfg, output_dir) | padding_free, completion_only_loss=True, packing=False)
     template = f"the stage's ({cfg.chat_template})" if cfg.chat_template else f"{inputs.model_location}'s"
+    logs = ForwardLogs(reporting)
     trainer = SFTTrainer(
         model=model,
         args=args,
         train_dataset=_encoded(inputs.train, tokenizer, template),
         eval_dataset=_encoded(inputs.evaluation, tokenizer, template),
         processing_class=tokenizer,
-        callbacks=[ForwardLogs(reporting)],
+        callbacks=[logs],
         peft_config=None if cfg.lora is None else lora_config(cfg.lora, "CAUSAL_LM", model),
     )
     trainer.remove_callback(PrinterCallback)  # `reporting`, not stdout, receives the logs
+    count_padding(trainer, logs)
     prepare_sharding(trainer)
     return trainer
 

@@ -218,3 +218,24 @@ def test_model_families_take_packed_passes_or_are_refused(name, tmp_path):
         assert all(r is not None and "does not keep packed sequences apart" in r for r in refusals), refusals
     else:
         assert refusals == [None, None]
+
+
+def test_sft_padding_free_batches_train_as_padded_ones_and_report_their_padding(world, tiny_config, tokenizer,
+                                                                                 tmp_path):
+    """TRL's padding-free SFT batches (`sft.padding_free`) on SDPA: the same losses as padded batches, and
+    each stage's logs carry its batches' padding share (none left where padding-free)."""
+    from stages.common.reporting import Reporting
+    from stages.sft import train_sft
+    from tests.helpers import sft_inputs
+
+    results, logged = {}, {}
+    for padding_free in (False, True):
+        cfg = tiny_config.sft.model_copy(update={"max_steps": 6, "logging_steps": 2, "padding_free": padding_free})
+        figures = []
+        results[padding_free] = train_sft(cfg, sft_inputs(world, tokenizer), tmp_path / str(padding_free),
+                                          Reporting(metrics=lambda m, step, seen=figures: seen.append(m)))
+        logged[padding_free] = [m["perf/padding_share/train"] for m in figures if "perf/padding_share/train" in m]
+    for name in ("train/loss", "eval/loss"):
+        assert results[True].metrics[name] == pytest.approx(results[False].metrics[name], rel=1e-5)
+    assert logged[False] and min(logged[False]) > 0.0  # the demonstrations differ in length
+    assert logged[True] and max(logged[True]) == 0.0

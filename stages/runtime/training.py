@@ -12,16 +12,19 @@ from stages.common.reporting import Reporting
 from stages.runtime.holding import Holding, Sharded, held_as, holding_for
 from stages.runtime.lora import restore_adapters
 from stages.runtime.models import resolve_precision
+from stages.runtime.packing import TokenCounts
 
 _UNLOGGED = ("epoch", "total_flos", "runtime", "per_second", "preparation_time")
 
 
 class ForwardLogs(TrainerCallback):
     """Sends the Trainer's logs to `reporting.metrics`, named as the pipeline names them (`train/loss`,
-    `eval/loss`), and its step count to `reporting.progress`."""
+    `eval/loss`), with the padding share of the batches since the last log (`perf/padding_share/train`,
+    where `count_padding` counts them), and its step count to `reporting.progress`."""
 
     def __init__(self, reporting: Reporting):
         self.reporting = reporting
+        self.counts = TokenCounts()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         metrics = {}
@@ -33,10 +36,32 @@ class ForwardLogs(TrainerCallback):
             elif not key.startswith("train_"):  # the end-of-run summary repeats `train_*` aggregates
                 metrics[f"train/{key}"] = float(value)
         if metrics:
+            metrics |= self.counts.shares()
             self.reporting.metrics(metrics, state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.reporting.progress(state.global_step, state.max_steps)
+
+
+class CountingCollator:
+    """A Trainer's data collator that counts each batch's real and computed token positions: every
+    `*input_ids` tensor against its `*attention_mask` (a padding-free batch, with none, is all real)."""
+
+    def __init__(self, collator, counts: TokenCounts, phase: str = "train"):
+        self.collator, self.counts, self.phase = collator, counts, phase
+
+    def __call__(self, examples):
+        batch = self.collator(examples)
+        for key, ids in batch.items():
+            if key.endswith("input_ids") and isinstance(ids, torch.Tensor):
+                mask = batch.get(key.removesuffix("input_ids") + "attention_mask")
+                self.counts.add(self.phase, float(ids.numel() if mask is None else mask.sum()), ids.numel())
+        return batch
+
+
+def count_padding(trainer, logs: ForwardLogs) -> None:
+    """The trainer's batches counted into `logs`, which reports their padding share with each log."""
+    trainer.data_collator = CountingCollator(trainer.data_collator, logs.counts)
 
 
 def trained_as_held(trainer, launch: LaunchConfig
