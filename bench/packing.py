@@ -94,9 +94,9 @@ def learners(assets: Path, config_file: str, precisions: list[str], out: Path) -
     built = {}
     for precision in precisions:
         for name, setting in SETTINGS.items():
-            cfg = with_overrides(base, setting | {"precision": precision, "micro_batch_size": None,
-                                                  "sampling.micro_batch_size": None, "sharded_sampling": "whole", "max_prompt_length": 32,
-                                                  "sampling.response_length": 256})
+            cfg = with_overrides(base, setting | {
+                "precision": precision, "micro_batch_size": None, "sampling.micro_batch_size": None,
+                "sharded_sampling": "whole", "max_prompt_length": 32, "sampling.response_length": 256})
             built[(precision, name)] = build_learner(cfg, inputs, out)
     return built
 

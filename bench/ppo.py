@@ -119,8 +119,11 @@ TOP_PHASES = ("generate", "forward", "score", "reward_functions", "advantages", 
 def summarize(rows: list[dict[str, float]], work: Work, name: str, peak_memory_mb: float) -> dict:
     """Median figures over the timed iterations of every round; each phase's median on its own."""
     median = {key: statistics.median(row.get(key, 0.0) for row in rows) for key in rows[0]}
-    split = {k: v for k, v in median.items() if k not in ("seconds", "generated_tokens", "rss_mb")}
+    split = {k: v for k, v in median.items() if k not in ("seconds", "generated_tokens", "rss_mb")
+             and not k.startswith("padding:")}
+    padding = {k.removeprefix("padding:"): v for k, v in median.items() if k.startswith("padding:")}
     return {"name": name, "iterations": len(rows), "seconds_per_iteration": median["seconds"],
+            "padding_share": padding,
             "episodes_per_second": work.episodes / median["seconds"],
             "generated_tokens_per_second": median["generated_tokens"] / median["seconds"],
             "sampling_tokens_per_second": (median["generated_tokens"] / median["generate"] if "generate" in median
@@ -266,7 +269,9 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
             phases = {k.removeprefix("time/"): v for k, v in figures.items()
                       if k.startswith("time/") and k not in ("time/iteration", "time/tokens_per_second")}
             seconds = marks[-1] - marks[-2]
-            rows.append({"seconds": seconds, **phases,
+            padding = {"padding:" + k.removeprefix("perf/padding_share/"): v for k, v in figures.items()
+                       if k.startswith("perf/padding_share/")}
+            rows.append({"seconds": seconds, **phases, **padding,
                          "other": seconds - sum(phases.get(k, 0.0) for k in TOP_PHASES),
                          "generated_tokens": figures["rollout/response_length"] * work.episodes,
                          "rss_mb": resident_memory_mb()})
@@ -303,6 +308,8 @@ def _report(result: dict) -> None:
 def phase_table(results: dict) -> str:
     """Seconds per iteration of each phase, ours against TRL's where it has the phase."""
     ours, trl = results["ours"]["split"], results.get("trl", {}).get("split", {})
+    padding = dict(results["ours"].get("padding_share", {}))  # by our passes' names (`perf/padding_share/<phase>`)
+    padding["train"] = padding.get("update")
     rows = [("generate", "generate", "generate"), ("forward: policy (not reused)", "policy_forward", None),
             ("forward: values", "values", "values"), ("forward: reference", "reference", "reference"),
             ("score (reward model)", "score", "score"), ("reward functions", "reward_functions", None),
@@ -310,7 +317,7 @@ def phase_table(results: dict) -> str:
             ("logging", None, "logging"), ("garbage collection", None, "gc"),
             ("other (figures, logging)", "other", None),
             ("whole iteration (median)", None, None)]
-    lines = [f"  {'phase (s per iteration, median)':<36} {'ours':>8} {'TRL 1.12':>9}"]
+    lines = [f"  {'phase (s per iteration, median)':<36} {'ours':>8} {'TRL 1.12':>9} {'ours: padding':>14}"]
     for label, key_ours, key_trl in rows:
         if label.startswith("whole"):
             cells = [results["ours"]["seconds_per_iteration"], results.get("trl", {}).get("seconds_per_iteration")]
@@ -318,7 +325,9 @@ def phase_table(results: dict) -> str:
             cells = [ours.get(key_ours) if key_ours else None, trl.get(key_trl) if key_trl else None]
         if all(cell is None for cell in cells):
             continue
-        lines.append(f"  {label:<36} " + " ".join(f"{'-' if c is None else f'{c:.3f}':>8}" for c in cells))
+        share = padding.get(key_ours) if key_ours else None
+        lines.append(f"  {label:<36} " + " ".join(f"{'-' if c is None else f'{c:.3f}':>8}" for c in cells)
+                     + ("" if share is None else f" {share:14.1%}"))
     return "\n".join(lines)
 
 
@@ -362,7 +371,20 @@ def history_entry(args, results: dict, limits: dict, speedup: float | None, thre
             "config": args.config, "overrides": args.set, "rounds": args.rounds,
             "seconds_per_iteration": {name: r["seconds_per_iteration"] for name, r in results.items()},
             "round_spread": spread, "speedup_vs_trl": speedup,
-            "phases": {name: r["split"] for name, r in results.items()}, "limits": limits}
+            "phases": {name: r["split"] for name, r in results.items()}, "limits": limits,
+            "padding_share": results["ours"]["padding_share"], "settings": ours_settings(args)}
+
+
+def ours_settings(args) -> dict:
+    """What our side computed with, as the config resolves it: precision and the passes' layout."""
+    import yaml
+
+    from rlhf.config import load_config
+
+    overrides = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
+    ppo = load_config(args.config, overrides).ppo
+    return {"precision": ppo.precision, "padding_free": ppo.padding_free, "micro_batch_tokens": ppo.micro_batch_tokens,
+            "micro_batch_size": ppo.micro_batch_size}
 
 
 def compare_with_history(path: Path, entry: dict) -> str:

@@ -43,7 +43,7 @@ def test_pack_lays_sequences_end_to_end_and_maps_outputs_back_by_hand():
     # Response token t is predicted at column (prompt length + t - 1): row 0 at 1, 2; row 1 at 0, 1, 2; row 2 at 2.
     assert packed.kept.tolist() == [0, 1, 2]
     outputs = torch.arange(3 * 4, dtype=torch.float).reshape(3, 4, 1)  # (R, C, 1): the flat column index
-    assert packed.hidden(outputs).squeeze(-1).tolist() == [[1, 2, 0], [4, 5, 6], [10, 0, 0]]
+    assert packed.hidden(outputs).squeeze(-1).tolist() == [[1, 2, 0], [4, 5, 6], [10, 0, 0]]  # masked: row 0, column 0
     kept = outputs[:, packed.kept]  # (R, K, 1)
     assert packed.logits(kept).squeeze(-1).tolist() == [[1, 2, 0], [4, 5, 6], [10, 0, 0]]
 

@@ -40,8 +40,8 @@ def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: 
                      mask: torch.Tensor, want_hidden: bool, passes: Passes
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits that predict each response token, and the final hidden states at the same
-    positions, from one pass over prompt + response, padded or packed as `passes` says (zero at
-    masked-out positions when packed). # -> (B, T, V), (B, T, H) | None"""
+    positions, from one pass over prompt + response, padded or packed as `passes` says (where
+    `mask` is 0, whatever the layout leaves there). # -> (B, T, V), (B, T, H) | None"""
     steps = responses.shape[1]
     packed = passes.layout(queries, query_mask, responses, mask)
     with passes.precision.autocast(queries.device):
