@@ -141,7 +141,10 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
     ("ddp", "reward", False, {}), ("fsdp", "reward", False, {}), ("fsdp", "shared", False, {}),
     ("fsdp", "reward", True, {}), ("ddp", "reward-lora", False, {}), ("fsdp", "reward-lora", True, {}),
     ("ddp", "reward", False, {"loss_aggregation": "seq-mean-token-mean", "ratio_level": "sequence"}),
-    ("fsdp", "reward", False, {"loss_aggregation": "seq-mean-token-sum-norm", "kl.loss_coef": 0.1})])
+    ("fsdp", "reward", False, {"loss_aggregation": "seq-mean-token-sum-norm", "kl.loss_coef": 0.1}),
+    # packed passes in micro-batches by tokens, as many on both ranks whatever their rows' lengths
+    ("ddp", "reward", False, {"padding_free": True, "micro_batch_tokens": 40}),
+    ("fsdp", "shared", False, {"padding_free": True, "micro_batch_tokens": 40})])
 def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(tiny_config, trained, tmp_path, engine,
                                                                               critic, lora, loss):
     from accelerate import Accelerator
