@@ -38,7 +38,7 @@ def _inputs(models):
     responses = tokenizer(["The cat is warm.</s>", "The river is calm and cold.</s>"], return_tensors="pt",
                           padding=True, padding_side="right", add_special_tokens=False)
     return (None, queries["input_ids"], queries["attention_mask"], responses["input_ids"], responses["attention_mask"],
-            models.precision)
+            models.passes("test"))
 
 
 def test_the_critic_trains_only_its_adapters_and_value_head_on_the_scorers_own_weights(tiny_config, trained):

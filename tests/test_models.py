@@ -151,9 +151,9 @@ def test_log_probs_do_not_trust_logits_to_keep(tiny_config, trained):
     args = (queries["input_ids"], queries["attention_mask"], responses["input_ids"],
             responses["attention_mask"].float())
     with torch.no_grad():
-        kept, kept_hidden = forward_response(models.policy, *args, want_hidden=True, precision=models.precision)
+        kept, kept_hidden = forward_response(models.policy, *args, want_hidden=True, passes=models.passes("test"))
         full, full_hidden = forward_response(IgnoresLogitsToKeep(models.policy), *args, want_hidden=True,
-                                             precision=models.precision)
+                                             passes=models.passes("test"))
     assert full.shape == kept.shape == (1, responses["input_ids"].shape[1], len(models.tokenizer))
     torch.testing.assert_close(full, kept)
     torch.testing.assert_close(full_hidden, kept_hidden)

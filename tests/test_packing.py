@@ -239,3 +239,28 @@ def test_sft_padding_free_batches_train_as_padded_ones_and_report_their_padding(
         assert results[True].metrics[name] == pytest.approx(results[False].metrics[name], rel=1e-5)
     assert logged[False] and min(logged[False]) > 0.0  # the demonstrations differ in length
     assert logged[True] and max(logged[True]) == 0.0
+
+
+def test_a_compacted_decode_loop_samples_what_the_full_one_does(trained):
+    """Greedy (no random draws), rows that ended leaving the batch change no token, log-prob, entropy
+    or hidden state of the others, and the loop computes fewer positions."""
+    from stages.engines.sampler import HFSampler, Sampling
+    from stages.runtime.models import load_causal_lm, load_tokenizer, stop_token_ids
+
+    tokenizer = load_tokenizer(trained["sft"], padding_side="left")
+    model = load_causal_lm(trained["sft"], tokenizer).eval()
+    prompts = list(trained["prompts"]["prompt"].head(8))
+    out = {}
+    for compact in (False, True):
+        sampler = HFSampler(model=model, tokenizer=tokenizer, stop_ids=stop_token_ids(model), compact=compact)
+        out[compact] = sampler.generate(prompts, Sampling(24, temperature=None))
+    full, compacted = out[False], out[True]
+    assert torch.equal(full.responses, compacted.responses)
+    mask = (full.responses != tokenizer.pad_token_id).float()  # real tokens (through the end token)
+    lengths = mask.sum(1)
+    assert lengths.min() < lengths.max(), "responses of equal length would not compact"
+    for name in ("logprobs", "entropy"):
+        torch.testing.assert_close(getattr(compacted, name) * mask, getattr(full, name) * mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compacted.hidden * mask.unsqueeze(-1), full.hidden * mask.unsqueeze(-1),
+                               atol=1e-5, rtol=1e-5)
+    assert compacted.computed_tokens < full.computed_tokens

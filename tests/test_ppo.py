@@ -108,7 +108,7 @@ def test_normalize_critic_maps_the_critic_like_the_scorer_maps_raw_scores(tiny_c
     queries = tokenizer(["<s><|user|>Describe the cat.<|assistant|>"], return_tensors="pt", add_special_tokens=False)
     responses = tokenizer(["The cat is warm.</s>"], return_tensors="pt", add_special_tokens=False)
     inputs = (None, queries["input_ids"], queries["attention_mask"], responses["input_ids"],
-              responses["attention_mask"], models.precision)
+              responses["attention_mask"], models.passes("test"))
     with torch.no_grad():
         raw = models.critic.values(*inputs)  # (1, T)
     mapped = models.critic.adopt_normalization(gain=0.4, bias=-1.5, values=raw)
@@ -129,11 +129,11 @@ def test_left_padding_does_not_change_log_probs(tiny_config, trained):
                           padding_side="right", add_special_tokens=False)
     with torch.no_grad():
         padded, _ = forward_response(models.policy, batch["input_ids"], batch["attention_mask"], responses["input_ids"],
-                                     responses["attention_mask"], want_hidden=False, precision=models.precision)
+                                     responses["attention_mask"], want_hidden=False, passes=models.passes("test"))
         alone = tokenizer([prompts[0]], return_tensors="pt", add_special_tokens=False)
         single, _ = forward_response(models.policy, alone["input_ids"], alone["attention_mask"],
                                      responses["input_ids"][:1], responses["attention_mask"][:1], want_hidden=False,
-                                     precision=models.precision)
+                                     passes=models.passes("test"))
     n = int(responses["attention_mask"][0].sum())
     assert torch.allclose(padded[0, :n], single[0, :n], atol=1e-4)
 
@@ -380,7 +380,7 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
     assert (mask.sum(1) < sampled.responses.shape[1]).any()  # some responses ended early: truncation is covered
     with torch.inference_mode():
         logits, values = policy_and_values(models, sampled.queries, sampled.query_mask, sampled.responses, mask)
-        sampled_values = models.critic.values(sampled.hidden, None, None, None, None, models.precision)
+        sampled_values = models.critic.values(sampled.hidden, None, None, None, None, models.passes("test"))
     torch.testing.assert_close(sampled.logprobs * mask, logprobs_of(logits, sampled.responses, 0.7) * mask,
                                atol=1e-4, rtol=0)
     torch.testing.assert_close(sampled.entropy * mask, entropy_of(logits, 0.7) * mask, atol=1e-4, rtol=0)
@@ -408,9 +408,9 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
     # The trimmed rows give the model the same inputs at the same positions.
     with torch.inference_mode():
         full, _ = forward_response(models.policy, queries[[1, 0]], query_mask[[1, 0]], responses[[1, 0]], mask[[1, 0]],
-                                   False, models.precision)
+                                   False, models.passes("test"))
         trimmed, _ = forward_response(models.policy, micro.queries, micro.query_mask, micro.responses, micro.mask,
-                                      False, models.precision)
+                                      False, models.passes("test"))
     torch.testing.assert_close(trimmed * micro.mask[..., None], full[:, :2] * micro.mask[..., None], atol=1e-5, rtol=0)
 
 
@@ -433,7 +433,7 @@ def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_
         logits, values = policy_and_values(models, batch.queries, batch.query_mask, batch.responses, batch.mask)
         with reference_policy(models) as reference:
             ref_logits, _ = forward_response(reference, batch.queries, batch.query_mask, batch.responses, batch.mask,
-                                             want_hidden=False, precision=models.precision)
+                                             want_hidden=False, passes=models.passes("test"))
     mask = batch.mask
     torch.testing.assert_close(logprobs_of(logits, batch.responses, cfg.sampling.temperature) * mask, batch.logprobs,
                                atol=1e-5, rtol=0)

@@ -79,7 +79,7 @@ def test_a_rollout_sampled_earlier_is_scored_under_the_policy_as_it_is_now(tiny_
     assert "generate" not in timings and torch.equal(batch.responses, earlier.responses)
     with torch.no_grad():  # the new weights' own pass over the same tokens
         logits, _ = forward_response(models.policy, batch.queries, batch.query_mask, batch.responses, batch.mask,
-                                     want_hidden=False, precision=models.precision)
+                                     want_hidden=False, passes=models.passes("test"))
     torch.testing.assert_close(batch.logprobs, logprobs_of(logits, batch.responses, 1.0) * batch.mask)
     torch.testing.assert_close(batch.engine_logprobs, earlier.logprobs * batch.mask, atol=0, rtol=0)
     assert (batch.logprobs - batch.engine_logprobs).abs().max() > 1e-3  # the two policies differ

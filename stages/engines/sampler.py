@@ -53,6 +53,8 @@ class Generation:
     entropy: torch.Tensor | None = None
     hidden: torch.Tensor | None = None  # (B, T, H) final hidden states at the positions that predicted each token
     engine_logprobs: torch.Tensor | None = None  # an inference engine's own log pi(token), beside the trainer's
+    computed_tokens: int | None = None
+    """Positions the engine's passes computed (prompts and decode steps), where it counts them."""
 
 
 class Sampler(Protocol):
@@ -76,6 +78,13 @@ class Sampler(Protocol):
         ...
 
 
+def _in_rows(x: torch.Tensor, live: torch.Tensor, rows: int, fill: float = 0) -> torch.Tensor:
+    """The live rows' step outputs in the whole batch's rows, `fill` in the others. # (L, ...) -> (B, ...)"""
+    if len(live) == rows:
+        return x
+    return torch.full((rows, *x.shape[1:]), fill, dtype=x.dtype, device=x.device).index_copy(0, live, x)
+
+
 def draw(probs: torch.Tensor) -> torch.Tensor:
     """One token per row from categorical `probs` by inverse-CDF sampling: one uniform number per
     row, where torch.multinomial draws one per vocabulary entry. # (B, V) -> (B, 1)"""
@@ -97,6 +106,10 @@ class HFSampler:
     """Autocast for the decode loop; transformers' `generate` runs as the model is held."""
     holding: Holding = field(default_factory=Replicated)
     """How the processes hold the model: a sharded one is gathered for sampling."""
+    compact: bool = False
+    """A row that ended leaves the decode loop's batch (and its KV cache) at once, instead of being
+    computed on to the longest response; its random draws leave with it, so the draws differ from
+    the uncompacted loop's once a row ends."""
 
     def sync(self, policy: torch.nn.Module) -> None:
         return None
@@ -120,33 +133,44 @@ class HFSampler:
         """Up to `max_new_tokens` tokens per prompt, one KV-cached step at a time, keeping each
         token's log-prob, the entropy and the final hidden state of the step that produced it: the
         rollout then needs no second policy pass for old log-probs and (shared-body) values. Stops
-        early once every row has an end token (on every process, when the model is sharded)."""
+        early once every row has an end token (on every process, when the model is sharded); with
+        `compact`, rows that ended leave the batch as they end. Positions after a row's end hold
+        padding (tokens) and zeros (figures) where they were not computed."""
         model = self.model
         queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
-        attention_mask, positions = query_mask, position_ids_for(query_mask)
+        attention_mask, positions = query_mask, position_ids_for(query_mask)  # (L, t), (L, 1): the live rows'
         step_ids, cache = queries, DynamicCache()
+        live = torch.arange(len(queries), device=model.device)  # (L,) the rows still in the batch
         tokens, logprobs, entropy, hidden = [], [], [], []
         finished = torch.zeros(len(queries), dtype=torch.bool, device=model.device)
+        computed = 0
         with self.precision.autocast(model.device), self.holding.sampling(model):
             for _ in range(sampling.max_new_tokens):
+                computed += step_ids.numel()  # the prompts, then one position per live row
                 out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
                             past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-                logits = out.logits[:, -1:].float()  # (B, 1, V)
+                logits = out.logits[:, -1:].float()  # (L, 1, V)
                 token = (logits[:, -1].argmax(-1, keepdim=True) if sampling.temperature is None
-                         else draw(torch.softmax(logits[:, -1] / sampling.temperature, dim=-1)))  # (B, 1)
-                tokens.append(token)
-                logprobs.append(logprobs_of(logits, token, sampling.temperature or 1.0))
-                entropy.append(entropy_of(logits, sampling.temperature or 1.0))
-                hidden.append(out.hidden_states[-1][:, -1:])
-                finished |= is_end(token.squeeze(1), self.stop_ids)
+                         else draw(torch.softmax(logits[:, -1] / sampling.temperature, dim=-1)))  # (L, 1)
+                tokens.append(_in_rows(token, live, len(queries), self.tokenizer.pad_token_id))
+                logprobs.append(_in_rows(logprobs_of(logits, token, sampling.temperature or 1.0), live, len(queries)))
+                entropy.append(_in_rows(entropy_of(logits, sampling.temperature or 1.0), live, len(queries)))
+                hidden.append(_in_rows(out.hidden_states[-1][:, -1:], live, len(queries)))
+                ended = is_end(token.squeeze(1), self.stop_ids)  # (L,)
+                finished[live] |= ended
                 if self.holding.all_finished(finished):
                     break
                 step_ids, positions = token, positions[:, -1:] + 1
                 attention_mask = torch.cat([attention_mask, torch.ones_like(token)], dim=1)
+                if self.compact and ended.any() and not ended.all():  # never empty: a sharded peer may go on
+                    keep = (~ended).nonzero().squeeze(1)
+                    cache.batch_select_indices(keep)
+                    live, step_ids, positions, attention_mask = (x[keep] for x in (live, step_ids, positions,
+                                                                                   attention_mask))
         responses = truncate_after_eos(torch.cat(tokens, dim=1), self.stop_ids, self.tokenizer.pad_token_id)
         return Generation(queries=queries, query_mask=query_mask, responses=responses,
                           logprobs=torch.cat(logprobs, dim=1), entropy=torch.cat(entropy, dim=1),
-                          hidden=torch.cat(hidden, dim=1))
+                          hidden=torch.cat(hidden, dim=1), computed_tokens=computed)
 
     @torch.inference_mode()
     def _transformers_generate(self, batch: dict[str, torch.Tensor], sampling: Sampling) -> Generation:

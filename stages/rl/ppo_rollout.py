@@ -31,13 +31,13 @@ if TYPE_CHECKING:
 def policy_sampler(models: Models) -> HFSampler:
     """The sampler of a PPO run's policy."""
     return HFSampler(model=models.policy, tokenizer=models.tokenizer, stop_ids=models.stop_ids,
-                     precision=models.precision, holding=models.holding)
+                     precision=models.precision, holding=models.holding, compact=models.padding_free is not False)
 
 
 def reference_sampler(models: Models, reference: PreTrainedModel) -> HFSampler:
     """A sampler of the frozen reference (`reference_policy(models)`), held as the policy is."""
     return HFSampler(model=reference, tokenizer=models.tokenizer, stop_ids=models.stop_ids, precision=models.precision,
-                     holding=models.holding)
+                     holding=models.holding, compact=models.padding_free is not False)
 
 
 def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:
@@ -104,8 +104,9 @@ def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], samplin
     queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
     episodes = sampled if isinstance(sampled, EpisodeGeneration) else None
     mask = response_mask(responses, models.stop_ids) if episodes is None else episodes.mask
-    if isinstance(sampler, HFSampler) and episodes is None:  # the decode loop runs every row to the longest one
-        models.counts.add("generate", float(query_mask.sum() + mask.sum()), queries.numel() + responses.numel())
+    if sampled.computed_tokens is not None and episodes is None:  # the decode loop's, where it counts them
+        fed = query_mask.sum() + (mask.sum(dim=1) - 1).clamp(min=0).sum()  # a response's last token is never fed
+        models.counts.add("generate", float(fed), sampled.computed_tokens)
 
     with timed(timings, "forward"):
         own = mask if episodes is None else episodes.trainable
