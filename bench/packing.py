@@ -13,6 +13,9 @@ about one in sixteen ending early). Each setting runs PPO's whole update (`stage
 process, settings interleaved, `repeats` rounds after one warm-up; the figure is the median update.
 The padding share is the update's own count (`perf/padding_share/update`). This is a benchmark, not
 a test: nothing here asserts a speed.
+
+It also times the decode loop (`decode`): every row run to the longest response against rows that
+leave the batch as they end (`compact`, on with `ppo.padding_free`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from bench.ppo import REPO, ModelShape, build_assets, machine_type
@@ -83,8 +87,6 @@ def synthetic_episodes(learner, prompt_lengths: list[int], response_lengths: lis
 
 def learners(assets: Path, config_file: str, precisions: list[str], out: Path) -> dict:
     """One learner per (precision, setting), all started from the same checkpoints."""
-    import pandas as pd
-
     from rlhf.config import load_config, with_overrides
     from stages.ppo import PPOInputs, build_learner
 
@@ -132,6 +134,40 @@ def measure(built: dict, mixes: list[str], repeats: int, seed: int = 0) -> list[
     return rows
 
 
+def decode(learner, prompts: list[str], repeats: int, stop_share: float = 1 / 40) -> list[dict]:
+    """The decode loop on 64 prompts, up to 256 new tokens, with and without `compact`: a random
+    model rarely ends a response, so every `1 / stop_share`-th vocabulary id counts as an end token
+    here, which makes response lengths geometric (mean ~40, long-tailed) as trained policies' are.
+    Median seconds of `repeats` rounds after a warm-up, the same seed for both."""
+    from stages.engines.sampler import HFSampler, Sampling
+
+    models = learner.models
+    vocab = models.policy.config.vocab_size
+    stops = list(range(4, vocab, round(1 / stop_share)))
+    rows = []
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    outputs = {}
+    for round_ in range(repeats + 1):
+        for compact in (False, True):
+            sampler = HFSampler(model=models.policy, tokenizer=models.tokenizer, stop_ids=stops, compact=compact)
+            torch.manual_seed(round_)
+            start = time.perf_counter()
+            outputs[compact] = sampler.generate(prompts, Sampling(256, temperature=1.0))
+            if round_:
+                seconds[compact].append(time.perf_counter() - start)
+    for compact in (False, True):
+        out = outputs[compact]
+        lengths = (out.responses != models.tokenizer.pad_token_id).sum(1).float()
+        rows.append({"mix": "decode, geometric lengths", "precision": "fp32",
+                     "setting": "rows leave as they end" if compact else "every row to the longest",
+                     "seconds": statistics.median(seconds[compact]),
+                     "spread": (max(seconds[compact]) - min(seconds[compact])) / statistics.median(seconds[compact]),
+                     "computed_positions": out.computed_tokens, "mean_length": lengths.mean().item(),
+                     "max_length": lengths.max().item()})
+    rows[1]["speedup"] = rows[0]["seconds"] / rows[1]["seconds"]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/bench.yaml")
@@ -148,14 +184,20 @@ def main(argv: list[str] | None = None) -> int:
         assets, _, threads = build_assets(args.config, {}, ModelShape(max_position_embeddings=512), Path(root))
         built = learners(assets, args.config, args.precisions, Path(root) / "out")
         rows = measure(built, args.mixes, args.repeats)
+        prompts = pd.read_json(assets / "prompts.jsonl", lines=True)["prompt"].head(64).tolist()
+        sampled = decode(built[("fp32", "padded, rows")], prompts, args.repeats)
     print(f"{'mix':>10} {'precision':>10} {'setting':>22} {'s/update':>9} {'padding':>8} {'speedup':>8}")
     for row in rows:
         print(f"{row['mix']:>10} {row['precision']:>10} {row['setting']:>22} {row['seconds']:9.3f} "
               f"{row['padding_share']:8.1%} {row['speedup_vs_padded_fp32']:7.2f}x")
+    for row in sampled:
+        print(f"decode, geometric lengths (mean {row['mean_length']:.0f}, max {row['max_length']:.0f}): "
+              f"{row['setting']}: {row['seconds']:.2f} s, {row['computed_positions']} positions"
+              + (f", {row['speedup']:.2f}x" if "speedup" in row else ""))
     date = datetime.date.today().isoformat()
     path = Path(args.out) if args.out else REPO / "bench" / "results" / f"packing-{date}.json"
     path.write_text(json.dumps({"date": date, "machine": machine_type(threads), "torch": torch.__version__,
-                                "model": ModelShape().__dict__, "rows": rows}, indent=1) + "\n")
+                                "model": ModelShape().__dict__, "rows": rows, "decode": sampled}, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
 

@@ -303,7 +303,7 @@ class PPOConfig(TrainedStage, SampledStage):
     micro_batch_tokens: PositiveInt | Literal["auto"] | None = None
     """The update's micro-batches by tokens computed, not rows; `auto`: micro_batch_size x the longest sequence."""
     padding_free: bool | Literal["auto"] = False
-    """Pack the passes over prompt + response into rows without padding; `auto`: where it saves 10% of them."""
+    """Passes over prompt + response packed without padding (`auto`: where it saves 10%), ended rows out of decoding."""
     old_logprobs: Literal["auto", "sampling", "recompute"] = "auto"
     """Where rollout log-probs and values come from: the sampling pass, a second forward, or auto (by precision)."""
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -5,6 +5,7 @@ batch the rollout builds from episodes, and the loss with tool tokens against th
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -274,8 +275,10 @@ def test_a_killed_run_in_episodes_resumes_to_the_same_end(tools_trained, tmp_pat
 
 def test_what_episodes_cannot_do_is_refused_with_the_reason(tools_trained):
     cfg, _ = tools_trained
+    # Any existing Python stands for the vLLM environment: the refusal is the config's, before any server starts.
     with pytest.raises(ValueError, match="sampling ahead"):
-        _tool_cfg(cfg, rollout_engine="vllm", rollout={"max_staleness": 1}, vllm={"importance_sampling": "token"})
+        _tool_cfg(cfg, rollout_engine="vllm", rollout={"max_staleness": 1},
+                  vllm={"importance_sampling": "token", "python": sys.executable})
     with pytest.raises(ValueError, match="exactly one of tools, factory and rollout"):
         _tool_cfg(cfg, environment={"factory": "a:b"})
     with pytest.raises(ValueError, match="not 'module:function'"):
