@@ -51,15 +51,22 @@ def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: 
             # A model that ignores `logits_to_keep` returns every column.
             kept = out.logits if out.logits.shape[1] == len(packed.kept) else out.logits[:, packed.kept]
             return packed.logits(kept), packed.hidden(out.hidden_states[-1]) if want_hidden else None
-        input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
-        attention_mask = torch.cat([query_mask, mask.long()], dim=1)
         # Only the last T + 1 positions need the vocabulary projection: the logits at position p predict token p + 1.
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
-                    output_hidden_states=want_hidden, use_cache=False, logits_to_keep=steps + 1)
+        out = model(**_padded(queries, query_mask, responses, mask), output_hidden_states=want_hidden, use_cache=False,
+                    logits_to_keep=steps + 1)
     # Sliced here as well: a model that ignores `logits_to_keep` returns every position.
     logits = out.logits[:, -(steps + 1):-1]  # (B, T, V)
     hidden = out.hidden_states[-1][:, -(steps + 1):-1] if want_hidden else None  # (B, T, H)
     return logits, hidden
+
+
+def _padded(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor
+            ) -> dict[str, torch.Tensor]:
+    """Prompt + response as one padded batch: ids, attention mask and positions that count real
+    tokens only. # -> (B, Tq + T) each"""
+    attention_mask = torch.cat([query_mask, mask.long()], dim=1)
+    return {"input_ids": torch.cat([queries, responses], dim=1), "attention_mask": attention_mask,
+            "position_ids": position_ids_for(attention_mask)}
 
 
 def last_hidden(base: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
@@ -71,10 +78,8 @@ def last_hidden(base: PreTrainedModel, queries: torch.Tensor, query_mask: torch.
         if packed is not None:
             return packed.hidden(base(input_ids=packed.ids, position_ids=packed.positions,
                                       use_cache=False).last_hidden_state)
-        input_ids = torch.cat([queries, responses], dim=1)  # (B, Tq + T)
-        attention_mask = torch.cat([query_mask, mask.long()], dim=1)
-        hidden = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_for(attention_mask),
-                      use_cache=False).last_hidden_state  # (B, Tq + T, H)
+        padded = _padded(queries, query_mask, responses, mask)
+        hidden = base(**padded, use_cache=False).last_hidden_state  # (B, Tq + T, H)
     return hidden[:, -(responses.shape[1] + 1):-1]  # the states before each response token
 
 
@@ -252,6 +257,11 @@ class Models:
     """The passes over prompt + response packed (`ppo.padding_free`; False where the models cannot take it)."""
     counts: TokenCounts = field(default_factory=TokenCounts)
     """Real and computed positions of every pass, by phase, since the last report."""
+
+    @property
+    def packs(self) -> bool:
+        """Whether passes may be packed and ended rows leave the decode loop (`padding_free` true or auto)."""
+        return self.padding_free is not False
 
     def passes(self, phase: str) -> Passes:
         """How a pass of `phase` (`update`, `reference`, ...) computes, counted under that name."""

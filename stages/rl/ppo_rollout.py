@@ -31,13 +31,13 @@ if TYPE_CHECKING:
 def policy_sampler(models: Models) -> HFSampler:
     """The sampler of a PPO run's policy."""
     return HFSampler(model=models.policy, tokenizer=models.tokenizer, stop_ids=models.stop_ids,
-                     precision=models.precision, holding=models.holding, compact=models.padding_free is not False)
+                     precision=models.precision, holding=models.holding, compact=models.packs)
 
 
 def reference_sampler(models: Models, reference: PreTrainedModel) -> HFSampler:
     """A sampler of the frozen reference (`reference_policy(models)`), held as the policy is."""
     return HFSampler(model=reference, tokenizer=models.tokenizer, stop_ids=models.stop_ids, precision=models.precision,
-                     holding=models.holding, compact=models.padding_free is not False)
+                     holding=models.holding, compact=models.packs)
 
 
 def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:

@@ -151,7 +151,7 @@ def micro_batch_rows(learner: Learner, batch: TrainingBatch, rows: torch.Tensor)
         budget = (cfg.micro_batch_size or len(rows)) * (cfg.max_prompt_length + cfg.response_tokens)
     prompt_lengths = batch.query_mask[rows].sum(dim=1).tolist()
     response_lengths = batch.mask[rows].sum(dim=1).long().tolist()
-    needed = micro_batches_needed(prompt_lengths, response_lengths, budget, learner.models.padding_free is not False)
+    needed = micro_batches_needed(prompt_lengths, response_lengths, budget, learner.models.packs)
     count = int(gathered(learner.accelerator, torch.tensor([needed], device=rows.device)).max())
     lengths = [a + b for a, b in zip(prompt_lengths, response_lengths, strict=True)]
     return [rows[torch.tensor(run, device=rows.device)] for run in split_by_tokens(lengths, min(count, len(rows)))]

@@ -19,7 +19,7 @@ K kept logit columns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -188,10 +188,6 @@ class Passes:
     counts: TokenCounts | None = None
     """Where each pass adds its real and computed positions; None: not counted."""
     phase: str = "forward"
-
-    def at(self, phase: str) -> Passes:
-        """The same passes, counted under `phase`."""
-        return replace(self, phase=phase)
 
     def layout(self, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                mask: torch.Tensor) -> Packed | None:
