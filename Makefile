@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: lock lint bench-env vllm-env golden demo test test-fast bench bench-packing bench-quality bench-methods bench-tools bench-scale bench-ray bench-memory bench-rollout plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env
+.PHONY: lock lint bench-env vllm-env golden demo test test-fast bench bench-packing bench-quality bench-methods bench-tools bench-scale bench-ray bench-memory bench-rollout gpu-wheels plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env
 
 # Every environment is installed exactly from its lock (locks/, scripts/locks.sh): a package that
 # differs from the lock is named and put back, one the lock does not name is removed. Syncing an
@@ -31,6 +31,9 @@ bench-env:  ## the TRL 1.12 environment the benchmarks compare against, from loc
 bench: install bench-env  ## PPO benchmark: ours against TRL 1.12's PPOTrainer on the same work, each phase, the machine's limits; appends to the history
 	$(PY) -m bench.ppo --config $${BENCH_CONFIG:-configs/bench.yaml} --reference $(BENCH_VENV)/bin/python \
 		--history bench/results/bench-history.jsonl
+
+gpu-wheels: install  ## the wheels a lent GPU machine lacks (Python 3.12, the lock's versions) into .whl/, for scripts/gpu_check.sh
+	$(PY) -m bench.gpu_wheels
 
 bench-packing: install  ## the update on a long-tailed length mix: padded against padding-free passes, rows against tokens, fp32 against bf16
 	$(PY) -m bench.packing

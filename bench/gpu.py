@@ -1,13 +1,17 @@
 """The GPU's own limits, and how near a ~0.5B Llama's decode and training step come to them
 (issue 54). Runs on a CUDA machine with torch, transformers and peft alone (no project install):
 
-    python -m bench.gpu --out bench/results/gpu-<kind>-<date>.json
+    python -m bench.gpu --out bench/results/gpu-<kind>-<date>.json [--parts ceilings decode train] [--tiny]
+
+`--tiny` runs the same measurements on a tiny Llama, on the CPU where there is no GPU (the dry run of
+`scripts/gpu_check.sh`); its figures only show that the code runs.
 
 Measured, each the median of timed repeats after warm-up, with CUDA events:
 - ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 matmul's FLOP/s;
 - decode: `generate` (transformers' path), 64 prompts x 128 new tokens, greedy, bf16, against the
   bandwidth bound: measured bandwidth / bytes each step reads (weights + KV cache at the mean
-  context), times the batch;
+  context), times the batch; with the dynamic KV cache, and with a static one, which transformers'
+  `generate` compiles on a GPU (`torch.compile`, mode reduce-overhead: each step a CUDA graph);
 - training step: forward + backward + AdamW on float32 master weights under bf16 autocast, model
   FLOP utilisation = 6 x parameters x tokens / time / measured matmul FLOP/s;
 - LoRA's peak memory against full fine-tuning for the same step.
@@ -25,15 +29,29 @@ import torch
 
 LLAMA_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=True)
+TINY = dict(LLAMA_05B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            vocab_size=512, max_position_embeddings=512)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed(fn, repeats: int = 10, warmup: int = 3) -> float:
-    """Median seconds of `fn()` over `repeats`, timed with CUDA events after `warmup` calls."""
+    """Median seconds of `fn()` over `repeats`, timed with CUDA events (a wall clock on the CPU) after
+    `warmup` calls."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    synchronize()
     times = []
     for _ in range(repeats):
+        if DEVICE == "cpu":
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -43,40 +61,49 @@ def timed(fn, repeats: int = 10, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def ceilings() -> dict:
-    n = 1 << 30  # 1 GiB of bf16 per buffer
-    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+def ceilings(size: int = 8192) -> dict:
+    n = size * size * 16  # 1 GiB of bf16 per buffer at 8192
+    src = torch.randn(n // 2, device=DEVICE, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_s = timed(lambda: dst.copy_(src), repeats=20)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
     mm_s = timed(lambda: a @ b, repeats=20)
     src = dst = a = b = None  # frees the buffers (not `del`: the lambdas above name them)
-    torch.cuda.empty_cache()
-    return {"copy_bandwidth_bytes_per_s": 2 * n / copy_s, "bf16_matmul_flops": 2 * 8192 ** 3 / mm_s}
+    empty_cache()
+    return {"copy_bandwidth_bytes_per_s": 2 * n / copy_s, "bf16_matmul_flops": 2 * size ** 3 / mm_s,
+            "matmul_size": size}
 
 
-def build(dtype=torch.bfloat16):
+def empty_cache() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def build(shape: dict, dtype=torch.bfloat16):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**LLAMA_05B)).to("cuda", dtype)
+    return LlamaForCausalLM(LlamaConfig(**shape)).to(DEVICE, dtype)
 
 
-def decode(limits: dict, batch: int = 64, prompt: int = 64, new: int = 128, compiled: bool = False) -> dict:
-    model = build().eval()
-    options = {}
-    if compiled:  # a static KV cache and the step captured as CUDA graphs: no per-kernel launch from Python
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-        options = {"cache_implementation": "static"}
+def decode(limits: dict, shape: dict = LLAMA_05B, batch: int = 64, prompt: int = 64, new: int = 128,
+           static: bool = False) -> dict:
+    model = build(shape).eval()
+    # a static KV cache: transformers' `generate` then compiles each decode step on a GPU (its
+    # `_valid_auto_compile_criteria`; `torch.compile` mode reduce-overhead, so a step is one CUDA graph)
+    options = {"cache_implementation": "static"} if static else {}
     params = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(3, LLAMA_05B["vocab_size"], (batch, prompt), device="cuda")
+    ids = torch.randint(3, shape["vocab_size"], (batch, prompt), device=DEVICE)
 
     def run():
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, pad_token_id=0, **options)
 
+    started = time.perf_counter()
+    run()  # the first call: compiles and captures where it compiles
+    first = time.perf_counter() - started
     seconds = timed(run, repeats=3, warmup=1)
     cfg = model.config
     kv_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
@@ -86,15 +113,17 @@ def decode(limits: dict, batch: int = 64, prompt: int = 64, new: int = 128, comp
     bound_tokens_per_s = limits["copy_bandwidth_bytes_per_s"] / step_bytes * batch
     tokens_per_s = batch * new / seconds
     model = None  # frees the weights (not `del`: run() above names it)
-    torch.cuda.empty_cache()
-    return {"engine": "transformers generate" + (" (static cache, torch.compile reduce-overhead)" if compiled else ""),
-            "batch": batch, "prompt_tokens": prompt, "new_tokens": new,
+    empty_cache()
+    return {"engine": "transformers generate" + ((" (static cache, compiled by generate)" if DEVICE == "cuda"
+                                                          else " (static cache)") if static else ""),
+            "batch": batch, "prompt_tokens": prompt, "new_tokens": new, "first_call_seconds": first,
             "parameters": params, "seconds": seconds, "tokens_per_s": tokens_per_s,
             "bandwidth_bound_tokens_per_s": bound_tokens_per_s, "fraction_of_bound": tokens_per_s / bound_tokens_per_s}
 
 
-def train_step(limits: dict, lora: bool, batch: int = 16, length: int = 512, checkpointing: bool = False) -> dict:
-    model = build(torch.float32).train()
+def train_step(limits: dict, lora: bool, shape: dict = LLAMA_05B, batch: int = 16, length: int = 512,
+               checkpointing: bool = False) -> dict:
+    model = build(shape, torch.float32).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -105,27 +134,28 @@ def train_step(limits: dict, lora: bool, batch: int = 16, length: int = 512, che
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     trained = [p for p in model.parameters() if p.requires_grad]
     params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True)
-    ids = torch.randint(3, LLAMA_05B["vocab_size"], (batch, length), device="cuda")
+    optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=DEVICE == "cuda")
+    ids = torch.randint(3, shape["vocab_size"], (batch, length), device=DEVICE)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     seconds = timed(step, repeats=5, warmup=1)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else None
     tokens = batch * length
     # forward 2N per token, backward 4N (2N through the activations, 2N for weight gradients; LoRA's
     # frozen weights skip the latter, so its useful work is ~4N: reported, MFU counts 6N for full only)
     flops = (6 if not lora else 4) * params * tokens
     model = optimizer = None  # frees them (not `del`: step() above names them)
-    torch.cuda.empty_cache()
+    empty_cache()
     return {"lora": lora, "gradient_checkpointing": checkpointing, "batch": batch, "length": length,
             "parameters": params,
             "trained_parameters": sum(p.numel() for p in trained), "seconds": seconds,
@@ -136,30 +166,39 @@ def train_step(limits: dict, lora: bool, batch: int = 16, length: int = 512, che
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    out = parser.parse_args().out
+    parser.add_argument("--parts", nargs="+", default=["ceilings", "decode", "train"],
+                        choices=["ceilings", "decode", "train"])
+    parser.add_argument("--tiny", action="store_true", help="a tiny Llama, small buffers: shows that the code runs")
+    args = parser.parse_args()
     import transformers
 
-    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-              "transformers": transformers.__version__, "python": platform.python_version(),
-              "date": time.strftime("%Y-%m-%d"), "model": LLAMA_05B}
-    record["limits"] = ceilings()
+    shape = TINY if args.tiny else LLAMA_05B
+    record = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+              "cuda": torch.version.cuda, "transformers": transformers.__version__,
+              "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "model": shape}
+    record["limits"] = ceilings(512 if args.tiny else 8192)  # every other part is measured against these
     print(json.dumps(record["limits"]), flush=True)
-    record["decode"] = [decode(record["limits"])]
-    # transformers 5.17's static cache under CUDA graphs raised "accessing tensor output of CUDAGraphs that has
-    # been overwritten" on the H200
-    try:
-        record["decode"].append(decode(record["limits"], compiled=True))
-    except RuntimeError as e:
-        record["decode"].append({"engine": "transformers generate (static cache, torch.compile reduce-overhead)",
-                                 "error": str(e).splitlines()[0][:300]})
-        torch.cuda.empty_cache()
-    print(json.dumps(record["decode"]), flush=True)
-    record["train"] = [train_step(record["limits"], lora=lora, checkpointing=ckpt, batch=batch)
-                       for ckpt, batch in ((False, 16), (True, 16), (False, 32)) for lora in (False, True)]
-    for r in record["train"]:
-        print(json.dumps({k: r[k] for k in ("lora", "gradient_checkpointing", "batch", "seconds",
-                                             "mfu_of_measured_matmul", "peak_allocated_bytes")}), flush=True)
-    with open(out, "w") as f:
+    if "decode" in args.parts:
+        small = dict(batch=4, prompt=8, new=8) if args.tiny else {}
+        record["decode"] = []
+        for static in (False, True):
+            try:
+                record["decode"].append(decode(record["limits"], shape, static=static, **small))
+            except Exception as e:  # noqa: BLE001 - a failed engine is a result; the other still runs
+                record["decode"].append({"engine": "transformers generate" + (" (static cache)" if static else ""),
+                                         "error": f"{type(e).__name__}: {e}"[:600]})
+                empty_cache()
+            print(json.dumps(record["decode"][-1]), flush=True)
+    if "train" in args.parts:
+        small = dict(batch=2, length=16) if args.tiny else {}
+        cases = ((False, None), (True, None), (False, 32)) if not args.tiny else ((False, None),)
+        record["train"] = [train_step(record["limits"], lora=lora, shape=shape, checkpointing=ckpt,
+                                      **(small or {"batch": batch or 16}))
+                           for ckpt, batch in cases for lora in (False, True)]
+        for r in record["train"]:
+            print(json.dumps({k: r[k] for k in ("lora", "gradient_checkpointing", "batch", "seconds",
+                                                 "mfu_of_measured_matmul", "peak_allocated_bytes")}), flush=True)
+    with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
 
 

@@ -1,0 +1,307 @@
+"""The project's own stages on a GPU (issue 60): SFT -> reward -> PPO through `call_stage`, as the flow
+calls them, each measured against its memory plan.
+
+    python -m bench.gpu_stages --out stages.json [--dry]
+
+1. On the demo world (its tokenizer and tiny Llama): the three stages with the demo's settings, PPO for
+   `DEMO_ITERATIONS` iterations.
+2. On a ~0.5B Llama built from config (`bench.gpu.LLAMA_05B`'s shape: hidden 896, 24 layers, 14 heads,
+   2 KV heads; the demo tokenizer's vocabulary), random weights: the three stages for a few steps each,
+   PPO at a size where the update has work (`LARGE_PPO`). One PPO iteration is profiled (`torch.profiler`,
+   the top kernels by GPU time).
+3. The PPO update's model FLOP utilisation on the 0.5B Llama, full and LoRA, with and without gradient
+   checkpointing: model FLOPs (6 x parameters x tokens trained, 4 x with LoRA's frozen weights) over the
+   update's seconds (`time/train`), against the bf16 matmul rate measured first (`bench.gpu.ceilings`).
+
+Per stage: status, seconds, `time/*` per PPO phase, peak allocated GPU memory (`call_stage`'s
+`memory/peak_allocated_gib`) against the plan's peak less its runtime allowance (`rlhf plan`'s figure
+for the same section on this device). Rows are written to `--out` as each finishes, so a run stopped
+at its limit keeps what it measured. `--dry` runs the same steps on the CPU at the tiny config's sizes
+(`scripts/gpu_check.sh` with `GPU_CHECK_DRY=1`, run by `tests/test_gpu_check.py`). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+DEMO_ITERATIONS = 10
+TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128)
+"""The dry run's stand-in for the 0.5B Llama."""
+
+LARGE_SFT = {"max_steps": 20, "batch_size": 16, "eval_steps": 1000, "logging_steps": 5, "num_samples": 2}
+LARGE_REWARD = {"max_steps": 20, "batch_size": 16, "eval_steps": 1000, "logging_steps": 5, "min_eval_accuracy": 0.0}
+LARGE_PPO = {"num_iterations": 3, "rollout_batch_size": 256, "sampling.response_length": 128, "num_ppo_epochs": 2,
+             "num_minibatches": 2, "critic.kind": "shared", "evaluation.every": None,
+             "evaluation.samples_per_prompt": 1, "checkpoint_every": 100, "missing_eos_score": None}
+"""The 0.5B runs' settings on the demo config: a few steps each, PPO with 256 x (prompt + 128) tokens a rollout
+so that the update has work (random weights rarely end a response early), the shared value head so that the
+update's FLOPs are the policy's alone."""
+DRY = {"sft": {"max_steps": 4, "eval_steps": 1000, "num_samples": 1},
+       "reward": {"max_steps": 4, "eval_steps": 1000, "min_eval_accuracy": 0.0},
+       "ppo": {"num_iterations": 2, "rollout_batch_size": 8, "sampling.response_length": 8, "num_minibatches": 2,
+               "critic.kind": "shared", "evaluation.every": None, "checkpoint_every": 100}}
+"""The dry run's settings on the tiny config, for every world."""
+VARIANTS = {"full": {}, "lora": {"lora": {"r": 16}}, "full, checkpointing": {"gradient_checkpointing": True},
+            "lora, checkpointing": {"lora": {"r": 16}, "gradient_checkpointing": True}}
+"""The update's MFU runs (`full` is the 0.5B chain's own PPO run; the others run 2 iterations, the second
+measured)."""
+PPO_PHASES = ("generate", "reference", "values", "score", "advantages", "train", "iteration")
+
+
+class Results:
+    """The results file, rewritten as each part finishes."""
+
+    def __init__(self, path: Path, record: dict):
+        self.path, self.record = path, record
+        self.write()
+
+    def add(self, key: str, value) -> None:
+        self.record.setdefault(key, []).append(value)
+        self.write()
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.record, indent=1, default=str) + "\n")
+
+
+def build_llama(world: Path, folder: Path, shape: dict) -> str:
+    """A randomly initialised Llama of `shape` with the demo tokenizer, saved as a Hugging Face folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages.runtime.models import load_tokenizer, save_checkpoint
+
+    tokenizer = load_tokenizer(str(world / "model"))
+    torch.manual_seed(0)
+    config = LlamaConfig(**shape, vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    save_checkpoint(LlamaForCausalLM(config), tokenizer, folder)
+    return str(folder)
+
+
+def planned(cfg, stage: str, section, checkpoint: str, eval_prompts: int) -> dict:
+    """`rlhf plan`'s figures for `section` on this device: its peak (less the runtime allowance, which
+    torch's allocator does not see), the phase, and the model-and-optimizer state."""
+    from stages.memory.phases import Counts, this_device
+    from stages.memory.plan import plan
+    from stages.memory.shapes import GIB, RUNTIME_GIB, model_shape
+
+    result = plan(cfg.model_copy(update={stage: section}), [stage], {"policy": model_shape(checkpoint)},
+                  this_device(), Counts(eval_prompts, eval_prompts, eval_prompts)).stages[stage]
+    return {"planned_peak_gib": result.peak / GIB - RUNTIME_GIB, "planned_phase": result.peak_phase,
+            "planned_state_gib": result.state_bytes() / GIB}
+
+
+class Profiled:
+    """A `Reporting.metrics` hook that profiles one PPO iteration (the second: the first compiles and
+    allocates) and keeps the top kernels by GPU time."""
+
+    def __init__(self, iteration: int = 2):
+        self.iteration, self.profiler, self.table, self.top, self.busy = iteration, None, "", [], {}
+
+    def __call__(self, figures: dict, iteration: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if iteration == self.iteration - 1:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.profiler = profile(activities=activities)
+            self.profiler.start()
+        elif iteration == self.iteration and self.profiler is not None:
+            self.profiler.stop()
+            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            events = self.profiler.key_averages()
+            self.table = events.table(sort_by=key, row_limit=25)
+            total = sum(getattr(e, key) for e in events) or 1
+            ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:15]
+            self.top = [{"name": e.key[:120], "calls": e.count, "self_ms": getattr(e, key) / 1e3,
+                         "share": getattr(e, key) / total} for e in ranked]
+            # the device's busy time against the iteration's wall clock (which the profiler slows)
+            self.busy = {"iteration": iteration, "busy_ms": total / 1e3,
+                         "wall_ms": figures.get("time/iteration", 0.0) * 1e3}
+
+
+def stage_row(world: str, stage: str, variant: str, run) -> tuple[dict, object]:
+    """`run()` (a stage through `call_stage`: its result and its plan's figures), timed; the row and the
+    stage's result (None where it failed)."""
+    row = {"world": world, "stage": stage, "variant": variant}
+    started = time.perf_counter()
+    try:
+        result, plan_figures = run()
+    except Exception as error:  # a failed stage is a result to record, and the others still run
+        row.update(status="failed", error=f"{type(error).__name__}: {error}"[:2000],
+                   traceback=traceback.format_exc()[-3000:], seconds=time.perf_counter() - started)
+        print(f"{world} {stage} {variant}: FAILED {row['error'][:500]}", flush=True)
+        return row, None
+    metrics = result.metrics
+    row.update(status="ok", seconds=time.perf_counter() - started, **plan_figures,
+               peak_allocated_gib=metrics.get("memory/peak_allocated_gib"),
+               peak_rss_gib=metrics.get("memory/peak_rss_gib"), tags=getattr(result, "tags", {}),
+               metrics={k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+    if row["peak_allocated_gib"]:
+        row["plan_over_measured"] = row["planned_peak_gib"] / row["peak_allocated_gib"]
+    history = getattr(result, "history", None)
+    if history:
+        later = history[1:] or history  # the first iteration compiles kernels and fills the allocator
+        row["time"] = {phase: sum(h.get(f"time/{phase}", 0.0) for h in later) / len(later) for phase in PPO_PHASES}
+        row["history"] = [{k: v for k, v in h.items() if k.startswith(("time/", "rollout/", "train/policy_loss",
+                                                                       "train/initial_ratio", "perf/"))}
+                          for h in history]
+    print(f"{world} {stage} {variant}: ok in {row['seconds']:.1f} s, peak allocated "
+          f"{row['peak_allocated_gib'] or 0:.3f} GiB against the plan's {row['planned_peak_gib']:.3f}", flush=True)
+    return row, result
+
+
+def update_mfu(row: dict, parameters: int, prompt_tokens: float, matmul_flops: float, lora: bool) -> dict:
+    """The PPO update's model FLOPs per second from a PPO row: tokens trained (prompt + response, every
+    epoch) x 6 (4 for LoRA) x parameters, over `time/train`, and its fraction of the matmul rate."""
+    history, section = row["history"][1:] or row["history"], row["section"]
+    tokens = [section["rollout_batch_size"] * (prompt_tokens + h["rollout/response_length"]) * section["num_ppo_epochs"]
+              for h in history]
+    seconds = [h["time/train"] for h in history]
+    flops = (4 if lora else 6) * parameters * sum(tokens) / sum(seconds)
+    return {"update_tokens_per_iteration": sum(tokens) / len(tokens), "update_seconds": sum(seconds) / len(seconds),
+            "update_model_flops_per_s": flops, "update_mfu": flops / matmul_flops}
+
+
+def chain(world_name: str, cfg, base: str, world: Path, work: Path, changes: dict, results: Results,
+          profile: Profiled | None = None) -> dict | None:
+    """SFT from `base`, reward from the SFT checkpoint, PPO from both, each through `call_stage` with
+    `changes[stage]` on `cfg`'s section, each stage's row added to `results`. What the update's other
+    variants need: `run_ppo(section, folder)`, PPO's section and row, the prompts' mean length in
+    tokens; None if a stage failed."""
+    from rlhf.config import with_overrides
+    from schemas.validate import LengthBudget, load_validated
+    from stages.common.reporting import Reporting
+    from stages.launch.call import call_stage
+    from stages.ppo import PPOInputs, train_ppo
+    from stages.reward import RewardInputs, train_reward
+    from stages.runtime.models import load_tokenizer
+    from stages.sft import SFTInputs, train_sft
+
+    tokenizer = load_tokenizer(base)
+    sft, reward, ppo = (with_overrides(getattr(cfg, stage), changes.get(stage, {}))
+                        for stage in ("sft", "reward", "ppo"))
+
+    def data(name: str, kind: str, section=sft):
+        total = section.max_prompt_length + section.sampling.response_length if kind == "prompt" else section.max_length
+        return load_validated(str(world / f"{name}.jsonl"), kind, tokenizer=tokenizer,
+                              budget=LengthBudget(section.max_prompt_length, total)).frame
+
+    prompts, eval_prompts = data("prompts", "prompt", ppo), data("prompts_eval", "prompt", ppo)
+
+    def run(stage: str, train, section, inputs, start: str, folder: Path, reporting=None):
+        figures = planned(cfg, stage, section, start, len(eval_prompts))
+        return call_stage(train, section, inputs, folder, reporting or Reporting(), deterministic=False,
+                          num_threads=None), figures
+
+    row, trained = stage_row(world_name, "sft", "full", lambda: run(
+        "sft", train_sft, sft, SFTInputs(base, data("sft", "sft"), data("sft_eval", "sft")), base, work / "sft"))
+    results.add("stages", row)
+    if trained is None:
+        return None
+    sft_checkpoint = str(trained.checkpoint)
+    row, trained = stage_row(world_name, "reward", "full", lambda: run(
+        "reward", train_reward, reward, RewardInputs(
+            model_location=sft_checkpoint, policy_location=sft_checkpoint,
+            train=data("preferences", "preference", reward), evaluation=data("preferences_eval", "preference", reward),
+            normalization_prompts=eval_prompts), sft_checkpoint, work / "reward"))
+    results.add("stages", row)
+    if trained is None:
+        return None
+    inputs = PPOInputs(sft_checkpoint, str(trained.checkpoint), prompts, eval_prompts)
+
+    def run_ppo(section, folder: Path, reporting=None):
+        return run("ppo", train_ppo, section, inputs, sft_checkpoint, folder, reporting)
+
+    row, _ = stage_row(world_name, "ppo", "full", lambda: run_ppo(
+        ppo, work / "ppo", Reporting(metrics=profile) if profile else None))
+    row["section"] = ppo.model_dump(include={"rollout_batch_size", "num_ppo_epochs", "num_minibatches"})
+    results.add("stages", row)
+    prompt_tokens = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts["prompt"])
+    return {"run_ppo": run_ppo, "section": ppo, "row": row, "prompt_tokens": prompt_tokens / len(prompts),
+            "sft": sft_checkpoint}
+
+
+def update_variants(done: dict, results: Results, parameters: int, matmul_flops: float, work: Path) -> None:
+    """The PPO update's MFU, full and LoRA, with and without gradient checkpointing: `full` from the
+    chain's own PPO run, the others run here from the same checkpoints."""
+    from rlhf.config import with_overrides
+
+    for variant, changes in VARIANTS.items():
+        if variant == "full":
+            row = done["row"]
+        else:
+            section = with_overrides(done["section"], changes | {"num_iterations": 2})
+            row, _ = stage_row("llama", "ppo", variant,
+                               lambda section=section, folder=work / variant: done["run_ppo"](section, folder))
+            row["section"] = done["row"]["section"]
+        if row["status"] == "ok":
+            row.update(update_mfu(row, parameters, done["prompt_tokens"], matmul_flops, lora="lora" in variant))
+            print(f"update, {variant}: {row['update_mfu']:.1%} MFU, {row['update_seconds']:.2f} s for "
+                  f"{row['update_tokens_per_iteration']:.0f} tokens, peak {row['peak_allocated_gib'] or 0:.2f} GiB",
+                  flush=True)
+        results.add("update", {"variant": variant} | {k: v for k, v in row.items() if k != "history"})
+
+
+def matmul_rate(dry: bool) -> float:
+    """The bf16 matmul rate the MFU is counted against: `bench.gpu`'s measurement (a small one when dry)."""
+    from bench.gpu import ceilings
+
+    return ceilings(512 if dry else 8192)["bf16_matmul_flops"]
+
+
+def main() -> None:
+    import argparse
+
+    from bench.gpu import LLAMA_05B
+    from rlhf.config import load_config
+    from rlhf.demo_world import build_world
+    from stages.memory.shapes import model_shape
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--work", default="/tmp/rlhf-gpu-stages")
+    parser.add_argument("--dry", action="store_true", help="the tiny config, on the CPU")
+    parser.add_argument("--parts", nargs="+", default=["demo", "llama", "update"], choices=["demo", "llama", "update"])
+    args = parser.parse_args()
+    out, work = Path(args.out), Path(args.work)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for runs in ("demo", "llama", "llama-base"):  # a finished run's full-state checkpoint would be resumed
+        shutil.rmtree(work / runs, ignore_errors=True)
+    import transformers
+    import trl
+
+    results = Results(out, {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                            "torch": torch.__version__, "transformers": transformers.__version__,
+                            "trl": trl.__version__, "date": time.strftime("%Y-%m-%d"), "dry": args.dry})
+    cfg = load_config("configs/tiny.yaml" if args.dry else "configs/demo.yaml")
+    world = build_world(work / "worlds", cfg.demo)
+    if "demo" in args.parts:
+        chain("demo", cfg, str(world / "model"), world, work / "demo",
+              DRY if args.dry else {"ppo": {"num_iterations": DEMO_ITERATIONS}}, results)
+    if not {"llama", "update"} & set(args.parts):
+        return
+    shape = TINY_LLAMA if args.dry else {k: v for k, v in LLAMA_05B.items()
+                                         if k not in ("vocab_size", "max_position_embeddings", "tie_word_embeddings")}
+    base = build_llama(world, work / "llama-base", shape)
+    results.record["llama"] = shape | {"parameters": model_shape(base).parameters}
+    profiled = Profiled()
+    done = chain("llama", cfg, base, world, work / "llama",
+                 DRY if args.dry else {"sft": LARGE_SFT, "reward": LARGE_REWARD, "ppo": LARGE_PPO}, results, profiled)
+    results.record["profile"] = {"top": profiled.top} | profiled.busy
+    (out.parent / "profile-ppo.txt").write_text(profiled.table)
+    results.write()
+    if done and "update" in args.parts:
+        results.record["bf16_matmul_flops"] = matmul_rate(args.dry)
+        update_variants(done, results, model_shape(base).parameters, results.record["bf16_matmul_flops"],
+                        work / "llama")
+
+
+if __name__ == "__main__":
+    main()
