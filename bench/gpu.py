@@ -189,6 +189,8 @@ def main() -> None:
                                          "error": f"{type(e).__name__}: {e}"[:600]})
                 empty_cache()
             print(json.dumps(record["decode"][-1]), flush=True)
+            with open(args.out, "w") as f:  # kept if a later part runs past the caller's limit
+                json.dump(record, f, indent=1)
     if "train" in args.parts:
         small = dict(batch=2, length=16) if args.tiny else {}
         cases = ((False, None), (True, None), (False, 32)) if not args.tiny else ((False, None),)
