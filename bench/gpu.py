@@ -24,6 +24,7 @@ import json
 import platform
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -87,17 +88,42 @@ def build(shape: dict, dtype=torch.bfloat16):
     return LlamaForCausalLM(LlamaConfig(**shape)).to(DEVICE, dtype)
 
 
+def kernel_profile(fn, top: int = 10) -> dict:
+    """One call of `fn` under `torch.profiler`: the device's busy time against the call's wall clock, and
+    the `top` operators and kernels by their own device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    key = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        started = time.perf_counter()
+        fn()
+        synchronize()
+        wall = time.perf_counter() - started
+    events = profiler.key_averages()
+    busy = sum(getattr(e, key) for e in events)
+    ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
+    return {"wall_ms": wall * 1e3, "busy_ms": busy / 1e3,
+            "top": [{"name": e.key[:120], "calls": e.count, "self_ms": getattr(e, key) / 1e3,
+                     "cpu_ms": e.cpu_time_total / 1e3} for e in ranked]}
+
+
 def decode(limits: dict, shape: dict = LLAMA_05B, batch: int = 64, prompt: int = 64, new: int = 128,
-           static: bool = False) -> dict:
+           static: bool = False, cudnn: bool = True) -> dict:
+    """`generate`'s tokens per second against the bandwidth bound, and one call profiled. `cudnn=False`
+    keeps scaled-dot-product attention off cuDNN's kernels (flash, memory-efficient or math instead)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     model = build(shape).eval()
     # a static KV cache: transformers' `generate` then compiles each decode step on a GPU (its
     # `_valid_auto_compile_criteria`; `torch.compile` mode reduce-overhead, so a step is one CUDA graph)
     options = {"cache_implementation": "static"} if static else {}
     params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(3, shape["vocab_size"], (batch, prompt), device=DEVICE)
+    off_cudnn = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
     def run():
-        with torch.no_grad():
+        with torch.no_grad(), (nullcontext() if cudnn else sdpa_kernel(off_cudnn)):
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, pad_token_id=0, **options)
 
@@ -105,6 +131,7 @@ def decode(limits: dict, shape: dict = LLAMA_05B, batch: int = 64, prompt: int =
     run()  # the first call: compiles and captures where it compiles
     first = time.perf_counter() - started
     seconds = timed(run, repeats=3, warmup=1)
+    profiled = kernel_profile(run)
     cfg = model.config
     kv_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
                     * 2)
@@ -114,11 +141,13 @@ def decode(limits: dict, shape: dict = LLAMA_05B, batch: int = 64, prompt: int =
     tokens_per_s = batch * new / seconds
     model = None  # frees the weights (not `del`: run() above names it)
     empty_cache()
-    return {"engine": "transformers generate" + ((" (static cache, compiled by generate)" if DEVICE == "cuda"
-                                                          else " (static cache)") if static else ""),
+    engine = "transformers generate" + ((" (static cache, compiled by generate)" if DEVICE == "cuda"
+                                         else " (static cache)") if static else "")
+    return {"engine": engine + ("" if cudnn else ", attention off cuDNN"),
             "batch": batch, "prompt_tokens": prompt, "new_tokens": new, "first_call_seconds": first,
             "parameters": params, "seconds": seconds, "tokens_per_s": tokens_per_s,
-            "bandwidth_bound_tokens_per_s": bound_tokens_per_s, "fraction_of_bound": tokens_per_s / bound_tokens_per_s}
+            "bandwidth_bound_tokens_per_s": bound_tokens_per_s, "fraction_of_bound": tokens_per_s / bound_tokens_per_s,
+            "profile": profiled}
 
 
 def train_step(limits: dict, lora: bool, shape: dict = LLAMA_05B, batch: int = 16, length: int = 512,
@@ -181,11 +210,12 @@ def main() -> None:
     if "decode" in args.parts:
         small = dict(batch=4, prompt=8, new=8) if args.tiny else {}
         record["decode"] = []
-        for static in (False, True):
+        for static, cudnn in ((False, True), (False, False), (True, True), (True, False)):
             try:
-                record["decode"].append(decode(record["limits"], shape, static=static, **small))
-            except Exception as e:  # noqa: BLE001 - a failed engine is a result; the other still runs
-                record["decode"].append({"engine": "transformers generate" + (" (static cache)" if static else ""),
+                record["decode"].append(decode(record["limits"], shape, static=static, cudnn=cudnn, **small))
+            except Exception as e:  # noqa: BLE001 - a failed engine is a result; the others still run
+                record["decode"].append({"engine": "transformers generate" + (" (static cache)" if static else "")
+                                         + ("" if cudnn else ", attention off cuDNN"),
                                          "error": f"{type(e).__name__}: {e}"[:600]})
                 empty_cache()
             print(json.dumps(record["decode"][-1]), flush=True)

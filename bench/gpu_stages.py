@@ -26,6 +26,7 @@ import json
 import shutil
 import time
 import traceback
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -49,9 +50,12 @@ DRY = {"sft": {"max_steps": 4, "eval_steps": 1000, "num_samples": 1},
                "critic.kind": "shared", "evaluation.every": None, "checkpoint_every": 100}}
 """The dry run's settings on the tiny config, for every world."""
 VARIANTS = {"full": {}, "lora": {"lora": {"r": 16}}, "full, checkpointing": {"gradient_checkpointing": True},
-            "lora, checkpointing": {"lora": {"r": 16}, "gradient_checkpointing": True}}
-"""The update's MFU runs (`full` is the 0.5B chain's own PPO run; the others run 2 iterations, the second
-measured)."""
+            "lora, checkpointing": {"lora": {"r": 16}, "gradient_checkpointing": True},
+            "full, frozen bf16": {"frozen_dtype": "bfloat16"}, "full, attention off cuDNN": {}}
+"""The update's runs, 2 iterations each (the second measured), from the random base model rather than the SFT
+checkpoint (whose responses end after a few tokens, as the demo's do) at a learning rate that keeps it
+random, so every response runs to about its 128 tokens and each update has the same work."""
+VARIANT_PPO = {"num_iterations": 2, "learning_rate": 1e-6}
 PPO_PHASES = ("generate", "reference", "values", "score", "advantages", "train", "iteration")
 
 
@@ -126,6 +130,58 @@ class Profiled:
                          "wall_ms": figures.get("time/iteration", 0.0) * 1e3}
 
 
+class PhasePeaks:
+    """The largest GPU memory allocated in each timed PPO phase (`stages.common.reporting.timed`), over a
+    run: the timer is swapped in the modules that time phases while the block runs. The allocator's peak
+    is reset as each phase starts (folded into the phases still open first), so `call_stage`'s own peak
+    then covers only what ran after the last phase; `overall` takes the larger."""
+
+    MODULES = ("stages.ppo", "stages.rl.ppo_rollout", "stages.rl.ppo_sampling")
+
+    def __init__(self):
+        self.peaks: dict[str, float] = {}
+        self.open: list[str] = []
+
+    def _fold(self) -> None:
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30
+        for phase in self.open:
+            self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak)
+
+    def timed(self, timings: dict[str, float], phase: str):
+        from stages.common.reporting import timed
+
+        @contextmanager
+        def measured():
+            self._fold()
+            self.open.append(phase)
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                with timed(timings, phase):
+                    yield
+            finally:
+                self._fold()
+                self.open.remove(phase)
+
+        return measured()
+
+    @contextmanager
+    def installed(self):
+        import importlib
+
+        if not torch.cuda.is_available():
+            yield self
+            return
+        modules = [importlib.import_module(name) for name in self.MODULES]
+        originals = [module.timed for module in modules]
+        for module in modules:
+            module.timed = self.timed
+        try:
+            yield self
+        finally:
+            for module, original in zip(modules, originals, strict=True):
+                module.timed = original
+
+
 def stage_row(world: str, stage: str, variant: str, run) -> tuple[dict, object]:
     """`run()` (a stage through `call_stage`: its result and its plan's figures), timed; the row and the
     stage's result (None where it failed)."""
@@ -170,11 +226,11 @@ def update_mfu(row: dict, parameters: int, prompt_tokens: float, matmul_flops: f
 
 
 def chain(world_name: str, cfg, base: str, world: Path, work: Path, changes: dict, results: Results,
-          profile: Profiled | None = None) -> dict | None:
+          profile: Profiled | None = None, with_ppo: bool = True) -> dict | None:
     """SFT from `base`, reward from the SFT checkpoint, PPO from both, each through `call_stage` with
     `changes[stage]` on `cfg`'s section, each stage's row added to `results`. What the update's other
-    variants need: `run_ppo(section, folder)`, PPO's section and row, the prompts' mean length in
-    tokens; None if a stage failed."""
+    variants need: `run_ppo(section, folder, reporting, policy)`, PPO's section, the prompts' mean length
+    in tokens; None if a stage failed. `with_ppo=False` stops after the reward model."""
     from rlhf.config import with_overrides
     from schemas.validate import LengthBudget, load_validated
     from stages.common.reporting import Reporting
@@ -214,38 +270,50 @@ def chain(world_name: str, cfg, base: str, world: Path, work: Path, changes: dic
     results.add("stages", row)
     if trained is None:
         return None
-    inputs = PPOInputs(sft_checkpoint, str(trained.checkpoint), prompts, eval_prompts)
+    reward_checkpoint = str(trained.checkpoint)
 
-    def run_ppo(section, folder: Path, reporting=None):
-        return run("ppo", train_ppo, section, inputs, sft_checkpoint, folder, reporting)
+    def run_ppo(section, folder: Path, reporting=None, policy: str = sft_checkpoint):
+        inputs = PPOInputs(policy, reward_checkpoint, prompts, eval_prompts)
+        return run("ppo", train_ppo, section, inputs, policy, folder, reporting)
 
+    prompt_tokens = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts["prompt"])
+    done = {"run_ppo": run_ppo, "section": ppo, "prompt_tokens": prompt_tokens / len(prompts), "base": base}
+    if not with_ppo:
+        return done
     row, _ = stage_row(world_name, "ppo", "full", lambda: run_ppo(
         ppo, work / "ppo", Reporting(metrics=profile) if profile else None))
     row["section"] = ppo.model_dump(include={"rollout_batch_size", "num_ppo_epochs", "num_minibatches"})
     results.add("stages", row)
-    prompt_tokens = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts["prompt"])
-    return {"run_ppo": run_ppo, "section": ppo, "row": row, "prompt_tokens": prompt_tokens / len(prompts),
-            "sft": sft_checkpoint}
+    return done
 
 
 def update_variants(done: dict, results: Results, parameters: int, matmul_flops: float, work: Path) -> None:
-    """The PPO update's MFU, full and LoRA, with and without gradient checkpointing: `full` from the
-    chain's own PPO run, the others run here from the same checkpoints."""
+    """The PPO update's MFU and each timed phase's peak memory, for each of `VARIANTS`."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from rlhf.config import with_overrides
 
+    off_cudnn = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     for variant, changes in VARIANTS.items():
-        if variant == "full":
-            row = done["row"]
-        else:
-            section = with_overrides(done["section"], changes | {"num_iterations": 2})
-            row, _ = stage_row("llama", "ppo", variant,
-                               lambda section=section, folder=work / variant: done["run_ppo"](section, folder))
-            row["section"] = done["row"]["section"]
+        section = with_overrides(done["section"], changes | VARIANT_PPO)
+        phases = PhasePeaks()
+
+        def run(section=section, folder=work / variant, phases=phases, variant=variant):
+            attention = sdpa_kernel(off_cudnn) if "cuDNN" in variant else nullcontext()
+            with phases.installed(), attention:
+                return done["run_ppo"](section, folder, policy=done["base"])
+
+        row, _ = stage_row("llama", "ppo", variant, run)
+        row["section"] = section.model_dump(include={"rollout_batch_size", "num_ppo_epochs", "num_minibatches"})
+        if phases.peaks:
+            row["phase_peak_allocated_gib"] = phases.peaks
+            row["peak_allocated_gib"] = max([*phases.peaks.values(), row.get("peak_allocated_gib") or 0.0])
+            row["plan_over_measured"] = row["planned_peak_gib"] / row["peak_allocated_gib"]
         if row["status"] == "ok":
             row.update(update_mfu(row, parameters, done["prompt_tokens"], matmul_flops, lora="lora" in variant))
             print(f"update, {variant}: {row['update_mfu']:.1%} MFU, {row['update_seconds']:.2f} s for "
-                  f"{row['update_tokens_per_iteration']:.0f} tokens, peak {row['peak_allocated_gib'] or 0:.2f} GiB",
-                  flush=True)
+                  f"{row['update_tokens_per_iteration']:.0f} tokens, peak {row['peak_allocated_gib'] or 0:.2f} GiB "
+                  f"(plan {row['planned_peak_gib']:.2f}), phases {row.get('phase_peak_allocated_gib')}", flush=True)
         results.add("update", {"variant": variant} | {k: v for k, v in row.items() if k != "history"})
 
 
@@ -268,7 +336,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--work", default="/tmp/rlhf-gpu-stages")
     parser.add_argument("--dry", action="store_true", help="the tiny config, on the CPU")
-    parser.add_argument("--parts", nargs="+", default=["demo", "llama", "update"], choices=["demo", "llama", "update"])
+    parser.add_argument("--parts", nargs="+", default=["demo", "llama", "update"], choices=["demo", "llama", "update"],
+                        help="demo: the demo world's chain; llama: the 0.36B chain with PPO profiled; update: the "
+                             "update's variants (from the 0.36B's SFT and reward checkpoints)")
     args = parser.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -282,7 +352,7 @@ def main() -> None:
                             "trl": trl.__version__, "date": time.strftime("%Y-%m-%d"), "dry": args.dry})
     cfg = load_config("configs/tiny.yaml" if args.dry else "configs/demo.yaml")
     world = build_world(work / "worlds", cfg.demo)
-    if "demo" in args.parts:
+    if "demo" in args.parts:  # the demo world's chain
         chain("demo", cfg, str(world / "model"), world, work / "demo",
               DRY if args.dry else {"ppo": {"num_iterations": DEMO_ITERATIONS}}, results)
     if not {"llama", "update"} & set(args.parts):
@@ -293,10 +363,12 @@ def main() -> None:
     results.record["llama"] = shape | {"parameters": model_shape(base).parameters}
     profiled = Profiled()
     done = chain("llama", cfg, base, world, work / "llama",
-                 DRY if args.dry else {"sft": LARGE_SFT, "reward": LARGE_REWARD, "ppo": LARGE_PPO}, results, profiled)
-    results.record["profile"] = {"top": profiled.top} | profiled.busy
-    (out.parent / "profile-ppo.txt").write_text(profiled.table)
-    results.write()
+                 DRY if args.dry else {"sft": LARGE_SFT, "reward": LARGE_REWARD, "ppo": LARGE_PPO}, results, profiled,
+                 with_ppo="llama" in args.parts)
+    if "llama" in args.parts:  # the 0.36B chain's PPO ran, one iteration profiled
+        results.record["profile"] = {"top": profiled.top} | profiled.busy
+        (out.parent / "profile-ppo.txt").write_text(profiled.table)
+        results.write()
     if done and "update" in args.parts:
         results.record["bf16_matmul_flops"] = matmul_rate(args.dry)
         update_variants(done, results, model_shape(base).parameters, results.record["bf16_matmul_flops"],

@@ -51,9 +51,13 @@ step() {  # step NAME SECONDS (SECONDS_DRY) COMMAND...: its output in $OUT/NAME.
     timeout --kill-after=10 "$seconds" "$@" 2>&1 | tee "$OUT/$name.log" | grep -vE "it/s\]|examples/s\]|Warning|warnings.warn|forward_call"
     echo "== $name: exit ${PIPESTATUS[0]}"
 }
-step stages 280 240 "$PY" -m bench.gpu_stages --out "$OUT/stages.json" "${SMALL[@]}"
-step pytest 120 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
-step kernels 100 60 "$PY" -m bench.gpu --out "$OUT/kernels.json" --parts ceilings decode "${TINY[@]}"
+STEPS=${GPU_CHECK_STEPS:-stages pytest kernels}  # a later call may rerun some: GPU_CHECK_STEPS="stages kernels"
+read -ra PARTS <<< "${GPU_CHECK_PARTS:-demo llama update}"  # bench.gpu_stages --parts
+[[ " $STEPS " == *" stages "* ]] && step stages 280 240 "$PY" -m bench.gpu_stages --out "$OUT/stages.json" \
+    --parts "${PARTS[@]}" "${SMALL[@]}"
+[[ " $STEPS " == *" pytest "* ]] && step pytest 120 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
+[[ " $STEPS " == *" kernels "* ]] && step kernels 150 60 "$PY" -m bench.gpu --out "$OUT/kernels.json" \
+    --parts ceilings decode "${TINY[@]}"
 
 "$PY" - "$OUT" "$KIND" <<'PY'
 import json, re, sys, time

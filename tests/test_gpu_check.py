@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from bench.gpu_stages import VARIANTS
 from bench.gpu_wheels import CARRIED, IMAGE, IMAGE_VERSIONS, NOT_ON_THE_DEVICE, locked_version
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,10 +86,11 @@ def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
     assert [(r["world"], r["stage"], r["status"]) for r in rows] == [
         (world, stage, "ok") for world in ("demo", "llama") for stage in ("sft", "reward", "ppo")]
     assert all(r["planned_peak_gib"] > 0 for r in rows)
-    assert {r["variant"] for r in record["stages"]["update"]} == {"full", "lora", "full, checkpointing",
-                                                                  "lora, checkpointing"}
+    assert [r["variant"] for r in record["stages"]["update"]] == list(VARIANTS)
     assert all(0 < r["update_mfu"] < 1 for r in record["stages"]["update"])
     assert record["stages"]["profile"]["top"] and (tmp_path / "profile-ppo.txt").read_text()
-    assert [d["engine"] for d in record["kernels"]["decode"]] == ["transformers generate",
-                                                                  "transformers generate (static cache)"]
+    assert [d["engine"] for d in record["kernels"]["decode"]] == [
+        "transformers generate", "transformers generate, attention off cuDNN", "transformers generate (static cache)",
+        "transformers generate (static cache), attention off cuDNN"]
+    assert all(d["profile"]["top"] for d in record["kernels"]["decode"])
     assert "skipped" in record["pytest"]["summary"]  # no CUDA here: the GPU tests skip, and run nowhere else
