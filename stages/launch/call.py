@@ -6,7 +6,8 @@ The stage's `launch` settings choose the engine:
 - `engine: ray`: `stages.launch.ray_gang`, one Ray Train gang on a Ray cluster.
 A launcher starts the processes and hands back what rank 0 returned, forwarding its reports
 while the job runs (`stages.launch.job`). The caller gets the same result object whichever runs
-it, with the stage's measured peak memory in its metrics. A new engine goes beside these two, in
+it, with the stage's measured peak memory in its metrics; a stage run in the caller's process leaves
+none of its models behind. A new engine goes beside these two, in
 this folder, and is chosen here."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from stages.common.reporting import Reporting
 from stages.launch.job import Stage, StageCall
-from stages.memory.measured import measured_peak, with_figures
+from stages.memory.measured import measured_peak, release_unreachable, with_figures
 
 
 def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Reporting, *, deterministic: bool,
@@ -26,8 +27,12 @@ def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Repor
     its result. A `StageUserError` raised on rank 0 is raised here as it was."""
     launch = section.launch
     if launch.in_process:
-        with measured_peak() as peak:
-            result = train(section, inputs, output_dir, reporting)
+        release_unreachable()  # what an earlier stage in this process left is neither counted nor in the way
+        try:
+            with measured_peak() as peak:
+                result = train(section, inputs, output_dir, reporting)
+        finally:
+            release_unreachable()  # nor is this stage's, for whatever runs next
         return with_figures(result, peak)
     threads = max(1, (num_threads or os.cpu_count() or 1) // launch.num_processes)
     call = StageCall(train=train, section=section, inputs=inputs, output_dir=output_dir, deterministic=deterministic,

@@ -23,6 +23,20 @@ def _peak_rss() -> float | None:
     return None
 
 
+def release_unreachable() -> None:
+    """Frees what earlier work left unreachable but not yet collected. A finished stage's models and
+    optimizer sit in reference cycles (modules, hooks, the trainer) that only Python's cyclic collector
+    frees, and it runs when it will: until then a GPU keeps their memory allocated under the next stage
+    run in the same process (measured on an H100: 1.4-5.4 GiB of an earlier stage's models under PPO)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @contextmanager
 def measured_peak() -> Iterator[dict[str, float]]:
     """The block's peak memory, set in the yielded dict when it ends: `memory/peak_rss_gib`, this
