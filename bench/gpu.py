@@ -88,6 +88,17 @@ def build(shape: dict, dtype=torch.bfloat16):
     return LlamaForCausalLM(LlamaConfig(**shape)).to(DEVICE, dtype)
 
 
+def busy_us(events) -> float:
+    """Microseconds the device was busy in a profile's `key_averages()`: its kernels' own time (an operator's
+    device time is its kernels', so summing over every event would count each kernel twice); on the CPU,
+    every operator's own time."""
+    from torch.autograd import DeviceType
+
+    if DEVICE == "cpu":
+        return sum(e.self_cpu_time_total for e in events)
+    return sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+
+
 def kernel_profile(fn, top: int = 10) -> dict:
     """One call of `fn` under `torch.profiler`: the device's busy time against the call's wall clock, and
     the `top` operators and kernels by their own device time."""
@@ -101,7 +112,7 @@ def kernel_profile(fn, top: int = 10) -> dict:
         synchronize()
         wall = time.perf_counter() - started
     events = profiler.key_averages()
-    busy = sum(getattr(e, key) for e in events)
+    busy = busy_us(events)
     ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
     return {"wall_ms": wall * 1e3, "busy_ms": busy / 1e3,
             "top": [{"name": e.key[:120], "calls": e.count, "self_ms": getattr(e, key) / 1e3,

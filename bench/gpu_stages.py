@@ -112,6 +112,8 @@ class Profiled:
     def __call__(self, figures: dict, iteration: int) -> None:
         from torch.profiler import ProfilerActivity, profile
 
+        from bench.gpu import busy_us
+
         if iteration == self.iteration - 1:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self.profiler = profile(activities=activities)
@@ -121,7 +123,7 @@ class Profiled:
             key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             events = self.profiler.key_averages()
             self.table = events.table(sort_by=key, row_limit=25)
-            total = sum(getattr(e, key) for e in events) or 1
+            total = busy_us(events) or 1
             ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:15]
             self.top = [{"name": e.key[:120], "calls": e.count, "self_ms": getattr(e, key) / 1e3,
                          "share": getattr(e, key) / total} for e in ranked]
