@@ -53,7 +53,16 @@ from flows.reports import (
     reward_report,
     reward_terms_note,
 )
-from flows.stage_runs import StageContext, StageJob, StageRun, refuse, run_stage, stage_memory
+from flows.stage_runs import (
+    STAGE_RETRIES,
+    StageContext,
+    StageJob,
+    StageRun,
+    refuse,
+    retried_on_outage,
+    run_stage,
+    stage_memory,
+)
 from rlhf import stack, tracking
 from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
 from rlhf.config_common import StageName
@@ -108,7 +117,7 @@ def build_demo_world(demo: DemoWorldConfig) -> str:
 # --- stage tasks ----------------------------------------------------------------------------
 
 
-@task(name="sft")
+@task(name="sft", retry_condition_fn=retried_on_outage, **STAGE_RETRIES)
 def run_sft(ctx: StageContext) -> StageRecord | State:
     """Validate demonstrations, fine-tune the base model, log everything to a child run."""
     from stages.sft import SFTInputs, train_sft  # here: the training libraries take seconds to import
@@ -132,7 +141,7 @@ def run_sft(ctx: StageContext) -> StageRecord | State:
     return run_stage("sft", ctx, "step", prepare)
 
 
-@task(name="reward")
+@task(name="reward", retry_condition_fn=retried_on_outage, **STAGE_RETRIES)
 def run_reward(ctx: StageContext) -> StageRecord | State:
     """Train the reward model from the upstream SFT checkpoint (downloaded through MLflow)."""
     from stages.reward import RewardInputs, train_reward
@@ -157,7 +166,7 @@ def run_reward(ctx: StageContext) -> StageRecord | State:
     return run_stage("reward", ctx, "step", prepare)
 
 
-@task(name="ppo")
+@task(name="ppo", retry_condition_fn=retried_on_outage, **STAGE_RETRIES)
 def run_ppo(ctx: StageContext) -> StageRecord | State:
     """PPO from the upstream SFT policy against the upstream reward model (none where the reward is
     Python functions alone), fetched through MLflow; the policy registered (as an MLflow
@@ -180,13 +189,13 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
         train = logged_prompts(ctx.config, "ppo", "prompts", "prompts", ctx.world, tokenizer)
         evaluation = logged_prompts(ctx.config, "ppo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)
         mlflow.set_tag(tracking.TAG_DATA_DIGEST, train.digest)
-        gold = GoldJudgments.of_rollouts(run.scratch, run.metrics.log) if is_demo(section.prompts) else None
+        gold = GoldJudgments.of_rollouts(run.scratch, run.log) if is_demo(section.prompts) else None
         demo_evaluation = is_demo(section.evaluation.prompts)
         judged = {"rollouts": gold} if gold else {}
         if demo_evaluation:
-            judged["evaluation"] = GoldJudgments.of_evaluations(run.scratch, run.metrics.log)
-        reporting = run.reporting(
-            samples=lambda table, i: mlflow.log_table(table, f"samples/iteration_{i:05d}.json"), **judged)
+            judged["evaluation"] = GoldJudgments.of_evaluations(run.scratch, run.log)
+        reporting = run.reporting(samples=lambda table, i: run.table(table, f"samples/iteration_{i:05d}.json"),
+                                  **judged)
         return StageJob(train_ppo, PPOInputs(sft_location, reward_location, train.frame, evaluation.frame), train,
                         reporting, lambda result, metrics: ppo_report(result, metrics, run.warnings, gold,
                                                                       demo_evaluation),
@@ -195,7 +204,7 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
     return run_stage("ppo", ctx, "iteration", prepare)
 
 
-@task(name="dpo")
+@task(name="dpo", retry_condition_fn=retried_on_outage, **STAGE_RETRIES)
 def run_dpo(ctx: StageContext) -> StageRecord | State:
     """DPO from the upstream SFT checkpoint (fetched through MLflow) on preference pairs, judged
     as PPO is; the policy registered unless the config says not to."""

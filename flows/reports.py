@@ -4,6 +4,7 @@ demo world's gold figures, and the Prefect summaries. MLflow calls log to the ac
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -111,7 +112,9 @@ def pipeline_note(config_file: str, overrides: dict, records: list[StageRecord],
 class Progress:
     """A stage's progress as a Prefect progress artifact (updated every `update_s` at most: each
     update is an event that `prefect deployment run --watch` prints) and a log line every `log_s`:
-    steps or iterations done of the total, and the time left at the pace so far."""
+    steps or iterations done of the total, and the time left at the pace so far. The artifact is
+    updated from a background thread with the latest figures, so a Prefect server that does not
+    answer never holds the stage up; the update it could not take is made when it answers."""
 
     def __init__(self, stage: str, unit: str, update_s: float = 15.0, log_s: float = 30.0):
         self.stage, self.unit, self.update_s, self.log_s = stage, unit, update_s, log_s
@@ -119,19 +122,62 @@ class Progress:
         self.started = self.updated = self.logged = time.monotonic()
         self.first_done: int | None = None
         """Units done before this attempt: a resumed stage's first report is past one."""
+        self.progress, self.events = 0.0, []
+        self._logger = get_run_logger()
+        self._latest: tuple[float, str] | None = None
+        self._wake, self._closing = threading.Event(), False
+        self._sender = threading.Thread(target=self._send_loop, name="prefect-progress", daemon=True)
+        self._sender.start()
+
+    def event(self, text: str) -> None:
+        """Something the stage went through (a tracking server's gap), added to the artifact's description."""
+        self.events.append(text)
+        self._update()
+
+    def _update(self) -> None:
+        self._latest = (self.progress, "; ".join([f"{self.stage}: {self.unit}s done", *self.events]))
+        self._wake.set()
+
+    def _send_loop(self) -> None:
+        away = False
+        while not (self._closing and self._latest is None):
+            self._wake.wait(timeout=5.0)
+            self._wake.clear()
+            if (latest := self._latest) is None:
+                continue
+            try:
+                update_progress_artifact(self.artifact, latest[0], description=latest[1])
+            except Exception as e:  # noqa: BLE001 - progress is shown, not kept: the next update carries it
+                if not away:
+                    self._logger.warning("%s: progress not updated, the Prefect server did not take it (%s)",
+                                         self.stage, type(e).__name__)
+                away = True
+                if self._closing:
+                    return
+                continue
+            away = False
+            if self._latest is latest:
+                self._latest = None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send the last figures (within `timeout`) and stop the sender."""
+        self._closing = True
+        self._wake.set()
+        self._sender.join(timeout=timeout)
 
     def __call__(self, done: int, total: int) -> None:
         now, last = time.monotonic(), done >= total
         if self.first_done is None:
             self.first_done = done - 1
+        self.progress = 100.0 * min(done / max(total, 1), 1.0)
         if now - self.updated >= self.update_s or last:
-            update_progress_artifact(self.artifact, 100.0 * min(done / max(total, 1), 1.0))
+            self._update()
             self.updated = now
         if now - self.logged >= self.log_s or last:
             elapsed = now - self.started
             left = elapsed / max(done - self.first_done, 1) * max(total - done, 0)
-            get_run_logger().info("%s: %s %d of %d (%.0f%%), %.0f s so far, about %.0f s to go", self.stage, self.unit,
-                                  done, total, 100 * done / max(total, 1), elapsed, left)
+            self._logger.info("%s: %s %d of %d (%.0f%%), %.0f s so far, about %.0f s to go", self.stage, self.unit,
+                              done, total, 100 * done / max(total, 1), elapsed, left)
             self.logged = now
 
 

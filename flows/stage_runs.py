@@ -19,14 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-from mlflow import MlflowClient
-from mlflow.entities import Param
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.context import get_run_context
 from prefect.states import Failed, State
 from pydantic import BaseModel
 
+from flows.journal import RunJournal, send_leftovers
 from flows.lineage import StageRecord, stack_tags
 from flows.reports import (
     STAGE_SECONDS,
@@ -137,12 +136,25 @@ def finish(stage: StageName, run: StageRun, ctx: StageContext, data: ValidatedDa
                        checkpoint_digest=checkpoint_digest, metrics=metrics, warnings=len(warnings))
 
 
-def refuse(message: str) -> State:
-    """A user error (bad data, bad config, a failed gate): logged as the message alone, without a
-    traceback, and with any secret in it (a password in a URI, a token) redacted."""
+SERVER_UNREACHABLE = "ServerUnreachable"
+"""The name of a stage task's Failed state when the tracking server stopped answering for longer than the
+stage waits (`outage_limit_s`): the one failure the stage tasks retry."""
+STAGE_RETRIES = {"retries": 2, "retry_delay_seconds": [30, 120]}
+"""How the stage tasks retry a `SERVER_UNREACHABLE` failure; each retry resumes from the stage's checkpoint."""
+
+
+def refuse(message: str, server_unreachable: bool = False) -> State:
+    """A user error (bad data, bad config, a failed gate), or a server gone: logged as the message alone,
+    without a traceback, and with any secret in it (a password in a URI, a token) redacted."""
     message = tracking.redact(message)
     get_run_logger().error(message)
-    return Failed(message=message)
+    return Failed(message=message, name=SERVER_UNREACHABLE if server_unreachable else "Failed")
+
+
+def retried_on_outage(task, task_run, state: State) -> bool:
+    """The stage tasks' `retry_condition_fn`: a server that stopped answering is retried, a user error
+    (bad data, a bad reward function, a failed gate) or a bug is not."""
+    return state.name == SERVER_UNREACHABLE
 
 
 @dataclass
@@ -152,7 +164,8 @@ class StageRun:
     run_id: str
     scratch: Path
     """The work folder, keyed by the cache key: an interrupted attempt's checkpoints are found here again."""
-    metrics: tracking.MetricWriter
+    journal: RunJournal
+    """What the run logs while the stage trains, kept on disk and sent in order (`flows.journal`)."""
     progress: Progress
     warnings: list[str]
 
@@ -161,14 +174,54 @@ class StageRun:
         get_run_logger().warning(message)
 
     def reporting(self, **callbacks) -> Reporting:
-        """The stage's `Reporting`: metrics and the settings it chose to MLflow, warnings to the log
-        and the run's description, progress to Prefect; `callbacks` adds the stage's own."""
-        return Reporting(metrics=self.metrics.log, warning=self.warn, progress=self.progress, params=self.params,
+        """The stage's `Reporting`: metrics and the settings it chose to MLflow (through the journal),
+        warnings to the log and the run's description, progress to Prefect; `callbacks` adds the stage's own."""
+        return Reporting(metrics=self.log, warning=self.warn, progress=self.progress, params=self.params,
                          **callbacks)
 
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.journal.log(metrics, step)
+        for gap in self.journal.new_gaps():
+            text = f"the MLflow tracking server did not answer for {gap.describe()}"
+            self.warn(f"{text}; the stage trained on, and what it logged meanwhile was written when it answered")
+            self.progress.event(text)
+
     def params(self, values: dict) -> None:
-        MlflowClient().log_batch(self.run_id,
-                                 params=[Param(name, param_value(value)) for name, value in values.items()])
+        self.journal.params({name: param_value(value) for name, value in values.items()})
+
+    def table(self, frame, artifact_file: str) -> None:
+        """`mlflow.log_table` while the stage trains, through the journal."""
+        self.journal.table(frame, artifact_file)
+
+
+@contextmanager
+def active_run(run_id: str) -> Iterator[None]:
+    """`mlflow.start_run` for a stage's run, sampling system metrics: the run ends FINISHED after the
+    block, FAILED when it raises. When the server is away as a failed block ends, the run stays RUNNING
+    (the retry or rerun marks it KILLED) and the block's own error is raised, not the server's."""
+    mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
+    mlflow.start_run(run_id=run_id, log_system_metrics=True)
+    try:
+        yield
+    except BaseException:
+        _end_run(run_id, "FAILED", quietly=True)
+        raise
+    _end_run(run_id, "FINISHED", quietly=False)
+
+
+def _end_run(run_id: str, status: str, quietly: bool) -> None:
+    """`mlflow.end_run`; where the server does not take it, the run's system-metrics sampler is
+    stopped all the same (mlflow leaves it running then), and the error raised unless `quietly`."""
+    from mlflow.tracking.fluent import run_id_to_system_metrics_monitor
+
+    try:
+        mlflow.end_run(status)
+    except Exception:
+        monitor = run_id_to_system_metrics_monitor.pop(run_id, None)
+        if monitor is not None:
+            monitor.finish()
+        if not quietly:
+            raise
 
 
 @contextmanager
@@ -191,6 +244,8 @@ def stage_run(stage: StageName, section: BaseModel, ctx: StageContext, unit: str
     tags |= {tracking.TAG_UPSTREAM + name: run_id for name, run_id in ctx.upstream.items()}
     tags |= stack_tags(stage, ctx.config)
     with tracking.claimed_workdir(f"{stage}-{ctx.cache_key[:16]}") as workdir:
+        for earlier in send_leftovers(workdir.path / "journal"):  # nothing an interrupted attempt logged is lost
+            get_run_logger().info("%s: sent what run %s logged while the tracking server was away", stage, earlier)
         try:
             run_id = tracking.create_stage_run(ctx.experiment_id, ctx.parent_run_id, stage, f"{stage} · {ctx.label}",
                                                tags)
@@ -200,20 +255,22 @@ def stage_run(stage: StageName, section: BaseModel, ctx: StageContext, unit: str
                 for abandoned in tracking.close_abandoned_runs(ctx.experiment_id, stage, ctx.cache_key, run_id):
                     get_run_logger().warning("%s: run %s of an interrupted attempt marked KILLED; this run "
                                              "continues its work from %s", stage, abandoned, workdir.path)
-            mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_INTERVAL_S)
-            with mlflow.start_run(run_id=run_id, log_system_metrics=True):
+            with active_run(run_id):
                 mlflow.log_params(tracking.redacted(flatten(section)))
                 mlflow.log_text(stack.freeze(), tracking.ENVIRONMENT_PATH)
                 if ctx.memory is not None:
                     mlflow.log_metrics(ctx.memory.figures, step=0)
                     mlflow.log_text(ctx.memory.table, "memory_plan.md")
-                run = StageRun(run_id, workdir.path, tracking.MetricWriter(run_id), Progress(stage, unit), [])
+                journal = RunJournal(run_id, workdir.path / "journal", ctx.config.outage_limit_s)
+                run = StageRun(run_id, workdir.path, journal, Progress(stage, unit), [])
                 try:
                     yield run
                 except BaseException:
-                    run.metrics.close_after_failure()
+                    journal.close_after_failure()
+                    run.progress.close()
                     raise
-                run.metrics.close()
+                journal.close()
+                run.progress.close()
         except (DataContractError, tracking.TrackingError):
             raise
         except Exception as e:
@@ -259,6 +316,7 @@ def run_stage(stage: StageName, ctx: StageContext, unit: str,
                 mlflow.log_metrics(gate.metrics)
                 raise
             metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
+            run.journal.flush()  # through an outage up to the limit: what follows talks to the server directly
             mlflow.set_tags(result.tags)
             samples = job.report(result, metrics)
             record = finish(stage, run, ctx, job.data, metrics, result.checkpoint, samples)
@@ -267,7 +325,9 @@ def run_stage(stage: StageName, ctx: StageContext, unit: str,
             return record
     except DataContractError as e:
         return refuse(e.report())
-    except (StageUserError, LaunchError, tracking.TrackingError) as e:
+    except tracking.TrackingError as e:
+        return refuse(str(e), server_unreachable=not tracking.server_answers(timeout=2.0))
+    except (StageUserError, LaunchError) as e:
         return refuse(str(e))
 
 

@@ -121,6 +121,8 @@ class PipelineConfig(_Frozen):
     """Deterministic torch kernels: the same config, seed and data give identical results on CPU."""
     num_threads: PositiveInt | None = None
     """CPU threads for torch; fix it where runs must match across machines (unset: torch's default)."""
+    outage_limit_s: PositiveFloat = 600.0
+    """How long a stage trains on while the MLflow server does not answer (its logs wait on disk); then it stops."""
     sft: SFTConfig = SFTConfig()
     """Supervised fine-tuning stage."""
     reward: RewardConfig = RewardConfig()

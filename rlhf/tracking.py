@@ -17,7 +17,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
@@ -26,7 +25,7 @@ from pathlib import Path
 import mlflow
 import pandas as pd
 import requests
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Param, RunStatus
 from mlflow.tracking import MlflowClient
 
 from rlhf.config_common import REPO_ROOT
@@ -61,44 +60,6 @@ DATA_PATH = "data"
 
 class TrackingError(RuntimeError):
     """The tracking server could not be reached, or refused to store a stage's results."""
-
-
-class MetricWriter:
-    """Metric batches of one run, sent in order from a background thread, so a training loop does
-    not wait for the tracking server at every logging step. A batch the server refused is raised
-    at the next `log`, and `close` waits for all of them: a run whose curves did not all reach the
-    server is never marked finished."""
-
-    def __init__(self, run_id: str):
-        self.run_id = run_id
-        self._client = MlflowClient()
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
-        self._pending: list[Future] = []
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        self._raise_failures(wait=False)
-        timestamp = int(time.time() * 1000)  # taken now, so the order of the curve points is the caller's
-        batch = [Metric(key, float(value), timestamp, step) for key, value in metrics.items()]
-        self._pending.append(self._sender.submit(self._client.log_batch, self.run_id, metrics=batch))
-
-    def close(self) -> None:
-        """Wait until every batch is stored; raise the first refusal."""
-        self._sender.shutdown(wait=True)
-        self._raise_failures(wait=True)
-
-    def close_after_failure(self) -> None:
-        """The stage failed: store what was logged (its curves show how it failed) while the server
-        answers, without raising; when it does not, drop the batches not yet sent."""
-        if not server_answers(timeout=2.0):
-            self._sender.shutdown(wait=False, cancel_futures=True)
-            return
-        self._sender.shutdown(wait=True)
-
-    def _raise_failures(self, wait: bool) -> None:
-        finished = self._pending if wait else [f for f in self._pending if f.done()]
-        self._pending = [f for f in self._pending if f not in finished]
-        for future in finished:
-            future.result()
 
 
 def server_answers(timeout: float = 5.0) -> bool:

@@ -7,9 +7,10 @@
 #
 # Settings (environment): RLHF_HOME, RLHF_HOST (127.0.0.1), RLHF_PREFECT_PORT (4200),
 # RLHF_MLFLOW_PORT (5000), RLHF_POOL (rlhf-local), RLHF_WORKER_LIMIT (4), RLHF_PYTHON (.venv/bin/python).
-# Every MLflow call from a flow run retries with exponential backoff (MLflow's own HTTP retry,
-# MLFLOW_HTTP_REQUEST_MAX_RETRIES=5, BACKOFF_FACTOR=1: about 30 s) before the stage fails; a
-# flow also waits for the server at start (1, 2, 4, 8 s) before it refuses to run. The worker
+# What a stage logs while it trains waits on disk while the MLflow server is away, up to the config's
+# outage_limit_s (flows/journal.py); every other MLflow call from a flow run retries with exponential
+# backoff (MLflow's own HTTP retry, MLFLOW_HTTP_REQUEST_MAX_RETRIES=5, BACKOFF_FACTOR=1: about 30 s);
+# a flow also waits for the server at start (1, 2, 4, 8 s) before it refuses to run. The worker
 # asks for new flow runs every second (Prefect's default, 10 s, is a quarter of a demo stage) and
 # runs at most RLHF_WORKER_LIMIT (4) flow runs at once; further runs wait their turn. Training
 # runs on one machine share its cores, and a burst of flow-run processes starved the Prefect
@@ -89,7 +90,10 @@ up() {
   wait_http "$PREFECT_UI_URL/api/health" 120 "Prefect server"
   wait_http "$MLFLOW_TRACKING_URI/health" 120 "MLflow server"
   prefect work-pool inspect "$POOL" >/dev/null 2>&1 || prefect work-pool create "$POOL" --type process >/dev/null
-  start worker prefect worker start --pool "$POOL" --type process --limit "$WORKER_LIMIT"
+  # Flow runs inherit the worker's environment: their Prefect calls retry for about 17 minutes (2, 4, ...
+  # 512 s), past a stage's outage_limit_s, so a Prefect server away that long does not end them.
+  start worker env PREFECT_CLIENT_MAX_RETRIES="${PREFECT_CLIENT_MAX_RETRIES:-9}" \
+    prefect worker start --pool "$POOL" --type process --limit "$WORKER_LIMIT"
   (cd "$REPO" && prefect --no-prompt deploy --all >"$LOGS/deploy.log" 2>&1) || {
     echo "error: prefect deploy failed; see $LOGS/deploy.log" >&2; return 1; }
   echo "Prefect UI: $PREFECT_UI_URL"

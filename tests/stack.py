@@ -85,7 +85,11 @@ async def main(requests):
     runs = [await run_deployment(name, parameters=params, timeout=0) for name, params in requests]
     async with get_client() as client:
         while True:
-            states = [(await client.read_flow_run(run.id)).state for run in runs]
+            try:
+                states = [(await client.read_flow_run(run.id)).state for run in runs]
+            except Exception:  # the Prefect server away (a fault test): ask again
+                await asyncio.sleep(1)
+                continue
             if all(state.is_final() for state in states):
                 break
             await asyncio.sleep(1)
@@ -121,3 +125,24 @@ def mlflow_client(env: dict[str, str]):
 
     mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
     return MlflowClient(env["MLFLOW_TRACKING_URI"])
+
+
+_LOGS = """
+import json, sys
+from prefect import get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+messages = []
+with get_client(sync_client=True) as client:
+    while page := client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[sys.argv[1]])), limit=200,
+                                   offset=len(messages)):
+        messages += [log.message for log in page]
+print("LOGS=" + json.dumps(messages))
+"""
+
+
+def flow_run_logs(env: dict[str, str], flow_run_id: str) -> list[str]:
+    """The log messages of a flow run and its tasks, as the Prefect UI shows them."""
+    out = subprocess.run([sys.executable, "-c", _LOGS, flow_run_id], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    line = next(line for line in out.stdout.splitlines() if line.startswith("LOGS="))
+    return json.loads(line.removeprefix("LOGS="))

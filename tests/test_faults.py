@@ -1,5 +1,6 @@
-"""Faults, each against the real servers: MLflow down at start, MLflow killed mid-run, an artifact
-upload the server refuses, and two pipeline runs at once.
+"""Faults, each against the real servers: MLflow down at start, MLflow or Prefect away for a minute
+mid-PPO, MLflow away past the stage's limit (stopped, retried, resumed), an artifact upload the server
+refuses, and two pipeline runs at once.
 
 MLflow's client retries are shortened here (2 retries, backoff factor 1) so that each fault
 ends in seconds; the stack's defaults are in scripts/stack.sh.
@@ -17,7 +18,16 @@ import pytest
 
 from rlhf import tracking
 from stages.runtime.models import folder_digest
-from tests.stack import final_states, kill_service, mlflow_client, running_stack, start, submit, submit_and_wait
+from tests.stack import (
+    final_states,
+    flow_run_logs,
+    kill_service,
+    mlflow_client,
+    running_stack,
+    start,
+    submit,
+    submit_and_wait,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiprocess]
 TINY = "configs/tiny.yaml"
@@ -83,33 +93,72 @@ def test_refused_checkpoint_upload_leaves_the_run_unfinished_and_the_checkpoint_
     assert not kept.exists()  # the local copy goes once the upload is confirmed
 
 
-def test_mlflow_killed_mid_ppo_fails_clearly_and_the_rerun_resumes_the_kept_state(stack):
-    params = {"config_file": TINY, "overrides": {"ppo.num_iterations": 60, "ppo.checkpoint_every": 2}}
-    submitted = submit(stack, [("rlhf/full", params)])
+OUTAGE_S = 60
+"""How long a server stays away in the outage tests: a minute, the blip a healthy stage must outlive."""
+
+
+def _ppo_run_away(stack, service: str, overrides: dict, away_s: float = OUTAGE_S):
+    """An `rlhf/full` run whose `service` (mlflow, prefect) is killed at PPO's first full-state checkpoint
+    and started again `away_s` later: (final state, message, flow run id)."""
+    submitted = submit(stack, [("rlhf/full", {"config_file": TINY, "overrides": overrides})])
     work = Path(stack["RLHF_HOME"]) / "work"
-    _wait_for(lambda: list(work.glob("ppo-*/state/loop.json")), "PPO full-state checkpoint", submitted)
-    kill_service(stack, "mlflow")
+    before = set(work.glob("ppo-*/state/loop.json"))
+    _wait_for(lambda: set(work.glob("ppo-*/state/loop.json")) - before, "PPO full-state checkpoint", submitted)
+    kill_service(stack, service)
     try:
-        ((state, message, _),) = final_states(submitted)
+        time.sleep(away_s)
     finally:
         start(stack)
-    assert state == "FAILED"
-    assert "stopped answering" in message and "kept in" in message, message
-    (state_file,) = work.glob("ppo-*/state/loop.json")
-    interrupted_at = json.loads(state_file.read_text())["iteration"]
-    (interrupted,) = _runs(stack, "tags.`rlhf.stage` = 'ppo'")
-    assert interrupted.info.status == "RUNNING"  # could not be ended; certainly not FINISHED
+    return final_states(submitted)[0]
 
-    ((state, message, _),) = submit_and_wait(stack, [("rlhf/full", params)])
+
+def _stage_runs(stack, flow_run_id: str, stage: str) -> list:
+    return _runs(stack, f"tags.`{tracking.TAG_PREFECT_FLOW_RUN}` = '{flow_run_id}' and tags.`rlhf.stage` = '{stage}'")
+
+
+def test_mlflow_away_for_a_minute_mid_ppo_costs_the_run_nothing(stack):
+    from flows.journal import TAG_GAPS
+
+    overrides = {"ppo.num_iterations": 60, "ppo.checkpoint_every": 2, "ppo.seed": 21}
+    state, message, flow_run_id = _ppo_run_away(stack, "mlflow", overrides)
     assert state == "COMPLETED", message
+    (run,) = _stage_runs(stack, flow_run_id, "ppo")  # one run: the stage trained on, it was not rerun
+    assert run.info.status == "FINISHED"
+    steps = [m.step for m in mlflow_client(stack).get_metric_history(run.info.run_id, "rollout/kl")]
+    assert sorted(steps) == list(range(1, 61))  # every iteration's figures, those of the outage included
+    (gap,) = run.data.tags[TAG_GAPS].split("; ")
+    assert int(gap.split(" s from ")[0]) >= OUTAGE_S - 10, gap
+    warnings = Path(mlflow_client(stack).download_artifacts(run.info.run_id, "warnings.txt")).read_text()
+    assert "the MLflow tracking server did not answer for" in warnings
+
+
+def test_prefect_away_for_a_minute_mid_ppo_costs_the_run_nothing(stack):
+    overrides = {"ppo.num_iterations": 60, "ppo.checkpoint_every": 2, "ppo.seed": 22}
+    state, message, flow_run_id = _ppo_run_away(stack, "prefect", overrides)
+    assert state == "COMPLETED", message
+    (run,) = _stage_runs(stack, flow_run_id, "ppo")
+    assert run.info.status == "FINISHED"
+    steps = [m.step for m in mlflow_client(stack).get_metric_history(run.info.run_id, "rollout/kl")]
+    assert sorted(steps) == list(range(1, 61))
+
+
+def test_mlflow_away_past_the_limit_stops_the_stage_naming_it_and_the_retry_resumes(stack):
+    overrides = {"ppo.num_iterations": 60, "ppo.checkpoint_every": 2, "ppo.seed": 23, "outage_limit_s": 5}
+    state, message, flow_run_id = _ppo_run_away(stack, "mlflow", overrides, away_s=20)
+    logs = flow_run_logs(stack, flow_run_id)
+    assert state == "COMPLETED", "\n".join([message, *logs[-30:]])
+    stopped = [line for line in logs if "has not answered for" in line]
+    assert stopped and f"the MLflow tracking server {stack['MLFLOW_TRACKING_URI']}" in stopped[0], logs[-20:]
+    assert "past the limit of 5 s (outage_limit_s)" in stopped[0]
+    assert any("Retry 1/2" in line for line in logs), logs[-20:]
+    interrupted, resumed = sorted(_stage_runs(stack, flow_run_id, "ppo"), key=lambda r: r.info.start_time)
     client = mlflow_client(stack)
-    (resumed,) = _runs(stack, "tags.`rlhf.stage` = 'ppo' and attributes.status = 'FINISHED'")
-    interrupted = client.get_run(interrupted.info.run_id)
-    assert interrupted.info.status == "KILLED"
-    assert interrupted.data.tags[tracking.TAG_ABANDONED_BY] == resumed.info.run_id
-    assert client.get_run(interrupted.data.tags[tracking.TAG_PIPELINE]).info.status == "KILLED"
-    warnings = client.download_artifacts(resumed.info.run_id, "warnings.txt")
-    assert f"resumed from the full-state checkpoint after iteration {interrupted_at}" in Path(warnings).read_text()
+    assert client.get_run(interrupted.info.run_id).data.tags[tracking.TAG_ABANDONED_BY] == resumed.info.run_id
+    assert resumed.info.status == "FINISHED"
+    # what the stopped attempt logged while the server was away reached its own run with the retry
+    assert client.get_metric_history(interrupted.info.run_id, "rollout/kl")
+    warnings = Path(client.download_artifacts(resumed.info.run_id, "warnings.txt")).read_text()
+    assert "resumed from the full-state checkpoint after iteration" in warnings
     steps = [m.step for m in client.get_metric_history(resumed.info.run_id, "rollout/kl")]
     assert sorted(steps) == list(range(1, 61))  # the whole curve, not only from the resume point
 

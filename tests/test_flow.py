@@ -553,28 +553,80 @@ def test_validation_is_reused_for_the_same_content_and_tokenizer_only(tmp_path, 
     assert len(calls) == 3 and list(changed.frame["response"]) == ["e"]  # other rules, other content: validated anew
 
 
-def test_metric_writer_keeps_order_and_a_refused_batch_fails_the_stage(tracking_store):
+def test_the_journal_keeps_order_and_a_refused_batch_fails_the_stage(tracking_store, tmp_path):
     import math
 
     from mlflow.exceptions import MlflowException
 
+    from flows.journal import RunJournal
+
     experiment_id = tracking.ensure_experiment("writer")
     run_id = MlflowClient().create_run(experiment_id).info.run_id
-    writer = tracking.MetricWriter(run_id)
+    journal = RunJournal(run_id, tmp_path / "journal", outage_limit_s=600)
+    journal.params({"lr": "0.1"})
     for step in range(1, 31):
-        writer.log({"loss": 1.0 / step, "lr": 0.1}, step)
-    writer.close()
+        journal.log({"loss": 1.0 / step, "lr": 0.1}, step)
+    journal.table(pd.DataFrame({"user": ["hi"], "response": ["hello"]}), "samples/iteration_00001.json")
+    journal.close()
     history = MlflowClient().get_metric_history(run_id, "loss")
     assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [(s, 1.0 / s) for s in range(1, 31)]
-    assert math.isclose(MlflowClient().get_run(run_id).data.metrics["loss"], 1 / 30)
+    run = MlflowClient().get_run(run_id)
+    assert math.isclose(run.data.metrics["loss"], 1 / 30) and run.data.params["lr"] == "0.1"
+    table = json.loads(Path(MlflowClient().download_artifacts(run_id, "samples/iteration_00001.json")).read_text())
+    assert table["columns"] == ["user", "response"] and table["data"] == [["hi", "hello"]]
+    assert "samples/iteration_00001.json" in run.data.tags["mlflow.loggedArtifacts"]  # shown as a table in the UI
 
-    refusing = tracking.MetricWriter(run_id)
+    refusing = RunJournal(run_id, tmp_path / "refusing", outage_limit_s=600)
     refusing.log({"bad key\x00": 1.0}, 1)  # a name the server refuses
     with pytest.raises(MlflowException):
         for step in range(2, 200):  # the refusal surfaces at a later log call (or at close), not never
             refusing.log({"loss": 0.5}, step)
             time.sleep(0.01)
         refusing.close()
+
+
+def test_a_server_away_for_a_while_costs_the_journal_nothing_and_is_recorded_as_a_gap(tracking_store, tmp_path,
+                                                                                   monkeypatch):
+    """The sender's side of an outage, with the server's answers stood in for: the real server killed and
+    restarted under a running pipeline is `tests/test_faults.py`'s."""
+    import flows.journal
+    from flows.journal import TAG_GAPS, RunJournal, send_leftovers
+
+    experiment_id = tracking.ensure_experiment("writer")
+    run_id = MlflowClient().create_run(experiment_id).info.run_id
+    away = {"now": True}
+    real_send = flows.journal.send_entry
+
+    def send(client, run, entry):
+        if away["now"]:
+            raise ConnectionError("connection refused")
+        real_send(client, run, entry)
+
+    monkeypatch.setattr(flows.journal, "send_entry", send)
+    monkeypatch.setattr(tracking, "server_answers", lambda timeout=5.0: not away["now"])
+    journal = RunJournal(run_id, tmp_path / "journal", outage_limit_s=600)
+    for step in range(1, 11):
+        journal.log({"loss": 1.0 / step}, step)
+    time.sleep(1.5)
+    assert journal._down_since is not None and not MlflowClient().get_metric_history(run_id, "loss")
+    away["now"] = False
+    journal.close()
+    steps = [m.step for m in MlflowClient().get_metric_history(run_id, "loss")]
+    assert sorted(steps) == list(range(1, 11))
+    (gap,) = journal.new_gaps()
+    assert gap.seconds >= 1.0 and MlflowClient().get_run(run_id).data.tags[TAG_GAPS] == gap.describe()
+
+    # past the limit, the stage's next log stops it, naming the server and how long it has been away
+    away["now"] = True
+    stopping = RunJournal(run_id, tmp_path / "stopping", outage_limit_s=1.0)
+    stopping.log({"loss": 0.1}, 11)
+    time.sleep(1.5)
+    with pytest.raises(tracking.TrackingError, match=r"has not answered for \d+ s, past the limit of 1 s"):
+        stopping.log({"loss": 0.1}, 12)
+    stopping.close_after_failure()
+    away["now"] = False  # what it kept is sent by the next attempt, to its own run
+    assert send_leftovers(tmp_path / "stopping") == [run_id]
+    assert sorted(m.step for m in MlflowClient().get_metric_history(run_id, "loss")) == list(range(1, 12))
 
 
 def test_every_stage_run_logs_its_memory_plan_beside_the_measured_peak(finished):

@@ -1,0 +1,252 @@
+"""What a stage run logs to MLflow, kept on local disk first, then sent in order by a background thread.
+A tracking server that stops answering for a while then does not stop a healthy stage.
+
+- Every metric batch, parameter batch, table and tag goes into `<folder>/<run id>.jsonl`, flushed to
+  disk, before `log` returns.
+- A sender thread writes the entries to the server in that order, with their original steps and
+  timestamps, and records in `<run id>.sent` how many it has written.
+- While the server does not answer, the stage trains on and the journal grows. When the server answers
+  again, the backlog is sent and the gap is recorded on the run (tag `rlhf.tracking_gaps`). The stage
+  hears of it too (`new_gaps`).
+- Past `outage_limit_s`, the next `log` raises `TrackingError`, naming the server and how long it has
+  been gone.
+- A refusal by a server that answers (a name it will not store) is raised at the next `log`, as before.
+- A journal that a failed attempt left unsent is sent by the next attempt, to its own run
+  (`send_leftovers`).
+
+Why not MLflow's asynchronous logging (`synchronous=False`): it queues in the process's memory, so what
+it holds dies with the process, and a batch that fails after the client's HTTP retries is not tried again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+from rlhf import tracking
+
+TAG_GAPS = "rlhf.tracking_gaps"
+"""On a stage run: the times its tracking server did not answer while it ran, and for how long."""
+POLL_S = (0.5, 1.0, 2.0, 5.0)
+"""Seconds between health checks while the server does not answer (the last one repeated)."""
+SLOW_S = 10.0
+"""A send that took longer than this was waiting out the server (the client retries on its own): a gap."""
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A time the tracking server did not answer."""
+
+    started: float
+    """Unix time of the first failed send."""
+    seconds: float
+
+    def describe(self) -> str:
+        return f"{self.seconds:.0f} s from {time.strftime('%H:%M:%S', time.gmtime(self.started))} UTC"
+
+
+class RunJournal:
+    """One MLflow run's logging, journaled on disk and sent from a background thread (module docstring)."""
+
+    def __init__(self, run_id: str, folder: Path, outage_limit_s: float):
+        self.run_id, self.outage_limit_s = run_id, outage_limit_s
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path, self._sent_path = folder / f"{run_id}.jsonl", folder / f"{run_id}.sent"
+        self._files = folder / "files"
+        self._lock, self._wake = threading.Lock(), threading.Event()
+        self._written = _count_lines(self.path)
+        self._refusal: Exception | None = None
+        self._down_since: float | None = None
+        self._attempt_started: float | None = None
+        self.gaps: list[Gap] = []
+        self._reported = 0
+        self._closing = False
+        self._sender = threading.Thread(target=self._send_loop, name="mlflow-journal", daemon=True)
+        self._sender.start()
+
+    # --- what the stage logs -------------------------------------------------------------------------
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        timestamp = int(time.time() * 1000)  # taken now: the curve keeps the caller's order and times
+        self._append({"kind": "metrics", "step": step, "timestamp": timestamp,
+                      "metrics": {key: float(value) for key, value in metrics.items()}})
+
+    def params(self, values: dict[str, str]) -> None:
+        self._append({"kind": "params", "params": dict(values)})
+
+    def table(self, frame: pd.DataFrame, artifact_file: str) -> None:
+        """`mlflow.log_table`, journaled: the table is written beside the journal first."""
+        self._files.mkdir(exist_ok=True)
+        local = self._files / f"{self.run_id}-{self._written:06d}.json"
+        frame.to_json(local, orient="split", index=False)
+        self._append({"kind": "table", "file": str(local), "artifact_file": artifact_file})
+
+    def _append(self, entry: dict) -> None:
+        self.raise_problems()
+        self._write(entry)
+
+    def _write(self, entry: dict) -> None:
+        with self._lock, open(self.path, "a") as journal:
+            journal.write(json.dumps(entry) + "\n")
+            journal.flush()
+            os.fsync(journal.fileno())
+            self._written += 1
+        self._wake.set()
+
+    def raise_problems(self) -> None:
+        """Raise a refusal by the server, or an outage past the limit."""
+        if self._refusal is not None:
+            raise self._refusal
+        since = self._down_since or self._attempt_started
+        if since is not None and (gone := time.time() - since) > self.outage_limit_s:
+            raise tracking.TrackingError(
+                f"the MLflow tracking server {mlflow.get_tracking_uri()} has not answered for {gone:.0f} s, "
+                f"past the limit of {self.outage_limit_s:.0f} s (outage_limit_s); what the stage logged is kept in "
+                f"{self.path} and sent when the server answers, and a retry resumes from the stage's checkpoint")
+
+    def new_gaps(self) -> list[Gap]:
+        """Gaps that ended since the last call, for the stage's own report (its log and progress)."""
+        gaps, self._reported = self.gaps[self._reported:], len(self.gaps)
+        return gaps
+
+    # --- the end of the run ------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait until everything logged so far is on the server, through an outage up to the limit;
+        raise what `raise_problems` raises."""
+        while self._sent() < self._written:
+            self.raise_problems()
+            time.sleep(0.05)
+        self.raise_problems()
+
+    def close(self) -> None:
+        """`flush`, then stop the sender."""
+        self.flush()
+        self._stop()
+
+    def close_after_failure(self) -> None:
+        """The stage failed: send what the server takes within a few seconds; the rest stays in the
+        journal for the next attempt."""
+        deadline = time.monotonic() + 10
+        while self._sent() < self._written and self._refusal is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._stop()
+
+    def _stop(self) -> None:
+        self._closing = True
+        self._wake.set()
+        self._sender.join(timeout=5)
+
+    # --- the sender ------------------------------------------------------------------------------------
+
+    def _sent(self) -> int:
+        try:
+            return int(self._sent_path.read_text())
+        except (OSError, ValueError):
+            return 0
+
+    def _send_loop(self) -> None:
+        try:
+            self._send_all()
+        except Exception as error:  # noqa: BLE001 - whatever stops the sender reaches the stage at its next log
+            self._refusal = error
+
+    def _send_all(self) -> None:
+        client = MlflowClient()
+        while self._refusal is None:
+            done = self._sent()
+            if done >= self._written:
+                if self._closing:
+                    return
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            with self._lock, open(self.path) as journal:
+                entries = [json.loads(line) for line in journal.readlines()[done:self._written]]
+            for entry in entries:
+                if not self._send(client, entry):
+                    return
+                done += 1
+                _write_atomically(self._sent_path, str(done))
+
+    def _send(self, client: MlflowClient, entry: dict) -> bool:
+        """Send one entry, waiting out the server's absence; False once the sender must stop (a refusal,
+        or closing while the server is gone). A send that fails, or that the client's own retries
+        stretch past `SLOW_S`, counts as a gap from its start."""
+        polls, refused = 0, 0
+        while True:
+            self._attempt_started = started = time.time()
+            try:
+                send_entry(client, self.run_id, entry)
+                break
+            except Exception as error:  # noqa: BLE001 - sorted below: the server gone, or a refusal
+                if tracking.server_answers(timeout=2.0):
+                    refused += 1
+                    if refused >= 2:  # twice, to a server that answers: it will not store this
+                        self._refusal, self._attempt_started = error, None
+                        return False
+                    continue
+            finally:
+                self._attempt_started = None
+            self._down_since = self._down_since or started
+            while not tracking.server_answers(timeout=2.0):
+                if self._closing:
+                    return False
+                time.sleep(POLL_S[min(polls, len(POLL_S) - 1)])
+                polls += 1
+        if self._down_since is None and time.time() - started > SLOW_S:
+            self._down_since = started
+        if self._down_since is not None:
+            self.gaps.append(Gap(self._down_since, time.time() - self._down_since))
+            self._down_since = None
+            self._write({"kind": "tag", "key": TAG_GAPS, "value": "; ".join(gap.describe() for gap in self.gaps)})
+        return True
+
+
+def send_entry(client: MlflowClient, run_id: str, entry: dict) -> None:
+    """One journal entry to the run on the server."""
+    if entry["kind"] == "metrics":
+        client.log_batch(run_id, metrics=[Metric(key, value, entry["timestamp"], entry["step"])
+                                          for key, value in entry["metrics"].items()])
+    elif entry["kind"] == "params":
+        client.log_batch(run_id, params=[Param(key, value) for key, value in entry["params"].items()])
+    elif entry["kind"] == "table":
+        client.log_table(run_id, pd.read_json(entry["file"], orient="split"), entry["artifact_file"])
+    elif entry["kind"] == "tag":
+        client.log_batch(run_id, tags=[RunTag(entry["key"], entry["value"])])
+
+
+def send_leftovers(folder: Path) -> list[str]:
+    """Send what earlier attempts journaled in `folder` and did not send, each to its own run; the run ids
+    it sent to. Raises what the client raises (the flow checked that the server answers)."""
+    client, sent_to = MlflowClient(), []
+    for path in sorted(folder.glob("*.jsonl")):
+        sent_path = path.with_suffix(".sent")
+        done = int(sent_path.read_text()) if sent_path.exists() else 0
+        entries = path.read_text().splitlines()[done:]
+        for line in entries:
+            send_entry(client, path.stem, json.loads(line))
+            done += 1
+            _write_atomically(sent_path, str(done))
+        if entries:
+            sent_to.append(path.stem)
+    return sent_to
+
+
+def _count_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_suffix(".partial")
+    partial.write_text(text)
+    partial.replace(path)
