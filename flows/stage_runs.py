@@ -181,6 +181,15 @@ class StageRun:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.journal.log(metrics, step)
+        self._report_gaps()
+
+    def flush(self) -> None:
+        """Everything logged so far on the server, through an outage up to the limit (`RunJournal.flush`)."""
+        self.journal.flush()
+        self._report_gaps()
+
+    def _report_gaps(self) -> None:
+        """A warning (the log, the run's description) and a progress event for each gap that ended."""
         for gap in self.journal.new_gaps():
             text = f"the MLflow tracking server did not answer for {gap.describe()}"
             self.warn(f"{text}; the stage trained on, and what it logged meanwhile was written when it answered")
@@ -316,7 +325,7 @@ def run_stage(stage: StageName, ctx: StageContext, unit: str,
                 mlflow.log_metrics(gate.metrics)
                 raise
             metrics = result.metrics | {STAGE_SECONDS: time.perf_counter() - started}
-            run.journal.flush()  # through an outage up to the limit: what follows talks to the server directly
+            run.flush()  # through an outage up to the limit: what follows talks to the server directly
             mlflow.set_tags(result.tags)
             samples = job.report(result, metrics)
             record = finish(stage, run, ctx, job.data, metrics, result.checkpoint, samples)

@@ -2,7 +2,7 @@
 # A Ray cluster of two nodes on this machine, as close to two machines as one can be: two raylets,
 # a head (`ray start --head`) and a worker node (`ray start --address`), each with its own CPUs.
 #
-#   scripts/ray_cluster.sh up       start both (`make ray-up`); prints the head's address
+#   scripts/ray_cluster.sh up       start both (`make ray-up`), or a lost worker node again; prints the address
 #   scripts/ray_cluster.sh down     stop exactly the processes `up` started (`make ray-down`, `make down`)
 #   scripts/ray_cluster.sh status   the nodes and what they hold
 #   scripts/ray_cluster.sh address  the head's address, for `launch.ray_address` (`auto` finds it too)
@@ -53,9 +53,20 @@ start_node() {  # NAME ARGS...: `ray start --block ARGS` in a session of its own
     echo $! >"$STATE/$name.pid"
 }
 
+start_worker() {  # the second node, with its own ports: on one machine the defaults of its agents would collide
+    start_node worker --address "$ADDRESS" --min-worker-port 0 --max-worker-port 0 \
+        --dashboard-agent-listen-port 0 --dashboard-agent-grpc-port 0 --metrics-export-port 0 --runtime-env-agent-port 0
+    wait_for_nodes 2
+}
+
 up() {
     mkdir -p "$STATE"
     if [ -f "$STATE/head.pid" ] && kill -0 "$(cat "$STATE/head.pid")" 2>/dev/null; then
+        if ! { [ -f "$STATE/worker.pid" ] && kill -0 "$(cat "$STATE/worker.pid")" 2>/dev/null; }; then
+            start_worker  # the worker node was lost (killed, its machine gone): it joins again
+            echo "the Ray cluster at $ADDRESS has its worker node again"
+            return 0
+        fi
         echo "a Ray cluster started here already runs at $ADDRESS (scripts/ray_cluster.sh down stops it)"
         return 0
     fi
@@ -66,10 +77,7 @@ up() {
     (umask 077 && "$PWD/.venv/bin/python" -c 'import secrets; print(secrets.token_hex(32))' >"$RAY_AUTH_TOKEN_PATH")
     start_node head --head --port "$PORT" --temp-dir "$TEMP" --include-dashboard false
     wait_for_nodes 1
-    # The second node's own ports: on one machine the defaults of its agents would collide with the head's.
-    start_node worker --address "$ADDRESS" --min-worker-port 0 --max-worker-port 0 \
-        --dashboard-agent-listen-port 0 --dashboard-agent-grpc-port 0 --metrics-export-port 0 --runtime-env-agent-port 0
-    wait_for_nodes 2
+    start_worker
     echo "$ADDRESS" >"$STATE/address"
     echo "Ray cluster of 2 nodes ($CPUS CPU each) at $ADDRESS; stop it with: make ray-down"
 }

@@ -83,7 +83,7 @@ def ray_cluster(tmp_path_factory):
     a free port, its address; its token in this process's environment (the Ray drivers the tests
     start inherit it) while the module's tests run; stopped after them."""
     from rlhf.config_common import REPO_ROOT
-    from tests.helpers import free_port
+    from tests.helpers import RayCluster, free_port
 
     home = tmp_path_factory.mktemp("ray-home")
     env = dict(os.environ, RLHF_HOME=str(home), RLHF_RAY_PORT=str(free_port()))
@@ -94,6 +94,6 @@ def ray_cluster(tmp_path_factory):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("RAY_AUTH_MODE", "token")
             patch.setenv("RAY_AUTH_TOKEN_PATH", str(home / "ray" / "auth_token"))
-            yield f"127.0.0.1:{env['RLHF_RAY_PORT']}"
+            yield RayCluster(f"127.0.0.1:{env['RLHF_RAY_PORT']}", env)
     finally:
         subprocess.run([*script, "down"], env=env, capture_output=True, text=True, timeout=120)

@@ -202,6 +202,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class RayCluster(str):
+    """The `ray_cluster` fixture's cluster: its address (what `ray_launch` takes), and its nodes, which a
+    test may lose and bring back."""
+
+    def __new__(cls, address: str, env: dict[str, str]):
+        cluster = super().__new__(cls, address)
+        cluster.env = env
+        return cluster
+
+    def lose_node(self, name: str = "worker") -> None:
+        """SIGKILL a node's whole session (its raylet and every process under it), as a machine's loss would."""
+        import os
+        import signal
+
+        pid_file = Path(self.env["RLHF_HOME"]) / "ray" / f"{name}.pid"
+        os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+        pid_file.unlink()
+
+    def bring_back(self) -> None:
+        """`scripts/ray_cluster.sh up`: a lost worker node joins again."""
+        import subprocess
+
+        from rlhf.config_common import REPO_ROOT
+
+        up = subprocess.run([str(REPO_ROOT / "scripts" / "ray_cluster.sh"), "up"], env=self.env, capture_output=True,
+                            text=True, timeout=300)
+        assert up.returncode == 0, up.stdout + up.stderr
+
+
 def ray_launch(address: str, **settings):
     """A two-process Ray launch, FSDP2, on the cluster at `address`."""
     from rlhf.config_common import LaunchConfig

@@ -183,3 +183,38 @@ def ppo_with_a_rank_killed_once(cfg, inputs: RankKilledOnce, output_dir: Path, r
 
     stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout = save_state, rollout
     return stages.ppo.train_ppo(cfg, inputs.ppo_inputs, output_dir, reporting)
+
+
+@dataclass(frozen=True)
+class PausedOnce:
+    ppo_inputs: object
+    """The real stage's `PPOInputs`."""
+    marker: Path
+    """Written as every rank pauses, after the first full-state checkpoint; a restarted gang does not pause."""
+    seconds: float = 300.0
+    """How long the ranks wait there for the test to do its worst."""
+
+
+def ppo_paused_once_after_a_checkpoint(cfg, inputs: PausedOnce, output_dir: Path, reporting):
+    """`train_ppo`, whose ranks all stop for `inputs.seconds` after the first full-state checkpoint (once):
+    the moment a test loses a node, and its gang restarts from that checkpoint."""
+    import time
+
+    import stages.ppo
+    import stages.rl.ppo_sampling
+
+    saved, real_save, real_rollout = [], stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout
+
+    def save_state(*args, **kwargs):
+        real_save(*args, **kwargs)
+        saved.append(True)
+
+    def rollout(*args, **kwargs):
+        if saved and not inputs.marker.exists():
+            if PartialState().process_index == 0:
+                inputs.marker.write_text("paused")
+            time.sleep(inputs.seconds)
+        return real_rollout(*args, **kwargs)
+
+    stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout = save_state, rollout
+    return stages.ppo.train_ppo(cfg, inputs.ppo_inputs, output_dir, reporting)

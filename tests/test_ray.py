@@ -90,6 +90,33 @@ def test_a_rank_killed_mid_run_restarts_the_gang_and_ends_at_the_uninterrupted_d
     assert launch["starts"] == 2
 
 
+def test_a_node_lost_mid_run_and_back_15_s_later_restarts_the_gang_at_the_uninterrupted_digest(
+        ray_cluster, uninterrupted, tmp_path):
+    """Not one rank: the worker node's raylet and everything under it, as a machine's loss would take them."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.stand_in_stages import PausedOnce, ppo_paused_once_after_a_checkpoint
+
+    cfg, inputs, digest = uninterrupted
+    paused = PausedOnce(inputs, marker=tmp_path / "paused")
+    cfg = with_overrides(cfg, {"launch": ray_launch(ray_cluster, max_failures=1, ray_placement="SPREAD")})
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_run, ppo_paused_once_after_a_checkpoint, cfg, paused, tmp_path / "run")
+        deadline = time.monotonic() + 300
+        while not paused.marker.exists():
+            assert not running.done(), running.exception()
+            assert time.monotonic() < deadline, "the gang never reached its first checkpoint"
+            time.sleep(0.2)
+        ray_cluster.lose_node("worker")
+        time.sleep(15)
+        ray_cluster.bring_back()
+        result = running.result(timeout=600)
+    assert folder_digest(result.checkpoint) == digest
+    launch = json.loads((tmp_path / "run" / "launch" / "launch.json").read_text())
+    assert launch["starts"] == 2
+
+
 def test_with_no_retries_a_killed_rank_fails_the_stage_naming_it(ray_cluster, uninterrupted, tmp_path):
     from tests.stand_in_stages import RankKilledOnce, ppo_with_a_rank_killed_once
 
