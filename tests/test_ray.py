@@ -8,6 +8,7 @@ The Ray gang and `accelerate launch` run the same stage function on the same pro
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -115,6 +116,52 @@ def test_a_node_lost_mid_run_and_back_15_s_later_restarts_the_gang_at_the_uninte
     assert folder_digest(result.checkpoint) == digest
     launch = json.loads((tmp_path / "run" / "launch" / "launch.json").read_text())
     assert launch["starts"] == 2
+
+
+_LEFT = """
+import json, sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+print("GROUPS=" + json.dumps([g["state"] for g in ray.util.placement_group_table().values()
+                              if g["state"] != "REMOVED"]))
+"""
+
+
+def test_a_node_lost_for_good_fails_the_gang_in_time_naming_it_and_leaves_nothing(ray_cluster, uninterrupted,
+                                                                                   tmp_path):
+    import subprocess
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stages.launch.ray_gang import RESTART_TIMEOUT_S
+    from tests.helpers import processes
+    from tests.stand_in_stages import PausedOnce, ppo_paused_once_after_a_checkpoint
+
+    cfg, inputs, _ = uninterrupted
+    paused = PausedOnce(inputs, marker=tmp_path / "paused")
+    cfg = with_overrides(cfg, {"launch": ray_launch(ray_cluster, max_failures=1, ray_placement="SPREAD")})
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_run, ppo_paused_once_after_a_checkpoint, cfg, paused, tmp_path / "run")
+            while not paused.marker.exists():
+                assert not running.done(), running.exception()
+                time.sleep(0.2)
+            ray_cluster.lose_node("worker")
+            lost = time.monotonic()
+            with pytest.raises(LaunchError) as failed:
+                running.result(timeout=RESTART_TIMEOUT_S + 120)
+            seconds = time.monotonic() - lost
+        message = str(failed.value)
+        assert seconds < RESTART_TIMEOUT_S + 60, seconds  # the restart's timeout, and the failure's detection
+        assert re.search(r"node [0-9a-f]{12} \([0-9.]+\), which held rank \d, left the Ray cluster and was "
+                         rf"not back within {RESTART_TIMEOUT_S:.0f} s", message), message
+        assert "the gang needs 2 processes x {'CPU': 1} (SPREAD), and the live nodes hold 1 CPU" in message
+        assert not processes("ray::RayTrainWorker") and not processes("ray::TrainController")
+        left = subprocess.run([sys.executable, "-c", _LEFT, str(ray_cluster)], capture_output=True, text=True,
+                              timeout=120)
+        assert "GROUPS=[]" in left.stdout, left.stdout + left.stderr  # no placement group holds the cluster
+    finally:
+        ray_cluster.bring_back()
 
 
 def test_with_no_retries_a_killed_rank_fails_the_stage_naming_it(ray_cluster, uninterrupted, tmp_path):

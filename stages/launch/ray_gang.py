@@ -142,7 +142,8 @@ def main(spec: Path) -> int:
     try:
         fit.result()
     except Exception as e:  # ray.train.TrainingFailedError and what it wraps
-        (spec / FAILURE).write_text(describe_failure(e, outcome["joined"]))
+        lost = lost_nodes(outcome["joined"], launch.num_processes, per_rank, launch.ray_placement)
+        (spec / FAILURE).write_text(lost + describe_failure(e, outcome["joined"]))
         return 1
     write_result(pickle.loads(outcome["result"]), spec)
     return 0
@@ -246,6 +247,31 @@ def launch_record(joined: list[dict], started: float) -> dict:
     return {"engine": "ray", "starts": sum(j["rank"] == 0 for j in joined),
             "ranks": [{k: last[r][k] for k in ("rank", "node", "ip", "pid")} for r in sorted(last)],
             "seconds_to_rank0": round(first_rank0 - started, 3)}
+
+
+RESTART_TIMEOUT_S = float(os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60.0))
+"""How long a restarting gang waits for the cluster to hold it again: Ray Train's worker-group start
+timeout (`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`, 60 s by default); a lost node must be back within it."""
+
+
+def lost_nodes(joined: list[dict], ranks: int, per_rank: dict[str, float], placement: str) -> str:
+    """Where the gang failed because nodes that held its ranks left the cluster: which nodes, what the
+    gang needs and what the live nodes hold ('' when every node that held a rank is alive)."""
+    import ray
+
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    gone: dict[str, tuple[str, list[int]]] = {}
+    for j in joined:
+        if j["node"] not in {n["NodeID"] for n in alive}:
+            gone.setdefault(j["node"], (j["ip"], []))[1].append(j["rank"])
+    if not gone:
+        return ""
+    held = {k: sum(n["Resources"].get(k, 0) for n in alive) for k in per_rank}
+    nodes = "; ".join(f"node {node[:12]} ({ip}), which held rank {', '.join(map(str, sorted(set(held_ranks))))}"
+                      for node, (ip, held_ranks) in gone.items())
+    return (f"{nodes}, left the Ray cluster and was not back within {RESTART_TIMEOUT_S:.0f} s "
+            f"(RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S); the gang needs {ranks} processes x {per_rank} ({placement}), "
+            f"and the live nodes hold {', '.join(f'{v:g} {k}' for k, v in held.items())}. ")
 
 
 def describe_failure(error: BaseException, joined: list[dict]) -> str:
