@@ -69,7 +69,7 @@ class RunJournal:
         self._attempt_started: float | None = None
         self.gaps: list[Gap] = []
         self._reported = 0
-        self._closing = False
+        self._closing = self._halted = False
         self._sender = threading.Thread(target=self._send_loop, name="mlflow-journal", daemon=True)
         self._sender.start()
 
@@ -139,6 +139,7 @@ class RunJournal:
         deadline = time.monotonic() + 10
         while self._sent() < self._written and self._refusal is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        self._halted = True  # not one entry more: the next attempt sends the rest (`send_leftovers`)
         self._stop()
 
     def _stop(self) -> None:
@@ -161,19 +162,25 @@ class RunJournal:
             self._refusal = error
 
     def _send_all(self) -> None:
-        client = MlflowClient()
+        client, done, position = MlflowClient(), self._sent(), 0
+        if done:  # a journal this attempt reopened: skip what was sent, once
+            with open(self.path) as journal:
+                for _ in range(done):
+                    journal.readline()
+                position = journal.tell()
         while self._refusal is None:
-            done = self._sent()
             if done >= self._written:
                 if self._closing:
                     return
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            with self._lock, open(self.path) as journal:
-                entries = [json.loads(line) for line in journal.readlines()[done:self._written]]
-            for entry in entries:
-                if not self._send(client, entry):
+            with self._lock, open(self.path) as journal:  # the lock: only whole lines are there to read
+                journal.seek(position)
+                lines = journal.readlines()
+                position = journal.tell()
+            for line in lines:
+                if self._halted or not self._send(client, json.loads(line)):
                     return
                 done += 1
                 _write_atomically(self._sent_path, str(done))
