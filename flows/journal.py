@@ -227,7 +227,8 @@ def send_entry(client: MlflowClient, run_id: str, entry: dict) -> None:
     elif entry["kind"] == "params":
         client.log_batch(run_id, params=[Param(key, value) for key, value in entry["params"].items()])
     elif entry["kind"] == "table":
-        client.log_table(run_id, pd.read_json(entry["file"], orient="split"), entry["artifact_file"])
+        table = pd.read_json(entry["file"], orient="split", dtype=False, convert_dates=False)  # as it was logged
+        client.log_table(run_id, table, entry["artifact_file"])
     elif entry["kind"] == "tag":
         client.log_batch(run_id, tags=[RunTag(entry["key"], entry["value"])])
 
