@@ -99,24 +99,37 @@ def busy_us(events) -> float:
     return sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
 
 
+SELF_TIME = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+"""What a profile's events are ranked by: each operator's and kernel's own device time (CPU time on the CPU)."""
+
+
+def profiler_activities() -> list:
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+
+
+def top_events(events, top: int) -> list[dict]:
+    """The `top` operators and kernels of a profile's `key_averages()` by their own time, each with its
+    share of the device's busy time."""
+    busy = busy_us(events) or 1
+    ranked = sorted(events, key=lambda e: getattr(e, SELF_TIME), reverse=True)[:top]
+    return [{"name": e.key[:120], "calls": e.count, "self_ms": getattr(e, SELF_TIME) / 1e3,
+             "cpu_ms": e.cpu_time_total / 1e3, "share": getattr(e, SELF_TIME) / busy} for e in ranked]
+
+
 def kernel_profile(fn, top: int = 10) -> dict:
     """One call of `fn` under `torch.profiler`: the device's busy time against the call's wall clock, and
     the `top` operators and kernels by their own device time."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    key = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-    with profile(activities=activities) as profiler:
+    with profile(activities=profiler_activities()) as profiler:
         started = time.perf_counter()
         fn()
         synchronize()
         wall = time.perf_counter() - started
     events = profiler.key_averages()
-    busy = busy_us(events)
-    ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
-    return {"wall_ms": wall * 1e3, "busy_ms": busy / 1e3,
-            "top": [{"name": e.key[:120], "calls": e.count, "self_ms": getattr(e, key) / 1e3,
-                     "cpu_ms": e.cpu_time_total / 1e3} for e in ranked]}
+    return {"wall_ms": wall * 1e3, "busy_ms": busy_us(events) / 1e3, "top": top_events(events, top)}
 
 
 def decode(limits: dict, shape: dict = LLAMA_05B, batch: int = 64, prompt: int = 64, new: int = 128,

@@ -110,25 +110,20 @@ class Profiled:
         self.iteration, self.profiler, self.table, self.top, self.busy = iteration, None, "", [], {}
 
     def __call__(self, figures: dict, iteration: int) -> None:
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import profile
 
-        from bench.gpu import busy_us
+        from bench.gpu import SELF_TIME, busy_us, profiler_activities, top_events
 
         if iteration == self.iteration - 1:
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self.profiler = profile(activities=activities)
+            self.profiler = profile(activities=profiler_activities())
             self.profiler.start()
         elif iteration == self.iteration and self.profiler is not None:
             self.profiler.stop()
-            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             events = self.profiler.key_averages()
-            self.table = events.table(sort_by=key, row_limit=25)
-            total = busy_us(events) or 1
-            ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:15]
-            self.top = [{"name": e.key[:120], "calls": e.count, "self_ms": getattr(e, key) / 1e3,
-                         "share": getattr(e, key) / total} for e in ranked]
+            self.table = events.table(sort_by=SELF_TIME, row_limit=25)
+            self.top = top_events(events, 15)
             # the device's busy time against the iteration's wall clock (which the profiler slows)
-            self.busy = {"iteration": iteration, "busy_ms": total / 1e3,
+            self.busy = {"iteration": iteration, "busy_ms": busy_us(events) / 1e3,
                          "wall_ms": figures.get("time/iteration", 0.0) * 1e3}
 
 

@@ -59,7 +59,6 @@ from flows.stage_runs import (
     StageJob,
     StageRun,
     refuse,
-    retried_on_outage,
     run_stage,
     stage_memory,
 )
@@ -117,7 +116,7 @@ def build_demo_world(demo: DemoWorldConfig) -> str:
 # --- stage tasks ----------------------------------------------------------------------------
 
 
-@task(name="sft", retry_condition_fn=retried_on_outage, **STAGE_RETRIES)
+@task(name="sft", **STAGE_RETRIES)
 def run_sft(ctx: StageContext) -> StageRecord | State:
     """Validate demonstrations, fine-tune the base model, log everything to a child run."""
     from stages.sft import SFTInputs, train_sft  # here: the training libraries take seconds to import
@@ -141,7 +140,7 @@ def run_sft(ctx: StageContext) -> StageRecord | State:
     return run_stage("sft", ctx, "step", prepare)
 
 
-@task(name="reward", retry_condition_fn=retried_on_outage, **STAGE_RETRIES)
+@task(name="reward", **STAGE_RETRIES)
 def run_reward(ctx: StageContext) -> StageRecord | State:
     """Train the reward model from the upstream SFT checkpoint (downloaded through MLflow)."""
     from stages.reward import RewardInputs, train_reward
@@ -166,7 +165,7 @@ def run_reward(ctx: StageContext) -> StageRecord | State:
     return run_stage("reward", ctx, "step", prepare)
 
 
-@task(name="ppo", retry_condition_fn=retried_on_outage, **STAGE_RETRIES)
+@task(name="ppo", **STAGE_RETRIES)
 def run_ppo(ctx: StageContext) -> StageRecord | State:
     """PPO from the upstream SFT policy against the upstream reward model (none where the reward is
     Python functions alone), fetched through MLflow; the policy registered (as an MLflow
@@ -204,7 +203,7 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
     return run_stage("ppo", ctx, "iteration", prepare)
 
 
-@task(name="dpo", retry_condition_fn=retried_on_outage, **STAGE_RETRIES)
+@task(name="dpo", **STAGE_RETRIES)
 def run_dpo(ctx: StageContext) -> StageRecord | State:
     """DPO from the upstream SFT checkpoint (fetched through MLflow) on preference pairs, judged
     as PPO is; the policy registered unless the config says not to."""

@@ -139,8 +139,6 @@ def finish(stage: StageName, run: StageRun, ctx: StageContext, data: ValidatedDa
 SERVER_UNREACHABLE = "ServerUnreachable"
 """The name of a stage task's Failed state when the tracking server stopped answering for longer than the
 stage waits (`outage_limit_s`): the one failure the stage tasks retry."""
-STAGE_RETRIES = {"retries": 2, "retry_delay_seconds": [30, 120]}
-"""How the stage tasks retry a `SERVER_UNREACHABLE` failure; each retry resumes from the stage's checkpoint."""
 
 
 def refuse(message: str, server_unreachable: bool = False) -> State:
@@ -155,6 +153,11 @@ def retried_on_outage(task, task_run, state: State) -> bool:
     """The stage tasks' `retry_condition_fn`: a server that stopped answering is retried, a user error
     (bad data, a bad reward function, a failed gate) or a bug is not."""
     return state.name == SERVER_UNREACHABLE
+
+
+STAGE_RETRIES = {"retries": 2, "retry_delay_seconds": [30, 120], "retry_condition_fn": retried_on_outage}
+"""The stage tasks' retries (`@task(**STAGE_RETRIES)`): a `SERVER_UNREACHABLE` failure only, twice; each
+retry resumes from the stage's checkpoint."""
 
 
 @dataclass

@@ -260,9 +260,10 @@ def lost_nodes(joined: list[dict], ranks: int, per_rank: dict[str, float], place
     import ray
 
     alive = [n for n in ray.nodes() if n["Alive"]]
+    alive_ids = {n["NodeID"] for n in alive}
     gone: dict[str, tuple[str, list[int]]] = {}
     for j in joined:
-        if j["node"] not in {n["NodeID"] for n in alive}:
+        if j["node"] not in alive_ids:
             gone.setdefault(j["node"], (j["ip"], []))[1].append(j["rank"])
     if not gone:
         return ""
