@@ -111,14 +111,18 @@ lint:  ## ruff check on the whole repository (rules: pyproject.toml [tool.ruff])
 	scripts/locks.sh sync $(LINT_VENV) locks/lint.txt
 	$(LINT_VENV)/bin/ruff check .
 
-test: install  ## run the whole test suite
-	$(PY) -m pytest
+# The suite runs on every core (pytest-xdist): each test file is one group on one worker (tests/conftest.py);
+# RLHF_TEST_WORKERS=0 runs it in one process, in file order.
+TEST_WORKERS = -n $${RLHF_TEST_WORKERS:-$$(nproc)} --dist loadgroup
 
-golden: install  ## refresh tests/golden/smoke.json deliberately: the smoke pipeline's figures and digests on this stack and machine
+test: install  ## run the whole test suite on every core
+	$(PY) -m pytest $(TEST_WORKERS)
+
+golden: install  ## refresh this CPU vendor's tests/golden/smoke-<vendor>.json deliberately: the smoke pipeline's figures and digests under portable numerics
 	RLHF_GOLDEN=refresh $(PY) -m pytest tests/test_reliability.py -k golden_record -s -q
 
 test-fast: install  ## the tests that start no other process (-m "not multiprocess"): the subset to iterate with
-	$(PY) -m pytest -m "not multiprocess"
+	$(PY) -m pytest $(TEST_WORKERS) -m "not multiprocess"
 
 clean-state: down  ## delete all local run state (.rlhf/)
 	rm -rf $${RLHF_HOME:-.rlhf}

@@ -376,15 +376,17 @@ def history_entry(args, results: dict, limits: dict, speedup: float | None, thre
 
 
 def ours_settings(args) -> dict:
-    """What our side computed with, as the config resolves it: precision and the passes' layout."""
+    """What our side computed with, as the config resolves it: precision, the passes' layout, and the
+    CPU numerics (rlhf/numerics.py; runs before the setting existed were native)."""
     import yaml
 
+    from rlhf import numerics
     from rlhf.config import load_config
 
     overrides = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
     ppo = load_config(args.config, overrides).ppo
     return {"precision": ppo.precision, "padding_free": ppo.padding_free, "micro_batch_tokens": ppo.micro_batch_tokens,
-            "micro_batch_size": ppo.micro_batch_size}
+            "micro_batch_size": ppo.micro_batch_size, "numerics": numerics.mode()}
 
 
 def compare_with_history(path: Path, entry: dict) -> str:
@@ -392,7 +394,8 @@ def compare_with_history(path: Path, entry: dict) -> str:
     10% beyond the larger of the two runs' round-to-round spreads is flagged."""
     same = [e for e in map(json.loads, path.read_text().splitlines() if path.exists() else [])
             if e["machine"] == entry["machine"] and e["config"] == entry["config"]
-            and e["overrides"] == entry["overrides"]]
+            and e["overrides"] == entry["overrides"]
+            and e.get("settings", {}).get("numerics", "native") == entry["settings"]["numerics"]]
     if not same:
         return f"  history: first run on this machine type ({entry['machine']}) in {path}"
     last = same[-1]

@@ -2,7 +2,8 @@
 environment was installed from, whether it still matches that lock, and the machine type.
 
 Every stage run carries these as tags (`Stack.tags`); the cache key holds `Stack.key`, so a stage
-cached under one stack is rerun under another (`changes` says which package moved). The registry's
+cached under one stack, or under other CPU numerics (rlhf/numerics.py), is rerun under another
+(`changes` says which package moved). The registry's
 evaluation key leaves the stack out, so champions still compare across upgrades.
 
 `python -m rlhf.stack [LOCK]` checks this environment against a lock (`scripts/locks.sh` installs
@@ -20,6 +21,7 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
+import rlhf.numerics as numerics
 from rlhf.config_common import REPO_ROOT
 
 LOCK = REPO_ROOT / "locks" / "project.txt"
@@ -122,6 +124,8 @@ class Stack:
     differences: tuple[str, ...]
     """How the environment differs from the lock (`lock_differences`); empty when it matches."""
     machine: str
+    numerics: str
+    """The CPU numerics torch computes with here (`numerics.in_use`: `portable · AVX2`, `native · AVX512`)."""
 
     @property
     def locked(self) -> bool:
@@ -130,14 +134,14 @@ class Stack:
 
     def key(self, vllm: Path | None = None) -> dict[str, str]:
         """The part of a cache key that the stack decides: the compute versions, vLLM's where the
-        stage samples on it, and whether the environment is the lock (an unlocked environment's
-        results are never reused by a locked one, nor the other way)."""
+        stage samples on it, whether the environment is the lock (an unlocked environment's
+        results are never reused by a locked one, nor the other way), and the CPU numerics."""
         versions = dict(self.versions) | ({"vllm": vllm_version(vllm)} if vllm is not None else {})
-        return versions | {"environment": "locked" if self.locked else "unlocked"}
+        return versions | {"environment": "locked" if self.locked else "unlocked", "numerics": self.numerics}
 
     def tags(self, vllm: Path | None = None) -> dict[str, str]:
         """The stack as a stage run's tags: `rlhf.stack.<package>` each, the lock's digest, whether
-        the environment matches it (and how it does not), and the machine type."""
+        the environment matches it (and how it does not), the CPU numerics and the machine type."""
         key = self.key(vllm)
         locked = "true" if self.locked else (
             f"false: {'; '.join(self.differences[:8])}{' ...' if len(self.differences) > 8 else ''}"
@@ -160,8 +164,9 @@ def current() -> Stack:
     versions = {"python": platform.python_version()} | {name: have.get(name, "absent") for name in COMPUTE_PACKAGES}
     lock = environment_lock()
     if lock.exists():
-        return Stack(versions, file_digest(lock), tuple(lock_differences(read_lock(lock), have)), machine())
-    return Stack(versions, "none", (), machine())
+        return Stack(versions, file_digest(lock), tuple(lock_differences(read_lock(lock), have)), machine(),
+                     numerics.in_use())
+    return Stack(versions, "none", (), machine(), numerics.in_use())
 
 
 def main(argv: list[str]) -> int:

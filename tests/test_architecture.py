@@ -19,6 +19,7 @@ LAYERS = {
     # folder or module: the project modules (prefixes) it may import. Each row imports only rows above it
     # (and its own folder), so no import runs back up. docs/architecture.md shows this table.
     "schemas": ("schemas",),
+    "rlhf/numerics.py": (),
     "rlhf/demo_locations.py": (),
     "rlhf/evaluation.py": (),
     "rlhf/plots.py": (),
@@ -28,12 +29,12 @@ LAYERS = {
     "rlhf/config_ppo.py": ("rlhf.config_common",),
     "rlhf/config.py": ("rlhf.config_common", "rlhf.config_ppo", "rlhf.demo_locations"),
     "rlhf/demo_world.py": ("rlhf.demo_locations", "rlhf.demo_tools", "rlhf.evaluation"),
-    "rlhf/stack.py": ("rlhf.config_common",),
+    "rlhf/stack.py": ("rlhf.config_common", "rlhf.numerics"),
     "rlhf/tracking.py": CONFIG,
     "stages/common": ("stages.common",) + CONFIG,
     "stages/runtime": ("stages.common", "stages.runtime") + CONFIG,
     "stages/memory": ("stages.common", "stages.runtime", "stages.memory") + CONFIG,
-    "stages/launch": ("stages.common", "stages.runtime", "stages.memory", "stages.launch") + CONFIG,
+    "stages/launch": ("stages.common", "stages.runtime", "stages.memory", "stages.launch", "rlhf.numerics") + CONFIG,
     "stages/engines": ("stages.common", "stages.runtime", "stages.engines") + CONFIG,
     "stages/rewards": ("stages.common", "stages.runtime", "stages.memory", "stages.rewards") + CONFIG,
     "stages/envs": ("stages.common", "stages.runtime", "stages.engines", "stages.envs") + CONFIG,
@@ -60,8 +61,8 @@ def imports_of(path: Path) -> set[str]:
 def rule_for(path: Path) -> tuple[str, ...] | None:
     """The most specific row of LAYERS for `path`: its module, else its folder, else its top folder."""
     relative = path.relative_to(REPO).as_posix()
-    if path.name == "__init__.py":  # a package marker: imports nothing
-        return ()
+    if path.name == "__init__.py":  # a package marker: imports nothing but the numerics, applied first
+        return ("rlhf", "rlhf.numerics")
     for key in (relative, relative.rsplit("/", 1)[0], relative.split("/")[0]):
         if key in LAYERS:
             return LAYERS[key]

@@ -16,6 +16,7 @@ import os
 import uuid
 from pathlib import Path
 
+import rlhf.numerics as numerics
 from stages.common.reporting import Reporting
 from stages.launch.job import Stage, StageCall
 from stages.memory.measured import measured_peak, release_unreachable, with_figures
@@ -26,6 +27,8 @@ def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Repor
     """`train(section, inputs, output_dir, reporting)` on `section.launch.num_processes` processes;
     its result. A `StageUserError` raised on rank 0 is raised here as it was."""
     launch = section.launch
+    if slow := _slow_numerics(section):
+        reporting.warning(slow)
     if launch.in_process:
         release_unreachable()  # what an earlier stage in this process left is neither counted nor in the way
         try:
@@ -44,3 +47,15 @@ def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Repor
     from stages.launch import local
 
     return local.run(call, reporting)
+
+
+def _slow_numerics(section) -> str | None:
+    """A warning where the stage trains in bf16 on a CPU under portable numerics: without AVX-512's
+    bf16 instructions and AMX, torch's bf16 matrix products take a slow path (10x the iteration of
+    `make bench`'s work, measured: docs/reproducibility.md)."""
+    import torch
+
+    if getattr(section, "precision", None) != "bf16-mixed" or torch.cuda.is_available() or not numerics.pins():
+        return None
+    return (f"precision bf16-mixed on the CPU under {numerics.VARIABLE}=portable: bf16 runs on AVX2 there, about "
+            f"10x slower than {numerics.VARIABLE}=native or fp32 (docs/reproducibility.md, 'CPU numerics')")

@@ -34,6 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import rlhf.numerics as numerics
 from stages.common.reporting import Reporting
 from stages.launch.job import (
     ERROR,
@@ -198,9 +199,11 @@ def _local_cluster() -> tuple[str, Path | None] | None:
 
 def _rank_environment(gpus: bool) -> dict[str, str]:
     """What the ranks get from the caller: the repository on the import path (the stage functions
-    live in it), and on a CPU cluster gloo's switch and glibc's malloc settings."""
+    live in it), the run's CPU numerics (set before the worker loads torch), and on a CPU cluster
+    gloo's switch and glibc's malloc settings."""
     repo = str(Path(__file__).resolve().parents[2])
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])), "PYTHONUNBUFFERED": "1"}
+    env |= numerics.environment()
     return env if gpus else cpu_environment(env)
 
 
