@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: lock lint bench-env vllm-env golden demo test test-fast bench bench-packing bench-quality bench-methods bench-tools bench-scale bench-ray bench-memory bench-rollout gpu-wheels plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env
+.PHONY: lock lint bench-env vllm-env golden load-test demo test test-fast bench bench-packing bench-quality bench-methods bench-tools bench-scale bench-ray bench-memory bench-rollout gpu-wheels plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env
 
 # Every environment is installed exactly from its lock (locks/, scripts/locks.sh): a package that
 # differs from the lock is named and put back, one the lock does not name is removed. Syncing an
@@ -111,18 +111,17 @@ lint:  ## ruff check on the whole repository (rules: pyproject.toml [tool.ruff])
 	scripts/locks.sh sync $(LINT_VENV) locks/lint.txt
 	$(LINT_VENV)/bin/ruff check .
 
-# The suite runs on every core (pytest-xdist): each test file is one group on one worker (tests/conftest.py);
-# RLHF_TEST_WORKERS=0 runs it in one process, in file order.
-TEST_WORKERS = -n $${RLHF_TEST_WORKERS:-$$(nproc)} --dist loadgroup
+test: install  ## run the whole test suite
+	$(PY) -m pytest
 
-test: install  ## run the whole test suite on every core
-	$(PY) -m pytest $(TEST_WORKERS)
+load-test: install  ## a team stack on PostgreSQL under load: 16 rlhf/full runs (tiny config) at once; figures in bench/results/load-postgresql-<date>.json
+	RLHF_LOAD_TEST=1 $(PY) -m pytest tests/test_load.py -k many_full_runs -s -q
 
 golden: install  ## refresh this CPU vendor's tests/golden/smoke-<vendor>.json deliberately: the smoke pipeline's figures and digests under portable numerics
 	RLHF_GOLDEN=refresh $(PY) -m pytest tests/test_reliability.py -k golden_record -s -q
 
 test-fast: install  ## the tests that start no other process (-m "not multiprocess"): the subset to iterate with
-	$(PY) -m pytest $(TEST_WORKERS) -m "not multiprocess"
+	$(PY) -m pytest -m "not multiprocess"
 
 clean-state: down  ## delete all local run state (.rlhf/)
 	rm -rf $${RLHF_HOME:-.rlhf}

@@ -395,7 +395,7 @@ def compare_with_history(path: Path, entry: dict) -> str:
     same = [e for e in map(json.loads, path.read_text().splitlines() if path.exists() else [])
             if e["machine"] == entry["machine"] and e["config"] == entry["config"]
             and e["overrides"] == entry["overrides"]
-            and e.get("settings", {}).get("numerics", "native") == entry["settings"]["numerics"]]
+            and e.get("settings", {}).get("numerics", "native") == entry.get("settings", {}).get("numerics", "native")]
     if not same:
         return f"  history: first run on this machine type ({entry['machine']}) in {path}"
     last = same[-1]

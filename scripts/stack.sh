@@ -6,7 +6,16 @@
 #   scripts/stack.sh up | down | status | env
 #
 # Settings (environment): RLHF_HOME, RLHF_HOST (127.0.0.1), RLHF_PREFECT_PORT (4200),
-# RLHF_MLFLOW_PORT (5000), RLHF_POOL (rlhf-local), RLHF_WORKER_LIMIT (4), RLHF_PYTHON (.venv/bin/python).
+# RLHF_MLFLOW_PORT (5000), RLHF_POOL (rlhf-local), RLHF_WORKER_LIMIT (4), RLHF_PYTHON (.venv/bin/python),
+# RLHF_DB (sqlite | postgresql), RLHF_PG_PORT (5433), RLHF_PG_DATA ($RLHF_HOME/postgres).
+#
+# Databases. SQLite files in $RLHF_HOME by default: nothing to run, one user. RLHF_DB=postgresql
+# (a team's stack) runs Debian's PostgreSQL as a fourth service, started and stopped here like the
+# others: a cluster in RLHF_PG_DATA (made on first `up`), listening on 127.0.0.1:RLHF_PG_PORT only,
+# with a `prefect` and an `mlflow` database; the two servers are its only clients (trust auth on
+# the loopback). PostgreSQL refuses to run as root, so under root it runs as the `postgres` user,
+# which must be able to reach RLHF_PG_DATA (a folder under /tmp or /var/tmp, say, where $RLHF_HOME
+# is private). `env` names the database in use; a stack keeps the database it was made with.
 # What a stage logs while it trains waits on disk while the MLflow server is away, up to the config's
 # outage_limit_s (flows/journal.py); every other MLflow call from a flow run retries with exponential
 # backoff (MLflow's own HTTP retry, MLFLOW_HTTP_REQUEST_MAX_RETRIES=5, BACKOFF_FACTOR=1: about 30 s);
@@ -28,11 +37,33 @@ WORKER_LIMIT="${RLHF_WORKER_LIMIT:-4}"
 VENV_BIN="$(dirname "${RLHF_PYTHON:-$REPO/.venv/bin/python}")"
 PIDS="$RLHF_HOME/pids"
 LOGS="$RLHF_HOME/logs"
+PG_PORT="${RLHF_PG_PORT:-5433}"
+PG_DATA="${RLHF_PG_DATA:-$RLHF_HOME/postgres}"
+PG_BIN="${RLHF_PG_BIN:-$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1)}"
+AS_POSTGRES=()  # PostgreSQL refuses to run as root: under root its programs run as the postgres user
+[[ $EUID -eq 0 ]] && AS_POSTGRES=(runuser -u postgres --)
+
+database() {  # the database this stack uses: what `up` recorded, else RLHF_DB (default sqlite)
+  local db recorded
+  recorded="$(cat "$RLHF_HOME/database" 2>/dev/null || true)"
+  db="${recorded:-${RLHF_DB:-sqlite}}"
+  if [[ -n "$recorded" && -n "${RLHF_DB:-}" && "$RLHF_DB" != "$recorded" ]]; then
+    echo "error: the stack in $RLHF_HOME keeps its runs on $recorded; RLHF_DB=$RLHF_DB would start an empty one (use another RLHF_HOME)" >&2
+    return 2
+  fi
+  case "$db" in
+    sqlite|postgresql) echo "$db" ;;
+    *) echo "error: RLHF_DB=$db is not sqlite or postgresql" >&2; return 2 ;;
+  esac
+}
 
 stack_env() {
   # Everything a client of this stack needs; `eval "$(scripts/stack.sh env)"` loads it.
   mkdir -p "$RLHF_HOME"
   RLHF_HOME="$(cd "$RLHF_HOME" && pwd)"
+  local db prefect_db
+  db="$(database)" || return
+  prefect_db="$(database_url prefect)"
   cat <<ENV
 export RLHF_HOME="$RLHF_HOME"
 export RLHF_REPO="$REPO"
@@ -42,7 +73,8 @@ export PREFECT_API_URL="http://$HOST:$PREFECT_PORT/api"
 export PREFECT_UI_URL="http://$HOST:$PREFECT_PORT"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_WORKER_QUERY_SECONDS="${PREFECT_WORKER_QUERY_SECONDS:-1}"
-export PREFECT_API_DATABASE_CONNECTION_URL="sqlite+aiosqlite:///$RLHF_HOME/prefect/prefect.db"
+export RLHF_DB="$db"
+export PREFECT_API_DATABASE_CONNECTION_URL="$prefect_db"
 export PREFECT_SERVER_DATABASE_TIMEOUT="${PREFECT_SERVER_DATABASE_TIMEOUT:-30}"
 export PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT="${PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT:-30}"
 export MLFLOW_TRACKING_URI="http://$HOST:$MLFLOW_PORT"
@@ -54,6 +86,53 @@ export MLFLOW_HTTP_REQUEST_TIMEOUT="${MLFLOW_HTTP_REQUEST_TIMEOUT:-60}"
 export TOKENIZERS_PARALLELISM=false
 export PATH="$VENV_BIN:\$PATH"
 ENV
+}
+
+database_url() {  # prefect | mlflow: the connection URL its server uses
+  if [[ "$(database)" == postgresql ]]; then
+    local driver; driver="$([[ $1 == prefect ]] && echo asyncpg || echo psycopg)"
+    echo "postgresql+$driver://rlhf@127.0.0.1:$PG_PORT/$1"
+  elif [[ $1 == prefect ]]; then
+    echo "sqlite+aiosqlite:///$RLHF_HOME/prefect/prefect.db"
+  else
+    echo "sqlite:///$RLHF_HOME/mlflow.db"
+  fi
+}
+
+as_postgres() {  # run a PostgreSQL program as a user it accepts (not root)
+  "${AS_POSTGRES[@]}" "$@"
+}
+
+postgres_up() {  # the cluster (made on first use), running, with both databases
+  if [[ -z "$PG_BIN" || ! -x "$PG_BIN/postgres" ]]; then
+    echo "error: RLHF_DB=postgresql needs PostgreSQL's programs (Debian: apt-get install postgresql); none in /usr/lib/postgresql" >&2
+    return 1
+  fi
+  mkdir -p "$PG_DATA"
+  [[ $EUID -eq 0 ]] && chown postgres: "$PG_DATA" && chmod 700 "$PG_DATA"
+  if ! as_postgres test -w "$PG_DATA"; then
+    echo "error: the postgres user cannot write $PG_DATA; set RLHF_PG_DATA to a folder it can reach" >&2
+    return 1
+  fi
+  if [[ ! -f "$PG_DATA/PG_VERSION" ]]; then
+    as_postgres "$PG_BIN/initdb" -D "$PG_DATA" -U rlhf --auth=trust -E UTF8 >"$LOGS/postgres-initdb.log" 2>&1 || {
+      echo "error: initdb failed; see $LOGS/postgres-initdb.log" >&2; return 1; }
+  fi
+  # The socket goes into the data folder (Debian's default, /var/run/postgresql, may not exist or be writable).
+  start postgres "${AS_POSTGRES[@]}" "$PG_BIN/postgres" -D "$PG_DATA" -h 127.0.0.1 -p "$PG_PORT" -k "$PG_DATA" \
+    -c max_connections=200
+  local deadline=$((SECONDS + 60))
+  until "$PG_BIN/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT"; do
+    if (( SECONDS > deadline )); then echo "error: PostgreSQL did not start; see $LOGS/postgres.log" >&2; return 1; fi
+    sleep 0.5
+  done
+  local name
+  for name in prefect mlflow; do
+    if [[ -z "$("$PG_BIN/psql" -h 127.0.0.1 -p "$PG_PORT" -U rlhf -d postgres -tAc \
+          "SELECT 1 FROM pg_database WHERE datname = '$name'")" ]]; then
+      "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" -U rlhf "$name"
+    fi
+  done
 }
 
 wait_http() {  # url seconds name
@@ -81,10 +160,14 @@ start() {  # name command...
 }
 
 up() {
-  eval "$(stack_env)"
+  local settings
+  settings="$(stack_env)" || return
+  eval "$settings"
   mkdir -p "$PIDS" "$LOGS" "$PREFECT_HOME" "$RLHF_HOME/mlartifacts"
+  echo "$RLHF_DB" >"$RLHF_HOME/database"
+  [[ "$RLHF_DB" == postgresql ]] && postgres_up
   start mlflow mlflow server --host "$HOST" --port "$MLFLOW_PORT" \
-    --backend-store-uri "sqlite:///$RLHF_HOME/mlflow.db" \
+    --backend-store-uri "$(database_url mlflow)" \
     --artifacts-destination "$RLHF_HOME/mlartifacts" --serve-artifacts --workers 1
   start prefect prefect server start --host "$HOST" --port "$PREFECT_PORT"
   wait_http "$PREFECT_UI_URL/api/health" 120 "Prefect server"
@@ -102,11 +185,13 @@ up() {
 
 down() {
   local name pid
-  for name in worker prefect mlflow; do
+  for name in worker prefect mlflow postgres; do  # the database last: the servers are its clients
     [[ -f "$PIDS/$name" ]] || continue
     pid="$(cat "$PIDS/$name")"
     if kill -0 "$pid" 2>/dev/null; then
-      kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+      # PostgreSQL's fast shutdown is SIGINT (SIGTERM waits for its clients to leave).
+      local signal; signal="$([[ $name == postgres ]] && echo INT || echo TERM)"
+      kill "-$signal" -- "-$pid" 2>/dev/null || kill "-$signal" "$pid" 2>/dev/null || true
       for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
       kill -KILL -- "-$pid" 2>/dev/null || true
       echo "stopped $name (pid $pid)"
@@ -117,7 +202,8 @@ down() {
 
 status() {
   local name
-  for name in mlflow prefect worker; do
+  for name in mlflow prefect worker postgres; do
+    [[ $name == postgres && "$(database)" != postgresql ]] && continue
     if [[ -f "$PIDS/$name" ]] && kill -0 "$(cat "$PIDS/$name")" 2>/dev/null; then
       echo "$name: running (pid $(cat "$PIDS/$name"))"
     else

