@@ -65,7 +65,7 @@ stress-launch: install  ## every 2-process job of the test suite, 20 times each:
 plan-sizes: install  ## the fewest 80 GB GPUs the memory plan gives each method, Qwen2.5 0.5B to Llama-3 70B (configs only)
 	$(PY) -m bench.plan_sizes
 
-up: install  ## start Prefect + MLflow servers, the worker, and deploy
+up: install  ## start Prefect + MLflow servers, the worker, and deploy (RLHF_DB=postgresql: their databases on PostgreSQL, docs/stack.md)
 	scripts/stack.sh up
 
 down:  ## stop exactly the processes `make up` (and `make ray-up`) started
