@@ -139,7 +139,7 @@ def _lineages(env: dict[str, str], experiment: str) -> list[dict]:
 
 @needs_postgres
 @pytest.mark.skipif(os.environ.get("RLHF_LOAD_TEST") != "1",
-                    reason="the load test takes ~20 min on 2 cores: `make load-test` runs it (RLHF_LOAD_TEST=1)")
+                    reason="the load test takes ~7 min on 2 cores: `make load-test` runs it (RLHF_LOAD_TEST=1)")
 def test_many_full_runs_at_once_on_postgresql_all_complete_on_their_own_lineage(tmp_path):
     requests = [("rlhf/full", {"config_file": "configs/tiny.yaml",
                                "overrides": {"experiment": "load", "sft.seed": i, "reward.seed": i, "ppo.seed": i}})
