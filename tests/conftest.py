@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from rlhf.config import load_config
 from rlhf.demo_world import build_world  # noqa: E402
 
+
 def _starts_python(args) -> bool:
     program = Path(str(args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]))
     return program.name.startswith("python") or program.parent == Path(sys.executable).parent
