@@ -392,10 +392,12 @@ def ours_settings(args) -> dict:
 def compare_with_history(path: Path, entry: dict) -> str:
     """The change from the last run on the same machine type with the same work; a slowdown of more than
     10% beyond the larger of the two runs' round-to-round spreads is flagged."""
+    def numerics(e: dict) -> str:  # runs from before the setting were native
+        return e.get("settings", {}).get("numerics", "native")
+
     same = [e for e in map(json.loads, path.read_text().splitlines() if path.exists() else [])
             if e["machine"] == entry["machine"] and e["config"] == entry["config"]
-            and e["overrides"] == entry["overrides"]
-            and e.get("settings", {}).get("numerics", "native") == entry.get("settings", {}).get("numerics", "native")]
+            and e["overrides"] == entry["overrides"] and numerics(e) == numerics(entry)]
     if not same:
         return f"  history: first run on this machine type ({entry['machine']}) in {path}"
     last = same[-1]

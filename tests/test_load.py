@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.stack import REPO, deployment_run, mlflow_client, running_stack, submit_and_wait
@@ -76,7 +77,11 @@ def test_the_stack_on_postgresql_keeps_both_servers_runs_in_its_databases(tmp_pa
         refused = subprocess.run([str(REPO / "scripts" / "stack.sh"), "env"], env=env | {"RLHF_DB": "sqlite"},
                                  capture_output=True, text=True)
         assert refused.returncode != 0 and "keeps its runs on postgresql" in refused.stderr
-    assert not list((tmp_path / "stack" / "pids").iterdir())  # `down` stopped PostgreSQL too
+        postgres = int((Path(env["RLHF_HOME"]) / "pids" / "postgres").read_text())
+    # `down` stopped PostgreSQL too: its process is gone and nothing answers on its port
+    assert not psutil.pid_exists(postgres) or psutil.Process(postgres).status() == psutil.STATUS_ZOMBIE
+    ready = POSTGRES[-1].parent / "pg_isready"
+    assert subprocess.run([str(ready), "-q", "-h", "127.0.0.1", "-p", env["RLHF_PG_PORT"]]).returncode != 0
 
 
 class Probe(threading.Thread):
