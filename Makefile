@@ -111,8 +111,11 @@ lint:  ## ruff check on the whole repository (rules: pyproject.toml [tool.ruff])
 	scripts/locks.sh sync $(LINT_VENV) locks/lint.txt
 	$(LINT_VENV)/bin/ruff check .
 
-test: install  ## run the whole test suite
-	$(PY) -m pytest
+# The suite's files on TEST_WORKERS pytest-xdist workers, each file whole on one worker (its module fixtures,
+# a stack or a Ray cluster, built once); the slowest files go first (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+test: install  ## run the whole test suite (on TEST_WORKERS=2 workers; 0 runs it in this process)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 load-test: install  ## a team stack on PostgreSQL under load: 16 rlhf/full runs (tiny config) at once; figures in bench/results/load-postgresql-<date>.json
 	RLHF_LOAD_TEST=1 $(PY) -m pytest tests/test_load.py -k many_full_runs -s -q

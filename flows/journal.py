@@ -108,7 +108,7 @@ class RunJournal:
             raise self._refusal
         since = self._down_since or self._attempt_started
         if since is not None and (gone := time.time() - since) > self.outage_limit_s:
-            raise tracking.TrackingError(
+            raise tracking.ServerGone(
                 f"the MLflow tracking server {mlflow.get_tracking_uri()} has not answered for {gone:.0f} s, "
                 f"past the limit of {self.outage_limit_s:.0f} s (outage_limit_s); what the stage logged is kept in "
                 f"{self.path} and sent when the server answers, and a retry resumes from the stage's checkpoint")

@@ -155,6 +155,13 @@ def retried_on_outage(task, task_run, state: State) -> bool:
     return state.name == SERVER_UNREACHABLE
 
 
+def is_outage(error: tracking.TrackingError) -> bool:
+    """Whether a stage's tracking error is an outage, which its task retries. A server that stopped
+    answering is one even if it answers again by the time the failure is handled (closing the run may
+    outlast a short outage); another error (a refused upload) is one only while the server is away."""
+    return isinstance(error, tracking.ServerGone) or not tracking.server_answers(timeout=2.0)
+
+
 STAGE_RETRIES = {"retries": 2, "retry_delay_seconds": [30, 120], "retry_condition_fn": retried_on_outage}
 """The stage tasks' retries (`@task(**STAGE_RETRIES)`): a `SERVER_UNREACHABLE` failure only, twice; each
 retry resumes from the stage's checkpoint."""
@@ -288,7 +295,7 @@ def stage_run(stage: StageName, section: BaseModel, ctx: StageContext, unit: str
         except Exception as e:
             if tracking.server_answers():
                 raise
-            raise tracking.TrackingError(
+            raise tracking.ServerGone(
                 f"stage {stage}: the MLflow tracking server {mlflow.get_tracking_uri()} stopped answering "
                 f"({type(e).__name__}); the stage's local work is kept in {workdir.path} and a rerun "
                 f"resumes from it") from e
@@ -338,7 +345,7 @@ def run_stage(stage: StageName, ctx: StageContext, unit: str,
     except DataContractError as e:
         return refuse(e.report())
     except tracking.TrackingError as e:
-        return refuse(str(e), server_unreachable=not tracking.server_answers(timeout=2.0))
+        return refuse(str(e), server_unreachable=is_outage(e))
     except (StageUserError, LaunchError) as e:
         return refuse(str(e))
 

@@ -62,6 +62,11 @@ class TrackingError(RuntimeError):
     """The tracking server could not be reached, or refused to store a stage's results."""
 
 
+class ServerGone(TrackingError):
+    """The tracking server stopped answering, or never answered: what a retry may outlive, whether or not
+    the server answers again by the time the failure is handled."""
+
+
 def server_answers(timeout: float = 5.0) -> bool:
     """True when tracking is local (a database path) or the tracking server answers its health check."""
     uri = mlflow.get_tracking_uri()
@@ -75,7 +80,7 @@ def server_answers(timeout: float = 5.0) -> bool:
 
 def wait_for_server(attempts: int = 5, first_delay_s: float = 1.0, log: Callable[[str], None] = print) -> None:
     """Return once the tracking server answers, retrying with exponential backoff (1, 2, 4, ... s);
-    raise `TrackingError` naming the server after the last attempt."""
+    raise `ServerGone` naming the server after the last attempt."""
     delay, waited = first_delay_s, 0.0
     for attempt in range(1, attempts + 1):
         if server_answers():
@@ -85,7 +90,7 @@ def wait_for_server(attempts: int = 5, first_delay_s: float = 1.0, log: Callable
                 f"(attempt {attempt} of {attempts}); retrying in {delay:g} s")
             time.sleep(delay)
             waited, delay = waited + delay, delay * 2
-    raise TrackingError(f"MLflow tracking server {mlflow.get_tracking_uri()} did not answer after {attempts} attempts "
+    raise ServerGone(f"MLflow tracking server {mlflow.get_tracking_uri()} did not answer after {attempts} attempts "
                         f"over {waited:g} s; start it (`make up`) or point MLFLOW_TRACKING_URI at a running server")
 
 

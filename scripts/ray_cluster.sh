@@ -53,9 +53,13 @@ start_node() {  # NAME ARGS...: `ray start --block ARGS` in a session of its own
     echo $! >"$STATE/$name.pid"
 }
 
-start_worker() {  # the second node, with its own ports: on one machine the defaults of its agents would collide
-    start_node worker --address "$ADDRESS" --min-worker-port 0 --max-worker-port 0 \
-        --dashboard-agent-listen-port 0 --dashboard-agent-grpc-port 0 --metrics-export-port 0 --runtime-env-agent-port 0
+# Each node's agents and workers on ports of their own: on one machine Ray's defaults would collide
+# between the two nodes, and between two clusters (the test suite's workers each start one).
+OWN_PORTS=(--min-worker-port 0 --max-worker-port 0 --dashboard-agent-listen-port 0 --dashboard-agent-grpc-port 0
+           --metrics-export-port 0 --runtime-env-agent-port 0)
+
+start_worker() {  # the second node
+    start_node worker --address "$ADDRESS" "${OWN_PORTS[@]}"
     wait_for_nodes 2
 }
 
@@ -75,7 +79,7 @@ up() {
         return 1
     fi
     (umask 077 && "$PWD/.venv/bin/python" -c 'import secrets; print(secrets.token_hex(32))' >"$RAY_AUTH_TOKEN_PATH")
-    start_node head --head --port "$PORT" --temp-dir "$TEMP" --include-dashboard false
+    start_node head --head --port "$PORT" --temp-dir "$TEMP" --include-dashboard false "${OWN_PORTS[@]}"
     wait_for_nodes 1
     start_worker
     echo "$ADDRESS" >"$STATE/address"

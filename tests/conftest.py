@@ -12,6 +12,10 @@ import pytest
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# vLLM's CPU build compiles the served model with inductor at every server start (18 s of a 44-s start
+# here: its compile cache is keyed by the model's path, and each served folder is new). Its own CPU CI's
+# switch traces the model with dynamo and runs it without inductor. The tests check what is sampled.
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 from rlhf.config import load_config
 from rlhf.demo_world import build_world  # noqa: E402
@@ -20,6 +24,17 @@ from rlhf.demo_world import build_world  # noqa: E402
 def _starts_python(args) -> bool:
     program = Path(str(args[0] if isinstance(args, (list, tuple)) else str(args).split()[0]))
     return program.name.startswith("python") or program.parent == Path(sys.executable).parent
+
+
+SLOWEST_FIRST = ("test_vllm.py", "test_faults.py", "test_e2e.py", "test_ray.py", "test_flow.py", "test_sharding.py",
+                 "test_reliability.py", "test_distributed.py")
+"""The files that take longest (measured on 2 vCPUs, docs/testing.md), longest first. `make test` hands whole
+files to its two workers in collection order, so these go first and the short files fill in behind them."""
+
+
+def pytest_collection_modifyitems(items):
+    slow = {name: rank for rank, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: slow.get(item.path.name, len(slow)))  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True)

@@ -211,6 +211,12 @@ class RayCluster(str):
         cluster.env = env
         return cluster
 
+    @property
+    def environment(self) -> str:
+        """The entry of its processes' environment (Ray's workers and actors among them) that tells them
+        from another cluster's: what `processes(environment=...)` takes."""
+        return f"RLHF_HOME={self.env['RLHF_HOME']}"
+
     def lose_node(self, name: str = "worker") -> None:
         """SIGKILL a node's whole session (its raylet and every process under it), as a machine's loss would."""
         import os
@@ -239,22 +245,28 @@ def ray_launch(address: str, **settings):
                         ray_address=address, **settings)
 
 
-def processes(*needles: str) -> list[str]:
-    """The command lines (Ray's process titles among them) of the processes whose own holds every one of `needles`."""
+def processes(*needles: str, environment: str | None = None) -> list[str]:
+    """The command lines (Ray's process titles among them) of the processes whose own holds every one of
+    `needles` and, given `environment` (an entry such as "RLHF_HOME=/tmp/x"), whose environment holds it:
+    the processes of one test's stack or cluster, not those of a test running beside it."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            text = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if not all(needle in text for needle in needles):
+                continue
+            if environment is not None and environment.encode() not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
         except OSError:
             continue
-        if all(needle in text for needle in needles):
-            found.append(text)
+        found.append(text)
     return found
 
 
-def vllm_servers(served_folder_prefix: str = "rlhf-vllm-") -> list[str]:
-    """The command lines of the vLLM servers running on a served folder whose path contains `served_folder_prefix`."""
-    return processes("vllm.entrypoints.openai.api_server", served_folder_prefix)
+def vllm_servers(served_folder_prefix: str = "rlhf-vllm-", environment: str | None = None) -> list[str]:
+    """The command lines of the vLLM servers running on a served folder whose path contains
+    `served_folder_prefix` (and whose environment holds `environment`, as `processes` reads it)."""
+    return processes("vllm.entrypoints.openai.api_server", served_folder_prefix, environment=environment)
 
 
 def park_after_first_checkpoint(marker: str) -> None:

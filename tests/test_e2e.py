@@ -194,7 +194,7 @@ def test_full_deployment_with_vllm_rollouts_samples_on_a_server_that_is_gone_aft
     assert len(gaps) == 6 and max(m.value for m in gaps) < 1e-3  # smoke.yaml: 6 iterations, float32 on both sides
     assert all(m.value > 0 for m in client.get_metric_history(ppo.info.run_id, "time/weight_sync"))
     assert "eval/gold_win_rate" in ppo.data.metrics
-    assert not vllm_servers()
+    assert not vllm_servers(environment=f"RLHF_HOME={stack['RLHF_HOME']}")  # this stack's, not a test's beside it
 
 
 def test_full_deployment_with_lora_everywhere_hands_plain_checkpoints_downstream(stack, tmp_path):

@@ -156,7 +156,8 @@ def test_a_node_lost_for_good_fails_the_gang_in_time_naming_it_and_leaves_nothin
         assert re.search(r"node [0-9a-f]{12} \([0-9.]+\), which held rank \d, left the Ray cluster and was "
                          rf"not back within {RESTART_TIMEOUT_S:.0f} s", message), message
         assert "the gang needs 2 processes x {'CPU': 1} (SPREAD), and the live nodes hold 1 CPU" in message
-        assert not processes("ray::RayTrainWorker") and not processes("ray::TrainController")
+        assert not processes("ray::RayTrainWorker", environment=ray_cluster.environment)
+        assert not processes("ray::TrainController", environment=ray_cluster.environment)
         left = subprocess.run([sys.executable, "-c", _LEFT, str(ray_cluster)], capture_output=True, text=True,
                               timeout=120)
         assert "GROUPS=[]" in left.stdout, left.stdout + left.stderr  # no placement group holds the cluster

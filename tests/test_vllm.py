@@ -265,7 +265,7 @@ def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_reru
                                                    "rollout": {"max_staleness": 1}})  # a rollout in flight when killed
     arguments, parked = tmp_path / "arguments.pkl", tmp_path / "parked"
     arguments.write_bytes(pickle.dumps((ppo, trained, tmp_path / "out")))
-    before = _served_folders()
+    before = _shared_memory()
     stage = subprocess.Popen([sys.executable, "-c", KILLED, str(arguments), str(parked)], cwd=REPO_ROOT,
                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
@@ -273,10 +273,10 @@ def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_reru
         assert stage.poll() is None, "the stage ended before its third iteration"
         assert time.monotonic() < deadline, "PPO did not reach its third iteration within 600 s"
         time.sleep(0.5)
-    servers = vllm_servers("rlhf-vllm-")
-    group = next(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
-                 for pid in os.listdir("/proc") if pid.isdigit() and _is_child_server(int(pid), stage.pid))
-    assert servers and _process_group_alive(group)
+    (server,) = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_child_server(int(pid), stage.pid)]
+    group = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[2])
+    served = Path(Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0--model\0")[1].split(b"\0")[0].decode())
+    assert served.is_dir() and _process_group_alive(group)
     os.killpg(stage.pid, signal.SIGKILL)  # the stage's process, not the server's own group
     stage.wait()
     deadline = time.monotonic() + 60
@@ -285,10 +285,8 @@ def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_reru
         time.sleep(0.5)
     # the policy the killed stage served is removed from shared memory by its janitor, which outlives the stage,
     # with vLLM's shared-memory files
-    served = Path(servers[0].split("--model ")[1].split()[0])
-    while served.exists() or not _served_folders() <= before:
-        assert time.monotonic() < deadline, (f"the killed stage's shared memory outlived it: "
-                                             f"{_served_folders() - before}")
+    while served.exists() or _leaked(before):
+        assert time.monotonic() < deadline, f"the killed stage's shared memory outlived it: {served}, {_leaked(before)}"
         time.sleep(0.5)
 
     messages = []
@@ -306,13 +304,42 @@ def _is_child_server(pid: int, parent: int) -> bool:
     return int(stat[1]) == parent and b"vllm.entrypoints.openai.api_server" in cmdline
 
 
-def _served_folders() -> set[Path]:
+def _shared_memory() -> set[Path]:
     """Served policies, and vLLM's shared-memory files (its engine's message queues and semaphores,
     which a killed engine cannot unlink itself)."""
     from stages.engines.vllm_process import SERVED_PREFIX
 
     return ({f for shared in (Path("/dev/shm"), Path("/tmp")) for f in shared.glob(f"{SERVED_PREFIX}*")}
             | {f for pattern in ("psm_*", "sem.mp-*") for f in Path("/dev/shm").glob(pattern)})
+
+
+def _held() -> set[str]:
+    """The paths in shared memory that a live process maps or has open."""
+    held = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            held |= {line.split(maxsplit=5)[5] for line in (proc / "maps").read_text().splitlines()
+                     if "/dev/shm/" in line and len(line.split(maxsplit=5)) == 6}
+            held |= {target for fd in (proc / "fd").iterdir() if (target := os.readlink(fd)).startswith("/dev/shm/")}
+        except OSError:
+            continue
+    return held
+
+
+def _owner_alive(folder: Path) -> bool:
+    try:
+        return Path(f"/proc/{int((folder / 'owner').read_text())}").exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _leaked(before: set[Path]) -> set[Path]:
+    """What appeared in shared memory since `before` that no live process holds: a served folder whose
+    owner has died, a queue or semaphore that no process maps or has open. What a test running beside
+    this one serves is held by its live processes, so it is not counted here."""
+    new = _shared_memory() - before
+    held = _held() if new else set()
+    return {f for f in new if str(f) not in held and not _owner_alive(f)}
 
 
 def _ray_vllm(cfg, address: str, **launch):
@@ -331,7 +358,7 @@ def test_on_a_ray_gang_the_server_is_an_actor_on_rank_0s_node_and_nothing_of_it_
     from stages.ppo import PPOInputs, train_ppo
 
     cfg, trained = servable
-    before = _served_folders()
+    before = _shared_memory()
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     result = call_stage(train_ppo, _ray_vllm(cfg, ray_cluster), inputs, tmp_path / "out", Reporting(),
                         deterministic=True, num_threads=1)
@@ -339,9 +366,10 @@ def test_on_a_ray_gang_the_server_is_an_actor_on_rank_0s_node_and_nothing_of_it_
     assert all(row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history)
     assert result.history[-1]["rollout/kl"] != 0  # the policy moved, and the server sampled the moved policy
     assert "vLLM" in (tmp_path / "out" / "vllm.log").read_text()  # written on rank 0's node by the actor's server
-    assert not vllm_servers() and _served_folders() <= before
-    assert not processes("ray::ServerActor")  # the actor ended with the server (Ray titles its process so)
-    assert not processes("VLLM::")  # and so did vLLM's engine processes
+    mine = ray_cluster.environment  # this cluster's processes, not those of a test beside this one
+    assert not vllm_servers(environment=mine) and not _leaked(before)
+    assert not processes("ray::ServerActor", environment=mine)  # the actor ended with the server (Ray titles it so)
+    assert not processes("VLLM::", environment=mine)  # and so did vLLM's engine processes
 
 
 def test_on_a_ray_gang_a_killed_rank_0_takes_its_server_and_served_folder_with_it(servable, ray_cluster, tmp_path):
@@ -352,7 +380,7 @@ def test_on_a_ray_gang_a_killed_rank_0_takes_its_server_and_served_folder_with_i
     from tests.stand_in_stages import RankKilledOnce, ppo_with_a_rank_killed_once
 
     cfg, trained = servable
-    before = _served_folders()
+    before = _shared_memory()
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     killed = RankKilledOnce(inputs, rank=0, marker=tmp_path / "killed")
     with pytest.raises(LaunchError, match=r"rank 0 \(node [0-9a-f]{12}, [0-9.]+, pid \d+\)"):
@@ -360,8 +388,12 @@ def test_on_a_ray_gang_a_killed_rank_0_takes_its_server_and_served_folder_with_i
                    deterministic=True, num_threads=1)
     assert killed.marker.exists()
     deadline = time.monotonic() + 60
-    while vllm_servers() or not _served_folders() <= before or processes("ray::ServerActor") or processes("VLLM::"):
-        assert time.monotonic() < deadline, (f"left after the gang failed: {vllm_servers()}, "
-                                             f"{_served_folders() - before}, {processes('ray::ServerActor')}, "
-                                             f"{processes('VLLM::')}")
+    mine = ray_cluster.environment
+
+    def left() -> list:
+        return [*vllm_servers(environment=mine), *_leaked(before), *processes("ray::ServerActor", environment=mine),
+                *processes("VLLM::", environment=mine)]
+
+    while left():
+        assert time.monotonic() < deadline, f"left after the gang failed: {left()}"
         time.sleep(0.5)
