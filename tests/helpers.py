@@ -248,18 +248,21 @@ def ray_launch(address: str, **settings):
 def processes(*needles: str, environment: str | None = None) -> list[str]:
     """The command lines (Ray's process titles among them) of the processes whose own holds every one of
     `needles` and, given `environment` (an entry such as "RLHF_HOME=/tmp/x"), whose environment holds it:
-    the processes of one test's stack or cluster, not those of a test running beside it."""
-    found = []
+    the processes of one test's stack or cluster, not those of a test running beside it. A scope that no
+    process on the machine holds is refused: it would hide every process, leftovers included."""
+    found, scope_seen = [], environment is None
     for proc in Path("/proc").glob("[0-9]*"):
         try:
+            if environment is not None:
+                if environment.encode() not in (proc / "environ").read_bytes().split(b"\0"):
+                    continue
+                scope_seen = True
             text = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if not all(needle in text for needle in needles):
-                continue
-            if environment is not None and environment.encode() not in (proc / "environ").read_bytes().split(b"\0"):
-                continue
         except OSError:
             continue
-        found.append(text)
+        if all(needle in text for needle in needles):
+            found.append(text)
+    assert scope_seen, f"no process holds {environment} in its environment: that scope would hide every process"
     return found
 
 

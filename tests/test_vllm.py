@@ -318,8 +318,8 @@ def _held() -> set[str]:
     held = set()
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            held |= {line.split(maxsplit=5)[5] for line in (proc / "maps").read_text().splitlines()
-                     if "/dev/shm/" in line and len(line.split(maxsplit=5)) == 6}
+            held |= {line[line.index("/dev/shm/"):] for line in (proc / "maps").read_text().splitlines()
+                     if "/dev/shm/" in line}
             held |= {target for fd in (proc / "fd").iterdir() if (target := os.readlink(fd)).startswith("/dev/shm/")}
         except OSError:
             continue
