@@ -16,6 +16,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # here: its compile cache is keyed by the model's path, and each served folder is new). Its own CPU CI's
 # switch traces the model with dynamo and runs it without inductor. The tests check what is sampled.
 os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+# Two workers share two cores, and every stage process, server and worker under them runs torch's OpenMP
+# threads: spinning while they wait, each steals the core the other's threads need. One test measured
+# alone 51 s; two copies at once 89 s each by default and 42.5 s each with passive waits (docs/testing.md).
+# Set before torch loads here, and inherited by every process the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from rlhf.config import load_config
 from rlhf.demo_world import build_world  # noqa: E402
