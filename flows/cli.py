@@ -5,12 +5,15 @@
     rlhf config-reference [--write PATH]  every config field with its default and meaning (Markdown: docs/config.md)
     rlhf plan CONFIG [--processes N] [--device-memory GiB] [--stages ...] [--json]
                                           each stage's memory per process, from the models' configs alone
+    rlhf serve-reward [--checkpoint DIR | --run ID] [--host 127.0.0.1] [--port 8300]
+                                          a reward checkpoint over HTTP, for `remote` reward terms (`POST /score`)
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -152,6 +155,34 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if all(result.verdicts.values()) else 1
 
 
+def _serve_reward(args: argparse.Namespace) -> int:
+    """Serve a reward checkpoint (a folder, a reward run's, or the experiment's latest finished reward
+    run's) on `--host:--port` until stopped; its `POST /score` is what a `remote` reward term of kind
+    `score` posts to."""
+    import tempfile
+
+    import uvicorn
+
+    from rlhf import tracking
+    from stages.rewards.scoring import RewardScorer
+    from stages.rewards.server import reward_app
+
+    run_id, checkpoint = args.run_id, args.checkpoint
+    with tempfile.TemporaryDirectory(prefix="rlhf-serve-reward-") as scratch:
+        if checkpoint is None:
+            run_id = run_id or tracking.latest_finished_run_id(args.experiment, "reward")
+            if run_id is None:
+                print(f"no finished reward run in experiment {args.experiment!r}: give --checkpoint or --run",
+                      file=sys.stderr)
+                return 2
+            checkpoint = str(tracking.download_checkpoint(run_id, Path(scratch) / "reward"))
+        scorer = RewardScorer.from_pretrained(checkpoint)
+        served = {"checkpoint": checkpoint, "run_id": run_id}
+        print(f"serving {checkpoint} (run {run_id or '-'}) on http://{args.host}:{args.port}/score", flush=True)
+        uvicorn.run(reward_app(scorer, served, args.max_batch), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF pipeline tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -190,6 +221,16 @@ def main(argv: list[str] | None = None) -> int:
                          choices=["sft", "reward", "ppo", "dpo"])
     planner.add_argument("--json", action="store_true", help="the plan as JSON")
     planner.set_defaults(run=_plan)
+
+    serve = commands.add_parser("serve-reward", help="serve a reward checkpoint over HTTP for remote reward terms")
+    source = serve.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", help="a reward checkpoint folder")
+    source.add_argument("--run", dest="run_id", help="a reward run's id; default: the latest finished one")
+    serve.add_argument("--experiment", default="rlhf", help="where the latest finished reward run is looked for")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8300)
+    serve.add_argument("--max-batch", type=int, default=64, help="responses scored in one pass at most")
+    serve.set_defaults(run=_serve_reward)
 
     args = parser.parse_args(argv)
     return args.run(args)

@@ -23,6 +23,7 @@ from stages.common.errors import ChatTemplateError
 from stages.memory.phases import Counts, Device, this_device
 from stages.memory.plan import Plan, model_shapes, plan
 from stages.rewards.functions import RewardFunctionError, load_reward_functions
+from stages.rewards.remote import RemoteRewardError, remote_rewards
 from stages.runtime.models import load_tokenizer, tokenizer_digest
 
 
@@ -142,6 +143,11 @@ def input_problems(cfg: PipelineConfig, stages: list[str], world: str | None) ->
             load_reward_functions(cfg.ppo.reward)
         except RewardFunctionError as e:
             reports.append(f"ppo stage: {e}")
+        for client in remote_rewards(cfg.ppo.reward.remotes):  # a server down now is refused before anything trains
+            try:
+                client.check()
+            except RemoteRewardError as e:
+                reports.append(f"ppo stage: {e}")
     return reports
 
 

@@ -172,6 +172,7 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
     transformers model) unless the config says not to."""
     from stages.ppo import PPOInputs, train_ppo
     from stages.rewards.functions import source_digests
+    from stages.rewards.remote import remote_rewards
 
     section = ctx.config.ppo
 
@@ -184,6 +185,9 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
             mlflow.set_tag(tracking.TAG_REWARD_FUNCTIONS, ", ".join(
                 f"{t.name}={t.function} (weight {t.weight:g}, source {digests[t.name][:12]})"
                 for t in section.reward.functions))
+        if section.reward.remotes:  # which servers scored, and the run a served reward model came from
+            mlflow.set_tag(tracking.TAG_REWARD_REMOTE, ", ".join(
+                client.lineage() for client in remote_rewards(section.reward.remotes)))
         tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
         train = logged_prompts(ctx.config, "ppo", "prompts", "prompts", ctx.world, tokenizer)
         evaluation = logged_prompts(ctx.config, "ppo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)

@@ -82,7 +82,7 @@ def reward_terms_note(reward: RewardTermsConfig) -> str:
     if not reward.functions:
         return ""
     terms = ", ".join(f"`{t.name}` ({t.function}, weight {t.weight:g})" for t in reward.functions)
-    model = next((f" beside the reward model (weight {t.weight:g})" for t in reward.terms if t.function is None),
+    model = next((f" beside the reward model (weight {t.weight:g})" for t in reward.terms if t.is_model),
                  ", without a reward model")
     return f"; scored by reward functions {terms}{model}"
 

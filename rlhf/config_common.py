@@ -302,3 +302,36 @@ class EvaluationConfig(_Frozen):
     kl_budget: PositiveFloat = 12.0
     """Mean KL per sequence to the SFT policy above which the evaluation (`eval/kl`) and PPO's `rollout/kl` warn."""
 
+
+
+class RemoteRewardConfig(_Frozen):
+    """A reward term scored by a server: a scoring endpoint such as `rlhf serve-reward`'s (`score`), or an
+    OpenAI-compatible chat model grading each response with `template` (`judge`); docs/settings.md."""
+
+    url: str = Field(pattern=r"^https?://")
+    """`score`: the endpoint batches are posted to; `judge`: the API's base (`.../v1`), `/chat/completions` added."""
+    kind: Literal["score", "judge"] = "score"
+    """`score`: a scoring server's JSON scores; `judge`: a chat model's graded answer, parsed as a number."""
+    batch_size: PositiveInt = 32
+    """`score`: responses per request (a `judge` request grades one response)."""
+    timeout_s: PositiveFloat = 180.0
+    """Seconds one request may take before it counts as failed (and is retried)."""
+    max_retries: int = Field(4, ge=0)
+    """Retries of a request that timed out, could not connect, or got HTTP 408, 429 or 5xx (other 4xx: none)."""
+    backoff_s: PositiveFloat = 1.0
+    """First wait before a retry; each next one doubles (up to 30 s), drawn with full jitter."""
+    max_concurrent: PositiveInt = 8
+    """Requests in flight at once at most."""
+    max_rpm: PositiveInt | None = None
+    """Requests started per minute at most (a server's rate limit); unset: no limit."""
+    on_failure: Literal["drop", "stop"] = "drop"
+    """A response whose score never arrives: `drop` it from the update (`rollout/remote_failed_share`), or `stop`."""
+    max_failed_share: float = Field(0.5, ge=0.0, le=1.0)
+    """`drop`: past this share of a batch's responses failing, the run stops anyway (a server down, not flaky)."""
+    model: str | None = None
+    """`judge`: the served model's name in the request; unset: the first model the server lists."""
+    template: str = Field("Rate how well the response answers the prompt, from 0 (useless) to 10 (perfect). Answer "
+                          "with the number alone.\n\nPrompt: {prompt}\n\nResponse: {response}", pattern=r"\{response\}")
+    """`judge`: the user message, `{prompt}` (last user turn) and `{response}` filled in; its first number scores."""
+    api_key_env: str | None = None
+    """An environment variable holding a bearer token for the server; unset: none sent."""

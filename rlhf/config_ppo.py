@@ -23,6 +23,7 @@ from rlhf.config_common import (
     EvaluationConfig,
     LoRAConfig,
     PolicyLoRAConfig,
+    RemoteRewardConfig,
     SampledStage,
     SamplingConfig,
     TrainedStage,
@@ -94,14 +95,22 @@ class WarningsConfig(_Frozen):
 
 
 class RewardTerm(_Frozen):
-    """One term of the RL stage's reward: the reward model handed down by the reward stage, or a Python function."""
+    """One term of the RL stage's reward: the reward model handed down by the reward stage, a Python
+    function, or a server (`remote`)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     """How the term is logged (`rollout/reward/<name>`) and shown in the samples table."""
     weight: float = 1.0
     """Its weight in the score the stage uses: the weighted sum of every term."""
     function: str | None = None
-    """`module:function` that scores a batch's responses (a float or None each); unset: the reward model, normalised."""
+    """`module:function` scoring a batch's responses (a float or None each); unset, no `remote`: the reward model."""
+    remote: RemoteRewardConfig | None = None
+    """A server that scores the responses: a scoring endpoint or an LLM judge; unset: not remote."""
+
+    @property
+    def is_model(self) -> bool:
+        """Whether this term is the reward model handed down by the reward stage."""
+        return self.function is None and self.remote is None
 
 
 class OverlongConfig(_Frozen):
@@ -169,7 +178,7 @@ class RewardTermsConfig(_Frozen):
     """What the RL stage's score is: the weighted sum of its terms."""
 
     terms: list[RewardTerm] = [RewardTerm(name="reward_model")]
-    """The terms; at most one is the reward model (no `function`), and with none no reward stage is needed."""
+    """The terms; at most one is the reward model (no `function` or `remote`); with none no reward stage is needed."""
     paths: list[str] = []
     """Folders put in front of the import path to find `function` terms (absolute, or relative to the run's folder)."""
     columns: list[str] = []
@@ -190,28 +199,29 @@ class RewardTermsConfig(_Frozen):
         return self
 
     @model_validator(mode="after")
-    def _one_reward_model(self) -> RewardTermsConfig:
-        """At most one term is the reward model."""
-        if sum(term.function is None for term in self.terms) > 1:
-            raise ValueError("reward.terms: at most one term is the reward model (a term without `function`)")
-        return self
-
-    @model_validator(mode="after")
-    def _functions_are_named(self) -> RewardTermsConfig:
-        """Each function term names `module:function`."""
+    def _terms_are_well_formed(self) -> RewardTermsConfig:
+        """At most one term is the reward model; a term is a function or a server, not both; a function is named."""
+        if sum(term.is_model for term in self.terms) > 1:
+            raise ValueError("reward.terms: at most one term is the reward model (one without `function` or `remote`)")
         for term in self.terms:
+            if term.function is not None and term.remote is not None:
+                raise ValueError(f"reward.terms[{term.name}]: a term is a `function` or a `remote` server, not both")
             if term.function is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", term.function):
                 raise ValueError(f"reward.terms[{term.name}].function: {term.function!r} is not 'module:function'")
         return self
 
     @property
     def uses_model(self) -> bool:
-        """Whether a reward model scores (a term without `function`)."""
-        return any(term.function is None for term in self.terms)
+        """Whether a reward model scores (a term without `function` or `remote`)."""
+        return any(term.is_model for term in self.terms)
 
     @property
     def functions(self) -> list[RewardTerm]:
         return [term for term in self.terms if term.function is not None]
+
+    @property
+    def remotes(self) -> list[RewardTerm]:
+        return [term for term in self.terms if term.remote is not None]
 
     @property
     def weights(self) -> dict[str, float]:

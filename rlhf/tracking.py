@@ -51,6 +51,7 @@ TAG_EVALUATION_KEY = "rlhf.evaluation_key"  # on a model version: what its figur
 TAG_JUDGED_BY = "rlhf.judged_by"  # on a model version: the figure the champion alias compares (eval/...)
 TAG_REGISTERED_MODEL = "rlhf.registered_model"  # on a PPO or DPO run -> `<registered model>/<version>` it became
 TAG_REWARD_FUNCTIONS = "rlhf.reward_functions"  # on a PPO run: its reward's function terms, weights and source digests
+TAG_REWARD_REMOTE = "rlhf.reward_remote"  # on a PPO run: its remote terms (kind, URL, weight, template, served run)
 TAG_NOTE = "mlflow.note.content"  # the run's description, shown on its overview page
 CHECKPOINT_PATH = "checkpoint"
 # on a stage run: every installed package, `name==version` (normalized names), sorted

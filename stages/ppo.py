@@ -57,6 +57,7 @@ from stages.envs.loop import episode_runner
 from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches
 from stages.rewards.functions import load_reward_functions
+from stages.rewards.remote import remote_rewards
 from stages.rl.advantages import episodes_of, kl_weights
 from stages.rl.evaluation import HeldOut, evaluate, evaluate_midway, warn_over_kl_budget
 from stages.rl.ppo_math import KLController
@@ -123,7 +124,8 @@ def build_learner(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> Learne
                               cfg.sampling.response_length)
     return Learner(cfg=cfg, accelerator=accelerator, models=models, actor_critic=actor_critic, optimizer=optimizer,
                    scheduler=scheduler, scaler=scaler, sampler=sampler,
-                   reward_functions=load_reward_functions(cfg.reward), episodes=episodes)
+                   reward_functions=load_reward_functions(cfg.reward), episodes=episodes,
+                   remote_rewards=remote_rewards(cfg.reward.remotes))
 
 
 def resume(learner: Learner, state_dir: Path, reporting: Reporting) -> LoopState:
@@ -224,7 +226,7 @@ def _train(learner: Learner, ahead: SamplingAhead | None, inputs: PPOInputs, out
         iteration, started, timings = loop.iteration + 1, time.perf_counter(), {}
         models.counts.reset()  # this iteration's passes only, not the evaluations' between
         # 1. sample and score this process's share of the episodes
-        sampled, sampling_figures = sample(iteration, timings)
+        sampled = sample(iteration, timings)
         # 2. advantage: the KL to the reference, weighted where `kl_weights` puts beta
         weights = kl_weights(cfg, beta=loop.kl.value)
         with timed(timings, "advantages"):
@@ -235,7 +237,7 @@ def _train(learner: Learner, ahead: SamplingAhead | None, inputs: PPOInputs, out
         # 4. sync the sampler to the updated policy
         sync_weights(learner, ahead, iteration, timings)
         figures = over_processes(accelerator, iteration_figures(learner, episodes, train, timings, started)
-                                 | sampling_figures)  # this iteration's, over every process
+                                 | sampled.figures)  # this iteration's, over every process
         # 5. control: the KL coefficient, fed the mean KL per sequence over every process
         kl_per_sequence = mean_over_processes(accelerator, episodes.sequence_kl.mean().item())
         loop.kl.update(kl_per_sequence, cfg.rollout_batch_size)

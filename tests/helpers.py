@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
@@ -277,8 +280,6 @@ def park_after_first_checkpoint(marker: str) -> None:
     full-state checkpoint, touching `marker`, so a test's SIGKILL lands mid-iteration with a
     checkpoint to resume from, whatever the machine's speed (polling for the checkpoint raced with
     the run finishing on fast machines)."""
-    import time
-
     import stages.ppo
     import stages.rl.ppo_sampling
 
@@ -368,3 +369,24 @@ def ppo_gradient_setup(tiny_config, trained, critic="reward", lora=False, **over
         for parameter in getattr(models.critic, "adapters", torch.nn.Module()).parameters():
             parameter.add_(0.02 * torch.randn_like(parameter))
     return cfg, models, batch, masked_whiten(advantages, batch.mask), returns
+
+
+@contextmanager
+def served_in_thread(app) -> Iterator[str]:
+    """`app` (ASGI) served by uvicorn on a thread of this process, on a free port of 127.0.0.1: its base URL."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

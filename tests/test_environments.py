@@ -349,8 +349,8 @@ def test_every_estimator_gives_advantages_on_the_models_tokens_alone(tiny_config
     first_turn_end = first_turn_end[(first_turn_end.diff() > 1).nonzero().flatten()[0]]
     batch.turn_rewards[0, first_turn_end] = 2.0  # the first episode's call earned something
     scores = torch.tensor([0.0, 0.0])
-    sampled = Sampled(batch, [[{"role": "user", "content": "x"}]] * 2,
-                      Scores(raw=None, normalized=scores, terms={}, reward=scores))
+    sampled = Sampled(batch=batch, messages=[[{"role": "user", "content": "x"}]] * 2,
+                      scores=Scores(raw=None, normalized=scores, terms={}, reward=scores))
     episodes = episodes_of(Accelerator(cpu=True), cfg, 1, sampled, kl_weights(cfg, 0.0))
     advantages = episodes.batch.advantages
     context = (batch.mask - batch.trainable).bool()

@@ -158,7 +158,7 @@ def fit_normalization(reference_scores: torch.Tensor) -> tuple[float, float]:
     return gain, -mean * gain
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Scores:
     """What a rollout's responses scored. # (B,) each"""
 
@@ -173,6 +173,9 @@ class Scores:
     values (NaN where it gave none)."""
     reward: torch.Tensor
     """The reward PPO trains on: the terms' weighted sum."""
+    dropped: torch.Tensor | None = None
+    """(B,) bool: a remote term's score never arrived (`remote.on_failure: drop`): the response trains
+    nothing and leaves its group's baseline alone. None: every response was scored."""
 
     @property
     def reported(self) -> torch.Tensor:
@@ -185,7 +188,8 @@ class Scores:
         index = torch.tensor(rows, dtype=torch.long, device=self.reward.device)
         return Scores(raw=None if self.raw is None else self.raw[index],
                       normalized=None if self.normalized is None else self.normalized[index],
-                      terms={name: values[index] for name, values in self.terms.items()}, reward=self.reward[index])
+                      terms={name: values[index] for name, values in self.terms.items()}, reward=self.reward[index],
+                      dropped=None if self.dropped is None else self.dropped[index])
 
 
 def concat_scores(parts: list[Scores]) -> Scores:
@@ -195,4 +199,4 @@ def concat_scores(parts: list[Scores]) -> Scores:
 
     return Scores(raw=joined([p.raw for p in parts]), normalized=joined([p.normalized for p in parts]),
                   terms={name: torch.cat([p.terms[name] for p in parts]) for name in parts[0].terms},
-                  reward=torch.cat([p.reward for p in parts]))
+                  reward=torch.cat([p.reward for p in parts]), dropped=joined([p.dropped for p in parts]))

@@ -5,6 +5,7 @@ the tokens the losses count."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -66,8 +67,11 @@ def episodes_of(accelerator: Accelerator, cfg: PPOConfig, iteration: int, sample
                 weights: KLWeights) -> Episodes:
     """The KL, the advantages (and GAE's returns), the engine weights and the loss mask of a scored rollout."""
     batch, scores = sampled.batch, sampled.scores
+    if scores.dropped is not None:  # a response a server never scored trains nothing, as a failed episode
+        batch = dataclasses.replace(batch, trainable=batch.own * (~scores.dropped).unsqueeze(1).to(batch.own.dtype))
     kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.own  # (B, T)
-    advantages, returns = advantages_and_returns(accelerator, cfg, batch, kl, scores.reward, weights.in_reward)
+    advantages, returns = advantages_and_returns(accelerator, cfg, batch, kl, scores.reward, weights.in_reward,
+                                                 scores.dropped)
     trained = TrainingBatch.of(batch, advantages=advantages, returns=returns,
                                engine_weights=engine_weights(batch, cfg), loss_mask=loss_mask(batch, cfg))
     return Episodes(iteration=iteration, batch=trained, messages=sampled.messages, scores=scores, kl=kl,
@@ -75,16 +79,20 @@ def episodes_of(accelerator: Accelerator, cfg: PPOConfig, iteration: int, sample
 
 
 def advantages_and_returns(accelerator: Accelerator, cfg: PPOConfig, batch: Rollout, kl: torch.Tensor,
-                           reward: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           reward: torch.Tensor, beta: float, dropped: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The advantage of every response token under `cfg.advantage_estimator`, and for GAE the
     returns the critic regresses on (None otherwise). Whitening is over all processes' tokens
     (collective); the group estimators need no other process, as each holds whole groups, unless
     `group_batch_normalize` whitens them over the batch. `kl` is per token and masked, `reward` the
-    scores' weighted sum, `beta` the KL's weight in the reward. # -> (B, T), (B, T) | None"""
+    scores' weighted sum, `beta` the KL's weight in the reward, `dropped` the responses a remote
+    term gave no score (they train nothing). # -> (B, T), (B, T) | None"""
     estimator = estimator_named(cfg.advantage_estimator)
-    if batch.episodes is not None:  # a failed episode trains nothing and leaves its group's baseline alone
-        failed = torch.tensor([e.status == "failed" for e in batch.episodes], device=reward.device)
-        totals = reward + batch.turn_rewards.sum(dim=1)  # (B,) a failed episode has no turn rewards
+    failed = torch.zeros_like(reward, dtype=torch.bool) if dropped is None else dropped  # (B,)
+    if batch.episodes is not None:
+        failed = failed | torch.tensor([e.status == "failed" for e in batch.episodes], device=reward.device)
+    if failed.any():  # a failed or dropped episode trains nothing and leaves its group's baseline alone
+        totals = None if batch.turn_rewards is None else reward + batch.turn_rewards.sum(dim=1)  # (B,)
         reward = failed_at_group_mean(reward, failed, cfg.samples_per_prompt, totals)
     inputs = EstimatorInputs(scores=reward, kl=kl, beta=beta, mask=batch.own, values=batch.values,
                              group_size=cfg.samples_per_prompt, gamma=cfg.gamma,

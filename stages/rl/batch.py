@@ -156,7 +156,7 @@ def micro_batch(batch: TrainingBatch, rows: torch.Tensor) -> TrainingBatch:
     return trimmed(rows_of(batch, rows))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Sampled:
     """This process's share of one iteration's episodes: sampled and scored."""
 
@@ -166,3 +166,5 @@ class Sampled:
     scores: Scores
     rounds: int = 1
     """Sampling rounds it took (more than one with `dynamic_sampling`), each `Prompts.per_iteration` prompts."""
+    figures: dict[str, float] = field(default_factory=dict)
+    """What sampling and scoring counted besides time (dynamic sampling's rounds, a server's retries)."""

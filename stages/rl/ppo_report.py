@@ -86,9 +86,11 @@ def iteration_figures(learner: Learner, episodes: Episodes, train: dict[str, flo
     }
     if scores.raw is not None:
         figures["rollout/score_raw"] = scores.raw.mean().item()
+    if scores.dropped is not None:  # responses a server never scored, left out of the update
+        figures["rollout/remote_failed_share"] = scores.dropped.float().mean().item()
     if batch.returns is not None:
         figures["train/explained_variance"] = explained_variance(batch.values, batch.returns, batch.own)
-    if learner.reward_functions or learner.cfg.reward.overlong:  # terms besides the reward model's
+    if learner.reward_functions or learner.remote_rewards or learner.cfg.reward.overlong:  # terms besides the RM's
         figures |= term_figures(scores.terms, {f.term.name for f in learner.reward_functions})
     if batch.engine_logprobs is not None:
         gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.own  # (B, T)
@@ -128,10 +130,10 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
     for message in warnings_of(cfg, figures, loop.first_length, iteration, previous_length):
         reporting.warning(message)
     reporting.metrics(figures, iteration)
-    # With reward functions or the overlong penalty each term is a column too (`reward/<name>`; NaN where
-    # a function gave none).
+    # With reward functions, servers or the overlong penalty each term is a column too (`reward/<name>`; NaN
+    # where a function gave none or a server's score never arrived).
     terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} \
-        if cfg.reward.functions or cfg.reward.overlong else {}
+        if cfg.reward.functions or cfg.reward.remotes or cfg.reward.overlong else {}
     # A multi-turn episode's whole conversation, tool results marked `[tool <name>]`, and its status.
     turns = {} if batch.episodes is None else {"episode": [transcript(e) for e in batch.episodes],
                                                "status": [e.status for e in batch.episodes],

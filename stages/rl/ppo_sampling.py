@@ -7,6 +7,7 @@ scores the responses (`stages.rl.ppo_scores`). `sync_weights` hands the updated 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -16,14 +17,14 @@ from stages.rewards.scoring import concat_scores
 from stages.rl.batch import Sampled, concat, rows_of
 from stages.rl.ppo_math import groups_with_signal
 from stages.rl.ppo_rollout import Episodic, Prompts, prompt_batch, rollout
-from stages.rl.ppo_scores import fitted_normalization, function_terms, raw_scores, scores_of
+from stages.rl.ppo_scores import fitted_normalization, function_terms, raw_scores, remote_terms, scores_of
 from stages.rl.ppo_state import LoopState
 from stages.rl.sampling_ahead import SamplingAhead
 from stages.rl.update import Learner
 from stages.runtime.collectives import sum_over_processes
 
-Sample = Callable[[int, dict[str, float]], tuple[Sampled, dict[str, float]]]
-"""`sample(iteration, timings)`: the iteration's `Sampled` and the sampling's own figures; phases
+Sample = Callable[[int, dict[str, float]], Sampled]
+"""`sample(iteration, timings)`: the iteration's `Sampled`, with the sampling's own figures; phases
 timed into `timings`."""
 
 
@@ -34,7 +35,7 @@ def sampling_for(learner: Learner, loop: LoopState, prompts: Prompts, ahead: Sam
         return lambda iteration, timings: sample_ahead(learner, ahead, loop, prompts, iteration, timings)
     if learner.cfg.dynamic_sampling is not None:
         return lambda iteration, timings: sample_until_full(learner, loop, prompts, iteration, timings)
-    return lambda iteration, timings: (sample_round(learner, loop, prompts, loop.cursor, iteration, timings), {})
+    return lambda iteration, timings: sample_round(learner, loop, prompts, loop.cursor, iteration, timings)
 
 
 def sync_weights(learner: Learner, ahead: SamplingAhead | None, iteration: int, timings: dict[str, float]) -> None:
@@ -73,11 +74,13 @@ def sample_round(learner: Learner, loop: LoopState, prompts: Prompts, cursor: in
     if raw is not None and loop.normalization is None:  # the run's first round: the reward's scale
         loop.normalization, batch = fitted_normalization(learner, raw, batch)
     functions = function_terms(learner, messages, batch.texts, [prompts.columns[i] for i in picks], iteration, timings)
-    return Sampled(batch, messages, scores_of(raw, batch, models.scorer, cfg, functions))
+    remote, retries = remote_terms(learner, messages, batch.texts, batch.has_eos.tolist(), iteration, timings)
+    return Sampled(batch=batch, messages=messages, scores=scores_of(raw, batch, models.scorer, cfg, functions, remote),
+                   figures={"remote/retries": retries} if remote else {})
 
 
 def sample_until_full(learner: Learner, loop: LoopState, prompts: Prompts, iteration: int,
-                      timings: dict[str, float]) -> tuple[Sampled, dict[str, float]]:
+                      timings: dict[str, float]) -> Sampled:
     """DAPO's dynamic sampling: rounds of `sample_round` until every process holds its share of
     groups whose scores differ (`groups_with_signal`), at most `dynamic_sampling.max_rounds`; the
     batch is those groups, in the order sampled, filled up with groups without signal where the
@@ -102,12 +105,14 @@ def sample_until_full(learner: Learner, loop: LoopState, prompts: Prompts, itera
     messages = [m for r in rounds for m in r.messages]
     figures = {"rollout/filtered_share": 1.0 - signal.float().mean().item(), "rollout/sampling_rounds": len(rounds),
                "rollout/filled_share": max(groups - int(signal.sum()), 0) / groups}
-    return Sampled(batch, [messages[i] for i in rows], concat_scores([r.scores for r in rounds]).rows(rows),
-                   len(rounds)), figures
+    if learner.remote_rewards:
+        figures["remote/retries"] = sum(r.figures["remote/retries"] for r in rounds)
+    return Sampled(batch=batch, messages=[messages[i] for i in rows],
+                   scores=concat_scores([r.scores for r in rounds]).rows(rows), rounds=len(rounds), figures=figures)
 
 
 def sample_ahead(learner: Learner, ahead: SamplingAhead, loop: LoopState, prompts: Prompts, iteration: int,
-                 timings: dict[str, float]) -> tuple[Sampled, dict[str, float]]:
+                 timings: dict[str, float]) -> Sampled:
     """This iteration's round, sampled earlier on the server (`stages.rl.sampling_ahead`), after
     submitting the next iterations' (so the server samples them while this one trains), then scored
     under the models as they are now. Timed: `rollout_wait`, this iteration's wait for its rollout;
@@ -122,4 +127,4 @@ def sample_ahead(learner: Learner, ahead: SamplingAhead, loop: LoopState, prompt
         earlier = ahead.take(iteration)
     timings["generate"] = earlier.seconds
     sampled = sample_round(learner, loop, prompts, loop.cursor, iteration, timings, earlier.generations)
-    return sampled, {"rollout/staleness": float(iteration - 1 - earlier.version)}
+    return replace(sampled, figures=sampled.figures | {"rollout/staleness": float(iteration - 1 - earlier.version)})

@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from rlhf.config_ppo import OVERLONG_TERM, PPOConfig
 from stages.common.reporting import timed
 from stages.rewards.functions import reward_values
+from stages.rewards.remote import remote_values
 from stages.rewards.scoring import RewardScorer, Scores, fit_normalization
 from stages.rl.batch import Rollout
 from stages.rl.evaluation import FunctionJudge
@@ -31,24 +32,27 @@ def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timi
 
 
 def scores_of(raw: torch.Tensor | None, batch: Rollout, scorer: RewardScorer | None, cfg: PPOConfig,
-              functions: dict[str, torch.Tensor] | None = None) -> Scores:
+              functions: dict[str, torch.Tensor] | None = None, remote: dict[str, torch.Tensor] | None = None
+              ) -> Scores:
     """The rollout's scores from the reward model's `raw` outputs (None, with no `scorer`, where the
     reward has no model term), the reward functions' values (`function_terms`; none when the
-    reward has no function terms) and the overlong penalty (`reward.overlong`, when set)."""
+    reward has no function terms), the servers' (`remote_terms`: NaN where a score never arrived,
+    which drops the response) and the overlong penalty (`reward.overlong`, when set)."""
     normalized, terms = None, {}
     if scorer is not None:
         normalized = scorer.normalize(raw)
         model_term = apply_eos_penalty(normalized, batch.has_eos, cfg.missing_eos_score)
         if cfg.score_clip is not None:
             model_term = model_term.clamp(-cfg.score_clip, cfg.score_clip)
-        terms = {term.name: model_term for term in cfg.reward.terms if term.function is None}
-    terms |= functions or {}
+        terms = {term.name: model_term for term in cfg.reward.terms if term.is_model}
+    terms |= (functions or {}) | (remote or {})
     if cfg.reward.overlong is not None:
         terms[OVERLONG_TERM] = overlong_penalty(batch.own.sum(dim=1), cfg.response_tokens,
                                                 cfg.reward.overlong.buffer)
-    # a function's NaN is "no reward" (its answers are checked finite)
-    reward = weighted_reward(terms, cfg.reward.weights, no_reward=functions or ())
-    return Scores(raw=raw, normalized=normalized, terms=terms, reward=reward)
+    # a function's NaN is "no reward" (its answers are checked finite); a server's, a dropped response
+    reward = weighted_reward(terms, cfg.reward.weights, no_reward=[*(functions or ()), *(remote or ())])
+    dropped = torch.stack([v.isnan() for v in remote.values()]).any(dim=0) if remote else None  # (B,)
+    return Scores(raw=raw, normalized=normalized, terms=terms, reward=reward, dropped=dropped)
 
 
 def function_terms(learner: Learner, messages: list[list[dict]], texts: list[str], columns: list[dict],
@@ -63,6 +67,27 @@ def function_terms(learner: Learner, messages: list[list[dict]], texts: list[str
         first = learner.accelerator.process_index * len(rows)
     return {name: _as_tensor(values[first:first + len(rows)], learner.accelerator.device)
             for name, values in every.items()}
+
+
+def remote_terms(learner: Learner, messages: list[list[dict]], texts: list[str], complete: list[bool],
+                 iteration: int, timings: dict[str, float]) -> tuple[dict[str, torch.Tensor], float]:
+    """Each remote term's scores for this process's responses (NaN where none arrived), every
+    process's rows sent from the main process (collective), and the requests retried. A term that
+    fails more than `max_failed_share` of the batch, or any with `on_failure: stop`, stops the run
+    (`RemoteRewardError`). # -> {name: (B,)}, retries"""
+    if not learner.remote_rewards:
+        return {}, 0.0
+
+    def compute(every: list[tuple]) -> tuple[dict[str, list[float | None]], int]:
+        prompts, responses, ended = ([row[i] for row in every] for i in range(3))
+        return remote_values(learner.remote_rewards, prompts, responses, ended, iteration)
+
+    with timed(timings, "remote_reward"):
+        rows = list(zip(messages, texts, complete, strict=True))
+        every, retries = computed_on_main(learner.accelerator, rows, compute)
+        first = learner.accelerator.process_index * len(rows)
+    return {name: _as_tensor(values[first:first + len(rows)], learner.accelerator.device)
+            for name, values in every.items()}, float(retries)
 
 
 def function_judge(learner: Learner) -> FunctionJudge | None:

@@ -18,6 +18,7 @@ from stages.common.tensors import entropy_of, logprobs_of, masked_mean
 from stages.engines.sampler import Sampler
 from stages.envs.loop import EpisodeRunner
 from stages.rewards.functions import RewardFunction
+from stages.rewards.remote import RemoteReward
 from stages.rl.advantages import Episodes
 from stages.rl.batch import TrainingBatch, micro_batch
 from stages.rl.ppo_math import (
@@ -56,6 +57,8 @@ class Learner:
     """The `reward` terms that are Python functions, imported and checked."""
     episodes: EpisodeRunner | None = None
     """Multi-turn episodes against `environment`; None: one response per prompt."""
+    remote_rewards: list[RemoteReward] = field(default_factory=list)
+    """The `reward` terms a server scores, each with its client."""
 
     def trained_parameters(self) -> list[torch.nn.Parameter]:
         """Every parameter the optimizer steps: the policy's (or its adapters) and the critic's."""

@@ -1,0 +1,305 @@
+"""Rewards from a server: the terms of the RL stage's `reward` section with `remote` settings.
+
+Two kinds of server, one client (`RemoteReward`), called on the main process once per batch:
+
+    score   POST {url} {"prompts": [[{role, content}, ...]], "responses": [str], "complete": [bool]}
+            -> {"scores": [float | null, ...]}  one per response (`rlhf serve-reward` serves our reward
+            model this way; null: no score for that response)
+    judge   POST {url}/chat/completions, one request per response (OpenAI-compatible), the user's
+            `template` filled with the prompt and the response, greedy; the first number of the answer
+
+Requests run concurrently on one event loop (httpx), at most `max_concurrent` in flight and
+`max_rpm` started per minute. A request that times out, cannot connect or gets HTTP 408, 429 or 5xx
+is retried up to `max_retries` times after exponential backoff with full jitter (a `Retry-After`
+header is honoured up to `BACKOFF_MAX_S`); another 4xx is not retried. A body that is not what the
+kind promises fails its request without a retry. A response whose score never arrives is None, with
+why; the RL stage drops it from the update or stops (`on_failure`): never a silent 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+
+from rlhf.config_common import RemoteRewardConfig
+from rlhf.config_ppo import RewardTerm
+from stages.common.errors import StageUserError
+
+BACKOFF_MAX_S = 30.0
+"""The longest wait between two tries."""
+JUDGE_MAX_TOKENS = 16
+"""Tokens a judge may answer with (greedy): enough for a number and a word around it."""
+RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+"""HTTP statuses worth another try (the server is busy or restarting); other 4xx are the request's fault."""
+
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+class RemoteRewardError(StageUserError):
+    """A reward server refused, was unreachable, or answered what a score cannot be; the message names
+    the term, the URL, the status and the batch."""
+
+
+@dataclass
+class RemoteOutcome:
+    """One batch's scores from a server, and what getting them cost."""
+
+    values: list[float | None]
+    """One per response; None where no score arrived (`failures` says why)."""
+    failures: dict[int, str] = field(default_factory=dict)
+    """Row -> why its score never arrived (the last try's status or error)."""
+    retries: int = 0
+    """Requests sent again after a retriable failure."""
+    seconds: float = 0.0
+    """Wall time of the whole batch."""
+
+
+class _Failed(Exception):
+    """A request that will not be retried (again): `reason` names the status or the error."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class _Pace:
+    """`max_rpm`: request starts at least 60 / max_rpm seconds apart (shared by one batch's requests)."""
+
+    interval: float
+    next_start: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def wait(self) -> None:
+        async with self.lock:
+            now = time.monotonic()
+            start = max(now, self.next_start)
+            self.next_start = start + self.interval
+        await asyncio.sleep(start - now)
+
+
+class RemoteReward:
+    """A remote term's client: `score(prompts, responses, complete, batch)` -> `RemoteOutcome`."""
+
+    def __init__(self, term: RewardTerm):
+        assert term.remote is not None, term
+        self.term, self.cfg = term, term.remote
+        self._model: str | None = self.cfg.model
+
+    def describe(self) -> str:
+        return f"reward term {self.term.name!r} ({self.cfg.kind} at {self.cfg.url})"
+
+    @property
+    def endpoint(self) -> str:
+        return self.cfg.url.rstrip("/") + "/chat/completions" if self.cfg.kind == "judge" else self.cfg.url
+
+    def headers(self) -> dict[str, str]:
+        if self.cfg.api_key_env is None:
+            return {}
+        key = os.environ.get(self.cfg.api_key_env)
+        if not key:
+            raise RemoteRewardError(f"{self.describe()}: the environment variable {self.cfg.api_key_env} "
+                                    "(remote.api_key_env) is not set")
+        return {"Authorization": f"Bearer {key}"}
+
+    def check(self, timeout: float = 10.0) -> None:
+        """Refuse a server that does not answer, before anything trains: one request, no retries. A
+        judge's server must list its models (`/models`); a scoring server must answer a GET on its URL
+        at all (any status but a connection failure or a 5xx)."""
+        url = self.cfg.url.rstrip("/") + "/models" if self.cfg.kind == "judge" else self.cfg.url
+        try:
+            answer = httpx.get(url, headers=self.headers(), timeout=timeout)
+        except httpx.HTTPError as e:
+            raise RemoteRewardError(f"{self.describe()}: the server does not answer ({type(e).__name__}: {e}); "
+                                    "start it before the run") from None
+        if answer.status_code >= 500 or (self.cfg.kind == "judge" and answer.status_code != 200):
+            raise RemoteRewardError(f"{self.describe()}: GET {url} answered HTTP {answer.status_code}: "
+                                    f"{answer.text[:200]!r}")
+        if self.cfg.kind == "judge" and self._model is None:
+            try:
+                listed = _json(answer)
+            except _Failed as e:
+                raise RemoteRewardError(f"{self.describe()}: GET {url}: {e.reason}") from None
+            models = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
+            if not models:
+                raise RemoteRewardError(f"{self.describe()}: GET {url} lists no model; set remote.model")
+            self._model = models[0]
+
+    def lineage(self) -> str:
+        """What the run's tag says of this term: kind, URL, weight, the template's digest for a judge,
+        and the run whose checkpoint a scoring server says it serves (`rlhf serve-reward` says so)."""
+        cfg, served = self.cfg, ""
+        if cfg.kind == "judge":
+            served = f", template {hashlib.sha256(cfg.template.encode()).hexdigest()[:12]}, model {self._model}"
+        else:
+            try:
+                run_id = httpx.get(cfg.url, headers=self.headers(), timeout=10.0).json().get("run_id")
+            except (httpx.HTTPError, ValueError, AttributeError):
+                run_id = None
+            served = f", serving run {run_id}" if run_id else ""
+        return f"{self.term.name}={cfg.kind} {cfg.url} (weight {self.term.weight:g}{served})"
+
+    def score(self, prompts: list[list[dict]], responses: list[str], complete: list[bool],
+              batch: int | str) -> RemoteOutcome:
+        """The server's scores for these responses (`batch`: the iteration, or which evaluation). With
+        `on_failure: stop`, a failed request raises `RemoteRewardError` instead."""
+        start = time.monotonic()
+        outcome = _run(self._score(prompts, responses, complete))
+        outcome.seconds = time.monotonic() - start
+        if outcome.failures and self.cfg.on_failure == "stop":
+            row, reason = next(iter(sorted(outcome.failures.items())))
+            raise RemoteRewardError(f"{self.describe()}: batch {batch}: no score for {len(outcome.failures)} of "
+                                    f"{len(responses)} responses (first: row {row}, {reason}); "
+                                    "remote.on_failure is 'stop'")
+        return outcome
+
+    async def _score(self, prompts: list[list[dict]], responses: list[str], complete: list[bool]) -> RemoteOutcome:
+        cfg = self.cfg
+        if cfg.kind == "judge" and self._model is None:
+            await asyncio.to_thread(self.check)
+        if cfg.kind == "score":
+            groups = [list(range(i, min(i + cfg.batch_size, len(responses))))
+                      for i in range(0, len(responses), cfg.batch_size)]
+        else:
+            groups = [[i] for i in range(len(responses))]
+        outcome = RemoteOutcome(values=[None] * len(responses))
+        limit = asyncio.Semaphore(cfg.max_concurrent)
+        pace = _Pace(60.0 / cfg.max_rpm) if cfg.max_rpm else None
+        timeout = httpx.Timeout(cfg.timeout_s)
+        async with httpx.AsyncClient(timeout=timeout, headers=self.headers()) as client:
+            async def one(rows: list[int]) -> None:
+                body = self._body([prompts[i] for i in rows], [responses[i] for i in rows],
+                                  [complete[i] for i in rows])
+                try:
+                    values = await self._send(client, body, len(rows), limit, pace, outcome)
+                except _Failed as e:
+                    outcome.failures.update({i: e.reason for i in rows})
+                    return
+                for i, value in zip(rows, values, strict=True):
+                    if value is None:
+                        outcome.failures[i] = "the server gave no score (null)"
+                    outcome.values[i] = value
+
+            await asyncio.gather(*(one(rows) for rows in groups))
+        return outcome
+
+    def _body(self, prompts: list[list[dict]], responses: list[str], complete: list[bool]) -> dict:
+        if self.cfg.kind == "score":
+            return {"prompts": prompts, "responses": responses, "complete": complete}
+        (messages,), (response,) = prompts, responses
+        prompt = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
+        content = self.cfg.template.replace("{prompt}", prompt).replace("{response}", response)
+        return {"model": self._model, "messages": [{"role": "user", "content": content}],
+                "max_tokens": JUDGE_MAX_TOKENS, "temperature": 0.0}
+
+    async def _send(self, client: httpx.AsyncClient, body: dict, rows: int, limit: asyncio.Semaphore,
+                    pace: _Pace | None, outcome: RemoteOutcome) -> list[float | None]:
+        """One request's values, tried up to `max_retries` more times; `_Failed` once it gives up."""
+        cfg, reason = self.cfg, ""
+        for attempt in range(cfg.max_retries + 1):
+            if attempt:
+                outcome.retries += 1
+            wait = None
+            if pace is not None:
+                await pace.wait()
+            async with limit:
+                try:
+                    answer = await client.post(self.endpoint, json=body)
+                except httpx.TimeoutException:
+                    reason = f"no answer within {cfg.timeout_s:g} s (remote.timeout_s)"
+                except httpx.HTTPError as e:
+                    reason = f"{type(e).__name__}: {e}"
+                else:
+                    if answer.status_code == 200:
+                        return self._values(answer, rows)
+                    reason = f"HTTP {answer.status_code}: {answer.text[:200]!r}"
+                    if answer.status_code not in RETRIED_STATUSES:
+                        raise _Failed(reason)
+                    wait = _retry_after(answer)
+            if attempt < cfg.max_retries:
+                backoff = random.uniform(0.0, min(BACKOFF_MAX_S, cfg.backoff_s * 2 ** attempt))
+                await asyncio.sleep(min(BACKOFF_MAX_S, wait) if wait is not None else backoff)
+        raise _Failed(f"{reason}, after {cfg.max_retries + 1} tries")
+
+    def _values(self, answer: httpx.Response, rows: int) -> list[float | None]:
+        """The scores in a 200 answer, checked: `_Failed` for a body that is not what the kind promises."""
+        body = _json(answer)
+        if self.cfg.kind == "judge":
+            try:
+                text = body["choices"][0]["message"]["content"] or ""
+            except (KeyError, IndexError, TypeError):
+                raise _Failed(f"not a chat completion: {answer.text[:200]!r}") from None
+            number = _NUMBER.search(text)
+            if number is None:
+                raise _Failed(f"the judge's answer has no number: {text[:200]!r}")
+            return [float(number.group())]
+        scores = body.get("scores") if isinstance(body, dict) else None
+        if not isinstance(scores, list) or len(scores) != rows:
+            raise _Failed(f"expected {{'scores': [{rows} numbers]}}, got {answer.text[:200]!r}")
+        values: list[float | None] = []
+        for value in scores:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise _Failed(f"{value!r} is not a finite number, in {answer.text[:200]!r}")
+            values.append(None if value is None else float(value))
+        return values
+
+
+def _run(coroutine):
+    """`asyncio.run(coroutine)`, on a thread of its own where this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def _json(answer: httpx.Response):
+    try:
+        return answer.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise _Failed(f"HTTP {answer.status_code} with a body that is not JSON: {answer.text[:200]!r}") from None
+
+
+def _retry_after(answer: httpx.Response) -> float | None:
+    """A 429's or 503's `Retry-After` in seconds (None: absent or a date, which the backoff stands in for)."""
+    try:
+        return max(0.0, float(answer.headers["retry-after"]))
+    except (KeyError, ValueError):
+        return None
+
+
+def remote_rewards(terms: list[RewardTerm]) -> list[RemoteReward]:
+    """A client for each remote term."""
+    return [RemoteReward(term) for term in terms]
+
+
+def remote_values(clients: list[RemoteReward], prompts: list[list[dict]], responses: list[str], complete: list[bool],
+                  batch: int | str) -> tuple[dict[str, list[float | None]], int]:
+    """Each remote term's scores by name (None where none arrived), and the retries it took. A term
+    that failed more than `max_failed_share` of the batch stops the run (`RemoteRewardError`)."""
+    values, retries = {}, 0
+    for client in clients:
+        outcome = client.score(prompts, responses, complete, batch)
+        if len(outcome.failures) > client.cfg.max_failed_share * len(responses):
+            row, reason = min(outcome.failures.items())
+            raise RemoteRewardError(f"{client.describe()}: batch {batch}: no score for {len(outcome.failures)} of "
+                                    f"{len(responses)} responses, past remote.max_failed_share "
+                                    f"{client.cfg.max_failed_share:g} (first: row {row}, {reason})")
+        values[client.term.name], retries = outcome.values, retries + outcome.retries
+    return values, retries
+
+
+__all__ = ["RemoteOutcome", "RemoteReward", "RemoteRewardConfig", "RemoteRewardError", "remote_rewards",
+           "remote_values"]
