@@ -44,12 +44,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 GRPO = {"advantage_estimator": "grpo", "samples_per_prompt": 4, "kl.init_coef": 0.2}
 RULE_ALONE = {**GRPO, "reward": {"terms": [{"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject"}]}}
+SERVED = "http://served.reward.model/score"
+"""A remote term's URL that `run_one` replaces with `rlhf serve-reward`'s, serving the bench's own reward checkpoint."""
 
 METHODS: dict[str, dict] = {
     "ppo (gae)": {"advantage_estimator": "gae"},
     # GRPO's beta weighs a k3 loss term averaged over tokens, not a penalty summed into each return:
     # the same KL takes a larger beta (demo sweep, KL to SFT: 0.05 -> 25.4, 0.1 -> 17.2, 0.2 -> 4.75, 0.3 -> 1.85).
     "grpo": GRPO,
+    # The same reward checkpoint served over HTTP (`rlhf serve-reward`) as a remote `score` term: no reward model in
+    # the trainer's process (issue 65: the same gold win rate as "grpo", within the evaluation's noise).
+    "grpo, served reward model": {**GRPO, "reward": {"terms": [{"name": "served", "remote": {"url": SERVED}}]}},
     "rloo": {"advantage_estimator": "rloo", "samples_per_prompt": 4},
     "reinforce++": {"advantage_estimator": "reinforce++"},
     "reinforce++-baseline": {"advantage_estimator": "reinforce++-baseline", "samples_per_prompt": 4},
@@ -146,6 +151,10 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
     set_determinism(cfg.deterministic, cfg.num_threads or 2)
     world = build_world(state / "worlds", cfg.demo)
     sft_folder, reward_folder = train_upstream(cfg, world, state)
+    if served := [t for t in cfg.ppo.reward.remotes if t.remote.url == SERVED]:
+        url = served_reward(reward_folder)
+        cfg = with_overrides(cfg, {"ppo.reward.terms": [t.model_dump() | ({"remote": t.remote.model_dump() | {
+            "url": url}} if t in served else {}) for t in cfg.ppo.reward.terms]})
     tokenizer = load_tokenizer(str(sft_folder))
     budget = LengthBudget(cfg.ppo.max_prompt_length, cfg.ppo.max_prompt_length + cfg.ppo.sampling.response_length)
     prompts, eval_prompts = (load_validated(str(world / f"{name}.jsonl"), "prompt", tokenizer=tokenizer,
@@ -204,6 +213,29 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
             **({"trace": [iterations.get(i + 1, {}) | change for i, change in enumerate(changes)]} if trace else {}),
             **({"upstream": json.loads((state / UPSTREAM_METRICS).read_text())}
                if (state / UPSTREAM_METRICS).exists() else {})}
+
+
+def served_reward(folder: Path) -> str:
+    """`rlhf serve-reward` on `folder`, for as long as this process lives: its scoring URL."""
+    import atexit
+    import socket
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reward", "--checkpoint", str(folder),
+                               "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    atexit.register(server.terminate)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
+                return f"http://127.0.0.1:{port}/score"
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    sys.exit(f"rlhf serve-reward on {folder} did not answer (exit code {server.poll()})")
 
 
 def table_of(rows: list[dict]) -> str:

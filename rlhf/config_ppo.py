@@ -287,7 +287,7 @@ class PPOConfig(TrainedStage, SampledStage):
     kl: KLConfig = KLConfig()
     """The KL to the reference: penalty, control, loss term."""
     missing_eos_score: float | None = -3.0
-    """Score of a response cut off at `sampling.response_length` without an end token; unset: the reward model's."""
+    """Score of a response cut off without an end token, by the reward model or a `score` server; unset: theirs."""
     score_clip: PositiveFloat | None = None
     """Clip normalised scores to [-score_clip, score_clip]."""
     refit_normalization: bool = True

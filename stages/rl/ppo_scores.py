@@ -41,11 +41,10 @@ def scores_of(raw: torch.Tensor | None, batch: Rollout, scorer: RewardScorer | N
     normalized, terms = None, {}
     if scorer is not None:
         normalized = scorer.normalize(raw)
-        model_term = apply_eos_penalty(normalized, batch.has_eos, cfg.missing_eos_score)
-        if cfg.score_clip is not None:
-            model_term = model_term.clamp(-cfg.score_clip, cfg.score_clip)
-        terms = {term.name: model_term for term in cfg.reward.terms if term.is_model}
-    terms |= (functions or {}) | (remote or {})
+        terms = {term.name: model_score(normalized, batch, cfg) for term in cfg.reward.terms if term.is_model}
+    served = {term.name for term in cfg.reward.remotes if term.remote.kind == "score"}  # a reward model, served
+    terms |= (functions or {}) | {name: model_score(v, batch, cfg) if name in served else v
+                                  for name, v in (remote or {}).items()}
     if cfg.reward.overlong is not None:
         terms[OVERLONG_TERM] = overlong_penalty(batch.own.sum(dim=1), cfg.response_tokens,
                                                 cfg.reward.overlong.buffer)
@@ -53,6 +52,14 @@ def scores_of(raw: torch.Tensor | None, batch: Rollout, scorer: RewardScorer | N
     reward = weighted_reward(terms, cfg.reward.weights, no_reward=[*(functions or ()), *(remote or ())])
     dropped = torch.stack([v.isnan() for v in remote.values()]).any(dim=0) if remote else None  # (B,)
     return Scores(raw=raw, normalized=normalized, terms=terms, reward=reward, dropped=dropped)
+
+
+def model_score(scores: torch.Tensor, batch: Rollout, cfg: PPOConfig) -> torch.Tensor:
+    """A reward model's normalised scores (in this process or served) as PPO trains on them: a cut-off
+    response's is `missing_eos_score`, all clipped to `score_clip`; NaN (no score arrived) stays. # (B,)"""
+    term = apply_eos_penalty(scores, batch.has_eos, cfg.missing_eos_score)
+    term = term.clamp(-cfg.score_clip, cfg.score_clip) if cfg.score_clip is not None else term
+    return torch.where(scores.isnan(), scores, term)
 
 
 def function_terms(learner: Learner, messages: list[list[dict]], texts: list[str], columns: list[dict],
@@ -71,20 +78,15 @@ def function_terms(learner: Learner, messages: list[list[dict]], texts: list[str
 
 def remote_terms(learner: Learner, messages: list[list[dict]], texts: list[str], complete: list[bool],
                  iteration: int, timings: dict[str, float]) -> tuple[dict[str, torch.Tensor], float]:
-    """Each remote term's scores for this process's responses (NaN where none arrived), every
-    process's rows sent from the main process (collective), and the requests retried. A term that
-    fails more than `max_failed_share` of the batch, or any with `on_failure: stop`, stops the run
-    (`RemoteRewardError`). # -> {name: (B,)}, retries"""
+    """Each remote term's scores for this process's responses (NaN where none arrived), every process's
+    rows sent from the main process (collective), and the requests retried; a failed batch may stop the
+    run (`stages.rewards.remote.remote_values`). # -> {name: (B,)}, retries"""
     if not learner.remote_rewards:
         return {}, 0.0
-
-    def compute(every: list[tuple]) -> tuple[dict[str, list[float | None]], int]:
-        prompts, responses, ended = ([row[i] for row in every] for i in range(3))
-        return remote_values(learner.remote_rewards, prompts, responses, ended, iteration)
-
     with timed(timings, "remote_reward"):
         rows = list(zip(messages, texts, complete, strict=True))
-        every, retries = computed_on_main(learner.accelerator, rows, compute)
+        every, retries = computed_on_main(learner.accelerator, rows, lambda every: remote_values(  # rows in rank order
+            learner.remote_rewards, *([row[i] for row in every] for i in range(3)), iteration))
         first = learner.accelerator.process_index * len(rows)
     return {name: _as_tensor(values[first:first + len(rows)], learner.accelerator.device)
             for name, values in every.items()}, float(retries)
