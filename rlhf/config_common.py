@@ -328,8 +328,8 @@ class RemoteRewardConfig(_Frozen):
     """A response whose score never arrives: `drop` it from the update (`rollout/remote_failed_share`), or `stop`."""
     max_failed_share: float = Field(0.5, ge=0.0, le=1.0)
     """`drop`: past this share of a batch's responses failing, the run stops anyway (a server down, not flaky)."""
-    model: str | None = None
-    """`judge`: the served model's name in the request; unset: the first model the server lists."""
+    extra_body: dict[str, Any] = {}
+    """`judge`: fields merged into each request: `model` (unset: the server's first), vLLM's `structured_outputs`..."""
     template: str = Field("Rate how well the response answers the prompt, from 0 (useless) to 10 (perfect). Answer "
                           "with the number alone.\n\nPrompt: {prompt}\n\nResponse: {response}", pattern=r"\{response\}")
     """`judge`: the user message, `{prompt}` (last user turn) and `{response}` filled in; its first number scores."""

@@ -732,3 +732,52 @@ def test_sft_then_ppo_on_reward_functions_alone_needs_no_reward_stage_and_bad_fu
             "eval/gold_win_rate"} <= set(run.data.metrics)
     assert not any(key.startswith("normalization/") for key in run.data.metrics)
     assert not MlflowClient().search_runs([experiment().experiment_id], "tags.`rlhf.stage` = 'reward'")
+
+
+def test_ppo_scored_by_the_served_reward_run_records_the_server_and_a_server_away_is_refused(tracking_store):
+    """`rlhf serve-reward` serves a pipeline's finished reward run; `stages: [sft, ppo]` with a remote
+    term scores on it, and the PPO run's tag names the term, the URL and the reward run it serves. A
+    server that does not answer is refused before any stage runs (issue 65)."""
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from flows.pipeline import rlhf
+    from tests.helpers import free_port
+
+    own = {"experiment": "rlhf-served", "registry.model_name": "served-policy"}
+    state = rlhf(stages=["sft", "reward"], config_file="configs/tiny.yaml", overrides=own, return_state=True)
+    assert state.is_completed(), state.message
+    experiment = MlflowClient().get_experiment_by_name("rlhf-served").experiment_id
+    (reward_run,) = MlflowClient().search_runs([experiment], f"tags.`{tracking.TAG_STAGE}` = 'reward'")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/score"
+    served = own | {"ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 4,
+                    "ppo.reward": {"terms": [{"name": "served", "remote": {"url": url}}]}}
+    state = rlhf(stages=["sft", "ppo"], config_file="configs/tiny.yaml", overrides=served, return_state=True)
+    assert state.is_failed() and f"reward term 'served' (score at {url}): the server does not answer" in state.message
+    assert not MlflowClient().search_runs([experiment], f"tags.`{tracking.TAG_STAGE}` = 'ppo'")
+
+    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reward", "--experiment", "rlhf-served",
+                               "--port", str(port)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "rlhf serve-reward did not answer"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        state = rlhf(stages=["sft", "ppo"], config_file="configs/tiny.yaml", overrides=served, return_state=True)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    assert state.is_completed(), state.message
+    (ppo,) = MlflowClient().search_runs([experiment], f"tags.`{tracking.TAG_STAGE}` = 'ppo'")
+    assert ppo.data.tags[tracking.TAG_REWARD_REMOTE] == f"served=score {url} (weight 1, serving run " \
+                                                       f"{reward_run.info.run_id})"
+    assert ppo.data.metrics["rollout/remote_failed_share"] == 0.0 and "time/remote_reward" in ppo.data.metrics
+    assert "remote/retries" in ppo.data.metrics and "rollout/reward/served" in ppo.data.metrics

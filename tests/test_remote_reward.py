@@ -199,7 +199,7 @@ def test_a_judge_fills_the_template_and_its_first_number_is_the_score():
     assert first["temperature"] == 0.0
     app, _ = judge_app("no idea")
     with served_in_thread(app) as base:
-        outcome = score(client(base + "/v1", kind="judge", model="tiny-judge"))
+        outcome = score(client(base + "/v1", kind="judge", extra_body={"model": "tiny-judge"}))
     assert outcome.values == [None] * 10 and "has no number" in outcome.failures[0]
 
 
@@ -381,3 +381,52 @@ def test_a_server_killed_mid_ppo_and_back_is_retried_through(tiny_config, traine
     second = result.history[1]
     assert second["remote/retries"] >= 1 and second["rollout/remote_failed_share"] == 0.0
     assert restarted and all(math.isfinite(row["rollout/reward/served"]) for row in result.history)
+
+
+# --- an LLM judge on vLLM's CPU server ------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_ppo_with_a_judge_on_a_vllm_server_finishes_scored_by_its_answers(tiny_config, trained, tmp_path):
+    """A judge term against vLLM's OpenAI-compatible server (its CPU build) on a 2-head demo model
+    (the CPU build refuses the default head size 16): an untrained judge, its answer held to a digit
+    by vLLM's structured outputs, so every response gets a number the parser reads."""
+    from rlhf.config_common import VLLMConfig, vllm_python
+    from rlhf.demo_world import build_world
+
+    python = vllm_python(VLLMConfig())
+    if not python.exists():
+        pytest.skip(f"no vLLM environment at {python}: `make vllm-env` builds it (.ci/run does)")
+    judge = build_world(tmp_path / "judge", with_overrides(tiny_config.demo, {"num_heads": 2})) / "model"
+    port = free_port()
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    environment = os.environ | {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_NO_USAGE_STATS": "1",
+                                **({"LD_PRELOAD": str(iomp)} if iomp.exists() else {})}
+    with open(tmp_path / "vllm.log", "wb") as log:
+        server = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(judge),
+                                   "--served-model-name", "judge", "--host", "127.0.0.1", "--port", str(port),
+                                   "--max-model-len", "128", "--kv-cache-memory-bytes", str(2**28),
+                                   "--dtype", "float32"], stdout=log, stderr=subprocess.STDOUT, env=environment,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the vLLM server did not answer within 300 s"
+            time.sleep(0.5)
+        judged = {"url": f"http://127.0.0.1:{port}/v1", "kind": "judge", "template": "{prompt} {response} Score:",
+                  "extra_body": {"structured_outputs": {"choice": [str(i) for i in range(11)]}}}
+        terms = [{"name": "judge", "remote": judged}, {"name": "reward_model", "weight": 0.1}]  # beside the RM
+        result = run_ppo(with_overrides(tiny_config.ppo, {"reward": {"terms": terms}, "num_iterations": 2,
+                                                          "evaluation.every": None}), trained, tmp_path / "run")
+    finally:
+        _stop(server)
+    for row in result.history:
+        assert row["rollout/remote_failed_share"] == 0.0 and 0.0 <= row["rollout/reward/judge"] <= 10.0
+        assert row["time/remote_reward"] > 0
+    assert server.returncode is not None

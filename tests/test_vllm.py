@@ -8,7 +8,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -265,14 +268,16 @@ def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_reru
                                                    "rollout": {"max_staleness": 1}})  # a rollout in flight when killed
     arguments, parked = tmp_path / "arguments.pkl", tmp_path / "parked"
     arguments.write_bytes(pickle.dumps((ppo, trained, tmp_path / "out")))
-    before = _shared_memory()
+    scope = f"RLHF_TEST_SCOPE={tmp_path}"  # in the environment of the stage and all it starts
     stage = subprocess.Popen([sys.executable, "-c", KILLED, str(arguments), str(parked)], cwd=REPO_ROOT,
-                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=os.environ | dict([scope.split("=", 1)]))
     deadline = time.monotonic() + 600
-    while not parked.exists():
-        assert stage.poll() is None, "the stage ended before its third iteration"
-        assert time.monotonic() < deadline, "PPO did not reach its third iteration within 600 s"
-        time.sleep(0.5)
+    with _watched(scope) as seen:
+        while not parked.exists():
+            assert stage.poll() is None, "the stage ended before its third iteration"
+            assert time.monotonic() < deadline, "PPO did not reach its third iteration within 600 s"
+            time.sleep(0.5)
     (server,) = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_child_server(int(pid), stage.pid)]
     group = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[2])
     served = Path(Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0--model\0")[1].split(b"\0")[0].decode())
@@ -285,8 +290,8 @@ def test_a_stage_killed_with_sigkill_mid_ppo_leaves_no_vllm_process_and_its_reru
         time.sleep(0.5)
     # the policy the killed stage served is removed from shared memory by its janitor, which outlives the stage,
     # with vLLM's shared-memory files
-    while served.exists() or _leaked(before):
-        assert time.monotonic() < deadline, f"the killed stage's shared memory outlived it: {served}, {_leaked(before)}"
+    while served.exists() or _leaked(seen):
+        assert time.monotonic() < deadline, f"the killed stage's shared memory outlived it: {served}, {_leaked(seen)}"
         time.sleep(0.5)
 
     messages = []
@@ -304,26 +309,57 @@ def _is_child_server(pid: int, parent: int) -> bool:
     return int(stat[1]) == parent and b"vllm.entrypoints.openai.api_server" in cmdline
 
 
-def _shared_memory() -> set[Path]:
-    """Served policies, and vLLM's shared-memory files (its engine's message queues and semaphores,
-    which a killed engine cannot unlink itself)."""
+def _shared_memory(path: Path) -> Path | None:
+    """The entry of shared memory `path` lies in, where it is one a test checks: a served policy's
+    folder, or one of vLLM's shared-memory files (its engine's message queues and semaphores, which a
+    killed engine cannot unlink itself); None for anything else."""
     from stages.engines.vllm_process import SERVED_PREFIX
 
-    return ({f for shared in (Path("/dev/shm"), Path("/tmp")) for f in shared.glob(f"{SERVED_PREFIX}*")}
-            | {f for pattern in ("psm_*", "sem.mp-*") for f in Path("/dev/shm").glob(pattern)})
+    for root in (Path("/dev/shm"), Path("/tmp")):
+        if path.is_relative_to(root) and path != root:
+            entry = root / path.relative_to(root).parts[0]
+            served = entry.name.startswith(SERVED_PREFIX)
+            if served or root.name == "shm" and entry.name.startswith(("psm_", "sem.mp-")):
+                return entry
+    return None
 
 
-def _held() -> set[str]:
-    """The paths in shared memory that a live process maps or has open."""
+def _held(environment: str | None = None) -> set[Path]:
+    """The `_shared_memory` entries that a live process maps or has open (given `environment`, such as
+    "RLHF_HOME=/tmp/x": only the processes whose environment holds it)."""
     held = set()
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            held |= {line[line.index("/dev/shm/"):] for line in (proc / "maps").read_text().splitlines()
-                     if "/dev/shm/" in line}
-            held |= {target for fd in (proc / "fd").iterdir() if (target := os.readlink(fd)).startswith("/dev/shm/")}
+            if environment is not None and environment.encode() not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            paths = {line[line.index("/"):] for line in (proc / "maps").read_text().splitlines() if "/" in line}
+            paths |= {os.readlink(fd) for fd in (proc / "fd").iterdir()}
         except OSError:
             continue
+        held |= {entry for path in paths if (entry := _shared_memory(Path(path))) is not None}
     return held
+
+
+@contextmanager
+def _watched(environment: str) -> Iterator[set[Path]]:
+    """Every `_shared_memory` entry that the processes holding `environment` map or have open, sampled
+    every 0.5 s while the block runs: what a leak check may blame on this test, and not on a test
+    running beside it (whose killed processes may leave their own files)."""
+    seen: set[Path] = set()
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            seen.update(_held(environment))
+            done.wait(0.5)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        watcher.join()
 
 
 def _owner_alive(folder: Path) -> bool:
@@ -333,13 +369,12 @@ def _owner_alive(folder: Path) -> bool:
         return False
 
 
-def _leaked(before: set[Path]) -> set[Path]:
-    """What appeared in shared memory since `before` that no live process holds: a served folder whose
-    owner has died, a queue or semaphore that no process maps or has open. What a test running beside
-    this one serves is held by its live processes, so it is not counted here."""
-    new = _shared_memory() - before
-    held = _held() if new else set()
-    return {f for f in new if str(f) not in held and not _owner_alive(f)}
+def _leaked(seen: set[Path]) -> set[Path]:
+    """What of `seen` (a `_watched` block's) is still there with no live process holding it: a served
+    folder whose owner has died, a queue or semaphore that no process maps or has open."""
+    assert seen, "the watch saw no shared memory of the test's processes: it would check nothing"
+    held = _held()
+    return {entry for entry in seen if entry.exists() and entry not in held and not _owner_alive(entry)}
 
 
 def _ray_vllm(cfg, address: str, **launch):
@@ -358,16 +393,16 @@ def test_on_a_ray_gang_the_server_is_an_actor_on_rank_0s_node_and_nothing_of_it_
     from stages.ppo import PPOInputs, train_ppo
 
     cfg, trained = servable
-    before = _shared_memory()
+    mine = ray_cluster.environment  # this cluster's processes, not those of a test beside this one
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
-    result = call_stage(train_ppo, _ray_vllm(cfg, ray_cluster), inputs, tmp_path / "out", Reporting(),
-                        deterministic=True, num_threads=1)
+    with _watched(mine) as seen:
+        result = call_stage(train_ppo, _ray_vllm(cfg, ray_cluster), inputs, tmp_path / "out", Reporting(),
+                            deterministic=True, num_threads=1)
     assert len({n["node"] for n in json.loads(result.tags["rlhf.launch.nodes"])}) == 2
     assert all(row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history)
     assert result.history[-1]["rollout/kl"] != 0  # the policy moved, and the server sampled the moved policy
     assert "vLLM" in (tmp_path / "out" / "vllm.log").read_text()  # written on rank 0's node by the actor's server
-    mine = ray_cluster.environment  # this cluster's processes, not those of a test beside this one
-    assert not vllm_servers(environment=mine) and not _leaked(before)
+    assert not vllm_servers(environment=mine) and not _leaked(seen)
     assert not processes("ray::ServerActor", environment=mine)  # the actor ended with the server (Ray titles it so)
     assert not processes("VLLM::", environment=mine)  # and so did vLLM's engine processes
 
@@ -380,18 +415,17 @@ def test_on_a_ray_gang_a_killed_rank_0_takes_its_server_and_served_folder_with_i
     from tests.stand_in_stages import RankKilledOnce, ppo_with_a_rank_killed_once
 
     cfg, trained = servable
-    before = _shared_memory()
     inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
     killed = RankKilledOnce(inputs, rank=0, marker=tmp_path / "killed")
-    with pytest.raises(LaunchError, match=r"rank 0 \(node [0-9a-f]{12}, [0-9.]+, pid \d+\)"):
+    mine = ray_cluster.environment
+    with _watched(mine) as seen, pytest.raises(LaunchError, match=r"rank 0 \(node [0-9a-f]{12}, [0-9.]+, pid \d+\)"):
         call_stage(ppo_with_a_rank_killed_once, _ray_vllm(cfg, ray_cluster), killed, tmp_path / "out", Reporting(),
                    deterministic=True, num_threads=1)
     assert killed.marker.exists()
     deadline = time.monotonic() + 60
-    mine = ray_cluster.environment
 
     def left() -> list:
-        return [*vllm_servers(environment=mine), *_leaked(before), *processes("ray::ServerActor", environment=mine),
+        return [*vllm_servers(environment=mine), *_leaked(seen), *processes("ray::ServerActor", environment=mine),
                 *processes("VLLM::", environment=mine)]
 
     while left():

@@ -94,7 +94,7 @@ class RemoteReward:
     def __init__(self, term: RewardTerm):
         assert term.remote is not None, term
         self.term, self.cfg = term, term.remote
-        self._model: str | None = self.cfg.model
+        self._model: str | None = self.cfg.extra_body.get("model")
 
     def describe(self) -> str:
         return f"reward term {self.term.name!r} ({self.cfg.kind} at {self.cfg.url})"
@@ -132,7 +132,7 @@ class RemoteReward:
                 raise RemoteRewardError(f"{self.describe()}: GET {url}: {e.reason}") from None
             models = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
             if not models:
-                raise RemoteRewardError(f"{self.describe()}: GET {url} lists no model; set remote.model")
+                raise RemoteRewardError(f"{self.describe()}: GET {url} lists no model; set remote.extra_body.model")
             self._model = models[0]
 
     def lineage(self) -> str:
@@ -140,6 +140,11 @@ class RemoteReward:
         and the run whose checkpoint a scoring server says it serves (`rlhf serve-reward` says so)."""
         cfg, served = self.cfg, ""
         if cfg.kind == "judge":
+            if self._model is None:
+                try:
+                    self.check()
+                except RemoteRewardError:
+                    pass  # the run's own requests will say what is wrong
             served = f", template {hashlib.sha256(cfg.template.encode()).hexdigest()[:12]}, model {self._model}"
         else:
             try:
@@ -200,7 +205,7 @@ class RemoteReward:
         prompt = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
         content = self.cfg.template.replace("{prompt}", prompt).replace("{response}", response)
         return {"model": self._model, "messages": [{"role": "user", "content": content}],
-                "max_tokens": JUDGE_MAX_TOKENS, "temperature": 0.0}
+                "max_tokens": JUDGE_MAX_TOKENS, "temperature": 0.0, **self.cfg.extra_body}
 
     async def _send(self, client: httpx.AsyncClient, body: dict, rows: int, limit: asyncio.Semaphore,
                     pace: _Pace | None, outcome: RemoteOutcome) -> list[float | None]:
