@@ -781,3 +781,21 @@ def test_ppo_scored_by_the_served_reward_run_records_the_server_and_a_server_awa
                                                        f"{reward_run.info.run_id})"
     assert ppo.data.metrics["rollout/remote_failed_share"] == 0.0 and "time/remote_reward" in ppo.data.metrics
     assert "remote/retries" in ppo.data.metrics and "rollout/reward/served" in ppo.data.metrics
+
+    # A server that answers the start's check but fails every batch: PPO stops naming it, its run FAILED.
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse
+
+    from tests.helpers import served_in_thread
+
+    broken = FastAPI()
+    broken.get("/score")(lambda: {"ok": True})
+    broken.post("/score")(lambda: PlainTextResponse("overloaded", status_code=503))
+    with served_in_thread(broken) as base:
+        failing = served | {"ppo.reward": {"terms": [{"name": "served", "remote": {
+            "url": base + "/score", "max_retries": 1, "backoff_s": 0.05}}]}}
+        state = rlhf(stages=["sft", "ppo"], config_file="configs/tiny.yaml", overrides=failing, return_state=True)
+    assert state.is_failed() and f"(score at {base}/score): batch 1: no score for" in state.message
+    assert "HTTP 503: 'overloaded', after 2 tries" in state.message
+    runs = MlflowClient().search_runs([experiment], f"tags.`{tracking.TAG_STAGE}` = 'ppo'")
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED"]
