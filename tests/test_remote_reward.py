@@ -362,20 +362,23 @@ def test_a_server_killed_mid_ppo_and_back_is_retried_through(tiny_config, traine
     command = _serve_reward(trained, port)
     base, process, restarted = f"http://127.0.0.1:{port}", _serve(command), []
 
+    def later() -> None:
+        time.sleep(3)
+        restarted.append(_serve(command))
+
+    back = threading.Thread(target=later, daemon=True)
+
     def kill_then_restart(figures: dict, step: int) -> None:
         if step == 1:
             _stop(process)
-
-            def later() -> None:
-                time.sleep(3)
-                restarted.append(_serve(command))
-
-            threading.Thread(target=later, daemon=True).start()
+            back.start()
 
     try:
         result = run_ppo(_remote_ppo(tiny_config, base + "/score", max_retries=12, backoff_s=0.5),
                          trained, tmp_path / "run", Reporting(metrics=kill_then_restart))
     finally:
+        if back.is_alive():
+            back.join()  # a server started after a failure would outlive the test
         for server in [process, *restarted]:
             _stop(server)
     second = result.history[1]
