@@ -390,3 +390,20 @@ def served_in_thread(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def wait_until_healthy(process, url: str, timeout_s: float, log=lambda: "") -> None:
+    """Until `url` (a server's health route) answers 200: failing with `log()` if `process` exits
+    first, or when `timeout_s` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, f"{process.args[:3]} exited ({process.returncode}) while starting:\n{log()}"
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not answer within {timeout_s:g} s:\n{log()}"
+        time.sleep(0.3)

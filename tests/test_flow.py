@@ -742,10 +742,8 @@ def test_ppo_scored_by_the_served_reward_run_records_the_server_and_a_server_awa
     import subprocess
     import sys
 
-    import httpx
-
     from flows.pipeline import rlhf
-    from tests.helpers import free_port
+    from tests.helpers import free_port, wait_until_healthy
 
     own = {"experiment": "rlhf-served", "registry.model_name": "served-policy"}
     state = rlhf(stages=["sft", "reward"], config_file="configs/tiny.yaml", overrides=own, return_state=True)
@@ -763,14 +761,7 @@ def test_ppo_scored_by_the_served_reward_run_records_the_server_and_a_server_awa
     server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reward", "--experiment", "rlhf-served",
                                "--port", str(port)], start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, "rlhf serve-reward did not answer"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        wait_until_healthy(server, f"http://127.0.0.1:{port}/health", 120)
         state = rlhf(stages=["sft", "ppo"], config_file="configs/tiny.yaml", overrides=served, return_state=True)
     finally:
         os.killpg(server.pid, signal.SIGTERM)

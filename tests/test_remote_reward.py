@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from rlhf.config import config_hash, with_overrides
 from rlhf.config_ppo import RewardTerm, RewardTermsConfig
 from stages.rewards.remote import RemoteReward, RemoteRewardError
-from tests.helpers import free_port, run_ppo, served_in_thread
+from tests.helpers import free_port, run_ppo, served_in_thread, wait_until_healthy
 
 
 @dataclass
@@ -235,16 +235,8 @@ def _serve(command: list[str]) -> subprocess.Popen:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     port = command[command.index("--port") + 1]
-    deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None, process.stdout.read()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "rlhf serve-reward did not answer within 120 s"
-        time.sleep(0.2)
+    wait_until_healthy(process, f"http://127.0.0.1:{port}/health", 120, lambda: process.stdout.read())
+    return process
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -412,16 +404,8 @@ def test_ppo_with_a_judge_on_a_vllm_server_finishes_scored_by_its_answers(tiny_c
                                    "--dtype", "float32"], stdout=log, stderr=subprocess.STDOUT, env=environment,
                                   start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the vLLM server did not answer within 300 s"
-            time.sleep(0.5)
+        wait_until_healthy(server, f"http://127.0.0.1:{port}/health", 300,
+                           lambda: (tmp_path / "vllm.log").read_text()[-3000:])
         judged = {"url": f"http://127.0.0.1:{port}/v1", "kind": "judge", "template": "{prompt} {response} Score:",
                   "extra_body": {"structured_outputs": {"choice": [str(i) for i in range(11)]}}}
         terms = [{"name": "judge", "remote": judged}, {"name": "reward_model", "weight": 0.1}]  # beside the RM
