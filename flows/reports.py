@@ -256,7 +256,7 @@ def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: Gol
                demo_evaluation: bool) -> list[dict[str, str]]:
     """PPO's evaluation against SFT and its curves; the over-optimisation plot when the rollouts
     were judged (`gold`). Returns samples to show."""
-    from rlhf.plots import curves, overoptimization
+    from flows.plots import curves, overoptimization
 
     samples = evaluation_report(result.evaluation, metrics, warnings, demo_evaluation)
     scores = ["rollout/score"] + [k for k in ("rollout/score_raw",) if k in result.history[-1]]  # raw: a reward model's

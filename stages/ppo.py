@@ -10,7 +10,7 @@ One iteration of `train_ppo` reads top to bottom (the steps are numbered in `_tr
                (`rollout.max_staleness`): chosen once, before the loop (`stages.rl.ppo_sampling`)
   2 advantage  where the KL coefficient beta goes (`kl_weights`: the reward, or GRPO's loss term);
                the per-token KL to the reference; the estimator's advantages, from the table
-               `stages.rl.ppo_math.ESTIMATORS`:
+               `stages.math.ppo_math.ESTIMATORS`:
                gae          r_t = -beta * KL_t, plus the score on the last response token;
                             GAE(gamma, lambda); returns = A + V; A whitened
                grpo         (score - group mean) / group std on every token; KL goes to the loss
@@ -34,7 +34,7 @@ gradients, so one iteration does the work of the single-process iteration with t
 
 Where each step lives: sampling `stages.rl.ppo_sampling` (the rollout's passes
 `stages.rl.ppo_rollout`, the scores `stages.rl.ppo_scores`), the batch type `stages.rl.batch`,
-advantages `stages.rl.advantages` (the equations `stages.rl.ppo_math`), the update
+advantages `stages.rl.advantages` (the equations `stages.math.ppo_math`), the update
 `stages.rl.update`, the models and the critic `stages.rl.ppo_models`, figures and warnings
 `stages.rl.ppo_report`, full-state checkpoints `stages.rl.ppo_state`."""
 
@@ -54,13 +54,13 @@ from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting, timed
 from stages.engines.vllm_server import sampler_for
 from stages.envs.loop import episode_runner
+from stages.math.ppo_math import KLController
 from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches
 from stages.rewards.functions import load_reward_functions
 from stages.rewards.remote import remote_rewards
 from stages.rl.advantages import episodes_of, kl_weights
 from stages.rl.evaluation import HeldOut, evaluate, evaluate_midway, warn_over_kl_budget
-from stages.rl.ppo_math import KLController
 from stages.rl.ppo_models import ActorCritic, load_models
 from stages.rl.ppo_report import iteration_figures, report_iteration
 from stages.rl.ppo_rollout import Prompts, policy_sampler

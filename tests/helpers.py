@@ -344,7 +344,7 @@ def ppo_gradient_setup(tiny_config, trained, critic="reward", lora=False, **over
     from rlhf.config import with_overrides
     from rlhf.config_common import LoRAConfig
     from stages.common.tensors import masked_whiten
-    from stages.rl.ppo_math import gae, kl_estimate, token_rewards
+    from stages.math.ppo_math import gae, kl_estimate, token_rewards
     from stages.rl.ppo_models import load_models
     from stages.rl.ppo_rollout import policy_sampler, rollout
     from stages.rl.ppo_scores import raw_scores, scores_of

@@ -22,7 +22,6 @@ LAYERS = {
     "rlhf/numerics.py": (),
     "rlhf/demo_locations.py": (),
     "rlhf/evaluation.py": (),
-    "rlhf/plots.py": (),
     "rlhf/demo_rewards.py": (),
     "rlhf/demo_tools.py": (),
     "rlhf/config_common.py": ("rlhf.demo_locations",),
@@ -32,14 +31,15 @@ LAYERS = {
     "rlhf/stack.py": ("rlhf.config_common", "rlhf.numerics"),
     "rlhf/tracking.py": CONFIG,
     "stages/common": ("stages.common",) + CONFIG,
+    "stages/math": ("stages.common",),
     "stages/runtime": ("stages.common", "stages.runtime") + CONFIG,
     "stages/memory": ("stages.common", "stages.runtime", "stages.memory") + CONFIG,
     "stages/launch": ("stages.common", "stages.runtime", "stages.memory", "stages.launch", "rlhf.numerics") + CONFIG,
     "stages/engines": ("stages.common", "stages.runtime", "stages.engines") + CONFIG,
     "stages/rewards": ("stages.common", "stages.runtime", "stages.memory", "stages.rewards") + CONFIG,
     "stages/envs": ("stages.common", "stages.runtime", "stages.engines", "stages.envs") + CONFIG,
-    "stages/rl": ("stages.common", "stages.runtime", "stages.memory", "stages.engines", "stages.envs", "stages.rewards",
-                  "stages.rl", "rlhf.evaluation") + CONFIG,
+    "stages/rl": ("stages.common", "stages.math", "stages.runtime", "stages.memory", "stages.engines", "stages.envs",
+                  "stages.rewards", "stages.rl", "rlhf.evaluation") + CONFIG,
     "stages": ("stages", "rlhf.evaluation") + CONFIG,  # the stage entry points, stages/*.py
     "flows": None,  # the top: the flow, its tasks and the `rlhf` command may import anything
 }

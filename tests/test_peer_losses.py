@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stages.rl.ppo_math import PolicyClip, aggregate, clipped_policy_loss, kl_estimate
+from stages.math.ppo_math import PolicyClip, aggregate, clipped_policy_loss, kl_estimate
 
 grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from rlhf.config import with_overrides
 from stages.common.reporting import Reporting
-from stages.rl.ppo_math import groups_with_signal
+from stages.math.ppo_math import groups_with_signal
 from tests.helpers import AUTO_RESOLVED, run_ppo
 
 RULE = {"terms": [{"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject"}]}

@@ -18,7 +18,7 @@ from stages.common.tensors import (
     response_mask,
     truncate_after_eos,
 )
-from stages.rl.ppo_math import (
+from stages.math.ppo_math import (
     AGGREGATIONS,
     KLController,
     PolicyClip,

@@ -1,4 +1,4 @@
-"""PPO's named choices are tables in `stages.rl.ppo_math` (estimators, KL estimators, loss
+"""PPO's named choices are tables in `stages.math.ppo_math` (estimators, KL estimators, loss
 aggregations): the config offers exactly the table's names, an unknown name is refused, and each
 estimator in the table computes its published equation (the equations themselves are worked by
 hand in tests/test_ppo_math.py). And the one batch type (`stages.rl.batch`): rows, concatenation and
@@ -13,8 +13,7 @@ import torch
 
 from rlhf.config_ppo import KLConfig, PPOConfig
 from stages.common.tensors import masked_whiten
-from stages.rl.batch import Rollout, TrainingBatch, concat, micro_batch, rows_of
-from stages.rl.ppo_math import (
+from stages.math.ppo_math import (
     AGGREGATIONS,
     ESTIMATORS,
     KL_ESTIMATORS,
@@ -30,6 +29,7 @@ from stages.rl.ppo_math import (
     sequence_rewards,
     token_rewards,
 )
+from stages.rl.batch import Rollout, TrainingBatch, concat, micro_batch, rows_of
 
 
 def _choices(model, name: str) -> tuple:

@@ -1,6 +1,6 @@
 """PPO's advantage step: from one iteration's scored rollout to the `Episodes` the update trains on.
 The KL to the reference per token, where its coefficient goes (`kl_weights`), the advantages of
-`advantage_estimator` (the table `stages.rl.ppo_math.ESTIMATORS`), the engine-mismatch weights and
+`advantage_estimator` (the table `stages.math.ppo_math.ESTIMATORS`), the engine-mismatch weights and
 the tokens the losses count."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import torch
 from accelerate import Accelerator
 
 from rlhf.config_ppo import PPOConfig
-from stages.rewards.scoring import Scores
-from stages.rl.batch import Rollout, Sampled, TrainingBatch
-from stages.rl.ppo_math import (
+from stages.math.ppo_math import (
     EstimatorInputs,
     engine_importance_weights,
     estimator_named,
     failed_at_group_mean,
     kl_estimate,
 )
+from stages.rewards.scoring import Scores
+from stages.rl.batch import Rollout, Sampled, TrainingBatch
 from stages.runtime.collectives import whiten_over_processes
 
 

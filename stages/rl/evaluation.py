@@ -27,7 +27,7 @@ from stages.common.tensors import is_end
 from stages.engines.sampler import Sampler, Sampling
 from stages.envs.episode import Episode, episode_figures, transcript
 from stages.envs.loop import EpisodeRunner
-from stages.rl.ppo_math import kl_estimate, weighted_reward
+from stages.math.ppo_math import kl_estimate, weighted_reward
 from stages.rl.ppo_models import Models, reference_policy
 from stages.rl.ppo_rollout import Episodic, in_chunks, reference_sampler, rollout
 

@@ -15,8 +15,8 @@ from schemas.adapters import last_user_message
 from stages.common.reporting import Reporting
 from stages.common.tensors import masked_mean
 from stages.envs.episode import episode_figures, transcript
+from stages.math.ppo_math import explained_variance
 from stages.rl.advantages import Episodes
-from stages.rl.ppo_math import explained_variance
 from stages.rl.ppo_models import rounds_to_16_bits
 from stages.rl.ppo_state import LoopState
 from stages.rl.update import Learner

@@ -13,9 +13,9 @@ import torch
 
 from stages.common.reporting import timed
 from stages.engines.sampler import Generation
+from stages.math.ppo_math import groups_with_signal
 from stages.rewards.scoring import concat_scores
 from stages.rl.batch import Sampled, concat, rows_of
-from stages.rl.ppo_math import groups_with_signal
 from stages.rl.ppo_rollout import Episodic, Prompts, prompt_batch, rollout
 from stages.rl.ppo_scores import fitted_normalization, function_terms, raw_scores, remote_terms, scores_of
 from stages.rl.ppo_state import LoopState

@@ -12,12 +12,12 @@ from accelerate import Accelerator
 
 from rlhf.config_ppo import OVERLONG_TERM, PPOConfig
 from stages.common.reporting import timed
+from stages.math.ppo_math import apply_eos_penalty, overlong_penalty, weighted_reward
 from stages.rewards.functions import reward_values
 from stages.rewards.remote import remote_values
 from stages.rewards.scoring import RewardScorer, Scores, fit_normalization
 from stages.rl.batch import Rollout
 from stages.rl.evaluation import FunctionJudge
-from stages.rl.ppo_math import apply_eos_penalty, overlong_penalty, weighted_reward
 from stages.rl.ppo_state import Normalization
 from stages.rl.update import Learner
 from stages.runtime.collectives import computed_on_main, gathered

@@ -16,7 +16,7 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 
-from stages.rl.ppo_math import KLController
+from stages.math.ppo_math import KLController
 from stages.rl.ppo_models import Models
 
 if TYPE_CHECKING:

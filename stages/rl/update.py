@@ -1,7 +1,7 @@
 """PPO's update: the epochs of minibatches over one iteration's `Episodes`, each minibatch's gradient
 accumulated over micro-batches and processes (`accumulate_gradients`) as one token mean, the
-clipped policy loss and the value loss from `stages.rl.ppo_math`, and the optimizer step. A new
-policy loss is an equation in `stages.rl.ppo_math` and is applied here, in `_micro_batch_step`.
+clipped policy loss and the value loss from `stages.math.ppo_math`, and the optimizer step. A new
+policy loss is an equation in `stages.math.ppo_math` and is applied here, in `_micro_batch_step`.
 `Learner` is what every process trains with (built by `stages.ppo.build_learner`)."""
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ from stages.common.errors import NonFiniteLossError
 from stages.common.tensors import entropy_of, logprobs_of, masked_mean
 from stages.engines.sampler import Sampler
 from stages.envs.loop import EpisodeRunner
-from stages.rewards.functions import RewardFunction
-from stages.rewards.remote import RemoteReward
-from stages.rl.advantages import Episodes
-from stages.rl.batch import TrainingBatch, micro_batch
-from stages.rl.ppo_math import (
+from stages.math.ppo_math import (
     PolicyClip,
     Totals,
     aggregate,
@@ -30,6 +26,10 @@ from stages.rl.ppo_math import (
     kl_estimate,
     loss_denominator,
 )
+from stages.rewards.functions import RewardFunction
+from stages.rewards.remote import RemoteReward
+from stages.rl.advantages import Episodes
+from stages.rl.batch import TrainingBatch, micro_batch
 from stages.rl.ppo_models import Models
 from stages.runtime.collectives import combined, gathered, sum_over_processes
 from stages.runtime.packing import micro_batches_needed, split_by_tokens
