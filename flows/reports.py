@@ -76,15 +76,23 @@ def lineage_note(lineage: str) -> str:
 
 
 def reward_terms_note(reward: RewardTermsConfig) -> str:
-    """How PPO's score is made, where it has reward functions (empty for the reward model alone), to
-    follow the upstream runs in its description: `; scored by reward functions `on_subject`
-    (rlhf.demo_rewards:names_the_subject, weight 1), without a reward model`."""
-    if not reward.functions:
+    """How PPO's score is made, where it has terms besides the reward model (empty for the reward model
+    alone), to follow the upstream runs in its description: `; scored by reward functions `on_subject`
+    (rlhf.demo_rewards:names_the_subject, weight 1), servers `served` (score at http://..., weight 1),
+    without a reward model`."""
+    if not reward.functions and not reward.remotes:
         return ""
-    terms = ", ".join(f"`{t.name}` ({t.function}, weight {t.weight:g})" for t in reward.functions)
+    parts = []
+    if reward.functions:
+        parts.append("reward functions " + ", ".join(f"`{t.name}` ({t.function}, weight {t.weight:g})"
+                                                     for t in reward.functions))
+    if reward.remotes:
+        parts.append("servers " + ", ".join(
+            f"`{t.name}` ({t.remote.kind}{', ' + t.remote.parse if t.remote.kind == 'judge' else ''} at "
+            f"{t.remote.url}, weight {t.weight:g})" for t in reward.remotes))
     model = next((f" beside the reward model (weight {t.weight:g})" for t in reward.terms if t.is_model),
                  ", without a reward model")
-    return f"; scored by reward functions {terms}{model}"
+    return f"; scored by {', '.join(parts)}{model}"
 
 
 def stage_note(stage: str, metrics: dict[str, float], warnings: list[str], links: dict[str, str],

@@ -304,6 +304,19 @@ class EvaluationConfig(_Frozen):
 
 
 
+JUDGE_TEMPLATES = {
+    "number": "Rate how well the response answers the prompt, from 0 (useless) to 10 (perfect). Answer with the "
+              "number alone.\n\nPrompt: {prompt}\n\nResponse: {response}",
+    "choice": "Which response answers the prompt better? Answer with the letter alone, A or B.\n\nPrompt: "
+              "{prompt}\n\nResponse A: {a}\n\nResponse B: {b}",
+}
+"""A judge's user message by `parse`, where `template` is unset."""
+JUDGE_PLACEHOLDERS = {"number": ("{response}",), "choice": ("{a}", "{b}")}
+"""What a judge's template must hold by `parse` (`{prompt}` is optional in both)."""
+JUDGE_ONLY = ("parse", "template", "extra_body")
+"""`remote` fields a `score` server never reads."""
+
+
 class RemoteRewardConfig(_Frozen):
     """A reward term scored by a server: a scoring endpoint such as `rlhf serve-reward`'s (`score`), or an
     OpenAI-compatible chat model grading each response with `template` (`judge`); docs/settings.md."""
@@ -311,9 +324,11 @@ class RemoteRewardConfig(_Frozen):
     url: str = Field(pattern=r"^https?://")
     """`score`: the endpoint batches are posted to; `judge`: the API's base (`.../v1`), `/chat/completions` added."""
     kind: Literal["score", "judge"] = "score"
-    """`score`: a scoring server's JSON scores; `judge`: a chat model's graded answer, parsed as a number."""
-    batch_size: PositiveInt = 32
-    """`score`: responses per request (a `judge` request grades one response)."""
+    """`score`: a scoring server's JSON scores; `judge`: a chat model's graded answer (`parse`)."""
+    parse: Literal["number", "choice"] = "number"
+    """`judge`: `number`, the answer's first number; `choice`, A or B against the SFT policy's response (won: 1)."""
+    batch_size: PositiveInt | None = None
+    """`score`: responses per request (unset: 32); a `judge` request grades one response."""
     timeout_s: PositiveFloat = 180.0
     """Seconds one request may take before it counts as failed (and is retried)."""
     max_retries: int = Field(4, ge=0)
@@ -330,8 +345,29 @@ class RemoteRewardConfig(_Frozen):
     """`drop`: past this share of a batch's responses failing, the run stops anyway (a server down, not flaky)."""
     extra_body: dict[str, Any] = {}
     """`judge`: fields merged into each request: `model` (unset: the server's first), vLLM's `structured_outputs`..."""
-    template: str = Field("Rate how well the response answers the prompt, from 0 (useless) to 10 (perfect). Answer "
-                          "with the number alone.\n\nPrompt: {prompt}\n\nResponse: {response}", pattern=r"\{response\}")
-    """`judge`: the user message, `{prompt}` (last user turn) and `{response}` filled in; its first number scores."""
+    template: str | None = None
+    """`judge`: the user message; `{prompt}` (last user turn) and `{response}` (`choice`: `{a}`, `{b}`) filled in."""
     api_key_env: str | None = None
     """An environment variable holding a bearer token for the server; unset: none sent."""
+
+    @model_validator(mode="after")
+    def _fields_of_its_kind(self) -> RemoteRewardConfig:
+        """Refuse a field this kind of server never reads, and a judge's template without its placeholders."""
+        unread = [f for f in (JUDGE_ONLY if self.kind == "score" else ("batch_size",))  # a value besides the default
+                  if getattr(self, f) != type(self).model_fields[f].default]
+        if unread:
+            raise ValueError(f"remote: {', '.join(unread)} {'is' if len(unread) == 1 else 'are'} not read by a "
+                             f"{self.kind!r} server")
+        missing = [p for p in JUDGE_PLACEHOLDERS[self.parse] if p not in self.prompt_template]
+        if self.kind == "judge" and missing:
+            raise ValueError(f"remote.template: a {self.parse!r} judge's template needs {' and '.join(missing)}")
+        return self
+
+    @property
+    def prompt_template(self) -> str:
+        """The judge's user message before it is filled in: `template`, or the default for `parse`."""
+        return self.template if self.template is not None else JUDGE_TEMPLATES[self.parse]
+
+    @property
+    def responses_per_request(self) -> int:
+        return 1 if self.kind == "judge" else self.batch_size or 32

@@ -224,6 +224,11 @@ class RewardTermsConfig(_Frozen):
         return [term for term in self.terms if term.remote is not None]
 
     @property
+    def pairwise(self) -> list[RewardTerm]:
+        """The judges that compare each response with a response of the SFT policy (`parse: choice`)."""
+        return [term for term in self.remotes if term.remote.kind == "judge" and term.remote.parse == "choice"]
+
+    @property
     def weights(self) -> dict[str, float]:
         """Each term's weight by name, the overlong penalty's included: what the score sums."""
         overlong = {OVERLONG_TERM: self.overlong.weight} if self.overlong is not None else {}
@@ -482,6 +487,9 @@ class PPOConfig(TrainedStage, SampledStage):
         update, and not with a sharded policy (whose every sampling step is collective)."""
         if self.environment is None:
             return self
+        if self.reward.pairwise:
+            raise ValueError(f"reward.terms[{self.reward.pairwise[0].name}]: a `choice` judge compares a response with "
+                             "the SFT policy's; an episode has none to compare with: use `parse: number`")
         if self.rollout.max_staleness:
             raise ValueError("environment: episodes step their environment between turns, which sampling ahead "
                              "(rollout.max_staleness above 0) does not run: set max_staleness 0")

@@ -65,7 +65,7 @@ from stages.rl.ppo_models import ActorCritic, load_models
 from stages.rl.ppo_report import iteration_figures, report_iteration
 from stages.rl.ppo_rollout import Prompts, policy_sampler
 from stages.rl.ppo_sampling import sampling_for, sync_weights
-from stages.rl.ppo_scores import function_judge
+from stages.rl.ppo_scores import term_judge
 from stages.rl.ppo_state import LoopState, load_state, save_state_everywhere
 from stages.rl.sampling_ahead import SamplingAhead
 from stages.rl.update import Learner, ppo_update
@@ -172,7 +172,7 @@ def hand_off(learner: Learner, loop: LoopState, held_out: HeldOut, inputs: PPOIn
     learner.optimizer.state.clear()  # the last full-state checkpoint holds it; the evaluation needs the memory
     held = held_as(models.policy, learner.accelerator.num_processes)
     metrics, evaluation = evaluate(models, learner.sampler, held_out, cfg.evaluation, cfg.sampling,
-                                   function_judge(learner))
+                                   term_judge(learner))
     saved, tags = saved_dtype_and_tags(cfg, inputs.sft_location, learner.trained_parameters())
     # LoRA merged in float32: into bf16-held weights (`frozen_dtype`) a bf16 merge would round small updates away.
     checkpoint = output_dir / "checkpoint"
@@ -249,7 +249,7 @@ def _train(learner: Learner, ahead: SamplingAhead | None, inputs: PPOInputs, out
         loop.iteration, loop.cursor = iteration, loop.cursor + prompts.per_iteration * sampled.rounds
         if cfg.evaluation.every and iteration % cfg.evaluation.every == 0 and iteration < cfg.num_iterations:
             figures |= evaluate_midway(models, learner.sampler, held_out, cfg, iteration, reporting,
-                                       function_judge(learner))
+                                       term_judge(learner))
         loop.history = loop.history + [{"iteration": iteration, **figures}]
         reporting.progress(iteration, cfg.num_iterations)
         if iteration % cfg.checkpoint_every == 0 or iteration == cfg.num_iterations:

@@ -5,8 +5,11 @@ Two kinds of server, one client (`RemoteReward`), called on the main process onc
     score   POST {url} {"prompts": [[{role, content}, ...]], "responses": [str], "complete": [bool]}
             -> {"scores": [float | null, ...]}  one per response (`rlhf serve-reward` serves our reward
             model this way; null: no score for that response)
-    judge   POST {url}/chat/completions, one request per response (OpenAI-compatible), the user's
-            `template` filled with the prompt and the response, greedy; the first number of the answer
+    judge   POST {url}/chat/completions, one request per response (OpenAI-compatible), greedy, the
+            user's `template` filled with the prompt and the response. `parse: number`: the first number
+            of the answer. `parse: choice`: the response and the SFT policy's to the same prompt as A and
+            B, in an order drawn from their texts (half the rows each way, the same on a rerun); 1 where
+            the answer's first A or B names the response, else 0
 
 Requests run concurrently on one event loop (httpx), at most `max_concurrent` in flight and
 `max_rpm` started per minute. A request that times out, cannot connect or gets HTTP 408, 429 or 5xx
@@ -43,6 +46,7 @@ RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 """HTTP statuses worth another try (the server is busy or restarting); other 4xx are the request's fault."""
 
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_CHOICE = re.compile(r"\b([AB])\b")
 
 
 class RemoteRewardError(StageUserError):
@@ -145,7 +149,8 @@ class RemoteReward:
                     self.check()
                 except RemoteRewardError:
                     pass  # the run's own requests will say what is wrong
-            served = f", template {hashlib.sha256(cfg.template.encode()).hexdigest()[:12]}, model {self._model}"
+            digest = hashlib.sha256(cfg.prompt_template.encode()).hexdigest()[:12]
+            served = f", {cfg.parse}, template {digest}, model {self._model}"
         else:
             try:
                 run_id = httpx.get(cfg.url, headers=self.headers(), timeout=10.0).json().get("run_id")
@@ -155,11 +160,13 @@ class RemoteReward:
         return f"{self.term.name}={cfg.kind} {cfg.url} (weight {self.term.weight:g}{served})"
 
     def score(self, prompts: list[list[dict]], responses: list[str], complete: list[bool],
-              batch: int | str) -> RemoteOutcome:
-        """The server's scores for these responses (`batch`: the iteration, or which evaluation). With
-        `on_failure: stop`, a failed request raises `RemoteRewardError` instead."""
+              batch: int | str, references: list[str] | None = None) -> RemoteOutcome:
+        """The server's scores for these responses (`batch`: the iteration, or which evaluation;
+        `references`: the SFT policy's response to each one's prompt, which a `choice` judge compares
+        it with). With `on_failure: stop`, a failed request raises `RemoteRewardError` instead."""
+        assert (references is not None) == (self.cfg.parse == "choice" and self.cfg.kind == "judge"), self.describe()
         start = time.monotonic()
-        outcome = _run(self._score(prompts, responses, complete))
+        outcome = _run(self._score(prompts, responses, complete, references))
         outcome.seconds = time.monotonic() - start
         if outcome.failures and self.cfg.on_failure == "stop":
             row, reason = next(iter(sorted(outcome.failures.items())))
@@ -168,25 +175,24 @@ class RemoteReward:
                                     "remote.on_failure is 'stop'")
         return outcome
 
-    async def _score(self, prompts: list[list[dict]], responses: list[str], complete: list[bool]) -> RemoteOutcome:
-        cfg = self.cfg
+    async def _score(self, prompts: list[list[dict]], responses: list[str], complete: list[bool],
+                     references: list[str] | None) -> RemoteOutcome:
+        cfg, size = self.cfg, self.cfg.responses_per_request
         if cfg.kind == "judge" and self._model is None:
-            await asyncio.to_thread(self.check)
-        if cfg.kind == "score":
-            groups = [list(range(i, min(i + cfg.batch_size, len(responses))))
-                      for i in range(0, len(responses), cfg.batch_size)]
-        else:
-            groups = [[i] for i in range(len(responses))]
+            await self._resolve_model()
+        groups = [list(range(i, min(i + size, len(responses)))) for i in range(0, len(responses), size)]
         outcome = RemoteOutcome(values=[None] * len(responses))
         limit = asyncio.Semaphore(cfg.max_concurrent)
         pace = _Pace(60.0 / cfg.max_rpm) if cfg.max_rpm else None
         timeout = httpx.Timeout(cfg.timeout_s)
         async with httpx.AsyncClient(timeout=timeout, headers=self.headers()) as client:
             async def one(rows: list[int]) -> None:
+                reference = references[rows[0]] if references is not None else None
+                policy_first = reference is not None and _policy_first(responses[rows[0]], reference)
                 body = self._body([prompts[i] for i in rows], [responses[i] for i in rows],
-                                  [complete[i] for i in rows])
+                                  [complete[i] for i in rows], reference, policy_first)
                 try:
-                    values = await self._send(client, body, len(rows), limit, pace, outcome)
+                    values = await self._send(client, body, len(rows), limit, pace, outcome, policy_first)
                 except _Failed as e:
                     outcome.failures.update({i: e.reason for i in rows})
                     return
@@ -198,17 +204,31 @@ class RemoteReward:
             await asyncio.gather(*(one(rows) for rows in groups))
         return outcome
 
-    def _body(self, prompts: list[list[dict]], responses: list[str], complete: list[bool]) -> dict:
+    async def _resolve_model(self) -> None:
+        """The judge's model, the server's first listed, asked for with the requests' retries and backoff."""
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                return await asyncio.to_thread(self.check)
+            except RemoteRewardError:
+                if attempt == self.cfg.max_retries:
+                    raise
+            await asyncio.sleep(random.uniform(0.0, min(BACKOFF_MAX_S, self.cfg.backoff_s * 2 ** attempt)))
+
+    def _body(self, prompts: list[list[dict]], responses: list[str], complete: list[bool], reference: str | None,
+              policy_first: bool) -> dict:
         if self.cfg.kind == "score":
             return {"prompts": prompts, "responses": responses, "complete": complete}
         (messages,), (response,) = prompts, responses
         prompt = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
-        content = self.cfg.template.replace("{prompt}", prompt).replace("{response}", response)
+        filled = {"{prompt}": prompt, "{response}": response}
+        if reference is not None:
+            filled |= {"{a}": response, "{b}": reference} if policy_first else {"{a}": reference, "{b}": response}
+        content = re.sub("|".join(re.escape(k) for k in filled), lambda m: filled[m.group()], self.cfg.prompt_template)
         return {"model": self._model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": JUDGE_MAX_TOKENS, "temperature": 0.0, **self.cfg.extra_body}
 
     async def _send(self, client: httpx.AsyncClient, body: dict, rows: int, limit: asyncio.Semaphore,
-                    pace: _Pace | None, outcome: RemoteOutcome) -> list[float | None]:
+                    pace: _Pace | None, outcome: RemoteOutcome, policy_first: bool) -> list[float | None]:
         """One request's values, tried up to `max_retries` more times; `_Failed` once it gives up."""
         cfg, reason = self.cfg, ""
         for attempt in range(cfg.max_retries + 1):
@@ -226,7 +246,7 @@ class RemoteReward:
                     reason = f"{type(e).__name__}: {e}"
                 else:
                     if answer.status_code == 200:
-                        return self._values(answer, rows)
+                        return self._values(answer, rows, policy_first)
                     reason = f"HTTP {answer.status_code}: {answer.text[:200]!r}"
                     if answer.status_code not in RETRIED_STATUSES:
                         raise _Failed(reason)
@@ -236,14 +256,20 @@ class RemoteReward:
                 await asyncio.sleep(min(BACKOFF_MAX_S, wait) if wait is not None else backoff)
         raise _Failed(f"{reason}, after {cfg.max_retries + 1} tries")
 
-    def _values(self, answer: httpx.Response, rows: int) -> list[float | None]:
-        """The scores in a 200 answer, checked: `_Failed` for a body that is not what the kind promises."""
+    def _values(self, answer: httpx.Response, rows: int, policy_first: bool) -> list[float | None]:
+        """The scores in a 200 answer, checked: `_Failed` for a body that is not what the kind promises
+        (`policy_first`: a `choice` judge's A is the response judged)."""
         body = _json(answer)
         if self.cfg.kind == "judge":
             try:
                 text = body["choices"][0]["message"]["content"] or ""
             except (KeyError, IndexError, TypeError):
                 raise _Failed(f"not a chat completion: {answer.text[:200]!r}") from None
+            if self.cfg.parse == "choice":
+                choice = _CHOICE.search(text)
+                if choice is None:
+                    raise _Failed(f"the judge's answer names neither A nor B: {text[:200]!r}")
+                return [float((choice.group(1) == "A") == policy_first)]
             number = _NUMBER.search(text)
             if number is None:
                 raise _Failed(f"the judge's answer has no number: {text[:200]!r}")
@@ -277,6 +303,12 @@ def _json(answer: httpx.Response):
         raise _Failed(f"HTTP {answer.status_code} with a body that is not JSON: {answer.text[:200]!r}") from None
 
 
+def _policy_first(response: str, reference: str) -> bool:
+    """Whether a `choice` judge sees the response as A: a coin drawn from both texts, so that half the
+    rows put it first (a judge's bias for a position cancels) and a rerun asks the same."""
+    return hashlib.sha256(f"{response}\0{reference}".encode()).digest()[0] % 2 == 0
+
+
 def _retry_after(answer: httpx.Response) -> float | None:
     """A 429's or 503's `Retry-After` in seconds (None: absent or a date, which the backoff stands in for)."""
     try:
@@ -291,12 +323,20 @@ def remote_rewards(terms: list[RewardTerm]) -> list[RemoteReward]:
 
 
 def remote_values(clients: list[RemoteReward], prompts: list[list[dict]], responses: list[str], complete: list[bool],
-                  batch: int | str) -> tuple[dict[str, list[float | None]], int]:
-    """Each remote term's scores by name (None where none arrived), and the retries it took. A term
-    that failed more than `max_failed_share` of the batch stops the run (`RemoteRewardError`)."""
+                  batch: int | str, references: list[str] | None = None
+                  ) -> tuple[dict[str, list[float | None]], int]:
+    """Each remote term's scores by name (None where none arrived), and the retries it took; a `choice`
+    judge compares each response with `references` (without them it is not asked: the SFT policy's
+    own responses have nothing to be compared with). A term that failed more than `max_failed_share`
+    of the batch stops the run (`RemoteRewardError`)."""
     values, retries = {}, 0
     for client in clients:
-        outcome = client.score(prompts, responses, complete, batch)
+        if client.cfg.kind == "judge" and client.cfg.parse == "choice":
+            if references is None:
+                continue
+            outcome = client.score(prompts, responses, complete, batch, references)
+        else:
+            outcome = client.score(prompts, responses, complete, batch)
         if len(outcome.failures) > client.cfg.max_failed_share * len(responses):
             row, reason = min(outcome.failures.items())
             raise RemoteRewardError(f"{client.describe()}: batch {batch}: no score for {len(outcome.failures)} of "

@@ -3,9 +3,10 @@
 The policy answers the held-out prompts (from `evaluation.seed + 1`) and is compared with the SFT
 policy's responses to the same prompts (`HeldOut`, sampled once from `evaluation.seed` before training
 starts): KL(policy || SFT) per sequence on the policy's responses, their length and EOS rate, and
-with a reward model the scores of both and the win rate with its standard error. PPO's reward
-functions (`FunctionJudge`) score both too: each term's mean, and without a reward model the
-terms' weighted sum and the win rate by it.
+with a reward model the scores of both and the win rate with its standard error. PPO's other reward
+terms (`TermJudge`: functions and servers) score both too: each term's mean, and without a reward
+model the terms' weighted sum and the win rate by it. A `choice` judge compares the policy's
+response with the SFT one to the same prompt: its mean is its own win rate.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pandas as pd
@@ -23,36 +23,38 @@ from rlhf.config_common import EvaluationConfig, SamplingConfig
 from rlhf.config_ppo import PPOConfig
 from rlhf.evaluation import win_rate
 from stages.common.reporting import Reporting
-from stages.common.tensors import is_end
-from stages.engines.sampler import Sampler, Sampling
+from stages.engines.sampler import Sampler
 from stages.envs.episode import Episode, episode_figures, transcript
 from stages.envs.loop import EpisodeRunner
 from stages.math.ppo_math import kl_estimate, weighted_reward
 from stages.rl.ppo_models import Models, reference_policy
-from stages.rl.ppo_rollout import Episodic, in_chunks, reference_sampler, rollout
-
-
-@contextmanager
-def own_random_stream(device: torch.device):
-    """A block whose seeding and sampling leave the caller's random stream (CPU, and the GPU's) as it was."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-        yield
+from stages.rl.ppo_rollout import (
+    Episodic,
+    in_chunks,
+    own_random_stream,
+    reference_responses,
+    reference_sampler,
+    rollout,
+)
 
 
 @dataclass(frozen=True)
-class FunctionJudge:
-    """PPO's reward functions as an evaluation scores responses with them."""
+class TermJudge:
+    """PPO's reward terms besides the reward model (functions, servers) as an evaluation scores
+    responses with them."""
 
-    values: Callable[[list[list[dict]], list[str], list[dict], str], dict[str, torch.Tensor]]
-    """(prompt messages, responses, prompt records' declared columns, what is judged) -> each function
-    term's values by name, NaN where it gave none. # -> {name: (B,)}"""
+    values: Callable[[list[list[dict]], list[str], list[dict], list[bool], str, list[str] | None],
+                     dict[str, torch.Tensor]]
+    """(prompt messages, responses, prompt records' declared columns, whether each ended, what is
+    judged, the SFT responses a `choice` judge compares them with or None) -> each term's values by
+    name, NaN where it gave none; a `choice` judge's only with references. # -> {name: (B,)}"""
     weights: dict[str, float]
-    """Every term's weight by name (the reward model's too)."""
+    """The weight by name of every term that scores a response alone (the reward model's too; no `choice` judge)."""
     with_model: bool
     """Whether a reward model is one of the terms (it then scores, and judges the win rate)."""
 
     def weighted(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The terms' weighted sum where every term is a function, "no reward" adding nothing. # -> (B,)"""
+        """The weighted sum of the terms that score a response alone, "no reward" (NaN) adding nothing. # -> (B,)"""
         return weighted_reward(values, self.weights, no_reward=values)
 
 
@@ -95,29 +97,21 @@ class HeldOut:
         held_out = cls(prompts=prompts, messages=messages, sft_texts=[], sft_complete=[], columns=records,
                        runner=runner)
         models.train(False)
-        texts, complete, episodes = [], [], []
+        if runner is None:
+            texts, complete = reference_responses(models, prompts, sampling, evaluation.seed)
+            return dataclasses.replace(held_out, sft_texts=texts, sft_complete=complete)
         with own_random_stream(models.policy.device), reference_policy(models) as reference:
             torch.manual_seed(evaluation.seed)
             sampler = reference_sampler(models, reference)
-            episodic = held_out.episodic
-            for chunk, rows in zip(in_chunks(prompts, sampling), in_chunks(episodic.rows if episodic else prompts,
-                                                                           sampling), strict=True):
-                if episodic is not None:
-                    answers = runner.run(sampler, rows, sampling.temperature)
-                    texts += [e.answer for e in answers]
-                    complete += [e.status == "ok" for e in answers]
-                    episodes += answers
-                    continue
-                responses = sampler.generate(chunk, Sampling(sampling.response_length, sampling.temperature)).responses
-                texts += models.tokenizer.batch_decode(responses, skip_special_tokens=True)
-                complete += is_end(responses, models.stop_ids).any(dim=1).tolist()
-        return dataclasses.replace(held_out, sft_texts=texts, sft_complete=complete,
-                                   sft_episodes=episodes if runner is not None else None)
+            episodes = [e for rows in in_chunks(held_out.episodic.rows, sampling)
+                        for e in runner.run(sampler, rows, sampling.temperature)]
+        return dataclasses.replace(held_out, sft_texts=[e.answer for e in episodes],
+                                   sft_complete=[e.status == "ok" for e in episodes], sft_episodes=episodes)
 
 
 @torch.no_grad()
 def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: EvaluationConfig,
-             sampling: SamplingConfig, judge: FunctionJudge | None = None) -> tuple[dict[str, float], pd.DataFrame]:
+             sampling: SamplingConfig, judge: TermJudge | None = None) -> tuple[dict[str, float], pd.DataFrame]:
     """The policy against the SFT responses on the held-out prompts: KL(policy || SFT) (`eval/kl`:
     k1, the log-ratio, summed over each response) on the policy's responses, sampled from
     `evaluation.seed + 1`, their length and EOS rate; with a reward model, the scores of both (on the
@@ -149,25 +143,28 @@ def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: Ev
         metrics |= {"eval/score": table["policy_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
                     "eval/win_rate_rm": wins, "eval/win_rate_rm_se": wins_se}
     if judge is not None:
-        metrics |= judged_by_functions(judge, held_out, policy.texts, table)
+        metrics |= judged_by_terms(judge, held_out, policy.texts, policy.has_eos.tolist(), table)
     return {k: float(v) for k, v in metrics.items()}, table
 
 
-def judged_by_functions(judge: FunctionJudge, held_out: HeldOut, policy_texts: list[str],
-                        table: pd.DataFrame) -> dict[str, float]:
-    """The reward functions on the policy's and the SFT policy's held-out responses: their values as
-    columns of `table`, each term's means, and without a reward model the weighted sum as both
-    responses' `score` and the win rate by it."""
+def judged_by_terms(judge: TermJudge, held_out: HeldOut, policy_texts: list[str], policy_complete: list[bool],
+                    table: pd.DataFrame) -> dict[str, float]:
+    """The reward terms on the policy's and the SFT policy's held-out responses: their values as
+    columns of `table`, each term's means (a `choice` judge's on the policy's responses only, against
+    the SFT ones: its win rate), and without a reward model the weighted sum as both responses'
+    `score` and the win rate by it."""
     metrics: dict[str, float] = {}
     judged = {}
-    for who, texts in (("policy", policy_texts), ("sft", held_out.sft_texts)):
-        judged[who] = judge.values(held_out.messages, texts, held_out.columns, f"evaluation ({who} responses)")
-        for name, values in judged[who].items():  # (B,) NaN where the function gave none
+    for who, texts, complete, references in (("policy", policy_texts, policy_complete, held_out.sft_texts),
+                                             ("sft", held_out.sft_texts, held_out.sft_complete, None)):
+        judged[who] = judge.values(held_out.messages, texts, held_out.columns, complete,
+                                   f"evaluation ({who} responses)", references)
+        for name, values in judged[who].items():  # (B,) NaN where the term gave none
             table[f"{who}_reward/{name}"] = values.cpu().numpy()
             given = values[~values.isnan()]
             key = f"eval/reward/{name}" + ("_sft" if who == "sft" else "")
             metrics[key] = given.mean().item() if len(given) else 0.0
-    if not judge.with_model:
+    if not judge.with_model and judge.weights:
         table["policy_score"] = judge.weighted(judged["policy"]).cpu().numpy()
         table["sft_score"] = judge.weighted(judged["sft"]).cpu().numpy()
         wins, wins_se = win_rate(list(table["policy_score"]), list(table["sft_score"]), held_out.prompts)
@@ -184,7 +181,7 @@ def warn_over_kl_budget(metrics: dict[str, float], kl_budget: float, reporting: 
 
 
 def evaluate_midway(models: Models, sampler: Sampler, held_out: HeldOut, cfg: PPOConfig, iteration: int,
-                    reporting: Reporting, judge: FunctionJudge | None = None) -> dict[str, float]:
+                    reporting: Reporting, judge: TermJudge | None = None) -> dict[str, float]:
     """An evaluation between iterations, reported at `iteration`, leaving training's random stream as it was."""
     with own_random_stream(models.policy.device):
         metrics, table = evaluate(models, sampler, held_out, cfg.evaluation, cfg.sampling, judge)

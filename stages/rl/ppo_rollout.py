@@ -7,6 +7,7 @@ iteration samples: `Prompts`, `prompt_batch`.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,30 @@ def reference_sampler(models: Models, reference: PreTrainedModel) -> HFSampler:
     """A sampler of the frozen reference (`reference_policy(models)`), held as the policy is."""
     return HFSampler(model=reference, tokenizer=models.tokenizer, stop_ids=models.stop_ids, precision=models.precision,
                      holding=models.holding, compact=models.packs)
+
+
+@contextmanager
+def own_random_stream(device: torch.device):
+    """A block whose seeding and sampling leave the caller's random stream (CPU, and the GPU's) as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        yield
+
+
+@torch.no_grad()
+def reference_responses(models: Models, prompts: list[str], sampling: SamplingConfig,
+                        seed: int) -> tuple[list[str], list[bool]]:
+    """The frozen reference's (the SFT policy's) responses to `prompts` and whether each ended,
+    sampled from `seed` on a random stream of its own, `sampling.micro_batch_size` at a time
+    (collective where the policy is sharded)."""
+    texts, complete = [], []
+    with own_random_stream(models.policy.device), reference_policy(models) as reference:
+        torch.manual_seed(seed)
+        sampler = reference_sampler(models, reference)
+        for chunk in in_chunks(prompts, sampling):
+            responses = sampler.generate(chunk, Sampling(sampling.response_length, sampling.temperature)).responses
+            texts += models.tokenizer.batch_decode(responses, skip_special_tokens=True)
+            complete += is_end(responses, models.stop_ids).any(dim=1).tolist()
+    return texts, complete
 
 
 def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:

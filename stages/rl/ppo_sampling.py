@@ -17,7 +17,14 @@ from stages.math.ppo_math import groups_with_signal
 from stages.rewards.scoring import concat_scores
 from stages.rl.batch import Sampled, concat, rows_of
 from stages.rl.ppo_rollout import Episodic, Prompts, prompt_batch, rollout
-from stages.rl.ppo_scores import fitted_normalization, function_terms, raw_scores, remote_terms, scores_of
+from stages.rl.ppo_scores import (
+    fitted_normalization,
+    function_terms,
+    raw_scores,
+    remote_terms,
+    scores_of,
+    sft_references,
+)
 from stages.rl.ppo_state import LoopState
 from stages.rl.sampling_ahead import SamplingAhead
 from stages.rl.update import Learner
@@ -74,7 +81,9 @@ def sample_round(learner: Learner, loop: LoopState, prompts: Prompts, cursor: in
     if raw is not None and loop.normalization is None:  # the run's first round: the reward's scale
         loop.normalization, batch = fitted_normalization(learner, raw, batch)
     functions = function_terms(learner, messages, batch.texts, [prompts.columns[i] for i in picks], iteration, timings)
-    remote, retries = remote_terms(learner, messages, batch.texts, batch.has_eos.tolist(), iteration, timings)
+    references = sft_references(learner, [prompts.texts[i] for i in picks], cursor, timings)  # `choice` judges'
+    remote, retries = remote_terms(learner, messages, batch.texts, batch.has_eos.tolist(), iteration, timings,
+                                   references)
     return Sampled(batch=batch, messages=messages, scores=scores_of(raw, batch, models.scorer, cfg, functions, remote),
                    figures={"remote/retries": retries} if remote else {})
 

@@ -17,7 +17,8 @@ from stages.rewards.functions import reward_values
 from stages.rewards.remote import remote_values
 from stages.rewards.scoring import RewardScorer, Scores, fit_normalization
 from stages.rl.batch import Rollout
-from stages.rl.evaluation import FunctionJudge
+from stages.rl.evaluation import TermJudge
+from stages.rl.ppo_rollout import reference_responses
 from stages.rl.ppo_state import Normalization
 from stages.rl.update import Learner
 from stages.runtime.collectives import computed_on_main, gathered
@@ -76,38 +77,56 @@ def function_terms(learner: Learner, messages: list[list[dict]], texts: list[str
             for name, values in every.items()}
 
 
+def sft_references(learner: Learner, prompts: list[str], cursor: int, timings: dict[str, float]) -> list[str] | None:
+    """What `choice` judges compare this process's responses with: the SFT policy's response to each
+    group's prompt (`prompts` in groups of `samples_per_prompt`), one per group, sampled from the run's
+    seed and the round's `cursor` (so a resumed run asks the same). None without such a judge."""
+    cfg = learner.cfg
+    if not cfg.reward.pairwise:
+        return None
+    size = cfg.samples_per_prompt
+    with timed(timings, "sft_reference"):
+        texts, _ = reference_responses(learner.models, prompts[::size], cfg.sampling, cfg.seed * 1_000_003 + cursor)
+    return [text for text in texts for _ in range(size)]
+
+
 def remote_terms(learner: Learner, messages: list[list[dict]], texts: list[str], complete: list[bool],
-                 iteration: int, timings: dict[str, float]) -> tuple[dict[str, torch.Tensor], float]:
+                 iteration: int | str, timings: dict[str, float], references: list[str] | None = None
+                 ) -> tuple[dict[str, torch.Tensor], float]:
     """Each remote term's scores for this process's responses (NaN where none arrived), every process's
     rows sent from the main process (collective), and the requests retried; a failed batch may stop the
-    run (`stages.rewards.remote.remote_values`). # -> {name: (B,)}, retries"""
+    run (`stages.rewards.remote.remote_values`). `references`: what `choice` judges compare with
+    (`sft_references`; unset, they are not asked). # -> {name: (B,)}, retries"""
     if not learner.remote_rewards:
         return {}, 0.0
     with timed(timings, "remote_reward"):
-        rows = list(zip(messages, texts, complete, strict=True))
-        every, retries = computed_on_main(learner.accelerator, rows, lambda every: remote_values(  # rows in rank order
-            learner.remote_rewards, *([row[i] for row in every] for i in range(3)), iteration))
+        rows = list(zip(messages, texts, complete, references or [None] * len(texts), strict=True))
+        every, retries = _remote_on_main(learner, rows, iteration, references is not None)
         first = learner.accelerator.process_index * len(rows)
     return {name: _as_tensor(values[first:first + len(rows)], learner.accelerator.device)
             for name, values in every.items()}, float(retries)
 
 
-def function_judge(learner: Learner) -> FunctionJudge | None:
-    """The reward functions as the evaluations score with them (None without function terms). Every
-    process holds the same held-out prompts; the main process's responses are the ones judged and
-    reported, so only its rows are sent to the functions (collective)."""
-    if not learner.reward_functions:
+def term_judge(learner: Learner) -> TermJudge | None:
+    """The reward functions and servers as the evaluations score with them (None without such terms).
+    Every process holds the same held-out prompts; the main process's responses are the ones judged
+    and reported, so only its rows are sent (collective). A server's failures are NaN, as in training."""
+    if not learner.reward_functions and not learner.remote_rewards:
         return None
-    accelerator = learner.accelerator
+    accelerator, reward = learner.accelerator, learner.cfg.reward
 
-    def values(messages: list[list[dict]], texts: list[str], columns: list[dict], judged: str
-               ) -> dict[str, torch.Tensor]:
-        rows = list(zip(messages, texts, columns, strict=True)) if accelerator.is_main_process else []
-        every = _functions_on_main(learner, rows, judged)
+    def values(messages: list[list[dict]], texts: list[str], columns: list[dict], complete: list[bool], judged: str,
+               references: list[str] | None) -> dict[str, torch.Tensor]:
+        main = accelerator.is_main_process
+        every = _functions_on_main(learner, list(zip(messages, texts, columns, strict=True)) if main else [], judged)
+        if learner.remote_rewards:
+            rows = list(zip(messages, texts, complete, references or [None] * len(texts), strict=True))
+            every |= _remote_on_main(learner, rows if main else [], judged, references is not None)[0]
         return {name: _as_tensor(v, accelerator.device) for name, v in every.items()}
 
-    return FunctionJudge(values, {term.name: term.weight for term in learner.cfg.reward.terms},
-                         learner.cfg.reward.uses_model)
+    pairwise = {term.name for term in reward.pairwise}
+    return TermJudge(values, {term.name: term.weight for term in reward.terms if term.name not in pairwise},
+                     reward.uses_model)
 
 
 def _functions_on_main(learner: Learner, rows: list[tuple], batch: int | str) -> dict[str, list[float | None]]:
@@ -118,6 +137,20 @@ def _functions_on_main(learner: Learner, rows: list[tuple], batch: int | str) ->
         prompts, responses, records = ([row[i] for row in every] for i in range(3))
         return {f.term.name: reward_values(f, prompts, responses, {c: [r[c] for r in records] for c in f.columns},
                                            batch) for f in learner.reward_functions}
+
+    return computed_on_main(learner.accelerator, rows, compute)
+
+
+def _remote_on_main(learner: Learner, rows: list[tuple], batch: int | str,
+                    pairwise: bool) -> tuple[dict[str, list[float | None]], int]:
+    """Every remote term's values for every process's (prompt messages, response, ended, SFT response)
+    rows, and the retries, requested from the main process (collective); `choice` judges only where
+    `pairwise`."""
+
+    def compute(every: list[tuple]) -> tuple[dict[str, list[float | None]], int]:
+        prompts, responses, complete, references = ([row[i] for row in every] for i in range(4))
+        return remote_values(learner.remote_rewards, prompts, responses, complete, batch,
+                             references if pairwise else None)
 
     return computed_on_main(learner.accelerator, rows, compute)
 
