@@ -772,6 +772,7 @@ def test_ppo_scored_by_the_served_reward_run_records_the_server_and_a_server_awa
                                                        f"{reward_run.info.run_id})"
     assert ppo.data.metrics["rollout/remote_failed_share"] == 0.0 and "time/remote_reward" in ppo.data.metrics
     assert "remote/retries" in ppo.data.metrics and "rollout/reward/served" in ppo.data.metrics
+    assert 0.0 <= ppo.data.metrics["eval/win_rate_reward"] <= 1.0  # the evaluation scores on the server too
 
     # A server that answers the start's check but fails every batch: PPO stops naming it, its run FAILED.
     from fastapi import FastAPI
@@ -790,3 +791,68 @@ def test_ppo_scored_by_the_served_reward_run_records_the_server_and_a_server_awa
     assert "HTTP 503: 'overloaded', after 2 tries" in state.message
     runs = MlflowClient().search_runs([experiment], f"tags.`{tracking.TAG_STAGE}` = 'ppo'")
     assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED"]
+
+
+def test_rlhf_full_with_llm_judges_on_vllms_cpu_server_scores_training_and_evaluation(tracking_store, tmp_path):
+    """`rlhf/full`'s stages with two judge terms on vLLM's OpenAI-compatible server (its CPU build)
+    beside the reward model: one grading each response with a number, one choosing between it and
+    the SFT policy's response (A or B). The judge is an untrained 2-head demo model (the CPU build
+    refuses the default head size 16) whose answers vLLM's structured outputs hold to what the
+    parsers read, so every response is scored, in training and in the final evaluation (issue 65)."""
+    import signal
+    import subprocess
+
+    from flows.pipeline import rlhf
+    from rlhf.config import load_config
+    from rlhf.config_common import VLLMConfig, vllm_python
+    from rlhf.demo_world import build_world
+    from tests.helpers import free_port, wait_until_healthy
+
+    python = vllm_python(VLLMConfig())
+    if not python.exists():
+        pytest.skip(f"no vLLM environment at {python}: `make vllm-env` builds it (.ci/run does)")
+    demo = load_config("configs/tiny.yaml").demo.model_copy(update={"num_heads": 2})
+    judge = build_world(tmp_path / "judge", demo) / "model"
+    port = free_port()
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    environment = os.environ | {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_NO_USAGE_STATS": "1",
+                                **({"LD_PRELOAD": str(iomp)} if iomp.exists() else {})}
+    with open(tmp_path / "vllm.log", "wb") as log:
+        server = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(judge),
+                                   "--served-model-name", "judge", "--host", "127.0.0.1", "--port", str(port),
+                                   "--max-model-len", "128", "--kv-cache-memory-bytes", str(2**28),
+                                   "--dtype", "float32"], stdout=log, stderr=subprocess.STDOUT, env=environment,
+                                  start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    digits, letters = [str(i) for i in range(11)], ["A", "B"]
+    terms = [{"name": "graded", "remote": {"url": url, "kind": "judge", "template": "{prompt} {response} Score:",
+                                           "extra_body": {"structured_outputs": {"choice": digits}}}},
+             {"name": "versus", "remote": {"url": url, "kind": "judge", "parse": "choice",  # the judge reads 128 tokens
+                                           "template": "{prompt} A: {a} B: {b} Better:",
+                                           "extra_body": {"structured_outputs": {"choice": letters}}}},
+             {"name": "reward_model", "weight": 0.1}]
+    judged = {"experiment": "rlhf-judged", "registry.model_name": "judged-policy", "ppo.num_iterations": 2,
+              "ppo.evaluation.every": None, "ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 2,
+              "ppo.reward": {"terms": terms}}
+    try:
+        wait_until_healthy(server, f"http://127.0.0.1:{port}/health", 300,
+                           lambda: (tmp_path / "vllm.log").read_text()[-3000:])
+        state = rlhf(stages=["sft", "reward", "ppo"], config_file="configs/tiny.yaml", overrides=judged,
+                     return_state=True)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+    assert state.is_completed(), state.message
+    experiment = MlflowClient().get_experiment_by_name("rlhf-judged").experiment_id
+    (ppo,) = MlflowClient().search_runs([experiment], f"tags.`{tracking.TAG_STAGE}` = 'ppo'")
+    metrics, tag = ppo.data.metrics, ppo.data.tags[tracking.TAG_REWARD_REMOTE]
+    assert metrics["rollout/remote_failed_share"] == 0.0 and metrics["time/sft_reference"] > 0
+    assert 0.0 <= metrics["rollout/reward/graded"] <= 10.0 and 0.0 <= metrics["rollout/reward/versus"] <= 1.0
+    # The evaluation: the number judge on both policies' responses, the choice judge's win rate over SFT.
+    assert 0.0 <= metrics["eval/reward/graded"] <= 10.0 and 0.0 <= metrics["eval/reward/graded_sft"] <= 10.0
+    assert 0.0 <= metrics["eval/reward/versus"] <= 1.0 and "eval/reward/versus_sft" not in metrics
+    assert f"graded=judge {url} (weight 1, number, template " in tag and ", model judge)" in tag
+    assert f"versus=judge {url} (weight 1, choice, template " in tag
+    assert f"servers `graded` (judge, number at {url}, weight 1), `versus` (judge, choice at {url}, weight 1) " \
+           "beside the reward model (weight 0.1)" in ppo.data.tags["mlflow.note.content"]

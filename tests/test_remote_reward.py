@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from rlhf.config import config_hash, with_overrides
 from rlhf.config_ppo import RewardTerm, RewardTermsConfig
-from stages.rewards.remote import RemoteReward, RemoteRewardError
+from stages.rewards.remote import RemoteReward, RemoteRewardError, remote_values
 from tests.helpers import free_port, run_ppo, served_in_thread, wait_until_healthy
 
 
@@ -118,6 +118,18 @@ def test_a_remote_term_is_not_the_reward_model_and_names_what_it_needs(tiny_conf
                                                            "template": "Rate {prompt}"}}])
     with pytest.raises(ValidationError, match="url"):
         RewardTermsConfig(terms=[{"name": "x", "remote": {"url": "127.0.0.1:8300"}}])
+    # A field its kind of server never reads is refused, not ignored.
+    with pytest.raises(ValidationError, match="template is not read by a 'score' server"):
+        RewardTermsConfig(terms=[{"name": "x", "remote": {"url": "http://h/score", "template": "{response}"}}])
+    with pytest.raises(ValidationError, match="batch_size is not read by a 'judge' server"):
+        RewardTermsConfig(terms=[{"name": "j", "remote": {"url": "http://h/v1", "kind": "judge", "batch_size": 8}}])
+    with pytest.raises(ValidationError, match=r"'choice' judge's template needs \{b\}"):
+        RewardTermsConfig(terms=[{"name": "j", "remote": {"url": "http://h/v1", "kind": "judge", "parse": "choice",
+                                                           "template": "{a} or {response}?"}}])
+    choice = {"terms": [{"name": "versus", "remote": {"url": "http://h/v1", "kind": "judge", "parse": "choice"}}]}
+    assert [t.name for t in RewardTermsConfig(**choice).pairwise] == ["versus"]
+    with pytest.raises(ValidationError, match="an episode has none to compare with"):
+        with_overrides(tiny_config.ppo, {"reward": choice, "environment": {"tools": "m:f"}})
     # The stage cache must not reuse what another server, kind or judge template scored.
     base = {"terms": [{"name": "j", "remote": {"url": "http://a/v1", "kind": "judge"}}]}
     hashes = {config_hash(with_overrides(tiny_config.ppo, {"reward": reward})) for reward in (
@@ -201,6 +213,31 @@ def test_a_judge_fills_the_template_and_its_first_number_is_the_score():
     with served_in_thread(app) as base:
         outcome = score(client(base + "/v1", kind="judge", extra_body={"model": "tiny-judge"}))
     assert outcome.values == [None] * 10 and "has no number" in outcome.failures[0]
+
+
+def test_a_choice_judge_sees_both_responses_in_a_drawn_order_and_scores_a_win_as_1():
+    app, asked = judge_app("B, clearly")
+    references = [f"sft {i}" for i in range(10)]
+    with served_in_thread(app) as base:
+        remote = client(base + "/v1", kind="judge", parse="choice")
+        outcome = remote.score(PROMPTS, RESPONSES, [True] * 10, 1, references)
+        assert ", choice, template " in remote.lineage()
+        # The SFT policy's own responses have nothing to be compared with: a choice judge is not asked.
+        values, _ = remote_values([remote], PROMPTS, references, [True] * 10, "evaluation (sft responses)")
+    assert values == {} and len(asked) == 10
+    second = {}  # the response judged -> whether it was shown as B
+    for request in asked:
+        text = request["messages"][0]["content"]
+        a, b = text.split("Response A: ")[1].split("\n\nResponse B: ")
+        assert {a, b} & set(RESPONSES) and {a, b} & set(references) and text.startswith("Which response")
+        second[b if b in RESPONSES else a] = b in RESPONSES
+    assert 0 < sum(second.values()) < 10  # both orders drawn
+    assert outcome.values == [float(second[r]) for r in RESPONSES]  # the judge always answered B
+    app, _ = judge_app("neither")
+    with served_in_thread(app) as base:
+        outcome = client(base + "/v1", kind="judge", parse="choice").score(PROMPTS, RESPONSES, [True] * 10, 1,
+                                                                          references)
+    assert outcome.values == [None] * 10 and "names neither A nor B" in outcome.failures[0]
 
 
 def test_a_server_that_does_not_answer_is_refused_before_anything_trains(tiny_config, world):
@@ -376,44 +413,3 @@ def test_a_server_killed_mid_ppo_and_back_is_retried_through(tiny_config, traine
     second = result.history[1]
     assert second["remote/retries"] >= 1 and second["rollout/remote_failed_share"] == 0.0
     assert restarted and all(math.isfinite(row["rollout/reward/served"]) for row in result.history)
-
-
-# --- an LLM judge on vLLM's CPU server ------------------------------------------------------------------
-
-
-@pytest.mark.multiprocess
-def test_ppo_with_a_judge_on_a_vllm_server_finishes_scored_by_its_answers(tiny_config, trained, tmp_path):
-    """A judge term against vLLM's OpenAI-compatible server (its CPU build) on a 2-head demo model
-    (the CPU build refuses the default head size 16): an untrained judge, its answer held to a digit
-    by vLLM's structured outputs, so every response gets a number the parser reads."""
-    from rlhf.config_common import VLLMConfig, vllm_python
-    from rlhf.demo_world import build_world
-
-    python = vllm_python(VLLMConfig())
-    if not python.exists():
-        pytest.skip(f"no vLLM environment at {python}: `make vllm-env` builds it (.ci/run does)")
-    judge = build_world(tmp_path / "judge", with_overrides(tiny_config.demo, {"num_heads": 2})) / "model"
-    port = free_port()
-    iomp = python.parent.parent / "lib" / "libiomp5.so"
-    environment = os.environ | {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_NO_USAGE_STATS": "1",
-                                **({"LD_PRELOAD": str(iomp)} if iomp.exists() else {})}
-    with open(tmp_path / "vllm.log", "wb") as log:
-        server = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(judge),
-                                   "--served-model-name", "judge", "--host", "127.0.0.1", "--port", str(port),
-                                   "--max-model-len", "128", "--kv-cache-memory-bytes", str(2**28),
-                                   "--dtype", "float32"], stdout=log, stderr=subprocess.STDOUT, env=environment,
-                                  start_new_session=True)
-    try:
-        wait_until_healthy(server, f"http://127.0.0.1:{port}/health", 300,
-                           lambda: (tmp_path / "vllm.log").read_text()[-3000:])
-        judged = {"url": f"http://127.0.0.1:{port}/v1", "kind": "judge", "template": "{prompt} {response} Score:",
-                  "extra_body": {"structured_outputs": {"choice": [str(i) for i in range(11)]}}}
-        terms = [{"name": "judge", "remote": judged}, {"name": "reward_model", "weight": 0.1}]  # beside the RM
-        result = run_ppo(with_overrides(tiny_config.ppo, {"reward": {"terms": terms}, "num_iterations": 2,
-                                                          "evaluation.every": None}), trained, tmp_path / "run")
-    finally:
-        _stop(server)
-    for row in result.history:
-        assert row["rollout/remote_failed_share"] == 0.0 and 0.0 <= row["rollout/reward/judge"] <= 10.0
-        assert row["time/remote_reward"] > 0
-    assert server.returncode is not None
