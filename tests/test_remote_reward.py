@@ -240,6 +240,23 @@ def test_a_choice_judge_sees_both_responses_in_a_drawn_order_and_scores_a_win_as
     assert outcome.values == [None] * 10 and "names neither A nor B" in outcome.failures[0]
 
 
+def test_a_judges_model_is_asked_for_with_retries_when_its_server_is_busy_at_first():
+    app, asked = judge_app()
+    listings = []
+
+    @app.middleware("http")
+    async def busy_twice(request: Request, call_next):
+        if request.url.path == "/v1/models":
+            listings.append(request.url.path)
+            if len(listings) <= 2:
+                return PlainTextResponse("starting", status_code=503)
+        return await call_next(request)
+
+    with served_in_thread(app) as base:
+        outcome = score(client(base + "/v1", kind="judge", max_retries=2))
+    assert outcome.values == [7.0] * 10 and len(listings) == 3 and asked[0]["model"] == "tiny-judge"
+
+
 def test_a_server_that_does_not_answer_is_refused_before_anything_trains(tiny_config, world):
     from flows.inputs import input_problems
 
