@@ -430,3 +430,35 @@ def test_a_server_killed_mid_ppo_and_back_is_retried_through(tiny_config, traine
     second = result.history[1]
     assert second["remote/retries"] >= 1 and second["rollout/remote_failed_share"] == 0.0
     assert restarted and all(math.isfinite(row["rollout/reward/served"]) for row in result.history)
+
+
+# --- the evaluation ------------------------------------------------------------------------------------
+
+
+def test_the_evaluation_leaves_a_pair_whose_served_score_never_arrived_out_of_the_win_rate():
+    import pandas as pd
+
+    from stages.rl.evaluation import HeldOut, TermJudge, judged_by_terms
+
+    prompts = ["p0", "p0", "p1", "p1"]
+    held_out = HeldOut(prompts=prompts, messages=[[{"role": "user", "content": p}] for p in prompts],
+                       sft_texts=["s"] * 4, sft_complete=[True] * 4, columns=[{}] * 4)
+    nan = float("nan")
+    served = {"policy": [2.0, nan, 0.0, 3.0], "sft": [1.0, 1.0, 1.0, nan]}  # rows 1 and 3: a pair unscored
+    asked = []
+
+    def values(messages, texts, columns, complete, judged, references):
+        who = "policy" if texts[0] != "s" else "sft"
+        asked.append((who, references is not None))
+        out = {"served": torch.tensor(served[who])}
+        return out | ({"versus": torch.tensor([1.0, 0.0, 1.0, 1.0])} if references is not None else {})
+
+    judge = TermJudge(values, {"served": 1.0}, False, frozenset({"served", "versus"}))
+    table = pd.DataFrame({"prompt": prompts})
+    metrics = judged_by_terms(judge, held_out, ["a", "b", "c", "d"], [True] * 4, table)
+    assert asked == [("policy", True), ("sft", False)]  # the choice judge on the policy's responses alone
+    assert metrics["eval/reward/versus"] == 0.75 and "eval/reward/versus_sft" not in metrics
+    assert metrics["eval/remote_failed_share"] == 0.5
+    assert metrics["eval/win_rate_reward"] == 0.5  # row 0 won, row 2 lost; rows 1 and 3 left out
+    assert table["policy_score"].isna().tolist() == [False, True, False, True]
+    assert metrics["eval/reward/served"] == pytest.approx(5.0 / 3)  # each term's mean over what arrived

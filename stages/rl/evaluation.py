@@ -52,6 +52,8 @@ class TermJudge:
     """The weight by name of every term that scores a response alone (the reward model's too; no `choice` judge)."""
     with_model: bool
     """Whether a reward model is one of the terms (it then scores, and judges the win rate)."""
+    served: frozenset[str] = frozenset()
+    """The terms a server scores: their NaN is a score that never arrived, not "no reward"."""
 
     def weighted(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
         """The weighted sum of the terms that score a response alone, "no reward" (NaN) adding nothing. # -> (B,)"""
@@ -152,7 +154,7 @@ def judged_by_terms(judge: TermJudge, held_out: HeldOut, policy_texts: list[str]
     """The reward terms on the policy's and the SFT policy's held-out responses: their values as
     columns of `table`, each term's means (a `choice` judge's on the policy's responses only, against
     the SFT ones: its win rate), and without a reward model the weighted sum as both responses'
-    `score` and the win rate by it."""
+    `score` and the win rate by it, over the pairs whose servers' scores all arrived."""
     metrics: dict[str, float] = {}
     judged = {}
     for who, texts, complete, references in (("policy", policy_texts, policy_complete, held_out.sft_texts),
@@ -165,9 +167,17 @@ def judged_by_terms(judge: TermJudge, held_out: HeldOut, policy_texts: list[str]
             key = f"eval/reward/{name}" + ("_sft" if who == "sft" else "")
             metrics[key] = given.mean().item() if len(given) else 0.0
     if not judge.with_model and judge.weights:
-        table["policy_score"] = judge.weighted(judged["policy"]).cpu().numpy()
-        table["sft_score"] = judge.weighted(judged["sft"]).cpu().numpy()
-        wins, wins_se = win_rate(list(table["policy_score"]), list(table["sft_score"]), held_out.prompts)
+        # a pair where a server's score never arrived, for either response, has no score: out of the win rate
+        unscored = torch.stack([judged[who][name].isnan() for who in judged for name in judge.served
+                                if name in judge.weights] or [torch.zeros(len(policy_texts), dtype=torch.bool)])
+        unscored = unscored.any(dim=0).cpu().numpy()  # (B,)
+        if judge.served:
+            metrics["eval/remote_failed_share"] = unscored.mean()
+        for who in judged:
+            table[f"{who}_score"] = judge.weighted(judged[who]).cpu().numpy()
+            table.loc[unscored, f"{who}_score"] = float("nan")
+        kept = table[~unscored]
+        wins, wins_se = win_rate(list(kept["policy_score"]), list(kept["sft_score"]), list(kept["prompt"]))
         metrics |= {"eval/score": table["policy_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
                     "eval/win_rate_reward": wins, "eval/win_rate_reward_se": wins_se}
     return metrics

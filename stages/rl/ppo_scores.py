@@ -126,7 +126,7 @@ def term_judge(learner: Learner) -> TermJudge | None:
 
     pairwise = {term.name for term in reward.pairwise}
     return TermJudge(values, {term.name: term.weight for term in reward.terms if term.name not in pairwise},
-                     reward.uses_model)
+                     reward.uses_model, frozenset(term.name for term in reward.remotes))
 
 
 def _functions_on_main(learner: Learner, rows: list[tuple], batch: int | str) -> dict[str, list[float | None]]:
