@@ -364,6 +364,11 @@ class RemoteRewardConfig(_Frozen):
         return self
 
     @property
+    def pairwise(self) -> bool:
+        """Whether this is a judge comparing each response with the SFT policy's (`parse: choice`)."""
+        return self.kind == "judge" and self.parse == "choice"
+
+    @property
     def prompt_template(self) -> str:
         """The judge's user message before it is filled in: `template`, or the default for `parse`."""
         return self.template if self.template is not None else JUDGE_TEMPLATES[self.parse]

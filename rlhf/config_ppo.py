@@ -226,7 +226,7 @@ class RewardTermsConfig(_Frozen):
     @property
     def pairwise(self) -> list[RewardTerm]:
         """The judges that compare each response with a response of the SFT policy (`parse: choice`)."""
-        return [term for term in self.remotes if term.remote.kind == "judge" and term.remote.parse == "choice"]
+        return [term for term in self.remotes if term.remote.pairwise]
 
     @property
     def weights(self) -> dict[str, float]:

@@ -164,7 +164,7 @@ class RemoteReward:
         """The server's scores for these responses (`batch`: the iteration, or which evaluation;
         `references`: the SFT policy's response to each one's prompt, which a `choice` judge compares
         it with). With `on_failure: stop`, a failed request raises `RemoteRewardError` instead."""
-        assert (references is not None) == (self.cfg.parse == "choice" and self.cfg.kind == "judge"), self.describe()
+        assert (references is not None) == self.cfg.pairwise, self.describe()
         start = time.monotonic()
         outcome = _run(self._score(prompts, responses, complete, references))
         outcome.seconds = time.monotonic() - start
@@ -331,12 +331,9 @@ def remote_values(clients: list[RemoteReward], prompts: list[list[dict]], respon
     of the batch stops the run (`RemoteRewardError`)."""
     values, retries = {}, 0
     for client in clients:
-        if client.cfg.kind == "judge" and client.cfg.parse == "choice":
-            if references is None:
-                continue
-            outcome = client.score(prompts, responses, complete, batch, references)
-        else:
-            outcome = client.score(prompts, responses, complete, batch)
+        if client.cfg.pairwise and references is None:
+            continue
+        outcome = client.score(prompts, responses, complete, batch, references if client.cfg.pairwise else None)
         if len(outcome.failures) > client.cfg.max_failed_share * len(responses):
             row, reason = min(outcome.failures.items())
             raise RemoteRewardError(f"{client.describe()}: batch {batch}: no score for {len(outcome.failures)} of "

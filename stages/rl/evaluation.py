@@ -16,6 +16,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -168,10 +169,10 @@ def judged_by_terms(judge: TermJudge, held_out: HeldOut, policy_texts: list[str]
             metrics[key] = given.mean().item() if len(given) else 0.0
     if not judge.with_model and judge.weights:
         # a pair where a server's score never arrived, for either response, has no score: out of the win rate
-        unscored = torch.stack([judged[who][name].isnan() for who in judged for name in judge.served
-                                if name in judge.weights] or [torch.zeros(len(policy_texts), dtype=torch.bool)])
-        unscored = unscored.any(dim=0).cpu().numpy()  # (B,)
-        if judge.served:
+        served = [judged[who][name] for who in judged for name in judge.served & judge.weights.keys()]  # (B,) each
+        unscored = (torch.stack(served).isnan().any(dim=0).cpu().numpy() if served
+                    else np.zeros(len(policy_texts), dtype=bool))  # (B,)
+        if served:
             metrics["eval/remote_failed_share"] = unscored.mean()
         for who in judged:
             table[f"{who}_score"] = judge.weighted(judged[who]).cpu().numpy()

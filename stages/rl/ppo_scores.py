@@ -117,8 +117,10 @@ def term_judge(learner: Learner) -> TermJudge | None:
 
     def values(messages: list[list[dict]], texts: list[str], columns: list[dict], complete: list[bool], judged: str,
                references: list[str] | None) -> dict[str, torch.Tensor]:
-        main = accelerator.is_main_process
-        every = _functions_on_main(learner, list(zip(messages, texts, columns, strict=True)) if main else [], judged)
+        main, every = accelerator.is_main_process, {}
+        if learner.reward_functions:
+            rows = list(zip(messages, texts, columns, strict=True))
+            every = _functions_on_main(learner, rows if main else [], judged)
         if learner.remote_rewards:
             rows = list(zip(messages, texts, complete, references or [None] * len(texts), strict=True))
             every |= _remote_on_main(learner, rows if main else [], judged, references is not None)[0]
