@@ -444,7 +444,7 @@ def test_the_evaluation_leaves_a_pair_whose_served_score_never_arrived_out_of_th
     held_out = HeldOut(prompts=prompts, messages=[[{"role": "user", "content": p}] for p in prompts],
                        sft_texts=["s"] * 4, sft_complete=[True] * 4, columns=[{}] * 4)
     nan = float("nan")
-    served = {"policy": [2.0, nan, 0.0, 3.0], "sft": [1.0, 1.0, 1.0, nan]}  # rows 1 and 3: a pair unscored
+    served = {"policy": [2.0, nan, 0.0, 3.0], "sft": [1.0, -1.0, 1.0, nan]}  # rows 1 and 3: a pair unscored
     asked = []
 
     def values(messages, texts, columns, complete, judged, references):
