@@ -142,6 +142,8 @@ class EnvironmentConfig(_Frozen):
     """Multi-turn episodes: the policy acts over several turns against an environment, e.g. calling tools
     (docs/environments.md). Exactly one of `tools`, `factory` and `rollout` says what the environment is."""
 
+    TOOL_PARSERS: ClassVar = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony", "deepseek", "glm",
+                              "pythonic")
     tools: str | None = None
     """`module:function` giving a prompt record's tools (typed Python functions) to the built-in tool-calling loop."""
     factory: str | None = None
@@ -160,6 +162,14 @@ class EnvironmentConfig(_Frozen):
     """Reward of a turn whose tool call cannot be parsed or run (the model is told the error as the tool's answer)."""
     max_malformed_calls: int = Field(1, ge=0)
     """Malformed calls an episode may make; one more and it fails (left out of the update, `rollout/failed_share`)."""
+    tool_parser: str = "auto"
+    """How a turn's reasoning and tool calls are read: `auto`, a convention's name, or `module:function`."""
+    tool_timeout_s: PositiveFloat = 30.0
+    """Seconds one tool call may run; past them the model is told it timed out (a turn's calls run concurrently)."""
+    max_tool_output_chars: PositiveInt = 4096
+    """Characters of a tool's answer kept; the rest is cut, and the answer says so."""
+    max_failed_share: float = Field(0.5, ge=0.0, le=1.0)
+    """Share of an iteration's episodes that may fail; past it the run stops, naming the first failures' reasons."""
 
     @model_validator(mode="after")
     def _one_environment(self) -> EnvironmentConfig:
@@ -168,9 +178,10 @@ class EnvironmentConfig(_Frozen):
         if len(given) != 1:
             raise ValueError("environment: give exactly one of tools, factory and rollout "
                              f"(given: {', '.join(given) or 'none'})")
-        for name, location in given.items():
-            if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", location):
-                raise ValueError(f"environment.{name}: {location!r} is not 'module:function'")
+        for name, location in [*given.items(), ("tool_parser", self.tool_parser)]:
+            known = self.TOOL_PARSERS if name == "tool_parser" else ()
+            if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", location) and location not in known:
+                raise ValueError(f"environment.{name}: {location!r} is not 'module:function' nor one of {known}")
         return self
 
 
@@ -183,6 +194,8 @@ class RewardTermsConfig(_Frozen):
     """Folders put in front of the import path to find `function` terms (absolute, or relative to the run's folder)."""
     columns: list[str] = []
     """Extra columns of the `prompts` records (e.g. `answer`) that every record must have and the functions receive."""
+    sees_reasoning: bool = False
+    """Whether the terms score an episode's last turn with its reasoning block; by default they see the answer alone."""
     overlong: OverlongConfig | None = None
     """DAPO's soft overlong penalty as a term named `overlong` (`rollout/reward/overlong`); unset: none."""
 
@@ -363,17 +376,13 @@ class PPOConfig(TrainedStage, SampledStage):
     def _batches_divide(self) -> PPOConfig:
         """Whole groups per process, whole minibatches per process, whole micro-batches per minibatch."""
         processes = self.launch.num_processes
+        times = f" x launch.num_processes ({processes})" if processes > 1 else ""
         if self.rollout_batch_size % (self.samples_per_prompt * processes):
-            factors = f"samples_per_prompt ({self.samples_per_prompt})"
-            if processes > 1:
-                factors += f" x launch.num_processes ({processes})"
-            raise ValueError(f"{factors} must divide rollout_batch_size ({self.rollout_batch_size}): each process "
-                             "samples whole groups of responses")
+            raise ValueError(f"samples_per_prompt ({self.samples_per_prompt}){times} must divide rollout_batch_size "
+                             f"({self.rollout_batch_size}): each process samples whole groups of responses")
         if self.rollout_batch_size % (self.num_minibatches * processes):
-            factors = f"num_minibatches ({self.num_minibatches})"
-            if processes > 1:
-                factors += f" x launch.num_processes ({processes})"
-            raise ValueError(f"{factors} must divide rollout_batch_size ({self.rollout_batch_size})")
+            raise ValueError(f"num_minibatches ({self.num_minibatches}){times} must divide rollout_batch_size "
+                             f"({self.rollout_batch_size})")
         minibatch = self.rollout_batch_size // (self.num_minibatches * processes)
         if isinstance(self.micro_batch_size, int) and minibatch % self.micro_batch_size:
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must divide the minibatch ({minibatch})")

@@ -1,11 +1,7 @@
 """The demo world's tool, as a user would write it for `ppo.environment.tools` (docs/environments.md):
 `tools(row)` gives a prompt record's tools, typed Python functions with Google-style docstrings.
-
-In the tools world (`demo.task: tools`) each prompt record carries its user's liked adjectives
-(`liked`, space-separated); the gold answer uses them, and only `preferences` tells them. A call is
-written in the Hermes / Qwen convention, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-which `call_text` spells exactly as the demonstrations and the environment's parser have it.
-Imports nothing of ours: the world builder uses it, and a config names it.
+Each record carries its user's liked adjectives (`liked`); only `preferences` tells them. Calls are
+written in the Hermes convention (`call_text`). Imports nothing of ours: the world builder uses it.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from rlhf.config_ppo import PPOConfig
 from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting, timed
 from stages.engines.vllm_server import sampler_for
-from stages.envs.loop import episode_runner
+from stages.envs.loop import episode_runner, episode_tags
 from stages.math.ppo_math import KLController
 from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches
@@ -98,7 +98,7 @@ class PPOResult:
     """Held-out prompts with PPO and SFT responses, their scores and the KL of the PPO response."""
     tags: dict[str, str] = field(default_factory=dict)
     """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and
-    `rlhf.held_as`."""
+    `rlhf.held_as`, and in episodes the tool-call convention read (`rlhf.tool_parser`)."""
 
 
 def build_learner(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> Learner:
@@ -121,7 +121,7 @@ def build_learner(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> Learne
                               num_training_steps=total_steps)
     sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log", cfg.launch.engine == "ray")
     episodes = episode_runner(cfg.environment, models.tokenizer, inputs.sft_location, models.stop_ids,
-                              cfg.sampling.response_length)
+                              cfg.sampling.response_length, cfg.reward.sees_reasoning)
     return Learner(cfg=cfg, accelerator=accelerator, models=models, actor_critic=actor_critic, optimizer=optimizer,
                    scheduler=scheduler, scaler=scaler, sampler=sampler,
                    reward_functions=load_reward_functions(cfg.reward), episodes=episodes,
@@ -184,7 +184,7 @@ def hand_off(learner: Learner, loop: LoopState, held_out: HeldOut, inputs: PPOIn
     if models.scorer is not None:
         metrics |= {"normalization/gain": models.scorer.gain, "normalization/bias": models.scorer.bias}
     return PPOResult(checkpoint=checkpoint, metrics=metrics, history=loop.history, evaluation=evaluation,
-                     tags=tags | held)
+                     tags=tags | held | episode_tags(learner.episodes))
 
 
 def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,

@@ -14,9 +14,10 @@ from rlhf.config import with_overrides
 from rlhf.config_ppo import EnvironmentConfig
 from stages.common.errors import StageUserError
 from stages.engines.sampler import Generation, Sampling
-from stages.envs.environment import ToolEnvironment, parse_tool_calls
+from stages.envs.environment import ToolEnvironment
 from stages.envs.episode import Episode, Segment, episode_batch, episode_figures, transcript
-from stages.envs.loop import EpisodeRunner, TemplateNotPrefixPreserving, episode_runner
+from stages.envs.loop import EpisodeRunner, TemplateNotAppendOnly, episode_runner
+from stages.envs.parsers import ToolCall, hermes
 from stages.runtime.models import left_padded_ids
 from tests import helpers
 from tests.helpers import AUTO_RESOLVED
@@ -68,13 +69,13 @@ ROW = {"messages": [{"role": "user", "content": "Describe the cat."}]}
 
 
 def test_tool_calls_are_parsed_in_the_hermes_convention():
-    assert parse_tool_calls("The cat is warm.") is None
-    assert parse_tool_calls(CALL) == [{"name": "f", "arguments": {}}]
-    two = parse_tool_calls(CALL + " and " + CALL)
-    assert len(two) == 2 and all(isinstance(c, dict) for c in two)
-    assert "not JSON" in parse_tool_calls("<tool_call>{oops</tool_call>")[0]
-    assert "not closed" in parse_tool_calls('<tool_call>{"name": "x"}')[0]
-    assert "must be" in parse_tool_calls('<tool_call>["x"]</tool_call>')[0]
+    assert hermes("The cat is warm.").calls == [] and hermes("The cat is warm.").content == "The cat is warm."
+    assert hermes(CALL).calls == [ToolCall("f", {})]
+    two = hermes(CALL + " and " + CALL).calls
+    assert len(two) == 2 and all(isinstance(c, ToolCall) for c in two)
+    assert "not JSON" in hermes("<tool_call>{oops</tool_call>").calls[0]
+    assert "not closed" in hermes('<tool_call>{"name": "x"}').calls[0]
+    assert "must be" in hermes('<tool_call>["x"]</tool_call>').calls[0]
 
 
 def test_two_calls_a_malformed_one_and_an_answer_through_the_real_loop(chat_tokenizer):
@@ -101,9 +102,14 @@ def test_two_calls_a_malformed_one_and_an_answer_through_the_real_loop(chat_toke
 def test_the_template_delta_equals_a_full_render_on_every_turn(chat_tokenizer):
     """Every context the engine was given is the full render of the conversation so far, tokenised,
     and so is the finished episode."""
-    engine = Scripted(chat_tokenizer, [CALL, CALL, "The cat is warm."])
+    script = [CALL, CALL, "The cat is warm."]
+    engine = Scripted(chat_tokenizer, script)
     [episode] = _runner(chat_tokenizer).run(engine, [ROW], 1.0)
-    conversations = [episode.messages[:1], episode.messages[:3], episode.messages[:5]]
+    # The conversation as the template's own rendering has it: each assistant turn as the text sampled.
+    as_text = [{"role": "assistant", "content": script[i // 2]} if m["role"] == "assistant" else m
+               for i, m in enumerate(episode.messages)]
+    episode.messages = as_text
+    conversations = [as_text[:1], as_text[:3], as_text[:5]]
     for given, messages in zip(engine.prompts, conversations, strict=True):
         full = chat_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert given[0] == chat_tokenizer(full, add_special_tokens=False)["input_ids"]
@@ -111,15 +117,29 @@ def test_the_template_delta_equals_a_full_render_on_every_turn(chat_tokenizer):
     assert [i for s in episode.segments for i in s.ids] == chat_tokenizer(whole, add_special_tokens=False)["input_ids"]
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_model(chat_tokenizer):
+def test_a_template_that_rewrites_earlier_turns_works_and_one_whose_answers_depend_on_history_is_refused(
+        chat_tokenizer):
     """A template that drops an earlier assistant turn's content once another message follows (as
-    reasoning templates drop earlier thinking) has no exact delta."""
+    reasoning templates drop earlier thinking) runs exactly: the model's turns are never rendered
+    again, each tool answer enters as the fixed base's delta. A template that numbers tool answers
+    renders the next one by the history before it: refused at the probe, naming both renderings."""
     rewriting = copy.deepcopy(chat_tokenizer)
     rewriting.chat_template = TOOL_TEMPLATE.replace(
         "<|assistant|>{{ message['content'] }}{{ eos_token }}",
         "<|assistant|>{% if loop.last %}{{ message['content'] }}{% endif %}{{ eos_token }}")
-    with pytest.raises(TemplateNotPrefixPreserving, match="test-model.*not prefix-preserving"):
-        _runner(rewriting)
+    engine = Scripted(rewriting, [CALL, "The cat is warm."])
+    [episode] = _runner(rewriting).run(engine, [ROW], 1.0)
+    assert episode.status == "ok" and episode.turns == 2
+    delta = rewriting("<|system|>" + LIKED + "<|assistant|>", add_special_tokens=False)["input_ids"]
+    prompt = rewriting(rewriting.apply_chat_template([ROW["messages"][0]], tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False)["input_ids"]
+    assert engine.prompts[1][0] == prompt + engine.turns[0] + delta
+    numbering = copy.deepcopy(chat_tokenizer)
+    numbering.chat_template = TOOL_TEMPLATE.replace("<|system|>{{ message['content'] }}",
+                                                    "<|system|>{{ loop.index }}: {{ message['content'] }}")
+    with pytest.raises(TemplateNotAppendOnly, match="test-model renders a tool's answer differently after a longer "
+                                                    "conversation"):
+        _runner(numbering)
     no_tool_role = copy.deepcopy(chat_tokenizer)
     no_tool_role.chat_template = "{% for m in messages %}{% if m['role'] == 'tool' %}" \
                                  "{{ raise_exception('no tools') }}{% endif %}{{ m['content'] }}{% endfor %}"
@@ -318,8 +338,10 @@ def test_the_delta_equals_a_full_render_for_real_tokenizers(tmp_path, family, te
     tools = runner.make(ROW).schemas()
     [episode] = runner.run(engine, [ROW], 1.0)
     assert episode.status == "ok" and episode.turns == 3
+    sampled = [{"role": "assistant", "content": text} for text in (CALL, CALL, "The cat is warm and calm.")]
+    as_text = [sampled.pop(0) if m["role"] == "assistant" else m for m in episode.messages]
     for [context], turn in zip(engine.prompts, (1, 3, 5), strict=True):
-        full = tokenizer.apply_chat_template(episode.messages[:turn], tools=tools, tokenize=False,
+        full = tokenizer.apply_chat_template(as_text[:turn], tools=tools, tokenize=False,
                                              add_generation_prompt=True)
         segments = episode.segments[:turn]  # the prompt, then a turn and the tool's answer each time
         assert [i for s in segments for i in s.ids] == context

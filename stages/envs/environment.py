@@ -4,25 +4,28 @@
 An environment is two methods:
 
     reset(row) -> messages                    the conversation the model answers first
-    step(assistant_text) -> (messages, reward, done)
+    step(turn) -> (messages, reward, done)
 
 `row` is the prompt record: `messages` (its chat messages) and the declared columns (`reward.columns`).
-`step` gets the model's turn as text (special tokens kept, the end-of-turn token not) and answers
-with the messages to append (None: nothing more to say), the turn's reward and whether the episode
-is over. Tools are plain typed Python functions with Google-style docstrings; their JSON schema
+`step` gets the model's turn parsed (`stages.envs.parsers.AssistantTurn`: `text` as sampled,
+special tokens kept and the end-of-turn token not; `content`, `reasoning` and `calls` as the
+family's convention reads them) and answers with the messages to append (None: nothing more to
+say), the turn's reward and whether the episode is over. Tools are plain typed Python functions
+with Google-style docstrings; their JSON schema
 (`tool_schemas`) goes to the chat template's tools section where the template has one.
 """
 
 from __future__ import annotations
 
-import json
-import re
+import threading
+import time
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 from rlhf.config_ppo import EnvironmentConfig
 from stages.common.errors import StageUserError
 from stages.common.user_code import imported_function, on_import_path
+from stages.envs.parsers import AssistantTurn, ToolCall
 
 
 class EnvironmentSetupError(StageUserError):
@@ -47,41 +50,13 @@ class Environment(Protocol):
         """The conversation the model answers first."""
         ...
 
-    def step(self, assistant_text: str) -> Step | tuple:
+    def step(self, turn: AssistantTurn) -> Step | tuple:
         """The environment's answer to the model's turn."""
         ...
 
 
 class TooManyMalformedCalls(Exception):
     """An episode made more malformed tool calls than `environment.max_malformed_calls` allows."""
-
-
-TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
-"""A call in the Hermes / Qwen convention: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
-
-
-def parse_tool_calls(text: str) -> list[dict | str] | None:
-    """The calls in a turn, each `{"name", "arguments"}` or, where malformed, the reason as text;
-    None where the turn calls nothing (it is the model's answer)."""
-    found = TOOL_CALL.findall(text)
-    if not found:
-        return None
-    calls: list[dict | str] = []
-    for body, closed in found:
-        if not closed:
-            calls.append("the call is not closed with </tool_call>")
-            continue
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as e:
-            calls.append(f"the call is not JSON: {e.msg}")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
-                not isinstance(call.get("arguments", {}), dict):
-            calls.append('the call must be {"name": <tool>, "arguments": {...}}')
-            continue
-        calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
-    return calls
 
 
 def tool_schemas(tools: list[Callable]) -> list[dict]:
@@ -92,10 +67,11 @@ def tool_schemas(tools: list[Callable]) -> list[dict]:
 
 
 class ToolEnvironment:
-    """The model answers, calling tools on the way: a turn with `<tool_call>`s gets each tool's result
-    as a `tool` message; a turn without one is the answer, and ends the episode. A call that cannot be
-    parsed, names no tool, or raises is answered with the error and costs `malformed_call_reward`;
-    past `max_malformed_calls` of them the episode fails."""
+    """The model answers, calling tools on the way: a turn with calls gets each tool's result as a
+    `tool` message; a turn without one is the answer, and ends the episode. A turn's calls run at once,
+    each for `tool_timeout_s` at most, their answers cut to `max_tool_output_chars`. A call that cannot
+    be parsed, names no tool, raises or times out is answered with the error and costs
+    `malformed_call_reward`; past `max_malformed_calls` of them the episode fails."""
 
     def __init__(self, tools: list[Callable], settings: EnvironmentConfig):
         self.tools = {tool.__name__: tool for tool in tools}
@@ -106,36 +82,60 @@ class ToolEnvironment:
         self.malformed = 0
         return list(row["messages"])
 
-    def step(self, assistant_text: str) -> Step:
-        calls = parse_tool_calls(assistant_text)
-        if calls is None:
+    def step(self, turn: AssistantTurn) -> Step:
+        if not turn.calls_tools:
             return Step(None, 0.0, True)
+        answers = run_calls(self.tools, turn.calls, self.settings.tool_timeout_s)
         results, reward = [], 0.0
-        for call in calls:
-            name, (answer, ran) = ("", (f"error: {call}", False)) if isinstance(call, str) else (call["name"],
-                                                                                             self._run(call))
+        for call, (answer, ran) in zip(turn.calls, answers, strict=True):
             if not ran:
                 self.malformed += 1
                 reward += self.settings.malformed_call_reward
                 if self.malformed > self.settings.max_malformed_calls:
-                    raise TooManyMalformedCalls(f"{self.malformed} malformed tool calls (the last: {answer})")
-            results.append({"role": "tool", "name": name, "content": answer})
+                    raise TooManyMalformedCalls(f"{self.malformed} malformed tool calls (the last: {answer[:200]})")
+            name = call.name if isinstance(call, ToolCall) else ""
+            results.append({"role": "tool", "name": name, "content": cut(answer, self.settings.max_tool_output_chars)})
         return Step(results, reward, False)
 
     def schemas(self) -> list[dict]:
         """The tools' schemas, for the chat template's tools section."""
         return tool_schemas(list(self.tools.values()))
 
-    def _run(self, call: dict) -> tuple[str, bool]:
-        """A well-formed call's result as text and True, or `error: ...` and False where the tool is
-        unknown or raises."""
-        tool = self.tools.get(call["name"])
+
+def cut(answer: str, limit: int) -> str:
+    """A tool's answer cut to `limit` characters, saying how much was left out."""
+    return answer if len(answer) <= limit else f"{answer[:limit]}... [cut: {len(answer) - limit} more characters]"
+
+
+def run_calls(tools: dict[str, Callable], calls: list[ToolCall | str], timeout_s: float) -> list[tuple[str, bool]]:
+    """Each call's answer as text and whether it ran, the calls at once, each on a daemon thread given
+    `timeout_s`: a tool still running then is answered `error: timed out` and left behind (a thread
+    cannot be stopped, but a daemon one neither blocks the turn nor the process's exit)."""
+    answers: list[tuple[str, bool] | None] = [None] * len(calls)
+
+    def run(at: int, call: ToolCall) -> None:
+        tool = tools.get(call.name)
         if tool is None:
-            return f"error: no tool {call['name']!r} (tools: {', '.join(self.tools)})", False
+            answers[at] = f"error: no tool {call.name!r} (tools: {', '.join(tools)})", False
+            return
         try:
-            return str(tool(**call["arguments"])), True
-        except Exception as e:  # noqa: BLE001 - the model's call was wrong: it is told why, as the tool's answer
-            return f"error: {type(e).__name__}: {e}", False
+            answers[at] = str(tool(**call.arguments)), True
+        except BaseException as e:  # noqa: BLE001 - the model's call was wrong: it is told why, as the tool's answer
+            answers[at] = f"error: {type(e).__name__}: {str(e)[:500]}", False
+
+    threads = []
+    for at, call in enumerate(calls):
+        if isinstance(call, str):
+            answers[at] = f"error: {call}", False
+            continue
+        thread = threading.Thread(target=run, args=(at, call), name=f"tool-{call.name}", daemon=True)
+        thread.start()
+        threads.append(thread)
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    return [answer if answer is not None else (f"error: the tool did not answer within {timeout_s:g} s", False)
+            for answer in answers]
 
 
 EnvironmentFactory = Callable[[dict], Environment]

@@ -10,11 +10,13 @@ tokens, or of turns) or `failed` (the environment raised, or too many malformed 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from stages.common.errors import StageUserError
 from stages.engines.sampler import Generation
 
 Status = Literal["ok", "truncated", "failed"]
@@ -45,6 +47,8 @@ class Episode:
     """The model's last turn, decoded without special tokens: what the reward functions score."""
     tool_calls: int = 0
     """Tool calls the model made (well-formed or not)."""
+    reasoning_tokens: int = 0
+    """Tokens of the model's reasoning blocks, over its turns (they train as its own)."""
     error: str | None = None
     """Why a `failed` episode failed."""
     columns: dict = field(default_factory=dict)
@@ -102,14 +106,33 @@ def episode_batch(episodes: list[Episode], pad_id: int, device: torch.device) ->
 
 
 def transcript(episode: Episode) -> str:
-    """The conversation as one readable text, each message on its own line under its role; tool
-    results marked `[tool <name>]` so they stand apart from the model's turns."""
+    """The conversation as one readable text, each message on its own line under its role; an
+    assistant turn's reasoning as `(thinking) ...` and each call as `-> name({...})`; tool results
+    marked `[tool <name>]` so they stand apart from the model's turns."""
     lines = []
     for message in episode.messages:
         role = message["role"]
         label = f"[tool {message.get('name', '')}]".replace(" ]", "]") if role == "tool" else f"[{role}]"
-        lines.append(f"{label} {message['content']}")
+        parts = [f"(thinking) {message['reasoning_content']}"] if message.get("reasoning_content") else []
+        parts += [message["content"]] if message.get("content") or not message.get("tool_calls") else []
+        parts += [f"-> {c['function']['name']}({json.dumps(c['function']['arguments'])})"
+                  for c in message.get("tool_calls", [])]
+        lines.append(f"{label} {' '.join(parts)}")
     return "\n".join(lines) + (f"\n[{episode.status}]" if episode.status != "ok" else "")
+
+
+class TooManyFailedEpisodes(StageUserError):
+    """More of an iteration's episodes failed than `environment.max_failed_share` allows."""
+
+
+def check_failed_share(episodes: list[Episode], max_share: float) -> None:
+    """Stop the run where more than `max_share` of `episodes` failed, naming the first failures' reasons."""
+    failed = [e for e in episodes if e.status == "failed"]
+    if episodes and len(failed) / len(episodes) > max_share:
+        reasons = "; ".join(dict.fromkeys(str(e.error)[:300] for e in failed[:20]))
+        raise TooManyFailedEpisodes(
+            f"{len(failed)} of {len(episodes)} episodes failed, over environment.max_failed_share "
+            f"({max_share:.0%}); the first reasons: {reasons}")
 
 
 def episode_figures(episodes: list[Episode], prefix: str) -> dict[str, float]:
@@ -125,5 +148,6 @@ def episode_figures(episodes: list[Episode], prefix: str) -> dict[str, float]:
             f"{prefix}/tool_calls": sum(e.tool_calls for e in episodes) / n,
             f"{prefix}/tool_call_rate": sum(e.tool_calls > 0 for e in episodes) / n,
             f"{prefix}/failed_share": sum(e.status == "failed" for e in episodes) / n,
+            f"{prefix}/reasoning_tokens": sum(e.reasoning_tokens for e in episodes) / n,
             f"{prefix}/truncated_share": sum(e.status == "truncated" for e in episodes) / n,
             f"{prefix}/masked_tokens": sum(masked(e) for e in episodes) / n}

@@ -1,15 +1,18 @@
 """The multi-turn loop: a batch of episodes sampled turn by turn, token in and token out.
 
 Each turn samples every live episode's next assistant turn at once (`Sampler.generate_ids`, on the
-context's token ids as they are: the model's sampled ids are never decoded and re-encoded). The
-environment answers; its messages enter the context as the chat template's delta: the conversation
-rendered with them, less what the context already stands for (`ChatDelta`). A template that renders
-an earlier turn differently once a later one is added (not prefix-preserving) is refused, naming the
-model and the template, since no delta would then be exact.
+context's token ids as they are: the model's sampled ids are never decoded and re-encoded). Each turn
+is parsed in the model family's convention (`stages.envs.parsers`: reasoning, answer, tool calls) and
+the environment answers; its messages enter the context as a fixed-base delta (`ChatDelta.observation`):
+a fixed short conversation rendered with them, less the same without them. The model's sampled turns
+are never rendered again, so templates that drop or reformat earlier reasoning (Qwen3, DeepSeek, GLM,
+gpt-oss) are exact. A template whose rendering of a new message depends on the history before it is
+refused at the probe (`probe_template`), before any episode runs, naming what changed.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,51 +22,105 @@ from transformers import PreTrainedTokenizerBase
 from rlhf.config_ppo import EnvironmentConfig
 from stages.common.errors import StageUserError
 from stages.common.tensors import response_mask
+from stages.common.user_code import imported_function
 from stages.engines.sampler import Sampler, Sampling
-from stages.envs.environment import (
-    Environment,
-    EnvironmentFactory,
-    Step,
-    environment_factory,
-    parse_tool_calls,
-)
+from stages.envs.environment import Environment, EnvironmentFactory, EnvironmentSetupError, Step, environment_factory
 from stages.envs.episode import Episode, EpisodeGeneration, Segment, episode_batch
+from stages.envs.parsers import ToolParser, hermes, tool_parser
 
 
-class TemplateNotPrefixPreserving(StageUserError):
-    """The chat template renders a conversation's earlier turns differently once a message is added."""
+class TemplateNotAppendOnly(StageUserError):
+    """The chat template cannot give an environment's messages as a delta that holds in any conversation."""
+
+
+BASE_PROMPT = [{"role": "user", "content": "Hi."}]
+"""The fixed conversation an observation is rendered after (with a stand-in of the model's turn)."""
+
+
+def stand_in_turn(messages: list[dict]) -> dict:
+    """The model's turn in the fixed base: one call per tool message that answers it (named as the
+    message is), so a template that pairs answers with calls renders them; plain text otherwise."""
+    names = [m.get("name") or "tool" for m in messages if m.get("role") == "tool"]
+    if not names:
+        return {"role": "assistant", "content": "Ok."}
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": n, "arguments": {}}} for n in names]}
 
 
 @dataclass(frozen=True)
 class ChatDelta:
-    """The chat template as the loop meets it: a conversation's rendering and the ids of what a new
-    message adds to it."""
+    """The chat template as the loop meets it: the prompt's rendering, and what an environment's
+    messages add after one of the model's turns, by a fixed-base delta: the base conversation with
+    them, less the same base without them (`observation`). The model's own turns are never rendered
+    again, so templates that restructure earlier turns (dropping or reformatting reasoning) are exact."""
 
     tokenizer: PreTrainedTokenizerBase
     model: str
     """The model's location, for the refusal's message."""
+    stop_texts: tuple[str, ...] = ()
+    """The stop tokens as text: where the model's turn ends in a rendering."""
 
-    def render(self, messages: list[dict], tools: list[dict] | None) -> str:
-        """The conversation with the assistant's turn opened (`add_generation_prompt`)."""
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    def render(self, messages: list[dict], tools: list[dict] | None, generation: bool = True) -> str:
+        """The conversation, with the assistant's turn opened (`add_generation_prompt`) unless `generation` is off."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=generation)
+        except Exception:  # noqa: BLE001 - a template that wants a call's arguments as JSON text (DeepSeek-V3's)
+            if not any("tool_calls" in m for m in messages):
+                raise
+            return self.tokenizer.apply_chat_template(_arguments_as_text(messages), tools=tools, tokenize=False,
+                                                      add_generation_prompt=generation)
 
     def ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def delta(self, rendered: str, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
-        """`messages` rendered, and the ids of what that rendering adds to `rendered`, the text the
-        context's ids stand for; refused where `rendered` is not its prefix."""
-        full = self.render(messages, tools)
-        if not full.startswith(rendered):
-            at = next((i for i, (a, b) in enumerate(zip(full, rendered, strict=False)) if a != b),
-                      min(len(full), len(rendered)))
-            raise TemplateNotPrefixPreserving(
-                f"the chat template of {self.model} is not prefix-preserving: after a {messages[-1]['role']!r} "
-                f"message it renders the conversation so far differently (at character {at}: "
-                f"{rendered[at:at + 40]!r} became {full[at:at + 40]!r}), so the episode's sampled tokens would not "
-                "be what the model sees next. Multi-turn episodes need a template that only appends "
-                "(set `chat_template` to one that does)")
-        return full, self.ids(full[len(rendered):])
+    def observation(self, messages: list[dict], tools: list[dict] | None, stop: str,
+                    history: list[dict] | None = None) -> str:
+        """What follows a model's turn that ended with `stop`: the template's text after that token (the
+        turn's closing glue), `messages`, and the next turn's opening, rendered after a fixed base
+        (`BASE_PROMPT` and a stand-in of the turn), never after the episode's own turns. `history`: the
+        messages to render after instead (the probe's longer conversation); the glue stays the base's."""
+        base = [*BASE_PROMPT, stand_in_turn(messages)]
+        opened, closed = self.render(base[:-1], tools), self.render(base, tools, generation=False)
+        self._appends(opened, closed, "an assistant's turn")
+        turn = closed[len(opened):]
+        if history is not None:
+            base, closed = history, self.render(history, tools, generation=False)
+        extended = self.render(base + list(messages), tools)
+        self._appends(closed, extended, f"a {messages[0]['role']!r} message" if messages else "a message")
+        added = extended[len(closed):]
+        ends = [end for end in dict.fromkeys((stop, *self.stop_texts)) if end]
+        for end in ends:
+            if end in turn:  # the turn's closing as rendered: the glue after its stop token
+                return turn[turn.rindex(end) + len(end):] + added
+        for end in ends:
+            if added.startswith(end):  # the stop token opens what follows (GLM's <|observation|>)
+                return added[len(end):]
+        return added
+
+    def _appends(self, before: str, after: str, what: str) -> None:
+        """Refuse a template whose rendering of a conversation is not a prefix of it with `what` added."""
+        if after.startswith(before):
+            return
+        at = next((i for i, (a, b) in enumerate(zip(after, before, strict=False)) if a != b),
+                  min(len(after), len(before)))
+        raise TemplateNotAppendOnly(
+            f"the chat template of {self.model} renders the conversation before {what} differently once it is "
+            f"added (at character {at}: {before[at:at + 40]!r} became {after[at:at + 40]!r}), so that message has "
+            "no delta of its own. Set `chat_template` to one that appends")
+
+
+def _arguments_as_text(messages: list[dict]) -> list[dict]:
+    """The messages with each call's arguments as JSON text, for templates that concatenate them."""
+
+    def text_call(call: dict) -> dict:
+        function = call["function"]
+        arguments = function["arguments"]
+        return {**call, "function": {**function,
+                                     "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
+
+    return [{**m, "tool_calls": [text_call(c) for c in m["tool_calls"]]} if "tool_calls" in m else m
+            for m in messages]
 
 
 @dataclass(kw_only=True)
@@ -73,12 +130,11 @@ class _Live:
     environment: Environment | None
     messages: list[dict]
     tools: list[dict] | None
-    rendered: str
-    """The text the context's ids stand for."""
     segments: list[Segment]
     status: str | None = None
     answer: str = ""
     tool_calls: int = 0
+    reasoning_tokens: int = 0
     error: str | None = None
     context: list[int] = field(default_factory=list)
 
@@ -92,7 +148,8 @@ class _Live:
 
     def episode(self) -> Episode:
         return Episode(segments=self.segments, status=self.status or "truncated", messages=self.messages,
-                       answer=self.answer, tool_calls=self.tool_calls, error=self.error)
+                       answer=self.answer, tool_calls=self.tool_calls, reasoning_tokens=self.reasoning_tokens,
+                       error=self.error)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +165,12 @@ class EpisodeRunner:
     stop_ids: list[int]
     turn_tokens: int
     """New tokens per turn at most."""
+    parse: ToolParser = hermes
+    """A turn's text -> its reasoning, answer and calls (`environment.tool_parser`, never raising)."""
+    parser_name: str = "hermes"
+    """The convention `parse` reads, for the run's tags."""
+    sees_reasoning: bool = False
+    """Whether the episode's answer (what the reward terms score) keeps the last turn's reasoning."""
 
     def generation(self, sampler: Sampler, rows: list[dict], temperature: float | None,
                    device: torch.device) -> EpisodeGeneration:
@@ -151,30 +214,30 @@ class EpisodeRunner:
         except Exception as e:  # noqa: BLE001 - the user's environment failed: the episode fails, the run goes on
             messages, status, error = list(row["messages"]), "failed", f"{type(e).__name__}: {e}"
         tools = environment.schemas() if hasattr(environment, "schemas") else None
-        rendered = self.chat.render(messages, tools)
-        prompt = self.chat.ids(rendered)
-        return _Live(environment=environment, messages=messages, tools=tools, rendered=rendered,
+        prompt = self.chat.ids(self.chat.render(messages, tools))
+        return _Live(environment=environment, messages=messages, tools=tools,
                      segments=[Segment(prompt, trainable=False)], context=list(prompt), status=status, error=error)
 
     def _turn(self, episode: _Live, ids: list[int], logprobs: list[float] | None) -> None:
         """One sampled turn (and the engine's log-probs of it, where not the trainer's): kept as sampled
-        (cut to the episode's budget), then the environment's answer."""
+        (cut to the episode's budget), parsed, then the environment's answer."""
         room = self.settings.episode_tokens - episode.after_prompt
         ended = bool(ids) and ids[-1] in self.stop_ids and len(ids) <= room
         ids, logprobs = ids[:room], None if logprobs is None else logprobs[:room]
         tokenizer = self.chat.tokenizer
-        text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
-        episode.answer = tokenizer.decode(ids, skip_special_tokens=True)
-        calls = parse_tool_calls(text)
-        episode.tool_calls += len(calls or [])
+        turn = self.parse(tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False))
+        episode.answer = tokenizer.decode(ids, skip_special_tokens=True) if self.sees_reasoning else \
+            without_special_tokens(tokenizer, turn.content)
+        episode.messages = episode.messages + [turn.message()]
+        episode.tool_calls += len(turn.calls)
+        episode.reasoning_tokens += len(self.chat.ids(turn.reasoning)) if turn.reasoning else 0
         if not ended:  # out of tokens mid-turn: nothing the environment could answer
             episode.add(Segment(ids, trainable=True, logprobs=logprobs))
             episode.status = "truncated"
             return
-        episode.messages = episode.messages + [{"role": "assistant", "content": text}]
         try:
-            step = checked_step(episode.environment.step(text))
-            delta = [] if step.done or not step.messages else self._observed(episode, ids, step.messages)
+            step = checked_step(episode.environment.step(turn))
+            delta = [] if step.done or not step.messages else self._observed(episode, ids[-1], step.messages)
         except Exception as e:  # noqa: BLE001 - the environment (or its messages' rendering) failed: so does the episode
             step, delta, episode.status, episode.error = Step(None), [], "failed", f"{type(e).__name__}: {e}"
         episode.add(Segment(ids, trainable=True, reward=step.reward, logprobs=logprobs))
@@ -187,13 +250,19 @@ class EpisodeRunner:
         if episode.after_prompt >= self.settings.episode_tokens:
             episode.status = "truncated"
 
-    def _observed(self, episode: _Live, ids: list[int], messages: list[dict]) -> list[int]:
-        """The environment's messages appended: the ids of the template's delta after the model's turn
-        (refused, failing the episode, where the turn does not render as it was sampled)."""
-        rendered = episode.rendered + self.chat.tokenizer.decode(ids, skip_special_tokens=False)
+    def _observed(self, episode: _Live, stop_id: int, messages: list[dict]) -> list[int]:
+        """The environment's messages appended: the ids of the template's fixed-base delta after a turn
+        that ended with `stop_id` (its closing glue, the messages, the next turn's opening)."""
         episode.messages = episode.messages + list(messages)
-        episode.rendered, delta = self.chat.delta(rendered, episode.messages, episode.tools)
-        return delta
+        stop = self.chat.tokenizer.decode([stop_id], skip_special_tokens=False)
+        return self.chat.ids(self.chat.observation(list(messages), episode.tools, stop))
+
+
+def without_special_tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> str:
+    """`text` with the tokenizer's special tokens taken out, as `decode(skip_special_tokens=True)` would."""
+    for token in tokenizer.all_special_tokens:
+        text = text.replace(token, "")
+    return text
 
 
 def checked_step(answer: object) -> Step:
@@ -218,23 +287,52 @@ def checked_episode(episode: object, row: dict) -> Episode:
     return episode
 
 
+PROBE_CALL = {"type": "function", "function": {"name": "probe", "arguments": {"q": "x"}}}
+PROBE = [{"role": "user", "content": "Hello?"},
+         {"role": "assistant", "content": "", "reasoning_content": "Let me look.", "tool_calls": [PROBE_CALL]},
+         {"role": "tool", "name": "probe", "content": "42"},
+         {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]}]
+"""The probe's conversation: a reasoning turn with a structured call, its answer, a second call."""
+
+
+def probe_template(chat: ChatDelta) -> None:
+    """Refuse, before any episode runs, a template that cannot render a tool's answer after a call, or
+    whose rendering of that answer depends on the conversation before it (the fixed-base delta would
+    then differ from what the model meets in the template's own rendering), naming what changed."""
+    answer = [{"role": "tool", "name": "probe", "content": "43"}]
+    stop = chat.stop_texts[0] if chat.stop_texts else ""
+    try:
+        fixed = chat.observation(answer, None, stop)
+        later = chat.observation(answer, None, stop, history=PROBE)
+    except TemplateNotAppendOnly:
+        raise
+    except Exception as e:  # noqa: BLE001 - a template's own error (jinja's raise_exception, a missing key)
+        raise StageUserError(f"the chat template of {chat.model} cannot render a conversation with a tool's answer "
+                             f"({type(e).__name__}: {e}); multi-turn episodes need one that can") from None
+    if fixed != later:
+        raise TemplateNotAppendOnly(
+            f"the chat template of {chat.model} renders a tool's answer differently after a longer conversation: "
+            f"{fixed!r} after one call, {later!r} after two, so an observation's tokens would depend on the "
+            "episode's history. Set `chat_template` to one that renders each message on its own")
+
+
 def episode_runner(settings: EnvironmentConfig | None, tokenizer: PreTrainedTokenizerBase, model: str,
-                   stop_ids: list[int], response_length: int) -> EpisodeRunner | None:
-    """The runner of `settings` (None: single-turn), its environment imported and its template checked
-    to be prefix-preserving on a probe conversation before any episode runs."""
+                   stop_ids: list[int], response_length: int, sees_reasoning: bool = False) -> EpisodeRunner | None:
+    """The runner of `settings` (None: single-turn), its environment imported, its tool parser chosen
+    and its template probed (`probe_template`) before any episode runs."""
     if settings is None:
         return None
     make, rollout = environment_factory(settings)
-    chat = ChatDelta(tokenizer, model)
+    chat = ChatDelta(tokenizer, model, tuple(tokenizer.decode([i], skip_special_tokens=False) for i in stop_ids))
+    parse, parser_name = tool_parser(settings.tool_parser, tokenizer, model, lambda location: imported_function(
+        location, "environment.tool_parser", EnvironmentSetupError, "environment.paths"))
     if rollout is None:
-        probe = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "<tool_call>{}</tool_call>"},
-                 {"role": "tool", "name": "probe", "content": "42"}]
-        try:
-            chat.delta(tokenizer.apply_chat_template(probe[:2], tokenize=False), probe, None)
-        except TemplateNotPrefixPreserving:
-            raise
-        except Exception as e:  # noqa: BLE001 - a template's own error (jinja's raise_exception, a missing key)
-            raise StageUserError(f"the chat template of {model} cannot render a conversation with a tool's answer "
-                                 f"({type(e).__name__}: {e}); multi-turn episodes need one that can") from None
+        probe_template(chat)
     return EpisodeRunner(settings=settings, make=make, rollout=rollout, chat=chat, stop_ids=stop_ids,
-                         turn_tokens=settings.turn_tokens or response_length)
+                         turn_tokens=settings.turn_tokens or response_length, parse=parse, parser_name=parser_name,
+                         sees_reasoning=sees_reasoning)
+
+
+def episode_tags(runner: EpisodeRunner | None) -> dict[str, str]:
+    """The run's tags of its episodes: which tool-call convention the turns were read in."""
+    return {} if runner is None or runner.rollout is not None else {"rlhf.tool_parser": runner.parser_name}

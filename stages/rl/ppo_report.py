@@ -32,6 +32,10 @@ def initial_ratio_threshold(cfg: PPOConfig, precision: Precision) -> float:
     return 5e-2 if rounds_to_16_bits(cfg, precision) else 1e-3
 
 
+FAILED_SHARE_WARNING = 0.1
+"""A share of failed episodes above which an iteration warns."""
+
+
 def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, iteration: int,
               previous_length: float | None = None) -> list[str]:
     found = []
@@ -51,6 +55,9 @@ def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, 
                      f"{figures['rollout/filled_share']:.0%} of the batch with groups whose scores are all equal (no "
                      f"signal; {figures['rollout/filtered_share']:.0%} of the groups sampled were): raise "
                      "dynamic_sampling.max_rounds, or give the reward more spread")
+    if figures.get("rollout/failed_share", 0.0) > FAILED_SHARE_WARNING:
+        found.append(f"{figures['rollout/failed_share']:.0%} of the episodes failed (left out of the update; the "
+                     "samples table's episodes say why; environment.max_failed_share stops the run)")
     if figures["rollout/eos_rate"] < cfg.warnings.eos_rate:
         found.append(f"only {figures['rollout/eos_rate']:.0%} of responses end with EOS")
     if figures["train/ratio_max"] > cfg.warnings.ratio_max:

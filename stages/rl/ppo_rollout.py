@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from stages.common.reporting import timed
 from stages.common.tensors import entropy_of, is_end, logprobs_of, response_mask
 from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling
-from stages.envs.episode import EpisodeGeneration
+from stages.envs.episode import EpisodeGeneration, check_failed_share
 from stages.envs.loop import EpisodeRunner
 from stages.rl.batch import Rollout, concat
 from stages.rl.ppo_models import Models, forward_response, policy_and_values, reference_policy
@@ -96,9 +96,12 @@ def rollout(models: Models, sampler: Sampler, prompts: list[str], sampling: Samp
     models.train(False)
     chunks = in_chunks(prompts, sampling)
     episodes = [None] * len(chunks) if episodic is None else episodic.chunks(sampling)
-    return concat([_rollout_chunk(models, sampler, chunk, sampling, timings, earlier, rows)
-                   for chunk, earlier, rows in zip(chunks, sampled or [None] * len(chunks), episodes, strict=True)],
-                  models.tokenizer.pad_token_id)
+    batch = concat([_rollout_chunk(models, sampler, chunk, sampling, timings, earlier, rows)
+                    for chunk, earlier, rows in zip(chunks, sampled or [None] * len(chunks), episodes, strict=True)],
+                   models.tokenizer.pad_token_id)
+    if episodic is not None:  # a template or environment that fails most episodes stops the run, saying why
+        check_failed_share(batch.episodes, episodic.runner.settings.max_failed_share)
+    return batch
 
 
 def _sampled(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
