@@ -407,3 +407,17 @@ def wait_until_healthy(process, url: str, timeout_s: float, log=lambda: "") -> N
             pass
         assert time.monotonic() < deadline, f"{url} did not answer within {timeout_s:g} s:\n{log()}"
         time.sleep(0.3)
+
+
+class SandboxDown:
+    """An environment (`environment.factory: tests.helpers:sandbox_down`) whose every step raises."""
+
+    def reset(self, row: dict) -> list[dict]:
+        return list(row["messages"])
+
+    def step(self, turn):
+        raise RuntimeError("the sandbox is down")
+
+
+def sandbox_down(row: dict) -> SandboxDown:
+    return SandboxDown()

@@ -137,7 +137,7 @@ def test_a_template_that_rewrites_earlier_turns_works_and_one_whose_answers_depe
     numbering = copy.deepcopy(chat_tokenizer)
     numbering.chat_template = TOOL_TEMPLATE.replace("<|system|>{{ message['content'] }}",
                                                     "<|system|>{{ loop.index }}: {{ message['content'] }}")
-    with pytest.raises(TemplateNotAppendOnly, match="test-model renders a tool's answer differently after a longer "
+    with pytest.raises(TemplateNotAppendOnly, match="test-model renders a tool's answer differently the longer the "
                                                     "conversation"):
         _runner(numbering)
     no_tool_role = copy.deepcopy(chat_tokenizer)
@@ -424,3 +424,81 @@ def test_the_escape_hatch_writes_whole_episodes_for_training_and_evaluation(chat
     with pytest.raises(StageUserError, match="must return a stages.envs.episode.Episode"):
         EpisodeRunner(settings=config, make=None, rollout=lambda row, engine, tokenizer: "text", chat=runner.chat,
                       stop_ids=runner.stop_ids, turn_tokens=16).episodes(engine, [ROW], 1.0)
+
+
+def test_a_run_whose_every_episode_fails_stops_naming_the_reason(tools_trained, tmp_path):
+    """An environment that fails every episode: the stage stops at the first iteration past
+    `max_failed_share`, naming the failures' reason, instead of training on nothing."""
+    from stages.envs.episode import TooManyFailedEpisodes
+    from tests.helpers import run_ppo
+
+    cfg, trained = tools_trained
+    ppo = _tool_cfg(cfg, num_iterations=2, environment={"factory": "tests.helpers:sandbox_down", "tools": None})
+    with pytest.raises(TooManyFailedEpisodes, match=r"episodes failed, over environment.max_failed_share \(50%\); "
+                                                    r"the first reasons: RuntimeError: the sandbox is down"):
+        run_ppo(ppo, trained, tmp_path / "failing")
+
+
+# --- nothing the policy writes or a tool does crashes or hangs the stage -------------------------------
+
+
+NESTED = '<tool_call>{"name": "f", "arguments": {"x": ' + "[" * 3000 + "]" * 3000 + "}}</tool_call>"
+HUGE_INTEGER = '<tool_call>{"name": "f", "arguments": {"x": ' + "7" * 5000 + "}}</tool_call>"
+
+
+def test_a_nested_or_huge_call_is_a_malformed_call_in_every_convention():
+    """~3,000 nested brackets (RecursionError in json) and a 5,000-digit integer (ValueError): each
+    parser reads a malformed call, with its reason, and never raises; nor on truncated markers."""
+    from stages.envs.parsers import PARSERS, never_raising
+
+    assert "RecursionError" in hermes(NESTED).calls[0] and "ValueError" in hermes(HUGE_INTEGER).calls[0]
+    texts = [NESTED, HUGE_INTEGER, "[TOOL_CALLS] " + "[" * 3000,
+             "<|tool_call_start|>[" + "(" * 3000 + "]<|tool_call_end|>",
+             '{"name": "f", "parameters": ' + "[" * 3000, "<tool_call><function=f><parameter=x>" + "7" * 5000,
+             "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>" + "{" * 3000,
+             "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n" + "[" * 3000 + "<｜tool▁call▁end｜>",
+             "<tool_call>f<arg_key>x</arg_key>", "<tool_call>", "</think>", "<think>", ""]
+    for name, parse in PARSERS.items():
+        for text in texts:
+            turn = never_raising(parse)(text)
+            assert all(isinstance(c, str) for c in turn.calls), (name, text[:40])
+            turn.message()  # and it makes a chat message
+
+
+def test_the_nested_call_through_the_loop_is_answered_as_malformed(chat_tokenizer):
+    """The same call sampled by the policy: answered with the reason, the episode goes on."""
+    engine = Scripted(chat_tokenizer, [NESTED, "The cat is warm."])
+    [episode] = _runner(chat_tokenizer, episode_tokens=20000, turn_tokens=20000).run(engine, [ROW], 1.0)
+    assert episode.status == "ok" and episode.turns == 2
+    assert "RecursionError" in episode.messages[2]["content"] and episode.messages[2]["role"] == "tool"
+
+
+def test_a_turns_calls_run_at_once_and_a_hung_tool_times_out(chat_tokenizer):
+    """Two calls that each wait for the other (a barrier of two) both answer: they ran at once. A tool
+    that never returns is answered `timed out` after `tool_timeout_s`, left running on a daemon thread."""
+    import threading
+
+    from stages.envs.parsers import AssistantTurn, ToolCall
+
+    barrier, release = threading.Barrier(2, timeout=30), threading.Event()
+
+    def meet(subject: str = "") -> str:
+        """Meets the other call."""
+        barrier.wait()
+        return "met"
+
+    def hang(subject: str = "") -> str:
+        """Never answers while the test runs."""
+        release.wait(60)
+        return "late"
+
+    settings = EnvironmentConfig(tools="tests.helpers:scripted_tools", tool_timeout_s=0.5, max_malformed_calls=5,
+                                 max_tool_output_chars=2)
+    environment = ToolEnvironment([meet, hang], settings)
+    step = environment.step(AssistantTurn("", "", None, [ToolCall("meet", {}), ToolCall("meet", {})]))
+    assert [m["content"] for m in step.messages] == ["me... [cut: 1 more characters]"] * 2 and step.reward == 0
+    step = environment.step(AssistantTurn("", "", None, [ToolCall("hang", {})]))
+    assert step.messages[0]["content"].startswith("error: the tool did not answer within 0.5 s")
+    assert step.reward == -1.0
+    assert any(t.name == "tool-hang" and t.is_alive() and t.daemon for t in threading.enumerate())
+    release.set()

@@ -94,7 +94,8 @@ class ToolEnvironment:
                 if self.malformed > self.settings.max_malformed_calls:
                     raise TooManyMalformedCalls(f"{self.malformed} malformed tool calls (the last: {answer[:200]})")
             name = call.name if isinstance(call, ToolCall) else ""
-            results.append({"role": "tool", "name": name, "content": cut(answer, self.settings.max_tool_output_chars)})
+            content = cut(answer, self.settings.max_tool_output_chars) if ran else answer  # our errors are short
+            results.append({"role": "tool", "name": name, "content": content})
         return Step(results, reward, False)
 
     def schemas(self) -> list[dict]:

@@ -37,14 +37,23 @@ BASE_PROMPT = [{"role": "user", "content": "Hi."}]
 """The fixed conversation an observation is rendered after (with a stand-in of the model's turn)."""
 
 
-def stand_in_turn(messages: list[dict]) -> dict:
+def stand_in_turn(messages: list[dict], reasoning: bool) -> dict:
     """The model's turn in the fixed base: one call per tool message that answers it (named as the
     message is), so a template that pairs answers with calls renders them; plain text otherwise."""
     names = [m.get("name") or "tool" for m in messages if m.get("role") == "tool"]
-    if not names:
-        return {"role": "assistant", "content": "Ok."}
-    return {"role": "assistant", "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": n, "arguments": {}}} for n in names]}
+    turn = {"role": "assistant", "content": "Ok."} if not names else {
+        "role": "assistant", "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": n, "arguments": {}}} for n in names]}
+    return turn | ({"reasoning_content": "Hm."} if reasoning else {})
+
+
+def fixed_base(messages: list[dict], rounds: int, reasoning: bool) -> list[dict]:
+    """The conversation an observation of `messages` is rendered after: `BASE_PROMPT`, `rounds` earlier
+    rounds (a reasoning turn's call and its answer: a template may render the first answer of a
+    conversation unlike later ones, as DeepSeek-V3's does), then the stand-in of the model's turn."""
+    earlier = [stand_in_turn(messages, reasoning=True), *({"role": "tool", "name": m.get("name") or "tool",
+                                                          "content": "1"} for m in messages)]
+    return [*BASE_PROMPT, *earlier * rounds, stand_in_turn(messages, reasoning)]
 
 
 @dataclass(frozen=True)
@@ -74,18 +83,28 @@ class ChatDelta:
     def ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def observation(self, messages: list[dict], tools: list[dict] | None, stop: str,
-                    history: list[dict] | None = None) -> str:
+    def observation(self, messages: list[dict], tools: list[dict] | None, stop: str, rounds: int) -> str:
         """What follows a model's turn that ended with `stop`: the template's text after that token (the
         turn's closing glue), `messages`, and the next turn's opening, rendered after a fixed base
-        (`BASE_PROMPT` and a stand-in of the turn), never after the episode's own turns. `history`: the
-        messages to render after instead (the probe's longer conversation); the glue stays the base's."""
-        base = [*BASE_PROMPT, stand_in_turn(messages)]
-        opened, closed = self.render(base[:-1], tools), self.render(base, tools, generation=False)
-        self._appends(opened, closed, "an assistant's turn")
-        turn = closed[len(opened):]
-        if history is not None:
-            base, closed = history, self.render(history, tools, generation=False)
+        (`fixed_base`: `rounds` earlier call-and-answer rounds, then a stand-in of the turn), never after
+        the episode's own turns. The stand-in has no reasoning or, where the template renders it
+        differently once a message follows (Qwen3's empty block on the last turn), a reasoning block."""
+        try:
+            return self._observation(messages, tools, stop, rounds, reasoning=False)
+        except TemplateNotAppendOnly as first:
+            try:
+                return self._observation(messages, tools, stop, rounds, reasoning=True)
+            except TemplateNotAppendOnly:
+                raise first from None
+
+    def _observation(self, messages: list[dict], tools: list[dict] | None, stop: str, rounds: int,
+                     reasoning: bool) -> str:
+        first = fixed_base(messages, 0, reasoning)  # the turn's closing glue, as the first turn renders it
+        before, closed = self.render(first[:-1], tools, generation=False), self.render(first, tools, generation=False)
+        self._appends(before, closed, "an assistant's turn")
+        turn = closed[len(before):]
+        base = fixed_base(messages, rounds, reasoning)
+        closed = self.render(base, tools, generation=False)
         extended = self.render(base + list(messages), tools)
         self._appends(closed, extended, f"a {messages[0]['role']!r} message" if messages else "a message")
         added = extended[len(closed):]
@@ -255,7 +274,8 @@ class EpisodeRunner:
         that ended with `stop_id` (its closing glue, the messages, the next turn's opening)."""
         episode.messages = episode.messages + list(messages)
         stop = self.chat.tokenizer.decode([stop_id], skip_special_tokens=False)
-        return self.chat.ids(self.chat.observation(list(messages), episode.tools, stop))
+        rounds = min(sum(not s.trainable for s in episode.segments[1:]), 1)  # the first observation, or a later one
+        return self.chat.ids(self.chat.observation(list(messages), episode.tools, stop, rounds))
 
 
 def without_special_tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> str:
@@ -287,33 +307,25 @@ def checked_episode(episode: object, row: dict) -> Episode:
     return episode
 
 
-PROBE_CALL = {"type": "function", "function": {"name": "probe", "arguments": {"q": "x"}}}
-PROBE = [{"role": "user", "content": "Hello?"},
-         {"role": "assistant", "content": "", "reasoning_content": "Let me look.", "tool_calls": [PROBE_CALL]},
-         {"role": "tool", "name": "probe", "content": "42"},
-         {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]}]
-"""The probe's conversation: a reasoning turn with a structured call, its answer, a second call."""
-
-
 def probe_template(chat: ChatDelta) -> None:
     """Refuse, before any episode runs, a template that cannot render a tool's answer after a call, or
-    whose rendering of that answer depends on the conversation before it (the fixed-base delta would
-    then differ from what the model meets in the template's own rendering), naming what changed."""
+    whose rendering of an answer still depends on the conversation before it after one earlier round
+    (the fixed base would then differ from the template's own rendering), naming what changed."""
     answer = [{"role": "tool", "name": "probe", "content": "43"}]
     stop = chat.stop_texts[0] if chat.stop_texts else ""
     try:
-        fixed = chat.observation(answer, None, stop)
-        later = chat.observation(answer, None, stop, history=PROBE)
+        first, later, later_still = (chat.observation(answer, None, stop, rounds) for rounds in (0, 1, 2))
     except TemplateNotAppendOnly:
         raise
     except Exception as e:  # noqa: BLE001 - a template's own error (jinja's raise_exception, a missing key)
         raise StageUserError(f"the chat template of {chat.model} cannot render a conversation with a tool's answer "
                              f"({type(e).__name__}: {e}); multi-turn episodes need one that can") from None
-    if fixed != later:
+    if later != later_still:
         raise TemplateNotAppendOnly(
-            f"the chat template of {chat.model} renders a tool's answer differently after a longer conversation: "
-            f"{fixed!r} after one call, {later!r} after two, so an observation's tokens would depend on the "
-            "episode's history. Set `chat_template` to one that renders each message on its own")
+            f"the chat template of {chat.model} renders a tool's answer differently the longer the conversation: "
+            f"{first!r} after one call, {later!r} after two, {later_still!r} after three, so an observation's "
+            "tokens would depend on the episode's history. Set `chat_template` to one that renders each message "
+            "on its own")
 
 
 def episode_runner(settings: EnvironmentConfig | None, tokenizer: PreTrainedTokenizerBase, model: str,

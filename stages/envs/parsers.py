@@ -84,8 +84,10 @@ def _call(name: object, arguments: object) -> ToolCall | str:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except (ValueError, RecursionError) as e:
             return f"the call's arguments are not JSON: {type(e).__name__}"
-    if not isinstance(name, str) or not name.strip() or not isinstance(arguments, dict):
+    if not isinstance(name, str) or not isinstance(arguments, dict):
         return CALL_SHAPE
+    if not re.fullmatch(r"[\w.:/\-]{1,128}", name.strip()):
+        return f"{name.strip()[:40]!r} is not a tool's name"
     return ToolCall(name.strip(), arguments)
 
 
@@ -284,25 +286,25 @@ PARSERS: dict[str, ToolParser] = {
 }
 """The built-in conventions by name: `environment.tool_parser` besides `auto` and `module:function`."""
 
-DETECTED = (  # the first marker a chat template writes for a call decides its convention
+DETECTED = (  # the first marker a chat template writes for a call decides its convention (None: none of ours)
     ("<|channel|>", "harmony"),
+    ("<|tool_call>", None),  # Gemma 4's `call:NAME{...}`
+    ("<atem:invoke", None),  # Muse's XML invocations
     ("tool▁call▁begin", "deepseek"),
     ("<arg_key>", "glm"),
     ("<function=", "qwen3_coder"),
     ("<tool_call>", "hermes"),
     ("[TOOL_CALLS]", "mistral"),
     ("<|tool_call_start|>", "pythonic"),
+    ("<|tool_list_start|>", "pythonic"),  # LFM2, whose calls are the assistant's text
     ('"parameters": ', "llama3_json"),
     ("<|python_tag|>", "llama3_json"),
 )
 
 
 def detect_parser(chat_template: str | None) -> str | None:
-    """The convention a chat template writes tool calls in, by its markers; None where none is known."""
-    for marker, name in DETECTED:
-        if chat_template and marker in chat_template:
-            return name
-    return None
+    """The convention a chat template writes tool calls in, by its markers; None where none of ours is."""
+    return next((name for marker, name in DETECTED if chat_template and marker in chat_template), None)
 
 
 def never_raising(parse: ToolParser) -> ToolParser:
@@ -343,7 +345,7 @@ def tool_parser(name: str, tokenizer, model: str,
             return never_raising(response_template_parser(tokenizer, "", None)), "response_template"
         template = tokenizer.chat_template or ""
         detected = detect_parser(template)
-        if detected is None and "tool_calls" not in template:  # calls are the model's text as it learned it
+        if not any(marker in template for marker, _ in DETECTED) and "tool_calls" not in template:  # text as is
             return never_raising(hermes), "hermes (auto: the chat template renders no structured calls)"
         if detected is None:
             raise StageUserError(
