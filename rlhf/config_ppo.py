@@ -147,7 +147,7 @@ class EnvironmentConfig(_Frozen):
     tools: str | None = None
     """`module:function` giving a prompt record's tools (typed Python functions) to the built-in tool-calling loop."""
     factory: str | None = None
-    """`module:function` giving a prompt record's environment (`reset(row)`, `step(text)`), for other environments."""
+    """`module:function` giving a prompt record's environment (`reset(row)`, `step(turn)`), for other environments."""
     rollout: str | None = None
     """`module:function` `(row, engine, tokenizer) -> Episode`: a whole episode by hand, for what the loop cannot do."""
     paths: list[str] = []
