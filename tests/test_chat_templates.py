@@ -153,3 +153,24 @@ def test_a_scripted_episode_on_every_shipped_template(families, name):
         text = tokenizer.decode(observation.ids)
         assert helpers.TOOL_ANSWER in text
         assert stop + text in runner.chat.render(episode.messages[:upto], tools), name
+
+
+def test_the_answer_is_scored_without_its_reasoning_unless_asked(families):
+    """Qwen3 (thinking): the reward terms see the last turn's answer, its reasoning block only with
+    `reward.sees_reasoning`; each turn is recorded as a structured message and in the transcript."""
+    from stages.envs.episode import transcript
+
+    tokenizer = _tokenizer(families, "qwen3")
+    config = EnvironmentConfig(tools="tests.helpers:scripted_tools", max_turns=4, episode_tokens=2048)
+    texts, stops = _script(tokenizer, "hermes", False, True)
+    turns = [tokenizer(t + s, add_special_tokens=False)["input_ids"]
+             for t, s in zip(texts[1:], stops[1:], strict=True)]
+    for sees, answer in ((False, ANSWER), (True, f"<think>\n{REASONING}\n</think>\n\n{ANSWER}")):
+        runner = episode_runner(config, tokenizer, "qwen3", [tokenizer.convert_tokens_to_ids("<|im_end|>")], 256,
+                                sees)
+        [episode] = runner.run(Scripted(turns, tokenizer.pad_token_id), [ROW], 1.0)
+        assert episode.status == "ok" and episode.answer == answer
+        call = {"type": "function", "function": {"name": "f", "arguments": {"subject": "cat"}}}
+        assert episode.messages[1] == {"role": "assistant", "content": "", "reasoning_content": REASONING,
+                                       "tool_calls": [call]}
+        assert f'[assistant] (thinking) {REASONING} -> f({{"subject": "cat"}})' in transcript(episode)

@@ -276,6 +276,8 @@ def test_ppo_trains_in_episodes_on_the_tool_world(tools_trained, tmp_path, estim
     assert {"episode", "status", "liked"} <= set(rollouts[ppo.num_iterations].columns)
     assert {"policy_episode", "sft_episode", "liked"} <= set(result.evaluation.columns)
     assert "[user]" in result.evaluation["policy_episode"].iloc[0]
+    assert result.tags["rlhf.tool_parser"] == "hermes (auto: the chat template renders no structured calls)"
+    assert last["rollout/reasoning_tokens"] == 0  # the demo's model does not think
 
 
 def test_a_killed_run_in_episodes_resumes_to_the_same_end(tools_trained, tmp_path):
@@ -502,3 +504,4 @@ def test_a_turns_calls_run_at_once_and_a_hung_tool_times_out(chat_tokenizer):
     assert step.reward == -1.0
     assert any(t.name == "tool-hang" and t.is_alive() and t.daemon for t in threading.enumerate())
     release.set()
+
