@@ -79,6 +79,7 @@ def synthetic_episodes(learner, prompt_lengths: list[int], response_lengths: lis
     batch = TrainingBatch(queries=queries, query_mask=query_mask, responses=responses, mask=mask, logprobs=logprobs,
                           ref_logprobs=logprobs, values=values * mask, entropy=torch.zeros_like(mask),
                           has_eos=torch.ones(n, dtype=torch.bool), texts=[""] * n, prompts=[""] * n,
+                          trainable=mask, turn_rewards=torch.zeros_like(mask),
                           advantages=torch.randn(n, 1, generator=generator) * mask,
                           returns=torch.randn(n, steps, generator=generator) * mask)
     return Episodes(iteration=99, batch=batch, messages=[], scores=None, kl=torch.zeros_like(mask),

@@ -394,7 +394,7 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
     batch = TrainingBatch(queries=queries, query_mask=query_mask, responses=responses, mask=mask, logprobs=per_token,
                           ref_logprobs=per_token, values=per_token, entropy=per_token,
                           has_eos=torch.ones(3, dtype=torch.bool), texts=["a", "b", "c"], prompts=["p", "q", "r"],
-                          advantages=per_token, returns=per_token)
+                          trainable=mask, turn_rewards=torch.zeros_like(mask), advantages=per_token, returns=per_token)
     micro = micro_batch(batch, torch.tensor([1, 0]))
     assert micro.queries.tolist() == [[pad, 7], [5, 6]] and micro.query_mask.tolist() == [[0, 1], [1, 1]]
     assert micro.responses.tolist() == [[9, pad], [8, eos]] and micro.values.tolist() == [[4.0, 5.0], [0.0, 1.0]]

@@ -55,6 +55,7 @@ def _inputs(**changes) -> EstimatorInputs:
     torch.manual_seed(0)
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])
     return EstimatorInputs(scores=torch.tensor([1.0, -0.5, 2.0, 0.25]), kl=torch.rand(4, 3) * mask, beta=0.1,
+                           turn_rewards=changes.pop("turn_rewards", torch.zeros(4, 3)),
                            mask=mask, values=torch.rand(4, 3) * mask, group_size=2, gamma=0.9, lam=0.8,
                            **changes)
 
@@ -104,7 +105,7 @@ def _rollout(prompt_width: int, steps: int, first: int) -> Rollout:
                    responses=counting(steps).long(), mask=torch.ones(2, steps), logprobs=counting(steps),
                    ref_logprobs=counting(steps), values=None, entropy=counting(steps),
                    has_eos=torch.tensor([True, False]), texts=[f"t{first}", f"u{first}"],
-                   prompts=[f"p{first}", f"q{first}"])
+                   prompts=[f"p{first}", f"q{first}"], trainable=torch.ones(2, steps), turn_rewards=counting(steps))
 
 
 def test_concat_pads_prompts_on_the_left_and_responses_on_the_right_and_joins_the_rest():

@@ -382,9 +382,9 @@ def test_a_dropped_response_trains_nothing_and_leaves_its_groups_baseline_alone(
     episodes = episodes_of(Accelerator(cpu=True), cfg, 1, Sampled(batch=batch, messages=[[]] * 4, scores=scores),
                            kl_weights(cfg, 0.0))
     trained = episodes.batch
-    assert trained.own[1].sum() == 0 and torch.equal(trained.own[[0, 2, 3]], batch.own[[0, 2, 3]])
+    assert trained.trainable[1].sum() == 0 and torch.equal(trained.trainable[[0, 2, 3]], batch.trainable[[0, 2, 3]])
     # group 0: the dropped row stands at its partner's score, so the partner's advantage is 0, not 1 - 0
-    assert torch.all(trained.advantages[0] == 0) and torch.all(trained.advantages[1] * trained.own[1] == 0)
+    assert torch.all(trained.advantages[0] == 0) and torch.all(trained.advantages[1] * trained.trainable[1] == 0)
     assert trained.advantages[2, 0] < 0 < trained.advantages[3, 0]
 
 
@@ -395,7 +395,8 @@ def _rollout(rows: int, steps: int):
     return Rollout(queries=torch.ones(rows, 2, dtype=torch.long), query_mask=torch.ones(rows, 2),
                    responses=torch.ones(rows, steps, dtype=torch.long), mask=torch.ones(rows, steps),
                    logprobs=zeros, ref_logprobs=zeros, values=None, entropy=zeros,
-                   has_eos=torch.ones(rows, dtype=torch.bool), texts=["r"] * rows, prompts=["p"] * rows)
+                   has_eos=torch.ones(rows, dtype=torch.bool), texts=["r"] * rows, prompts=["p"] * rows,
+                   trainable=torch.ones(rows, steps), turn_rewards=zeros)
 
 
 @pytest.mark.multiprocess

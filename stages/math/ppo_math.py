@@ -213,16 +213,15 @@ class EstimatorInputs:
     lam: float = 0.95  # GAE's lambda
     whiten_rewards: bool = False  # GAE: whiten the token rewards (not their mean) before the recursion
     std_normalize: bool = True  # GRPO: divide by the group's std (false: Dr. GRPO)
-    turn_rewards: torch.Tensor | None = None  # (B, T) an episode's turn rewards, each on its turn's last token
+    turn_rewards: torch.Tensor  # (B, T) each turn's reward on its turn's last token (0 for a single response)
 
     def token_rewards(self) -> torch.Tensor:
         """r_t = -beta * KL_t, the score on the last token and each turn's reward on its own last. # (B, T)"""
-        rewards = token_rewards(self.scores, self.kl, self.beta, self.mask)
-        return rewards if self.turn_rewards is None else rewards + self.turn_rewards
+        return token_rewards(self.scores, self.kl, self.beta, self.mask) + self.turn_rewards
 
     def episode_scores(self) -> torch.Tensor:
         """Each episode's score with its turn rewards summed in: what a group baseline compares. # (B,)"""
-        return self.scores if self.turn_rewards is None else self.scores + self.turn_rewards.sum(dim=1)
+        return self.scores + self.turn_rewards.sum(dim=1)
 
 
 def gae_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +249,7 @@ def reinforce_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tu
 
 def reinforce_baseline_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
     """REINFORCE++-baseline: REINFORCE++ on the score less its group's mean."""
-    baselined = group_baselined(e.scores, e.group_size, None if e.turn_rewards is None else e.episode_scores())
+    baselined = group_baselined(e.scores, e.group_size, e.episode_scores())
     return reinforce_estimate(dataclasses.replace(e, scores=baselined), whiten)
 
 

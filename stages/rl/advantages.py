@@ -68,8 +68,9 @@ def episodes_of(accelerator: Accelerator, cfg: PPOConfig, iteration: int, sample
     """The KL, the advantages (and GAE's returns), the engine weights and the loss mask of a scored rollout."""
     batch, scores = sampled.batch, sampled.scores
     if scores.dropped is not None:  # a response a server never scored trains nothing, as a failed episode
-        batch = dataclasses.replace(batch, trainable=batch.own * (~scores.dropped).unsqueeze(1).to(batch.own.dtype))
-    kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.own  # (B, T)
+        kept = (~scores.dropped).unsqueeze(1).to(batch.trainable.dtype)  # (B, 1)
+        batch = dataclasses.replace(batch, trainable=batch.trainable * kept)
+    kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.trainable  # (B, T)
     advantages, returns = advantages_and_returns(accelerator, cfg, batch, kl, scores.reward, weights.in_reward,
                                                  scores.dropped)
     trained = TrainingBatch.of(batch, advantages=advantages, returns=returns,
@@ -91,21 +92,21 @@ def advantages_and_returns(accelerator: Accelerator, cfg: PPOConfig, batch: Roll
     failed = torch.zeros_like(reward, dtype=torch.bool) if dropped is None else dropped  # (B,)
     if batch.episodes is not None:
         failed = failed | torch.tensor([e.status == "failed" for e in batch.episodes], device=reward.device)
-    if failed.any():  # a failed or dropped episode trains nothing and leaves its group's baseline alone
-        totals = None if batch.turn_rewards is None else reward + batch.turn_rewards.sum(dim=1)  # (B,)
-        reward = failed_at_group_mean(reward, failed, cfg.samples_per_prompt, totals)
-    inputs = EstimatorInputs(scores=reward, kl=kl, beta=beta, mask=batch.own, values=batch.values,
+    inputs = EstimatorInputs(scores=reward, kl=kl, beta=beta, mask=batch.trainable, values=batch.values,
                              group_size=cfg.samples_per_prompt, gamma=cfg.gamma,
                              lam=cfg.critic.lam if cfg.critic is not None else 0.95,
                              whiten_rewards=cfg.critic is not None and cfg.critic.whiten_rewards,
                              std_normalize=cfg.group_std_normalize, turn_rewards=batch.turn_rewards)
+    if failed.any():  # a failed or dropped episode trains nothing and leaves its group's baseline alone
+        held = failed_at_group_mean(reward, failed, cfg.samples_per_prompt, inputs.episode_scores())
+        inputs = dataclasses.replace(inputs, scores=held)
 
     def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
         return whiten_over_processes(accelerator, x, mask, shift_mean=shift_mean)
 
     advantages, returns = estimator.estimate(inputs, whiten)
     if estimator.whitened or cfg.group_batch_normalize:
-        advantages = whiten(advantages, batch.own)
+        advantages = whiten(advantages, batch.trainable)
     return advantages, returns
 
 
@@ -114,8 +115,8 @@ def engine_weights(batch: Rollout, cfg: PPOConfig) -> torch.Tensor | None:
     (`vllm.importance_sampling`); None where the trainer sampled or the correction is off. # (B, T)"""
     if batch.engine_logprobs is None or cfg.vllm.importance_sampling is None:
         return None
-    return engine_importance_weights(batch.logprobs, batch.engine_logprobs, batch.own, cfg.vllm.importance_sampling,
-                                     cfg.vllm.importance_sampling_cap)
+    return engine_importance_weights(batch.logprobs, batch.engine_logprobs, batch.trainable,
+                                     cfg.vllm.importance_sampling, cfg.vllm.importance_sampling_cap)
 
 
 def loss_mask(batch: Rollout, cfg: PPOConfig) -> torch.Tensor | None:
@@ -123,4 +124,4 @@ def loss_mask(batch: Rollout, cfg: PPOConfig) -> torch.Tensor | None:
     responses cut off without an end token; None (the response mask) otherwise. # (B, T)"""
     if not cfg.mask_truncated_responses:
         return None
-    return batch.own * batch.has_eos.unsqueeze(1)
+    return batch.trainable * batch.has_eos.unsqueeze(1)

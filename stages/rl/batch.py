@@ -8,8 +8,18 @@ taking rows (`rows_of`), joining consecutive batches (`concat`) and dropping all
 
     prompt columns    (B, Tq) left-padded: the prompt's ids and mask
     response columns  (B, T) right-padded: response ids, mask and every per-token figure (in a multi-turn
-                      episode, everything after the prompt; `own` marks the model's tokens)
+                      episode, everything after the prompt)
     per row           (B,) tensors, or lists with one item per row
+
+The masks over the response columns, each (B, T), one meaning each:
+
+    mask        every real token after the prompt: what the forward passes attend to
+    trainable   the model's own tokens (a single response: `mask`; an episode: its turns, not the tool
+                results or the template's glue; none of a failed episode's or of a response a remote
+                term left unscored): what the KL, the advantages, whitening and the losses count
+    loss_mask   `trainable` less the responses cut off without an end token, with
+                `mask_truncated_responses`; None otherwise (a `TrainingBatch` field)
+    counted     `loss_mask` where set, else `trainable`: the tokens a loss term sums and divides by
 """
 
 from __future__ import annotations
@@ -62,18 +72,13 @@ class Rollout:
     prompts: list[str] = per_row()  # the prompts, rendered
     engine_logprobs: torch.Tensor | None = response_columns(default=None)
     """(B, T) the sampling engine's own log-probs (vLLM), masked; None: the trainer sampled."""
-    trainable: torch.Tensor | None = response_columns(default=None)
-    """(B, T) 1.0 on the model's own tokens of a multi-turn episode (`stages.envs`): tool results and the
-    template's glue are context, in no loss term or denominator; None: every response token is the model's."""
-    turn_rewards: torch.Tensor | None = response_columns(default=None)
-    """(B, T) a multi-turn episode's turn rewards, each on its turn's last token; None: single-turn."""
+    trainable: torch.Tensor = response_columns()
+    """(B, T) 1.0 on the model's own tokens: what the KL, the advantages and the losses count (a single
+    response's every real token; an episode's turns, not its tool results or glue, none of a failed one's)."""
+    turn_rewards: torch.Tensor = response_columns()
+    """(B, T) each turn's reward (`step`'s) on its turn's last token; 0 everywhere for a single response."""
     episodes: list[Episode] | None = per_row(default=None)
     """Each row's multi-turn episode (its turns, tool calls, status, transcript); None: single-turn."""
-
-    @property
-    def own(self) -> torch.Tensor:
-        """The model's own response tokens: what the KL, the advantages and the losses count. # (B, T)"""
-        return self.mask if self.trainable is None else self.trainable
 
 
 @dataclass(kw_only=True)
@@ -95,7 +100,7 @@ class TrainingBatch(Rollout):
     @property
     def counted(self) -> torch.Tensor:
         """The tokens the loss terms count. # (B, T)"""
-        return self.own if self.loss_mask is None else self.loss_mask
+        return self.trainable if self.loss_mask is None else self.loss_mask
 
 
 def rows_of(batch: Batch, rows: list[int] | torch.Tensor) -> Batch:

@@ -28,13 +28,11 @@ from stages.engines.sampler import Sampler
 from stages.envs.episode import Episode, episode_figures, transcript
 from stages.envs.loop import EpisodeRunner
 from stages.math.ppo_math import kl_estimate, weighted_reward
-from stages.rl.ppo_models import Models, reference_policy
+from stages.rl.ppo_models import Models
 from stages.rl.ppo_rollout import (
     Episodic,
-    in_chunks,
     own_random_stream,
     reference_responses,
-    reference_sampler,
     rollout,
 )
 
@@ -100,16 +98,8 @@ class HeldOut:
         held_out = cls(prompts=prompts, messages=messages, sft_texts=[], sft_complete=[], columns=records,
                        runner=runner)
         models.train(False)
-        if runner is None:
-            texts, complete = reference_responses(models, prompts, sampling, evaluation.seed)
-            return dataclasses.replace(held_out, sft_texts=texts, sft_complete=complete)
-        with own_random_stream(models.policy.device), reference_policy(models) as reference:
-            torch.manual_seed(evaluation.seed)
-            sampler = reference_sampler(models, reference)
-            episodes = [e for rows in in_chunks(held_out.episodic.rows, sampling)
-                        for e in runner.run(sampler, rows, sampling.temperature)]
-        return dataclasses.replace(held_out, sft_texts=[e.answer for e in episodes],
-                                   sft_complete=[e.status == "ok" for e in episodes], sft_episodes=episodes)
+        sft = reference_responses(models, prompts, sampling, evaluation.seed, held_out.episodic)
+        return dataclasses.replace(held_out, sft_texts=sft.texts, sft_complete=sft.complete, sft_episodes=sft.episodes)
 
 
 @torch.no_grad()
@@ -125,10 +115,10 @@ def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: Ev
     prompts, messages = held_out.prompts, held_out.messages
     torch.manual_seed(evaluation.seed + 1)
     policy = rollout(models, sampler, prompts, sampling, {}, episodic=held_out.episodic)
-    kl = (kl_estimate(policy.logprobs, policy.ref_logprobs) * policy.own).sum(1)
+    kl = (kl_estimate(policy.logprobs, policy.ref_logprobs) * policy.trainable).sum(1)
     table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
                           "policy_response": policy.texts, "sft_response": held_out.sft_texts, "kl": kl.cpu().numpy()})
-    metrics = {"eval/kl": table["kl"].mean(), "eval/response_length": policy.own.sum(1).float().mean().item(),
+    metrics = {"eval/kl": table["kl"].mean(), "eval/response_length": policy.trainable.sum(1).float().mean().item(),
                "eval/eos_rate": policy.has_eos.float().mean().item()}
     if held_out.columns and held_out.columns[0]:  # the records' declared columns, which a judge may read
         table = table.assign(**pd.DataFrame(held_out.columns, index=table.index))

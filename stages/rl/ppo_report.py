@@ -83,8 +83,8 @@ def iteration_figures(learner: Learner, episodes: Episodes, train: dict[str, flo
         "rollout/non_score_reward": (-episodes.weights.in_reward * kl).sum(1).mean().item(),
         "rollout/kl": episodes.sequence_kl.mean().item(),
         "rollout/kl_coef": episodes.weights.beta,
-        "rollout/entropy": masked_mean(batch.entropy, batch.own).item(),
-        "rollout/response_length": batch.own.sum(1).float().mean().item(),
+        "rollout/entropy": masked_mean(batch.entropy, batch.trainable).item(),
+        "rollout/response_length": batch.trainable.sum(1).float().mean().item(),
         "rollout/eos_rate": batch.has_eos.float().mean().item(),
         **{f"train/{k}": v for k, v in train.items()},
         "train/learning_rate": learner.scheduler.get_last_lr()[0],
@@ -96,17 +96,17 @@ def iteration_figures(learner: Learner, episodes: Episodes, train: dict[str, flo
     if scores.dropped is not None:  # responses a server never scored, left out of the update
         figures["rollout/remote_failed_share"] = scores.dropped.float().mean().item()
     if batch.returns is not None:
-        figures["train/explained_variance"] = explained_variance(batch.values, batch.returns, batch.own)
+        figures["train/explained_variance"] = explained_variance(batch.values, batch.returns, batch.trainable)
     if learner.reward_functions or learner.remote_rewards or learner.cfg.reward.overlong:  # terms besides the RM's
         figures |= term_figures(scores.terms, {f.term.name for f in learner.reward_functions})
     if batch.engine_logprobs is not None:
-        gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.own  # (B, T)
-        figures |= {"rollout/vllm_logprob_gap": masked_mean(gap, batch.own).item(),
+        gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.trainable  # (B, T)
+        figures |= {"rollout/vllm_logprob_gap": masked_mean(gap, batch.trainable).item(),
                     "rollout/vllm_logprob_gap_max": gap.max().item()}
     if batch.episodes is not None:
         figures |= episode_figures(batch.episodes, "rollout")
     if batch.engine_weights is not None:
-        weights = batch.engine_weights[batch.own.bool()]  # (tokens,)
+        weights = batch.engine_weights[batch.trainable.bool()]  # (tokens,)
         capped = weights >= learner.cfg.vllm.importance_sampling_cap - 1e-6
         figures |= {"rollout/engine_importance_weight": weights.mean().item(),
                     "rollout/engine_importance_weight_std": weights.std().item() if len(weights) > 1 else 0.0,

@@ -49,20 +49,38 @@ def own_random_stream(device: torch.device):
 
 
 @torch.no_grad()
-def reference_responses(models: Models, prompts: list[str], sampling: SamplingConfig,
-                        seed: int) -> tuple[list[str], list[bool]]:
-    """The frozen reference's (the SFT policy's) responses to `prompts` and whether each ended,
-    sampled from `seed` on a random stream of its own, `sampling.micro_batch_size` at a time
+@dataclass(frozen=True)
+class ReferenceResponses:
+    """The frozen reference's answers: what the reward terms score of each, and whether it ended."""
+
+    texts: list[str]
+    complete: list[bool]
+    episodes: list | None = None
+    """Each prompt's `Episode`, where the answers are multi-turn."""
+
+
+def reference_responses(models: Models, prompts: list[str], sampling: SamplingConfig, seed: int,
+                        episodic: Episodic | None = None) -> ReferenceResponses:
+    """The frozen reference's (the SFT policy's) responses to `prompts`, or with `episodic` its
+    episodes, sampled from `seed` on a random stream of its own, `sampling.micro_batch_size` at a time
     (collective where the policy is sharded)."""
-    texts, complete = [], []
+    texts, complete, episodes = [], [], []
+    chunks = in_chunks(prompts, sampling)
+    rows = [None] * len(chunks) if episodic is None else [c.rows for c in episodic.chunks(sampling)]
     with own_random_stream(models.policy.device), reference_policy(models) as reference:
         torch.manual_seed(seed)
         sampler = reference_sampler(models, reference)
-        for chunk in in_chunks(prompts, sampling):
+        for chunk, records in zip(chunks, rows, strict=True):
+            if records is not None:
+                found = episodic.runner.run(sampler, records, sampling.temperature)
+                episodes += found
+                texts += [e.answer for e in found]
+                complete += [e.status == "ok" for e in found]
+                continue
             responses = sampler.generate(chunk, Sampling(sampling.response_length, sampling.temperature)).responses
             texts += models.tokenizer.batch_decode(responses, skip_special_tokens=True)
             complete += is_end(responses, models.stop_ids).any(dim=1).tolist()
-    return texts, complete
+    return ReferenceResponses(texts, complete, None if episodic is None else episodes)
 
 
 def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:
@@ -124,20 +142,19 @@ def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], samplin
     """Phases timed: `generate` (unless `sampled` earlier); `forward`, the passes after it: `values`
     (the critic on the sampling pass's outputs) or `policy_forward` (the policy's log-probs, with the
     values), and `reference`. In an episode the passes run over all its tokens (tool results are
-    context) and its figures are kept on the model's own tokens (`own`)."""
+    context) and its figures are kept on the model's own tokens (`trainable`)."""
     temperature = sampling.temperature
     if sampled is None:
         with timed(timings, "generate"):
             sampled = _sampled(models, sampler, prompts, sampling, episodic)
     queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
-    episodes = sampled if isinstance(sampled, EpisodeGeneration) else None
-    mask = response_mask(responses, models.stop_ids) if episodes is None else episodes.mask
-    if sampled.computed_tokens is not None and episodes is None:  # the decode loop's, where it counts them
+    marks = response_marks(models, sampled)
+    mask, trainable = marks.mask, marks.trainable
+    if sampled.computed_tokens is not None:  # the decode loop's, where it counts them
         fed = query_mask.sum() + (mask.sum(dim=1) - 1).clamp(min=0).sum()  # a response's last token is never fed
         models.counts.add("generate", float(fed), sampled.computed_tokens)
 
     with timed(timings, "forward"):
-        own = mask if episodes is None else episodes.trainable
         if models.reuse_sampling_pass and _gave_what_the_update_needs(models, sampled):
             logprobs, entropy = sampled.logprobs, sampled.entropy
             with timed(timings, "values"):
@@ -152,20 +169,38 @@ def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], samplin
             ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
                                              passes=models.passes("reference"))
             ref_logprobs = logprobs_of(ref_logits, responses, temperature)
-    engine_logprobs = None if sampled.engine_logprobs is None else sampled.engine_logprobs * own
-    if episodes is None:
-        has_eos = is_end(responses, models.stop_ids).any(dim=1)
-        texts = models.tokenizer.batch_decode(responses, skip_special_tokens=True)
-    else:  # an episode "ended" where it finished: its answer is its last turn
-        has_eos = torch.tensor([e.status == "ok" for e in episodes.episodes], device=responses.device)
-        texts = [e.answer for e in episodes.episodes]
+    engine_logprobs = None if sampled.engine_logprobs is None else sampled.engine_logprobs * trainable
     return Rollout(queries=queries, query_mask=query_mask, responses=responses, mask=mask,
-                   logprobs=logprobs * own, ref_logprobs=ref_logprobs * own,
-                   values=None if values is None else values * own, entropy=entropy, has_eos=has_eos, texts=texts,
-                   prompts=prompts, engine_logprobs=engine_logprobs,
-                   trainable=None if episodes is None else episodes.trainable,
-                   turn_rewards=None if episodes is None else episodes.turn_rewards,
-                   episodes=None if episodes is None else episodes.episodes)
+                   logprobs=logprobs * trainable, ref_logprobs=ref_logprobs * trainable,
+                   values=None if values is None else values * trainable, entropy=entropy, has_eos=marks.has_eos,
+                   texts=marks.texts, prompts=prompts, engine_logprobs=engine_logprobs, trainable=trainable,
+                   turn_rewards=marks.turn_rewards, episodes=marks.episodes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponseMarks:
+    """What marks a chunk's responses for the passes and the scores: the one place where a single
+    response and a multi-turn episode differ."""
+
+    mask: torch.Tensor  # (B, T) every real token after the prompt: what the passes attend to
+    trainable: torch.Tensor  # (B, T) the model's own tokens (a single response's every real token)
+    turn_rewards: torch.Tensor  # (B, T) each turn's reward on its last token (0 for a single response)
+    has_eos: torch.Tensor  # (B,) it ended: an end token, or an episode whose model answered
+    texts: list[str]  # what the reward terms score: the response, or the episode's answer
+    episodes: list | None  # each row's `Episode`; None for single responses
+
+
+def response_marks(models: Models, sampled: Generation) -> ResponseMarks:
+    """The marks of sampled single responses (cut at the first end token) or of episodes (`EpisodeGeneration`)."""
+    if isinstance(sampled, EpisodeGeneration):
+        ended = torch.tensor([e.status == "ok" for e in sampled.episodes], device=sampled.responses.device)
+        return ResponseMarks(mask=sampled.mask, trainable=sampled.trainable, turn_rewards=sampled.turn_rewards,
+                             has_eos=ended, texts=[e.answer for e in sampled.episodes], episodes=sampled.episodes)
+    mask = response_mask(sampled.responses, models.stop_ids)
+    return ResponseMarks(mask=mask, trainable=mask, turn_rewards=torch.zeros_like(mask),
+                         has_eos=is_end(sampled.responses, models.stop_ids).any(dim=1),
+                         texts=models.tokenizer.batch_decode(sampled.responses, skip_special_tokens=True),
+                         episodes=None)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ def scores_of(raw: torch.Tensor | None, batch: Rollout, scorer: RewardScorer | N
     terms |= (functions or {}) | {name: model_score(v, batch, cfg) if name in served else v
                                   for name, v in (remote or {}).items()}
     if cfg.reward.overlong is not None:
-        terms[OVERLONG_TERM] = overlong_penalty(batch.own.sum(dim=1), cfg.response_tokens,
+        terms[OVERLONG_TERM] = overlong_penalty(batch.trainable.sum(dim=1), cfg.response_tokens,
                                                 cfg.reward.overlong.buffer)
     # a function's NaN is "no reward" (its answers are checked finite); a server's, a dropped response
     reward = weighted_reward(terms, cfg.reward.weights, no_reward=[*(functions or ()), *(remote or ())])
@@ -86,7 +86,7 @@ def sft_references(learner: Learner, prompts: list[str], cursor: int, timings: d
         return None
     size = cfg.samples_per_prompt
     with timed(timings, "sft_reference"):
-        texts, _ = reference_responses(learner.models, prompts[::size], cfg.sampling, cfg.seed * 1_000_003 + cursor)
+        texts = reference_responses(learner.models, prompts[::size], cfg.sampling, cfg.seed * 1_000_003 + cursor).texts
     return [text for text in texts for _ in range(size)]
 
 

@@ -200,4 +200,4 @@ def _micro_batch_step(learner: Learner, micro: TrainingBatch, num_tokens: torch.
                           clip_fraction=policy.clip_fraction.item(), approx_kl=policy.approx_kl.item(),
                           ratio_mean=masked_mean(ratio, counted, num_tokens=num_tokens).item(),
                           ratio_max=(ratio * counted).max().item(),
-                          ratio_deviation_max=((ratio - 1).abs() * micro.own).max().item())
+                          ratio_deviation_max=((ratio - 1).abs() * micro.trainable).max().item())
