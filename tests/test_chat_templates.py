@@ -174,3 +174,25 @@ def test_the_answer_is_scored_without_its_reasoning_unless_asked(families):
         assert episode.messages[1] == {"role": "assistant", "content": "", "reasoning_content": REASONING,
                                        "tool_calls": [call]}
         assert f'[assistant] (thinking) {REASONING} -> f({{"subject": "cat"}})' in transcript(episode)
+
+
+def test_auto_reads_a_tokenizers_response_template_and_survives_what_it_raises(families):
+    """A tokenizer that ships a `response_template` is parsed by transformers' `parse_response`, after
+    the generation prompt that opens Qwen3.5's reasoning block; the nested call that makes
+    `parse_response` raise (RecursionError) is a malformed call, not a crash."""
+    from stages.envs.parsers import ToolCall, tool_parser
+
+    tokenizer = _tokenizer(families, "qwen3_5_think")
+    tokenizer.response_template = {
+        "start_anchor": "<|im_start|>assistant\n",
+        "fields": {"reasoning_content": {"open": "<think>", "close": "</think>"},
+                   "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True},
+                   "content": {}}}
+    parse, name = tool_parser("auto", tokenizer, "qwen3_5_think", import_function=None)
+    assert name == "response_template"
+    turn = parse(f'{REASONING}\n</think>\n\nLet me see.<tool_call>{{"name": "f", "arguments": {ARGS}}}</tool_call>')
+    assert turn.reasoning.strip() == REASONING and turn.content.strip() == "Let me see."
+    assert turn.calls == [ToolCall("f", {"subject": "cat"})]
+    nested = parse(f"{REASONING}\n</think>\n\n" + '<tool_call>{"name": "f", "arguments": {"x": ' + "[" * 3000
+                   + "]" * 3000 + "}}</tool_call>")
+    assert len(nested.calls) == 1 and "RecursionError" in nested.calls[0]

@@ -322,11 +322,14 @@ def never_raising(parse: ToolParser) -> ToolParser:
     return parse_safely
 
 
-def response_template_parser(tokenizer, prefix: str, tools: list[dict] | None) -> ToolParser:
-    """transformers' `parse_response` on the tokenizer's own `response_template`."""
+def response_template_parser(tokenizer) -> ToolParser:
+    """transformers' `parse_response` on the tokenizer's own `response_template`, the turn read after
+    the template's generation prompt (which may open the reasoning block itself)."""
+    prefix = tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}], tokenize=False,
+                                           add_generation_prompt=True)
 
     def parse(text: str) -> AssistantTurn:
-        message = tokenizer.parse_response(text, prefix=prefix, tools=tools)
+        message = tokenizer.parse_response(text, prefix=prefix)
         calls = [_call(c.get("function", c).get("name"), c.get("function", c).get("arguments", {}))
                  for c in message.get("tool_calls") or []]
         reasoning = message.get("reasoning_content", message.get("thinking"))
@@ -342,7 +345,7 @@ def tool_parser(name: str, tokenizer, model: str,
     renders no structured calls (the assistant's text as is) gets Hermes, the demo's convention."""
     if name == "auto":
         if getattr(tokenizer, "response_template", None) is not None:
-            return never_raising(response_template_parser(tokenizer, "", None)), "response_template"
+            return never_raising(response_template_parser(tokenizer)), "response_template"
         template = tokenizer.chat_template or ""
         detected = detect_parser(template)
         if not any(marker in template for marker, _ in DETECTED) and "tool_calls" not in template:  # text as is
