@@ -134,6 +134,9 @@ def test_a_scripted_episode_on_every_shipped_template(families, name):
     [episode] = runner.run(engine, [ROW], 1.0)
     assert (episode.status, episode.turns, episode.tool_calls, episode.error) == ("ok", 3, 2, None)
     assert episode.answer.strip() == ANSWER
+    call = {"type": "function", "function": {"name": "f", "arguments": {"subject": "cat"}}}
+    for turn in (episode.messages[1], episode.messages[3]):  # each call read in the family's convention
+        assert turn["tool_calls"] == [call] and turn["content"] == "", (name, turn)
     assert episode.reasoning_tokens == (3 * len(tokenizer(REASONING, add_special_tokens=False)["input_ids"])
                                         if thinks else 0)
     # Token in, token out: the trainable tokens are the sampled turns exactly; no tool text among them.

@@ -22,6 +22,7 @@ gpt-oss's `analysis` channel. `auto` is the tokenizer's `response_template` thro
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -231,8 +232,8 @@ def _json_objects(body: str) -> list[str]:
 def mistral(text: str) -> AssistantTurn:
     """`[TOOL_CALLS] [{...}, ...]` (v0.3), or `[TOOL_CALLS]NAME[ARGS]{...}` per call (v11 and later)."""
     reasoning, rest = split_reasoning(text)
-    content, _, calls_text = rest.partition("[TOOL_CALLS]")
-    if not _:
+    content, marker, calls_text = rest.partition("[TOOL_CALLS]")
+    if not marker:
         return AssistantTurn(text, rest.strip(), reasoning)
     if "[ARGS]" in calls_text:
         calls = [_call(*part.split("[ARGS]", 1)) if "[ARGS]" in part else "the call needs [ARGS]"
@@ -270,6 +271,13 @@ def harmony(text: str) -> AssistantTurn:
     return AssistantTurn(text, "\n".join(content).strip(), "\n".join(reasoning) if reasoning else None, calls)
 
 
+def deepseek(text: str) -> AssistantTurn:
+    """Calls between `<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>`; the list's markers are not the answer."""
+    turn = _tagged("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", _deepseek_body)(text)
+    content = turn.content.replace("<｜tool▁calls▁begin｜>", "").replace("<｜tool▁calls▁end｜>", "").strip()
+    return dataclasses.replace(turn, content=content)
+
+
 def hermes(text: str) -> AssistantTurn:
     return _tagged("<tool_call>", "</tool_call>", _json_call)(text)
 
@@ -280,7 +288,7 @@ PARSERS: dict[str, ToolParser] = {
     "llama3_json": llama3_json,
     "mistral": mistral,
     "harmony": harmony,
-    "deepseek": _tagged("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", _deepseek_body),
+    "deepseek": deepseek,
     "glm": _tagged("<tool_call>", "</tool_call>", _glm_body),
     "pythonic": pythonic,
 }
