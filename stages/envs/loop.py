@@ -26,7 +26,7 @@ from stages.common.user_code import imported_function
 from stages.engines.sampler import Sampler, Sampling
 from stages.envs.environment import Environment, EnvironmentFactory, EnvironmentSetupError, Step, environment_factory
 from stages.envs.episode import Episode, EpisodeGeneration, Segment, episode_batch
-from stages.envs.parsers import ToolParser, hermes, tool_parser
+from stages.envs.parsers import ToolParser, hermes, never_raising, tool_parser
 
 
 class TemplateNotAppendOnly(StageUserError):
@@ -184,7 +184,7 @@ class EpisodeRunner:
     stop_ids: list[int]
     turn_tokens: int
     """New tokens per turn at most."""
-    parse: ToolParser = hermes
+    parse: ToolParser = never_raising(hermes)
     """A turn's text -> its reasoning, answer and calls (`environment.tool_parser`, never raising)."""
     parser_name: str = "hermes"
     """The convention `parse` reads, for the run's tags."""
