@@ -102,9 +102,10 @@ class ChatDelta:
         first = fixed_base(messages, 0, reasoning)  # the turn's closing glue, as the first turn renders it
         before, closed = self.render(first[:-1], tools, generation=False), self.render(first, tools, generation=False)
         self._appends(before, closed, "an assistant's turn")
-        turn = closed[len(before):]
-        base = fixed_base(messages, rounds, reasoning)
-        closed = self.render(base, tools, generation=False)
+        turn, base = closed[len(before):], first
+        if rounds:  # a later observation: rendered after earlier rounds (the first one's base is `first`)
+            base = fixed_base(messages, rounds, reasoning)
+            closed = self.render(base, tools, generation=False)
         extended = self.render(base + list(messages), tools)
         self._appends(closed, extended, f"a {messages[0]['role']!r} message" if messages else "a message")
         added = extended[len(closed):]
