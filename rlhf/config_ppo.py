@@ -492,9 +492,10 @@ class PPOConfig(TrainedStage, SampledStage):
 
     @model_validator(mode="after")
     def _environment_runs_here(self) -> PPOConfig:
-        """Episodes step their environment between turns, on the process that samples them: not ahead of the
-        update, and not with a sharded policy (whose every sampling step is collective)."""
+        """Episodes step their environment on the process that samples them: not ahead, not sharded."""
         if self.environment is None:
+            if self.reward.sees_reasoning:
+                raise ValueError("reward.sees_reasoning: only episodes' turns are read for reasoning: set environment")
             return self
         if self.reward.pairwise:
             raise ValueError(f"reward.terms[{self.reward.pairwise[0].name}]: a `choice` judge compares a response with "
@@ -525,8 +526,7 @@ class PPOConfig(TrainedStage, SampledStage):
 
     @property
     def response_tokens(self) -> int:
-        """Tokens after the prompt a rollout's sequence holds at most: `environment.episode_tokens` in
-        multi-turn episodes, `sampling.response_length` otherwise."""
+        """Tokens after the prompt a sequence holds at most: `environment.episode_tokens`, else `response_length`."""
         return self.sampling.response_length if self.environment is None else self.environment.episode_tokens
 
     @property

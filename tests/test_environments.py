@@ -305,6 +305,10 @@ def test_what_episodes_cannot_do_is_refused_with_the_reason(tools_trained):
         _tool_cfg(cfg, environment={"factory": "a:b"})
     with pytest.raises(ValueError, match="not 'module:function'"):
         EnvironmentConfig(tools="no-colon")
+    with pytest.raises(ValueError, match="not 'module:function' nor one of .*'hermes'"):
+        EnvironmentConfig(tools="a:b", tool_parser="qwen")
+    with pytest.raises(ValueError, match="reward.sees_reasoning: only episodes' turns are read for reasoning"):
+        _tool_cfg(cfg, environment=None, reward={"sees_reasoning": True})
 
 
 MISTRAL_TOOLS_TEMPLATE = (
