@@ -116,13 +116,15 @@ class Judge:
         from stages.memory.plan import with_micro_batches
         from stages.rl.evaluation import HeldOut
         from stages.rl.ppo_models import load_models
+        from stages.rl.ppo_rollout import single_turn
 
         # The sampling sizes left `auto` resolved as the stage resolves them (the config's own are not sizes yet).
         ppo_cfg = with_micro_batches("ppo", ppo_cfg, Counts(ppo_eval_prompts=len(eval_prompts)), str(sft_folder),
                                      str(reward_folder))
         self.cfg = ppo_cfg
         self.models = load_models(ppo_cfg, str(sft_folder), str(reward_folder))
-        self.held_out = HeldOut.sample(self.models, eval_prompts, ppo_cfg.evaluation, ppo_cfg.sampling)
+        self.held_out = HeldOut.sample(self.models, eval_prompts, ppo_cfg.evaluation, ppo_cfg.sampling,
+                                       single_turn(self.models))
 
     def __call__(self, policy_folder: Path):
         """The evaluation table of the policy saved in `policy_folder`."""

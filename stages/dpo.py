@@ -30,7 +30,7 @@ from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches
 from stages.rl.evaluation import HeldOut, evaluate, warn_over_kl_budget
 from stages.rl.ppo_models import Models, reuse_sampling_pass
-from stages.rl.ppo_rollout import policy_sampler
+from stages.rl.ppo_rollout import policy_sampler, single_turn
 from stages.runtime.holding import Holding, Sharded
 from stages.runtime.lora import copied, lora_config
 from stages.runtime.models import (
@@ -164,7 +164,7 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path,
     model, holding, updated, held = trained_as_held(trainer, cfg.launch)
 
     models = evaluation_models(model, holding, cfg, inputs.sft_location)
-    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling)
+    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, single_turn(models))
     sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log",
                           cfg.launch.engine == "ray")
     try:

@@ -53,7 +53,7 @@ from rlhf.config_ppo import PPOConfig
 from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting, timed
 from stages.engines.vllm_server import sampler_for
-from stages.envs.loop import episode_runner, episode_tags
+from stages.envs.loop import episode_source
 from stages.math.ppo_math import KLController
 from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches
@@ -120,11 +120,11 @@ def build_learner(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> Learne
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log", cfg.launch.engine == "ray")
-    episodes = episode_runner(cfg.environment, models.tokenizer, inputs.sft_location, models.stop_ids,
+    episodes = episode_source(cfg.environment, models.tokenizer, inputs.sft_location, models.stop_ids,
                               cfg.sampling.response_length, cfg.reward.sees_reasoning)
     return Learner(cfg=cfg, accelerator=accelerator, models=models, actor_critic=actor_critic, optimizer=optimizer,
                    scheduler=scheduler, scaler=scaler, sampler=sampler,
-                   reward_functions=load_reward_functions(cfg.reward), episodes=episodes,
+                   reward_functions=load_reward_functions(cfg.reward), episode_source=episodes,
                    remote_rewards=remote_rewards(cfg.reward.remotes))
 
 
@@ -184,7 +184,7 @@ def hand_off(learner: Learner, loop: LoopState, held_out: HeldOut, inputs: PPOIn
     if models.scorer is not None:
         metrics |= {"normalization/gain": models.scorer.gain, "normalization/bias": models.scorer.bias}
     return PPOResult(checkpoint=checkpoint, metrics=metrics, history=loop.history, evaluation=evaluation,
-                     tags=tags | held | episode_tags(learner.episodes))
+                     tags=tags | held | learner.episode_source.tags)
 
 
 def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
@@ -215,8 +215,8 @@ def _train(learner: Learner, ahead: SamplingAhead | None, inputs: PPOInputs, out
     """`train_ppo`'s loop and hand-off, on a built learner (and its rollouts sampled ahead, if any)."""
     cfg, accelerator, models = learner.cfg, learner.accelerator, learner.models
     # Before a resume or a reference refresh can change the reference: it is the SFT policy now.
-    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, tuple(cfg.reward.columns),
-                              learner.episodes)
+    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, learner.episode_source,
+                              tuple(cfg.reward.columns))
     state_dir = output_dir / "state"
     loop = start_or_resume(learner, ahead, state_dir, reporting)
     prompts = Prompts.of(inputs.prompts, cfg)
@@ -245,7 +245,7 @@ def _train(learner: Learner, ahead: SamplingAhead | None, inputs: PPOInputs, out
             models.reference.load_state_dict(models.policy.state_dict())
         # 6. report; evaluate now and then; checkpoint the full state
         loop.first_length = loop.first_length or figures["rollout/response_length"]
-        report_iteration(reporting, cfg, loop, episodes, figures)
+        report_iteration(reporting, cfg, loop, episodes, figures, learner.episode_source.multi_turn)
         loop.iteration, loop.cursor = iteration, loop.cursor + prompts.per_iteration * sampled.rounds
         if cfg.evaluation.every and iteration % cfg.evaluation.every == 0 and iteration < cfg.num_iterations:
             figures |= evaluate_midway(models, learner.sampler, held_out, cfg, iteration, reporting,

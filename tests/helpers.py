@@ -320,12 +320,30 @@ def ppo_gradients(models, accelerator, actor_critic, batch, advantages, returns,
 
 def ppo_trainer(cfg, accelerator, models, actor_critic, optimizer=None, scheduler=None):
     """What the update reads of a learner; no optimizer where only gradients are wanted."""
-    from stages.rl.ppo_rollout import policy_sampler
+    from stages.rl.ppo_rollout import policy_sampler, single_turn
     from stages.rl.update import Learner
 
     return Learner(cfg=cfg, accelerator=accelerator, models=models, actor_critic=actor_critic, optimizer=optimizer,
                    scheduler=scheduler, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                   sampler=policy_sampler(models))
+                   sampler=policy_sampler(models), episode_source=single_turn(models))
+
+
+def prompt_rows(prompts: list[str]) -> list[dict]:
+    """Rendered prompts as episodes' records (each its own user message)."""
+    return [{"prompt": p, "messages": [{"role": "user", "content": p}]} for p in prompts]
+
+
+def single_turn_rollout(models, sampler, prompts: list[str], sampling, timings: dict | None = None, sampled=None):
+    """`rollout` of one response per rendered prompt; `sampled`: `Generation`s sampled earlier, one per chunk."""
+    from stages.envs.episode import single_turn_batch
+    from stages.rl.ppo_rollout import in_chunks, rollout, single_turn
+
+    rows = prompt_rows(prompts)
+    if sampled is not None:
+        sampled = [single_turn_batch(g, chunk, models.tokenizer, models.stop_ids)
+                   for g, chunk in zip(sampled, in_chunks(rows, sampling), strict=True)]
+    return rollout(models, sampler, single_turn(models), rows, sampling,
+                   {} if timings is None else timings, sampled)
 
 
 def ppo_episodes(cfg, batch, advantages, returns, loss_mask=None):
@@ -346,7 +364,7 @@ def ppo_gradient_setup(tiny_config, trained, critic="reward", lora=False, **over
     from stages.common.tensors import masked_whiten
     from stages.math.ppo_math import gae, kl_estimate, token_rewards
     from stages.rl.ppo_models import load_models
-    from stages.rl.ppo_rollout import policy_sampler, rollout
+    from stages.rl.ppo_rollout import policy_sampler
     from stages.rl.ppo_scores import raw_scores, scores_of
     cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"rollout_batch_size": 8, "num_minibatches": 1,
                                                            "sampling.response_length": 16, "critic.kind": critic,
@@ -354,7 +372,7 @@ def ppo_gradient_setup(tiny_config, trained, critic="reward", lora=False, **over
     torch.manual_seed(0)
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(8)
-    batch = rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg.sampling, {})
+    batch = single_turn_rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg.sampling)
     raw = raw_scores(models.scorer, batch, [json.loads(m) for m in prompts["prompt_messages"]], {})
     lengths = batch.mask.sum(1)
     assert lengths.min() < lengths.max(), "responses of equal length would not tell the normalisations apart"

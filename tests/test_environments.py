@@ -189,14 +189,14 @@ def test_a_batch_of_episodes_marks_the_models_tokens_and_turn_rewards():
 
 def _scripted_rollout(tiny_config, trained, chat_tokenizer, script, **changes):
     from stages.rl.ppo_models import load_models
-    from stages.rl.ppo_rollout import Episodic, rollout
+    from stages.rl.ppo_rollout import rollout
 
     cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"sampling": {"response_length": 48}} | changes)
     models = load_models(cfg, trained["sft"], trained["reward"])
     models.tokenizer = chat_tokenizer
-    rows = [{"messages": [{"role": "user", "content": p}]} for p in trained["prompts"]["prompt"][:2]]
+    rows = [{"prompt": "", "messages": [{"role": "user", "content": p}]} for p in trained["prompts"]["prompt"][:2]]
     engine = Scripted(chat_tokenizer, script)
-    batch = rollout(models, engine, [""] * 2, cfg.sampling, {}, episodic=Episodic(_runner(chat_tokenizer), rows))
+    batch = rollout(models, engine, _runner(chat_tokenizer), rows, cfg.sampling, {})
     return cfg, models, batch
 
 
@@ -237,7 +237,7 @@ def test_the_loss_and_its_gradient_ignore_tool_tokens(tiny_config, trained, chat
             parameter.grad = None
         learner = Learner(cfg=cfg, accelerator=Accelerator(cpu=True), models=models, actor_critic=ActorCritic(models),
                           optimizer=None, scheduler=None, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                          sampler=policy_sampler(models))
+                          sampler=policy_sampler(models), episode_source=_runner(chat_tokenizer))
         episodes = Episodes(iteration=5, batch=trained_batch, messages=[], scores=None, kl=torch.zeros_like(batch.mask),
                             weights=KLWeights(0.0, 0.0, 0.1))
         figures = accumulate_gradients(learner, episodes, torch.arange(len(batch.responses)))
@@ -425,7 +425,7 @@ def test_the_escape_hatch_writes_whole_episodes_for_training_and_evaluation(chat
     engine = Scripted(chat_tokenizer, ["The cat is warm.", "The cat is warm."])
     [episode] = runner.episodes(engine, [ROW], 1.0)  # what the evaluation's SFT baseline runs
     assert episode.turns == 1 and episode.answer == "The cat is warm."
-    batch = runner.generation(engine, [ROW], 1.0, torch.device("cpu"))  # what the rollout runs
+    batch = runner.generation(engine, [ROW], Sampling(16, 1.0), torch.device("cpu"))  # what the rollout runs
     assert batch.trainable.sum() == len(engine.turns[0]) and batch.turn_rewards.sum() == 0.5
     with pytest.raises(StageUserError, match="must return a stages.envs.episode.Episode"):
         EpisodeRunner(settings=config, make=None, rollout=lambda row, engine, tokenizer: "text", chat=runner.chat,

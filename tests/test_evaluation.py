@@ -20,19 +20,20 @@ def test_the_sft_baseline_is_the_same_for_runs_with_different_training_seeds(tin
     from rlhf.config import with_overrides
     from stages.rl.evaluation import HeldOut, evaluate
     from stages.rl.ppo_models import load_models
-    from stages.rl.ppo_rollout import policy_sampler
+    from stages.rl.ppo_rollout import policy_sampler, single_turn
 
     tables = []
     for seed in (0, 1):
         cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"seed": seed, "evaluation.samples_per_prompt": 2})
         models = load_models(cfg, trained["sft"], trained["reward"])
-        held_out = HeldOut.sample(models, trained["eval_prompts"], cfg.evaluation, cfg.sampling)
+        held_out = HeldOut.sample(models, trained["eval_prompts"], cfg.evaluation, cfg.sampling, single_turn(models))
         metrics, table = evaluate(models, policy_sampler(models), held_out, cfg.evaluation, cfg.sampling)
         tables.append(table)
         assert 0 <= metrics["eval/win_rate_rm"] <= 1 and metrics["eval/win_rate_rm_se"] > 0
     assert list(tables[0]["sft_response"]) == list(tables[1]["sft_response"])
     other = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"evaluation.seed": 7, "evaluation.samples_per_prompt": 2})
     models = load_models(other, trained["sft"], trained["reward"])
-    held_out = HeldOut.sample(models, trained["eval_prompts"], other.evaluation, other.sampling)
+    held_out = HeldOut.sample(models, trained["eval_prompts"], other.evaluation, other.sampling,
+                              single_turn(models))
     _, moved = evaluate(models, policy_sampler(models), held_out, other.evaluation, other.sampling)
     assert list(moved["sft_response"]) != list(tables[0]["sft_response"])

@@ -109,11 +109,13 @@ def test_packed_passes_give_the_padded_log_probs_and_values(tiny_config, trained
     """The rollout's passes (policy, critic, reference) packed and padded, on the same sampled batch."""
     from stages.common.tensors import logprobs_of
     from stages.rl.ppo_models import forward_response, policy_and_values
-    from stages.rl.ppo_rollout import policy_sampler, rollout
+    from stages.rl.ppo_rollout import policy_sampler
+    from tests.helpers import single_turn_rollout
 
     cfg, models = _models(tiny_config, trained, True, **{"critic.kind": critic, "old_logprobs": "recompute"})
     assert models.padding_free is True
-    batch = rollout(models, policy_sampler(models), list(trained["prompts"]["prompt"].head(8)), cfg.sampling, {})
+    batch = single_turn_rollout(models, policy_sampler(models), list(trained["prompts"]["prompt"].head(8)),
+                                cfg.sampling)
     lengths = batch.mask.sum(1) + batch.query_mask.sum(1)
     assert lengths.min() < lengths.max()
     inputs = (batch.queries, batch.query_mask, batch.responses, batch.mask)

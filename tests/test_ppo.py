@@ -17,7 +17,7 @@ from stages.common.errors import NonFiniteLossError
 from stages.common.reporting import Reporting
 from stages.rl.ppo_models import forward_response, load_models, reference_policy
 from stages.runtime.models import load_tokenizer, position_ids_for
-from tests.helpers import AUTO_RESOLVED, killed_and_resumed, run_ppo
+from tests.helpers import AUTO_RESOLVED, killed_and_resumed, run_ppo, single_turn_rollout
 
 
 def _cfg(tiny_config, **changes):
@@ -139,13 +139,13 @@ def test_left_padding_does_not_change_log_probs(tiny_config, trained):
 
 
 def test_lora_reference_is_the_policy_with_adapters_disabled(tiny_config, trained, tmp_path):
-    from stages.rl.ppo_rollout import policy_sampler, rollout
+    from stages.rl.ppo_rollout import policy_sampler
 
     cfg = _cfg(tiny_config, lora=LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"]), num_iterations=2)
     models = load_models(cfg, trained["sft"], trained["reward"])
     assert models.reference is None
     frame = trained["prompts"].head(4)
-    batch = rollout(models, policy_sampler(models), list(frame["prompt"]), cfg.sampling, {})
+    batch = single_turn_rollout(models, policy_sampler(models), list(frame["prompt"]), cfg.sampling)
     assert torch.allclose(batch.logprobs, batch.ref_logprobs, atol=1e-5)  # LoRA starts as a no-op
     trainable = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
     assert trainable < 0.2 * sum(p.numel() for p in models.policy.parameters())
@@ -275,7 +275,7 @@ def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_checkpoin
 
 
 def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, trained):
-    from stages.rl.ppo_rollout import policy_sampler, rollout
+    from stages.rl.ppo_rollout import policy_sampler
     from stages.rl.ppo_scores import raw_scores, scores_of
 
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
@@ -283,7 +283,7 @@ def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, 
     messages = [json.loads(m) for m in prompts["prompt_messages"]]
     torch.manual_seed(0)
     cfg = _cfg(tiny_config, sampling={"response_length": 2})
-    batch = rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg.sampling, {})
+    batch = single_turn_rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg.sampling)
     assert not batch.has_eos.any()  # two tokens never finish a demo reply
     as_they_are = models.scorer.score(messages, batch.texts, normalized=False, complete=[False] * 4)
     completed = models.scorer.score(messages, batch.texts, normalized=False)
@@ -413,14 +413,14 @@ def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_
     the log-probs and values one pass over the joined batch computes (padding changes nothing)."""
     from stages.common.tensors import logprobs_of
     from stages.rl.ppo_models import policy_and_values
-    from stages.rl.ppo_rollout import policy_sampler, rollout
+    from stages.rl.ppo_rollout import policy_sampler
 
     cfg = _cfg(tiny_config, sampling={"micro_batch_size": 3, "response_length": 12})
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = list(trained["prompts"]["prompt"][:8])
     torch.manual_seed(0)
     timings: dict[str, float] = {}
-    batch = rollout(models, policy_sampler(models), prompts, cfg.sampling, timings)
+    batch = single_turn_rollout(models, policy_sampler(models), prompts, cfg.sampling, timings)
     assert len(batch.texts) == 8 and batch.queries.shape[0] == 8 and timings["generate"] > 0
     assert batch.prompts == prompts
     with torch.no_grad():

@@ -84,15 +84,16 @@ def test_masking_truncated_responses_trains_as_if_only_the_ended_ones_were_sampl
     from stages.rl.advantages import loss_mask
     from stages.rl.batch import rows_of
     from stages.rl.ppo_models import ActorCritic, load_models
-    from stages.rl.ppo_rollout import policy_sampler, rollout
-    from tests.helpers import AUTO_RESOLVED, ppo_gradients
+    from stages.rl.ppo_rollout import policy_sampler
+    from tests.helpers import AUTO_RESOLVED, ppo_gradients, single_turn_rollout
 
     cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {
         "advantage_estimator": "grpo", "samples_per_prompt": 4, "rollout_batch_size": 8, "num_minibatches": 1,
         "mask_truncated_responses": True, "sampling": {"response_length": 6}})
     torch.manual_seed(0)
     models = load_models(cfg, trained["sft"], trained["reward"])
-    batch = rollout(models, policy_sampler(models), list(trained["prompts"]["prompt"].head(8)), cfg.sampling, {})
+    batch = single_turn_rollout(models, policy_sampler(models), list(trained["prompts"]["prompt"].head(8)),
+                                cfg.sampling)
     assert batch.has_eos.any() and not batch.has_eos.all(), batch.has_eos  # some ended, some were cut off
     counted = loss_mask(batch, cfg)
     assert torch.equal(counted, batch.mask * batch.has_eos.unsqueeze(1))

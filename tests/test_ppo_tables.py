@@ -13,6 +13,7 @@ import torch
 
 from rlhf.config_ppo import KLConfig, PPOConfig
 from stages.common.tensors import masked_whiten
+from stages.envs.episode import Episode
 from stages.math.ppo_math import (
     AGGREGATIONS,
     ESTIMATORS,
@@ -105,7 +106,8 @@ def _rollout(prompt_width: int, steps: int, first: int) -> Rollout:
                    responses=counting(steps).long(), mask=torch.ones(2, steps), logprobs=counting(steps),
                    ref_logprobs=counting(steps), values=None, entropy=counting(steps),
                    has_eos=torch.tensor([True, False]), texts=[f"t{first}", f"u{first}"],
-                   prompts=[f"p{first}", f"q{first}"], trainable=torch.ones(2, steps), turn_rewards=counting(steps))
+                   prompts=[f"p{first}", f"q{first}"], trainable=torch.ones(2, steps), turn_rewards=counting(steps),
+                   episodes=[Episode(segments=[], answer=f"t{first}"), Episode(segments=[], answer=f"u{first}")])
 
 
 def test_concat_pads_prompts_on_the_left_and_responses_on_the_right_and_joins_the_rest():
@@ -116,6 +118,7 @@ def test_concat_pads_prompts_on_the_left_and_responses_on_the_right_and_joins_th
     assert joined.logprobs.tolist() == [[0, 1, 2], [3, 4, 5], [100, 0, 0], [101, 0, 0]]
     assert joined.has_eos.tolist() == [True, False, True, False]
     assert joined.texts == ["t0", "u0", "t100", "u100"] and joined.values is None
+    assert [e.answer for e in joined.episodes] == joined.texts  # a per-row list, joined as the texts are
 
 
 def test_rows_and_micro_batches_take_every_field_including_the_training_ones():

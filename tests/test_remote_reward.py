@@ -389,6 +389,7 @@ def test_a_dropped_response_trains_nothing_and_leaves_its_groups_baseline_alone(
 
 
 def _rollout(rows: int, steps: int):
+    from stages.envs.episode import Episode
     from stages.rl.batch import Rollout
 
     zeros = torch.zeros(rows, steps)
@@ -396,7 +397,8 @@ def _rollout(rows: int, steps: int):
                    responses=torch.ones(rows, steps, dtype=torch.long), mask=torch.ones(rows, steps),
                    logprobs=zeros, ref_logprobs=zeros, values=None, entropy=zeros,
                    has_eos=torch.ones(rows, dtype=torch.bool), texts=["r"] * rows, prompts=["p"] * rows,
-                   trainable=torch.ones(rows, steps), turn_rewards=zeros)
+                   trainable=torch.ones(rows, steps), turn_rewards=zeros,
+                   episodes=[Episode(segments=[], answer="r") for _ in range(rows)])
 
 
 @pytest.mark.multiprocess
@@ -439,25 +441,28 @@ def test_a_server_killed_mid_ppo_and_back_is_retried_through(tiny_config, traine
 def test_the_evaluation_leaves_a_pair_whose_served_score_never_arrived_out_of_the_win_rate():
     import pandas as pd
 
+    from stages.envs.episode import Episode
     from stages.rl.evaluation import HeldOut, TermJudge, judged_by_terms
 
     prompts = ["p0", "p0", "p1", "p1"]
     held_out = HeldOut(prompts=prompts, messages=[[{"role": "user", "content": p}] for p in prompts],
-                       sft_texts=["s"] * 4, sft_complete=[True] * 4, columns=[{}] * 4)
+                       columns=[{}] * 4, source=None, sft_episodes=[Episode(segments=[], answer="s")] * 4)
     nan = float("nan")
     served = {"policy": [2.0, nan, 0.0, 3.0], "sft": [1.0, -1.0, 1.0, nan]}  # rows 1 and 3: a pair unscored
     asked = []
 
-    def values(messages, texts, columns, complete, judged, references):
-        who = "policy" if texts[0] != "s" else "sft"
-        asked.append((who, references is not None))
+    def values(messages, episodes, judged):
+        who = "policy" if episodes[0].answer != "s" else "sft"
+        compared = [e.reference for e in episodes]
+        asked.append((who, compared))
         out = {"served": torch.tensor(served[who])}
-        return out | ({"versus": torch.tensor([1.0, 0.0, 1.0, 1.0])} if references is not None else {})
+        return out | ({"versus": torch.tensor([1.0, 0.0, 1.0, 1.0])} if compared[0] is not None else {})
 
     judge = TermJudge(values, {"served": 1.0}, False, frozenset({"served", "versus"}))
     table = pd.DataFrame({"prompt": prompts})
-    metrics = judged_by_terms(judge, held_out, ["a", "b", "c", "d"], [True] * 4, table)
-    assert asked == [("policy", True), ("sft", False)]  # the choice judge on the policy's responses alone
+    metrics = judged_by_terms(judge, held_out, [Episode(segments=[], answer=a) for a in "abcd"], table)
+    # the choice judge on the policy's answers alone, each against the SFT answer to its prompt
+    assert asked == [("policy", ["s"] * 4), ("sft", [None] * 4)]
     assert metrics["eval/reward/versus"] == 0.75 and "eval/reward/versus_sft" not in metrics
     assert metrics["eval/remote_failed_share"] == 0.5
     assert metrics["eval/win_rate_reward"] == 0.5  # row 0 won, row 2 lost; rows 1 and 3 left out

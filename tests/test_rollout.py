@@ -10,8 +10,8 @@ from rlhf.config import with_overrides
 from stages.common.tensors import logprobs_of
 from stages.engines.sampler import Generation, HFSampler, Sampling
 from stages.rl.ppo_models import forward_response, load_models
-from stages.rl.ppo_rollout import policy_sampler, rollout
-from tests.helpers import AUTO_RESOLVED
+from stages.rl.ppo_rollout import policy_sampler
+from tests.helpers import AUTO_RESOLVED, single_turn_rollout
 
 
 def _cfg(tiny_config, **changes):
@@ -52,9 +52,9 @@ def test_a_rollout_recomputes_what_its_sampler_cannot_give(tiny_config, trained)
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = list(trained["prompts"]["prompt"][:6])
     torch.manual_seed(0)
-    full = rollout(models, policy_sampler(models), prompts, cfg.sampling, {})
+    full = single_turn_rollout(models, policy_sampler(models), prompts, cfg.sampling)
     torch.manual_seed(0)
-    recomputed = rollout(models, TokensOnly(policy_sampler(models)), prompts, cfg.sampling, {})
+    recomputed = single_turn_rollout(models, TokensOnly(policy_sampler(models)), prompts, cfg.sampling)
     assert torch.equal(full.responses, recomputed.responses)
     for name in ("logprobs", "ref_logprobs", "values", "entropy"):
         torch.testing.assert_close(getattr(recomputed, name) * full.mask, getattr(full, name) * full.mask,
@@ -75,7 +75,7 @@ def test_a_rollout_sampled_earlier_is_scored_under_the_policy_as_it_is_now(tiny_
         for p in models.policy.parameters():
             p.mul_(1.05)  # an update since
     timings = {}
-    batch = rollout(models, policy_sampler(models), prompts, cfg.sampling, timings, sampled=[ahead])
+    batch = single_turn_rollout(models, policy_sampler(models), prompts, cfg.sampling, timings, sampled=[ahead])
     assert "generate" not in timings and torch.equal(batch.responses, earlier.responses)
     with torch.no_grad():  # the new weights' own pass over the same tokens
         logits, _ = forward_response(models.policy, batch.queries, batch.query_mask, batch.responses, batch.mask,

@@ -1,5 +1,7 @@
-"""A multi-turn episode as token ids: what the environment loop (`stages.envs.loop`) or a user's own
-rollout function gives, and how a batch of them becomes the rollout's tensors (`episode_batch`).
+"""The episode, the one unit of rollout, as token ids: what the environment loop (`stages.envs.loop`),
+a user's own rollout function or a single turn (`SingleTurn`) gives, and how a batch of them becomes
+the rollout's tensors (`episode_batch`, `single_turn_batch`). Every source of episodes is an
+`EpisodeSource`; the rollout (`stages.rl.ppo_rollout`) takes `list[Episode]` and knows no other.
 
 An episode is a list of segments. The first is the prompt; then the model's turns (trainable: the
 ids it sampled, never re-tokenised) alternate with what the environment said back (not trainable:
@@ -10,14 +12,17 @@ tokens, or of turns) or `failed` (the environment raised, or too many malformed 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from stages.common.errors import StageUserError
-from stages.engines.sampler import Generation
+from stages.common.tensors import is_end, response_mask
+from stages.engines.sampler import Generation, Sampler, Sampling
 
 Status = Literal["ok", "truncated", "failed"]
 
@@ -52,7 +57,10 @@ class Episode:
     error: str | None = None
     """Why a `failed` episode failed."""
     columns: dict = field(default_factory=dict)
-    """The prompt record's declared columns (`reward.columns`), for the tables."""
+    """The prompt record's declared columns (`reward.columns`): the reward functions' inputs, and the tables'."""
+    reference: str | None = None
+    """The SFT policy's answer to the same prompt, which a `choice` judge compares this one with; set
+    only where such a judge scores (single turns)."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -103,6 +111,66 @@ def episode_batch(episodes: list[Episode], pad_id: int, device: torch.device) ->
                              responses=responses.to(device), mask=mask.to(device), trainable=trainable.to(device),
                              turn_rewards=turn_rewards.to(device), episodes=episodes,
                              engine_logprobs=engine.to(device) if sampled_elsewhere else None)
+
+
+def single_turn_batch(generation: Generation, rows: list[dict], tokenizer: PreTrainedTokenizerBase,
+                      stop_ids: list[int]) -> EpisodeGeneration:
+    """Sampled single responses (cut at the first end token) as episodes of one trainable turn, the
+    sampling pass's figures (log-probs, entropy, hidden states, computed tokens) kept."""
+    mask = response_mask(generation.responses, stop_ids)  # (B, T) up to and including the first end token
+    ended = is_end(generation.responses, stop_ids).any(dim=1).tolist()  # (B,)
+    answers = tokenizer.batch_decode(generation.responses, skip_special_tokens=True)
+    episodes = []
+    for row, query, query_mask, response, kept, end, answer in zip(
+            rows, generation.queries.tolist(), generation.query_mask.tolist(), generation.responses.tolist(),
+            mask.tolist(), ended, answers, strict=True):
+        prompt = [i for i, real in zip(query, query_mask, strict=True) if real]
+        turn = [i for i, real in zip(response, kept, strict=True) if real]
+        episodes.append(Episode(segments=[Segment(prompt, trainable=False), Segment(turn, trainable=True)],
+                                status="ok" if end else "truncated", answer=answer,
+                                messages=[*row["messages"], {"role": "assistant", "content": answer}],
+                                columns={k: v for k, v in row.items() if k not in ("prompt", "messages")}))
+    sampled = {f.name: getattr(generation, f.name) for f in dataclasses.fields(Generation)}
+    return EpisodeGeneration(**sampled, mask=mask, trainable=mask, turn_rewards=torch.zeros_like(mask),
+                             episodes=episodes)
+
+
+class EpisodeSource(Protocol):
+    """Where a rollout's episodes come from: one turn per prompt (`SingleTurn`) or an environment's
+    loop (`stages.envs.loop.EpisodeRunner`)."""
+
+    multi_turn: bool
+    """Whether episodes have turns and tools worth reporting (transcripts, tool-call figures)."""
+    max_failed_share: float
+    """The share of an iteration's episodes that may fail before the run stops (`check_failed_share`)."""
+    tags: dict[str, str]
+    """The run's tags of how its episodes were read (`rlhf.tool_parser`)."""
+
+    def generation(self, sampler: Sampler, rows: list[dict], sampling: Sampling,
+                   device: torch.device) -> EpisodeGeneration:
+        """Every row's episode (`rows`: each prompt's record: `prompt`, `messages`, declared columns), as a batch."""
+        ...
+
+
+@dataclass(frozen=True)
+class SingleTurn:
+    """Single-turn rollout: each prompt's episode is one response, against an environment that says
+    nothing back. The rendered prompt is sampled in one `generate` call, so the sampling pass's
+    log-probs and hidden states serve the update (`models.reuse_sampling_pass`)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    stop_ids: list[int]
+    multi_turn = False
+    max_failed_share = 1.0  # a single response has no environment to fail
+
+    @property
+    def tags(self) -> dict[str, str]:
+        return {}  # nothing is parsed of a single response
+
+    def generation(self, sampler: Sampler, rows: list[dict], sampling: Sampling,
+                   device: torch.device) -> EpisodeGeneration:
+        generated = sampler.generate([row["prompt"] for row in rows], sampling)
+        return single_turn_batch(generated, rows, self.tokenizer, self.stop_ids)
 
 
 def transcript(episode: Episode) -> str:

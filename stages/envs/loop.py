@@ -25,7 +25,7 @@ from stages.common.tensors import response_mask
 from stages.common.user_code import imported_function
 from stages.engines.sampler import Sampler, Sampling
 from stages.envs.environment import Environment, EnvironmentFactory, EnvironmentSetupError, Step, environment_factory
-from stages.envs.episode import Episode, EpisodeGeneration, Segment, episode_batch
+from stages.envs.episode import Episode, EpisodeGeneration, EpisodeSource, Segment, SingleTurn, episode_batch
 from stages.envs.parsers import ToolParser, hermes, never_raising, tool_parser
 
 
@@ -192,12 +192,24 @@ class EpisodeRunner:
     sees_reasoning: bool = False
     """Whether the episode's answer (what the reward terms score) keeps the last turn's reasoning."""
 
-    def generation(self, sampler: Sampler, rows: list[dict], temperature: float | None,
+    multi_turn = True
+
+    @property
+    def max_failed_share(self) -> float:
+        return self.settings.max_failed_share
+
+    @property
+    def tags(self) -> dict[str, str]:
+        """Which tool-call convention the loop read turns in (none where the user's rollout writes episodes)."""
+        return {} if self.rollout is not None else {"rlhf.tool_parser": self.parser_name}
+
+    def generation(self, sampler: Sampler, rows: list[dict], sampling: Sampling,
                    device: torch.device) -> EpisodeGeneration:
-        """Every row's episode, as the rollout's batch."""
-        episodes = self.episodes(sampler, rows, temperature)
+        """Every row's episode, as the rollout's batch (each turn at most `turn_tokens`, whatever
+        `sampling.max_new_tokens` says: an episode's budget is `environment.episode_tokens`)."""
+        episodes = self.episodes(sampler, rows, sampling.temperature)
         for episode, row in zip(episodes, rows, strict=True):
-            episode.columns = {name: value for name, value in row.items() if name != "messages"}
+            episode.columns = {name: value for name, value in row.items() if name not in ("prompt", "messages")}
         return episode_batch(episodes, self.chat.tokenizer.pad_token_id, device)
 
     def episodes(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Episode]:
@@ -329,12 +341,18 @@ def probe_template(chat: ChatDelta) -> None:
             "on its own")
 
 
-def episode_runner(settings: EnvironmentConfig | None, tokenizer: PreTrainedTokenizerBase, model: str,
-                   stop_ids: list[int], response_length: int, sees_reasoning: bool = False) -> EpisodeRunner | None:
-    """The runner of `settings` (None: single-turn), its environment imported, its tool parser chosen
-    and its template probed (`probe_template`) before any episode runs."""
+def episode_source(settings: EnvironmentConfig | None, tokenizer: PreTrainedTokenizerBase, model: str,
+                   stop_ids: list[int], response_length: int, sees_reasoning: bool = False) -> EpisodeSource:
+    """A single turn per prompt where no environment is set (`SingleTurn`), else `episode_runner`'s."""
     if settings is None:
-        return None
+        return SingleTurn(tokenizer, stop_ids)
+    return episode_runner(settings, tokenizer, model, stop_ids, response_length, sees_reasoning)
+
+
+def episode_runner(settings: EnvironmentConfig, tokenizer: PreTrainedTokenizerBase, model: str,
+                   stop_ids: list[int], response_length: int, sees_reasoning: bool = False) -> EpisodeRunner:
+    """The runner of `settings`, its environment imported, its tool parser chosen and its template
+    probed (`probe_template`) before any episode runs."""
     make, rollout = environment_factory(settings)
     chat = ChatDelta(tokenizer, model, tuple(tokenizer.decode([i], skip_special_tokens=False) for i in stop_ids))
     parse, parser_name = tool_parser(settings.tool_parser, tokenizer, model, lambda location: imported_function(
@@ -344,8 +362,3 @@ def episode_runner(settings: EnvironmentConfig | None, tokenizer: PreTrainedToke
     return EpisodeRunner(settings=settings, make=make, rollout=rollout, chat=chat, stop_ids=stop_ids,
                          turn_tokens=settings.turn_tokens or response_length, parse=parse, parser_name=parser_name,
                          sees_reasoning=sees_reasoning)
-
-
-def episode_tags(runner: EpisodeRunner | None) -> dict[str, str]:
-    """The run's tags of its episodes: which tool-call convention the turns were read in."""
-    return {} if runner is None or runner.rollout is not None else {"rlhf.tool_parser": runner.parser_name}

@@ -89,9 +89,9 @@ def advantages_and_returns(accelerator: Accelerator, cfg: PPOConfig, batch: Roll
     scores' weighted sum, `beta` the KL's weight in the reward, `dropped` the responses a remote
     term gave no score (they train nothing). # -> (B, T), (B, T) | None"""
     estimator = estimator_named(cfg.advantage_estimator)
-    failed = torch.zeros_like(reward, dtype=torch.bool) if dropped is None else dropped  # (B,)
-    if batch.episodes is not None:
-        failed = failed | torch.tensor([e.status == "failed" for e in batch.episodes], device=reward.device)
+    failed = torch.tensor([e.status == "failed" for e in batch.episodes], device=reward.device)  # (B,)
+    if dropped is not None:
+        failed = failed | dropped
     inputs = EstimatorInputs(scores=reward, kl=kl, beta=beta, mask=batch.trainable, values=batch.values,
                              group_size=cfg.samples_per_prompt, gamma=cfg.gamma,
                              lam=cfg.critic.lam if cfg.critic is not None else 0.95,

@@ -67,8 +67,8 @@ class Rollout:
     ref_logprobs: torch.Tensor = response_columns()  # (B, T) the reference's, masked
     values: torch.Tensor | None = response_columns()  # (B, T) the critic's, masked; None without a critic
     entropy: torch.Tensor = response_columns()  # (B, T)
-    has_eos: torch.Tensor = per_row()  # (B,) the response ended with an end token
-    texts: list[str] = per_row()  # the responses, decoded
+    has_eos: torch.Tensor = per_row()  # (B,) the episode ended: an end token, or the model answered (status `ok`)
+    texts: list[str] = per_row()  # what the reward terms score: each episode's answer, decoded
     prompts: list[str] = per_row()  # the prompts, rendered
     engine_logprobs: torch.Tensor | None = response_columns(default=None)
     """(B, T) the sampling engine's own log-probs (vLLM), masked; None: the trainer sampled."""
@@ -77,8 +77,8 @@ class Rollout:
     response's every real token; an episode's turns, not its tool results or glue, none of a failed one's)."""
     turn_rewards: torch.Tensor = response_columns()
     """(B, T) each turn's reward (`step`'s) on its turn's last token; 0 everywhere for a single response."""
-    episodes: list[Episode] | None = per_row(default=None)
-    """Each row's multi-turn episode (its turns, tool calls, status, transcript); None: single-turn."""
+    episodes: list[Episode] = per_row()
+    """Each row's episode (its turns, tool calls, status, transcript): a single response is an episode of one turn."""
 
 
 @dataclass(kw_only=True)

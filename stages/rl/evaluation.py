@@ -25,16 +25,10 @@ from rlhf.config_ppo import PPOConfig
 from rlhf.evaluation import win_rate
 from stages.common.reporting import Reporting
 from stages.engines.sampler import Sampler
-from stages.envs.episode import Episode, episode_figures, transcript
-from stages.envs.loop import EpisodeRunner
+from stages.envs.episode import Episode, EpisodeSource, episode_figures, transcript
 from stages.math.ppo_math import kl_estimate, weighted_reward
 from stages.rl.ppo_models import Models
-from stages.rl.ppo_rollout import (
-    Episodic,
-    own_random_stream,
-    reference_responses,
-    rollout,
-)
+from stages.rl.ppo_rollout import own_random_stream, reference_responses, rollout
 
 
 @dataclass(frozen=True)
@@ -42,11 +36,10 @@ class TermJudge:
     """PPO's reward terms besides the reward model (functions, servers) as an evaluation scores
     responses with them."""
 
-    values: Callable[[list[list[dict]], list[str], list[dict], list[bool], str, list[str] | None],
-                     dict[str, torch.Tensor]]
-    """(prompt messages, responses, prompt records' declared columns, whether each ended, what is
-    judged, the SFT responses a `choice` judge compares them with or None) -> each term's values by
-    name, NaN where it gave none; a `choice` judge's only with references. # -> {name: (B,)}"""
+    values: Callable[[list[list[dict]], list[Episode], str], dict[str, torch.Tensor]]
+    """(prompt messages, the episodes judged, what is judged) -> each term's values by name for the
+    episodes' answers, NaN where it gave none; a `choice` judge's only where the episodes carry the
+    SFT answer it compares with (`Episode.reference`). # -> {name: (B,)}"""
     weights: dict[str, float]
     """The weight by name of every term that scores a response alone (the reward model's too; no `choice` judge)."""
     with_model: bool
@@ -66,40 +59,45 @@ class HeldOut:
 
     prompts: list[str]
     messages: list[list[dict]]
-    sft_texts: list[str]
-    sft_complete: list[bool]
-    """False where the SFT response was cut off at `sampling.response_length` without an end token."""
     columns: list[dict]
     """Each prompt's declared extra columns (PPO's `reward.columns`) by name, for the reward functions."""
-    runner: EpisodeRunner | None = None
-    """Multi-turn episodes (`ppo.environment`): both policies answer by acting against the environment."""
-    sft_episodes: list[Episode] | None = None
-    """The SFT policy's episodes, where `runner` is set."""
+    source: EpisodeSource
+    """Where both policies' episodes come from: one turn per prompt, or the environment's loop."""
+    sft_episodes: list[Episode]
+    """The SFT policy's episodes."""
 
     @property
-    def episodic(self) -> Episodic | None:
-        """The held-out prompts as episodes' records, where the evaluation is multi-turn."""
-        if self.runner is None:
-            return None
-        return Episodic(self.runner, [{"messages": m, **c} for m, c in zip(self.messages, self.columns, strict=True)])
+    def sft_texts(self) -> list[str]:
+        """The SFT policy's answers: what the reward terms score."""
+        return [e.answer for e in self.sft_episodes]
+
+    @property
+    def sft_complete(self) -> list[bool]:
+        """False where the SFT episode was cut off (`sampling.response_length`) without ending."""
+        return [e.status == "ok" for e in self.sft_episodes]
+
+    @property
+    def rows(self) -> list[dict]:
+        """The held-out prompts as episodes' records."""
+        return [{"prompt": p, "messages": m, **c} for p, m, c in zip(self.prompts, self.messages, self.columns,
+                                                                      strict=True)]
 
     @classmethod
     @torch.no_grad()
     def sample(cls, models: Models, eval_prompts: pd.DataFrame, evaluation: EvaluationConfig, sampling: SamplingConfig,
-               columns: tuple[str, ...] = (), runner: EpisodeRunner | None = None) -> HeldOut:
-        """The SFT responses (with `runner`, its episodes), sampled before training starts (so from the
-        SFT policy even when the reference is refreshed later, or the run resumes), from
+               source: EpisodeSource, columns: tuple[str, ...] = ()) -> HeldOut:
+        """The SFT policy's episodes of `source`, sampled before training starts (so from the SFT
+        policy even when the reference is refreshed later, or the run resumes), from
         `evaluation.seed` alone: every run from the same SFT checkpoint and prompts, whatever its
         training seed or settings, is judged against the same responses (common random numbers)."""
         repeat = evaluation.samples_per_prompt
         prompts = [p for p in eval_prompts["prompt"] for _ in range(repeat)]
         messages = [json.loads(m) for m in eval_prompts["prompt_messages"] for _ in range(repeat)]
         records = [r for r in eval_prompts[list(columns)].to_dict("records") for _ in range(repeat)]
-        held_out = cls(prompts=prompts, messages=messages, sft_texts=[], sft_complete=[], columns=records,
-                       runner=runner)
+        held_out = cls(prompts=prompts, messages=messages, columns=records, source=source, sft_episodes=[])
         models.train(False)
-        sft = reference_responses(models, prompts, sampling, evaluation.seed, held_out.episodic)
-        return dataclasses.replace(held_out, sft_texts=sft.texts, sft_complete=sft.complete, sft_episodes=sft.episodes)
+        sft = reference_responses(models, source, held_out.rows, sampling, evaluation.seed)
+        return dataclasses.replace(held_out, sft_episodes=sft.episodes)
 
 
 @torch.no_grad()
@@ -114,7 +112,7 @@ def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: Ev
     Training's random stream is the caller's to keep (`own_random_stream`) when training goes on."""
     prompts, messages = held_out.prompts, held_out.messages
     torch.manual_seed(evaluation.seed + 1)
-    policy = rollout(models, sampler, prompts, sampling, {}, episodic=held_out.episodic)
+    policy = rollout(models, sampler, held_out.source, held_out.rows, sampling, {})
     kl = (kl_estimate(policy.logprobs, policy.ref_logprobs) * policy.trainable).sum(1)
     table = pd.DataFrame({"prompt": prompts, "prompt_messages": [json.dumps(m) for m in messages],
                           "policy_response": policy.texts, "sft_response": held_out.sft_texts, "kl": kl.cpu().numpy()})
@@ -122,7 +120,7 @@ def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: Ev
                "eval/eos_rate": policy.has_eos.float().mean().item()}
     if held_out.columns and held_out.columns[0]:  # the records' declared columns, which a judge may read
         table = table.assign(**pd.DataFrame(held_out.columns, index=table.index))
-    if policy.episodes is not None:  # the conversations, and how often each policy called a tool
+    if held_out.source.multi_turn:  # the conversations, and how often each policy called a tool
         table = table.assign(policy_episode=[transcript(e) for e in policy.episodes],
                              sft_episode=[transcript(e) for e in held_out.sft_episodes],
                              policy_tool_calls=[e.tool_calls for e in policy.episodes],
@@ -136,22 +134,21 @@ def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: Ev
         metrics |= {"eval/score": table["policy_score"].mean(), "eval/score_sft": table["sft_score"].mean(),
                     "eval/win_rate_rm": wins, "eval/win_rate_rm_se": wins_se}
     if judge is not None:
-        metrics |= judged_by_terms(judge, held_out, policy.texts, policy.has_eos.tolist(), table)
+        metrics |= judged_by_terms(judge, held_out, policy.episodes, table)
     return {k: float(v) for k, v in metrics.items()}, table
 
 
-def judged_by_terms(judge: TermJudge, held_out: HeldOut, policy_texts: list[str], policy_complete: list[bool],
-                    table: pd.DataFrame) -> dict[str, float]:
-    """The reward terms on the policy's and the SFT policy's held-out responses: their values as
-    columns of `table`, each term's means (a `choice` judge's on the policy's responses only, against
-    the SFT ones: its win rate), and without a reward model the weighted sum as both responses'
+def judged_by_terms(judge: TermJudge, held_out: HeldOut, policy: list[Episode], table: pd.DataFrame
+                    ) -> dict[str, float]:
+    """The reward terms on the policy's and the SFT policy's held-out episodes: their values as
+    columns of `table`, each term's means (a `choice` judge's on the policy's answers only, against
+    the SFT ones: its win rate), and without a reward model the weighted sum as both answers'
     `score` and the win rate by it, over the pairs whose servers' scores all arrived."""
     metrics: dict[str, float] = {}
     judged = {}
-    for who, texts, complete, references in (("policy", policy_texts, policy_complete, held_out.sft_texts),
-                                             ("sft", held_out.sft_texts, held_out.sft_complete, None)):
-        judged[who] = judge.values(held_out.messages, texts, held_out.columns, complete,
-                                   f"evaluation ({who} responses)", references)
+    compared = [dataclasses.replace(e, reference=sft) for e, sft in zip(policy, held_out.sft_texts, strict=True)]
+    for who, episodes in (("policy", compared), ("sft", held_out.sft_episodes)):
+        judged[who] = judge.values(held_out.messages, episodes, f"evaluation ({who} responses)")
         for name, values in judged[who].items():  # (B,) NaN where the term gave none
             table[f"{who}_reward/{name}"] = values.cpu().numpy()
             given = values[~values.isnan()]
@@ -161,7 +158,7 @@ def judged_by_terms(judge: TermJudge, held_out: HeldOut, policy_texts: list[str]
         # a pair where a server's score never arrived, for either response, has no score: out of the win rate
         served = [judged[who][name] for who in judged for name in judge.served & judge.weights.keys()]  # (B,) each
         unscored = (torch.stack(served).isnan().any(dim=0).cpu().numpy() if served
-                    else np.zeros(len(policy_texts), dtype=bool))  # (B,)
+                    else np.zeros(len(policy), dtype=bool))  # (B,)
         if served:
             metrics["eval/remote_failed_share"] = unscored.mean()
         for who in judged:

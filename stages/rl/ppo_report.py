@@ -103,7 +103,7 @@ def iteration_figures(learner: Learner, episodes: Episodes, train: dict[str, flo
         gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.trainable  # (B, T)
         figures |= {"rollout/vllm_logprob_gap": masked_mean(gap, batch.trainable).item(),
                     "rollout/vllm_logprob_gap_max": gap.max().item()}
-    if batch.episodes is not None:
+    if learner.episode_source.multi_turn:
         figures |= episode_figures(batch.episodes, "rollout")
     if batch.engine_weights is not None:
         weights = batch.engine_weights[batch.trainable.bool()]  # (tokens,)
@@ -130,8 +130,9 @@ def term_figures(terms: dict[str, torch.Tensor], functions: set[str]) -> dict[st
 
 
 def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, episodes: Episodes,
-                     figures: dict[str, float]) -> None:
-    """Warnings, figures, every episode, and now and then a few samples to read."""
+                     figures: dict[str, float], multi_turn: bool) -> None:
+    """Warnings, figures, every episode (`multi_turn`: with its conversation and status), and now and
+    then a few samples to read."""
     iteration, batch, messages, scores = episodes.iteration, episodes.batch, episodes.messages, episodes.scores
     previous_length = loop.history[-1]["rollout/response_length"] if loop.history else None
     for message in warnings_of(cfg, figures, loop.first_length, iteration, previous_length):
@@ -142,10 +143,9 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
     terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} \
         if cfg.reward.functions or cfg.reward.remotes or cfg.reward.overlong else {}
     # A multi-turn episode's whole conversation, tool results marked `[tool <name>]`, and its status.
-    turns = {} if batch.episodes is None else {"episode": [transcript(e) for e in batch.episodes],
-                                               "status": [e.status for e in batch.episodes],
-                                               **{c: [e.columns.get(c) for e in batch.episodes]
-                                                  for c in cfg.reward.columns}}
+    turns = {} if not multi_turn else {"episode": [transcript(e) for e in batch.episodes],
+                                       "status": [e.status for e in batch.episodes],
+                                       **{c: [e.columns.get(c) for e in batch.episodes] for c in cfg.reward.columns}}
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
                                      "score": scores.reported.cpu().numpy(), **terms,
                                      "kl": episodes.sequence_kl.cpu().numpy(), **turns}), iteration)

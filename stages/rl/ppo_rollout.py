@@ -1,4 +1,5 @@
-"""PPO's rollout on a sampler: sample, then the passes PPO needs besides (old log-probs and values
+"""PPO's rollout on a sampler: sample episodes (`stages.envs.episode.EpisodeSource`: one turn per
+prompt, or an environment's loop), then the passes PPO needs besides (old log-probs and values
 unless the sampling pass gave them, and the reference's log-probs). PPO's iterations and every
 evaluation of a policy (`stages.rl.evaluation`, PPO's and DPO's) call `rollout`. Which prompts an
 iteration samples: `Prompts`, `prompt_batch`.
@@ -15,10 +16,9 @@ import torch
 from transformers import PreTrainedModel
 
 from stages.common.reporting import timed
-from stages.common.tensors import entropy_of, is_end, logprobs_of, response_mask
+from stages.common.tensors import entropy_of, logprobs_of
 from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling
-from stages.envs.episode import EpisodeGeneration, check_failed_share
-from stages.envs.loop import EpisodeRunner
+from stages.envs.episode import Episode, EpisodeGeneration, EpisodeSource, SingleTurn, check_failed_share
 from stages.rl.batch import Rollout, concat
 from stages.rl.ppo_models import Models, forward_response, policy_and_values, reference_policy
 
@@ -35,6 +35,11 @@ def policy_sampler(models: Models) -> HFSampler:
                      precision=models.precision, holding=models.holding, compact=models.packs)
 
 
+def single_turn(models: Models) -> SingleTurn:
+    """One response per prompt from the policy's tokenizer and end tokens: a rollout without an environment."""
+    return SingleTurn(models.tokenizer, models.stop_ids)
+
+
 def reference_sampler(models: Models, reference: PreTrainedModel) -> HFSampler:
     """A sampler of the frozen reference (`reference_policy(models)`), held as the policy is."""
     return HFSampler(model=reference, tokenizer=models.tokenizer, stop_ids=models.stop_ids, precision=models.precision,
@@ -48,39 +53,29 @@ def own_random_stream(device: torch.device):
         yield
 
 
-@torch.no_grad()
 @dataclass(frozen=True)
 class ReferenceResponses:
-    """The frozen reference's answers: what the reward terms score of each, and whether it ended."""
+    """The frozen reference's episodes, and what the reward terms score of each and whether it ended."""
 
     texts: list[str]
     complete: list[bool]
-    episodes: list | None = None
-    """Each prompt's `Episode`, where the answers are multi-turn."""
+    episodes: list[Episode]
 
 
-def reference_responses(models: Models, prompts: list[str], sampling: SamplingConfig, seed: int,
-                        episodic: Episodic | None = None) -> ReferenceResponses:
-    """The frozen reference's (the SFT policy's) responses to `prompts`, or with `episodic` its
-    episodes, sampled from `seed` on a random stream of its own, `sampling.micro_batch_size` at a time
-    (collective where the policy is sharded)."""
-    texts, complete, episodes = [], [], []
-    chunks = in_chunks(prompts, sampling)
-    rows = [None] * len(chunks) if episodic is None else [c.rows for c in episodic.chunks(sampling)]
+@torch.no_grad()
+def reference_responses(models: Models, source: EpisodeSource, rows: list[dict], sampling: SamplingConfig,
+                        seed: int) -> ReferenceResponses:
+    """The frozen reference's (the SFT policy's) episodes of `rows` (`source`), sampled from `seed` on
+    a random stream of its own, `sampling.micro_batch_size` at a time (collective where the policy is
+    sharded)."""
+    episodes = []
     with own_random_stream(models.policy.device), reference_policy(models) as reference:
         torch.manual_seed(seed)
         sampler = reference_sampler(models, reference)
-        for chunk, records in zip(chunks, rows, strict=True):
-            if records is not None:
-                found = episodic.runner.run(sampler, records, sampling.temperature)
-                episodes += found
-                texts += [e.answer for e in found]
-                complete += [e.status == "ok" for e in found]
-                continue
-            responses = sampler.generate(chunk, Sampling(sampling.response_length, sampling.temperature)).responses
-            texts += models.tokenizer.batch_decode(responses, skip_special_tokens=True)
-            complete += is_end(responses, models.stop_ids).any(dim=1).tolist()
-    return ReferenceResponses(texts, complete, None if episodic is None else episodes)
+        for chunk in in_chunks(rows, sampling):
+            episodes += source.generation(sampler, chunk, Sampling(sampling.response_length, sampling.temperature),
+                                          models.policy.device).episodes
+    return ReferenceResponses([e.answer for e in episodes], [e.status == "ok" for e in episodes], episodes)
 
 
 def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:
@@ -89,45 +84,23 @@ def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:
     return [items[start:start + size] for start in range(0, len(items), size)]
 
 
-@dataclass(frozen=True)
-class Episodic:
-    """Multi-turn episodes instead of single responses: the environment's runner and each prompt's record."""
-
-    runner: EpisodeRunner
-    rows: list[dict]
-    """Each prompt's record: `messages` and the declared columns (`reward.columns`), in the prompts' order."""
-
-    def chunks(self, sampling: SamplingConfig) -> list[Episodic]:
-        return [Episodic(self.runner, rows) for rows in in_chunks(self.rows, sampling)]
-
-
 @torch.no_grad()
-def rollout(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
-            timings: dict[str, float], sampled: list[Generation] | None = None,
-            episodic: Episodic | None = None) -> Rollout:
-    """Sample responses (or, `episodic`, multi-turn episodes), then the passes PPO needs besides: old
+def rollout(models: Models, sampler: Sampler, source: EpisodeSource, rows: list[dict], sampling: SamplingConfig,
+            timings: dict[str, float], sampled: list[EpisodeGeneration] | None = None) -> Rollout:
+    """Sample the episodes of `rows` (each prompt's record: `prompt`, `messages`, declared columns)
+    from `source` (a single turn, or an environment's loop), then the passes PPO needs besides: old
     log-probs and values (from the sampling pass when `models.reuse_sampling_pass` and the sampler gave
     them: never an engine's own, `engine_logprobs`, which are kept beside), and the reference's
     log-probs, under the models as they are now; `sampling.micro_batch_size` prompts at a time, the
-    pieces then padded into one batch. `sampled`: the chunks' responses, sampled earlier
-    (`stages.rl.sampling_ahead`)."""
+    pieces then padded into one batch. `sampled`: the chunks' episodes, sampled earlier
+    (`stages.rl.sampling_ahead`). A source that fails too many episodes stops the run, saying why."""
     models.train(False)
-    chunks = in_chunks(prompts, sampling)
-    episodes = [None] * len(chunks) if episodic is None else episodic.chunks(sampling)
-    batch = concat([_rollout_chunk(models, sampler, chunk, sampling, timings, earlier, rows)
-                    for chunk, earlier, rows in zip(chunks, sampled or [None] * len(chunks), episodes, strict=True)],
+    chunks = in_chunks(rows, sampling)
+    batch = concat([_rollout_chunk(models, sampler, source, chunk, sampling, timings, earlier)
+                    for chunk, earlier in zip(chunks, sampled or [None] * len(chunks), strict=True)],
                    models.tokenizer.pad_token_id)
-    if episodic is not None:  # a template or environment that fails most episodes stops the run, saying why
-        check_failed_share(batch.episodes, episodic.runner.settings.max_failed_share)
+    check_failed_share(batch.episodes, source.max_failed_share)
     return batch
-
-
-def _sampled(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
-             episodic: Episodic | None) -> Generation:
-    """The chunk's responses, or its episodes (`EpisodeGeneration`)."""
-    if episodic is None:
-        return sampler.generate(prompts, Sampling(sampling.response_length, sampling.temperature))
-    return episodic.runner.generation(sampler, episodic.rows, sampling.temperature, models.policy.device)
 
 
 def _gave_what_the_update_needs(models: Models, sampled: Generation) -> bool:
@@ -136,20 +109,20 @@ def _gave_what_the_update_needs(models: Models, sampled: Generation) -> bool:
     return sampled.logprobs is not None and (sampled.hidden is not None or not wants_hidden)
 
 
-def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], sampling: SamplingConfig,
-                   timings: dict[str, float], sampled: Generation | None = None,
-                   episodic: Episodic | None = None) -> Rollout:
+def _rollout_chunk(models: Models, sampler: Sampler, source: EpisodeSource, rows: list[dict],
+                   sampling: SamplingConfig, timings: dict[str, float],
+                   sampled: EpisodeGeneration | None = None) -> Rollout:
     """Phases timed: `generate` (unless `sampled` earlier); `forward`, the passes after it: `values`
     (the critic on the sampling pass's outputs) or `policy_forward` (the policy's log-probs, with the
-    values), and `reference`. In an episode the passes run over all its tokens (tool results are
+    values), and `reference`. The passes run over all of an episode's tokens (tool results are
     context) and its figures are kept on the model's own tokens (`trainable`)."""
     temperature = sampling.temperature
     if sampled is None:
         with timed(timings, "generate"):
-            sampled = _sampled(models, sampler, prompts, sampling, episodic)
+            sampled = source.generation(sampler, rows, Sampling(sampling.response_length, temperature),
+                                        models.policy.device)
     queries, query_mask, responses = sampled.queries, sampled.query_mask, sampled.responses
-    marks = response_marks(models, sampled)
-    mask, trainable = marks.mask, marks.trainable
+    mask, trainable = sampled.mask, sampled.trainable
     if sampled.computed_tokens is not None:  # the decode loop's, where it counts them
         fed = query_mask.sum() + (mask.sum(dim=1) - 1).clamp(min=0).sum()  # a response's last token is never fed
         models.counts.add("generate", float(fed), sampled.computed_tokens)
@@ -170,37 +143,14 @@ def _rollout_chunk(models: Models, sampler: Sampler, prompts: list[str], samplin
                                              passes=models.passes("reference"))
             ref_logprobs = logprobs_of(ref_logits, responses, temperature)
     engine_logprobs = None if sampled.engine_logprobs is None else sampled.engine_logprobs * trainable
+    episodes = sampled.episodes
+    ended = torch.tensor([e.status == "ok" for e in episodes], device=responses.device)  # (B,)
     return Rollout(queries=queries, query_mask=query_mask, responses=responses, mask=mask,
                    logprobs=logprobs * trainable, ref_logprobs=ref_logprobs * trainable,
-                   values=None if values is None else values * trainable, entropy=entropy, has_eos=marks.has_eos,
-                   texts=marks.texts, prompts=prompts, engine_logprobs=engine_logprobs, trainable=trainable,
-                   turn_rewards=marks.turn_rewards, episodes=marks.episodes)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ResponseMarks:
-    """What marks a chunk's responses for the passes and the scores: the one place where a single
-    response and a multi-turn episode differ."""
-
-    mask: torch.Tensor  # (B, T) every real token after the prompt: what the passes attend to
-    trainable: torch.Tensor  # (B, T) the model's own tokens (a single response's every real token)
-    turn_rewards: torch.Tensor  # (B, T) each turn's reward on its last token (0 for a single response)
-    has_eos: torch.Tensor  # (B,) it ended: an end token, or an episode whose model answered
-    texts: list[str]  # what the reward terms score: the response, or the episode's answer
-    episodes: list | None  # each row's `Episode`; None for single responses
-
-
-def response_marks(models: Models, sampled: Generation) -> ResponseMarks:
-    """The marks of sampled single responses (cut at the first end token) or of episodes (`EpisodeGeneration`)."""
-    if isinstance(sampled, EpisodeGeneration):
-        ended = torch.tensor([e.status == "ok" for e in sampled.episodes], device=sampled.responses.device)
-        return ResponseMarks(mask=sampled.mask, trainable=sampled.trainable, turn_rewards=sampled.turn_rewards,
-                             has_eos=ended, texts=[e.answer for e in sampled.episodes], episodes=sampled.episodes)
-    mask = response_mask(sampled.responses, models.stop_ids)
-    return ResponseMarks(mask=mask, trainable=mask, turn_rewards=torch.zeros_like(mask),
-                         has_eos=is_end(sampled.responses, models.stop_ids).any(dim=1),
-                         texts=models.tokenizer.batch_decode(sampled.responses, skip_special_tokens=True),
-                         episodes=None)
+                   values=None if values is None else values * trainable, entropy=entropy, has_eos=ended,
+                   texts=[e.answer for e in episodes], prompts=[row["prompt"] for row in rows],
+                   engine_logprobs=engine_logprobs, trainable=trainable, turn_rewards=sampled.turn_rewards,
+                   episodes=episodes)
 
 
 @dataclass(frozen=True)
@@ -215,8 +165,8 @@ class Prompts:
     """Prompts per sampling round, over all processes: `rollout_batch_size / samples_per_prompt`."""
 
     def records(self, picks: list[int]) -> list[dict]:
-        """These prompts as an environment's records: `messages` and the declared columns."""
-        return [{"messages": self.messages[i], **self.columns[i]} for i in picks]
+        """These prompts as episodes' records: the rendered `prompt`, its `messages` and the declared columns."""
+        return [{"prompt": self.texts[i], "messages": self.messages[i], **self.columns[i]} for i in picks]
 
     @classmethod
     def of(cls, frame: pd.DataFrame, cfg: PPOConfig) -> Prompts:

@@ -12,18 +12,18 @@ from dataclasses import replace
 import torch
 
 from stages.common.reporting import timed
-from stages.engines.sampler import Generation
+from stages.envs.episode import EpisodeGeneration, single_turn_batch
 from stages.math.ppo_math import groups_with_signal
 from stages.rewards.scoring import concat_scores
 from stages.rl.batch import Sampled, concat, rows_of
-from stages.rl.ppo_rollout import Episodic, Prompts, prompt_batch, rollout
+from stages.rl.ppo_rollout import Prompts, in_chunks, prompt_batch, rollout
 from stages.rl.ppo_scores import (
     fitted_normalization,
     function_terms,
     raw_scores,
     remote_terms,
     scores_of,
-    sft_references,
+    with_sft_references,
 )
 from stages.rl.ppo_state import LoopState
 from stages.rl.sampling_ahead import SamplingAhead
@@ -67,23 +67,21 @@ def round_picks(learner: Learner, prompts: Prompts, cursor: int) -> list[int]:
 
 
 def sample_round(learner: Learner, loop: LoopState, prompts: Prompts, cursor: int, iteration: int,
-                 timings: dict[str, float], sampled: list[Generation] | None = None) -> Sampled:
+                 timings: dict[str, float], sampled: list[EpisodeGeneration] | None = None) -> Sampled:
     """One round: the prompts of `round_picks`, sampled (unless `sampled` earlier, by `SamplingAhead`)
     and scored. A run's first round fits the reward normalisation (`loop.normalization`) before it
     is scored. Collective, as are the reward functions."""
     cfg, models = learner.cfg, learner.models
     picks = round_picks(learner, prompts, cursor)
     messages = [prompts.messages[i] for i in picks]
-    episodic = None if learner.episodes is None else Episodic(learner.episodes, prompts.records(picks))
-    batch = rollout(models, learner.sampler, [prompts.texts[i] for i in picks], cfg.sampling, timings, sampled,
-                    episodic)
+    rows = prompts.records(picks)
+    batch = rollout(models, learner.sampler, learner.episode_source, rows, cfg.sampling, timings, sampled)
     raw = raw_scores(models.scorer, batch, messages, timings) if models.scorer is not None else None
     if raw is not None and loop.normalization is None:  # the run's first round: the reward's scale
         loop.normalization, batch = fitted_normalization(learner, raw, batch)
-    functions = function_terms(learner, messages, batch.texts, [prompts.columns[i] for i in picks], iteration, timings)
-    references = sft_references(learner, [prompts.texts[i] for i in picks], cursor, timings)  # `choice` judges'
-    remote, retries = remote_terms(learner, messages, batch.texts, batch.has_eos.tolist(), iteration, timings,
-                                   references)
+    functions = function_terms(learner, messages, batch.episodes, iteration, timings)
+    batch = with_sft_references(learner, batch, rows, cursor, timings)  # what `choice` judges compare with
+    remote, retries = remote_terms(learner, messages, batch.episodes, iteration, timings)
     return Sampled(batch=batch, messages=messages, scores=scores_of(raw, batch, models.scorer, cfg, functions, remote),
                    figures={"remote/retries": retries} if remote else {})
 
@@ -135,5 +133,10 @@ def sample_ahead(learner: Learner, ahead: SamplingAhead, loop: LoopState, prompt
     with timed(timings, "rollout_wait"):
         earlier = ahead.take(iteration)
     timings["generate"] = earlier.seconds
-    sampled = sample_round(learner, loop, prompts, loop.cursor, iteration, timings, earlier.generations)
+    # single-turn only (episodes step their environment between turns, which the server cannot do ahead)
+    chunks = in_chunks(prompts.records(round_picks(learner, prompts, loop.cursor)), learner.cfg.sampling)
+    models = learner.models
+    episodes = [single_turn_batch(generation, rows, models.tokenizer, models.stop_ids)
+                for generation, rows in zip(earlier.generations, chunks, strict=True)]
+    sampled = sample_round(learner, loop, prompts, loop.cursor, iteration, timings, episodes)
     return replace(sampled, figures=sampled.figures | {"rollout/staleness": float(iteration - 1 - earlier.version)})

@@ -12,6 +12,7 @@ from accelerate import Accelerator
 
 from rlhf.config_ppo import OVERLONG_TERM, PPOConfig
 from stages.common.reporting import timed
+from stages.envs.episode import Episode
 from stages.math.ppo_math import apply_eos_penalty, overlong_penalty, weighted_reward
 from stages.rewards.functions import reward_values
 from stages.rewards.remote import remote_values
@@ -63,48 +64,60 @@ def model_score(scores: torch.Tensor, batch: Rollout, cfg: PPOConfig) -> torch.T
     return torch.where(scores.isnan(), scores, term)
 
 
-def function_terms(learner: Learner, messages: list[list[dict]], texts: list[str], columns: list[dict],
-                   iteration: int, timings: dict[str, float]) -> dict[str, torch.Tensor]:
-    """Each reward function's values for this process's responses (NaN where it gave none), every
-    process's rows computed on the main process (collective). # -> {name: (B,)}"""
+def function_terms(learner: Learner, messages: list[list[dict]], episodes: list[Episode], iteration: int,
+                   timings: dict[str, float]) -> dict[str, torch.Tensor]:
+    """Each reward function's values for this process's episodes' answers (NaN where it gave none),
+    every process's rows computed on the main process (collective). # -> {name: (B,)}"""
     if not learner.reward_functions:
         return {}
     with timed(timings, "reward_functions"):
-        rows = list(zip(messages, texts, columns, strict=True))
+        rows = [(m, e.answer, e.columns) for m, e in zip(messages, episodes, strict=True)]
         every = _functions_on_main(learner, rows, iteration)
         first = learner.accelerator.process_index * len(rows)
     return {name: _as_tensor(values[first:first + len(rows)], learner.accelerator.device)
             for name, values in every.items()}
 
 
-def sft_references(learner: Learner, prompts: list[str], cursor: int, timings: dict[str, float]) -> list[str] | None:
-    """What `choice` judges compare this process's responses with: the SFT policy's response to each
-    group's prompt (`prompts` in groups of `samples_per_prompt`), one per group, sampled from the run's
-    seed and the round's `cursor` (so a resumed run asks the same). None without such a judge."""
+def with_sft_references(learner: Learner, batch: Rollout, rows: list[dict], cursor: int,
+                        timings: dict[str, float]) -> Rollout:
+    """`batch` with each episode's `reference`, what `choice` judges compare it with: the SFT policy's
+    answer to its group's prompt (`rows`, the prompts' records, in groups of `samples_per_prompt`), one
+    per group, sampled from the run's seed and the round's `cursor` (so a resumed run asks the same).
+    As it is without such a judge."""
     cfg = learner.cfg
     if not cfg.reward.pairwise:
-        return None
+        return batch
     size = cfg.samples_per_prompt
     with timed(timings, "sft_reference"):
-        texts = reference_responses(learner.models, prompts[::size], cfg.sampling, cfg.seed * 1_000_003 + cursor).texts
-    return [text for text in texts for _ in range(size)]
+        texts = reference_responses(learner.models, learner.episode_source, rows[::size], cfg.sampling,
+                                    cfg.seed * 1_000_003 + cursor).texts
+    return replace(batch, episodes=[replace(e, reference=texts[i // size]) for i, e in enumerate(batch.episodes)])
 
 
-def remote_terms(learner: Learner, messages: list[list[dict]], texts: list[str], complete: list[bool],
-                 iteration: int | str, timings: dict[str, float], references: list[str] | None = None
-                 ) -> tuple[dict[str, torch.Tensor], float]:
-    """Each remote term's scores for this process's responses (NaN where none arrived), every process's
-    rows sent from the main process (collective), and the requests retried; a failed batch may stop the
-    run (`stages.rewards.remote.remote_values`). `references`: what `choice` judges compare with
-    (`sft_references`; unset, they are not asked). # -> {name: (B,)}, retries"""
+def remote_terms(learner: Learner, messages: list[list[dict]], episodes: list[Episode], iteration: int | str,
+                 timings: dict[str, float]) -> tuple[dict[str, torch.Tensor], float]:
+    """Each remote term's scores for this process's episodes' answers (NaN where none arrived), every
+    process's rows sent from the main process (collective), and the requests retried; a failed batch may
+    stop the run (`stages.rewards.remote.remote_values`). `choice` judges are asked where the episodes
+    carry their `reference` (`with_sft_references`). # -> {name: (B,)}, retries"""
     if not learner.remote_rewards:
         return {}, 0.0
     with timed(timings, "remote_reward"):
-        rows = list(zip(messages, texts, complete, references or [None] * len(texts), strict=True))
-        every, retries = _remote_on_main(learner, rows, iteration, references is not None)
+        rows = _remote_rows(messages, episodes)
+        every, retries = _remote_on_main(learner, rows, iteration, _compared(episodes))
         first = learner.accelerator.process_index * len(rows)
     return {name: _as_tensor(values[first:first + len(rows)], learner.accelerator.device)
             for name, values in every.items()}, float(retries)
+
+
+def _remote_rows(messages: list[list[dict]], episodes: list[Episode]) -> list[tuple]:
+    """What a server scores of each episode: (prompt messages, answer, ended, the SFT answer or None)."""
+    return [(m, e.answer, e.status == "ok", e.reference) for m, e in zip(messages, episodes, strict=True)]
+
+
+def _compared(episodes: list[Episode]) -> bool:
+    """Whether `choice` judges are asked: the episodes carry the SFT answers they compare with."""
+    return any(e.reference is not None for e in episodes)
 
 
 def term_judge(learner: Learner) -> TermJudge | None:
@@ -115,15 +128,14 @@ def term_judge(learner: Learner) -> TermJudge | None:
         return None
     accelerator, reward = learner.accelerator, learner.cfg.reward
 
-    def values(messages: list[list[dict]], texts: list[str], columns: list[dict], complete: list[bool], judged: str,
-               references: list[str] | None) -> dict[str, torch.Tensor]:
+    def values(messages: list[list[dict]], episodes: list[Episode], judged: str) -> dict[str, torch.Tensor]:
         main, every = accelerator.is_main_process, {}
         if learner.reward_functions:
-            rows = list(zip(messages, texts, columns, strict=True))
+            rows = [(m, e.answer, e.columns) for m, e in zip(messages, episodes, strict=True)]
             every = _functions_on_main(learner, rows if main else [], judged)
         if learner.remote_rewards:
-            rows = list(zip(messages, texts, complete, references or [None] * len(texts), strict=True))
-            every |= _remote_on_main(learner, rows if main else [], judged, references is not None)[0]
+            rows = _remote_rows(messages, episodes)
+            every |= _remote_on_main(learner, rows if main else [], judged, _compared(episodes))[0]
         return {name: _as_tensor(v, accelerator.device) for name, v in every.items()}
 
     pairwise = {term.name for term in reward.pairwise}

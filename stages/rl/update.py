@@ -16,7 +16,7 @@ from rlhf.config_ppo import PPOConfig
 from stages.common.errors import NonFiniteLossError
 from stages.common.tensors import entropy_of, logprobs_of, masked_mean
 from stages.engines.sampler import Sampler
-from stages.envs.loop import EpisodeRunner
+from stages.envs.episode import EpisodeSource
 from stages.math.ppo_math import (
     PolicyClip,
     Totals,
@@ -55,8 +55,8 @@ class Learner:
     """What the rollouts and evaluations sample the policy with."""
     reward_functions: list[RewardFunction] = field(default_factory=list)
     """The `reward` terms that are Python functions, imported and checked."""
-    episodes: EpisodeRunner | None = None
-    """Multi-turn episodes against `environment`; None: one response per prompt."""
+    episode_source: EpisodeSource
+    """Where the rollouts' episodes come from: one turn per prompt, or the `environment`'s loop."""
     remote_rewards: list[RemoteReward] = field(default_factory=list)
     """The `reward` terms a server scores, each with its client."""
 
