@@ -60,7 +60,7 @@ def synthetic_episodes(learner, prompt_lengths: list[int], response_lengths: lis
     """A training batch of these lengths: random ids, the policy's own log-probs (a ratio of 1 at the
     first step), random advantages and returns. What the update reads of an iteration."""
     from stages.common.tensors import logprobs_of
-    from stages.rl.advantages import Episodes, KLWeights
+    from stages.rl.advantages import Estimated, KLWeights
     from stages.rl.batch import TrainingBatch
     from stages.rl.ppo_models import policy_and_values
 
@@ -82,7 +82,7 @@ def synthetic_episodes(learner, prompt_lengths: list[int], response_lengths: lis
                           trainable=mask, turn_rewards=torch.zeros_like(mask),
                           advantages=torch.randn(n, 1, generator=generator) * mask,
                           returns=torch.randn(n, steps, generator=generator) * mask)
-    return Episodes(iteration=99, batch=batch, messages=[], scores=None, kl=torch.zeros_like(mask),
+    return Estimated(iteration=99, batch=batch, messages=[], scores=None, kl=torch.zeros_like(mask),
                     weights=KLWeights(beta=0.0, in_reward=0.0, in_loss=0.0))
 
 

@@ -98,13 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--estimators", nargs="+", default=["grpo", "gae"])
     parser.add_argument("--iterations", type=int, default=None, help="ppo.num_iterations (default: the config's)")
+    parser.add_argument("--sft-seed", type=int, default=None,
+                        help="sft.seed (default: the config's): another SFT checkpoint to start from")
     parser.add_argument("--state", type=Path, default=REPO / ".rlhf" / "bench-tools")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
     cfg = load_config(args.config)
+    state = args.state
+    if args.sft_seed is not None:  # its own checkpoint, next to the config's
+        cfg, state = with_overrides(cfg, {"sft": {"seed": args.sft_seed}}), state / f"sft-seed-{args.sft_seed}"
     started = time.time()
-    sft, frames = upstream(cfg, args.state)
+    sft, frames = upstream(cfg, state)
     rows = []
     for seed in args.seeds:
         for estimator in args.estimators:
@@ -113,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                 changes["num_iterations"] = args.iterations
             episodes = with_overrides(cfg.ppo, changes | {"samples_per_prompt": "auto"})
             single = with_overrides(episodes, {"environment": None})
-            tools = run(episodes, sft, frames, args.state / f"{estimator}-{seed}-episodes")
-            alone = run(single, sft, frames, args.state / f"{estimator}-{seed}-single")
+            tools = run(episodes, sft, frames, state / f"{estimator}-{seed}-episodes")
+            alone = run(single, sft, frames, state / f"{estimator}-{seed}-single")
             sft_answers = list(tools["table"]["sft_response"])
             for setting, result in (("episodes", tools), ("single-turn", alone)):
                 metrics = result["metrics"]
@@ -127,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(rows)
     print(summary)
     out = args.out or REPO / "bench" / "results" / f"tools-{datetime.date.today()}.json"
-    out.write_text(json.dumps({"config": args.config, "seeds": args.seeds, "iterations": args.iterations,
+    out.write_text(json.dumps({"config": args.config, "sft_seed": cfg.sft.seed, "seeds": args.seeds,
+                               "iterations": args.iterations,
                                "machine": platform.processor() or platform.machine(),
                                "seconds": time.time() - started, "runs": rows, "summary": summary}, indent=2))
     print(f"wrote {out}")

@@ -59,7 +59,7 @@ from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches
 from stages.rewards.functions import load_reward_functions
 from stages.rewards.remote import remote_rewards
-from stages.rl.advantages import episodes_of, kl_weights
+from stages.rl.advantages import estimate, kl_weights
 from stages.rl.evaluation import HeldOut, evaluate, evaluate_midway, warn_over_kl_budget
 from stages.rl.ppo_models import ActorCritic, load_models
 from stages.rl.ppo_report import iteration_figures, report_iteration
@@ -120,11 +120,11 @@ def build_learner(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> Learne
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log", cfg.launch.engine == "ray")
-    episodes = episode_source(cfg.environment, models.tokenizer, inputs.sft_location, models.stop_ids,
+    source = episode_source(cfg.environment, models.tokenizer, inputs.sft_location, models.stop_ids,
                               cfg.sampling.response_length, cfg.reward.sees_reasoning)
     return Learner(cfg=cfg, accelerator=accelerator, models=models, actor_critic=actor_critic, optimizer=optimizer,
                    scheduler=scheduler, scaler=scaler, sampler=sampler,
-                   reward_functions=load_reward_functions(cfg.reward), episode_source=episodes,
+                   reward_functions=load_reward_functions(cfg.reward), episode_source=source,
                    remote_rewards=remote_rewards(cfg.reward.remotes))
 
 
@@ -230,22 +230,22 @@ def _train(learner: Learner, ahead: SamplingAhead | None, inputs: PPOInputs, out
         # 2. advantage: the KL to the reference, weighted where `kl_weights` puts beta
         weights = kl_weights(cfg, beta=loop.kl.value)
         with timed(timings, "advantages"):
-            episodes = episodes_of(accelerator, cfg, iteration, sampled, weights)
+            estimated = estimate(accelerator, cfg, iteration, sampled, weights)
         # 3. update: epochs of minibatches, one optimizer step each
         with timed(timings, "train"):
-            train = ppo_update(learner, episodes)
+            train = ppo_update(learner, estimated)
         # 4. sync the sampler to the updated policy
         sync_weights(learner, ahead, iteration, timings)
-        figures = over_processes(accelerator, iteration_figures(learner, episodes, train, timings, started)
+        figures = over_processes(accelerator, iteration_figures(learner, estimated, train, timings, started)
                                  | sampled.figures)  # this iteration's, over every process
         # 5. control: the KL coefficient, fed the mean KL per sequence over every process
-        kl_per_sequence = mean_over_processes(accelerator, episodes.sequence_kl.mean().item())
+        kl_per_sequence = mean_over_processes(accelerator, estimated.sequence_kl.mean().item())
         loop.kl.update(kl_per_sequence, cfg.rollout_batch_size)
         if cfg.ref_refresh_every and iteration % cfg.ref_refresh_every == 0:
             models.reference.load_state_dict(models.policy.state_dict())
         # 6. report; evaluate now and then; checkpoint the full state
         loop.first_length = loop.first_length or figures["rollout/response_length"]
-        report_iteration(reporting, cfg, loop, episodes, figures, learner.episode_source.multi_turn)
+        report_iteration(reporting, cfg, loop, estimated, figures, learner.episode_source.multi_turn)
         loop.iteration, loop.cursor = iteration, loop.cursor + prompts.per_iteration * sampled.rounds
         if cfg.evaluation.every and iteration % cfg.evaluation.every == 0 and iteration < cfg.num_iterations:
             figures |= evaluate_midway(models, learner.sampler, held_out, cfg, iteration, reporting,

@@ -348,11 +348,11 @@ def single_turn_rollout(models, sampler, prompts: list[str], sampling, timings: 
 
 def ppo_episodes(cfg, batch, advantages, returns, loss_mask=None):
     """What the update reads of an iteration's episodes (no scores or KL figures)."""
-    from stages.rl.advantages import Episodes, KLWeights
+    from stages.rl.advantages import Estimated, KLWeights
     from stages.rl.batch import TrainingBatch
 
     trained = TrainingBatch.of(batch, advantages=advantages, returns=returns, loss_mask=loss_mask)
-    return Episodes(iteration=1, batch=trained, messages=[], scores=None, kl=torch.zeros_like(batch.logprobs),
+    return Estimated(iteration=1, batch=trained, messages=[], scores=None, kl=torch.zeros_like(batch.logprobs),
                     weights=KLWeights(beta=0.0, in_reward=0.0, in_loss=cfg.kl.loss_coef))
 
 

@@ -218,7 +218,7 @@ def test_the_loss_and_its_gradient_ignore_tool_tokens(tiny_config, trained, chat
     gradient are those of the model's own tokens: tool tokens are in no term and no denominator."""
     from accelerate import Accelerator
 
-    from stages.rl.advantages import Episodes, KLWeights
+    from stages.rl.advantages import Estimated, KLWeights
     from stages.rl.batch import TrainingBatch
     from stages.rl.ppo_models import ActorCritic
     from stages.rl.ppo_rollout import policy_sampler
@@ -238,9 +238,9 @@ def test_the_loss_and_its_gradient_ignore_tool_tokens(tiny_config, trained, chat
         learner = Learner(cfg=cfg, accelerator=Accelerator(cpu=True), models=models, actor_critic=ActorCritic(models),
                           optimizer=None, scheduler=None, scaler=torch.amp.GradScaler("cpu", enabled=False),
                           sampler=policy_sampler(models), episode_source=_runner(chat_tokenizer))
-        episodes = Episodes(iteration=5, batch=trained_batch, messages=[], scores=None, kl=torch.zeros_like(batch.mask),
+        scored = Estimated(iteration=5, batch=trained_batch, messages=[], scores=None, kl=torch.zeros_like(batch.mask),
                             weights=KLWeights(0.0, 0.0, 0.1))
-        figures = accumulate_gradients(learner, episodes, torch.arange(len(batch.responses)))
+        figures = accumulate_gradients(learner, scored, torch.arange(len(batch.responses)))
         return {n: p.grad.clone() for n, p in ActorCritic(models).named_parameters() if p.requires_grad}, figures
 
     clean, clean_figures = gradients(0.0)
@@ -366,7 +366,7 @@ def test_every_estimator_gives_advantages_on_the_models_tokens_alone(tiny_config
     from accelerate import Accelerator
 
     from stages.rewards.scoring import Scores
-    from stages.rl.advantages import episodes_of, kl_weights
+    from stages.rl.advantages import estimate, kl_weights
     from stages.rl.batch import Sampled
 
     grouped = estimator in ("grpo", "rloo", "reinforce++-baseline")
@@ -379,8 +379,8 @@ def test_every_estimator_gives_advantages_on_the_models_tokens_alone(tiny_config
     scores = torch.tensor([0.0, 0.0])
     sampled = Sampled(batch=batch, messages=[[{"role": "user", "content": "x"}]] * 2,
                       scores=Scores(raw=None, normalized=scores, terms={}, reward=scores))
-    episodes = episodes_of(Accelerator(cpu=True), cfg, 1, sampled, kl_weights(cfg, 0.0))
-    advantages = episodes.batch.advantages
+    scored = estimate(Accelerator(cpu=True), cfg, 1, sampled, kl_weights(cfg, 0.0))
+    advantages = scored.batch.advantages
     context = (batch.mask - batch.trainable).bool()
     assert torch.isfinite(advantages).all() and (advantages[context] == 0).all()
     assert advantages[0, :first_turn_end + 1].abs().sum() > 0

@@ -369,7 +369,7 @@ def test_a_dropped_response_trains_nothing_and_leaves_its_groups_baseline_alone(
     from accelerate import Accelerator
 
     from stages.rewards.scoring import Scores
-    from stages.rl.advantages import episodes_of, kl_weights
+    from stages.rl.advantages import estimate, kl_weights
     from stages.rl.batch import Sampled
 
     cfg = with_overrides(tiny_config.ppo, {"advantage_estimator": "grpo", "samples_per_prompt": 2,
@@ -379,9 +379,9 @@ def test_a_dropped_response_trains_nothing_and_leaves_its_groups_baseline_alone(
     dropped = torch.tensor([False, True, False, False])
     scores = Scores(raw=None, normalized=None, terms={"served": torch.tensor([1.0, math.nan, 2.0, 4.0])},
                     reward=reward, dropped=dropped)
-    episodes = episodes_of(Accelerator(cpu=True), cfg, 1, Sampled(batch=batch, messages=[[]] * 4, scores=scores),
+    scored = estimate(Accelerator(cpu=True), cfg, 1, Sampled(batch=batch, messages=[[]] * 4, scores=scores),
                            kl_weights(cfg, 0.0))
-    trained = episodes.batch
+    trained = scored.batch
     assert trained.trainable[1].sum() == 0 and torch.equal(trained.trainable[[0, 2, 3]], batch.trainable[[0, 2, 3]])
     # group 0: the dropped row stands at its partner's score, so the partner's advantage is 0, not 1 - 0
     assert torch.all(trained.advantages[0] == 0) and torch.all(trained.advantages[1] * trained.trainable[1] == 0)

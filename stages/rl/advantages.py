@@ -1,4 +1,4 @@
-"""PPO's advantage step: from one iteration's scored rollout to the `Episodes` the update trains on.
+"""PPO's advantage step: from one iteration's scored rollout to the `Estimated` the update trains on.
 The KL to the reference per token, where its coefficient goes (`kl_weights`), the advantages of
 `advantage_estimator` (the table `stages.math.ppo_math.ESTIMATORS`), the engine-mismatch weights and
 the tokens the losses count."""
@@ -44,7 +44,7 @@ def kl_weights(cfg: PPOConfig, beta: float) -> KLWeights:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Episodes:
+class Estimated:
     """One iteration's rollout with what was scored and estimated on it: what the update trains on
     and the iteration's figures report."""
 
@@ -63,8 +63,8 @@ class Episodes:
         return self.kl.sum(1)
 
 
-def episodes_of(accelerator: Accelerator, cfg: PPOConfig, iteration: int, sampled: Sampled,
-                weights: KLWeights) -> Episodes:
+def estimate(accelerator: Accelerator, cfg: PPOConfig, iteration: int, sampled: Sampled,
+             weights: KLWeights) -> Estimated:
     """The KL, the advantages (and GAE's returns), the engine weights and the loss mask of a scored rollout."""
     batch, scores = sampled.batch, sampled.scores
     if scores.dropped is not None:  # a response a server never scored trains nothing, as a failed episode
@@ -75,7 +75,7 @@ def episodes_of(accelerator: Accelerator, cfg: PPOConfig, iteration: int, sample
                                                  scores.dropped)
     trained = TrainingBatch.of(batch, advantages=advantages, returns=returns,
                                engine_weights=engine_weights(batch, cfg), loss_mask=loss_mask(batch, cfg))
-    return Episodes(iteration=iteration, batch=trained, messages=sampled.messages, scores=scores, kl=kl,
+    return Estimated(iteration=iteration, batch=trained, messages=sampled.messages, scores=scores, kl=kl,
                     weights=weights)
 
 

@@ -16,7 +16,7 @@ from stages.common.reporting import Reporting
 from stages.common.tensors import masked_mean
 from stages.envs.episode import episode_figures, transcript
 from stages.math.ppo_math import explained_variance
-from stages.rl.advantages import Episodes
+from stages.rl.advantages import Estimated
 from stages.rl.ppo_models import rounds_to_16_bits
 from stages.rl.ppo_state import LoopState
 from stages.rl.update import Learner
@@ -71,18 +71,18 @@ def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, 
     return [f"iteration {iteration}: {message}" for message in found]
 
 
-def iteration_figures(learner: Learner, episodes: Episodes, train: dict[str, float], timings: dict[str, float],
+def iteration_figures(learner: Learner, estimated: Estimated, train: dict[str, float], timings: dict[str, float],
                       started: float) -> dict[str, float]:
     """What one iteration logs, this process's share (`over_processes` combines them); `started`:
     the iteration's start on the `time.perf_counter` clock."""
-    batch, scores, kl, accelerator = episodes.batch, episodes.scores, episodes.kl, learner.accelerator
+    batch, scores, kl, accelerator = estimated.batch, estimated.scores, estimated.kl, learner.accelerator
     figures = {
         "rollout/score": scores.reported.mean().item(),
         "rollout/score_std": gathered(accelerator, scores.reported).std().item(),  # over all processes' scores
         "rollout/score_used": scores.reward.mean().item(),
-        "rollout/non_score_reward": (-episodes.weights.in_reward * kl).sum(1).mean().item(),
-        "rollout/kl": episodes.sequence_kl.mean().item(),
-        "rollout/kl_coef": episodes.weights.beta,
+        "rollout/non_score_reward": (-estimated.weights.in_reward * kl).sum(1).mean().item(),
+        "rollout/kl": estimated.sequence_kl.mean().item(),
+        "rollout/kl_coef": estimated.weights.beta,
         "rollout/entropy": masked_mean(batch.entropy, batch.trainable).item(),
         "rollout/response_length": batch.trainable.sum(1).float().mean().item(),
         "rollout/eos_rate": batch.has_eos.float().mean().item(),
@@ -129,11 +129,11 @@ def term_figures(terms: dict[str, torch.Tensor], functions: set[str]) -> dict[st
     return figures
 
 
-def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, episodes: Episodes,
+def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, estimated: Estimated,
                      figures: dict[str, float], multi_turn: bool) -> None:
     """Warnings, figures, every episode (`multi_turn`: with its conversation and status), and now and
     then a few samples to read."""
-    iteration, batch, messages, scores = episodes.iteration, episodes.batch, episodes.messages, episodes.scores
+    iteration, batch, messages, scores = estimated.iteration, estimated.batch, estimated.messages, estimated.scores
     previous_length = loop.history[-1]["rollout/response_length"] if loop.history else None
     for message in warnings_of(cfg, figures, loop.first_length, iteration, previous_length):
         reporting.warning(message)
@@ -148,7 +148,7 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, epis
                                        **{c: [e.columns.get(c) for e in batch.episodes] for c in cfg.reward.columns}}
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
                                      "score": scores.reported.cpu().numpy(), **terms,
-                                     "kl": episodes.sequence_kl.cpu().numpy(), **turns}), iteration)
+                                     "kl": estimated.sequence_kl.cpu().numpy(), **turns}), iteration)
     if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
         shown = slice(0, cfg.num_logged_samples)
         reporting.samples(pd.DataFrame({"user": [last_user_message(m) for m in messages[shown]],

@@ -1,4 +1,4 @@
-"""PPO's update: the epochs of minibatches over one iteration's `Episodes`, each minibatch's gradient
+"""PPO's update: the epochs of minibatches over one iteration's `Estimated`, each minibatch's gradient
 accumulated over micro-batches and processes (`accumulate_gradients`) as one token mean, the
 clipped policy loss and the value loss from `stages.math.ppo_math`, and the optimizer step. A new
 policy loss is an equation in `stages.math.ppo_math` and is applied here, in `_micro_batch_step`.
@@ -28,7 +28,7 @@ from stages.math.ppo_math import (
 )
 from stages.rewards.functions import RewardFunction
 from stages.rewards.remote import RemoteReward
-from stages.rl.advantages import Episodes
+from stages.rl.advantages import Estimated
 from stages.rl.batch import TrainingBatch, micro_batch
 from stages.rl.ppo_models import Models
 from stages.runtime.collectives import combined, gathered, sum_over_processes
@@ -77,7 +77,7 @@ class UpdateStats:
         return {key: combined(key, v, lambda v: float(np.mean(v))) for key, v in self.values.items()}
 
 
-def ppo_update(learner: Learner, episodes: Episodes) -> dict[str, float]:
+def ppo_update(learner: Learner, estimated: Estimated) -> dict[str, float]:
     """num_ppo_epochs passes of shuffled minibatches over this process's rollout, one optimizer step each.
     `initial_ratio_deviation`, max |ratio - 1| over the first minibatch before any step, checks that
     the update computes the policy the rollout sampled from (dropout off, same precision)."""
@@ -87,16 +87,16 @@ def ppo_update(learner: Learner, episodes: Episodes) -> dict[str, float]:
     policy_parameters = list(learner.models.policy.parameters())
     in_policy = {id(p) for p in policy_parameters}
     critic_parameters = [p for p in trained if id(p) not in in_policy]  # the value head or the critic model
-    n = len(episodes.batch.responses)
+    n = len(estimated.batch.responses)
     stats = UpdateStats()
     for epoch in range(cfg.num_ppo_epochs):
         for index, minibatch in enumerate(torch.randperm(n).split(n // cfg.num_minibatches)):
-            figures = accumulate_gradients(learner, episodes, minibatch.to(episodes.batch.responses.device))
+            figures = accumulate_gradients(learner, estimated, minibatch.to(estimated.batch.responses.device))
             deviation = figures.pop("ratio_deviation_max")
             if epoch == 0 and index == 0:
                 stats.add(initial_ratio_deviation=deviation)
             # Critic warm-up: no policy step at all, so Adam's moments and step count stay fresh.
-            if episodes.iteration <= cfg.freeze_policy_iterations:
+            if estimated.iteration <= cfg.freeze_policy_iterations:
                 for parameter in policy_parameters:
                     parameter.grad = None
             scaler.unscale_(optimizer)  # clipping reads true gradient norms (no-op without fp16 loss scaling)
@@ -112,7 +112,7 @@ def ppo_update(learner: Learner, episodes: Episodes) -> dict[str, float]:
     return stats.means()
 
 
-def accumulate_gradients(learner: Learner, episodes: Episodes, rows: torch.Tensor) -> dict[str, float]:
+def accumulate_gradients(learner: Learner, estimated: Estimated, rows: torch.Tensor) -> dict[str, float]:
     """Gradients of one minibatch (these `rows` of this process's rollout), accumulated over its
     micro-batches and averaged over processes (DDP: at the last one; FSDP2: at each, into shards).
 
@@ -122,7 +122,7 @@ def accumulate_gradients(learner: Learner, episodes: Episodes, rows: torch.Tenso
     `micro_batch_size` and process count (tested to 1e-5). Returned figures are this process's
     sums on the same scale, so their mean over processes is the minibatch's token mean."""
     accelerator, cfg = learner.accelerator, learner.cfg
-    counted = episodes.batch.counted[rows]  # (b, T)
+    counted = estimated.batch.counted[rows]  # (b, T)
     num_tokens = sum_over_processes(accelerator, counted.sum())
     num_tokens = num_tokens.clamp(min=1.0) / accelerator.num_processes
     denominator = num_tokens  # the policy and KL losses' `aggregate`: tokens, or sequences (x a length)
@@ -130,13 +130,13 @@ def accumulate_gradients(learner: Learner, episodes: Episodes, rows: torch.Tenso
         denominator = sum_over_processes(accelerator, loss_denominator(counted, cfg.loss_aggregation,
                                                                        cfg.aggregation_length))
         denominator = denominator.clamp(min=1.0) / accelerator.num_processes
-    micro_batches = micro_batch_rows(learner, episodes.batch, rows)
+    micro_batches = micro_batch_rows(learner, estimated.batch, rows)
     parts: dict[str, list[float]] = {}
     for position, micro_rows in enumerate(micro_batches):
         with learner.models.holding.accumulating(learner.actor_critic, last=position == len(micro_batches) - 1):
-            micro = micro_batch(episodes.batch, micro_rows)
-            figures = _micro_batch_step(learner, micro, num_tokens, denominator, episodes.iteration,
-                                        episodes.weights.in_loss)
+            micro = micro_batch(estimated.batch, micro_rows)
+            figures = _micro_batch_step(learner, micro, num_tokens, denominator, estimated.iteration,
+                                        estimated.weights.in_loss)
         for key, value in figures.items():
             parts.setdefault(key, []).append(value)
     return {key: combined(key, values, sum) for key, values in parts.items()}
