@@ -28,7 +28,7 @@ from stages.engines.sampler import Sampler
 from stages.envs.episode import Episode, EpisodeSource, episode_figures, transcript
 from stages.math.ppo_math import kl_estimate, weighted_reward
 from stages.rl.ppo_models import Models
-from stages.rl.ppo_rollout import own_random_stream, reference_responses, rollout
+from stages.rl.ppo_rollout import own_random_stream, reference_episodes, rollout
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,8 @@ class HeldOut:
         records = [r for r in eval_prompts[list(columns)].to_dict("records") for _ in range(repeat)]
         held_out = cls(prompts=prompts, messages=messages, columns=records, source=source, sft_episodes=[])
         models.train(False)
-        sft = reference_responses(models, source, held_out.rows, sampling, evaluation.seed)
-        return dataclasses.replace(held_out, sft_episodes=sft.episodes)
+        return dataclasses.replace(held_out, sft_episodes=reference_episodes(models, source, held_out.rows, sampling,
+                                                                             evaluation.seed))
 
 
 @torch.no_grad()

@@ -53,18 +53,9 @@ def own_random_stream(device: torch.device):
         yield
 
 
-@dataclass(frozen=True)
-class ReferenceResponses:
-    """The frozen reference's episodes, and what the reward terms score of each and whether it ended."""
-
-    texts: list[str]
-    complete: list[bool]
-    episodes: list[Episode]
-
-
 @torch.no_grad()
-def reference_responses(models: Models, source: EpisodeSource, rows: list[dict], sampling: SamplingConfig,
-                        seed: int) -> ReferenceResponses:
+def reference_episodes(models: Models, source: EpisodeSource, rows: list[dict], sampling: SamplingConfig,
+                       seed: int) -> list[Episode]:
     """The frozen reference's (the SFT policy's) episodes of `rows` (`source`), sampled from `seed` on
     a random stream of its own, `sampling.micro_batch_size` at a time (collective where the policy is
     sharded)."""
@@ -75,7 +66,7 @@ def reference_responses(models: Models, source: EpisodeSource, rows: list[dict],
         for chunk in in_chunks(rows, sampling):
             episodes += source.generation(sampler, chunk, Sampling(sampling.response_length, sampling.temperature),
                                           models.policy.device).episodes
-    return ReferenceResponses([e.answer for e in episodes], [e.status == "ok" for e in episodes], episodes)
+    return episodes
 
 
 def in_chunks(items: list, sampling: SamplingConfig) -> list[list]:

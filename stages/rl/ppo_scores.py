@@ -19,7 +19,7 @@ from stages.rewards.remote import remote_values
 from stages.rewards.scoring import RewardScorer, Scores, fit_normalization
 from stages.rl.batch import Rollout
 from stages.rl.evaluation import TermJudge
-from stages.rl.ppo_rollout import reference_responses
+from stages.rl.ppo_rollout import reference_episodes
 from stages.rl.ppo_state import Normalization
 from stages.rl.update import Learner
 from stages.runtime.collectives import computed_on_main, gathered
@@ -89,9 +89,9 @@ def with_sft_references(learner: Learner, batch: Rollout, rows: list[dict], curs
         return batch
     size = cfg.samples_per_prompt
     with timed(timings, "sft_reference"):
-        texts = reference_responses(learner.models, learner.episode_source, rows[::size], cfg.sampling,
-                                    cfg.seed * 1_000_003 + cursor).texts
-    return replace(batch, episodes=[replace(e, reference=texts[i // size]) for i, e in enumerate(batch.episodes)])
+        sft = reference_episodes(learner.models, learner.episode_source, rows[::size], cfg.sampling,
+                                 cfg.seed * 1_000_003 + cursor)
+    return replace(batch, episodes=[replace(e, reference=sft[i // size].answer) for i, e in enumerate(batch.episodes)])
 
 
 def remote_terms(learner: Learner, messages: list[list[dict]], episodes: list[Episode], iteration: int | str,
