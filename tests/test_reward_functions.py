@@ -228,6 +228,9 @@ def test_a_reward_of_functions_alone_takes_no_reward_model_and_gae_starts_its_cr
             load_config("configs/tiny.yaml", {"ppo.reward": FUNCTIONS_ALONE, "ppo.critic.kind": kind})
     # A section changed to functions alone takes the critic its reward now needs, as `advantage_estimator` does.
     assert with_overrides(load_config("configs/tiny.yaml").ppo, {"reward": FUNCTIONS_ALONE}).critic.kind == "policy"
+    # A critic section that names no kind (a warm-up, say) takes the kind its reward needs, not the reward model's.
+    warm = load_config("configs/tiny.yaml", {"ppo.reward": FUNCTIONS_ALONE, "ppo.critic.freeze_policy_iterations": 2})
+    assert warm.ppo.critic.kind == "policy" and warm.ppo.critic.freeze_policy_iterations == 2
 
 
 def test_ppo_without_a_reward_model_trains_on_the_functions_and_evaluates_by_them(tiny_config, trained, tmp_path):
