@@ -13,6 +13,12 @@ A tracking server that stops answering for a while then does not stop a healthy 
 - A refusal by a server that answers (a name it will not store) is raised at the next `log`, as before.
 - A journal that a failed attempt left unsent is sent by the next attempt, to its own run
   (`send_leftovers`).
+- A journal mends itself when opened (`mend`): a torn last line (a kill or a full disk mid-write) is
+  cut off, and a line that is not JSON is set aside in `<run id>.rejected` with a warning. A write that
+  fails (the disk full) is cut back before the error is raised, so the journal never holds half a line.
+- Delivery is at least once (a kill between a send and its count resends the entry), so every entry is
+  safe to send twice: metrics, parameters and tags overwrite themselves, and a table entry knows how
+  many rows its artifact held before it (`offset`) and is skipped when the artifact already holds its rows.
 
 Why not MLflow's asynchronous logging (`synchronous=False`): it queues in the process's memory, so what
 it holds dies with the process, and a batch that fails after the client's HTTP retries is not tried again.
@@ -21,6 +27,7 @@ it holds dies with the process, and a batch that fails after the client's HTTP r
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -40,6 +47,11 @@ POLL_S = (0.5, 1.0, 2.0, 5.0)
 """Seconds between health checks while the server does not answer (the last one repeated)."""
 SLOW_S = 10.0
 """A send that took longer than this was waiting out the server (the client retries on its own): a gap."""
+REJECTED = {"kind": "rejected"}
+"""What `mend` leaves in place of a line that is not JSON (the line itself goes to `<run id>.rejected`),
+so that the count of sent entries still points at the same lines."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,8 @@ class RunJournal:
         self.path, self._sent_path = folder / f"{run_id}.jsonl", folder / f"{run_id}.sent"
         self._files = folder / "files"
         self._lock, self._wake = threading.Lock(), threading.Event()
-        self._written = _count_lines(self.path)
+        self._written = mend(self.path)
+        self._table_rows = _table_rows(self.path)
         self._refusal: Exception | None = None
         self._down_since: float | None = None
         self._attempt_started: float | None = None
@@ -88,17 +101,30 @@ class RunJournal:
         self._files.mkdir(exist_ok=True)
         local = self._files / f"{self.run_id}-{self._written:06d}.json"
         frame.to_json(local, orient="split", index=False)
-        self._append({"kind": "table", "file": str(local), "artifact_file": artifact_file})
+        offset = self._table_rows.get(artifact_file, 0)
+        self._append({"kind": "table", "file": str(local), "artifact_file": artifact_file,
+                      "offset": offset, "rows": len(frame)})
+        self._table_rows[artifact_file] = offset + len(frame)
 
     def _append(self, entry: dict) -> None:
         self.raise_problems()
         self._write(entry)
 
     def _write(self, entry: dict) -> None:
-        with self._lock, open(self.path, "a") as journal:
-            journal.write(json.dumps(entry) + "\n")
-            journal.flush()
-            os.fsync(journal.fileno())
+        line = (json.dumps(entry) + "\n").encode()
+        with self._lock:
+            journal = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            end = os.lseek(journal, 0, os.SEEK_END)
+            try:
+                while line:  # unbuffered: a write cut short is seen here, not at a later flush
+                    line = line[os.write(journal, line):]
+                os.fsync(journal)
+            except OSError as error:  # the disk full: no half line stays behind for the next write
+                os.ftruncate(journal, end)
+                raise OSError(error.errno, f"the run's journal {self.path} could not be written ({error.strerror}); "
+                                           "it holds every entry before this one") from error
+            finally:
+                os.close(journal)
             self._written += 1
         self._wake.set()
 
@@ -226,7 +252,7 @@ def send_entry(client: MlflowClient, run_id: str, entry: dict) -> None:
                                           for key, value in entry["metrics"].items()])
     elif entry["kind"] == "params":
         client.log_batch(run_id, params=[Param(key, value) for key, value in entry["params"].items()])
-    elif entry["kind"] == "table":
+    elif entry["kind"] == "table" and not _table_sent(client, run_id, entry):
         table = pd.read_json(entry["file"], orient="split", dtype=False, convert_dates=False)  # as it was logged
         client.log_table(run_id, table, entry["artifact_file"])
     elif entry["kind"] == "tag":
@@ -240,6 +266,7 @@ def send_leftovers(folder: Path) -> list[str]:
     for path in sorted(folder.glob("*.jsonl")):
         sent_path = path.with_suffix(".sent")
         done = int(sent_path.read_text()) if sent_path.exists() else 0
+        mend(path)
         entries = path.read_text().splitlines()[done:]
         for line in entries:
             send_entry(client, path.stem, json.loads(line))
@@ -250,8 +277,63 @@ def send_leftovers(folder: Path) -> list[str]:
     return sent_to
 
 
-def _count_lines(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.exists() else 0
+def _table_sent(client: MlflowClient, run_id: str, entry: dict) -> bool:
+    """Whether the run's table artifact already holds this entry's rows (a resend after a kill between the
+    send and its count). Entries journaled before `offset` existed are always sent."""
+    if "offset" not in entry:
+        return False
+    folder = os.path.dirname(entry["artifact_file"]) or None
+    if entry["artifact_file"] not in [listed.path for listed in client.list_artifacts(run_id, folder)]:
+        held = 0
+    else:
+        held = len(client.load_table(client.get_run(run_id).info.experiment_id, entry["artifact_file"], [run_id]))
+    if held == entry["offset"]:
+        return False
+    if held >= entry["offset"] + entry["rows"]:
+        return True
+    raise ValueError(f"the table {entry['artifact_file']} of run {run_id} holds {held} rows; the journal expected "
+                     f"{entry['offset']} before this entry's {entry['rows']}")
+
+
+def _table_rows(path: Path) -> dict[str, int]:
+    """Rows journaled so far per table artifact (a reopened journal continues its tables' offsets)."""
+    rows: dict[str, int] = {}
+    for line in path.read_text().splitlines() if path.exists() else ():
+        entry = json.loads(line)
+        if entry["kind"] == "table":
+            table = entry["artifact_file"]
+            rows[table] = entry.get("offset", rows.get(table, 0)) + entry.get("rows", 0)
+    return rows
+
+
+def mend(path: Path) -> int:
+    """Make the journal at `path` whole: cut a torn last line (no newline: its write was cut short), and
+    set aside each line that is not JSON in `<run id>.rejected`, leaving `REJECTED` in its place so the
+    sent count still points at the same lines; warn of each. The number of entries it holds."""
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    whole = data[:data.rfind(b"\n") + 1]
+    if len(whole) < len(data):
+        logger.warning("journal %s: cut a torn last line of %d bytes (its write was cut short)", path,
+                       len(data) - len(whole))
+        with open(path, "r+b") as journal:
+            journal.truncate(len(whole))
+            os.fsync(journal.fileno())
+    lines, bad = whole.decode("utf-8", errors="replace").splitlines(), []
+    for number, line in enumerate(lines):
+        try:
+            json.loads(line)
+        except ValueError:
+            bad.append(line)
+            lines[number] = json.dumps(REJECTED)
+            logger.warning("journal %s: line %d is not JSON; set aside in %s", path, number + 1,
+                           path.with_suffix(".rejected"))
+    if bad:
+        with open(path.with_suffix(".rejected"), "a") as rejected:
+            rejected.write("".join(line + "\n" for line in bad))
+        _write_atomically(path, "".join(line + "\n" for line in lines))
+    return len(lines)
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -157,7 +157,7 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path,
     cfg = with_micro_batches("dpo", cfg, Counts(dpo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,
                              reporting=reporting)
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
-    train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
+    train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir, reporting))
     untrained = untrained_evaluation(trainer)
     final = trainer.evaluate()
     tokenizer = trainer.processing_class

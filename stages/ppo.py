@@ -66,7 +66,7 @@ from stages.rl.ppo_report import iteration_figures, report_iteration
 from stages.rl.ppo_rollout import Prompts, policy_sampler
 from stages.rl.ppo_sampling import sampling_for, sync_weights
 from stages.rl.ppo_scores import term_judge
-from stages.rl.ppo_state import LoopState, load_state, save_state_everywhere
+from stages.rl.ppo_state import LoopState, complete_state, load_state, save_state_everywhere
 from stages.rl.sampling_ahead import SamplingAhead
 from stages.rl.update import Learner, ppo_update
 from stages.runtime.collectives import mean_over_processes, over_processes
@@ -148,11 +148,15 @@ def start_or_resume(learner: Learner, ahead: SamplingAhead | None, state_dir: Pa
     """A fresh loop state, or an interrupted attempt's from `state_dir` (`resume`) with its rollouts
     sampled ahead."""
     cfg, accelerator = learner.cfg, learner.accelerator
-    if not (state_dir / "loop.json").exists():
+    found, passed = complete_state(state_dir)
+    if passed is not None:
+        reporting.warning(f"the full-state checkpoint was passed over: {passed}; "
+                          + (f"resuming from {found.name}" if found else "starting over"))
+    if found is None:
         return LoopState(kl=KLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon))
-    loop = resume(learner, state_dir, reporting)
+    loop = resume(learner, found, reporting)
     if ahead is not None:
-        ahead.resume(state_dir, accelerator.process_index, accelerator.device, version=loop.iteration)
+        ahead.resume(found, accelerator.process_index, accelerator.device, version=loop.iteration)
     return loop
 
 

@@ -189,7 +189,7 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
                              inputs.policy_location, model_location, reporting)
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
     tokenizer = trainer.processing_class
-    train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
+    train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir, reporting))
     untrained, final = untrained_evaluation(trainer), trainer.evaluate()
     model, holding, updated, held = trained_as_held(trainer, cfg.launch)
     main = PartialState().is_main_process

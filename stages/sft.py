@@ -147,7 +147,7 @@ def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path,
     and takes part in saving (a sharded model needs them all); only the main one writes and returns."""
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
     tokenizer = trainer.processing_class
-    train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir))
+    train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir, reporting))
     untrained_loss = untrained_evaluation(trainer)["eval_loss"]
     reporting.metrics({"eval/loss_untrained": untrained_loss}, 0)
     eval_loss = trainer.evaluate()["eval_loss"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -97,9 +98,11 @@ def run_ppo(cfg, trained: dict, out: Path, reporting=None):
     return train_ppo(cfg, inputs, out, reporting or Reporting())
 
 
-def killed_and_resumed(cfg, trained: dict, tmp_path: Path):
+def killed_and_resumed(cfg, trained: dict, tmp_path: Path, mid_swap: bool = False):
     """An uninterrupted run in `tmp_path/whole`, and a run in `tmp_path/interrupted` killed at iteration
-    4 (after its checkpoint at 3), then rerun to the end: (uninterrupted result, resumed result)."""
+    4 (after its checkpoint at 3), then rerun to the end: (uninterrupted result, resumed result).
+    `mid_swap`: killed instead between the two renames of a later save (`write_atomically`), which leaves
+    the checkpoint at 3 aside (`state.old`) and the new one staged (`state.tmp`), not in place."""
     from stages.common.reporting import Reporting
 
     reference = run_ppo(cfg, trained, tmp_path / "whole")
@@ -113,7 +116,12 @@ def killed_and_resumed(cfg, trained: dict, tmp_path: Path):
 
     with pytest.raises(Killed):
         run_ppo(cfg, trained, tmp_path / "interrupted", Reporting(metrics=die_after_four))
-    assert json.loads((tmp_path / "interrupted" / "state" / "loop.json").read_text())["iteration"] == 3
+    state = tmp_path / "interrupted" / "state"
+    assert json.loads((state / "loop.json").read_text())["iteration"] == 3
+    if mid_swap:
+        state.rename(state.with_name("state.old"))
+        (state.with_name("state.tmp")).mkdir()
+        (state.with_name("state.tmp") / "policy.safetensors").write_bytes(b"torn")
     messages = []
     resumed = run_ppo(cfg, trained, tmp_path / "interrupted", Reporting(warning=messages.append))
     assert "resumed from the full-state checkpoint after iteration 3" in messages[0]
@@ -439,3 +447,48 @@ class SandboxDown:
 
 def sandbox_down(row: dict) -> SandboxDown:
     return SandboxDown()
+
+
+def kill_points(saved: Path, target: Path) -> Iterator[str]:
+    """Every state a SIGKILL during the save of `saved` (a checkpoint folder its trainer wrote file by file)
+    can leave in `target`: the files written before the kill whole, the one being written not begun or cut
+    in half, in the order the save wrote them (by modification time; `trainer_state.json`, which the
+    trainer writes last, last). Yields a description of each, with the state in place."""
+    files = sorted((path for path in saved.rglob("*") if path.is_file()),
+                   key=lambda path: (path.name == "trainer_state.json", path.stat().st_mtime_ns))
+    for count, current in enumerate(files):
+        for cut in (False, True):
+            shutil.rmtree(target, ignore_errors=True)
+            for earlier in files[:count]:
+                (target / earlier.relative_to(saved)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(earlier, target / earlier.relative_to(saved))
+            if cut:
+                (target / current.relative_to(saved)).parent.mkdir(parents=True, exist_ok=True)
+                data = current.read_bytes()
+                (target / current.relative_to(saved)).write_bytes(data[:len(data) // 2])
+            target.mkdir(parents=True, exist_ok=True)
+            yield f"{current.relative_to(saved)} {'half written' if cut else 'not begun'}"
+
+
+def resumes_past_torn_saves(train, cut: Path, whole: Path, done: int, torn: int) -> tuple[list[str], object, list]:
+    """A run `cut` whose trainer checkpoint is at step `done`, swept through every kill point of the save
+    at step `torn` (`kill_points`, from the uninterrupted run `whole`'s): every one resumes from
+    `checkpoint-{done}`. Then `train(reporting)` resumes from the last one (its trainer state half
+    written, which transformers' own `get_last_checkpoint` takes) and warns that it passed it over.
+    Returns (the kill points swept, the resumed run's result, the (step, metrics) it logged)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from stages.common.reporting import Reporting
+    from stages.runtime.training import last_trainer_checkpoint
+
+    swept = []
+    for point in kill_points(whole / "trainer" / f"checkpoint-{torn}", cut / "trainer" / f"checkpoint-{torn}"):
+        chosen = last_trainer_checkpoint(cut, Reporting())
+        assert chosen == str(cut / "trainer" / f"checkpoint-{done}"), (point, chosen)
+        swept.append(point)
+    assert get_last_checkpoint(str(cut / "trainer")).endswith(f"checkpoint-{torn}")  # what a retry took before
+    warnings, steps = [], []
+    resumed = train(Reporting(warning=warnings.append, metrics=lambda metrics, step: steps.append((step, metrics))))
+    assert any(f"checkpoint-{torn} is passed over for the resume: its trainer_state.json is missing or torn" in w
+               for w in warnings), warnings
+    return swept, resumed, steps

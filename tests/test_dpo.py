@@ -10,6 +10,7 @@ from rlhf.config import with_overrides
 from stages.common.reporting import Reporting
 from stages.dpo import DPOInputs, encoded_pairs, train_dpo
 from stages.runtime.models import encode_replies, load_tokenizer, stop_token_ids
+from tests.helpers import resumes_past_torn_saves
 
 
 def _inputs(trained, pairs):
@@ -78,7 +79,11 @@ def test_a_killed_dpo_run_resumes_from_its_trainer_checkpoint(tiny_config, train
     with pytest.raises(Killed):
         train_dpo(cfg, _inputs(trained, pairs), tmp_path / "killed", Reporting(metrics=die_at_four))
     assert (tmp_path / "killed" / "trainer" / "checkpoint-3").is_dir()
-    resumed = train_dpo(cfg, _inputs(trained, pairs), tmp_path / "killed")
+    # and killed again, at each point of its save at step 6: each resumes from checkpoint-3
+    swept, resumed, steps = resumes_past_torn_saves(
+        lambda reporting: train_dpo(cfg, _inputs(trained, pairs), tmp_path / "killed", reporting),
+        tmp_path / "killed", tmp_path / "whole", done=3, torn=6)
+    assert len(swept) >= 10 and min(s for s, m in steps if "train/loss" in m) > 3, swept
     assert resumed.metrics["eval/loss"] == pytest.approx(whole.metrics["eval/loss"], rel=1e-5)
     assert list(resumed.evaluation["policy_response"]) == list(whole.evaluation["policy_response"])
 

@@ -22,6 +22,7 @@ from stages.rewards.scoring import (
     load_reward_model,
 )
 from stages.runtime.models import load_tokenizer
+from tests.helpers import resumes_past_torn_saves
 
 
 def test_bradley_terry_loss_and_gradient_on_a_hand_worked_pair():
@@ -181,8 +182,10 @@ def test_interrupted_reward_training_resumes_from_its_trainer_checkpoint(world, 
     with pytest.raises(KeyboardInterrupt):
         train_reward(cfg, inputs, tmp_path / "cut", Reporting(metrics=crash_at_step_6))
     assert (tmp_path / "cut" / "trainer" / "checkpoint-4").is_dir()
-    steps = []
-    resumed = train_reward(cfg, inputs, tmp_path / "cut", Reporting(metrics=lambda metrics,
-                                                                    step: steps.append((step, metrics))))
+    # and killed again, at each point of its save at step 8: each resumes from checkpoint-4
+    swept, resumed, steps = resumes_past_torn_saves(
+        lambda reporting: train_reward(cfg, inputs, tmp_path / "cut", reporting),
+        tmp_path / "cut", tmp_path / "whole", done=4, torn=8)
+    assert len(swept) >= 10, swept
     assert min(s for s, m in steps if "train/loss" in m) > 4  # training picked up after step 4
     assert resumed.metrics["eval/loss"] == pytest.approx(whole.metrics["eval/loss"], rel=1e-5)

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 from schemas.validate import LengthBudget, load_validated
 from stages.common.reporting import Reporting
 from stages.sft import SFTInputs, build_trainer, train_sft
+from tests.helpers import resumes_past_torn_saves
 
 
 def _data(world, cfg, tokenizer, name):
@@ -105,8 +106,10 @@ def test_interrupted_sft_resumes_from_its_trainer_checkpoint(world, tiny_config,
     with pytest.raises(KeyboardInterrupt):
         train_sft(cfg, inputs, tmp_path / "cut", Reporting(metrics=crash_at_step_6))
     assert (tmp_path / "cut" / "trainer" / "checkpoint-4").is_dir()
-    steps = []
-    resumed = train_sft(cfg, inputs, tmp_path / "cut",
-                        Reporting(metrics=lambda metrics, step: steps.append((step, metrics))))
+    # and killed again, at each point of its save at step 8: each resumes from checkpoint-4
+    swept, resumed, steps = resumes_past_torn_saves(
+        lambda reporting: train_sft(cfg, inputs, tmp_path / "cut", reporting),
+        tmp_path / "cut", tmp_path / "whole", done=4, torn=8)
+    assert len(swept) >= 10, swept
     assert min(s for s, m in steps if "train/loss" in m) > 4  # training picked up after step 4
     assert resumed.metrics["eval/loss"] == pytest.approx(whole.metrics["eval/loss"], rel=1e-5)

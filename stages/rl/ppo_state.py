@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,10 +80,34 @@ def _held(models: Models) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in modules.items() if module is not None}
 
 
+COMPLETE = "loop.json"
+"""The file a full-state checkpoint is complete with (written last, by the main process)."""
+
+
+def _aside(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".old")
+
+
+def _fsync(path: Path) -> None:
+    """A file's data, or a folder's entries, on disk (not only in the page cache)."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Every file under `folder`, and the folders themselves, on disk."""
+    for path in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)) + [folder]:
+        _fsync(path)
+
+
 def write_atomically(folder: Path, write: Callable[[Path], None], accelerator: Accelerator) -> None:
-    """`write(staging)` by every process into a staging folder that replaces `folder` once all
-    have written (collective): a crash mid-write leaves the previous checkpoint."""
-    staging = folder.with_name(folder.name + ".tmp")
+    """`write(staging)` by every process into a staging folder that replaces `folder` once all have
+    written (collective). The swap is rename-aside, rename-in, delete, each step on disk before the
+    next: a kill at any moment leaves a complete checkpoint in `folder` or beside it (`complete_state`)."""
+    staging, aside = folder.with_name(folder.name + ".tmp"), _aside(folder)
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -90,9 +115,28 @@ def write_atomically(folder: Path, write: Callable[[Path], None], accelerator: A
     write(staging)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        _fsync_tree(staging)
+        if (folder / COMPLETE).exists():  # an incomplete `folder` is no fallback: the aside copy stays
+            shutil.rmtree(aside, ignore_errors=True)
+            folder.rename(aside)
+            _fsync(folder.parent)
         shutil.rmtree(folder, ignore_errors=True)
         staging.rename(folder)
+        _fsync(folder.parent)
+        shutil.rmtree(aside, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def complete_state(folder: Path) -> tuple[Path | None, str | None]:
+    """(the newest complete full-state checkpoint `write_atomically` left for `folder`, or None; why an
+    incomplete one was passed over, or None): `folder` itself, else its aside copy (a kill between the swap's
+    two renames)."""
+    if (folder / COMPLETE).exists():
+        return folder, None
+    passed = f"{folder} has no {COMPLETE} (a kill mid-swap)" if folder.exists() else None
+    if (_aside(folder) / COMPLETE).exists():
+        return _aside(folder), passed
+    return None, passed
 
 
 def save_state_everywhere(learner: Learner, folder: Path, loop: LoopState,
@@ -113,7 +157,7 @@ def save_state_everywhere(learner: Learner, folder: Path, loop: LoopState,
             torch.save(learner.scheduler.state_dict(), staging / "scheduler.pt")
             torch.save(learner.scaler.state_dict(), staging / "scaler.pt")
             save_file(rng, str(staging / "rng.safetensors"))
-            (staging / "loop.json").write_text(loop.to_json())
+            (staging / COMPLETE).write_text(loop.to_json())
 
     write_atomically(folder, write, accelerator)
 
@@ -133,4 +177,4 @@ def load_state(folder: Path, models: Models, optimizer, scheduler, scaler, rank:
     torch.set_rng_state(rng[_rng_key("torch", rank)])
     if _rng_key("cuda", rank) in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng[_rng_key("cuda", rank)])
-    return LoopState.from_json((folder / "loop.json").read_text())
+    return LoopState.from_json((folder / COMPLETE).read_text())

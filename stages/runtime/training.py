@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -109,12 +110,26 @@ def untrained_evaluation(trainer) -> dict[str, float]:
     return next(entry for entry in trainer.state.log_history if entry.get("step") == 0 and "eval_loss" in entry)
 
 
-def last_trainer_checkpoint(output_dir: Path) -> str | None:
-    """The newest `checkpoint-N` folder an interrupted earlier attempt left, if any."""
-    from transformers.trainer_utils import get_last_checkpoint
+def last_trainer_checkpoint(output_dir: Path, reporting: Reporting) -> str | None:
+    """The newest complete `checkpoint-N` folder an interrupted earlier attempt left, if any. Complete:
+    its `trainer_state.json`, which the trainer writes after the weights, optimizer, scheduler and random
+    states, is whole JSON at step N. transformers' own `get_last_checkpoint` takes the newest folder
+    whatever it holds, so a kill mid-save would make every retry fail; a newer, incomplete one is
+    passed over with a warning."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     folder = output_dir / "trainer"
-    return get_last_checkpoint(str(folder)) if folder.is_dir() else None
+    found = [(int(path.name.split("-")[-1]), path) for path in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+             if path.is_dir() and path.name.split("-")[-1].isdigit()] if folder.is_dir() else []
+    for step, path in sorted(found, reverse=True):
+        try:
+            if json.loads((path / "trainer_state.json").read_text())["global_step"] == step:
+                return str(path)
+            reason = "its trainer_state.json is at another step"
+        except (OSError, ValueError, KeyError) as error:
+            reason = f"its trainer_state.json is missing or torn ({type(error).__name__})"
+        reporting.warning(f"{path} is passed over for the resume: {reason} (a kill mid-save)")
+    return None
 
 
 def trainer_arguments(cfg: TrainingConfig, output_dir: Path) -> dict:
