@@ -5,13 +5,14 @@
     rlhf config-reference [--write PATH]  every config field with its default and meaning (Markdown: docs/config.md)
     rlhf plan CONFIG [--processes N] [--device-memory GiB] [--stages ...] [--json]
                                           each stage's memory per process, from the models' configs alone
-    rlhf serve-reward [--checkpoint DIR | --run ID] [--host 127.0.0.1] [--port 8300]
+    rlhf serve-reward [--checkpoint DIR | --run ID] [--host 127.0.0.1] [--port 8300] [--api-key-env VAR]
                                           a reward checkpoint over HTTP, for `remote` reward terms (`POST /score`)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -168,6 +169,7 @@ def _serve_reward(args: argparse.Namespace) -> int:
     from stages.rewards.server import reward_app
 
     run_id, checkpoint = args.run_id, args.checkpoint
+    limits = _serve_limits(args)
     with tempfile.TemporaryDirectory(prefix="rlhf-serve-reward-") as scratch:
         if checkpoint is None:
             run_id = run_id or tracking.latest_finished_run_id(args.experiment, "reward")
@@ -179,8 +181,28 @@ def _serve_reward(args: argparse.Namespace) -> int:
         scorer = RewardScorer.from_pretrained(checkpoint)
         served = {"checkpoint": checkpoint, "run_id": run_id}
         print(f"serving {checkpoint} (run {run_id or '-'}) on http://{args.host}:{args.port}/score", flush=True)
-        uvicorn.run(reward_app(scorer, served, args.max_batch), host=args.host, port=args.port, log_level="warning")
+        app = reward_app(scorer, served, args.max_batch, limits)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=5,
+                    limit_concurrency=limits.max_queue + 64)
     return 0
+
+
+def _serve_limits(args: argparse.Namespace):
+    """The reward server's `Limits` from the command line, its token read from `--api-key-env`; a
+    warning where it listens beyond this machine without one."""
+    from stages.rewards.server import Limits
+
+    token = None
+    if args.api_key_env is not None:
+        token = os.environ.get(args.api_key_env)
+        if not token:
+            raise SystemExit(f"--api-key-env {args.api_key_env}: the variable is not set")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and token is None:
+        print(f"WARNING: serving on {args.host} without a token: anyone who reaches this port can use the "
+              "model; set --api-key-env", file=sys.stderr, flush=True)
+    given = {"max_body_bytes": args.max_body_mb and int(args.max_body_mb * 2**20), "max_rows": args.max_rows,
+             "max_chars": args.max_chars, "max_queue": args.max_queue, "timeout_s": args.timeout_s}
+    return Limits(api_key=token, **{name: value for name, value in given.items() if value is not None})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     serve.add_argument("--port", type=int, default=8300)
     serve.add_argument("--max-batch", type=int, default=64, help="responses scored in one pass at most")
+    serve.add_argument("--api-key-env", help="an environment variable holding the bearer token clients must send")
+    # Unset: stages.rewards.server.Limits' defaults.
+    serve.add_argument("--max-body-mb", type=float, help="a request body's size at most (413 past it)")
+    serve.add_argument("--max-rows", type=int, help="responses in one request at most (413 past it)")
+    serve.add_argument("--max-chars", type=int, help="characters per response or message at most (422 past it)")
+    serve.add_argument("--max-queue", type=int, help="requests waiting at most (503 with Retry-After past it)")
+    serve.add_argument("--timeout-s", type=float, help="seconds a request may wait for its scores (504 past it)")
     serve.set_defaults(run=_serve_reward)
 
     args = parser.parse_args(argv)

@@ -186,8 +186,8 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
                 f"{t.name}={t.function} (weight {t.weight:g}, source {digests[t.name][:12]})"
                 for t in section.reward.functions))
         if section.reward.remotes:  # which servers scored, and the run a served reward model came from
-            mlflow.set_tag(tracking.TAG_REWARD_REMOTE, ", ".join(
-                client.lineage() for client in remote_rewards(section.reward.remotes)))
+            mlflow.set_tag(tracking.TAG_REWARD_REMOTE, tracking.redact(", ".join(
+                client.lineage() for client in remote_rewards(section.reward.remotes))))
         tokenizer = load_tokenizer(sft_location, trust_remote_code=section.trust_remote_code)
         train = logged_prompts(ctx.config, "ppo", "prompts", "prompts", ctx.world, tokenizer)
         evaluation = logged_prompts(ctx.config, "ppo", "eval_prompts", "eval-prompts", ctx.world, tokenizer)

@@ -374,9 +374,19 @@ def register_policy(run_id: str, checkpoint: Path, model_name: str, alias: str, 
 _SECRETS = [
     # user:password@, also after a path library collapsed the URI's "//"
     (re.compile(r"(?P<keep>[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2}[^/\s:@]+:)[^@\s/]+@"), r"\g<keep>***@"),
+    # a token as the whole userinfo: https://token@host
+    (re.compile(r"(?P<keep>[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2})[^/\s:@*]+@"), r"\g<keep>***@"),
     (re.compile(r"(?P<keep>(?:token|key|secret|password|passwd|sig|signature|credential)s?=)[^&\s\"']+", re.I),
      r"\g<keep>***"),
+    # YAML or JSON `api_key: value` (a name ending `_env` names a variable, not a secret; a tokenizer's
+    # special tokens are no secret either)
+    (re.compile(r"(?P<keep>\b(?!(?:pad|eos|bos|unk|sep|cls|mask)_token\b)(?:[\w-]*[_-])?(?:api[_-]?key|token|secret|password|passwd)[\"']?\s*:\s*[\"']?)"
+                r"(?![\"']?\s*(?:$|null\b|\*\*\*))[^\s\"',}]+", re.I | re.M), r"\g<keep>***"),
     (re.compile(r"\bhf_[A-Za-z0-9]{20,}\b"), "hf_***"),  # Hugging Face access tokens
+    (re.compile(r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{16,}"), "sk-***"),  # OpenAI-style and similar API keys
+    (re.compile(r"\b(?:gh[pousr]|github_pat)_[A-Za-z0-9_]{20,}"), "gh_***"),  # GitHub tokens
+    (re.compile(r"\bAKIA[0-9A-Z]{16}\b"), "AKIA***"),  # AWS access key ids
+    (re.compile(r"(?P<keep>\bBearer\s+)[A-Za-z0-9._~+/=-]{8,}", re.I), r"\g<keep>***"),
 ]
 
 

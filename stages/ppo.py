@@ -204,6 +204,9 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
     cfg = with_micro_batches("ppo", cfg, Counts(ppo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,
                              inputs.reward_location, reporting)
     learner = build_learner(cfg, inputs, output_dir)
+    for remote in learner.remote_rewards:
+        if remote.exposed_token():
+            reporting.warning(remote.exposed_token())
     staleness = cfg.rollout.max_staleness
     ahead = SamplingAhead(learner.sampler, cfg.sampling, staleness) if staleness else None
     try:

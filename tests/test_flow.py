@@ -494,6 +494,14 @@ def test_redaction_patterns():
     assert tracking.redact("model hf_abcdefghijklmnopqrstuvwx") == "model hf_***"
     assert tracking.redact("s3://bucket/key?X-Amz-Signature=deadbeef&x=1") == "s3://bucket/key?X-Amz-Signature=***&x=1"
     assert tracking.redact("configs/demo.yaml") == "configs/demo.yaml"
+    assert tracking.redact("judge https://tok3n@judge.example/v1") == "judge https://***@judge.example/v1"
+    assert tracking.redact("key sk-proj-abcdefghijklmnop123") == "key sk-***"
+    assert tracking.redact("Authorization: Bearer abc.def-123456") == "Authorization: Bearer ***"
+    yaml_text = ("api_key: s3cret\napi_key_env: JUDGE_KEY\nturn_tokens: 24\nhf_token: 'abc'\npad_token: <pad>\n"
+                 "token: null")
+    assert tracking.redact(yaml_text) == ("api_key: ***\napi_key_env: JUDGE_KEY\nturn_tokens: 24\nhf_token: '***'\n"
+                                          "pad_token: <pad>\ntoken: null")
+    assert tracking.redact('{"password": "hunter2", "tokens": 5}') == '{"password": "***", "tokens": 5}'
 
 
 def test_summary_lists_ran_and_reused_stage_runs(finished, capsys):

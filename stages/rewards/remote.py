@@ -6,10 +6,14 @@ Two kinds of server, one client (`RemoteReward`), called on the main process onc
             -> {"scores": [float | null, ...]}  one per response (`rlhf serve-reward` serves our reward
             model this way; null: no score for that response)
     judge   POST {url}/chat/completions, one request per response (OpenAI-compatible), greedy, the
-            user's `template` filled with the prompt and the response. `parse: number`: the first number
-            of the answer. `parse: choice`: the response and the SFT policy's to the same prompt as A and
-            B, in an order drawn from their texts (half the rows each way, the same on a rerun); 1 where
-            the answer's first A or B names the response, else 0
+            user's `template` filled with the prompt and the response, each response fenced in
+            <response> tags (a closing tag inside it broken), so that the policy cannot end its own text
+            and write the judge's instructions. `parse: number`: the answer's one number (a restated scale and a
+            denominator set aside), or the first group of `score_pattern`; several numbers, one outside
+            `score_range`, or one not finite: unscored. `parse:
+            choice`: the response and the SFT policy's to the same prompt as A and B, in an order drawn
+            from their texts (half the rows each way, the same on a rerun); 1 where the answer's first A
+            or B names the response, else 0
 
 Requests run concurrently on one event loop (httpx), at most `max_concurrent` in flight and
 `max_rpm` started per minute. A request that times out, cannot connect or gets HTTP 408, 429 or 5xx
@@ -45,7 +49,13 @@ JUDGE_MAX_TOKENS = 16
 RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 """HTTP statuses worth another try (the server is busy or restarting); other 4xx are the request's fault."""
 
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+"""Hosts a request to never leaves this machine."""
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_SCALE = re.compile(r"(?<![\d.])\d+(?:\.\d+)?\s*(?:-|–|to)\s*\d+(?:\.\d+)?(?![\d.])", re.I)
+"""A scale the judge restates ("1-10", "0 to 10"): not its score."""
+_OUT_OF = re.compile(r"(?P<score>[-+]?(?:\d+\.?\d*|\.\d+))\s*(?:/|out of)\s*\d+(?:\.\d+)?", re.I)
+"""A score with its denominator ("7 out of 10", "7/10"): the score."""
 _CHOICE = re.compile(r"\b([AB])\b")
 
 
@@ -115,6 +125,14 @@ class RemoteReward:
             raise RemoteRewardError(f"{self.describe()}: the environment variable {self.cfg.api_key_env} "
                                     "(remote.api_key_env) is not set")
         return {"Authorization": f"Bearer {key}"}
+
+    def exposed_token(self) -> str | None:
+        """A warning where a bearer token would travel in plain text (http to a host that is not this machine)."""
+        host = httpx.URL(self.cfg.url).host
+        if self.cfg.api_key_env is None or self.cfg.url.startswith("https://") or host in LOOPBACK:
+            return None
+        return (f"{self.describe()}: the token in {self.cfg.api_key_env} is sent over plain http to {host}, "
+                "readable by anyone on the path; use https")
 
     def check(self, timeout: float = 10.0) -> None:
         """Refuse a server that does not answer, before anything trains: one request, no retries. A
@@ -220,9 +238,10 @@ class RemoteReward:
             return {"prompts": prompts, "responses": responses, "complete": complete}
         (messages,), (response,) = prompts, responses
         prompt = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
-        filled = {"{prompt}": prompt, "{response}": response}
+        filled = {"{prompt}": prompt, "{response}": fenced(response)}
         if reference is not None:
-            filled |= {"{a}": response, "{b}": reference} if policy_first else {"{a}": reference, "{b}": response}
+            a, b = (response, reference) if policy_first else (reference, response)
+            filled |= {"{a}": fenced(a), "{b}": fenced(b)}
         content = re.sub("|".join(re.escape(k) for k in filled), lambda m: filled[m.group()], self.cfg.prompt_template)
         return {"model": self._model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": JUDGE_MAX_TOKENS, "temperature": 0.0, **self.cfg.extra_body}
@@ -270,10 +289,7 @@ class RemoteReward:
                 if choice is None:
                     raise _Failed(f"the judge's answer names neither A nor B: {text[:200]!r}")
                 return [float((choice.group(1) == "A") == policy_first)]
-            number = _NUMBER.search(text)
-            if number is None:
-                raise _Failed(f"the judge's answer has no number: {text[:200]!r}")
-            return [float(number.group())]
+            return [self._judged_number(text)]
         scores = body.get("scores") if isinstance(body, dict) else None
         if not isinstance(scores, list) or len(scores) != rows:
             raise _Failed(f"expected {{'scores': [{rows} numbers]}}, got {answer.text[:200]!r}")
@@ -284,6 +300,35 @@ class RemoteReward:
                 raise _Failed(f"{value!r} is not a finite number, in {answer.text[:200]!r}")
             values.append(None if value is None else float(value))
         return values
+
+
+    def _judged_number(self, text: str) -> float:
+        """A `number` judge's score: `score_pattern`'s first group, else the one number of the answer once a
+        restated scale ("1-10", "0 to 10") and a denominator ("7 out of 10", "7/10") are set aside; `_Failed`
+        where there is none, or several, or it is not a finite number within the term's range."""
+        if self.cfg.score_pattern is not None:
+            found = re.search(self.cfg.score_pattern, text)
+            numbers = [found.group(1).strip()] if found and _NUMBER.fullmatch(found.group(1).strip()) else []
+        else:
+            plain = _OUT_OF.sub(r"\g<score>", _SCALE.sub(" ", text))
+            numbers = _NUMBER.findall(plain)
+        if len(numbers) != 1:
+            where = " in score_pattern's group" if self.cfg.score_pattern else ""
+            raise _Failed(f"the judge's answer has {'no' if not numbers else 'more than one'} number{where}"
+                          f"{'' if len(numbers) < 2 else '; set remote.score_pattern to say which is the score'}: "
+                          f"{text[:200]!r}")
+        value, within = float(numbers[0]), self.cfg.scores_within
+        if not math.isfinite(value) or (within is not None and not within[0] <= value <= within[1]):
+            raise _Failed(f"the judge's score {numbers[0]} is not a finite number"
+                          + (f" within score_range [{within[0]:g}, {within[1]:g}]" if within else "")
+                          + f": {text[:200]!r}")
+        return value
+
+
+def fenced(text: str) -> str:
+    """A policy's response as a judge's prompt holds it: between <response> tags, a closing tag inside it
+    broken (`</response>` becomes `</ response>`), so the text cannot end itself early."""
+    return "<response>\n" + re.sub(r"</(\s*)response", r"</ \1response", text, flags=re.I) + "\n</response>"
 
 
 def _run(coroutine):

@@ -2,7 +2,8 @@
 `stages.rewards.remote`, answered by a `RewardScorer`, so a served score is the in-process one.
 
     POST /score  {"prompts": [[{role, content}, ...] | str], "responses": [str], "complete": [bool]?}
-                 -> {"scores": [float], "raw": [float]}   normalised as the checkpoint says, and raw
+                 -> {"scores": [float], "raw": [float], "truncated": [bool]}   normalised as the
+                 checkpoint says, raw, and whether an input was cut to the model's positions
     GET  /score  -> what is served: the checkpoint, its run, the normalisation
     GET  /health -> {"ok": true}
 
@@ -11,26 +12,62 @@ responses) is scored together in the next pass, on one thread that owns the mode
 FastAPI on uvicorn (both maintained, both in our lock): vLLM's pooling route would need vLLM's own
 environment, refuses our demo model's head size on the CPU, and knows neither our chat rendering of
 a prompt nor our normalisation; this serves the very scorer the RL stage runs.
+
+What a request may hold and cost is bounded (`Limits`), so that no request can knock the server over
+or starve the others: a body past `max_body_bytes` or more than `max_rows` responses is refused with
+413, a text past `max_chars` or a message that is not `{role, content}` with 422 (naming the row),
+each before anything is queued; at most `max_queue` requests wait (then 503 with `Retry-After`); a
+request not answered within `timeout_s` gets 504 and is not scored once abandoned. A pass that fails
+is retried request by request, so a request that cannot be scored fails alone. An input longer than
+the model's positions keeps its last ones (the response's end, where the score is read) and says so
+(`truncated`). With a token (`api_key`), every route but `/health` wants `Authorization: Bearer`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import torch
-from fastapi import FastAPI
-from pydantic import BaseModel, Field, model_validator
+from fastapi import Depends, FastAPI, HTTPException, Request
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stages.rewards.scoring import RewardScorer
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may hold and how long it may wait (module docstring)."""
+
+    max_body_bytes: int = 8 * 2**20
+    """A request body's bytes at most (413 past it)."""
+    max_rows: int = 512
+    """Responses in one request at most (413 past it)."""
+    max_chars: int = 32_000
+    """Characters in one response or one message at most (422 past it)."""
+    max_queue: int = 256
+    """Requests waiting to be scored at most (503 with Retry-After past it)."""
+    timeout_s: float = 60.0
+    """Seconds a request may wait for its scores (504 past it; it is then not scored)."""
+    api_key: str | None = None
+    """The bearer token every route but /health wants; None: no token."""
+
+
+class Message(BaseModel):
+    """One chat message of a prompt."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str = Field(min_length=1)
+    content: str
 
 
 class ScoreRequest(BaseModel):
     """One request: responses to score, each after its prompt."""
 
-    prompts: list[list[dict[str, str]] | str] = Field(min_length=1)
+    prompts: list[list[Message] | str] = Field(min_length=1)
     """Each response's prompt: chat messages, or a user message's text."""
     responses: list[str]
     """The responses, as the policy wrote them."""
@@ -43,6 +80,78 @@ class ScoreRequest(BaseModel):
             raise ValueError(f"prompts ({len(self.prompts)}), responses ({len(self.responses)}) and complete "
                              f"({len(self.complete or self.prompts)}) must be as long as each other")
         return self
+
+    def conversations(self) -> list[list[dict] | str]:
+        return [p if isinstance(p, str) else [m.model_dump() for m in p] for p in self.prompts]
+
+    def over(self, limits: Limits) -> HTTPException | None:
+        """The refusal where the request holds more than `limits` allow, naming the first row over."""
+        if len(self.responses) > limits.max_rows:
+            return HTTPException(413, f"{len(self.responses)} responses in one request, over the limit of "
+                                      f"{limits.max_rows} (--max-rows): split the batch")
+        for row, (prompt, response) in enumerate(zip(self.prompts, self.responses, strict=True)):
+            texts = [("response", response)] + ([("prompt", prompt)] if isinstance(prompt, str) else
+                                                [(f"message {i}", m.content) for i, m in enumerate(prompt)])
+            for what, text in texts:
+                if len(text) > limits.max_chars:
+                    return HTTPException(422, f"row {row}: the {what} has {len(text)} characters, over the limit "
+                                              f"of {limits.max_chars} (--max-chars)")
+        return None
+
+
+DRAIN_BYTES = 64 * 2**20
+"""A refused body is read on and dropped up to this many bytes, so that its client, still sending, reads
+the 413 rather than a reset connection; past it the connection is closed."""
+
+
+async def _drain(receive, seen: int) -> None:
+    """Read and drop the rest of a refused body (up to `DRAIN_BYTES`): nothing of it is kept."""
+    while seen <= DRAIN_BYTES:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body"):
+            return
+        seen += len(message.get("body", b""))
+
+
+class BodyLimit:
+    """ASGI middleware: a body past `max_bytes` (by its Content-Length, or as it streams in) gets 413,
+    never held whole in memory."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await _drain(receive, 0)
+            return await _refuse_body(send, int(length), self.max_bytes)
+        seen = 0
+
+        async def bounded():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                if message.get("more_body"):
+                    await _drain(receive, seen)
+                raise HTTPException(413, f"the body is over the limit of {self.max_bytes} bytes (--max-body-mb)")
+            return message
+
+        await self.app(scope, bounded, send)
+
+
+async def _refuse_body(send, length: int, limit: int) -> None:
+    body = (f'{{"detail": "a body of {length} bytes is over the limit of {limit} bytes (--max-body-mb)"}}').encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Busy(Exception):
+    """The queue is full."""
 
 
 @dataclass
@@ -57,53 +166,83 @@ class Batcher:
 
     scorer: RewardScorer
     max_batch: int = 64
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    max_queue: int = 256
+    queue: asyncio.Queue = field(init=False)
     passes: int = 0
     """Scoring passes so far (a figure for the tests and the log: fewer than requests means batching)."""
 
-    async def score(self, request: ScoreRequest) -> tuple[list[float], list[float]]:
+    def __post_init__(self) -> None:
+        self.queue = asyncio.Queue(self.max_queue)
+
+    async def score(self, request: ScoreRequest) -> tuple[list[float], list[float], list[bool]]:
+        """(normalised scores, raw scores, truncated); `Busy` where `max_queue` requests already wait."""
         done = asyncio.get_running_loop().create_future()
-        await self.queue.put(_Pending(request, done))
+        try:
+            self.queue.put_nowait(_Pending(request, done))
+        except asyncio.QueueFull:
+            raise Busy from None
         return await done
+
+    async def _next(self) -> _Pending:
+        """The next queued request still waited for (one abandoned by its timeout is dropped)."""
+        while (pending := await self.queue.get()).done.done():
+            pass
+        return pending
 
     async def run(self) -> None:
         """Forever: take what is queued (a request at least, then more while they fit in `max_batch`),
         score it in one pass off the event loop, answer each request."""
         carried: _Pending | None = None
         while True:
-            taken = [carried or await self.queue.get()]
+            taken = [carried or await self._next()]
             carried, size = None, len(taken[0].request.responses)
             while not self.queue.empty():
                 pending = self.queue.get_nowait()
+                if pending.done.done():
+                    continue
                 if size + len(pending.request.responses) > self.max_batch:
                     carried = pending  # the next pass's first
                     break
                 taken.append(pending)
                 size += len(pending.request.responses)
-            try:
-                raw = await asyncio.to_thread(self._raw, [p.request for p in taken])
-            except Exception as e:  # noqa: BLE001 - every waiting request gets the error, the server goes on
-                for pending in taken:
-                    pending.done.set_exception(e)
-                continue
-            self.passes += 1
-            start = 0
-            for pending in taken:
-                n = len(pending.request.responses)
-                mine = raw[start:start + n]
-                start += n
-                pending.done.set_result((self.scorer.normalize(mine).tolist(), mine.tolist()))
+            await self._answer(taken)
 
-    def _raw(self, requests: list[ScoreRequest]) -> torch.Tensor:
-        prompts = [p for r in requests for p in r.prompts]
+    async def _answer(self, taken: list[_Pending]) -> None:
+        """Score `taken` in one pass and answer each; a pass that fails is tried request by request, so only
+        a request that cannot be scored gets the error."""
+        try:
+            raw, truncated = await asyncio.to_thread(self._raw, [p.request for p in taken])
+        except Exception as e:  # noqa: BLE001 - the request(s) at fault get the error, the server goes on
+            if len(taken) > 1:
+                for pending in taken:
+                    await self._answer([pending])
+            elif not taken[0].done.done():
+                taken[0].done.set_exception(e)
+            return
+        self.passes += 1
+        start = 0
+        for pending in taken:
+            n = len(pending.request.responses)
+            mine, cut = raw[start:start + n], truncated[start:start + n]
+            start += n
+            if not pending.done.done():
+                pending.done.set_result((self.scorer.normalize(mine).tolist(), mine.tolist(), cut))
+
+    def _raw(self, requests: list[ScoreRequest]) -> tuple[torch.Tensor, list[bool]]:
+        """Raw scores of every response of `requests`, each input cut to the model's positions (its last ones)."""
+        prompts = [p for r in requests for p in r.conversations()]
         responses = [x for r in requests for x in r.responses]
         complete = [c for r in requests for c in (r.complete or [True] * len(r.responses))]
-        return self.scorer.score(prompts, responses, normalized=False, complete=complete)
+        sequences = self.scorer.encode(prompts, responses, complete)
+        positions = getattr(self.scorer.model.config, "max_position_embeddings", None) or max(map(len, sequences))
+        truncated = [len(ids) > positions for ids in sequences]
+        return self.scorer.raw_scores([ids[-positions:] for ids in sequences]), truncated
 
 
-def reward_app(scorer: RewardScorer, served: dict[str, str | None], max_batch: int = 64) -> FastAPI:
+def reward_app(scorer: RewardScorer, served: dict[str, str | None], max_batch: int = 64,
+               limits: Limits = Limits()) -> FastAPI:
     """The app: `served` says what it serves (checkpoint, run id), shown at `GET /score`."""
-    batcher = Batcher(scorer, max_batch)
+    batcher = Batcher(scorer, max_batch, limits.max_queue)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -111,18 +250,33 @@ def reward_app(scorer: RewardScorer, served: dict[str, str | None], max_batch: i
         yield
         task.cancel()
 
+    def authorized(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if limits.api_key is not None and not hmac.compare_digest(given.encode(), f"Bearer {limits.api_key}".encode()):
+            raise HTTPException(401, "a bearer token is wanted (Authorization: Bearer ...)",
+                                headers={"WWW-Authenticate": "Bearer"})
+
     app = FastAPI(title="rlhf reward model", lifespan=lifespan,
                   description="Scores (prompt, response) pairs with a reward checkpoint.")
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
 
-    @app.post("/score")
-    async def score(request: ScoreRequest) -> dict[str, list[float]]:
-        scores, raw = await batcher.score(request)
-        return {"scores": scores, "raw": raw}
+    @app.post("/score", dependencies=[Depends(authorized)])
+    async def score(request: ScoreRequest) -> dict[str, list]:
+        if (refusal := request.over(limits)) is not None:
+            raise refusal
+        try:
+            scores, raw, truncated = await asyncio.wait_for(batcher.score(request), limits.timeout_s)
+        except Busy:
+            raise HTTPException(503, f"{limits.max_queue} requests are waiting (--max-queue): try again",
+                                headers={"Retry-After": "1"}) from None
+        except TimeoutError:
+            raise HTTPException(504, f"not scored within {limits.timeout_s:g} s (--timeout-s)") from None
+        return {"scores": scores, "raw": raw, "truncated": truncated}
 
-    @app.get("/score")
+    @app.get("/score", dependencies=[Depends(authorized)])
     async def info() -> dict:
         return {**served, "normalization": {"gain": scorer.gain, "bias": scorer.bias}, "passes": batcher.passes,
-                "protocol": "POST {prompts, responses, complete?} -> {scores, raw}"}
+                "protocol": "POST {prompts, responses, complete?} -> {scores, raw, truncated}"}
 
     @app.get("/health")
     async def health() -> dict[str, bool]:
