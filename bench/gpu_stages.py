@@ -326,7 +326,7 @@ def main() -> None:
 
     from bench.gpu import LLAMA_05B
     from rlhf.config import load_config
-    from rlhf.demo_world import build_world
+    from rlhf.demo.world import build_world
     from stages.memory.shapes import model_shape
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -47,7 +47,7 @@ def _upstream(root: Path):
     """The tiny world, its datasets, and SFT and reward checkpoints trained as the tests' `trained` fixture
     trains them."""
     from rlhf.config import load_config
-    from rlhf.demo_world import build_world
+    from rlhf.demo.world import build_world
     from stages.runtime.models import load_tokenizer
     from tests.helpers import train_upstream, world_frames
 

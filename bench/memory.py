@@ -177,7 +177,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.work)
     from rlhf.config import load_config
-    from rlhf.demo_world import build_world
+    from rlhf.demo.world import build_world
 
     world = build_world(work / "worlds", load_config("configs/tiny.yaml").demo)
     if args.one:

@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 GRPO = {"advantage_estimator": "grpo", "samples_per_prompt": 4, "kl.init_coef": 0.2}
-RULE_ALONE = {**GRPO, "reward": {"terms": [{"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject"}]}}
+RULE_ALONE = {**GRPO, "reward": {"terms": [{"name": "on_subject", "function": "rlhf.demo.rewards:names_the_subject"}]}}
 SERVED = "http://served.reward.model/score"
 """A remote term's URL that `run_one` replaces with `rlhf serve-reward`'s, serving the bench's own reward checkpoint."""
 
@@ -68,10 +68,10 @@ METHODS: dict[str, dict] = {
     "ppo (gae), lora policy without head adapters": {"advantage_estimator": "gae", "lora": {"output_layer": False}},
     "ppo (gae), lora policy, reward-lora critic": {"advantage_estimator": "gae", "lora": {},
                                                    "critic.kind": "reward-lora"},
-    # The reward model plus a rule written from the prompts alone (rlhf.demo_rewards): -1 for not naming the asked
+    # The reward model plus a rule written from the prompts alone (rlhf.demo.rewards): -1 for not naming the asked
     # subject.
     "ppo (gae), reward model + on-subject rule": {"advantage_estimator": "gae", "reward": {"terms": [
-        {"name": "reward_model"}, {"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject",
+        {"name": "reward_model"}, {"name": "on_subject", "function": "rlhf.demo.rewards:names_the_subject",
                                    "weight": 0.5}]}},
     # No reward model: the same rule alone, the score a GRPO group compares (`stages: [sft, ppo]`).
     "grpo, on-subject rule alone": RULE_ALONE,
@@ -139,7 +139,7 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
     from bench.quality import UPSTREAM_METRICS, train_upstream
     from bench.scale import held_bytes
     from rlhf.config import load_config, with_overrides
-    from rlhf.demo_world import build_world, judge_evaluation
+    from rlhf.demo.world import build_world, judge_evaluation
     from schemas.validate import LengthBudget, load_validated
     from stages.common.reporting import Reporting
     from stages.dpo import DPOInputs, train_dpo

@@ -66,8 +66,8 @@ def build_assets(config_file: str, overrides: dict, shape: ModelShape, root: Pat
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhf.config import load_config
-    from rlhf.demo_locations import resolve_location
-    from rlhf.demo_world import build_world
+    from rlhf.demo.locations import resolve_location
+    from rlhf.demo.world import build_world
     from schemas.validate import LengthBudget, load_validated
     from stages.rewards.scoring import load_reward_model
     from stages.runtime.models import load_tokenizer, save_checkpoint

@@ -182,7 +182,7 @@ TRL = "trl 1.12"
 
 def final_figures(table) -> dict[str, float]:
     """What an evaluation table (policy and SFT responses to the held-out prompts) says under the gold function."""
-    from rlhf.demo_world import judge_evaluation
+    from rlhf.demo.world import judge_evaluation
 
     gold = judge_evaluation(table)
     return {"kl": float(table["kl"].mean()), **{key.removeprefix("eval/"): value for key, value in gold.items()}}
@@ -199,7 +199,7 @@ def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_promp
     """Our PPO as configured, evaluated every `ppo_cfg.evaluation.every` iterations; besides its policy, the
     shape of its run: the curve of those evaluations against training time, response lengths, and the
     proxy score, gold reward and KL of every iteration's rollouts (the over-optimisation curve)."""
-    from rlhf.demo_world import mean_gold_reward
+    from rlhf.demo.world import mean_gold_reward
     from stages.common.reporting import Reporting
     from stages.ppo import PPOInputs, train_ppo
 
@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from rlhf.config import load_config
-    from rlhf.demo_world import build_world
+    from rlhf.demo.world import build_world
     from schemas.validate import LengthBudget, load_validated
     from stages.runtime.models import load_tokenizer, set_determinism
 

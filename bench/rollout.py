@@ -174,7 +174,7 @@ def main() -> None:
 
     from bench.scale import build_checkpoint
     from rlhf.config import load_config
-    from rlhf.demo_world import build_world
+    from rlhf.demo.world import build_world
 
     args.state.mkdir(parents=True, exist_ok=True)
     built = build_world(args.state / "worlds", load_config("configs/tiny.yaml", {"demo.num_heads": 2}).demo)

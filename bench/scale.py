@@ -199,7 +199,7 @@ def main() -> None:
         return
 
     from rlhf.config import load_config
-    from rlhf.demo_world import build_world
+    from rlhf.demo.world import build_world
 
     args.state.mkdir(parents=True, exist_ok=True)
     world = build_world(args.state / "worlds", load_config("configs/tiny.yaml").demo)

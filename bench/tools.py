@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 def upstream(cfg, state: Path):
     """The tool world, its validated frames and the SFT checkpoint (trained once, kept in `state`)."""
     from flows.inputs import length_budget
-    from rlhf.demo_world import build_world
+    from rlhf.demo.world import build_world
     from schemas.validate import load_validated
     from stages.runtime.models import load_tokenizer
     from stages.sft import SFTInputs, train_sft
@@ -74,7 +74,7 @@ def run(ppo_cfg, sft: Path, frames: dict, out: Path) -> dict:
 def judged(table, sft_answers: list[str]) -> dict:
     """The table's final answers against the SFT policy's answers in episodes, by the gold function;
     in episodes, the gold reward of the answers that followed a tool call and of those that did not."""
-    from rlhf.demo_world import gold_comparison, gold_tool_score, last_user_turns
+    from rlhf.demo.world import gold_comparison, gold_tool_score, last_user_turns
 
     prompts = last_user_turns(table["prompt_messages"])
     gold = gold_comparison(prompts, list(table["policy_response"]), sft_answers, list(table["liked"]))

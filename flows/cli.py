@@ -145,7 +145,7 @@ def _plan(args: argparse.Namespace) -> int:
     world = None
     if cfg.demo is not None:
         from rlhf import tracking
-        from rlhf.demo_world import build_world
+        from rlhf.demo.world import build_world
 
         world = str(build_world(tracking.state_dir() / "worlds", cfg.demo))
     device = this_device()

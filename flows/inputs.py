@@ -16,7 +16,7 @@ from flows.lineage import Fingerprint
 from rlhf import tracking
 from rlhf.config import PipelineConfig
 from rlhf.config_common import DataSource, TrainingConfig
-from rlhf.demo_locations import DEMO_SCHEME, resolve_location
+from rlhf.demo.locations import DEMO_SCHEME, resolve_location
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.common.errors import ChatTemplateError

@@ -65,8 +65,8 @@ from flows.stage_runs import (
 from rlhf import stack, tracking
 from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
 from rlhf.config_common import StageName
-from rlhf.demo_locations import DemoWorldConfig, resolve_location
-from rlhf.demo_world import build_world
+from rlhf.demo.locations import DemoWorldConfig, resolve_location
+from rlhf.demo.world import build_world
 from stages.memory.plan import Plan
 from stages.runtime.models import load_tokenizer, set_determinism
 

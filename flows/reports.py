@@ -21,7 +21,7 @@ from prefect.context import get_run_context
 from flows.lineage import StageRecord
 from rlhf import tracking
 from rlhf.config_ppo import RewardTermsConfig
-from rlhf.demo_world import gold_accuracy, judge_evaluation, last_user_turns, mean_gold_reward
+from rlhf.demo.world import gold_accuracy, judge_evaluation, last_user_turns, mean_gold_reward
 from schemas.adapters import last_user_message
 
 STAGE_SECONDS = "time/stage_seconds"
@@ -78,7 +78,7 @@ def lineage_note(lineage: str) -> str:
 def reward_terms_note(reward: RewardTermsConfig) -> str:
     """How PPO's score is made, where it has terms besides the reward model (empty for the reward model
     alone), to follow the upstream runs in its description: `; scored by reward functions `on_subject`
-    (rlhf.demo_rewards:names_the_subject, weight 1), servers `served` (score at http://..., weight 1),
+    (rlhf.demo.rewards:names_the_subject, weight 1), servers `served` (score at http://..., weight 1),
     without a reward model`."""
     if not reward.functions and not reward.remotes:
         return ""

@@ -33,7 +33,7 @@ from rlhf.config_common import (
     _Frozen,
 )
 from rlhf.config_ppo import PPOConfig
-from rlhf.demo_locations import DEMO_SCHEME, DemoWorldConfig
+from rlhf.demo.locations import DEMO_SCHEME, DemoWorldConfig
 
 
 class SFTConfig(TrainingConfig):

@@ -23,7 +23,7 @@ os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from rlhf.config import load_config
-from rlhf.demo_world import build_world  # noqa: E402
+from rlhf.demo.world import build_world  # noqa: E402
 
 
 def _starts_python(args) -> bool:

@@ -178,8 +178,8 @@ TOOLS_OVERRIDES = {
     "demo.task": "tools",
     "sft.max_prompt_length": 64,  # a transcript's conversation before its last answer
     "sft.max_length": 96,
-    "ppo.environment": {"tools": "rlhf.demo_tools:tools", "max_turns": 3, "turn_tokens": 24, "episode_tokens": 64},
-    "ppo.reward": {"terms": [{"name": "liked", "function": "rlhf.demo_rewards:uses_liked_adjectives"}],
+    "ppo.environment": {"tools": "rlhf.demo.tools:tools", "max_turns": 3, "turn_tokens": 24, "episode_tokens": 64},
+    "ppo.reward": {"terms": [{"name": "liked", "function": "rlhf.demo.rewards:uses_liked_adjectives"}],
                    "columns": ["liked"]},
     "ppo.advantage_estimator": "grpo",
     "ppo.samples_per_prompt": 2,
@@ -191,7 +191,7 @@ def tools_upstream(root: Path, **overrides) -> tuple:
     """The tiny tool world and an SFT checkpoint trained (40 steps) on its transcripts: (config, the
     `trained` dict `run_ppo` takes, with no reward model)."""
     from rlhf.config import load_config
-    from rlhf.demo_world import build_world
+    from rlhf.demo.world import build_world
     from stages.runtime.models import load_tokenizer
     from stages.sft import SFTInputs, train_sft
 
@@ -492,3 +492,29 @@ def resumes_past_torn_saves(train, cut: Path, whole: Path, done: int, torn: int)
     assert any(f"checkpoint-{torn} is passed over for the resume: its trainer_state.json is missing or torn" in w
                for w in warnings), warnings
     return swept, resumed, steps
+
+
+def serve_process(command: list[str]):
+    """`command` (a server with `--port N`) started in a session of its own, once its /health answers."""
+    import subprocess
+
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    port = command[command.index("--port") + 1]
+    wait_until_healthy(process, f"http://127.0.0.1:{port}/health", 120, lambda: process.stdout.read())
+    return process
+
+
+def stop_process(process) -> None:
+    """Stop a `serve_process` server and its session: SIGTERM, then SIGKILL after 30 s."""
+    import os
+    import signal
+    import subprocess
+
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

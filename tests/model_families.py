@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
-from rlhf.demo_world import ADJECTIVES, DETERMINERS, PROMPT_TEMPLATES, SUBJECTS
+from rlhf.demo.world import ADJECTIVES, DETERMINERS, PROMPT_TEMPLATES, SUBJECTS
 
 SEED = 0
 TRAINED_VOCAB_SIZE = 512

@@ -20,14 +20,14 @@ LAYERS = {
     # (and its own folder), so no import runs back up. docs/architecture.md shows this table.
     "schemas": ("schemas",),
     "rlhf/numerics.py": (),
-    "rlhf/demo_locations.py": (),
+    "rlhf/demo/locations.py": (),
     "rlhf/evaluation.py": (),
-    "rlhf/demo_rewards.py": (),
-    "rlhf/demo_tools.py": (),
-    "rlhf/config_common.py": ("rlhf.demo_locations",),
+    "rlhf/demo/rewards.py": (),
+    "rlhf/demo/tools.py": (),
+    "rlhf/config_common.py": ("rlhf.demo.locations",),
     "rlhf/config_ppo.py": ("rlhf.config_common",),
-    "rlhf/config.py": ("rlhf.config_common", "rlhf.config_ppo", "rlhf.demo_locations"),
-    "rlhf/demo_world.py": ("rlhf.demo_locations", "rlhf.demo_tools", "rlhf.evaluation"),
+    "rlhf/config.py": ("rlhf.config_common", "rlhf.config_ppo", "rlhf.demo.locations"),
+    "rlhf/demo/world.py": ("rlhf.demo.locations", "rlhf.demo.tools", "rlhf.evaluation"),
     "rlhf/stack.py": ("rlhf.config_common", "rlhf.numerics"),
     "rlhf/tracking.py": CONFIG,
     "stages/common": ("stages.common",) + CONFIG,
@@ -171,7 +171,7 @@ def test_the_config_does_not_load_the_demo_worlds_gold_function():
     import sys
 
     loaded = subprocess.run([sys.executable, "-c", "import sys, rlhf.config, stages.ppo; "
-                             "print('rlhf.demo_world' in sys.modules)"], capture_output=True, text=True, cwd=REPO,
+                             "print('rlhf.demo.world' in sys.modules)"], capture_output=True, text=True, cwd=REPO,
                             check=True).stdout.strip()
     assert loaded == "False"
 

@@ -7,8 +7,8 @@ import json
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf.demo_locations import DemoWorldConfig, resolve_location
-from rlhf.demo_world import CHAT_TEMPLATE, build_records, build_world, gold_prefers, gold_score
+from rlhf.demo.locations import DemoWorldConfig, resolve_location
+from rlhf.demo.world import CHAT_TEMPLATE, build_records, build_world, gold_prefers, gold_score
 
 # The describe world as it was before the tools task existed (issue 62): its records' and its chat
 # template's digests. Its tokenizer and weights were compared byte for byte then; these keep the data.

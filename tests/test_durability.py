@@ -233,3 +233,66 @@ def test_a_journal_on_a_small_tmpfs_that_fills_keeps_every_whole_entry(tmp_path)
         _assert_whole(disk / "journal" / "run.jsonl", filled)
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+PARENT = """
+import pickle, sys
+from stages.common.reporting import Reporting
+from stages.launch.call import call_stage
+from stages.ppo import train_ppo
+cfg, inputs = pickle.loads(open(sys.argv[1], "rb").read())
+call_stage(train_ppo, cfg, inputs, __import__("pathlib").Path(sys.argv[2]), Reporting(), deterministic=True,
+           num_threads=2)
+"""
+
+
+def _job_processes(folder: Path) -> list:
+    """Live processes of a local launch into `folder`: its launcher (`accelerate launch`) and its ranks."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "stages.launch.local" in cmdline and str(folder / "launch") in cmdline:
+            found.append(process)
+    return found
+
+
+@pytest.mark.multiprocess
+def test_ranks_die_with_a_sigkilled_caller_and_the_rerun_resumes_to_the_uninterrupted_weights(tiny_config, trained,
+                                                                                              tmp_path):
+    """The flow's process SIGKILLed (the OOM killer's way) mid-PPO on two processes: its ranks end within
+    10 s instead of training on, and the rerun in the same folder resumes to the uninterrupted weights."""
+    import pickle
+    import time
+
+    from rlhf.config import with_overrides
+    from stages.common.reporting import Reporting
+    from stages.launch.call import call_stage
+    from stages.ppo import PPOInputs, train_ppo
+    from stages.runtime.models import folder_digest
+
+    cfg = with_overrides(tiny_config.ppo, {"launch": {"num_processes": 2}, "num_iterations": 12,
+                                           "checkpoint_every": 2, "evaluation.every": None})
+    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    whole = call_stage(train_ppo, cfg, inputs, tmp_path / "whole", Reporting(), deterministic=True, num_threads=2)
+
+    (tmp_path / "call.pkl").write_bytes(pickle.dumps((cfg, inputs)))
+    killed = tmp_path / "killed"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "call.pkl"), str(killed)],
+                              cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not (killed / "state" / "loop.json").exists():
+        assert parent.poll() is None and time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.1)
+    assert len(_job_processes(killed)) == 3  # the launcher and two ranks
+    parent.send_signal(signal.SIGKILL)  # the caller alone: its ranks are in sessions of their own
+    parent.wait()
+    gone_by = time.monotonic() + 10
+    while _job_processes(killed) and time.monotonic() < gone_by:
+        time.sleep(0.1)
+    assert not _job_processes(killed), "the launcher or its ranks outlived their caller"
+    assert not (killed / "launch" / "result.pkl").exists()  # killed mid-run, not after it
+    resumed = call_stage(train_ppo, cfg, inputs, killed, Reporting(), deterministic=True, num_threads=2)
+    assert folder_digest(resumed.checkpoint) == folder_digest(whole.checkpoint)

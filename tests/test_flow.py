@@ -701,7 +701,7 @@ def test_sft_then_ppo_on_reward_functions_alone_needs_no_reward_stage_and_bad_fu
     rules.mkdir()
     (rules / "flow_rules.py").write_text(
         "from pathlib import Path\n"
-        "from rlhf.demo_rewards import names_the_subject\n\n"
+        "from rlhf.demo.rewards import names_the_subject\n\n"
         "def on_subject(prompts, responses):\n"
         "    if Path(__file__).with_suffix('.broken').exists():\n"
         "        return [float('nan')] * len(responses)\n"
@@ -813,7 +813,7 @@ def test_rlhf_full_with_llm_judges_on_vllms_cpu_server_scores_training_and_evalu
     from flows.pipeline import rlhf
     from rlhf.config import load_config
     from rlhf.config_common import VLLMConfig, vllm_python
-    from rlhf.demo_world import build_world
+    from rlhf.demo.world import build_world
     from tests.helpers import free_port, wait_until_healthy
 
     python = vllm_python(VLLMConfig())

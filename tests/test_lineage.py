@@ -99,7 +99,7 @@ def test_inside_one_pipeline_a_stage_alone_starts_from_the_latest_runs():
 
 def test_ppo_whose_reward_is_functions_alone_starts_from_an_sft_run_and_no_reward_run():
     functions = load_config("configs/tiny.yaml", {"ppo.reward.terms": [
-        {"name": "subject", "function": "rlhf.demo_rewards:names_the_subject"}]})
+        {"name": "subject", "function": "rlhf.demo.rewards:names_the_subject"}]})
     runs = Experiment()
     runs.pipeline("sft-only", TINY, "configs/tiny.yaml", stages=("sft",))
     with pytest.raises(LookupError, match="needs a finished reward run"):

@@ -17,7 +17,7 @@ from stages.common.reporting import Reporting
 from stages.math.ppo_math import groups_with_signal
 from tests.helpers import AUTO_RESOLVED, run_ppo
 
-RULE = {"terms": [{"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject"}]}
+RULE = {"terms": [{"name": "on_subject", "function": "rlhf.demo.rewards:names_the_subject"}]}
 """The demo's on-subject rule alone: 1, 0 or -1 per response, so many groups score alike."""
 
 
@@ -88,7 +88,7 @@ REFUSED = [
     ({"clip_range_high": 0.1}, "below clip_range"),
     ({"reward": {"overlong": {"buffer": 64}}, "sampling": {"response_length": 64}}, "must be shorter"),
     ({"reward": RULE | {"overlong": {},
-                        "terms": [{"name": "overlong", "function": "rlhf.demo_rewards:length_penalty"}]}},
+                        "terms": [{"name": "overlong", "function": "rlhf.demo.rewards:length_penalty"}]}},
      "name of reward.overlong's term"),
 ]
 

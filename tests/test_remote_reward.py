@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import re
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,7 +22,7 @@ from pydantic import ValidationError
 from rlhf.config import config_hash, with_overrides
 from rlhf.config_ppo import RewardTerm, RewardTermsConfig
 from stages.rewards.remote import RemoteReward, RemoteRewardError, remote_values
-from tests.helpers import free_port, run_ppo, served_in_thread, wait_until_healthy
+from tests.helpers import free_port, run_ppo, serve_process, served_in_thread, stop_process
 
 
 @dataclass
@@ -328,31 +325,13 @@ def test_a_server_that_does_not_answer_is_refused_before_anything_trains(tiny_co
 def served_reward(trained):
     """`rlhf serve-reward` on the session's reward checkpoint: its base URL."""
     port = free_port()
-    process = _serve(_serve_reward(trained, port))
+    process = serve_process(_serve_reward(trained, port))
     yield f"http://127.0.0.1:{port}"
-    _stop(process)
+    stop_process(process)
 
 
 def _serve_reward(trained: dict, port: int) -> list[str]:
     return [sys.executable, "-m", "flows.cli", "serve-reward", "--checkpoint", trained["reward"], "--port", str(port)]
-
-
-def _serve(command: list[str]) -> subprocess.Popen:
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    port = command[command.index("--port") + 1]
-    wait_until_healthy(process, f"http://127.0.0.1:{port}/health", 120, lambda: process.stdout.read())
-    return process
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 @pytest.mark.multiprocess
@@ -461,17 +440,17 @@ def test_a_server_killed_mid_ppo_and_back_is_retried_through(tiny_config, traine
 
     port = free_port()
     command = _serve_reward(trained, port)
-    base, process, restarted = f"http://127.0.0.1:{port}", _serve(command), []
+    base, process, restarted = f"http://127.0.0.1:{port}", serve_process(command), []
 
     def later() -> None:
         time.sleep(3)
-        restarted.append(_serve(command))
+        restarted.append(serve_process(command))
 
     back = threading.Thread(target=later, daemon=True)
 
     def kill_then_restart(figures: dict, step: int) -> None:
         if step == 1:
-            _stop(process)
+            stop_process(process)
             back.start()
 
     try:
@@ -481,7 +460,7 @@ def test_a_server_killed_mid_ppo_and_back_is_retried_through(tiny_config, traine
         if back.is_alive():
             back.join()  # a server started after a failure would outlive the test
         for server in [process, *restarted]:
-            _stop(server)
+            stop_process(server)
     second = result.history[1]
     assert second["remote/retries"] >= 1 and second["rollout/remote_failed_share"] == 0.0
     assert restarted and all(math.isfinite(row["rollout/reward/served"]) for row in result.history)

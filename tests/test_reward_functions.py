@@ -211,8 +211,8 @@ def test_on_two_processes_the_function_runs_on_the_main_process_for_every_respon
 
 # --- a reward of functions alone: no reward model ----------------------------------------------------
 
-FUNCTIONS_ALONE = {"terms": [{"name": "subject", "function": "rlhf.demo_rewards:names_the_subject"},
-                             {"name": "length", "function": "rlhf.demo_rewards:length_penalty", "weight": 0.1}]}
+FUNCTIONS_ALONE = {"terms": [{"name": "subject", "function": "rlhf.demo.rewards:names_the_subject"},
+                             {"name": "length", "function": "rlhf.demo.rewards:length_penalty", "weight": 0.1}]}
 
 
 def test_a_reward_of_functions_alone_takes_no_reward_model_and_gae_starts_its_critic_from_the_policy():

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from stages.rewards.server import Limits, reward_app
-from tests.helpers import free_port, served_in_thread
-from tests.test_remote_reward import _serve, _stop
+from tests.helpers import free_port, serve_process, served_in_thread, stop_process
 
 TOKEN = "test-token-1234567890"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -29,11 +28,11 @@ def guarded(trained):
 
     port = free_port()
     os.environ["RLHF_TEST_REWARD_KEY"] = TOKEN
-    process = _serve([sys.executable, "-m", "flows.cli", "serve-reward", "--checkpoint", trained["reward"],
+    process = serve_process([sys.executable, "-m", "flows.cli", "serve-reward", "--checkpoint", trained["reward"],
                       "--port", str(port), "--api-key-env", "RLHF_TEST_REWARD_KEY", "--max-rows", "16",
                       "--max-chars", "2000", "--max-body-mb", "1", "--max-queue", "64"])
     yield f"http://127.0.0.1:{port}", process
-    _stop(process)
+    stop_process(process)
 
 
 def _peak_rss_mib(pid: int) -> float:

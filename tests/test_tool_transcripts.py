@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
-from rlhf.demo_locations import DemoWorldConfig
-from rlhf.demo_rewards import ADJECTIVES as REWARD_ADJECTIVES
-from rlhf.demo_rewards import uses_liked_adjectives
-from rlhf.demo_tools import call_text, tools
-from rlhf.demo_world import (
+from rlhf.demo.locations import DemoWorldConfig
+from rlhf.demo.rewards import ADJECTIVES as REWARD_ADJECTIVES
+from rlhf.demo.rewards import uses_liked_adjectives
+from rlhf.demo.tools import call_text, tools
+from rlhf.demo.world import (
     ADJECTIVES,
     SUBJECTS,
     TOOLS_CHAT_TEMPLATE,

@@ -31,7 +31,7 @@ if not vllm_python(VLLMConfig()).exists():
 def servable(tmp_path_factory):
     """The tiny world with 2 attention heads of 32 (vLLM's CPU build refuses the default 4 of 16), and
     its SFT and reward checkpoints."""
-    from rlhf.demo_world import build_world
+    from rlhf.demo.world import build_world
     from stages.runtime.models import load_tokenizer
     from tests.helpers import train_upstream, world_frames
 
@@ -124,7 +124,7 @@ def test_dynamic_sampling_and_the_policy_loss_options_sample_on_the_vllm_server(
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {
         "advantage_estimator": "grpo", "samples_per_prompt": 4, "dynamic_sampling": {"max_rounds": 3},
         "ratio_level": "sequence", "loss_aggregation": "seq-mean-token-mean", "clip_range_high": 0.28,
-        "reward": {"terms": [{"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject"}]}})
+        "reward": {"terms": [{"name": "on_subject", "function": "rlhf.demo.rewards:names_the_subject"}]}})
     result = run_ppo(ppo, trained, tmp_path / "out")
     assert len(started) == 1  # one server for every round of every iteration
     assert all(1 <= row["rollout/sampling_rounds"] <= 3 for row in result.history)
@@ -181,7 +181,7 @@ def test_the_reward_stages_normalisation_and_dpos_evaluation_sample_on_vllm_too(
 
 @pytest.mark.parametrize("estimator, changes", [
     ("gae", {"lora": {"r": 4}, "reward": {"terms": [
-        {"name": "reward_model"}, {"name": "on_subject", "function": "rlhf.demo_rewards:names_the_subject"}]}}),
+        {"name": "reward_model"}, {"name": "on_subject", "function": "rlhf.demo.rewards:names_the_subject"}]}}),
     ("rloo", {"samples_per_prompt": 4}),
     ("reinforce++", {}),
 ])

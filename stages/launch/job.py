@@ -9,15 +9,26 @@ while the job runs; rank 0's result comes back pickled in `result.pkl`, a `Stage
 raised in `error.pkl`. The caller gets the same result object whichever engine ran it.
 
 Each rank's side is `start_rank` (determinism, the process group, sharded loading) and `run_rank`
-(the stage, its measured peak memory, its result or error written back)."""
+(the stage, its measured peak memory, its result or error written back).
+
+A job dies with its caller. The command `follow` starts gets SIGKILL when the caller's process dies
+(Linux's `PR_SET_PDEATHSIG`, `die_with_parent`), and so does each local rank when the launcher above
+it dies; Ray ends a driver's workers when the driver goes. Each local rank holds a shared lock on the
+spec folder for its lifetime (`hold_work_folder`), and a new launch into the same folder waits until
+no rank of an earlier attempt holds it (`write_spec`), so two attempts never write one folder's
+checkpoints at once."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import fcntl
 import json
 import os
 import pickle
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -63,10 +74,60 @@ class StageCall:
 RESULT, ERROR, EVENTS, LOG = "result.pkl", "error.pkl", "events.jsonl", "launch.log"
 
 
+RANKS_LOCK = "ranks.lock"
+"""In the spec folder: the file each local rank holds a shared lock on while it lives."""
+EARLIER_RANKS_WAIT_S = 60.0
+"""How long a launch waits for an earlier attempt's ranks in its folder to end (killed with their parent,
+they end within a second)."""
+PR_SET_PDEATHSIG = 1
+_held_locks: list[int] = []
+"""Descriptors of the locks this process holds until it ends."""
+
+
+def die_with_parent() -> None:
+    """This process gets SIGKILL when the process (on Linux, the thread) that started it ends, and ends
+    now if that one is already gone. Elsewhere than on Linux, nothing."""
+    if sys.platform != "linux":
+        return
+    parent = os.getppid()
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before the call above: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold_work_folder(spec: Path) -> None:
+    """Hold a shared lock on `spec` until this process ends (`write_spec` waits for it to be let go)."""
+    descriptor = os.open(spec / RANKS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(descriptor, fcntl.LOCK_SH)
+    _held_locks.append(descriptor)
+
+
+def wait_for_earlier_ranks(spec: Path, timeout_s: float = EARLIER_RANKS_WAIT_S) -> None:
+    """Return once no rank of an earlier attempt holds `spec` (`hold_work_folder`); `LaunchError` naming the
+    folder when one still does after `timeout_s`."""
+    descriptor = os.open(spec / RANKS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"processes of an earlier attempt still run in {spec.parent} after "
+                                      f"{timeout_s:g} s (they hold {spec / RANKS_LOCK}); stop them and retry") from None
+                time.sleep(0.2)
+    finally:
+        os.close(descriptor)  # the exclusive lock goes with it: this launch's ranks take theirs
+
+
 def write_spec(call: StageCall) -> Path:
-    """The spec folder of `call`, cleared of an earlier launch's files, holding the pickled call."""
+    """The spec folder of `call`, once no rank of an earlier attempt is alive in it, cleared of that
+    launch's files, holding the pickled call."""
     spec = call.output_dir / "launch"
     spec.mkdir(parents=True, exist_ok=True)
+    wait_for_earlier_ranks(spec)
     for stale in (EVENTS, RESULT, ERROR, *(p.name for p in spec.glob("rank-*.done"))):
         (spec / stale).unlink(missing_ok=True)
     (spec / "call.pkl").write_bytes(pickle.dumps(call))
@@ -78,8 +139,9 @@ def follow(command: list[str], spec: Path, reporting: Reporting, env: dict[str, 
     `reporting` until it ends; its exit code. A `StageUserError` rank 0 raised is raised here. If
     the caller stops (or its reporting fails), every process the command started is stopped."""
     with (spec / LOG).open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   cwd=Path(__file__).resolve().parents[2], start_new_session=True)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,  # noqa: PLW1509
+                                   cwd=Path(__file__).resolve().parents[2], start_new_session=True,
+                                   preexec_fn=die_with_parent)
         read = 0
         try:
             while True:

@@ -48,8 +48,10 @@ from stages.launch.job import (
     LaunchError,
     StageCall,
     cpu_environment,
+    die_with_parent,
     event_writer,
     follow,
+    hold_work_folder,
     log_tail,
     run_rank,
     start_rank,
@@ -143,6 +145,8 @@ def done_marker(spec: Path, rank: int) -> Path:
 
 
 def main(spec: Path) -> None:
+    die_with_parent()  # the launcher above this rank dies with the caller; this rank with the launcher
+    hold_work_folder(spec)
     call: StageCall = pickle.loads((spec / "call.pkl").read_bytes())
     state = start_rank(call)
     reporting = event_writer(spec / EVENTS) if state.is_main_process else Reporting()

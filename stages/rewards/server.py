@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from stages.rewards.scoring import RewardScorer
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Limits:
     """What one request may hold and how long it may wait (module docstring)."""
 
@@ -160,7 +160,7 @@ class _Pending:
     done: asyncio.Future
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Batcher:
     """Scores requests in passes of at most `max_batch` responses, one pass at a time."""
 
@@ -242,7 +242,7 @@ class Batcher:
 def reward_app(scorer: RewardScorer, served: dict[str, str | None], max_batch: int = 64,
                limits: Limits = Limits()) -> FastAPI:
     """The app: `served` says what it serves (checkpoint, run id), shown at `GET /score`."""
-    batcher = Batcher(scorer, max_batch, limits.max_queue)
+    batcher = Batcher(scorer=scorer, max_batch=max_batch, max_queue=limits.max_queue)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -29,7 +29,7 @@ def length_penalty(prompts: list[list[dict]], responses: list[str], **columns: l
 
 
 # The adjectives the demo world's answers are made of, as a user reads them off its demonstrations
-# and its `preferences` tool's answers (rlhf/demo_world.py draws from the same thirty).
+# and its `preferences` tool's answers (rlhf/demo/world.py draws from the same thirty).
 ADJECTIVES = frozenset((
     "good", "great", "lovely", "bright", "happy", "kind", "warm", "calm", "fresh", "sweet",
     "bad", "awful", "dull", "sad", "cold", "rude", "ugly", "noisy", "stale", "bitter",

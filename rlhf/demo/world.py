@@ -13,7 +13,7 @@ and JSONL files; the pipeline treats the result exactly like a hub model and use
 `gold_score` is for labelling pairs and for evaluation only: no training stage imports it.
 
 The tools world (`demo.task: tools`) gives each user liked adjectives (a record's `liked` column)
-that only the `preferences` tool (rlhf/demo_tools.py) tells; its gold, `gold_tool_score`, rewards
+that only the `preferences` tool (rlhf/demo/tools.py) tells; its gold, `gold_tool_score`, rewards
 the liked ones and penalises any other, so an answer that never sees the tool's result can only
 guess (3 of 30). Its demonstrations are chat transcripts (`messages`: user, assistant, tool roles)
 of which `tool_call_rate` call the tool before answering with liked adjectives; its preference pairs
@@ -28,8 +28,8 @@ import random
 import re
 from pathlib import Path
 
-from rlhf.demo_locations import DemoWorldConfig
-from rlhf.demo_tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_NAME, call_text, liked_text
+from rlhf.demo.locations import DemoWorldConfig
+from rlhf.demo.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_NAME, call_text, liked_text
 from rlhf.evaluation import win_rate
 
 SUBJECTS = ("cat", "dog", "park", "city", "movie", "book", "song", "garden", "river", "house", "train", "coffee")

@@ -54,7 +54,7 @@ class DemoWorldConfig(BaseModel):
     def fingerprint(self) -> str:
         """Digest of the config and of the world builder's source (and its tool's): a new world whenever
         either changes."""
-        source = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("demo_world.py", "demo_tools.py"))
+        source = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("world.py", "tools.py"))
         payload = json.dumps(self.model_dump(), sort_keys=True).encode() + source
         return hashlib.sha256(payload).hexdigest()[:16]
 
