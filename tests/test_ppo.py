@@ -382,6 +382,7 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
 
 
 def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_config, trained):
+    from stages.envs.episode import Episode, Segment
     from stages.rl.batch import TrainingBatch, micro_batch
 
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
@@ -391,14 +392,18 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
     responses = torch.tensor([[8, eos, pad, pad], [9, pad, pad, pad], [10, 11, 12, eos]])
     mask = torch.tensor([[1.0, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
     per_token = torch.arange(12.0).view(3, 4)
+    episodes = [Episode(segments=[Segment(q[m.bool()].tolist(), False), Segment(r[k.bool()].tolist(), True)],
+                        answer=text) for q, m, r, k, text in zip(queries, query_mask, responses, mask, "abc", strict=True)]
     batch = TrainingBatch(queries=queries, query_mask=query_mask, responses=responses, mask=mask, logprobs=per_token,
                           ref_logprobs=per_token, values=per_token, entropy=per_token,
                           has_eos=torch.ones(3, dtype=torch.bool), texts=["a", "b", "c"], prompts=["p", "q", "r"],
-                          trainable=mask, turn_rewards=torch.zeros_like(mask), advantages=per_token, returns=per_token)
+                          episodes=episodes, trainable=mask, turn_rewards=torch.zeros_like(mask), advantages=per_token,
+                          returns=per_token)
     micro = micro_batch(batch, torch.tensor([1, 0]))
     assert micro.queries.tolist() == [[pad, 7], [5, 6]] and micro.query_mask.tolist() == [[0, 1], [1, 1]]
     assert micro.responses.tolist() == [[9, pad], [8, eos]] and micro.values.tolist() == [[4.0, 5.0], [0.0, 1.0]]
     assert micro.advantages.tolist() == [[4.0, 5.0], [0.0, 1.0]] and micro.texts == ["b", "a"]  # every field, one rule
+    assert [episode.answer for episode in micro.episodes] == ["b", "a"]
     # The trimmed rows give the model the same inputs at the same positions.
     with torch.inference_mode():
         full, _ = forward_response(models.policy, queries[[1, 0]], query_mask[[1, 0]], responses[[1, 0]], mask[[1, 0]],
