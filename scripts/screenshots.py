@@ -10,6 +10,7 @@ The pages are single-page apps: each shot waits until the page shows a text it m
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import sys
@@ -24,9 +25,17 @@ from selenium.webdriver.common.by import By
 VIEW = "workflowType=machine_learning"  # MLflow's Model-training view (see rlhf.tracking)
 
 
+def _basic(user: str) -> str:
+    return "Basic " + base64.b64encode(user.encode()).decode()
+
+
 def api(url: str, body: dict | None = None) -> dict:
+    """A JSON call to the stack's MLflow or Prefect API, with its credentials (`scripts/stack.sh env`)."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+    user = (os.environ["PREFECT_API_AUTH_STRING"] if url.startswith(os.environ["PREFECT_API_URL"])
+            else f"{os.environ['MLFLOW_TRACKING_USERNAME']}:{os.environ['MLFLOW_TRACKING_PASSWORD']}")
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                              "Authorization": _basic(user)},
                                      method="POST" if body is not None else "GET")
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
@@ -44,6 +53,11 @@ def shoot(driver: webdriver.Chrome, url: str, must_show: list[str], file: Path, 
     """Load `url`, wait until the page shows every text in `must_show`, do `then(driver)` (a
     click, a field filled), and save the window as `file`."""
     driver.get("about:blank")  # a new hash route alone would not reload the app
+    # The stack's servers want its credentials (scripts/stack.sh): sent with every request the page makes.
+    user = (os.environ["PREFECT_API_AUTH_STRING"] if url.startswith(os.environ["PREFECT_UI_URL"])
+            else f"{os.environ['MLFLOW_TRACKING_USERNAME']}:{os.environ['MLFLOW_TRACKING_PASSWORD']}")
+    driver.execute_cdp_cmd("Network.enable", {})
+    driver.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": _basic(user)}})
     driver.get(url)
     deadline = time.monotonic() + timeout_s
     while True:

@@ -12,8 +12,8 @@
 # Databases. SQLite files in $RLHF_HOME by default: nothing to run, one user. RLHF_DB=postgresql
 # (a team's stack) runs Debian's PostgreSQL as a fourth service, started and stopped here like the
 # others: a cluster in RLHF_PG_DATA (made on first `up`), listening on 127.0.0.1:RLHF_PG_PORT only,
-# with a `prefect` and an `mlflow` database; the two servers are its only clients (trust auth on
-# the loopback). PostgreSQL refuses to run as root, so under root it runs as the `postgres` user,
+# with a `prefect` and an `mlflow` database; the two servers are its only clients (scram-sha-256,
+# a generated password). PostgreSQL refuses to run as root, so under root it runs as the `postgres` user,
 # which must be able to reach RLHF_PG_DATA (a folder under /tmp or /var/tmp, say, where $RLHF_HOME
 # is private). `env` names the database in use; a stack keeps the database it was made with.
 # What a stage logs while it trains waits on disk while the MLflow server is away, up to the config's
@@ -25,7 +25,15 @@
 # runs on one machine share its cores, and a burst of flow-run processes starved the Prefect
 # server's SQLite writes (HTTP 503) on a 2-core machine. The server's database statements may
 # take up to 30 s (Prefect's default, 10 s, is too short under that load).
+#
+# Authentication (SECURITY.md). The first `up` or `env` generates credentials into
+# $RLHF_HOME/credentials (the folder 0700, the file 0600): the Prefect server wants its auth string
+# (PREFECT_SERVER_API_AUTH_STRING; clients send PREFECT_API_AUTH_STRING), MLflow runs its basic-auth
+# app (user `admin`; clients send MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD; its user
+# store in $RLHF_HOME/mlflow-auth.db), and PostgreSQL wants a password (scram-sha-256, local socket
+# included). `env` exports what a client needs, so the pipeline, `make demo` and the tests run unchanged.
 set -euo pipefail
+umask 077  # what the stack writes (databases, credentials, checkpoints, logs) is its user's alone
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RLHF_HOME="${RLHF_HOME:-$REPO/.rlhf}"
@@ -57,10 +65,27 @@ database() {  # the database this stack uses: what `up` recorded, else RLHF_DB (
   esac
 }
 
+secret() {  # a fresh random password: 32 letters and digits
+  LC_ALL=C tr -dc 'A-Za-z0-9' </dev/urandom | head -c 32 || true
+}
+
+credentials() {  # load $RLHF_HOME/credentials, generating it (0600) on first use
+  local file="$RLHF_HOME/credentials"
+  if [[ ! -s "$file" ]]; then
+    printf 'PREFECT_AUTH="rlhf:%s"\nMLFLOW_PASSWORD="%s"\nPG_PASSWORD="%s"\n' "$(secret)" "$(secret)" "$(secret)" >"$file.tmp"
+    chmod 600 "$file.tmp"
+    mv "$file.tmp" "$file"
+  fi
+  # shellcheck source=/dev/null
+  source "$file"
+}
+
 stack_env() {
   # Everything a client of this stack needs; `eval "$(scripts/stack.sh env)"` loads it.
   mkdir -p "$RLHF_HOME"
+  chmod 700 "$RLHF_HOME"
   RLHF_HOME="$(cd "$RLHF_HOME" && pwd)"
+  credentials
   local db prefect_db
   db="$(database)" || return
   prefect_db="$(database_url prefect)"
@@ -77,7 +102,10 @@ export RLHF_DB="$db"
 export PREFECT_API_DATABASE_CONNECTION_URL="$prefect_db"
 export PREFECT_SERVER_DATABASE_TIMEOUT="${PREFECT_SERVER_DATABASE_TIMEOUT:-30}"
 export PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT="${PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT:-30}"
+export PREFECT_API_AUTH_STRING="$PREFECT_AUTH"
 export MLFLOW_TRACKING_URI="http://$HOST:$MLFLOW_PORT"
+export MLFLOW_TRACKING_USERNAME=admin
+export MLFLOW_TRACKING_PASSWORD="$MLFLOW_PASSWORD"
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
 export MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT=true
 export MLFLOW_HTTP_REQUEST_MAX_RETRIES="${MLFLOW_HTTP_REQUEST_MAX_RETRIES:-5}"
@@ -91,7 +119,7 @@ ENV
 database_url() {  # prefect | mlflow: the connection URL its server uses
   if [[ "$(database)" == postgresql ]]; then
     local driver; driver="$([[ $1 == prefect ]] && echo asyncpg || echo psycopg)"
-    echo "postgresql+$driver://rlhf@127.0.0.1:$PG_PORT/$1"
+    echo "postgresql+$driver://rlhf:$PG_PASSWORD@127.0.0.1:$PG_PORT/$1"
   elif [[ $1 == prefect ]]; then
     echo "sqlite+aiosqlite:///$RLHF_HOME/prefect/prefect.db"
   else
@@ -115,8 +143,14 @@ postgres_up() {  # the cluster (made on first use), running, with both databases
     return 1
   fi
   if [[ ! -f "$PG_DATA/PG_VERSION" ]]; then
-    as_postgres "$PG_BIN/initdb" -D "$PG_DATA" -U rlhf --auth=trust -E UTF8 >"$LOGS/postgres-initdb.log" 2>&1 || {
-      echo "error: initdb failed; see $LOGS/postgres-initdb.log" >&2; return 1; }
+    local pwfile; pwfile="$(mktemp)"  # 0600 (the umask), readable by initdb's user alone
+    echo "$PG_PASSWORD" >"$pwfile"
+    [[ $EUID -eq 0 ]] && chown postgres: "$pwfile"
+    as_postgres "$PG_BIN/initdb" -D "$PG_DATA" -U rlhf --auth=scram-sha-256 --pwfile="$pwfile" -E UTF8 \
+      >"$LOGS/postgres-initdb.log" 2>&1 || { rm -f "$pwfile"; echo "error: initdb failed; see $LOGS/postgres-initdb.log" >&2; return 1; }
+    rm -f "$pwfile"
+  elif grep -qE '^[^#]*\btrust\b' "$PG_DATA/pg_hba.conf" 2>/dev/null; then
+    upgrade_trust=yes  # a cluster made before the stack had passwords: given one once it runs
   fi
   # The socket goes into the data folder (Debian's default, /var/run/postgresql, may not exist or be writable).
   start postgres "${AS_POSTGRES[@]}" "$PG_BIN/postgres" -D "$PG_DATA" -h 127.0.0.1 -p "$PG_PORT" -k "$PG_DATA" \
@@ -126,6 +160,12 @@ postgres_up() {  # the cluster (made on first use), running, with both databases
     if (( SECONDS > deadline )); then echo "error: PostgreSQL did not start; see $LOGS/postgres.log" >&2; return 1; fi
     sleep 0.5
   done
+  export PGPASSWORD="$PG_PASSWORD"
+  if [[ "${upgrade_trust:-}" == yes ]]; then
+    "$PG_BIN/psql" -h 127.0.0.1 -p "$PG_PORT" -U rlhf -d postgres -qc "ALTER ROLE rlhf PASSWORD '$PG_PASSWORD'"
+    as_postgres sed -i -E 's/\btrust\b/scram-sha-256/' "$PG_DATA/pg_hba.conf"
+    "$PG_BIN/psql" -h 127.0.0.1 -p "$PG_PORT" -U rlhf -d postgres -qtAc "SELECT pg_reload_conf()" >/dev/null
+  fi
   local name
   for name in prefect mlflow; do
     if [[ -z "$("$PG_BIN/psql" -h 127.0.0.1 -p "$PG_PORT" -U rlhf -d postgres -tAc \
@@ -133,6 +173,22 @@ postgres_up() {  # the cluster (made on first use), running, with both databases
       "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" -U rlhf "$name"
     fi
   done
+  unset PGPASSWORD
+}
+
+mlflow_auth_config() {  # MLflow's basic-auth app's settings (0600): its user store and the admin's password
+  local ini="$RLHF_HOME/mlflow-auth.ini"
+  cat >"$ini" <<INI
+[mlflow]
+default_permission = READ
+database_uri = sqlite:///$RLHF_HOME/mlflow-auth.db
+admin_username = admin
+admin_password = $MLFLOW_PASSWORD
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+grant_default_workspace_access = false
+INI
+  chmod 600 "$ini"
+  echo "$ini"
 }
 
 wait_http() {  # url seconds name
@@ -166,10 +222,12 @@ up() {
   mkdir -p "$PIDS" "$LOGS" "$PREFECT_HOME" "$RLHF_HOME/mlartifacts"
   echo "$RLHF_DB" >"$RLHF_HOME/database"
   [[ "$RLHF_DB" == postgresql ]] && postgres_up
-  start mlflow mlflow server --host "$HOST" --port "$MLFLOW_PORT" \
+  start mlflow env MLFLOW_AUTH_CONFIG_PATH="$(mlflow_auth_config)" \
+    mlflow server --host "$HOST" --port "$MLFLOW_PORT" --app-name basic-auth \
     --backend-store-uri "$(database_url mlflow)" \
     --artifacts-destination "$RLHF_HOME/mlartifacts" --serve-artifacts --workers 1
-  start prefect prefect server start --host "$HOST" --port "$PREFECT_PORT"
+  start prefect env PREFECT_SERVER_API_AUTH_STRING="$PREFECT_AUTH" \
+    prefect server start --host "$HOST" --port "$PREFECT_PORT"
   wait_http "$PREFECT_UI_URL/api/health" 120 "Prefect server"
   wait_http "$MLFLOW_TRACKING_URI/health" 120 "MLflow server"
   prefect work-pool inspect "$POOL" >/dev/null 2>&1 || prefect work-pool create "$POOL" --type process >/dev/null

@@ -120,9 +120,12 @@ def submit_and_wait(env: dict[str, str], requests: list[tuple[str, dict]],
 
 
 def mlflow_client(env: dict[str, str]):
+    """A client of the stack's MLflow server, in this process: its URI and credentials (basic auth) set."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        os.environ[key] = env[key]
     mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
     return MlflowClient(env["MLFLOW_TRACKING_URI"])
 

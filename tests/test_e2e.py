@@ -141,6 +141,31 @@ def test_servers_listen_on_localhost_only(stack):
     assert {address for _, address in bound} == {"0100007F"}  # 127.0.0.1, little-endian hex
 
 
+def test_the_servers_refuse_a_request_without_the_stacks_credentials(stack):
+    """Prefect's API wants its auth string, MLflow's its basic-auth user; the state folder and the
+    credentials are the stack user's alone."""
+    import base64
+    import stat
+
+    import httpx
+
+    prefect, mlflow = stack["PREFECT_API_URL"], stack["MLFLOW_TRACKING_URI"]
+    token = base64.b64encode(stack["PREFECT_API_AUTH_STRING"].encode()).decode()
+    assert httpx.post(prefect + "/flows/filter", json={}).status_code == 401
+    wrong = {"Authorization": "Basic d3Jvbmc6d3Jvbmc="}  # wrong:wrong
+    assert httpx.post(prefect + "/flows/filter", json={}, headers=wrong).status_code == 401
+    right = {"Authorization": f"Basic {token}"}
+    assert httpx.post(prefect + "/flows/filter", json={}, headers=right).status_code == 200
+    search = mlflow + "/api/2.0/mlflow/experiments/search?max_results=1"
+    assert httpx.get(search).status_code == 401 and httpx.get(search, auth=("admin", "wrong")).status_code == 401
+    assert httpx.get(search, auth=("admin", stack["MLFLOW_TRACKING_PASSWORD"])).status_code == 200
+    assert httpx.get(mlflow + "/health").status_code == 200  # the health probe stays open
+    home = Path(stack["RLHF_HOME"])
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert stat.S_IMODE((home / "credentials").stat().st_mode) == 0o600
+    assert stat.S_IMODE((home / "mlflow-auth.ini").stat().st_mode) == 0o600
+
+
 def test_full_deployment_with_every_stage_sharded_registers_a_loadable_policy(stack):
     """rlhf/full on the smoke config with SFT, reward and PPO each sharded over two processes
     (FSDP2, gloo): lineage, curves, samples and a registered policy, as on one process."""

@@ -4,6 +4,7 @@ lineage with no HTTP 5xx, while a probe times both servers' answers."""
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import os
@@ -51,16 +52,23 @@ def _postgres_stack(tmp_path: Path, **settings: str) -> Iterator[dict[str, str]]
         shutil.rmtree(data, ignore_errors=True)
 
 
-def _psql(env: dict[str, str], database: str, query: str) -> str:
+def _psql(env: dict[str, str], database: str, query: str, password: str | None = None) -> str:
+    """`query`'s answer, as the stack's database user with its password (from the connection URL)."""
     binary = POSTGRES[-1].parent / "psql"
+    if password is None:
+        password = env["PREFECT_API_DATABASE_CONNECTION_URL"].split("://rlhf:", 1)[1].split("@", 1)[0]
     return subprocess.run([str(binary), "-h", "127.0.0.1", "-p", env["RLHF_PG_PORT"], "-U", "rlhf", "-d", database,
-                           "-tAc", query], capture_output=True, text=True, check=True).stdout.strip()
+                           "-tAc", query], capture_output=True, text=True, check=True,
+                          env=os.environ | {"PGPASSWORD": password}).stdout.strip()
 
 
 @needs_postgres
 def test_the_stack_on_postgresql_keeps_both_servers_runs_in_its_databases(tmp_path):
     with _postgres_stack(tmp_path) as env:
-        assert env["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("postgresql+asyncpg://rlhf@127.0.0.1:")
+        assert env["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("postgresql+asyncpg://rlhf:")
+        with pytest.raises(subprocess.CalledProcessError) as refused:  # scram-sha-256: no password, no entry
+            _psql(env, "postgres", "SELECT 1", password="")
+        assert "password authentication failed" in refused.value.stderr or "no password" in refused.value.stderr
         done = deployment_run(env, "rlhf/sft", config_file="configs/tiny.yaml", overrides={"experiment": "team"})
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         client = mlflow_client(env)
@@ -95,8 +103,11 @@ class Probe(threading.Thread):
         self.errors: list[str] = []
 
     def _time(self, name: str, url: str, body: dict) -> None:
+        user = (self.env["PREFECT_API_AUTH_STRING"] if name == "prefect"
+                else f"admin:{self.env['MLFLOW_TRACKING_PASSWORD']}")
         request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": "Basic " + base64.b64encode(user.encode()).decode()})
         started = time.perf_counter()
         try:
             with urllib.request.urlopen(request, timeout=60) as answer:
