@@ -5,7 +5,6 @@ says how the policy's sampler uses it; `stages.engines.vllm_ray` places it with 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 
 from rlhf.config_common import VLLMConfig, vllm_python
 from stages.common.errors import StageUserError
+from stages.common.processes import die_with_parent
 
 CPU_KV_CACHE_GIB = 1.0
 """KV cache of a CPU server when `vllm.kv_cache_gib` is unset (vLLM's CPU default, 4 GiB, or a share
@@ -36,12 +37,6 @@ MAX_CONCURRENT_REQUESTS = 64
 
 class VLLMServerError(StageUserError):
     """The vLLM server did not start, answer or stay up; the message holds its log's last lines."""
-
-
-def _die_with_parent() -> None:
-    """In the server's process before it starts: SIGTERM when the thread that started it dies, so a
-    killed trainer leaves no server behind (vLLM then stops its engine processes itself)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:
@@ -95,7 +90,7 @@ class VLLMServer:
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment,
-                                       start_new_session=True, preexec_fn=_die_with_parent)
+                                       start_new_session=True, preexec_fn=partial(die_with_parent, signal.SIGTERM))
         server = cls(process, f"http://127.0.0.1:{port}", log)
         try:
             server._wait_until_healthy(settings.startup_timeout)

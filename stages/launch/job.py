@@ -20,15 +20,12 @@ checkpoints at once."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import fcntl
 import json
 import os
 import pickle
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -38,6 +35,7 @@ from typing import Any
 import pandas as pd
 
 from stages.common.errors import StageUserError
+from stages.common.processes import die_with_parent
 from stages.common.reporting import Reporting
 from stages.memory.measured import measured_peak, with_figures
 from stages.runtime.lora import keep_initial_adapters
@@ -79,21 +77,8 @@ RANKS_LOCK = "ranks.lock"
 EARLIER_RANKS_WAIT_S = 60.0
 """How long a launch waits for an earlier attempt's ranks in its folder to end (killed with their parent,
 they end within a second)."""
-PR_SET_PDEATHSIG = 1
 _held_locks: list[int] = []
 """Descriptors of the locks this process holds until it ends."""
-
-
-def die_with_parent() -> None:
-    """This process gets SIGKILL when the process (on Linux, the thread) that started it ends, and ends
-    now if that one is already gone. Elsewhere than on Linux, nothing."""
-    if sys.platform != "linux":
-        return
-    parent = os.getppid()
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:  # the parent died before the call above: no signal will come
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def hold_work_folder(spec: Path) -> None:
