@@ -56,11 +56,12 @@ def _process_group_alive(group: int) -> list[str]:
     return alive
 
 
-def _listening(port: int) -> bool:
-    """Whether a socket listens on `port` (/proc/net/tcp: state 0A)."""
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        local, state = line.split()[1], line.split()[3]
-        if state == "0A" and int(local.split(":")[1], 16) == port:
+def _listening(socket_path: str) -> bool:
+    """Whether a Unix socket listens at `socket_path` (/proc/net/unix: state 01, unconnected, with the flag
+    __SO_ACCEPTCON)."""
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) == 8 and fields[7] == socket_path and fields[3] == "00010000":
             return True
     return False
 
@@ -81,16 +82,28 @@ def started(monkeypatch) -> list:
 
 
 def _stopped(sampler) -> bool:
-    """No server process left on the sampler's folder, nothing listening on its port, the folder removed."""
-    port = int(sampler.endpoint.url.rsplit(":", 1)[1])
-    return (sampler.served is None and not sampler.folder.exists() and not _listening(port)
+    """No server process left on the sampler's folder, nothing listening on its socket, the folder removed."""
+    return (sampler.served is None and not sampler.folder.exists() and not _listening(sampler.endpoint.socket)
             and not vllm_servers(str(sampler.folder)))
 
 
-def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_after(servable, tmp_path, started):
+def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_after(servable, tmp_path, started,
+                                                                                  monkeypatch):
     cfg, trained = servable
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"advantage_estimator": "grpo", "samples_per_prompt": 4})
+    import stages.engines.vllm_process as vllm_process
+
+    seen = []  # while it runs, the server listens on a Unix socket in a folder only this user may enter
+    real_reload = vllm_process.HTTPEndpoint.reload
+
+    def reload(endpoint):
+        folder = Path(endpoint.socket).parent
+        seen.append((_listening(endpoint.socket), oct(folder.stat().st_mode & 0o777)))
+        return real_reload(endpoint)
+
+    monkeypatch.setattr(vllm_process.HTTPEndpoint, "reload", reload)
     result = run_ppo(ppo, trained, tmp_path / "out")
+    assert seen and set(seen) == {(True, "0o700")}, seen
 
     assert len(started) == 1
     assert [row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history] == [True] * ppo.num_iterations

@@ -1,10 +1,11 @@
-"""A vLLM server as a process on this machine: started from vLLM's own environment on loopback,
+"""A vLLM server as a process on this machine: started from vLLM's own environment on a Unix socket,
 spoken to over HTTP with vLLM's own routes, and the shared-memory folder it serves, which a janitor
 process removes when the process holding it dies (`LocalServed`). `stages.engines.vllm_server`
 says how the policy's sampler uses it; `stages.engines.vllm_ray` places it with Ray."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -14,8 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -39,29 +38,52 @@ class VLLMServerError(StageUserError):
     """The vLLM server did not start, answer or stay up; the message holds its log's last lines."""
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket (the server's `--uds`)."""
+
+    def __init__(self, path: str, timeout: float | None):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+def request(socket_path: str, method: str, route: str, body: dict | None = None,
+            timeout: float | None = 600.0) -> tuple[int, bytes]:
+    """(status, body) of one request to the server listening on `socket_path`."""
+    connection = _UnixConnection(socket_path, timeout)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        connection.request(method, route, body=data, headers={"Content-Type": "application/json"})
+        answer = connection.getresponse()
+        return answer.status, answer.read()
+    finally:
+        connection.close()
 
 
 @dataclass
 class VLLMServer:
     """One `vllm.entrypoints.openai.api_server` process (and its engine processes, in its own
-    process group), serving the model in `folder` on 127.0.0.1."""
+    process group), serving the model in `folder` on a Unix socket in that folder (0700), so that
+    its routes, the development ones (`/collective_rpc`) included, are this user's alone: no TCP
+    port, which any local user could reach."""
 
     process: subprocess.Popen
-    url: str
+    socket: str
+    """The Unix socket the server listens on."""
     log: Path
 
     @classmethod
     def start(cls, folder: Path, settings: VLLMConfig, dtype: torch.dtype, seed: int, max_model_len: int,
               log: Path) -> VLLMServer:
         """Start the server and wait until it answers `/health` (failing with its log's tail if it exits first)."""
-        port = _free_port()
+        listening = str(folder / "server.sock")
         kv_cache_gib = settings.kv_cache_gib or (None if torch.cuda.is_available() else CPU_KV_CACHE_GIB)
         command = [str(vllm_python(settings)), "-m", "vllm.entrypoints.openai.api_server",
-                   "--model", str(folder), "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(port),
+                   "--model", str(folder), "--served-model-name", "policy", "--uds", listening,
                    "--skip-tokenizer-init", "--enable-scale-out", "--generation-config", "vllm",
                    "--logprobs-mode", "processed_logprobs",  # log-probs of the temperature-scaled distribution sampled
                    "--dtype", str(dtype).removeprefix("torch."), "--seed", str(seed),
@@ -91,7 +113,7 @@ class VLLMServer:
         with open(log, "ab") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment,
                                        start_new_session=True, preexec_fn=partial(die_with_parent, signal.SIGTERM))
-        server = cls(process, f"http://127.0.0.1:{port}", log)
+        server = cls(process, listening, log)
         try:
             server._wait_until_healthy(settings.startup_timeout)
         except BaseException:
@@ -106,10 +128,9 @@ class VLLMServer:
                 raise VLLMServerError(f"the vLLM server exited ({self.process.returncode}) while starting:\n"
                                       f"{self.log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as answer:
-                    if answer.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if request(self.socket, "GET", "/health", timeout=5)[0] == 200:
+                    return
+            except (OSError, http.client.HTTPException):  # not listening yet
                 pass
             time.sleep(0.5)
         raise VLLMServerError(f"the vLLM server did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
@@ -136,33 +157,30 @@ class VLLMServer:
             pass
 
 
-def post(url: str, body: dict, timeout: float | None = 600.0) -> Any:
-    """POST `body` as JSON, the answer's JSON back (None when empty); an error answer raises with its text."""
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            content = answer.read()
-    except urllib.error.HTTPError as e:
-        answer = e.read().decode(errors="replace")[:2000]
-        raise VLLMServerError(f"vLLM answered {url} with {e.code}: {answer}") from None
+def post(socket_path: str, route: str, body: dict, timeout: float | None = 600.0) -> Any:
+    """POST `body` as JSON to `route`, the answer's JSON back (None when empty); an error answer raises
+    with its text."""
+    status, content = request(socket_path, "POST", route, body, timeout)
+    if status >= 400:
+        raise VLLMServerError(f"vLLM answered {route} with {status}: {content.decode(errors='replace')[:2000]}")
     return json.loads(content) if content else None
 
 
 @dataclass
 class HTTPEndpoint:
-    """A server on this machine, as a process reaches it: vLLM's routes on loopback."""
+    """A server on this machine, as a process reaches it: vLLM's routes on its Unix socket."""
 
-    url: str
+    socket: str
 
     def generate(self, requests: list[dict]) -> list[dict]:
         """Each request's answer (`/inference/v1/generate`), sent together so the server batches them."""
         with ThreadPoolExecutor(min(len(requests), MAX_CONCURRENT_REQUESTS)) as pool:
-            return list(pool.map(lambda body: post(f"{self.url}/inference/v1/generate", body), requests))
+            return list(pool.map(lambda body: post(self.socket, "/inference/v1/generate", body), requests))
 
     def reload(self) -> None:
         """The served folder read again, and the prefix cache the old weights computed dropped."""
-        post(f"{self.url}/collective_rpc", {"method": "reload_weights"})
-        post(f"{self.url}/reset_prefix_cache", {})
+        post(self.socket, "/collective_rpc", {"method": "reload_weights"})
+        post(self.socket, "/reset_prefix_cache", {})
 
 
 JANITOR = """
@@ -261,7 +279,7 @@ class LocalServed:
         """Start the server on the folder (written by now); how to reach it."""
         self.server = VLLMServer.start(self.folder, settings, dtype, seed, max_model_len, log)
         (self.folder / "server").write_text(str(self.server.process.pid))  # its process group, for the janitor
-        return HTTPEndpoint(self.server.url)
+        return HTTPEndpoint(self.server.socket)
 
     def stop(self) -> None:
         """Stop the server, remove the folder, end the janitor (idempotent)."""

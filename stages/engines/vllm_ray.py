@@ -3,8 +3,8 @@
     rank 0 (any node)            ServerActor (rank 0's node)             vLLM server (vLLM's own Python)
     RayServed.prepare  --------> served folder in /dev/shm + janitor
     (every rank writes)          the folder, as on one machine
-    RayServed.start    --------> LocalServed.start  -------------------> 127.0.0.1:<port>
-    RayEndpoint (every rank) --> generate / reload: HTTP on loopback --> /inference/v1/generate, /collective_rpc
+    RayServed.start    --------> LocalServed.start  -------------------> <served folder>/server.sock
+    RayEndpoint (every rank) --> generate / reload: HTTP on the socket -> /inference/v1/generate, /collective_rpc
 
 The actor is a Python of this project's environment; the server it starts is the vLLM
 environment's Python, exactly as on one machine (`LocalServed`). The actor does not run in the

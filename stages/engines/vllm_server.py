@@ -2,14 +2,15 @@
 
 vLLM cannot share this project's environment (its pins conflict with Prefect's and transformers'),
 so it runs as the peers' "server mode" does: its own process, started here from `ppo.vllm.python`
-with vLLM's own OpenAI-compatible entry point, bound to 127.0.0.1 on a free port, spoken to over
-HTTP with vLLM's own routes and nothing of ours:
+with vLLM's own OpenAI-compatible entry point, listening on a Unix socket in its served folder (a
+folder only this user may enter, so no other local user reaches its routes), spoken to over HTTP
+with vLLM's own routes and nothing of ours:
 
     /health                     the server is up
     /inference/v1/generate      token ids in; token ids and each sampled token's log-prob out
                                 (`--enable-scale-out`; no tokenizer on the server's side)
     /collective_rpc             `reload_weights`: the served folder read again (`VLLM_SERVER_DEV_MODE`,
-                                which also gives /reset_prefix_cache; loopback only)
+                                which also gives /reset_prefix_cache; this user's socket only)
 
 Weights reach the server through a folder in shared memory (/dev/shm): the policy written there as
 the plain model it stands for (`holding.save_streamed`: LoRA merged, a sharded policy gathered a
@@ -28,7 +29,7 @@ process, which then removes the served folder (at 8B a served copy holds 16-32 G
 
 On a Ray gang (`launch.engine: ray`) the ranks may sit on several machines, and the server is
 placed by Ray: an actor on rank 0's node owns it (`stages.engines.vllm_ray`), and every rank's
-requests reach it through that actor, so the server still listens on its node's loopback only.
+requests reach it through that actor, so the server still listens on its node's socket only.
 """
 
 from __future__ import annotations
