@@ -69,15 +69,23 @@ secret() {  # a fresh random password: 32 letters and digits
   LC_ALL=C tr -dc 'A-Za-z0-9' </dev/urandom | head -c 32 || true
 }
 
-credentials() {  # load $RLHF_HOME/credentials, generating it (0600) on first use
-  local file="$RLHF_HOME/credentials"
-  if [[ ! -s "$file" ]]; then
-    printf 'PREFECT_AUTH="rlhf:%s"\nMLFLOW_PASSWORD="%s"\nPG_PASSWORD="%s"\n' "$(secret)" "$(secret)" "$(secret)" >"$file.tmp"
-    chmod 600 "$file.tmp"
-    mv "$file.tmp" "$file"
-  fi
+credentials() {  # load $RLHF_HOME/credentials (0600), generating what it lacks; one writer at a time
+  local file="$RLHF_HOME/credentials" name value lock
+  exec {lock}>>"$RLHF_HOME/credentials.lock"
+  flock "$lock"
   # shellcheck source=/dev/null
-  source "$file"
+  [[ -f "$file" ]] && source "$file"
+  for name in PREFECT_AUTH MLFLOW_PASSWORD MLFLOW_SECRET_KEY PG_PASSWORD; do
+    if [[ -z "${!name:-}" ]]; then
+      value="$(secret)"
+      [[ $name == PREFECT_AUTH ]] && value="rlhf:$value"
+      printf '%s="%s"\n' "$name" "$value" >>"$file"
+      printf -v "$name" '%s' "$value"
+    fi
+  done
+  chmod 600 "$file"
+  flock -u "$lock"
+  exec {lock}>&-
 }
 
 stack_env() {
@@ -219,10 +227,11 @@ up() {
   local settings
   settings="$(stack_env)" || return
   eval "$settings"
+  credentials  # the servers' side of what `env` gave the clients
   mkdir -p "$PIDS" "$LOGS" "$PREFECT_HOME" "$RLHF_HOME/mlartifacts"
   echo "$RLHF_DB" >"$RLHF_HOME/database"
   [[ "$RLHF_DB" == postgresql ]] && postgres_up
-  start mlflow env MLFLOW_AUTH_CONFIG_PATH="$(mlflow_auth_config)" \
+  start mlflow env MLFLOW_AUTH_CONFIG_PATH="$(mlflow_auth_config)" MLFLOW_FLASK_SERVER_SECRET_KEY="$MLFLOW_SECRET_KEY" \
     mlflow server --host "$HOST" --port "$MLFLOW_PORT" --app-name basic-auth \
     --backend-store-uri "$(database_url mlflow)" \
     --artifacts-destination "$RLHF_HOME/mlartifacts" --serve-artifacts --workers 1
