@@ -194,6 +194,10 @@ admin_username = admin
 admin_password = $MLFLOW_PASSWORD
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 grant_default_workspace_access = false
+# A password check is PBKDF2 (~1 s of CPU here): without a cache every request paid it, and the
+# MLflow server took half a core through the test suite. One worker, so no other one goes stale.
+auth_cache_ttl_seconds = 600
+auth_cache_max_size = 1000
 INI
   chmod 600 "$ini"
   echo "$ini"
