@@ -190,6 +190,7 @@ def _serve_reward(args: argparse.Namespace) -> int:
 def _serve_limits(args: argparse.Namespace):
     """The reward server's `Limits` from the command line, its token read from `--api-key-env`; a
     warning where it listens beyond this machine without one."""
+    from stages.rewards.remote import LOOPBACK
     from stages.rewards.server import Limits
 
     token = None
@@ -197,7 +198,7 @@ def _serve_limits(args: argparse.Namespace):
         token = os.environ.get(args.api_key_env)
         if not token:
             raise SystemExit(f"--api-key-env {args.api_key_env}: the variable is not set")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and token is None:
+    if args.host not in LOOPBACK and token is None:
         print(f"WARNING: serving on {args.host} without a token: anyone who reaches this port can use the "
               "model; set --api-key-env", file=sys.stderr, flush=True)
     given = {"max_body_bytes": args.max_body_mb and int(args.max_body_mb * 2**20), "max_rows": args.max_rows,

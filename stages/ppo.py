@@ -205,8 +205,8 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
                              inputs.reward_location, reporting)
     learner = build_learner(cfg, inputs, output_dir)
     for remote in learner.remote_rewards:
-        if remote.exposed_token():
-            reporting.warning(remote.exposed_token())
+        if warning := remote.exposed_token():
+            reporting.warning(warning)
     staleness = cfg.rollout.max_staleness
     ahead = SamplingAhead(learner.sampler, cfg.sampling, staleness) if staleness else None
     try:
