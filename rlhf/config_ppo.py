@@ -335,6 +335,8 @@ class PPOConfig(TrainedStage, SampledStage):
     """The update's micro-batches by tokens computed, not rows; `auto`: micro_batch_size x the longest sequence."""
     padding_free: bool | Literal["auto"] = False
     """Passes over prompt + response packed without padding (`auto`: where it saves 10%), ended rows out of decoding."""
+    compile: bool | Literal["auto"] = False
+    """torch.compile the passes over prompt + response (shapes bucketed); `auto`: where a probe at load says it pays."""
     old_logprobs: Literal["auto", "sampling", "recompute"] = "auto"
     """Where rollout log-probs and values come from: the sampling pass, a second forward, or auto (by precision)."""
     frozen_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -415,6 +417,9 @@ class PPOConfig(TrainedStage, SampledStage):
         if self.offload_frozen and not self.launch.sharded:
             raise ValueError("offload_frozen: frozen models are offloaded shard by shard, so it needs a sharded launch "
                              "(launch.accelerate_config: configs/accelerate/fsdp.yaml and num_processes above 1)")
+        if self.compile is True and self.launch.sharded:
+            raise ValueError("compile: compiled passes run on one process or DDP; FSDP2's per-layer gathers are not "
+                             "compiled here yet (set compile to auto, which runs them eager, or false)")
         if self.launch.accelerate_settings().get("distributed_type", "MULTI_GPU") not in ("MULTI_GPU", "NO", "FSDP"):
             raise ValueError("ppo.launch.accelerate_config: PPO runs on DDP (distributed_type MULTI_GPU) or FSDP2 "
                              "(configs/accelerate/fsdp.yaml); DeepSpeed is for the SFT, reward and DPO stages (PPO's "

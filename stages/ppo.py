@@ -188,7 +188,7 @@ def hand_off(learner: Learner, loop: LoopState, held_out: HeldOut, inputs: PPOIn
     if models.scorer is not None:
         metrics |= {"normalization/gain": models.scorer.gain, "normalization/bias": models.scorer.bias}
     return PPOResult(checkpoint=checkpoint, metrics=metrics, history=loop.history, evaluation=evaluation,
-                     tags=tags | held | learner.episode_source.tags)
+                     tags=tags | held | learner.episode_source.tags | {"rlhf.compile": models.compiler.reason})
 
 
 def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,

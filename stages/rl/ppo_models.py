@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from rlhf.config_common import LoRAConfig
 from rlhf.config_ppo import PPOConfig
 from stages.rewards.scoring import RewardScorer, load_reward_model
+from stages.runtime.compiling import LEAST_COMPILE_S, Compiler, probe_compile
 from stages.runtime.holding import Holding, Replicated
 from stages.runtime.lora import copied, lora_config, restore_adapters, with_lora
 from stages.runtime.models import (
@@ -41,46 +42,64 @@ def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: 
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits that predict each response token, and the final hidden states at the same
     positions, from one pass over prompt + response, padded or packed as `passes` says (where
-    `mask` is 0, whatever the layout leaves there). # -> (B, T, V), (B, T, H) | None"""
-    steps = responses.shape[1]
-    packed = passes.layout(queries, query_mask, responses, mask)
+    `mask` is 0, whatever the layout leaves there), compiled where `passes.compiler` is on.
+    # -> (B, T, V), (B, T, H) | None"""
+    rows, steps = responses.shape
+    packed, run = passes.layout(queries, query_mask, responses, mask), passes.compiler(model)
     with passes.precision.autocast(queries.device):
         if packed is not None:  # no attention mask: the position ids' restarts are the sequences' bounds
-            out = model(input_ids=packed.ids, position_ids=packed.positions, output_hidden_states=want_hidden,
-                        use_cache=False, logits_to_keep=packed.kept)
+            out = run(input_ids=packed.ids, position_ids=packed.positions, output_hidden_states=want_hidden,
+                      use_cache=False, logits_to_keep=packed.kept)
             # A model that ignores `logits_to_keep` returns every column.
             kept = out.logits if out.logits.shape[1] == len(packed.kept) else out.logits[:, packed.kept]
             return packed.logits(kept), packed.hidden(out.hidden_states[-1]) if want_hidden else None
-        # Only the last T + 1 positions need the vocabulary projection: the logits at position p predict token p + 1.
-        out = model(**_padded(queries, query_mask, responses, mask), output_hidden_states=want_hidden, use_cache=False,
-                    logits_to_keep=steps + 1)
+        padded = _padded(queries, query_mask, responses, mask, passes)
+        kept = padded.pop("response_columns") + 1
+        # Only the last T' + 1 positions need the vocabulary projection: the logits at position p predict token p + 1.
+        out = run(**padded, output_hidden_states=want_hidden, use_cache=False, logits_to_keep=kept)
     # Sliced here as well: a model that ignores `logits_to_keep` returns every position.
-    logits = out.logits[:, -(steps + 1):-1]  # (B, T, V)
-    hidden = out.hidden_states[-1][:, -(steps + 1):-1] if want_hidden else None  # (B, T, H)
+    logits = out.logits[:rows, -kept:-1][:, :steps]  # (B, T, V)
+    hidden = out.hidden_states[-1][:rows, -kept:-1][:, :steps] if want_hidden else None  # (B, T, H)
     return logits, hidden
 
 
-def _padded(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor
-            ) -> dict[str, torch.Tensor]:
+def _padded(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor,
+            passes: Passes) -> dict:
     """Prompt + response as one padded batch: ids, attention mask and positions that count real
-    tokens only. # -> (B, Tq + T) each"""
+    tokens only, and `response_columns`, T'. A compiled pass takes bucketed shapes
+    (`passes.compiler.bucket`): the responses padded on the right to T', the prompts on the left to
+    the bucketed whole width, and rows of one padding token added; nothing reads their outputs.
+    # -> (B', Tq' + T') each"""
+    (rows, width), steps, bucket = queries.shape, responses.shape[1], passes.compiler.bucket
+    columns = bucket(steps)
+    prompt_columns = bucket(width + columns) - columns
+    extra_rows = bucket(rows) - rows
+    if (columns, prompt_columns, extra_rows) != (steps, width, 0):
+        pad = passes.pad_id
+        queries = torch.nn.functional.pad(queries, (prompt_columns - width, 0, 0, extra_rows), value=pad)
+        query_mask = torch.nn.functional.pad(query_mask, (prompt_columns - width, 0, 0, extra_rows))
+        query_mask[rows:, -1] = 1  # an added row attends to one token of its own
+        responses = torch.nn.functional.pad(responses, (0, columns - steps, 0, extra_rows), value=pad)
+        mask = torch.nn.functional.pad(mask, (0, columns - steps, 0, extra_rows))
     attention_mask = torch.cat([query_mask, mask.long()], dim=1)
     return {"input_ids": torch.cat([queries, responses], dim=1), "attention_mask": attention_mask,
-            "position_ids": position_ids_for(attention_mask)}
+            "position_ids": position_ids_for(attention_mask), "response_columns": columns}
 
 
 def last_hidden(base: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                 mask: torch.Tensor, passes: Passes) -> torch.Tensor:
     """A base model's (no head) final hidden states before each response token, from one pass over
-    prompt + response, padded or packed. # -> (B, T, H)"""
-    packed = passes.layout(queries, query_mask, responses, mask)
+    prompt + response, padded or packed, compiled where `passes.compiler` is on. # -> (B, T, H)"""
+    rows, steps = responses.shape
+    packed, run = passes.layout(queries, query_mask, responses, mask), passes.compiler(base)
     with passes.precision.autocast(queries.device):
         if packed is not None:
-            return packed.hidden(base(input_ids=packed.ids, position_ids=packed.positions,
-                                      use_cache=False).last_hidden_state)
-        padded = _padded(queries, query_mask, responses, mask)
-        hidden = base(**padded, use_cache=False).last_hidden_state  # (B, Tq + T, H)
-    return hidden[:, -(responses.shape[1] + 1):-1]  # the states before each response token
+            return packed.hidden(run(input_ids=packed.ids, position_ids=packed.positions,
+                                     use_cache=False).last_hidden_state)
+        padded = _padded(queries, query_mask, responses, mask, passes)
+        kept = padded.pop("response_columns") + 1
+        hidden = run(**padded, use_cache=False).last_hidden_state  # (B', Tq' + T', H)
+    return hidden[:rows, -kept:-1][:, :steps]  # the states before each response token
 
 
 def padding_free_refusal(model: PreTrainedModel, base: bool = False) -> str | None:
@@ -257,6 +276,8 @@ class Models:
     """The passes over prompt + response packed (`ppo.padding_free`; False where the models cannot take it)."""
     counts: TokenCounts = field(default_factory=TokenCounts)
     """Real and computed positions of every pass, by phase, since the last report."""
+    compiler: Compiler = field(default_factory=Compiler)
+    """The passes over prompt + response compiled (`ppo.compile`), or run as they are."""
 
     @property
     def packs(self) -> bool:
@@ -266,7 +287,7 @@ class Models:
     def passes(self, phase: str) -> Passes:
         """How a pass of `phase` (`update`, `reference`, ...) computes, counted under that name."""
         return Passes(precision=self.precision, padding_free=self.padding_free, pad_id=self.tokenizer.pad_token_id,
-                      counts=self.counts, phase=phase)
+                      counts=self.counts, phase=phase, compiler=self.compiler)
 
     def trainable(self) -> list[torch.nn.Parameter]:
         return [p for m in self.trained_modules() for p in m.parameters() if p.requires_grad]
@@ -376,10 +397,44 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
     counts = TokenCounts()
     if scorer is not None:
         scorer.counts = counts
+    passes = Passes(precision=precision, padding_free=padding_free, pad_id=tokenizer.pad_token_id)
     return Models(policy=policy, critic=critic, reference=reference, scorer=scorer, tokenizer=tokenizer,
                   precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
                   reuse_sampling_pass=reuse_sampling_pass(cfg.old_logprobs, rounds_to_16_bits(cfg, precision)),
-                  padding_free=padding_free, counts=counts)
+                  padding_free=padding_free, counts=counts, compiler=compiler_for(cfg, policy, passes))
+
+
+def compiler_for(cfg: PPOConfig, policy: PreTrainedModel, passes: Passes) -> Compiler:
+    """`ppo.compile` as this run takes it: on, off, or (`auto`) what `probe_compile` finds for the
+    policy's forward and backward at the update's micro-batch shape (random tokens), over the
+    update's policy passes in the run. A sharded launch runs eager under `auto` (`true` is refused
+    by the config)."""
+    if cfg.compile is not True and (cfg.compile is False or cfg.launch.sharded):
+        return Compiler(enabled=False, reason="off" if cfg.compile is False else "off (auto: a sharded launch)")
+    if cfg.compile is True:
+        return Compiler(enabled=True, reason="on")
+    minibatch = cfg.rollout_batch_size // (cfg.num_minibatches * cfg.launch.num_processes)
+    rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else minibatch
+    width = cfg.max_prompt_length + cfg.response_tokens
+    vocab = policy.config.get_text_config().vocab_size
+    on = next(policy.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab, (rows, width), generator=generator).to(on)
+    query_mask = torch.ones(rows, cfg.max_prompt_length, dtype=torch.long, device=on)
+    mask = torch.ones(rows, cfg.response_tokens, device=on)
+
+    def run_pass(model) -> torch.Tensor:  # forward and backward of the policy, eager or compiled
+        logits = model(input_ids=ids, attention_mask=torch.cat([query_mask, mask.long()], dim=1),
+                       use_cache=False, logits_to_keep=cfg.response_tokens + 1).logits
+        logits.float().logsumexp(-1).mean().backward()
+        policy.zero_grad(set_to_none=True)
+        return logits.detach()
+
+    with passes.precision.autocast(on):
+        passes_in_run = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches * (minibatch // rows)
+        on_, reason = probe_compile(run_pass, policy, passes_in_run, LEAST_COMPILE_S,
+                                    tolerance=1e-4 if passes.precision.autocast_dtype is None else 3e-2)
+    return Compiler(enabled=on_, reason=reason)
 
 
 def critic_bodies(critic: Critic | None) -> list[tuple[PreTrainedModel, bool]]:

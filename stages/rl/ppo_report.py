@@ -35,9 +35,14 @@ def initial_ratio_threshold(cfg: PPOConfig, precision: Precision) -> float:
 FAILED_SHARE_WARNING = 0.1
 """A share of failed episodes above which an iteration warns."""
 
+RECOMPILES_SETTLE = 5
+"""Iterations after which a compiled run should have met every shape bucket its lengths reach: one
+that still compiles graphs in `RECOMPILES_SETTLE - 2` iterations in a row warns."""
+
 
 def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, iteration: int,
-              previous_length: float | None = None) -> list[str]:
+              previous_length: float | None = None, earlier: list[dict[str, float]] = ()) -> list[str]:
+    """This iteration's warnings from its `figures`, and the `earlier` iterations' (the run's history)."""
     found = []
     length = figures["rollout/response_length"]
     if previous_length is not None and length < (1 - cfg.warnings.length_collapse) * previous_length:
@@ -58,6 +63,12 @@ def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, 
     if figures.get("rollout/failed_share", 0.0) > FAILED_SHARE_WARNING:
         found.append(f"{figures['rollout/failed_share']:.0%} of the episodes failed (left out of the update; the "
                      "samples table's episodes say why; environment.max_failed_share stops the run)")
+    recent = [f.get("perf/recompiles", 0.0) for f in list(earlier)[-(RECOMPILES_SETTLE - 3):]] + [
+        figures.get("perf/recompiles", 0.0)]
+    if iteration > RECOMPILES_SETTLE and len(recent) == RECOMPILES_SETTLE - 2 and all(recent):
+        found.append(f"compiled passes are still recompiling ({figures['perf/recompiles']:.0f} graphs this "
+                     f"iteration, {figures.get('time/compile', 0.0):.1f} s): the shapes keep changing past their "
+                     "buckets (set ppo.compile: false, or report the shapes)")
     if figures["rollout/eos_rate"] < cfg.warnings.eos_rate:
         found.append(f"only {figures['rollout/eos_rate']:.0%} of responses end with EOS")
     if figures["train/ratio_max"] > cfg.warnings.ratio_max:
@@ -90,6 +101,7 @@ def iteration_figures(learner: Learner, estimated: Estimated, train: dict[str, f
         "train/learning_rate": learner.scheduler.get_last_lr()[0],
         **{f"time/{k}": v for k, v in timings.items()},
         **learner.models.counts.shares(),  # perf/padding_share/<phase>: positions computed that held no token
+        **learner.models.compiler.figures(),  # perf/recompiles, time/compile: when the passes are compiled
     }
     if scores.raw is not None:
         figures["rollout/score_raw"] = scores.raw.mean().item()
@@ -135,7 +147,7 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, esti
     then a few samples to read."""
     iteration, batch, messages, scores = estimated.iteration, estimated.batch, estimated.messages, estimated.scores
     previous_length = loop.history[-1]["rollout/response_length"] if loop.history else None
-    for message in warnings_of(cfg, figures, loop.first_length, iteration, previous_length):
+    for message in warnings_of(cfg, figures, loop.first_length, iteration, previous_length, loop.history):
         reporting.warning(message)
     reporting.metrics(figures, iteration)
     # With reward functions, servers or the overlong penalty each term is a column too (`reward/<name>`; NaN

@@ -19,10 +19,12 @@ K kept logit columns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from stages.runtime.compiling import Compiler
 from stages.runtime.models import Precision
 
 
@@ -94,18 +96,22 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def pack(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor,
-         pad_id: int) -> Packed:
+         pad_id: int, bucket: Callable[[int], int] | None = None) -> Packed:
     """The batch's sequences, prompt then response, packed into rows as long as the longest one.
     Prompts are left-padded (`query_mask` a suffix of each row), responses right-padded (`mask` a
     prefix), so each sequence's real tokens are one run of the joined (B, Tq + T) row, moved whole
-    to its place. # (B, Tq), (B, Tq), (B, T), (B, T) -> Packed"""
+    to its place. `bucket` (a compiled pass's, `stages.runtime.compiling.bucketed`) rounds the rows'
+    length, their count and the kept columns up, the extra rows and columns padding whose outputs
+    nothing reads. # (B, Tq), (B, Tq), (B, T), (B, T) -> Packed"""
     device, width = queries.device, queries.shape[1]
+    bucket = bucket or (lambda n: n)
     prompt_lengths = query_mask.sum(dim=1).cpu()  # (B,)
     response_lengths = mask.sum(dim=1).long().cpu()  # (B,)
     lengths = prompt_lengths + response_lengths
-    capacity = int(lengths.max())
+    capacity = bucket(int(lengths.max()))
     sizes = lengths.tolist()
     bins = first_fit_decreasing(sizes, capacity)
+    bins += [[] for _ in range(bucket(len(bins)) - len(bins))]  # rows of padding alone
     row, start, used = [0] * len(sizes), [0] * len(sizes), []  # each sequence's packed row and first column
     for r, members in enumerate(bins):
         filled = 0
@@ -130,6 +136,7 @@ def pack(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tenso
     kept = torch.unique(columns[predicted])  # (K,) sorted
     column_to_kept = torch.full((capacity,), -1, dtype=torch.long)
     column_to_kept[kept] = torch.arange(len(kept))
+    kept = torch.cat([kept, kept[-1:].repeat(bucket(len(kept)) - len(kept))])  # the bucket's extra columns: read by none
     rows = row.unsqueeze(1).expand_as(columns)
     columns = columns.clamp(max=capacity - 1)
     # Where the mask is 0, the output at row 0, column 0: some real output, as a padded pass holds padding's
@@ -188,12 +195,15 @@ class Passes:
     counts: TokenCounts | None = None
     """Where each pass adds its real and computed positions; None: not counted."""
     phase: str = "forward"
+    compiler: Compiler = field(default_factory=Compiler)
+    """Runs the models compiled, at bucketed shapes, or as they are (`ppo.compile`)."""
 
     def layout(self, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                mask: torch.Tensor) -> Packed | None:
         """The packed layout of this batch, or None to run it padded; the pass counted either way."""
         padded = queries.numel() + responses.numel()
-        packed = None if self.padding_free is False else pack(queries, query_mask, responses, mask, self.pad_id)
+        packed = None if self.padding_free is False else pack(queries, query_mask, responses, mask, self.pad_id,
+                                                              self.compiler.bucket)
         if packed is not None and self.padding_free == "auto" and packed.computed_tokens > (1 - AUTO_SAVING) * padded:
             packed = None
         if self.counts is not None:

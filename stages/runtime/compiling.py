@@ -1,0 +1,161 @@
+"""Compiled passes: `torch.compile` (inductor) of the models' forwards for PPO's passes over prompt
++ response; AOTAutograd compiles each graph's backward with it. Fusing the elementwise work and
+cutting dispatch is what removes per-operation overhead, which bounds small models' passes
+(docs/performance.md).
+
+Every distinct input shape is a graph of its own (`dynamic=False`: static shapes compile the
+fastest kernels, and on a GPU they are what CUDA graphs need), so a compiled pass rounds its widths
+and rows up to a few sizes (`bucketed`: four per octave, at most a quarter more); the graphs
+compiled and the seconds spent compiling are counted per iteration (`perf/recompiles`,
+`time/compile`). The sampler's KV-cached decode loop is not compiled here: its shapes change every
+step.
+
+`probe_compile` is `ppo.compile: auto`'s decision at load: compile only where a measured pass says
+the run's steps repay the compile, and the compiled pass matches the eager one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+BUCKETS_PER_OCTAVE = 4
+"""Sizes a compiled pass's dimensions are rounded to per power of two: padding of at most 25% (12%
+on average), and at most four graphs per octave of length."""
+
+RECOMPILE_LIMIT = 64
+"""Graphs dynamo may compile per function before it falls back to eager: bucketed widths, rows and
+kept logits of the policy, the reference and the critic, each with and without gradients."""
+
+
+def bucketed(n: int) -> int:
+    """`n` rounded up to a multiple of a quarter of its power of two: 1-8 exact, then 10, 12, 14,
+    16, 20, ..., 32, 40, 48, 56, 64, 80, ... """
+    step = max(1, (1 << (max(n, 1).bit_length() - 1)) // BUCKETS_PER_OCTAVE)
+    return -(-n // step) * step
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process (forward graphs; each carries its backward)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _compile_seconds() -> float:
+    """Seconds this process has spent compiling: dynamo's forward compiles (tracing, AOTAutograd,
+    inductor) and the backward graphs compiled at their first backward. torch's own record
+    (`torch._dynamo.utils.compilation_time_metrics`, pinned torch)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", []))
+                 + sum(compilation_time_metrics.get("backward._backward_impl", [])))
+
+
+@dataclass(kw_only=True)
+class Compiler:
+    """The compiled forwards of a run's models, one per model, and what compiling them cost."""
+
+    enabled: bool = False
+    """Off: every pass runs the model as it is, at its own shapes (bit-identical to no compiler)."""
+    reason: str = ""
+    """Why it is on or off (`auto`'s probe figures): the run's `rlhf.compile` tag."""
+    _compiled: dict[int, Callable] = field(default_factory=dict)
+    _graphs: int = 0
+    _seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            self._graphs, self._seconds = _compiled_graphs(), _compile_seconds()
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+
+    def __call__(self, model: torch.nn.Module) -> Callable:
+        """What a pass calls: `model`'s compiled forward, or `model` itself when off."""
+        if not self.enabled:
+            return model
+        if id(model) not in self._compiled:
+            self._compiled[id(model)] = torch.compile(model, dynamic=False)
+        return self._compiled[id(model)]
+
+    def bucket(self, n: int) -> int:
+        """A dimension as a compiled pass takes it (`bucketed`); as it is when off."""
+        return bucketed(n) if self.enabled else n
+
+    def figures(self) -> dict[str, float]:
+        """`perf/recompiles` (graphs compiled) and `time/compile` (seconds) since the last call; empty when off."""
+        if not self.enabled:
+            return {}
+        graphs, seconds = _compiled_graphs(), _compile_seconds()
+        figures = {"perf/recompiles": float(graphs - self._graphs), "time/compile": seconds - self._seconds}
+        self._graphs, self._seconds = graphs, seconds
+        return figures
+
+
+# --- ppo.compile: auto ---------------------------------------------------------------------------------------
+
+LARGEST_SAVING = 0.3
+"""The largest share of a pass's time compiling has saved on a CPU here (0.19-0.30 of a forward and
+backward of small Llamas, docs/performance.md): `auto` compiles nothing where even this saving over
+the whole run stays under a compile's cost, and so spends no probe compile on it."""
+
+LEAST_COMPILE_S = 10.0
+"""The shortest first compile of a forward and backward seen here (a two-layer Llama of hidden 64 on
+the 2-core CPU; 22 s at hidden 128 and 4 layers): what `auto` takes a compile to cost at least."""
+
+EXPECTED_GRAPHS = 4
+"""Graphs a run compiles per model pass and gradient mode, as `auto` counts the cost: the buckets a
+run's lengths reach (four per octave)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Probe:
+    """One pass, timed eager and compiled, as `auto` decides."""
+
+    eager_s: float
+    compiled_s: float | None = None
+    compile_s: float | None = None
+    gap: float | None = None
+    """Largest |compiled - eager| of the pass's outputs, relative to their largest magnitude."""
+
+
+def probe_compile(run_pass: Callable[[Callable], torch.Tensor], model: torch.nn.Module, passes_in_run: int,
+                  least_compile_s: float, tolerance: float) -> tuple[bool, str]:
+    """Whether compiling `model` pays over a run of `passes_in_run` passes like `run_pass(callable)`
+    (a forward and backward returning the outputs), and why. Eager timing first: where even
+    `LARGEST_SAVING` of the run's passes is under `least_compile_s`, no probe compile is spent.
+    Otherwise the pass compiled: its outputs must match eager's to `tolerance` (relative), and the
+    measured saving over the run must repay the measured compile, `EXPECTED_GRAPHS` times over."""
+    eager_s = _best_time(lambda: run_pass(model))
+    ceiling = LARGEST_SAVING * eager_s * passes_in_run
+    if ceiling < least_compile_s:
+        return False, (f"off (auto: eager pass {eager_s * 1e3:.1f} ms x {passes_in_run} passes; compiling could save at "
+                       f"most {ceiling:.1f} s, a compile takes {least_compile_s:.0f} s or more)")
+    compiled = torch.compile(model, dynamic=False)
+    started = time.perf_counter()
+    outputs = run_pass(compiled)
+    compile_s = time.perf_counter() - started
+    compiled_s = _best_time(lambda: run_pass(compiled))
+    expected = run_pass(model)
+    gap = float((outputs - expected).abs().max() / expected.abs().max().clamp(min=1e-6))
+    saved = (eager_s - compiled_s) * passes_in_run
+    figures = (f"eager pass {eager_s * 1e3:.1f} ms, compiled {compiled_s * 1e3:.1f} ms, compile {compile_s:.0f} s, "
+               f"{passes_in_run} passes, outputs within {gap:.1g}")
+    if gap > tolerance:
+        return False, f"off (auto: the compiled pass differs from eager by {gap:.2g}, over {tolerance:g}; {figures})"
+    if saved < EXPECTED_GRAPHS * compile_s:
+        return False, f"off (auto: saves {saved:.0f} s, under {EXPECTED_GRAPHS} compiles of {compile_s:.0f} s; {figures})"
+    return True, f"on (auto: saves {saved:.0f} s over the run; {figures})"
+
+
+def _best_time(work: Callable[[], object], repeats: int = 3) -> float:
+    """The fastest of `repeats` timed calls, after one untimed."""
+    work()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - started)
+    return best
