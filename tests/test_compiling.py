@@ -67,7 +67,8 @@ def _batch():
     generator = torch.Generator().manual_seed(1)
     queries = torch.randint(1, 64, (9, 7), generator=generator)
     responses = torch.randint(1, 64, (9, 9), generator=generator)
-    prompt_lengths, response_lengths = torch.tensor([7, 3, 5, 1, 7, 2, 4, 6, 5]), torch.tensor([9, 4, 1, 9, 2, 6, 3, 8, 5])
+    prompt_lengths = torch.tensor([7, 3, 5, 1, 7, 2, 4, 6, 5])
+    response_lengths = torch.tensor([9, 4, 1, 9, 2, 6, 3, 8, 5])
     query_mask = (torch.arange(7) >= 7 - prompt_lengths.unsqueeze(1)).long()
     mask = (torch.arange(9) < response_lengths.unsqueeze(1)).float()
     return queries * query_mask, query_mask, responses * mask.long(), mask

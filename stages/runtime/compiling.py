@@ -131,8 +131,8 @@ def probe_compile(run_pass: Callable[[Callable], torch.Tensor], model: torch.nn.
     eager_s = _best_time(lambda: run_pass(model))
     ceiling = LARGEST_SAVING * eager_s * passes_in_run
     if ceiling < least_compile_s:
-        return False, (f"off (auto: eager pass {eager_s * 1e3:.1f} ms x {passes_in_run} passes; compiling could save at "
-                       f"most {ceiling:.1f} s, a compile takes {least_compile_s:.0f} s or more)")
+        return False, (f"off (auto: eager pass {eager_s * 1e3:.1f} ms x {passes_in_run} passes; compiling could "
+                       f"save at most {ceiling:.1f} s, a compile takes {least_compile_s:.0f} s or more)")
     compiled = torch.compile(model, dynamic=False)
     started = time.perf_counter()
     outputs = run_pass(compiled)
@@ -146,7 +146,8 @@ def probe_compile(run_pass: Callable[[Callable], torch.Tensor], model: torch.nn.
     if gap > tolerance:
         return False, f"off (auto: the compiled pass differs from eager by {gap:.2g}, over {tolerance:g}; {figures})"
     if saved < EXPECTED_GRAPHS * compile_s:
-        return False, f"off (auto: saves {saved:.0f} s, under {EXPECTED_GRAPHS} compiles of {compile_s:.0f} s; {figures})"
+        return False, (f"off (auto: saves {saved:.0f} s, under {EXPECTED_GRAPHS} compiles of {compile_s:.0f} s; "
+                       f"{figures})")
     return True, f"on (auto: saves {saved:.0f} s over the run; {figures})"
 
 

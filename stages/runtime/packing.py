@@ -136,7 +136,7 @@ def pack(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tenso
     kept = torch.unique(columns[predicted])  # (K,) sorted
     column_to_kept = torch.full((capacity,), -1, dtype=torch.long)
     column_to_kept[kept] = torch.arange(len(kept))
-    kept = torch.cat([kept, kept[-1:].repeat(bucket(len(kept)) - len(kept))])  # the bucket's extra columns: read by none
+    kept = torch.cat([kept, kept[-1:].repeat(bucket(len(kept)) - len(kept))])  # a bucket's extra columns: unread
     rows = row.unsqueeze(1).expand_as(columns)
     columns = columns.clamp(max=capacity - 1)
     # Where the mask is 0, the output at row 0, column 0: some real output, as a padded pass holds padding's
