@@ -265,6 +265,7 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
     def record(figures: dict[str, float], iteration: int) -> None:
         """Called once per iteration, as it logs: the seconds between two calls are a whole iteration."""
         marks.append(time.perf_counter())
+        once["compile"] = once.get("compile", 0.0) + figures.get("time/compile", 0.0)
         if iteration > warmup:
             phases = {k.removeprefix("time/"): v for k, v in figures.items()
                       if k.startswith("time/") and k not in ("time/iteration", "time/tokens_per_second")}
@@ -306,27 +307,28 @@ def _report(result: dict) -> None:
 
 
 def phase_table(results: dict) -> str:
-    """Seconds per iteration of each phase, ours against TRL's where it has the phase."""
-    ours, trl = results["ours"]["split"], results.get("trl", {}).get("split", {})
+    """Seconds per iteration of each phase, for every side that has the phase (TRL's phases by its own names)."""
+    sides = [name for name in ("ours", "ours-compiled", "trl", "trl-compiled") if name in results]
     padding = dict(results["ours"].get("padding_share", {}))  # by our passes' names (`perf/padding_share/<phase>`)
     padding["train"] = padding.get("update")
     rows = [("generate", "generate", "generate"), ("forward: policy (not reused)", "policy_forward", None),
             ("forward: values", "values", "values"), ("forward: reference", "reference", "reference"),
             ("score (reward model)", "score", "score"), ("reward functions", "reward_functions", None),
-            ("advantages", "advantages", None), ("update", "train", "update"), ("weight sync", "weight_sync", None),
-            ("logging", None, "logging"), ("garbage collection", None, "gc"),
-            ("other (figures, logging)", "other", None),
-            ("whole iteration (median)", None, None)]
-    lines = [f"  {'phase (s per iteration, median)':<36} {'ours':>8} {'TRL 1.12':>9} {'ours: padding':>14}"]
+            ("advantages", "advantages", None), ("update", "train", "update"), ("  of it, compiling", "compile", None),
+            ("weight sync", "weight_sync", None), ("logging", None, "logging"), ("garbage collection", None, "gc"),
+            ("other (figures, logging)", "other", None), ("whole iteration (median)", None, None)]
+    lines = [f"  {'phase (s per iteration, median)':<36} " + " ".join(f"{name:>13}" for name in sides)
+             + f" {'ours: padding':>14}"]
     for label, key_ours, key_trl in rows:
-        if label.startswith("whole"):
-            cells = [results["ours"]["seconds_per_iteration"], results.get("trl", {}).get("seconds_per_iteration")]
-        else:
-            cells = [ours.get(key_ours) if key_ours else None, trl.get(key_trl) if key_trl else None]
+        cells = []
+        for name in sides:
+            key = key_trl if name.startswith("trl") else key_ours
+            cells.append(results[name]["seconds_per_iteration"] if label.startswith("whole")
+                         else results[name]["split"].get(key) if key else None)
         if all(cell is None for cell in cells):
             continue
         share = padding.get(key_ours) if key_ours else None
-        lines.append(f"  {label:<36} " + " ".join(f"{'-' if c is None else f'{c:.3f}':>8}" for c in cells)
+        lines.append(f"  {label:<36} " + " ".join(f"{'-' if c is None else f'{c:.3f}':>13}" for c in cells)
                      + ("" if share is None else f" {share:14.1%}"))
     return "\n".join(lines)
 
@@ -389,6 +391,16 @@ def ours_settings(args) -> dict:
             "micro_batch_size": ppo.micro_batch_size, "numerics": numerics.mode()}
 
 
+def comparable(a: dict, b: dict) -> bool:
+    """Two history rows measure the same thing: machine type, work (config, overrides) and model size
+    (rows from before sizes were recorded are the bench model's)."""
+    def shape(e: dict) -> dict:
+        return e.get("shape", asdict(ModelShape()))
+
+    return (a["machine"] == b["machine"] and a["config"] == b["config"] and a["overrides"] == b["overrides"]
+            and shape(a) == shape(b))
+
+
 def compare_with_history(path: Path, entry: dict) -> str:
     """The change from the last run on the same machine type with the same work; a slowdown of more than
     10% beyond the larger of the two runs' round-to-round spreads is flagged."""
@@ -396,8 +408,7 @@ def compare_with_history(path: Path, entry: dict) -> str:
         return e.get("settings", {}).get("numerics", "native")
 
     same = [e for e in map(json.loads, path.read_text().splitlines() if path.exists() else [])
-            if e["machine"] == entry["machine"] and e["config"] == entry["config"]
-            and e["overrides"] == entry["overrides"] and numerics(e) == numerics(entry)]
+            if comparable(e, entry) and numerics(e) == numerics(entry)]
     if not same:
         return f"  history: first run on this machine type ({entry['machine']}) in {path}"
     last = same[-1]
@@ -410,6 +421,24 @@ def compare_with_history(path: Path, entry: dict) -> str:
     if change > allowed:
         line += f"\n  SLOWDOWN: ours is {change:.1%} slower, beyond the {allowed:.1%} allowed (10% + round spread)"
     return line
+
+
+def side_commands(args, assets: Path, work: Work, shape: ModelShape, threads: int) -> dict[str, list[str]]:
+    """Each side's command: ours; with `--compiled` ours with `ppo.compile: true`; TRL 1.12 as users run it;
+    with `--compiled` TRL under accelerate's dynamo backend (its PPOTrainer ignores `torch_compile=True`)."""
+    common = ([*(f"--set={item}" for item in args.set), "--config", args.config, "--warmup", str(args.warmup),
+               "--iterations", str(args.iterations), "--state", args.state]
+              + [f"--{k.replace('_', '-')}={v}" for k, v in asdict(shape).items()])
+    commands = {"ours": [sys.executable, "-m", "bench.ppo", "--role", "ours", *common]}
+    if args.compiled:
+        commands["ours-compiled"] = [*commands["ours"], "--set=ppo.compile=true"]
+    if args.reference != "none":
+        commands["trl"] = [args.reference, str(REPO / "bench" / "trl_reference.py"), "--assets", str(assets),
+                           "--work", json.dumps(asdict(work)), "--threads", str(threads),
+                           "--warmup", str(args.warmup), "--iterations", str(args.iterations)]
+        if args.compiled:
+            commands["trl-compiled"] = [*commands["trl"], "--compile", "accelerate"]
+    return commands
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     parser.add_argument("--history", help="append this run's figures to this JSON-lines file and compare with the "
                         "last run there on the same machine type (make bench: bench/results/bench-history.jsonl)")
+    parser.add_argument("--compiled", action="store_true", help="also ours with ppo.compile: true and TRL compiled "
+                        "(accelerate's dynamo backend), alternating with the plain sides")
     parser.add_argument("--role", choices=["orchestrate", "ours"], default="orchestrate", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shape = ModelShape(**{name: getattr(args, name) for name in asdict(ModelShape())})
@@ -445,26 +476,22 @@ def main(argv: list[str] | None = None) -> int:
           f"tokens per iteration, {work.ppo_epochs} epochs x {work.minibatches} minibatches; {threads} threads; "
           f"{args.rounds} alternating rounds of {args.warmup} warm-up + {args.iterations} timed iterations each, "
           f"median over all timed iterations", flush=True)
-    common = ([*(f"--set={item}" for item in args.set), "--config", args.config, "--warmup", str(args.warmup),
-               "--iterations", str(args.iterations), "--state", args.state]
-              + [f"--{k.replace('_', '-')}={v}" for k, v in asdict(shape).items()])
-    commands = {"ours": [sys.executable, "-m", "bench.ppo", "--role", "ours", *common]}
-    if args.reference != "none":
-        commands["trl"] = [args.reference, str(REPO / "bench" / "trl_reference.py"), "--assets", str(assets),
-                           "--work", json.dumps(asdict(work)), "--threads", str(threads),
-                           "--warmup", str(args.warmup), "--iterations", str(args.iterations)]
-    # Alternating rounds, so that a slow spell of a shared machine falls on both sides.
+    commands = side_commands(args, assets, work, shape, threads)
+    # Alternating rounds, so that a slow spell of a shared machine falls on every side.
     rows = {name: [] for name in commands}
     peaks = {name: 0.0 for name in commands}
     peak_flops = matmul_peak_flops(threads)
-    ours_extra: dict = {}
+    ours_extra, notes = {}, {}
     for _ in range(args.rounds):
         for name, command in commands.items():
             result = _child(command)
             rows[name] += result["rows"]
             peaks[name] = max(peaks[name], result["peak_memory_mb"])
+            notes[name] = {k: v for k, v in result.items() if k in ("compiled", "warmup_seconds")}
             if name == "ours":
                 ours_extra = {k: v for k, v in result.items() if k not in ("rows", "peak_memory_mb")}
+            elif name == "ours-compiled":
+                notes[name] = {"compile_seconds": result["once"].get("compile", 0.0)}
     peak_flops = max(peak_flops, matmul_peak_flops(threads))
     results = {name: summarize(rows[name], work, name, peaks[name]) for name in commands}
     if args.rows:
@@ -475,6 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, seconds in ours_extra.get("once", {}).items():
         print(f"  ours, once per run: {name} {seconds:.3f} s")
     limits = machine_limits(results["ours"], ours_extra, threads, peak_flops)
+    if "ours-compiled" in results:
+        limits["update_vs_gemm_compiled"] = (limits["train_gflop"] * 1e9 / results["ours-compiled"]["split"]["train"]
+                                             / (limits["gemm_gflops"] * 1e9))
+        print(f"  ours-compiled: update at {limits['update_vs_gemm_compiled']:.0%} of the rate of its own matrix "
+              "products (the same work's FLOP count)")
     print(f"  ours: update phase {limits['train_gflop']:.2f} GFLOP per iteration at "
           f"{limits['train_gflops']:.2f} GFLOP/s: "
           f"{limits['update_vs_gemm']:.0%} of the float32 rate of its own matrix products at their shapes "
@@ -485,12 +517,21 @@ def main(argv: list[str] | None = None) -> int:
           f"of the bound of reading the policy's weights ({limits['policy_mb']:.1f} MB) once per decode step of "
           f"{limits['sampling_batch']} sequences at the measured copy bandwidth ({limits['bandwidth_gbs']:.1f} GB/s): "
           f"{limits['sampling_bound_tokens_per_second']:.0f} tokens/s")
+    for name, note in notes.items():
+        if note:
+            print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                            for k, v in note.items()))
     speedup = None
     if "trl" in results:
         speedup = results["ours"]["episodes_per_second"] / results["trl"]["episodes_per_second"]
+    speedups = {f"{a}_vs_{b}": results[a]["episodes_per_second"] / results[b]["episodes_per_second"]
+                for a in ("ours", "ours-compiled") for b in ("trl", "trl-compiled") if a in results and b in results}
+    for name, ratio in speedups.items():
+        print(f"  speedup {name.replace('_vs_', ' against ')}: {ratio:.2f}")
     if args.history:
         entry = history_entry(args, results, limits, speedup, threads,
                               {name: round_spread(rows[name], args.rounds) for name in rows})
+        entry |= {"shape": asdict(shape), "speedups": speedups, "notes": notes}
         print(compare_with_history(Path(args.history), entry))
         with Path(args.history).open("a") as history:
             history.write(json.dumps(entry) + "\n")

@@ -32,7 +32,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--iterations", type=int, required=True)
+    parser.add_argument("--compile", choices=["no", "args", "accelerate"], default="no",
+                        help="args: PPOConfig(torch_compile=True), as a user asks TRL to compile; accelerate: also "
+                        "ACCELERATE_DYNAMO_BACKEND=inductor, what `accelerate launch --dynamo_backend inductor` sets")
     args = parser.parse_args()
+    if args.compile == "accelerate":
+        os.environ["ACCELERATE_DYNAMO_BACKEND"] = "inductor"
     assets, work = Path(args.assets), Work(**json.loads(args.work))
 
     import torch
@@ -97,7 +102,7 @@ def main() -> int:
             total_episodes=work.episodes * total, local_rollout_forward_batch_size=work.episodes,
             learning_rate=work.learning_rate, kl_coef=work.kl_coef, temperature=work.temperature, stop_token="eos",
             num_sample_generations=0, report_to=[], save_strategy="no", logging_steps=10_000, use_cpu=True,
-            seed=work.seed, dataloader_num_workers=0)
+            seed=work.seed, dataloader_num_workers=0, torch_compile=args.compile != "no")
         reward_model = value_like("reward")
         trainer = PPOTrainer(
             args=config, processing_class=tokenizer,
@@ -105,13 +110,17 @@ def main() -> int:
             ref_model=AutoModelForCausalLM.from_pretrained(assets / "policy"),
             reward_model=reward_model, value_model=value_like("reward"),
             train_dataset=dataset, eval_dataset=dataset.select(range(8)), callbacks=[clock])
+        # Whether TRL's PPOTrainer compiled what it trains: accelerate's `prepare` wraps it in torch.compile's module.
+        compiled = isinstance(trainer.model, torch._dynamo.eval_frame.OptimizedModule)
         trainer.train()
     seconds = [b - a for a, b in itertools.pairwise(clock.marks)][args.warmup:]
     assert len(seconds) == args.iterations, clock.marks
     # TRL does not report how many tokens it generated; every response counts in full (an upper bound).
     rows = [{"seconds": s, **p, "update": s - sum(p.values()), "generated_tokens": work.episodes * work.response_length}
             for s, p in zip(seconds, clock.phases[args.warmup:], strict=True)]
-    print("RESULT=" + json.dumps({"rows": rows, "peak_memory_mb": peak_memory_mb()}))
+    warmup = [b - a for a, b in itertools.pairwise(clock.marks)][:args.warmup]
+    print("RESULT=" + json.dumps({"rows": rows, "peak_memory_mb": peak_memory_mb(), "compiled": compiled,
+                                  "warmup_seconds": sum(warmup)}))
     return 0
 
 

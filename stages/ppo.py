@@ -98,7 +98,8 @@ class PPOResult:
     """Held-out prompts with PPO and SFT responses, their scores and the KL of the PPO response."""
     tags: dict[str, str] = field(default_factory=dict)
     """Run tags: precision (`rlhf.trainable_dtype`, `rlhf.autocast_dtype`, `rlhf.checkpoint_dtype`) and
-    `rlhf.held_as`, and in episodes the tool-call convention read (`rlhf.tool_parser`)."""
+    `rlhf.held_as`, in episodes the tool-call convention read (`rlhf.tool_parser`), and where asked
+    whether the passes were compiled (`rlhf.compile`)."""
 
 
 def build_learner(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> Learner:
@@ -188,7 +189,12 @@ def hand_off(learner: Learner, loop: LoopState, held_out: HeldOut, inputs: PPOIn
     if models.scorer is not None:
         metrics |= {"normalization/gain": models.scorer.gain, "normalization/bias": models.scorer.bias}
     return PPOResult(checkpoint=checkpoint, metrics=metrics, history=loop.history, evaluation=evaluation,
-                     tags=tags | held | learner.episode_source.tags | {"rlhf.compile": models.compiler.reason})
+                     tags=tags | held | learner.episode_source.tags | compile_tags(cfg, models))
+
+
+def compile_tags(cfg: PPOConfig, models) -> dict[str, str]:
+    """`rlhf.compile`: whether the passes were compiled and why (`auto`'s probe), where `ppo.compile` was asked."""
+    return {} if cfg.compile is False else {"rlhf.compile": models.compiler.reason}
 
 
 def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,

@@ -381,7 +381,7 @@ def ppo_gradient_setup(tiny_config, trained, critic="reward", lora=False, **over
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(8)
     batch = single_turn_rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg.sampling)
-    raw = raw_scores(models.scorer, batch, [json.loads(m) for m in prompts["prompt_messages"]], {})
+    raw = raw_scores(models.scorer, batch, [json.loads(m) for m in prompts["prompt_messages"]], {}, single_turn=True)
     lengths = batch.mask.sum(1)
     assert lengths.min() < lengths.max(), "responses of equal length would not tell the normalisations apart"
     rewards = token_rewards(scores_of(raw, batch, models.scorer, cfg).reward,

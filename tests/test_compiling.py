@@ -75,11 +75,12 @@ def _batch():
 
 
 @pytest.mark.multiprocess  # inductor compiles in worker processes
-@pytest.mark.parametrize("padding_free", [False, True])
-def test_a_compiled_pass_gives_the_eager_log_probs_and_gradients(padding_free):
+@pytest.mark.parametrize(("padding_free", "static_shapes"), [(False, False), (False, True), (True, True)])
+def test_a_compiled_pass_gives_the_eager_log_probs_and_gradients(padding_free, static_shapes):
+    """Symbolic shapes (the CPU's way) and bucketed static ones (a GPU's), padded and packed."""
     policy, batch = _tiny_policy(), _batch()
     results = []
-    for compiler in (Compiler(enabled=False), Compiler(enabled=True)):
+    for compiler in (Compiler(enabled=False), Compiler(enabled=True, static_shapes=static_shapes)):
         passes = Passes(precision=resolve_precision("fp32"), padding_free=padding_free, compiler=compiler)
         logits, hidden = forward_response(policy, *batch, want_hidden=True, passes=passes)
         logprobs = logprobs_of(logits, batch[2]) * batch[3]  # (B, T)

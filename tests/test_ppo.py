@@ -287,12 +287,39 @@ def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, 
     assert not batch.has_eos.any()  # two tokens never finish a demo reply
     as_they_are = models.scorer.score(messages, batch.texts, normalized=False, complete=[False] * 4)
     completed = models.scorer.score(messages, batch.texts, normalized=False)
-    raw = raw_scores(models.scorer, batch, messages, {})
+    raw = raw_scores(models.scorer, batch, messages, {}, single_turn=True)
     torch.testing.assert_close(raw, as_they_are)
     assert not torch.allclose(raw, completed)  # an appended EOS would have changed the score
     assert scores_of(raw, batch, models.scorer, cfg).reward.tolist() == [-3.0] * 4  # missing_eos_score
     unpenalised = scores_of(raw, batch, models.scorer, _cfg(tiny_config, missing_eos_score=None))
     torch.testing.assert_close(unpenalised.reward, unpenalised.normalized)
+
+
+def test_the_reward_model_reads_the_policys_prompt_ids_and_packed_rows_as_rendered_padded_ones(tiny_config, trained):
+    """The tiny world's reward model shares the policy's tokenizer: the rollout's prompt ids are what
+    rendering the prompts again gives, so they are read as they are; the responses are encoded from
+    their texts (a sampled token sequence need not be the one its text encodes to: 5 of these 8);
+    and the scores, packed (`padding_free`) or padded, re-rendered or not, are the same."""
+    from stages.rl.ppo_rollout import policy_sampler
+    from stages.rl.ppo_scores import raw_scores
+
+    models = load_models(_cfg(tiny_config, padding_free=True), trained["sft"], trained["reward"])
+    scorer = models.scorer
+    assert scorer.policy_tokens and scorer.padding_free is True
+    prompts = trained["prompts"].head(8)
+    messages = [json.loads(m) for m in prompts["prompt_messages"]]
+    torch.manual_seed(0)
+    batch = single_turn_rollout(models, policy_sampler(models), list(prompts["prompt"]), _cfg(tiny_config).sampling)
+    assert batch.has_eos.any() and batch.mask.sum(1).min() < batch.mask.sum(1).max()
+    prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(batch.queries, batch.query_mask, strict=True)]
+    rendered = scorer.encode(messages, batch.texts, batch.has_eos.tolist())
+    assert scorer.encode(messages, batch.texts, batch.has_eos.tolist(), prompt_ids) == rendered
+    sampled = [p + r[m > 0].tolist() for p, r, m in zip(prompt_ids, batch.responses, batch.mask, strict=True)]
+    assert sum(a != b for a, b in zip(sampled, rendered, strict=True)) == 5
+    packed = raw_scores(scorer, batch, messages, {}, single_turn=True)
+    scorer.padding_free, scorer.policy_tokens = False, False
+    padded = raw_scores(scorer, batch, messages, {}, single_turn=True)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_autocast_on_the_cpu_keeps_float32_weights_and_a_bf16_reference(tiny_config, trained, tmp_path):

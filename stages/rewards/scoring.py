@@ -25,12 +25,14 @@ from stages.runtime.models import (
     device,
     disable_dropout,
     encode_replies,
+    encode_reply_ids,
     fit_to_tokenizer,
     load_pretrained,
     load_tokenizer,
     position_ids_for,
+    reply_end_id,
 )
-from stages.runtime.packing import TokenCounts
+from stages.runtime.packing import PackedSequences, TokenCounts, pack_sequences, packs_sequences
 
 NORMALIZATION_KEY = "rlhf_reward_normalization"
 
@@ -75,6 +77,10 @@ class RewardScorer:
         """Adapter layers the reward model came with (a LoRA reward model not yet merged): part of it, always on."""
         self.counts: TokenCounts | None = None
         """Where each scoring pass adds its real and computed positions (phase `score`); None: not counted."""
+        self.padding_free: bool | str = False
+        """Score packed sequences, not padded batches (`ppo.padding_free`: True, `auto` where it saves a tenth)."""
+        self.policy_tokens = False
+        """The policy's prompt ids are this model's (`shares_tokenizer`): read as they are, not rendered again."""
 
     @classmethod
     def from_pretrained(cls, location: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -86,12 +92,18 @@ class RewardScorer:
         norm = getattr(model.config, NORMALIZATION_KEY, None) or {"gain": 1.0, "bias": 0.0}
         return cls(place(model) if place else model.to(device()), tokenizer, norm["gain"], norm["bias"])
 
-    def encode(self, prompts: list, responses: list[str], complete: list[bool] | None = None) -> list[list[int]]:
+    def encode(self, prompts: list, responses: list[str], complete: list[bool] | None = None,
+               prompt_ids: list[list[int]] | None = None) -> list[list[int]]:
         """Prompt + response ids; a response marked not `complete` gets no reply-end token, so a
-        reply cut off at the length limit is scored as the unfinished text it is."""
-        conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
-        rendered = [render_prompt(messages, self.tokenizer) for messages in conversations]
-        prompt_ids, reply_ids = encode_replies(self.tokenizer, rendered, list(responses), complete)
+        reply cut off at the length limit is scored as the unfinished text it is. `prompt_ids`: the
+        prompts already rendered and encoded by this model's tokenizer (the policy's, where
+        `policy_tokens`), used as they are."""
+        if prompt_ids is None:
+            conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+            rendered = [render_prompt(messages, self.tokenizer) for messages in conversations]
+            prompt_ids, reply_ids = encode_replies(self.tokenizer, rendered, list(responses), complete)
+        else:
+            reply_ids = encode_reply_ids(self.tokenizer, list(responses), complete)
         return [p + r for p, r in zip(prompt_ids, reply_ids, strict=True)]
 
     @torch.no_grad()
@@ -102,11 +114,19 @@ class RewardScorer:
         with self.adapters_off():
             for start in range(0, len(sequences), batch_size):
                 chunk = sequences[start:start + batch_size]
+                if packs_sequences(self.padding_free, chunk):
+                    packed = pack_sequences(chunk, self.tokenizer.pad_token_id)
+                    self._count(sum(map(len, chunk)), packed.ids.numel())
+                    scores.append(packed_scores(self.model, packed).float().cpu())
+                    continue
                 batch = self.tokenizer.pad({"input_ids": chunk}, return_tensors="pt").to(self.model.device)
-                if self.counts is not None:
-                    self.counts.add("score", float(batch["attention_mask"].sum()), batch["input_ids"].numel())
+                self._count(float(batch["attention_mask"].sum()), batch["input_ids"].numel())
                 scores.append(last_token_scores(self.model, batch["input_ids"], batch["attention_mask"]).float().cpu())
         return torch.cat(scores) if scores else torch.empty(0)
+
+    def _count(self, real: float, computed: float) -> None:
+        if self.counts is not None:
+            self.counts.add("score", real, computed)
 
     @contextmanager
     def adapters_off(self) -> Iterator[None]:
@@ -149,6 +169,22 @@ def last_token_scores(model: PreTrainedModel, input_ids: torch.Tensor, attention
                               position_ids=position_ids_for(attention_mask)).last_hidden_state
     last = last_token_index(attention_mask)  # (B,) the rightmost real token
     return model.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)
+
+
+def packed_scores(model: PreTrainedModel, packed: PackedSequences) -> torch.Tensor:
+    """The score head read at each packed sequence's last token; no attention mask, the position
+    ids' restarts keep the sequences apart. # -> (N,)"""
+    on = model.device
+    hidden = model.base_model(input_ids=packed.ids.to(on), position_ids=packed.positions.to(on)).last_hidden_state
+    return model.score(hidden.reshape(-1, hidden.shape[-1])[packed.last.to(on)]).squeeze(-1)
+
+
+def shares_tokenizer(scorer_tokenizer: PreTrainedTokenizerBase, tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether a reward model reads the policy's prompts token for token: the same vocabulary, chat
+    template and reply end, so the policy's prompt ids are the ones `RewardScorer.encode` would make."""
+    return (scorer_tokenizer.get_vocab() == tokenizer.get_vocab()
+            and getattr(scorer_tokenizer, "chat_template", None) == getattr(tokenizer, "chat_template", None)
+            and reply_end_id(scorer_tokenizer) == reply_end_id(tokenizer))
 
 
 def fit_normalization(reference_scores: torch.Tensor) -> tuple[float, float]:

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 from rlhf.config_common import LoRAConfig
 from rlhf.config_ppo import PPOConfig
-from stages.rewards.scoring import RewardScorer, load_reward_model
+from stages.rewards.scoring import RewardScorer, load_reward_model, shares_tokenizer
 from stages.runtime.compiling import LEAST_COMPILE_S, Compiler, probe_compile
 from stages.runtime.holding import Holding, Replicated
 from stages.runtime.lora import copied, lora_config, restore_adapters, with_lora
@@ -389,7 +389,9 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
         scorer.model.requires_grad_(False)
     critic = build_critic(cfg, policy, tokenizer, scorer, reward_location, sft_location)
     padding_free = packing_setting(padding_free, critic_bodies(critic))
-    if scorer is not None:
+    if scorer is not None:  # packed where its body takes it; the policy's ids read as sampled where they mean the same
+        scorer.padding_free = packing_setting(padding_free, [(scorer.model.base_model, True)])
+        scorer.policy_tokens = shares_tokenizer(scorer.tokenizer, tokenizer)
         scorer.model = holding.frozen(scorer.model)
     if critic is not None:
         holding.place_trained(critic)
@@ -411,13 +413,14 @@ def compiler_for(cfg: PPOConfig, policy: PreTrainedModel, passes: Passes) -> Com
     by the config)."""
     if cfg.compile is not True and (cfg.compile is False or cfg.launch.sharded):
         return Compiler(enabled=False, reason="off" if cfg.compile is False else "off (auto: a sharded launch)")
+    on = next(policy.parameters()).device
+    static_shapes = on.type == "cuda"  # CUDA graphs and tuned kernels are per shape; a CPU's graphs take any length
     if cfg.compile is True:
-        return Compiler(enabled=True, reason="on")
+        return Compiler(enabled=True, static_shapes=static_shapes, reason="on")
     minibatch = cfg.rollout_batch_size // (cfg.num_minibatches * cfg.launch.num_processes)
     rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else minibatch
     width = cfg.max_prompt_length + cfg.response_tokens
     vocab = policy.config.get_text_config().vocab_size
-    on = next(policy.parameters()).device
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(vocab, (rows, width), generator=generator).to(on)
     query_mask = torch.ones(rows, cfg.max_prompt_length, dtype=torch.long, device=on)
@@ -432,9 +435,9 @@ def compiler_for(cfg: PPOConfig, policy: PreTrainedModel, passes: Passes) -> Com
 
     with passes.precision.autocast(on):
         passes_in_run = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches * (minibatch // rows)
-        on_, reason = probe_compile(run_pass, policy, passes_in_run, LEAST_COMPILE_S,
-                                    tolerance=1e-4 if passes.precision.autocast_dtype is None else 3e-2)
-    return Compiler(enabled=on_, reason=reason)
+        enabled, reason = probe_compile(run_pass, policy, passes_in_run, LEAST_COMPILE_S,
+                                        1e-4 if passes.precision.autocast_dtype is None else 3e-2, static_shapes)
+    return Compiler(enabled=enabled, static_shapes=static_shapes, reason=reason)
 
 
 def critic_bodies(critic: Critic | None) -> list[tuple[PreTrainedModel, bool]]:

@@ -76,7 +76,8 @@ def sample_round(learner: Learner, loop: LoopState, prompts: Prompts, cursor: in
     messages = [prompts.messages[i] for i in picks]
     rows = prompts.records(picks)
     batch = rollout(models, learner.sampler, learner.episode_source, rows, cfg.sampling, timings, sampled)
-    raw = raw_scores(models.scorer, batch, messages, timings) if models.scorer is not None else None
+    raw = None if models.scorer is None else raw_scores(models.scorer, batch, messages, timings,
+                                                         single_turn=not learner.episode_source.multi_turn)
     if raw is not None and loop.normalization is None:  # the run's first round: the reward's scale
         loop.normalization, batch = fitted_normalization(learner, raw, batch)
     functions = function_terms(learner, messages, batch.episodes, iteration, timings)

@@ -26,10 +26,19 @@ from stages.runtime.collectives import computed_on_main, gathered
 
 
 @torch.no_grad()
-def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timings: dict[str, float]) -> torch.Tensor:
-    """The reward model's outputs for the rollout's responses, before normalisation. # -> (B,)"""
+def raw_scores(scorer: RewardScorer, batch: Rollout, prompt_messages: list, timings: dict[str, float],
+               single_turn: bool) -> torch.Tensor:
+    """The reward model's outputs for the rollout's responses, before normalisation. Where the reward
+    model shares the policy's tokenizer and each episode is one response, the prompts are the
+    policy's own ids, not rendered and encoded again. The responses are always encoded from their
+    texts: a sampled token sequence need not be the one its text encodes to (5 of 8 responses of
+    the untrained tiny world), and the reward model learned from encoded texts. # -> (B,)"""
     with timed(timings, "score"):
-        raw = scorer.score(prompt_messages, batch.texts, normalized=False, complete=batch.has_eos.tolist())
+        prompt_ids = None
+        if scorer.policy_tokens and single_turn:
+            prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(batch.queries, batch.query_mask, strict=True)]
+        sequences = scorer.encode(prompt_messages, batch.texts, batch.has_eos.tolist(), prompt_ids)
+        raw = scorer.raw_scores(sequences)
     return raw.to(batch.queries.device)
 
 

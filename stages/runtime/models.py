@@ -445,12 +445,19 @@ def encode_replies(tokenizer: PreTrainedTokenizerBase, prompts: list[str], repli
     markers. A prompt is encoded on its own, so its ids are exactly what generation starts from.
     """
     prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    return prompt_ids, encode_reply_ids(tokenizer, replies, complete)
+
+
+def encode_reply_ids(tokenizer: PreTrainedTokenizerBase, replies: list[str], complete: list[bool] | None = None
+                     ) -> list[list[int]]:
+    """Replies' ids as `encode_replies` makes them: closed by the reply-end token unless marked not `complete`."""
+    if not replies:
+        return []
     end = [reply_end_id(tokenizer)]
     complete = [True] * len(replies) if complete is None else complete
-    reply_ids = [ids + end if closed else ids
-                 for ids, closed in zip(tokenizer(list(replies), add_special_tokens=False)["input_ids"], complete,
-                                        strict=True)]
-    return prompt_ids, reply_ids
+    return [ids + end if closed else ids
+            for ids, closed in zip(tokenizer(list(replies), add_special_tokens=False)["input_ids"], complete,
+                                   strict=True)]
 
 
 def encode_pairs(tokenizer: PreTrainedTokenizerBase, prompts: list[str], chosen: list[str],

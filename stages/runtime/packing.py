@@ -148,6 +148,49 @@ def pack(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tenso
                   real_tokens=int(lengths.sum()))
 
 
+@dataclass(frozen=True, kw_only=True)
+class PackedSequences:
+    """Whole token sequences (a reward model's prompt + response) packed into rows, as `pack` packs
+    a PPO batch, and where each one's last token landed."""
+
+    ids: torch.Tensor  # (R, C) token ids; a row's unfilled tail is `pad_id`
+    positions: torch.Tensor  # (R, C) each token's position within its own sequence
+    last: torch.Tensor  # (N,) each sequence's last token, as an index into the flattened (R * C) outputs
+
+
+def pack_sequences(sequences: list[list[int]], pad_id: int) -> PackedSequences:
+    """Token sequences end to end in rows as long as the longest, first fit by decreasing length,
+    positions restarting at each. # N sequences -> (R, C), (R, C), (N,)"""
+    sizes = [len(ids) for ids in sequences]
+    capacity = max(sizes)
+    bins = first_fit_decreasing(sizes, capacity)
+    ids = torch.full((len(bins), capacity), pad_id, dtype=torch.long)
+    positions = torch.zeros(len(bins), capacity, dtype=torch.long)
+    last = [0] * len(sequences)
+    for r, members in enumerate(bins):
+        filled = 0
+        for i in members:
+            ids[r, filled:filled + sizes[i]] = torch.tensor(sequences[i], dtype=torch.long)
+            positions[r, filled:filled + sizes[i]] = torch.arange(sizes[i])
+            filled += sizes[i]
+            last[i] = r * capacity + filled - 1
+        # The tail counts on from 0: a sequence of its own, that no real token attends to.
+        positions[r, filled:] = torch.arange(capacity - filled)
+    return PackedSequences(ids=ids, positions=positions, last=torch.tensor(last, dtype=torch.long))
+
+
+def packs_sequences(setting: bool | str, sequences: list[list[int]]) -> bool:
+    """Whether a pass over these sequences runs packed under `padding_free` (`auto`: where packing
+    computes `AUTO_SAVING` fewer positions than padding each to the longest)."""
+    if setting is False or not sequences:
+        return False
+    if setting is True:
+        return True
+    sizes = [len(ids) for ids in sequences]
+    rows = len(first_fit_decreasing(sizes, max(sizes)))
+    return rows * max(sizes) <= (1 - AUTO_SAVING) * len(sizes) * max(sizes)
+
+
 def padding_share(real_tokens: float, computed_tokens: float) -> float:
     """The share of a pass's computed positions that hold no real token."""
     return 0.0 if computed_tokens <= 0 else 1.0 - real_tokens / computed_tokens
@@ -201,7 +244,8 @@ class Passes:
     def layout(self, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                mask: torch.Tensor) -> Packed | None:
         """The packed layout of this batch, or None to run it padded; the pass counted either way."""
-        padded = queries.numel() + responses.numel()
+        bucket = self.compiler.bucket  # a compiled pass's shapes (`stages.rl.ppo_models._padded`), else as they are
+        padded = bucket(len(queries)) * bucket(queries.shape[1] + bucket(responses.shape[1]))
         packed = None if self.padding_free is False else pack(queries, query_mask, responses, mask, self.pad_id,
                                                               self.compiler.bucket)
         if packed is not None and self.padding_free == "auto" and packed.computed_tokens > (1 - AUTO_SAVING) * padded:
