@@ -103,3 +103,27 @@ def test_auto_spends_no_compile_on_a_run_too_short_to_repay_one():
     assert not compiler.enabled and compiler.reason.startswith("off (auto: eager pass")
     assert "compiling could save at most" in compiler.reason
     assert Compiler(enabled=False).figures() == {}
+
+
+@pytest.mark.multiprocess  # inductor compiles in worker processes
+@pytest.mark.parametrize("compact", [False, True])
+def test_the_compiled_decode_loop_draws_the_eager_loops_greedy_tokens(compact):
+    """A static KV cache and the compiled step give the eager loop's greedy tokens, log-probs and
+    hidden states, rows leaving as they end (`compact`) or not; prompts of different lengths."""
+    from types import SimpleNamespace
+
+    from stages.engines.sampler import HFSampler, Sampling
+
+    policy = _tiny_policy().eval()
+    prompts = [[5, 9, 14, 3, 22], [7, 8], [30, 31, 32], [11]]
+    generations = []
+    for compiler in (Compiler(enabled=False), Compiler(enabled=True)):
+        sampler = HFSampler(model=policy, tokenizer=SimpleNamespace(pad_token_id=0), stop_ids=[3, 17, 40],
+                            compact=compact, compiler=compiler)
+        generations.append((sampler.generate_ids(prompts, Sampling(12, temperature=None)), compiler.figures()))
+    (eager, off), (compiled, on) = generations
+    assert torch.equal(compiled.responses, eager.responses)
+    assert (eager.responses == 0).any(), "no row ended early: the test would not see rows leave"
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(compiled.hidden, eager.hidden, atol=1e-5, rtol=1e-4)
+    assert off == {} and set(on) == {"perf/recompiles", "time/compile"}  # the graph may be the other case's

@@ -15,13 +15,15 @@ PPO's rollout (`stages.rl.ppo_rollout`) samples through it, for training and for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, StaticCache
 
 from stages.common.tensors import entropy_of, is_end, logprobs_of, truncate_after_eos
+from stages.runtime.compiling import Compiler
 from stages.runtime.holding import Holding, Replicated
 from stages.runtime.models import Precision, left_padded, left_padded_ids, position_ids_for
 
@@ -110,6 +112,9 @@ class HFSampler:
     """A row that ended leaves the decode loop's batch (and its KV cache) at once, instead of being
     computed on to the longest response; its random draws leave with it, so the draws differ from
     the uncompacted loop's once a row ends."""
+    compiler: Compiler = field(default_factory=Compiler)
+    """On: decode steps on a static KV cache, through the compiled model (`ppo.compile`); greedy, the
+    same tokens as the eager loop."""
 
     def sync(self, policy: torch.nn.Module) -> None:
         return None
@@ -138,8 +143,8 @@ class HFSampler:
         padding (tokens) and zeros (figures) where they were not computed."""
         model = self.model
         queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
-        attention_mask, positions = query_mask, position_ids_for(query_mask)  # (L, t), (L, 1): the live rows'
-        step_ids, cache = queries, DynamicCache()
+        steps = DecodeSteps.start(model, query_mask, sampling.max_new_tokens, self.compiler)
+        positions, step_ids = position_ids_for(query_mask), queries  # (L, t): the live rows'
         live = torch.arange(len(queries), device=model.device)  # (L,) the rows still in the batch
         tokens, logprobs, entropy, hidden = [], [], [], []
         finished = torch.zeros(len(queries), dtype=torch.bool, device=model.device)
@@ -147,8 +152,7 @@ class HFSampler:
         with self.precision.autocast(model.device), self.holding.sampling(model):
             for _ in range(sampling.max_new_tokens):
                 computed += step_ids.numel()  # the prompts, then one position per live row
-                out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+                out = steps.forward(step_ids, positions)
                 logits = out.logits[:, -1:].float()  # (L, 1, V)
                 token = (logits[:, -1].argmax(-1, keepdim=True) if sampling.temperature is None
                          else draw(torch.softmax(logits[:, -1] / sampling.temperature, dim=-1)))  # (L, 1)
@@ -161,12 +165,11 @@ class HFSampler:
                 if self.holding.all_finished(finished):
                     break
                 step_ids, positions = token, positions[:, -1:] + 1
-                attention_mask = torch.cat([attention_mask, torch.ones_like(token)], dim=1)
-                if self.compact and ended.any() and not ended.all():  # never empty: a sharded peer may go on
-                    keep = (~ended).nonzero().squeeze(1)
-                    cache.batch_select_indices(keep)
-                    live, step_ids, positions, attention_mask = (x[keep] for x in (live, step_ids, positions,
-                                                                                   attention_mask))
+                steps.advance(token)
+                if self.compact and ended.any() and not ended.all() and steps.drops_rows:
+                    keep = (~ended).nonzero().squeeze(1)  # never empty: a sharded peer may go on
+                    steps.keep(keep)
+                    live, step_ids, positions = live[keep], step_ids[keep], positions[keep]
         responses = truncate_after_eos(torch.cat(tokens, dim=1), self.stop_ids, self.tokenizer.pad_token_id)
         return Generation(queries=queries, query_mask=query_mask, responses=responses,
                           logprobs=torch.cat(logprobs, dim=1), entropy=torch.cat(entropy, dim=1),
@@ -187,3 +190,63 @@ class HFSampler:
         new_tokens = out[:, batch["input_ids"].shape[1]:]  # (B, T)
         return Generation(queries=batch["input_ids"], query_mask=batch["attention_mask"],
                           responses=truncate_after_eos(new_tokens, self.stop_ids, self.tokenizer.pad_token_id))
+
+
+@dataclass(kw_only=True)
+class DecodeSteps:
+    """The KV cache and the attention mask of one decode loop, and how each step runs: eager on a
+    growing cache (`DynamicCache`), or, compiled, on a cache of the loop's whole length
+    (`StaticCache`) with a mask of that width, so every step after the prefill has one shape (the
+    columns not written yet are hidden by causality). # mask: (L, Tq + t) or (L, Tq + T)"""
+
+    model: PreTrainedModel
+    cache: DynamicCache | StaticCache
+    mask: torch.Tensor
+    run: Callable
+    """What the steps after the prefill call: the model, or its compiled forward."""
+    drops_rows: bool = True
+    """Rows may leave the batch: not where the compiled graphs are per shape (a GPU's), which keep it whole."""
+    written: int = 0
+    """Positions of the cache filled so far."""
+
+    @classmethod
+    def start(cls, model: PreTrainedModel, query_mask: torch.Tensor, max_new_tokens: int,
+              compiler: Compiler) -> DecodeSteps:
+        if not compiler.enabled:
+            return cls(model=model, cache=DynamicCache(), mask=query_mask, run=model)
+        width = compiler.bucket(query_mask.shape[1] + max_new_tokens)
+        mask = torch.nn.functional.pad(query_mask, (0, width - query_mask.shape[1]), value=1)
+        return cls(model=model, cache=StaticCache(config=model.config, max_cache_len=width), mask=mask,
+                   run=compiler(model), drops_rows=not compiler.static_shapes)
+
+    @property
+    def static(self) -> bool:
+        return isinstance(self.cache, StaticCache)
+
+    def forward(self, step_ids: torch.Tensor, positions: torch.Tensor):
+        """One step: the prompts' prefill (eager), then one token per live row. # (L, t) -> outputs"""
+        width = step_ids.shape[1]
+        extra = {}
+        if self.static:  # where this step writes the cache
+            extra["cache_position"] = torch.arange(self.written, self.written + width, device=step_ids.device)
+        mask = self.mask[:, :self.written + width] if self.static and self.written == 0 else self.mask
+        out = (self.model if self.written == 0 else self.run)(
+            input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+            use_cache=True, output_hidden_states=True, logits_to_keep=1, **extra)
+        self.written += width
+        return out
+
+    def advance(self, token: torch.Tensor) -> None:
+        """The mask after a step: a growing cache's gains the token's column; a static one has it."""
+        if not self.static:
+            self.mask = torch.cat([self.mask, torch.ones_like(token)], dim=1)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only these rows go on: their cache and mask rows."""
+        if self.static:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+                layer.batch_size = len(rows)
+        else:
+            self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 def policy_sampler(models: Models) -> HFSampler:
     """The sampler of a PPO run's policy."""
     return HFSampler(model=models.policy, tokenizer=models.tokenizer, stop_ids=models.stop_ids,
-                     precision=models.precision, holding=models.holding, compact=models.packs)
+                     precision=models.precision, holding=models.holding, compact=models.packs,
+                     compiler=models.compiler)
 
 
 def single_turn(models: Models) -> SingleTurn:
