@@ -167,6 +167,9 @@ CANDIDATES: dict[str, dict] = {
     "padding-free": {"padding_free": "auto", "micro_batch_tokens": "auto"},
     # bf16 autocast on a CPU with bf16 units (float32 master weights), with padding-free passes.
     "padding-free, bf16": {"padding_free": "auto", "micro_batch_tokens": "auto", "precision": "bf16-mixed"},
+    # Compiled passes and decode loop (torch.compile): the compile counted in the time.
+    "compiled": {"compile": True},
+    "padding-free, compiled": {"padding_free": "auto", "micro_batch_tokens": "auto", "compile": True},
     "2 ppo epochs, learning rate 6e-4": {"num_ppo_epochs": 2, "learning_rate": 6.0e-4},
     # The two that helped, together; and a larger step still.
     "learning rate 6e-4, clip 0.1, 2 minibatches": {"learning_rate": 6.0e-4, "clip_range": 0.1, "num_minibatches": 2},
