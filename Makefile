@@ -28,9 +28,16 @@ BENCH_VENV := .bench-venv
 bench-env:  ## the TRL 1.12 environment the benchmarks compare against, from locks/bench-trl.txt
 	scripts/locks.sh sync $(BENCH_VENV) locks/bench-trl.txt
 
-bench: install bench-env  ## PPO benchmark: ours against TRL 1.12's PPOTrainer on the same work, each phase, the machine's limits; appends to the history
+# Two sizes: the bench model (hidden 128, 4 layers: per-operation overhead bounds it) and a ~46M Llama
+# (hidden 512, 8 layers, MLP 3072: matrix-bound) on lighter work (32 episodes, 1 epoch of 2 minibatches,
+# 2 rounds of 2 timed iterations), each side also compiled (docs/performance.md).
+BENCH_LARGE := --hidden-size 512 --intermediate-size 3072 --num-layers 8 --num-heads 8 --rounds 2 --iterations 2 \
+	--set ppo.rollout_batch_size=32 --set ppo.num_ppo_epochs=1 --set ppo.num_minibatches=2
+bench: install bench-env  ## PPO benchmark at two model sizes: ours against TRL 1.12's PPOTrainer on the same work, each also compiled; each phase, the machine's limits; appends to the history
 	$(PY) -m bench.ppo --config $${BENCH_CONFIG:-configs/bench.yaml} --reference $(BENCH_VENV)/bin/python \
-		--history bench/results/bench-history.jsonl
+		--compiled --history bench/results/bench-history.jsonl
+	$(PY) -m bench.ppo --config $${BENCH_CONFIG:-configs/bench.yaml} --reference $(BENCH_VENV)/bin/python \
+		--compiled --history bench/results/bench-history.jsonl $(BENCH_LARGE)
 
 gpu-wheels: install  ## the wheels a lent GPU machine lacks (Python 3.12, the lock's versions) into .whl/, for scripts/gpu_check.sh
 	$(PY) -m bench.gpu_wheels
