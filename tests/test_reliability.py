@@ -123,10 +123,14 @@ def _golden(records: dict) -> dict:
 def _refresh(record: Path, now: dict) -> None:
     """`make golden`: this vendor's record written anew. Where its figures moved, every other vendor's
     record is marked as waiting for a refresh on a machine of that vendor (its test skips, saying so,
-    until then): the change that moved these moves those. Says which records wait."""
-    moved = _figure_differences(json.loads(record.read_text()), now) if record.exists() else ["no record before"]
+    until then): the change that moved these moves those. A refresh of a record that was waiting
+    is that catch-up, and marks nothing. Says which records wait."""
+    old = json.loads(record.read_text()) if record.exists() else None
+    moved = ["no record before"] if old is None else _figure_differences(old, now)
+    if old is not None and old.get("waiting_for_refresh"):
+        moved = []
     record.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {record.relative_to(REPO)}: commit it with the change that moved the figures")
+    print(f"wrote {record.name}: commit it with the change that moved the figures")
     for other in sorted(GOLDEN.glob("smoke-*.json")):
         if other == record:
             continue
@@ -136,7 +140,7 @@ def _refresh(record: Path, now: dict) -> None:
                                              f"({len(moved)} differences, first: {moved[0]})")
             other.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
         if golden.get("waiting_for_refresh"):
-            print(f"{other.relative_to(REPO)} waits for `{REFRESH}` on a machine of its vendor: "
+            print(f"{other.name} waits for `{REFRESH}` on a machine of its vendor: "
                   f"{golden['waiting_for_refresh']}")
 
 
@@ -181,3 +185,21 @@ def test_the_smoke_pipeline_matches_its_golden_record(first_run):
         + (f"\nthe stack moved since the record: {'; '.join(moved)}" if moved else
            "\nthe stack is the record's: a change of code or config moved them")
         + f"\nif the change is meant to move them, refresh the record deliberately with `{REFRESH}` and commit it")
+
+
+def test_a_refresh_that_moves_the_figures_leaves_the_other_vendors_record_waiting(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys.modules[__name__], "GOLDEN", tmp_path)
+    before = {"stages": {"ppo": {"checkpoint_digest": "a", "data_digest": "d", "metrics": {"train/kl": 1.0}}}}
+    after = {"stages": {"ppo": {"checkpoint_digest": "b", "data_digest": "d", "metrics": {"train/kl": 2.0}}}}
+    amd, intel = tmp_path / "smoke-amd.json", tmp_path / "smoke-intel.json"
+    for record in (amd, intel):
+        record.write_text(json.dumps(before))
+    _refresh(amd, after)  # the change moved the figures here: the Intel record waits
+    waiting = json.loads(intel.read_text())["waiting_for_refresh"]
+    assert waiting.startswith("the figures moved on amd (2 differences, first: ppo checkpoint_digest: a -> b)")
+    assert "smoke-intel.json waits for `make golden`" in capsys.readouterr().out
+    _refresh(intel, after)  # the catch-up on an Intel machine: its mark goes, and the AMD record is not marked
+    assert "waiting_for_refresh" not in json.loads(intel.read_text())
+    assert "waiting_for_refresh" not in json.loads(amd.read_text())
+    _refresh(amd, after)  # nothing moved: nothing waits
+    assert "waiting_for_refresh" not in json.loads(intel.read_text())
