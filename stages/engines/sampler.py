@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, StaticCache
 
 from stages.common.tensors import entropy_of, is_end, logprobs_of, truncate_after_eos
-from stages.runtime.compiling import Compiler
+from stages.runtime.compiling import Compiler, bucketed
 from stages.runtime.holding import Holding, Replicated
 from stages.runtime.models import Precision, left_padded, left_padded_ids, position_ids_for
 
@@ -113,8 +113,8 @@ class HFSampler:
     computed on to the longest response; its random draws leave with it, so the draws differ from
     the uncompacted loop's once a row ends."""
     compiler: Compiler = field(default_factory=Compiler)
-    """On: decode steps on a static KV cache, through the compiled model (`ppo.compile`); greedy, the
-    same tokens as the eager loop."""
+    """On: decode steps on a static KV cache, through the compiled model (`ppo.compile`), every row
+    to the longest response (`compact` is the eager loop's); greedy, the same tokens as the eager loop."""
 
     def sync(self, policy: torch.nn.Module) -> None:
         return None
@@ -205,7 +205,7 @@ class DecodeSteps:
     run: Callable
     """What the steps after the prefill call: the model, or its compiled forward."""
     drops_rows: bool = True
-    """Rows may leave the batch: not where the compiled graphs are per shape (a GPU's), which keep it whole."""
+    """Rows may leave the batch: not from a static cache, whose shape is the compiled graph's."""
     written: int = 0
     """Positions of the cache filled so far."""
 
@@ -214,10 +214,12 @@ class DecodeSteps:
               compiler: Compiler) -> DecodeSteps:
         if not compiler.enabled:
             return cls(model=model, cache=DynamicCache(), mask=query_mask, run=model)
-        width = compiler.bucket(query_mask.shape[1] + max_new_tokens)
+        # The static cache's tensors have fixed addresses, so its shape is part of the graph: widths
+        # rounded to buckets, and the batch kept whole (a row that ends is computed on, as without `compact`).
+        width = bucketed(query_mask.shape[1] + max_new_tokens)
         mask = torch.nn.functional.pad(query_mask, (0, width - query_mask.shape[1]), value=1)
         return cls(model=model, cache=StaticCache(config=model.config, max_cache_len=width), mask=mask,
-                   run=compiler(model), drops_rows=not compiler.static_shapes)
+                   run=compiler(model, "decode"), drops_rows=False)
 
     @property
     def static(self) -> bool:

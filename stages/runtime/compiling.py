@@ -17,6 +17,7 @@ the run's steps repay the compile, and the compiled pass matches the eager one.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,21 @@ def bucketed(n: int) -> int:
     16, 20, ..., 32, 40, 48, 56, 64, 80, ... """
     step = max(1, (1 << (max(n, 1).bit_length() - 1)) // BUCKETS_PER_OCTAVE)
     return -(-n // step) * step
+
+
+def _pass(model: torch.nn.Module, **inputs):
+    return model(**inputs)
+
+
+def _decode_step(model: torch.nn.Module, **inputs):
+    return model(**inputs)
+
+
+ENTRIES = {"pass": _pass, "decode": _decode_step}
+"""Where compiled calls enter, one function each: dynamo keeps its graphs per code object and checks
+their guards in turn on every call, so the decode loop's graph does not sit behind the passes'. On
+the bench model, within a compiled PPO run, one rollout's decode took 0.123-0.136 s through a
+shared entry against 0.120-0.129 s eager, and 0.090-0.108 s through its own against 0.114-0.156."""
 
 
 def _compiled_graphs() -> int:
@@ -75,13 +91,13 @@ class Compiler:
             self._graphs, self._seconds = _compiled_graphs(), _compile_seconds()
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
-    def __call__(self, model: torch.nn.Module) -> Callable:
-        """What a pass calls: `model`'s compiled forward, or `model` itself when off."""
+    def __call__(self, model: torch.nn.Module, purpose: str = "pass") -> Callable:
+        """What a pass (`pass`) or a decode step (`decode`) calls: `model` compiled, or `model` itself when off."""
         if not self.enabled:
             return model
-        if id(model) not in self._compiled:
-            self._compiled[id(model)] = torch.compile(model, dynamic=not self.static_shapes)
-        return self._compiled[id(model)]
+        if purpose not in self._compiled:
+            self._compiled[purpose] = torch.compile(ENTRIES[purpose], dynamic=not self.static_shapes)
+        return functools.partial(self._compiled[purpose], model)
 
     def bucket(self, n: int) -> int:
         """A dimension as a compiled pass takes it: `bucketed` with static shapes, else as it is."""
