@@ -9,7 +9,8 @@ the bench model at widths 41-64, one 21 s compile). Where the device wants stati
 whose CUDA graphs and tuned kernels are per shape), a compiled pass rounds its widths and rows up to
 a few sizes (`bucketed`: four per octave, at most a quarter more), so recompiles stay bounded.
 Either way the graphs compiled and the seconds spent compiling are counted per iteration
-(`perf/recompiles`, `time/compile`). The sampler's KV-cached decode loop is not compiled here.
+(`perf/recompiles`, `time/compile`). The sampler's decode steps enter through a function of their
+own (`ENTRIES`; `stages.engines.sampler.DecodeSteps` holds their static KV cache).
 
 `probe_compile` is `ppo.compile: auto`'s decision at load: compile only where a measured pass says
 the run's steps repay the compile, and the compiled pass matches the eager one.
