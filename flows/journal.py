@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ import mlflow
 import pandas as pd
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS
 
 from rlhf import tracking
 
@@ -283,16 +285,33 @@ def _table_sent(client: MlflowClient, run_id: str, entry: dict) -> bool:
     if "offset" not in entry:
         return False
     folder = os.path.dirname(entry["artifact_file"]) or None
-    if entry["artifact_file"] not in [listed.path for listed in client.list_artifacts(run_id, folder)]:
-        held = 0
-    else:
-        held = len(client.load_table(client.get_run(run_id).info.experiment_id, entry["artifact_file"], [run_id]))
+    held = 0
+    if entry["artifact_file"] in [listed.path for listed in client.list_artifacts(run_id, folder)]:
+        held = _stored_rows(client, run_id, entry["artifact_file"])
     if held == entry["offset"]:
         return False
     if held >= entry["offset"] + entry["rows"]:
+        _mark_table(client, run_id, entry["artifact_file"])
         return True
     raise ValueError(f"the table {entry['artifact_file']} of run {run_id} holds {held} rows; the journal expected "
                      f"{entry['offset']} before this entry's {entry['rows']}")
+
+
+def _stored_rows(client: MlflowClient, run_id: str, artifact_file: str) -> int:
+    """Rows of a run's table artifact, read from the file itself: `MlflowClient.load_table` finds tables
+    by the run's `mlflow.loggedArtifacts` tag, which `log_table` sets after the upload, so a kill between
+    the two leaves a table it cannot see (seen in `make test`'s SIGKILL test)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        stored = client.download_artifacts(run_id, artifact_file, scratch)
+        return len(pd.read_json(stored, orient="split", dtype=False, convert_dates=False))
+
+
+def _mark_table(client: MlflowClient, run_id: str, artifact_file: str) -> None:
+    """The run's `mlflow.loggedArtifacts` tag lists this table, as `log_table` leaves it (the UI's
+    evaluation view reads it): a kill after the upload may have left it out."""
+    logged = json.loads(client.get_run(run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+    if {"path": artifact_file, "type": "table"} not in logged:
+        client.set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps([*logged, {"path": artifact_file, "type": "table"}]))
 
 
 def _table_rows(path: Path) -> dict[str, int]:

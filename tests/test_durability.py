@@ -167,6 +167,13 @@ def test_a_replayed_journal_adds_no_table_rows_or_metric_points(tracking_store, 
         assert _table(run_id, "evaluation.json") == expected
         assert _table(run_id, "samples/iteration_00001.json") == [["d", "w"]]
         assert len(MlflowClient().get_metric_history(run_id, "loss")) == 1
+    # A kill between `log_table`'s upload and its tag: the table is there, MLflow's tag does not list it.
+    MlflowClient().set_tag(run_id, "mlflow.loggedArtifacts", "[]")
+    (folder / f"{run_id}.sent").write_text("1")
+    send_leftovers(folder)
+    assert _table(run_id, "evaluation.json") == expected
+    logged = json.loads(MlflowClient().get_run(run_id).data.tags["mlflow.loggedArtifacts"])
+    assert {"path": "evaluation.json", "type": "table"} in logged  # put back, as `log_table` leaves it
     reopened = RunJournal(run_id, folder, outage_limit_s=600)  # a reopened journal continues the table
     reopened.table(pd.DataFrame({"user": ["e"], "response": ["v"]}), "evaluation.json")
     reopened.close()
