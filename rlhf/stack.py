@@ -16,6 +16,7 @@ import hashlib
 import platform
 import re
 import sys
+import sysconfig
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
@@ -57,10 +58,12 @@ def read_lock(path: Path) -> dict[str, str]:
 
 
 def installed(site: Path | None = None) -> dict[str, str]:
-    """Every distribution installed in this interpreter (or in the site-packages folder `site`), by
-    normalized name."""
-    dists = metadata.distributions(path=[str(site)]) if site is not None else metadata.distributions()
-    return {normalized(d.metadata["Name"]): d.version for d in dists if d.metadata["Name"]}
+    """Every distribution installed in this interpreter's site-packages (or in the folder `site`), by
+    normalized name: the environment's own folders, not all of `sys.path`, to which a library may add
+    its vendored packages at run time (setuptools' `_vendor`, once torch.compile builds a kernel)."""
+    folders = [str(site)] if site is not None else sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+    return {normalized(d.metadata["Name"]): d.version for d in metadata.distributions(path=folders)
+            if d.metadata["Name"]}
 
 
 def lock_differences(lock: dict[str, str], have: dict[str, str]) -> list[str]:
