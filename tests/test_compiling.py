@@ -8,6 +8,8 @@ graphs and compile time; and `auto` spends no compile where the run is too short
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -18,6 +20,18 @@ from stages.rl.ppo_models import compiler_for, forward_response
 from stages.runtime.compiling import Compiler, bucketed
 from stages.runtime.models import resolve_precision
 from stages.runtime.packing import Passes, pack
+
+
+@pytest.fixture(autouse=True)
+def _compiling_leaves_nothing_behind():
+    """What compiling leaves in the process goes with each test (the worker runs other test files
+    after this one): dynamo's caches and the fake tensors they hold, the raised recompile limit, and
+    the folder setuptools appends to `sys.path` when inductor builds a kernel."""
+    path, limit = list(sys.path), torch._dynamo.config.recompile_limit
+    yield
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = limit
+    sys.path[:] = path
 
 
 def test_buckets_are_four_sizes_per_octave_and_never_smaller():
