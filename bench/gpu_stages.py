@@ -270,7 +270,8 @@ def chain(world_name: str, cfg, base: str, world: Path, work: Path, changes: dic
     reward_checkpoint = str(trained.checkpoint)
 
     def run_ppo(section, folder: Path, reporting=None, policy: str = sft_checkpoint):
-        inputs = PPOInputs(policy, reward_checkpoint, prompts, eval_prompts)
+        inputs = PPOInputs(sft_location=policy, reward_location=reward_checkpoint,
+                           prompts=prompts, eval_prompts=eval_prompts)
         return run("ppo", train_ppo, section, inputs, policy, folder, reporting)
 
     prompt_tokens = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts["prompt"])

@@ -92,7 +92,8 @@ def jobs(root: Path) -> dict[str, Job]:
     reward_inputs = RewardInputs(model_location=sft, policy_location=sft, train=frames["preferences"],
                                  evaluation=frames["preferences_eval"], normalization_prompts=frames["prompts_eval"])
     dpo_inputs = DPOInputs(sft, frames["preferences"], frames["preferences_eval"], frames["prompts_eval"])
-    ppo_inputs = PPOInputs(sft, reward, frames["prompts"], frames["prompts_eval"])
+    ppo_inputs = PPOInputs(sft_location=sft, reward_location=reward,
+                           prompts=frames["prompts"], eval_prompts=frames["prompts_eval"])
 
     def stage(train, section, inputs):
         def run(folder: Path) -> str:

@@ -142,8 +142,9 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
                                                    evaluation=data("preferences_eval", "preference"),
                                                    normalization_prompts=data("prompts_eval", "prompt"))
     else:
-        train, inputs = train_ppo, PPOInputs(checkpoint, checkpoint, data("prompts", "prompt"),
-                                             data("prompts_eval", "prompt"))
+        train, inputs = train_ppo, PPOInputs(sft_location=checkpoint, reward_location=checkpoint,
+                                             prompts=data("prompts", "prompt"),
+                                             eval_prompts=data("prompts_eval", "prompt"))
     eval_prompts = len(data("prompts_eval", "prompt"))
     planned = plan(cfg, [stage], {"policy": model_shape(checkpoint)}, Device("cpu", psutil.virtual_memory().total),
                    Counts(eval_prompts, eval_prompts, eval_prompts)).stages[stage]

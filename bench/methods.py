@@ -197,7 +197,8 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
         result = train_dpo(cfg.dpo, DPOInputs(str(sft_folder), *pairs, eval_prompts), out)
     else:
         result = train_ppo(with_overrides(cfg.ppo, {"evaluation.every": None}),
-                           PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts), out,
+                           PPOInputs(sft_location=str(sft_folder), reward_location=str(reward_folder),
+                                     prompts=prompts, eval_prompts=eval_prompts), out,
                            Reporting(metrics=metrics))
     seconds = time.perf_counter() - clock
     table = result.evaluation

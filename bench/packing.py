@@ -93,7 +93,8 @@ def learners(assets: Path, config_file: str, precisions: list[str], out: Path) -
 
     base = load_config(config_file).ppo
     prompts = pd.read_json(assets / "prompts.jsonl", lines=True)
-    inputs = PPOInputs(str(assets / "policy"), str(assets / "reward"), prompts, prompts.head(4))
+    inputs = PPOInputs(sft_location=str(assets / "policy"), reward_location=str(assets / "reward"),
+                       prompts=prompts, eval_prompts=prompts.head(4))
     built = {}
     for precision in precisions:
         for name, setting in SETTINGS.items():

@@ -280,7 +280,8 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
     prompts = pd.read_json(assets / "prompts.jsonl", lines=True)
     eval_prompts = pd.read_json(assets / "eval_prompts.jsonl", lines=True).head(8)
     with tempfile.TemporaryDirectory() as out:
-        train_ppo(cfg, PPOInputs(str(assets / "policy"), str(assets / "reward"), prompts, eval_prompts), Path(out),
+        train_ppo(cfg, PPOInputs(sft_location=str(assets / "policy"), reward_location=str(assets / "reward"),
+                                 prompts=prompts, eval_prompts=eval_prompts), Path(out),
                   Reporting(metrics=record))
     assert torch.get_num_threads() == threads
     return {"rows": rows, "peak_memory_mb": peak_memory_mb(), "once": once, **counted}

@@ -211,7 +211,8 @@ def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_promp
     reporting = Reporting(rollouts=lambda table, i: gold.update({i: mean_gold_reward(list(table["prompt_messages"]),
                                                                                 list(table["response"]))}),
                           evaluation=lambda table, i: evaluations.update({i: table}))
-    result = train_ppo(ppo_cfg, PPOInputs(str(sft_folder), str(reward_folder), prompts, eval_prompts), out, reporting)
+    result = train_ppo(ppo_cfg, PPOInputs(sft_location=str(sft_folder), reward_location=str(reward_folder),
+                                          prompts=prompts, eval_prompts=eval_prompts), out, reporting)
     clock = dict(zip([row["iteration"] for row in result.history],
                      np.cumsum([row["time/iteration"] for row in result.history]).tolist(), strict=True))
     evaluations[len(result.history)] = result.evaluation

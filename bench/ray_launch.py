@@ -75,7 +75,8 @@ def main() -> None:
         "dpo": (train_dpo, cfg.dpo.model_copy(update={"max_steps": 8, "batch_size": 8}),
                 DPOInputs(sft, frames["preferences"], frames["preferences_eval"], frames["prompts_eval"])),
         "ppo": (train_ppo, with_overrides(cfg.ppo, {"num_iterations": 4, "checkpoint_every": 2}),
-                PPOInputs(sft, reward, frames["prompts"], frames["prompts_eval"])),
+                PPOInputs(sft_location=sft, reward_location=reward,
+                          prompts=frames["prompts"], eval_prompts=frames["prompts_eval"])),
     }
     seconds: dict[str, dict[str, list[float]]] = {s: {"local": [], "ray": []} for s in args.stages}
     launch_seconds: dict[str, list[float]] = {s: [] for s in args.stages}

@@ -119,7 +119,8 @@ def ppo_row(variant: str, checkpoint: str, world: Path, work: Path, response_len
                                             budget=budget).frame for name in ("prompts", "prompts_eval"))
     shutil.rmtree(work, ignore_errors=True)
     clock = time.perf_counter()
-    result = train_ppo(cfg, PPOInputs(checkpoint, checkpoint, prompts, eval_prompts), work)
+    result = train_ppo(cfg, PPOInputs(sft_location=checkpoint, reward_location=checkpoint,
+                                      prompts=prompts, eval_prompts=eval_prompts), work)
     stage_seconds = time.perf_counter() - clock
     later = result.history[1:]  # sampling ahead starts with iteration 2
     mean = lambda key: sum(h.get(key, 0.0) for h in later) / len(later)  # noqa: E731

@@ -166,7 +166,8 @@ def run_engine(name: str, checkpoint: str, world: Path, work: Path) -> dict:
     shutil.rmtree(work, ignore_errors=True)  # a fresh run: an earlier one's full-state checkpoint would be resumed
     figures_dir = work / "figures"
     figures_dir.mkdir(parents=True)
-    inputs = Measured(PPOInputs(checkpoint, checkpoint, prompts, eval_prompts), figures_dir)
+    inputs = Measured(PPOInputs(sft_location=checkpoint, reward_location=checkpoint,
+                                prompts=prompts, eval_prompts=eval_prompts), figures_dir)
     result = call_stage(measured_ppo, cfg, inputs, work / "stage", Reporting(), deterministic=False, num_threads=None)
     ranks = [json.loads(p.read_text()) | json.loads((figures_dir / f"peak-{p.name}").read_text())
              for p in sorted(figures_dir.glob("rank-*.json"))]

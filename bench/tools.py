@@ -65,7 +65,8 @@ def run(ppo_cfg, sft: Path, frames: dict, out: Path) -> dict:
     from stages.ppo import PPOInputs, train_ppo
 
     shutil.rmtree(out, ignore_errors=True)
-    result = train_ppo(ppo_cfg, PPOInputs(str(sft), None, frames["prompts"], frames["prompts_eval"]), out)
+    result = train_ppo(ppo_cfg, PPOInputs(sft_location=str(sft), reward_location=None,
+                                          prompts=frames["prompts"], eval_prompts=frames["prompts_eval"]), out)
     return {"table": result.evaluation, "metrics": result.metrics,
             "train_seconds": float(sum(row["time/iteration"] for row in result.history)),
             "final_rollout": {k: v for k, v in result.history[-1].items() if k.startswith("rollout/")}}

@@ -199,7 +199,8 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
             judged["evaluation"] = GoldJudgments.of_evaluations(run.scratch, run.log)
         reporting = run.reporting(samples=lambda table, i: run.table(table, f"samples/iteration_{i:05d}.json"),
                                   **judged)
-        return StageJob(train_ppo, PPOInputs(sft_location, reward_location, train.frame, evaluation.frame), train,
+        return StageJob(train_ppo, PPOInputs(sft_location=sft_location, reward_location=reward_location,
+                                             prompts=train.frame, eval_prompts=evaluation.frame), train,
                         reporting, lambda result, metrics: ppo_report(result, metrics, run.warnings, gold,
                                                                       demo_evaluation),
                         registered_on=evaluation.digest)

@@ -20,7 +20,7 @@ from prefect.context import get_run_context
 
 from flows.lineage import StageRecord
 from rlhf import tracking
-from rlhf.config_ppo import RewardTermsConfig
+from rlhf.config_reward_terms import RewardTermsConfig
 from rlhf.demo.world import gold_accuracy, judge_evaluation, last_user_turns, mean_gold_reward
 from schemas.adapters import last_user_message
 

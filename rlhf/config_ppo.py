@@ -24,12 +24,12 @@ from rlhf.config_common import (
     EvaluationConfig,
     LoRAConfig,
     PolicyLoRAConfig,
-    RemoteRewardConfig,
     SampledStage,
     SamplingConfig,
     TrainedStage,
     _Frozen,
 )
+from rlhf.config_reward_terms import RewardTermsConfig, TeacherConfig
 
 
 class PPOEvaluationConfig(EvaluationConfig):
@@ -97,35 +97,6 @@ class WarningsConfig(_Frozen):
     """Warn when max abs(ratio - 1) before an iteration's first update exceeds this; unset: 1e-3 fp32, 5e-2 16-bit."""
 
 
-class RewardTerm(_Frozen):
-    """One term of the RL stage's reward: the reward model handed down by the reward stage, a Python
-    function, or a server (`remote`)."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    """How the term is logged (`rollout/reward/<name>`) and shown in the samples table."""
-    weight: float = 1.0
-    """Its weight in the score the stage uses: the weighted sum of every term."""
-    function: str | None = None
-    """`module:function` scoring a batch's responses (a float or None each); unset, no `remote`: the reward model."""
-    remote: RemoteRewardConfig | None = None
-    """A server that scores the responses: a scoring endpoint or an LLM judge; unset: not remote."""
-
-    @property
-    def is_model(self) -> bool:
-        """Whether this term is the reward model handed down by the reward stage."""
-        return self.function is None and self.remote is None
-
-
-class OverlongConfig(_Frozen):
-    """DAPO's soft overlong penalty, a reward term (`overlong`): 0 for a response up to `buffer`
-    tokens short of `sampling.response_length`, then falling linearly to -1 at the limit."""
-
-    buffer: PositiveInt = 4
-    """L_cache: the last this many tokens before the length limit, over which the penalty falls from 0 to -1."""
-    weight: PositiveFloat = 1.0
-    """Its weight in the score (DAPO's penalty factor)."""
-
-
 class DynamicSamplingConfig(_Frozen):
     """DAPO's dynamic sampling: prompt groups whose rewards are all equal carry no signal for a group
     baseline; drop them and sample more prompts until the batch is full of groups that differ."""
@@ -188,69 +159,6 @@ class EnvironmentConfig(_Frozen):
         return self
 
 
-class RewardTermsConfig(_Frozen):
-    """What the RL stage's score is: the weighted sum of its terms."""
-
-    terms: list[RewardTerm] = [RewardTerm(name="reward_model")]
-    """The terms; at most one is the reward model (no `function` or `remote`); with none no reward stage is needed."""
-    paths: list[str] = []
-    """Folders put in front of the import path to find `function` terms (absolute, or relative to the run's folder)."""
-    columns: list[str] = []
-    """Extra columns of the `prompts` records (e.g. `answer`) that every record must have and the functions receive."""
-    sees_reasoning: bool = False
-    """Whether the terms score an episode's last turn with its reasoning block; by default they see the answer alone."""
-    overlong: OverlongConfig | None = None
-    """DAPO's soft overlong penalty as a term named `overlong` (`rollout/reward/overlong`); unset: none."""
-
-    @model_validator(mode="after")
-    def _terms_are_distinct(self) -> RewardTermsConfig:
-        """At least one term, each under a name of its own (`overlong` taken by `reward.overlong`)."""
-        names = [term.name for term in self.terms]
-        if not names:
-            raise ValueError("reward.terms: give at least one term (the reward model, or a function)")
-        if len(set(names)) < len(names):
-            raise ValueError(f"reward.terms: names must differ, got {names}")
-        if self.overlong is not None and OVERLONG_TERM in names:
-            raise ValueError(f"reward.terms: {OVERLONG_TERM!r} is the name of reward.overlong's term; rename yours")
-        return self
-
-    @model_validator(mode="after")
-    def _terms_are_well_formed(self) -> RewardTermsConfig:
-        """At most one term is the reward model; a term is a function or a server, not both; a function is named."""
-        if sum(term.is_model for term in self.terms) > 1:
-            raise ValueError("reward.terms: at most one term is the reward model (one without `function` or `remote`)")
-        for term in self.terms:
-            if term.function is not None and term.remote is not None:
-                raise ValueError(f"reward.terms[{term.name}]: a term is a `function` or a `remote` server, not both")
-            if term.function is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", term.function):
-                raise ValueError(f"reward.terms[{term.name}].function: {term.function!r} is not 'module:function'")
-        return self
-
-    @property
-    def uses_model(self) -> bool:
-        """Whether a reward model scores (a term without `function` or `remote`)."""
-        return any(term.is_model for term in self.terms)
-
-    @property
-    def functions(self) -> list[RewardTerm]:
-        return [term for term in self.terms if term.function is not None]
-
-    @property
-    def remotes(self) -> list[RewardTerm]:
-        return [term for term in self.terms if term.remote is not None]
-
-    @property
-    def pairwise(self) -> list[RewardTerm]:
-        """The judges that compare each response with a response of the SFT policy (`parse: choice`)."""
-        return [term for term in self.remotes if term.remote.pairwise]
-
-    @property
-    def weights(self) -> dict[str, float]:
-        """Each term's weight by name, the overlong penalty's included: what the score sums."""
-        overlong = {OVERLONG_TERM: self.overlong.weight} if self.overlong is not None else {}
-        return {term.name: term.weight for term in self.terms} | overlong
-
-
 class PPOConfig(TrainedStage, SampledStage):
     """PPO fine-tuning of the SFT policy against the frozen reward model (and the critic-free estimators GRPO,
     RLOO, REINFORCE++)."""
@@ -259,7 +167,9 @@ class PPOConfig(TrainedStage, SampledStage):
     prompts: DataSource = DataSource(path="demo:prompts")
     """Prompts for rollouts, cycled in a seeded shuffled order."""
     reward: RewardTermsConfig = RewardTermsConfig()
-    """The score: the reward model's, Python functions', or a weighted sum of both."""
+    """The score: the reward model's, Python functions', or a weighted sum of both; `distill`: none unless given."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation: a frozen teacher's per-token term in the reward (`distill`: alone); unset: none."""
     lora: PolicyLoRAConfig | None = None
     """Train LoRA adapters on the policy instead of all its weights; the reference is the policy with adapters off."""
     sampling: SamplingConfig = SamplingConfig()
@@ -268,8 +178,8 @@ class PPOConfig(TrainedStage, SampledStage):
     """PPO iterations (rollout, score, update)."""
     rollout_batch_size: PositiveInt = 64
     """Responses per iteration, over all processes together: `rollout_batch_size / samples_per_prompt` prompts."""
-    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce++", "reinforce++-baseline"] = "gae"
-    """How tokens get advantages: GAE with a critic (`gae`), or from scores alone (`grpo`, `rloo`, `reinforce++`)."""
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce++", "reinforce++-baseline", "distill"] = "gae"
+    """How tokens get advantages: GAE with a critic (`gae`), from scores (`grpo`, ...), or by a teacher (`distill`)."""
     samples_per_prompt: PositiveInt | Literal["auto"] = "auto"
     """Responses per prompt per iteration (a group); `auto`: 1 for `gae` and `reinforce++`, 4 for group estimators."""
     group_std_normalize: bool = True
@@ -366,6 +276,8 @@ class PPOConfig(TrainedStage, SampledStage):
         if not isinstance(data, dict):
             return data
         estimator = data.get("advantage_estimator", "gae")
+        if estimator == "distill" and "reward" not in data:  # pure distillation: the teacher's term is the reward
+            data = data | {"reward": {"terms": []}}
         if data.get("samples_per_prompt", "auto") == "auto":
             data = data | {"samples_per_prompt": GROUP_SIZE if estimator in GROUP_ESTIMATORS else 1}
         critic = data.get("critic", "auto")
@@ -433,6 +345,16 @@ class PPOConfig(TrainedStage, SampledStage):
             raise ValueError(f"critic.kind {self.critic.kind!r} starts from the reward model, but reward.terms has no "
                              "reward-model term (a term without `function`): use critic.kind 'policy', 'shared' or "
                              "'detached', or a critic-free advantage_estimator (grpo, rloo, reinforce++)")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_gives_the_reward(self) -> PPOConfig:
+        """`distill` distils a teacher; a reward without terms is the teacher's term alone."""
+        if self.teacher is None and self.advantage_estimator == "distill":
+            raise ValueError("advantage_estimator 'distill' learns from a teacher's log-probs: set teacher.model "
+                             "(a folder, runs:/<run id>/checkpoint or models:/<name>@<alias>)")
+        if self.teacher is None and not self.reward.terms:
+            raise ValueError("reward.terms: give at least one term (the reward model, or a function), or a teacher")
         return self
 
     @model_validator(mode="after")
@@ -574,11 +496,9 @@ def _warm_up(kind: str, num_iterations: int) -> int:
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce++-baseline")
 """Advantage estimators whose baseline is the other responses to the same prompt."""
-OVERLONG_TERM = "overlong"
-"""The name of `reward.overlong`'s term."""
 GROUP_SIZE = 4
 """`samples_per_prompt: auto` for a group estimator (docs/methods.md; docs/performance.md)."""
-KL_COEF = {"grpo": 0.2}
-"""`kl.init_coef: auto` where an estimator needs other than 0.05."""
+KL_COEF = {"grpo": 0.2, "distill": 0.0}
+"""`kl.init_coef: auto` where an estimator needs other than 0.05 (`distill`: no KL to the SFT policy, as published)."""
 WARM_UP_SHARE = 0.1
 """`critic.freeze_policy_iterations: auto`: the share of iterations an untrained value head learns alone."""

@@ -6,6 +6,7 @@ One iteration of `train_ppo` reads top to bottom (the steps are numbered in `_tr
                needs besides: old log-probs, values (GAE only), reference log-probs, under the
                models as they are now; then the scores: the reward model's (its normalisation
                fitted on the run's first round), Python reward functions', their weighted sum.
+               With a distillation teacher, its log-probs of the sampled tokens.
                One round, DAPO's dynamic sampling, or sampled ahead on the vLLM server
                (`rollout.max_staleness`): chosen once, before the loop (`stages.rl.ppo_sampling`)
   2 advantage  where the KL coefficient beta goes (`kl_weights`: the reward, or GRPO's loss term);
@@ -16,6 +17,8 @@ One iteration of `train_ppo` reads top to bottom (the steps are numbered in `_tr
                grpo         (score - group mean) / group std on every token; KL goes to the loss
                rloo         R = score - beta * sum KL; R minus the mean of the group's others
                reinforce++  discounted returns of r_t (score minus group mean for -baseline); whitened
+               distill      r_t alone (discount 0, no baseline): with a teacher (`ppo.teacher`), every
+                            estimator's r_t also holds w * (log p_teacher - log p_policy) on each token
   3 update     num_ppo_epochs x shuffled minibatches (micro-batches accumulate):
                loss = -L_clip [+ c1 L_V] - c2 H [+ c3 KL]; grad-norm clip; AdamW, warmup + linear decay
   4 sync       the policy's weights to the sampler (a vLLM server takes them with nothing in flight)
@@ -74,7 +77,7 @@ from stages.runtime.holding import held_as, holding_for
 from stages.runtime.models import resolve_precision, saved_dtype_and_tags
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PPOInputs:
     sft_location: str
     """The SFT checkpoint: the policy's start and the reference it is kept near."""
@@ -85,6 +88,8 @@ class PPOInputs:
     """Validated prompts to train on."""
     eval_prompts: pd.DataFrame
     """Validated held-out prompts for the evaluations (every `eval_every` iterations and at the end)."""
+    teacher_location: str | None = None
+    """The distillation teacher's folder (`ppo.teacher`, resolved by the caller); None without a teacher."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -109,7 +114,7 @@ def build_learner(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> Learne
     torch.manual_seed(cfg.seed)
     autocast = resolve_precision(cfg.precision).autocast_dtype
     holding = holding_for(accelerator, cfg.launch, cfg.sharded_sampling, autocast, cfg.offload_frozen)
-    models = load_models(cfg, inputs.sft_location, inputs.reward_location, holding)
+    models = load_models(cfg, inputs.sft_location, inputs.reward_location, holding, inputs.teacher_location)
     if accelerator.process_index > 0:
         torch.manual_seed(cfg.seed + accelerator.process_index)
     actor_critic = holding.trained(ActorCritic(models))  # DDP or FSDP2 on several processes; as is on one
@@ -205,6 +210,9 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
     if cfg.reward.uses_model and inputs.reward_location is None:
         raise StageUserError("ppo: reward.terms has a reward-model term (a term without `function`), but no reward "
                              "checkpoint was given; run the reward stage, or make every term a function")
+    if cfg.teacher is not None and inputs.teacher_location is None:
+        raise StageUserError(f"ppo: teacher.model is {cfg.teacher.model!r}, but no teacher folder was given "
+                             "(PPOInputs.teacher_location: the flow resolves runs:/ and models:/ to one)")
     if not cfg.reward.uses_model:  # a reward of functions alone: no reward model is loaded, whatever was passed
         inputs = replace(inputs, reward_location=None)
     cfg = with_micro_batches("ppo", cfg, Counts(ppo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,

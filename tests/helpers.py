@@ -89,12 +89,20 @@ def reward_inputs(world: Path, tokenizer, trained: dict):
                         normalization_prompts=dataset(world, tokenizer, "prompts_eval"))
 
 
+def ppo_inputs(trained: dict, reward: bool = True, teacher: str | None = None):
+    """The PPO stage's inputs from the session's checkpoints and prompts (`reward` False: no reward model)."""
+    from stages.ppo import PPOInputs
+
+    return PPOInputs(sft_location=trained["sft"], reward_location=trained["reward"] if reward else None,
+                     prompts=trained["prompts"], eval_prompts=trained["eval_prompts"], teacher_location=teacher)
+
+
 def run_ppo(cfg, trained: dict, out: Path, reporting=None):
     """PPO in this process from the session's SFT and reward checkpoints."""
     from stages.common.reporting import Reporting
-    from stages.ppo import PPOInputs, train_ppo
+    from stages.ppo import train_ppo
 
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    inputs = ppo_inputs(trained)
     return train_ppo(cfg, inputs, out, reporting or Reporting())
 
 

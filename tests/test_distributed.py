@@ -22,10 +22,10 @@ from rlhf.config import with_overrides
 from rlhf.config_common import LaunchConfig
 from stages.common.reporting import Reporting
 from stages.launch.call import call_stage
-from stages.ppo import PPOInputs, train_ppo
+from stages.ppo import train_ppo
 from stages.reward import train_reward
 from stages.sft import train_sft
-from tests.helpers import close, reward_inputs, sft_inputs
+from tests.helpers import close, ppo_inputs, reward_inputs, sft_inputs
 
 pytestmark = pytest.mark.multiprocess  # every test launches a stage on two processes
 
@@ -70,7 +70,7 @@ def test_ppo_on_two_processes_samples_apart_and_lands_where_one_does(tiny_config
     one_cfg = with_overrides(tiny_config.ppo, {"num_iterations": 6, "rollout_batch_size": 16, "learning_rate": 1e-3,
                                                "evaluation.samples_per_prompt": 4})
     two_cfg = one_cfg.model_copy(update={"launch": TWO})
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    inputs = ppo_inputs(trained)
     one, _ = _run(train_ppo, one_cfg, inputs, tmp_path / "one")
     samples, rollouts = [], []
     reporting = Reporting(samples=lambda table, i: samples.append((i, len(table))),

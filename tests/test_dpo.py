@@ -10,7 +10,7 @@ from rlhf.config import with_overrides
 from stages.common.reporting import Reporting
 from stages.dpo import DPOInputs, encoded_pairs, train_dpo
 from stages.runtime.models import encode_replies, load_tokenizer, stop_token_ids
-from tests.helpers import resumes_past_torn_saves
+from tests.helpers import ppo_inputs, resumes_past_torn_saves
 
 
 def _inputs(trained, pairs):
@@ -55,12 +55,12 @@ def test_dpo_lowers_its_loss_and_is_judged_against_sft(tiny_config, trained, pai
 
 def test_the_sft_baseline_is_ppos_for_the_same_evaluation_settings(tiny_config, trained, pairs, tmp_path):
     """DPO and PPO judged against the same SFT responses: their win rates compare."""
-    from stages.ppo import PPOInputs, train_ppo
+    from stages.ppo import train_ppo
 
     dpo = train_dpo(tiny_config.dpo.model_copy(update={"max_steps": 2}), _inputs(trained, pairs), tmp_path / "dpo")
     ppo_cfg = with_overrides(tiny_config.ppo, {"num_iterations": 1, "sampling": tiny_config.dpo.sampling,
                                                "evaluation.every": None})
-    ppo = train_ppo(ppo_cfg, PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"]),
+    ppo = train_ppo(ppo_cfg, ppo_inputs(trained),
                     tmp_path / "ppo")
     assert list(dpo.evaluation["sft_response"]) == list(ppo.evaluation["sft_response"])
 

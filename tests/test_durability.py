@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from rlhf import tracking
 from stages.rl.ppo_state import complete_state, write_atomically
+from tests.helpers import ppo_inputs
 
 ONE_PROCESS = SimpleNamespace(is_main_process=True, wait_for_everyone=lambda: None)
 """What `write_atomically` needs of an Accelerator, for one process."""
@@ -276,12 +277,12 @@ def test_ranks_die_with_a_sigkilled_caller_and_the_rerun_resumes_to_the_uninterr
     from rlhf.config import with_overrides
     from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
-    from stages.ppo import PPOInputs, train_ppo
+    from stages.ppo import train_ppo
     from stages.runtime.models import folder_digest
 
     cfg = with_overrides(tiny_config.ppo, {"launch": {"num_processes": 2}, "num_iterations": 12,
                                            "checkpoint_every": 2, "evaluation.every": None})
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    inputs = ppo_inputs(trained)
     whole = call_stage(train_ppo, cfg, inputs, tmp_path / "whole", Reporting(), deterministic=True, num_threads=2)
 
     (tmp_path / "call.pkl").write_bytes(pickle.dumps((cfg, inputs)))

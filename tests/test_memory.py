@@ -17,6 +17,7 @@ from rlhf.config_common import LoRAConfig, PolicyLoRAConfig
 from stages.memory.phases import Counts, Device
 from stages.memory.plan import AUTO_MARGIN, plan, plan_stage, ranks_per_node, resolve_micro_batches, resolved_values
 from stages.memory.shapes import GIB, model_shape, reward_shape
+from tests.helpers import ppo_inputs
 
 GPU_80GB = ["--device-memory", str(80e9 / GIB), "--device-kind", "gpu"]
 
@@ -214,7 +215,7 @@ def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tm
     """Weights, gradients and AdamW state counted from the tensors after the first update against
     the plan's `state_bytes`, for a full and a LoRA policy with each critic that loads a model."""
     import stages.ppo
-    from stages.ppo import PPOInputs, train_ppo
+    from stages.ppo import train_ppo
 
     shapes = {"policy": model_shape(trained["sft"])}
     real_update = stages.ppo.ppo_update
@@ -231,7 +232,7 @@ def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tm
 
         monkeypatch.setattr(stages.ppo, "ppo_update", update)
         cfg = with_overrides(tiny_config.ppo, {"num_iterations": 1, "evaluation.every": None} | changes)
-        train_ppo(cfg, PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"]),
+        train_ppo(cfg, ppo_inputs(trained),
                   tmp_path / str(run))
         pipeline = tiny_config.model_copy(update={"ppo": cfg})
         predicted = plan(pipeline, ["ppo"], shapes, Device("cpu", 24 * GIB), Counts(8, 8, 8)).stages["ppo"]

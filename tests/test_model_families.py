@@ -74,8 +74,9 @@ def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
     ppo_cfg = with_overrides(tiny_config.ppo, {"max_prompt_length": budget.max_prompt_length,
                                                "sampling.response_length": 8, "num_iterations": 2, "precision": "fp32"})
     warnings = []
-    ppo = train_ppo(ppo_cfg, PPOInputs(str(sft.checkpoint), str(reward.checkpoint), data("prompts", "prompt"),
-                                       data("prompts_eval", "prompt")), tmp_path / "ppo",
+    ppo = train_ppo(ppo_cfg, PPOInputs(sft_location=str(sft.checkpoint), reward_location=str(reward.checkpoint),
+                                       prompts=data("prompts", "prompt"), eval_prompts=data("prompts_eval", "prompt")),
+                    tmp_path / "ppo",
                     Reporting(warning=warnings.append))
 
     # bf16 in, float32 trained, bf16 out

@@ -39,6 +39,7 @@ from stages.math.ppo_math import (
     policy_ratio,
     rloo_advantages,
     sequence_rewards,
+    teacher_rewards,
     token_rewards,
     weighted_reward,
 )
@@ -321,6 +322,33 @@ def test_kl_estimators_and_token_rewards():
                             torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
     # -beta * KL on real tokens, the score added at the last real one (t=2), nothing after
     assert rewards.tolist()[0] == pytest.approx([-0.05, -0.1, 1.85, 0.0])
+
+
+def test_the_teachers_term_is_the_negative_reverse_kl_worked_by_hand_on_a_vocabulary_of_three():
+    """Student p = (1/2, 1/4, 1/4), teacher q = (1/4, 1/2, 1/4) at one position, as logits.
+    KL(p || q) = 1/2 ln(2) + 1/4 ln(1/2) + 1/4 ln(1) = ln(2) / 4 = 0.1733.
+    The term on a sampled token y is w (ln q(y) - ln p(y)): y = 0 gives -w ln 2, y = 1 gives +w ln 2, y = 2
+    gives 0; weighted by how often the student samples each, its mean is -w KL(p || q)."""
+    p, q = torch.tensor([0.5, 0.25, 0.25]), torch.tensor([0.25, 0.5, 0.25])
+    tokens = torch.tensor([[0, 1, 2]])  # (1, 3): one response sampling each token once
+    mask = torch.ones(1, 3)
+    student = logprobs_of(p.log().expand(1, 3, 3), tokens, temperature=1.0)  # (1, 3) ln p(y_t)
+    teacher = logprobs_of(q.log().expand(1, 3, 3), tokens, temperature=1.0)  # (1, 3) ln q(y_t)
+    w = 0.5
+    rewards = teacher_rewards(student, teacher, w, mask)
+    ln2 = math.log(2)
+    assert rewards.tolist()[0] == pytest.approx([-w * ln2, w * ln2, 0.0], abs=1e-6)
+    direct = (p * (p / q).log()).sum().item()  # KL(p || q) from the two distributions
+    assert direct == pytest.approx(ln2 / 4)
+    # Unbiased: the student's own sampling weights give -w KL exactly, for k1 and for k3.
+    for estimator in ("k1", "k3"):
+        mean = (p * teacher_rewards(student, teacher, w, mask, estimator)[0]).sum().item()
+        assert mean == pytest.approx(-w * direct, abs=1e-6), estimator
+    # k3 on the sampled tokens by hand: (q/p - 1) - ln(q/p) = (1/2 - 1) + ln 2, (2 - 1) - ln 2, 0.
+    assert (-teacher_rewards(student, teacher, 1.0, mask, "k3")).tolist()[0] == pytest.approx(
+        [ln2 - 0.5, 1 - ln2, 0.0], abs=1e-6)
+    # Masked tokens (a tool's answer, padding) carry no term.
+    assert teacher_rewards(student, teacher, w, torch.tensor([[1.0, 0.0, 1.0]])).tolist()[0][1] == 0.0
 
 
 def test_logprobs_and_entropy_use_temperature_scaled_logits():

@@ -6,6 +6,7 @@ trimming act on every field by the axis it declares."""
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 
 import pytest
@@ -71,6 +72,7 @@ def test_each_estimator_in_the_table_is_its_equation():
         "reinforce++": (discounted_returns(rewards, e.mask, e.gamma), None),
         "reinforce++-baseline": (discounted_returns(token_rewards(group_baselined(e.scores, 2), e.kl, e.beta, e.mask),
                                                     e.mask, e.gamma), None),
+        "distill": (rewards * e.mask, None),  # each token's own reward: discount 0, no baseline
     }
     for name, (advantages, returns) in expected.items():
         got, got_returns = ESTIMATORS[name].estimate(e, masked_whiten)
@@ -81,6 +83,19 @@ def test_each_estimator_in_the_table_is_its_equation():
     # Whitening: gae and the reinforce++ family over the batch; the group estimators only when asked.
     assert {name for name, estimator in ESTIMATORS.items() if estimator.whitened} == {
         "gae", "reinforce++", "reinforce++-baseline"}
+
+
+def test_a_teachers_dense_term_is_each_tokens_reward_and_sums_into_the_group_estimators_scores():
+    dense = torch.tensor([[-0.5, 0.25, 0.0], [0.5, -1.0, 0.0], [0.125, 0.0, 0.0], [0.0, 0.0, -0.25]])
+    e, plain = _inputs(dense=dense), _inputs()
+    torch.testing.assert_close(e.token_rewards(), plain.token_rewards() + dense * e.mask)
+    torch.testing.assert_close(e.episode_scores(), e.scores + (dense * e.mask).sum(1))
+    pure = dataclasses.replace(e, beta=0.0, scores=torch.zeros(4))  # no KL to the SFT policy, no reward terms
+    distilled, returns = ESTIMATORS["distill"].estimate(pure, masked_whiten)
+    torch.testing.assert_close(distilled, dense * e.mask)  # pure distillation: A_t = w (ln q - ln p) at t
+    assert returns is None
+    grpo, _ = ESTIMATORS["grpo"].estimate(e, masked_whiten)
+    torch.testing.assert_close(grpo, grpo_advantages(e.scores + (dense * e.mask).sum(1), e.mask, 2))
 
 
 def test_gae_whitens_its_rewards_with_the_whitening_it_is_given():

@@ -17,9 +17,9 @@ from rlhf.config_common import LaunchConfig
 from stages.common.reporting import Reporting
 from stages.launch.call import call_stage
 from stages.launch.job import LaunchError
-from stages.ppo import PPOInputs, train_ppo
+from stages.ppo import train_ppo
 from stages.runtime.models import folder_digest
-from tests.helpers import free_port, ray_launch
+from tests.helpers import free_port, ppo_inputs, ray_launch
 
 pytestmark = pytest.mark.multiprocess  # a Ray cluster, its driver and the ranks are processes
 
@@ -35,7 +35,7 @@ def uninterrupted(tiny_config, trained, tmp_path_factory):
     cfg = with_overrides(tiny_config.ppo, {"launch": LaunchConfig(num_processes=2,
                                                                   accelerate_config="configs/accelerate/fsdp.yaml"),
                                            "num_iterations": 4, "checkpoint_every": 2})
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    inputs = ppo_inputs(trained)
     return cfg, inputs, folder_digest(_run(train_ppo, cfg, inputs, tmp_path_factory.mktemp("local")).checkpoint)
 
 
@@ -187,7 +187,7 @@ def test_a_gang_the_cluster_cannot_hold_fails_before_training_naming_what_is_mis
 
 def test_an_unreachable_cluster_fails_at_once_naming_the_address(tiny_config, trained, tmp_path):
     cfg = with_overrides(tiny_config.ppo, {"launch": ray_launch(f"127.0.0.1:{free_port()}")})
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    inputs = ppo_inputs(trained)
     with pytest.raises(LaunchError, match=r"no Ray cluster answers at 127\.0\.0\.1:\d+"):
         _run(train_ppo, cfg, inputs, tmp_path)
 
@@ -199,7 +199,7 @@ def test_a_cluster_that_requires_a_token_refuses_a_driver_without_it_naming_the_
     stage fails before any training, with Ray's reason."""
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     cfg = with_overrides(tiny_config.ppo, {"launch": ray_launch(ray_cluster)})
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    inputs = ppo_inputs(trained)
     with pytest.raises(LaunchError, match=r"could not join the Ray cluster at 127\.0\.0\.1:\d+.*(?s:.*)[Tt]oken"):
         _run(train_ppo, cfg, inputs, tmp_path)
     assert not (tmp_path / "checkpoint").exists()

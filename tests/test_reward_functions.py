@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from rlhf.config import load_config, with_overrides
-from rlhf.config_ppo import RewardTermsConfig
+from rlhf.config_reward_terms import RewardTermsConfig
 from stages.rewards.functions import RewardFunctionError, load_reward_functions, reward_values, source_digests
-from tests.helpers import run_ppo
+from tests.helpers import ppo_inputs, run_ppo
 
 PROMPTS = [[{"role": "user", "content": "Describe my dog."}], [{"role": "user", "content": "How is the park?"}]]
 RESPONSES = ["The dog is kind.", "It is fine."]
@@ -186,7 +186,7 @@ def test_on_two_processes_the_function_runs_on_the_main_process_for_every_respon
     from rlhf.config_common import LaunchConfig
     from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
-    from stages.ppo import PPOInputs, train_ppo
+    from stages.ppo import train_ppo
 
     rules = tmp_path / "rules"
     _module(rules, "rules_where", """
@@ -199,7 +199,7 @@ def test_on_two_processes_the_function_runs_on_the_main_process_for_every_respon
             return [float(len(r)) for r in responses]
         """)
     cfg = _ppo(tiny_config, rules, "rules_where:f", launch=LaunchConfig(num_processes=2))
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    inputs = ppo_inputs(trained)
     result = call_stage(train_ppo, cfg, inputs, tmp_path / "run", Reporting(), deterministic=True, num_threads=2)
     calls = [line.split() for line in (rules / "rules_where.calls").read_text().splitlines()]
     # each iteration's rollouts, then the final evaluation's policy and SFT responses (every held-out prompt once)
@@ -235,13 +235,13 @@ def test_a_reward_of_functions_alone_takes_no_reward_model_and_gae_starts_its_cr
 
 def test_ppo_without_a_reward_model_trains_on_the_functions_and_evaluates_by_them(tiny_config, trained, tmp_path):
     from stages.common.reporting import Reporting
-    from stages.ppo import PPOInputs, train_ppo
+    from stages.ppo import train_ppo
 
     cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE, "advantage_estimator": "grpo",
                                            "samples_per_prompt": 4, "num_iterations": 2, "evaluation.every": 1,
                                            "sample_every": 1})
     samples = []
-    result = train_ppo(cfg, PPOInputs(trained["sft"], None, trained["prompts"], trained["eval_prompts"]),
+    result = train_ppo(cfg, ppo_inputs(trained, reward=False),
                        tmp_path / "run", Reporting(samples=lambda table, step: samples.append(table)))
     assert len(samples) == 2 and all({"score", "reward/subject", "reward/length"} <= set(t.columns) for t in samples)
     for row in result.history:
@@ -261,10 +261,10 @@ def test_ppo_without_a_reward_model_trains_on_the_functions_and_evaluates_by_the
 
 def test_a_reward_model_term_without_a_reward_checkpoint_is_refused(tiny_config, trained, tmp_path):
     from stages.common.errors import StageUserError
-    from stages.ppo import PPOInputs, train_ppo
+    from stages.ppo import train_ppo
 
     with pytest.raises(StageUserError, match="reward-model term .* but no reward checkpoint was given"):
-        train_ppo(tiny_config.ppo, PPOInputs(trained["sft"], None, trained["prompts"], trained["eval_prompts"]),
+        train_ppo(tiny_config.ppo, ppo_inputs(trained, reward=False),
                   tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
@@ -304,12 +304,12 @@ def test_sharded_ppo_without_a_reward_model_trains_its_policy_critic_and_evaluat
     from rlhf.config_common import LaunchConfig
     from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
-    from stages.ppo import PPOInputs, train_ppo
+    from stages.ppo import train_ppo
 
     fsdp = LaunchConfig(num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml")
     cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE, "launch": fsdp, "num_iterations": 2})
     assert cfg.critic.kind == "policy"
-    result = call_stage(train_ppo, cfg, PPOInputs(trained["sft"], None, trained["prompts"], trained["eval_prompts"]),
+    result = call_stage(train_ppo, cfg, ppo_inputs(trained, reward=False),
                         tmp_path / "run", Reporting(), deterministic=True, num_threads=1)
     assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
     assert all("train/explained_variance" in row and "rollout/reward/subject" in row for row in result.history)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlhf.config import load_config
+from tests.helpers import ppo_inputs
 from tests.stack import STACK
 
 
@@ -50,13 +51,13 @@ class _Payload:
 
 def test_resumed_training_state_never_unpickles_arbitrary_objects(tiny_config, trained, tmp_path):
     """The PPO full-state checkpoint's optimizer state loads with weights_only=True."""
-    from stages.ppo import PPOInputs, train_ppo
+    from stages.ppo import train_ppo
 
     cfg = tiny_config.ppo.model_copy(update={"num_iterations": 1, "checkpoint_every": 1})
-    train_ppo(cfg, PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"]), tmp_path)
+    train_ppo(cfg, ppo_inputs(trained), tmp_path)
     marker = tmp_path / "pwned"
     (tmp_path / "state" / "optimizer.pt").write_bytes(pickle.dumps({"state": _Payload(marker)}))
     with pytest.raises(pickle.UnpicklingError):
-        train_ppo(cfg, PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"]),
+        train_ppo(cfg, ppo_inputs(trained),
                   tmp_path)
     assert not marker.exists()

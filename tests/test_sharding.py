@@ -21,10 +21,10 @@ from rlhf.config_common import LaunchConfig
 from stages.common.reporting import MEASURED, Reporting
 from stages.dpo import DPOInputs, train_dpo
 from stages.launch.call import call_stage
-from stages.ppo import PPOInputs, train_ppo
+from stages.ppo import train_ppo
 from stages.reward import train_reward
 from stages.sft import train_sft
-from tests.helpers import close, dataset, reward_inputs, sft_inputs
+from tests.helpers import close, dataset, ppo_inputs, reward_inputs, sft_inputs
 
 pytestmark = pytest.mark.multiprocess  # every test launches a stage on two FSDP2 processes
 
@@ -121,7 +121,7 @@ def test_sharded_ppo_variants_run_and_hand_over_a_plain_checkpoint(tiny_config, 
     models offloaded (FSDP2's offloading path; on the CPU the same memory); a critic-free estimator
     with LoRA (the reference is the sharded policy with adapters off) and every model offloaded."""
     cfg = with_overrides(tiny_config.ppo, {"launch": FSDP} | settings)
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    inputs = ppo_inputs(trained)
     result = _run(train_ppo, cfg, inputs, tmp_path / "fsdp")
     assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
     assert result.metrics["train/iterations"] == cfg.num_iterations
@@ -146,7 +146,7 @@ def test_sharded_ppo_killed_mid_run_resumes_to_the_uninterrupted_weights(tiny_co
     from tests.stand_in_stages import KilledAfterFirstCheckpoint, ppo_killed_after_first_checkpoint
 
     cfg = with_overrides(tiny_config.ppo, {"launch": FSDP, "num_iterations": 4, "checkpoint_every": 2} | settings)
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    inputs = ppo_inputs(trained)
     whole = _run(train_ppo, cfg, inputs, tmp_path / "uninterrupted")
 
     killed = tmp_path / "killed"
@@ -231,8 +231,7 @@ def test_no_process_holds_a_whole_model_while_loading(world, tiny_config, tokeni
                                                    trained["eval_prompts"]))
     else:
         section = with_overrides(tiny_config.ppo, {"launch": FSDP, "num_iterations": 1, "critic.kind": "reward"})
-        call = RecordingLoads(train_ppo, PPOInputs(trained["sft"], trained["reward"], trained["prompts"],
-                                                   trained["eval_prompts"]))
+        call = RecordingLoads(train_ppo, ppo_inputs(trained))
     result = _run(record_loads, section, call, tmp_path)
     first, second = (json.loads((tmp_path / f"loads-{rank}.json").read_text()) for rank in (0, 1))
     assert all(load["real_bytes"] == 0 for load in second), second

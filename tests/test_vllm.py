@@ -18,7 +18,7 @@ import pytest
 
 from rlhf.config import load_config, with_overrides
 from rlhf.config_common import REPO_ROOT, VLLMConfig, vllm_python
-from tests.helpers import AUTO_RESOLVED, killed_and_resumed, processes, ray_launch, run_ppo, vllm_servers
+from tests.helpers import AUTO_RESOLVED, killed_and_resumed, ppo_inputs, processes, ray_launch, run_ppo, vllm_servers
 
 pytestmark = pytest.mark.multiprocess  # a vLLM server is a process of its own
 
@@ -152,12 +152,12 @@ def test_a_sharded_policy_is_streamed_to_the_server_and_sampled_by_bothprocesses
     the served folder (`save_streamed`) and both send their own prompts."""
     from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
-    from stages.ppo import PPOInputs, train_ppo
+    from stages.ppo import train_ppo
 
     cfg, trained = servable
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"launch": {"num_processes": 2,
                                                               "accelerate_config": "configs/accelerate/fsdp.yaml"}})
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    inputs = ppo_inputs(trained)
     result = call_stage(train_ppo, ppo, inputs, tmp_path / "out", Reporting(), deterministic=True, num_threads=1)
     assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
     assert all(row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history)
@@ -403,11 +403,11 @@ def test_on_a_ray_gang_the_server_is_an_actor_on_rank_0s_node_and_nothing_of_it_
 
     from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
-    from stages.ppo import PPOInputs, train_ppo
+    from stages.ppo import train_ppo
 
     cfg, trained = servable
     mine = ray_cluster.environment  # this cluster's processes, not those of a test beside this one
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    inputs = ppo_inputs(trained)
     with _watched(mine) as seen:
         result = call_stage(train_ppo, _ray_vllm(cfg, ray_cluster), inputs, tmp_path / "out", Reporting(),
                             deterministic=True, num_threads=1)
@@ -424,11 +424,10 @@ def test_on_a_ray_gang_a_killed_rank_0_takes_its_server_and_served_folder_with_i
     from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
     from stages.launch.job import LaunchError
-    from stages.ppo import PPOInputs
     from tests.stand_in_stages import RankKilledOnce, ppo_with_a_rank_killed_once
 
     cfg, trained = servable
-    inputs = PPOInputs(trained["sft"], trained["reward"], trained["prompts"], trained["eval_prompts"])
+    inputs = ppo_inputs(trained)
     killed = RankKilledOnce(inputs, rank=0, marker=tmp_path / "killed")
     mine = ray_cluster.environment
     with _watched(mine) as seen, pytest.raises(LaunchError, match=r"rank 0 \(node [0-9a-f]{12}, [0-9.]+, pid \d+\)"):

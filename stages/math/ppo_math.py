@@ -122,6 +122,16 @@ def grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return x.view(-1, group_size)
 
 
+def teacher_rewards(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, weight: float, mask: torch.Tensor,
+                    estimator: str = "k1") -> torch.Tensor:
+    """On-policy distillation's reward on every sampled token: the negative reverse KL to the teacher,
+
+        d_t = -w * KL_t(pi || pi_teacher)        k1: w * (log pi_teacher(y_t) - log pi(y_t))
+
+    (`kl_estimate` of the policy's log-probs against the teacher's). # (B, T), (B, T), (B, T) -> (B, T)"""
+    return -weight * kl_estimate(logprobs, teacher_logprobs, estimator) * mask
+
+
 def sequence_rewards(scores: torch.Tensor, kl: torch.Tensor, beta: float, mask: torch.Tensor) -> torch.Tensor:
     """R = score - beta * sum_t KL_t: a whole response's reward, its KL penalty included. # (B,), (B, T) -> (B,)"""
     return scores - beta * (kl * mask).sum(dim=1)
@@ -214,14 +224,18 @@ class EstimatorInputs:
     whiten_rewards: bool = False  # GAE: whiten the token rewards (not their mean) before the recursion
     std_normalize: bool = True  # GRPO: divide by the group's std (false: Dr. GRPO)
     turn_rewards: torch.Tensor  # (B, T) each turn's reward on its turn's last token (0 for a single response)
+    dense: torch.Tensor | None = None  # (B, T) a reward on every token (the teacher's, `teacher_rewards`); None: none
 
     def token_rewards(self) -> torch.Tensor:
-        """r_t = -beta * KL_t, the score on the last token and each turn's reward on its own last. # (B, T)"""
-        return token_rewards(self.scores, self.kl, self.beta, self.mask) + self.turn_rewards
+        """r_t = -beta * KL_t + dense_t, the score on the last token and each turn's reward on its own last. # (B, T)"""
+        rewards = token_rewards(self.scores, self.kl, self.beta, self.mask) + self.turn_rewards
+        return rewards if self.dense is None else rewards + self.dense * self.mask
 
     def episode_scores(self) -> torch.Tensor:
-        """Each episode's score with its turn rewards summed in: what a group baseline compares. # (B,)"""
-        return self.scores + self.turn_rewards.sum(dim=1)
+        """Each episode's score with its turn rewards and its dense rewards summed in: what a group
+        baseline compares. # (B,)"""
+        dense = 0.0 if self.dense is None else (self.dense * self.mask).sum(dim=1)
+        return self.scores + self.turn_rewards.sum(dim=1) + dense
 
 
 def gae_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +261,12 @@ def reinforce_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tu
     return discounted_returns(e.token_rewards(), e.mask, e.gamma), None
 
 
+def distill_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
+    """On-policy distillation (the published recipe): each token's own reward, discount 0, no baseline:
+    A_t = r_t, with the teacher's term `dense_t = w * (log p_teacher - log p_policy)` (k1) in it."""
+    return discounted_returns(e.token_rewards(), e.mask, gamma=0.0), None
+
+
 def reinforce_baseline_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
     """REINFORCE++-baseline: REINFORCE++ on the score less its group's mean."""
     baselined = group_baselined(e.scores, e.group_size, e.episode_scores())
@@ -270,6 +290,7 @@ ESTIMATORS: dict[str, Estimator] = {
     "rloo": Estimator(rloo_estimate, whitened=False),
     "reinforce++": Estimator(reinforce_estimate, whitened=True),
     "reinforce++-baseline": Estimator(reinforce_baseline_estimate, whitened=True),
+    "distill": Estimator(distill_estimate, whitened=False),
 }
 """`advantage_estimator`'s choices (docs/methods.md); the config's choices are tested to be these keys."""
 

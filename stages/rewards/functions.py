@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf.config_ppo import RewardTerm, RewardTermsConfig
+from rlhf.config_reward_terms import RewardTerm, RewardTermsConfig
 from stages.common.errors import StageUserError
 from stages.common.user_code import imported_function, on_import_path
 

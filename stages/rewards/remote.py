@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from rlhf.config_common import RemoteRewardConfig
-from rlhf.config_ppo import RewardTerm
+from rlhf.config_reward_terms import RewardTerm
 from stages.common.errors import StageUserError
 
 BACKOFF_MAX_S = 30.0

@@ -18,6 +18,7 @@ from stages.math.ppo_math import (
     estimator_named,
     failed_at_group_mean,
     kl_estimate,
+    teacher_rewards,
 )
 from stages.rewards.scoring import Scores
 from stages.rl.batch import Rollout, Sampled, TrainingBatch
@@ -56,6 +57,8 @@ class Estimated:
     kl: torch.Tensor
     """(B, T) the per-token KL estimate (`kl.estimator`) to the reference, masked."""
     weights: KLWeights
+    teacher_kl: torch.Tensor | None = None
+    """(B, T) the per-token KL to the teacher (`teacher.kl_estimator`), masked; None without a teacher."""
 
     @property
     def sequence_kl(self) -> torch.Tensor:
@@ -71,12 +74,14 @@ def estimate(accelerator: Accelerator, cfg: PPOConfig, iteration: int, sampled: 
         kept = (~scores.dropped).unsqueeze(1).to(batch.trainable.dtype)  # (B, 1)
         batch = dataclasses.replace(batch, trainable=batch.trainable * kept)
     kl = kl_estimate(batch.logprobs, batch.ref_logprobs, cfg.kl.estimator) * batch.trainable  # (B, T)
+    teacher_kl = None if cfg.teacher is None else kl_estimate(
+        batch.logprobs, batch.teacher_logprobs, cfg.teacher.kl_estimator) * batch.trainable  # (B, T)
     advantages, returns = advantages_and_returns(accelerator, cfg, batch, kl, scores.reward, weights.in_reward,
                                                  scores.dropped)
     trained = TrainingBatch.of(batch, advantages=advantages, returns=returns,
                                engine_weights=engine_weights(batch, cfg), loss_mask=loss_mask(batch, cfg))
     return Estimated(iteration=iteration, batch=trained, messages=sampled.messages, scores=scores, kl=kl,
-                    weights=weights)
+                     weights=weights, teacher_kl=teacher_kl)
 
 
 def advantages_and_returns(accelerator: Accelerator, cfg: PPOConfig, batch: Rollout, kl: torch.Tensor,
@@ -87,7 +92,8 @@ def advantages_and_returns(accelerator: Accelerator, cfg: PPOConfig, batch: Roll
     (collective); the group estimators need no other process, as each holds whole groups, unless
     `group_batch_normalize` whitens them over the batch. `kl` is per token and masked, `reward` the
     scores' weighted sum, `beta` the KL's weight in the reward, `dropped` the responses a remote
-    term gave no score (they train nothing). # -> (B, T), (B, T) | None"""
+    term gave no score (they train nothing). A teacher (`cfg.teacher`) adds its term to every token's
+    reward (`teacher_rewards`). # -> (B, T), (B, T) | None"""
     estimator = estimator_named(cfg.advantage_estimator)
     failed = torch.tensor([e.status == "failed" for e in batch.episodes], device=reward.device)  # (B,)
     if dropped is not None:
@@ -96,7 +102,10 @@ def advantages_and_returns(accelerator: Accelerator, cfg: PPOConfig, batch: Roll
                              group_size=cfg.samples_per_prompt, gamma=cfg.gamma,
                              lam=cfg.critic.lam if cfg.critic is not None else 0.95,
                              whiten_rewards=cfg.critic is not None and cfg.critic.whiten_rewards,
-                             std_normalize=cfg.group_std_normalize, turn_rewards=batch.turn_rewards)
+                             std_normalize=cfg.group_std_normalize, turn_rewards=batch.turn_rewards,
+                             dense=None if cfg.teacher is None else teacher_rewards(
+                                 batch.logprobs, batch.teacher_logprobs, cfg.teacher.weight, batch.trainable,
+                                 cfg.teacher.kl_estimator))
     if failed.any():  # a failed or dropped episode trains nothing and leaves its group's baseline alone
         held = failed_at_group_mean(reward, failed, cfg.samples_per_prompt, inputs.episode_scores())
         inputs = dataclasses.replace(inputs, scores=held)

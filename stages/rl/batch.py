@@ -70,6 +70,8 @@ class Rollout:
     has_eos: torch.Tensor = per_row()  # (B,) the episode ended: an end token, or the model answered (status `ok`)
     texts: list[str] = per_row()  # what the reward terms score: each episode's answer, decoded
     prompts: list[str] = per_row()  # the prompts, rendered
+    teacher_logprobs: torch.Tensor | None = response_columns(default=None)
+    """(B, T) the distillation teacher's log-probs of the sampled tokens, masked; None without a teacher."""
     engine_logprobs: torch.Tensor | None = response_columns(default=None)
     """(B, T) the sampling engine's own log-probs (vLLM), masked; None: the trainer sampled."""
     trainable: torch.Tensor = response_columns()

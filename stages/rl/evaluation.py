@@ -105,7 +105,9 @@ def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: Ev
              sampling: SamplingConfig, judge: TermJudge | None = None) -> tuple[dict[str, float], pd.DataFrame]:
     """The policy against the SFT responses on the held-out prompts: KL(policy || SFT) (`eval/kl`:
     k1, the log-ratio, summed over each response) on the policy's responses, sampled from
-    `evaluation.seed + 1`, their length and EOS rate; with a reward model, the scores of both (on the
+    `evaluation.seed + 1`, their length and EOS rate; with a distillation teacher, KL(policy ||
+    teacher) (`eval/teacher_kl`, k1, summed over each response: column `teacher_kl`); with a reward
+    model, the scores of both (on the
     normalisation in force) and the win rate with its standard error; with reward functions
     (`judge`), each one's mean on both (`eval/reward/<name>`, `..._sft`), and without a reward model
     the terms' weighted sum as the score of both and the win rate by it (`eval/win_rate_reward`).
@@ -118,6 +120,10 @@ def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: Ev
                           "policy_response": policy.texts, "sft_response": held_out.sft_texts, "kl": kl.cpu().numpy()})
     metrics = {"eval/kl": table["kl"].mean(), "eval/response_length": policy.trainable.sum(1).float().mean().item(),
                "eval/eos_rate": policy.has_eos.float().mean().item()}
+    if policy.teacher_logprobs is not None:  # the teacher's view of each response: KL(policy || teacher), k1, summed
+        teacher_kl = kl_estimate(policy.logprobs, policy.teacher_logprobs) * policy.trainable  # (B, T)
+        table["teacher_kl"] = teacher_kl.sum(1).cpu().numpy()
+        metrics["eval/teacher_kl"] = table["teacher_kl"].mean()
     if held_out.columns and held_out.columns[0]:  # the records' declared columns, which a judge may read
         table = table.assign(**pd.DataFrame(held_out.columns, index=table.index))
     if held_out.source.multi_turn:  # the conversations, and how often each policy called a tool

@@ -263,6 +263,8 @@ class Models:
     """None when LoRA is on: the reference is the policy with its adapters disabled."""
     scorer: RewardScorer | None
     """None where no reward model takes part (DPO's evaluation; PPO whose reward is functions alone)."""
+    teacher: PreTrainedModel | None = None
+    """The distillation teacher (`ppo.teacher`), frozen and held as the reference is; None without one."""
     tokenizer: object
     precision: Precision
     stop_ids: list[int]
@@ -363,13 +365,32 @@ def build_critic(cfg: PPOConfig, policy: PreTrainedModel, tokenizer, scorer: Rew
                                           fresh_head=False), rescale=critic.normalize)
 
 
+def load_teacher(cfg: PPOConfig, location: str, tokenizer, holding: Holding) -> PreTrainedModel:
+    """The distillation teacher at `location`, frozen in `cfg.frozen_dtype`, dropout off, placed as the
+    reference is (sharded and offloaded where the holding says). It reads the policy's token ids, so
+    a teacher whose vocabulary differs is refused with the first ids that differ."""
+    settings = cfg.teacher
+    own = load_tokenizer(location, trust_remote_code=settings.trust_remote_code).get_vocab()
+    policy_vocab = tokenizer.get_vocab()
+    if own != policy_vocab:
+        differ = sorted(set(own.items()) ^ set(policy_vocab.items()), key=lambda item: item[1])[:3]
+        raise ValueError(f"ppo.teacher: the teacher at {location} has another vocabulary ({len(own)} tokens against "
+                         f"the policy's {len(policy_vocab)}; e.g. {differ}): its log-probs would grade other tokens "
+                         "than the policy's; distil from a teacher of the policy's tokenizer")
+    teacher = load_causal_lm(location, tokenizer, dtype=dtype_named(cfg.frozen_dtype),
+                             trust_remote_code=settings.trust_remote_code)
+    disable_dropout(teacher)
+    return holding.frozen(teacher.eval().requires_grad_(False))
+
+
 def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
-                holding: Holding | None = None) -> Models:
+                holding: Holding | None = None, teacher_location: str | None = None) -> Models:
     """Trained weights (policy, critic, adapters) in float32 whatever the checkpoints' dtype; frozen
     ones (reference, reward model, a LoRA policy's own) in `cfg.frozen_dtype`; dropout off in all of
     them, so a rollout and the update that follows compute the same policy. No reward model where
-    `reward_location` is None (a reward of functions alone). `holding` (default: whole, on this
-    process) places them: the frozen ones at once, the trained ones when `holding.trained` wraps them."""
+    `reward_location` is None (a reward of functions alone); a distillation teacher from
+    `teacher_location` where `cfg.teacher` is set. `holding` (default: whole, on this process) places
+    them: the frozen ones at once, the trained ones when `holding.trained` wraps them."""
     holding = holding or Replicated()
     frozen = dtype_named(cfg.frozen_dtype)
     tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
@@ -400,7 +421,9 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
     if scorer is not None:
         scorer.counts = counts
     passes = Passes(precision=precision, padding_free=padding_free, pad_id=tokenizer.pad_token_id)
-    return Models(policy=policy, critic=critic, reference=reference, scorer=scorer, tokenizer=tokenizer,
+    teacher = None if cfg.teacher is None else load_teacher(cfg, teacher_location, tokenizer, holding)
+    return Models(policy=policy, critic=critic, reference=reference, scorer=scorer, teacher=teacher,
+                  tokenizer=tokenizer,
                   precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
                   reuse_sampling_pass=reuse_sampling_pass(cfg.old_logprobs, rounds_to_16_bits(cfg, precision)),
                   padding_free=padding_free, counts=counts, compiler=compiler_for(cfg, policy, passes))

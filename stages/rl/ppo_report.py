@@ -107,6 +107,9 @@ def iteration_figures(learner: Learner, estimated: Estimated, train: dict[str, f
         figures["rollout/score_raw"] = scores.raw.mean().item()
     if scores.dropped is not None:  # responses a server never scored, left out of the update
         figures["rollout/remote_failed_share"] = scores.dropped.float().mean().item()
+    if estimated.teacher_kl is not None:  # on-policy distillation: how far the policy is from its teacher
+        figures |= {"rollout/teacher_kl": estimated.teacher_kl.sum(1).mean().item(),
+                    "rollout/teacher_kl_per_token": masked_mean(estimated.teacher_kl, batch.trainable).item()}
     if batch.returns is not None:
         figures["train/explained_variance"] = explained_variance(batch.values, batch.returns, batch.trainable)
     if learner.reward_functions or learner.remote_rewards or learner.cfg.reward.overlong:  # terms besides the RM's
@@ -154,13 +157,14 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, esti
     # where a function gave none or a server's score never arrived).
     terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} \
         if cfg.reward.functions or cfg.reward.remotes or cfg.reward.overlong else {}
+    teacher = {} if estimated.teacher_kl is None else {"teacher_kl": estimated.teacher_kl.sum(1).cpu().numpy()}
     # A multi-turn episode's whole conversation, tool results marked `[tool <name>]`, and its status.
     turns = {} if not multi_turn else {"episode": [transcript(e) for e in batch.episodes],
                                        "status": [e.status for e in batch.episodes],
                                        **{c: [e.columns.get(c) for e in batch.episodes] for c in cfg.reward.columns}}
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
                                      "score": scores.reported.cpu().numpy(), **terms,
-                                     "kl": estimated.sequence_kl.cpu().numpy(), **turns}), iteration)
+                                     "kl": estimated.sequence_kl.cpu().numpy(), **teacher, **turns}), iteration)
     if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
         shown = slice(0, cfg.num_logged_samples)
         reporting.samples(pd.DataFrame({"user": [last_user_message(m) for m in messages[shown]],

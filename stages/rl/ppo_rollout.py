@@ -107,7 +107,8 @@ def _rollout_chunk(models: Models, sampler: Sampler, source: EpisodeSource, rows
     """Phases timed: `generate` (unless `sampled` earlier); `forward`, the passes after it: `values`
     (the critic on the sampling pass's outputs) or `policy_forward` (the policy's log-probs, with the
     values), and `reference`. The passes run over all of an episode's tokens (tool results are
-    context) and its figures are kept on the model's own tokens (`trainable`)."""
+    context) and its figures are kept on the model's own tokens (`trainable`). With a distillation
+    teacher, its log-probs too (`teacher`)."""
     temperature = sampling.temperature
     if sampled is None:
         with timed(timings, "generate"):
@@ -134,11 +135,18 @@ def _rollout_chunk(models: Models, sampler: Sampler, source: EpisodeSource, rows
             ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
                                              passes=models.passes("reference"))
             ref_logprobs = logprobs_of(ref_logits, responses, temperature)
+        teacher_logprobs = None
+        if models.teacher is not None:
+            with timed(timings, "teacher"):
+                teacher_logits, _ = forward_response(models.teacher, queries, query_mask, responses, mask,
+                                                     want_hidden=False, passes=models.passes("teacher"))
+                teacher_logprobs = logprobs_of(teacher_logits, responses, temperature) * trainable
     engine_logprobs = None if sampled.engine_logprobs is None else sampled.engine_logprobs * trainable
     episodes = sampled.episodes
     ended = torch.tensor([e.status == "ok" for e in episodes], device=responses.device)  # (B,)
     return Rollout(queries=queries, query_mask=query_mask, responses=responses, mask=mask,
                    logprobs=logprobs * trainable, ref_logprobs=ref_logprobs * trainable,
+                   teacher_logprobs=teacher_logprobs,
                    values=None if values is None else values * trainable, entropy=entropy, has_eos=ended,
                    texts=[e.answer for e in episodes], prompts=[row["prompt"] for row in rows],
                    engine_logprobs=engine_logprobs, trainable=trainable, turn_rewards=sampled.turn_rewards,

@@ -10,7 +10,8 @@ from dataclasses import replace
 import torch
 from accelerate import Accelerator
 
-from rlhf.config_ppo import OVERLONG_TERM, PPOConfig
+from rlhf.config_ppo import PPOConfig
+from rlhf.config_reward_terms import OVERLONG_TERM
 from stages.common.reporting import timed
 from stages.envs.episode import Episode
 from stages.math.ppo_math import apply_eos_penalty, overlong_penalty, weighted_reward
@@ -60,7 +61,8 @@ def scores_of(raw: torch.Tensor | None, batch: Rollout, scorer: RewardScorer | N
         terms[OVERLONG_TERM] = overlong_penalty(batch.trainable.sum(dim=1), cfg.response_tokens,
                                                 cfg.reward.overlong.buffer)
     # a function's NaN is "no reward" (its answers are checked finite); a server's, a dropped response
-    reward = weighted_reward(terms, cfg.reward.weights, no_reward=[*(functions or ()), *(remote or ())])
+    reward = weighted_reward(terms, cfg.reward.weights, no_reward=[*(functions or ()), *(remote or ())]) if terms \
+        else torch.zeros(len(batch.texts), device=batch.queries.device)  # no terms: a teacher's alone (distillation)
     dropped = torch.stack([v.isnan() for v in remote.values()]).any(dim=0) if remote else None  # (B,)
     return Scores(raw=raw, normalized=normalized, terms=terms, reward=reward, dropped=dropped)
 
