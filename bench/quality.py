@@ -198,10 +198,12 @@ def gold_point(table, iteration: int, seconds: float) -> dict:
             "gold_win_rate": figures["gold_win_rate"]}
 
 
-def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_prompts, out: Path) -> tuple[Path, dict]:
-    """Our PPO as configured, evaluated every `ppo_cfg.evaluation.every` iterations; besides its policy, the
-    shape of its run: the curve of those evaluations against training time, response lengths, and the
-    proxy score, gold reward and KL of every iteration's rollouts (the over-optimisation curve)."""
+def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path | None, prompts, eval_prompts, out: Path,
+             teacher: Path | None = None) -> tuple[Path, dict]:
+    """Our PPO as configured (`reward_folder` None: no reward model; `teacher`: a distillation teacher's
+    folder), evaluated every `ppo_cfg.evaluation.every` iterations; besides its policy, the shape of its
+    run: the curve of those evaluations against training time, response lengths, and the proxy score,
+    gold reward and KL of every iteration's rollouts (the over-optimisation curve)."""
     from rlhf.demo.world import mean_gold_reward
     from stages.common.reporting import Reporting
     from stages.ppo import PPOInputs, train_ppo
@@ -211,8 +213,9 @@ def run_ours(ppo_cfg, sft_folder: Path, reward_folder: Path, prompts, eval_promp
     reporting = Reporting(rollouts=lambda table, i: gold.update({i: mean_gold_reward(list(table["prompt_messages"]),
                                                                                 list(table["response"]))}),
                           evaluation=lambda table, i: evaluations.update({i: table}))
-    result = train_ppo(ppo_cfg, PPOInputs(sft_location=str(sft_folder), reward_location=str(reward_folder),
-                                          prompts=prompts, eval_prompts=eval_prompts), out, reporting)
+    inputs = PPOInputs(sft_location=str(sft_folder), reward_location=reward_folder and str(reward_folder),
+                       prompts=prompts, eval_prompts=eval_prompts, teacher_location=teacher and str(teacher))
+    result = train_ppo(ppo_cfg, inputs, out, reporting)
     clock = dict(zip([row["iteration"] for row in result.history],
                      np.cumsum([row["time/iteration"] for row in result.history]).tolist(), strict=True))
     evaluations[len(result.history)] = result.evaluation
