@@ -141,13 +141,16 @@ def teacher_samples(cfg, teacher: Path, prompts, count: int, seed: int, out: Pat
 
 def off_policy(cfg, teacher: Path, student: Path, world: Path, prompts, seed: int, state: Path) -> tuple[Path, dict]:
     """(c): SFT of the student's SFT checkpoint on the teacher's samples, one epoch: (checkpoint, record)."""
+    from schemas.validate import LengthBudget, load_validated
     from stages.runtime.models import load_tokenizer
     from stages.sft import SFTInputs, train_sft
 
     count = cfg.ppo.num_iterations * cfg.ppo.rollout_batch_size
     samples, sampling_seconds = teacher_samples(cfg, teacher, prompts, count, seed, state / f"samples-{seed}.jsonl")
     tokenizer = load_tokenizer(str(student))
-    [train] = frames(samples.parent, tokenizer, cfg.sft, (samples.stem,), "sft")
+    # The teacher answers a cycled prompt the same way now and then (16 of 3,840 on the demo): kept once each.
+    train = load_validated(str(samples), "sft", tokenizer=tokenizer, duplicates="drop",
+                           budget=LengthBudget(cfg.sft.max_prompt_length, cfg.sft.max_length)).frame
     [evaluation] = frames(world, tokenizer, cfg.sft, ("sft_eval",), "sft")
     out = state / f"offpolicy-{seed}"
     shutil.rmtree(out, ignore_errors=True)

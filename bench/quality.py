@@ -283,7 +283,7 @@ def overoptimization_png(rows: list[dict], path: Path, window: int = 5) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from flows.plots import running_mean
+    from rlhf.plots import running_mean
 
     figure, (proxy_axis, gold_axis) = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for beta in sorted({r["beta"] for r in rows if "curve" in r}):

@@ -11,7 +11,7 @@ the flow's `overrides` parameter.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Optional
+from typing import Annotated, Any, ClassVar, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
@@ -40,8 +40,9 @@ class StageForm(BaseModel):
 def _field(config: type[BaseModel], dotted: str):
     """The pydantic field `dotted` (`kl.target`) of `config`, through its sections."""
     *sections, leaf = dotted.split(".")
-    for section in sections:
-        config = config.model_fields[section].annotation
+    for section in sections:  # an optional section (`teacher: TeacherConfig | None`) as its config
+        config = next(a for a in (*get_args(config.model_fields[section].annotation), config.model_fields[
+            section].annotation) if isinstance(a, type) and issubclass(a, BaseModel))
     return config.model_fields[leaf]
 
 
@@ -74,7 +75,7 @@ RewardForm = _form("RewardForm", "reward", RewardConfig, ["model", "train_data",
 PPOForm = _form("PPOForm", "ppo", PPOConfig, ["prompts", "advantage_estimator", "samples_per_prompt", "learning_rate",
                                               "num_iterations", "rollout_batch_size", "num_minibatches",
                                               "kl.init_coef", "kl.target", "clip_range", "sampling.response_length",
-                                              "evaluation.every"])
+                                              "evaluation.every", "teacher.model"])
 DPOForm = _form("DPOForm", "dpo", DPOConfig, ["train_data", "beta", "loss_type", "learning_rate",
                                               "num_train_epochs", "max_steps", "batch_size",
                                               "sampling.response_length"])

@@ -7,7 +7,9 @@ anything trains) and for the tasks alike, so the two can never read or measure a
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import astuple, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import mlflow
@@ -16,6 +18,7 @@ from flows.lineage import Fingerprint
 from rlhf import tracking
 from rlhf.config import PipelineConfig
 from rlhf.config_common import DataSource, TrainingConfig
+from rlhf.config_ppo import PPOConfig
 from rlhf.demo.locations import DEMO_SCHEME, resolve_location
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
@@ -143,6 +146,11 @@ def input_problems(cfg: PipelineConfig, stages: list[str], world: str | None) ->
             load_reward_functions(cfg.ppo.reward)
         except RewardFunctionError as e:
             reports.append(f"ppo stage: {e}")
+        try:  # a teacher named through MLflow resolves now (an alias to its version)
+            if cfg.ppo.teacher:
+                tracking.model_source(cfg.ppo.teacher.model)
+        except tracking.TrackingError as e:
+            reports.append(f"ppo stage: teacher.model {e}")
         for client in remote_rewards(cfg.ppo.reward.remotes):  # a server down now is refused before anything trains
             try:
                 client.check()
@@ -231,11 +239,31 @@ def data_counts(cfg: PipelineConfig, world: str | None) -> Counts:
                   reward_normalization_prompts=count(cfg.reward.normalization_prompts))
 
 
+def teacher_folder(section: PPOConfig, world: str | None, scratch: Path, config_only: bool = False) -> tuple[str, str]:
+    """The PPO section's distillation teacher as a folder here (fetched through MLflow where a run or the
+    registry names it; `config_only`: its config alone), and what its tag says of it."""
+    given = section.teacher.model
+    source = tracking.model_source(given)
+    if source is None:
+        return resolve_location(given, world), given
+    return str(tracking.download_model(source, scratch, config_only)), source.describe(given)
+
+
+def fetched_teacher(section: PPOConfig, world: str | None, scratch: Path) -> str:
+    """The teacher's folder here for the PPO stage's run, which is tagged with it (`rlhf.teacher`: as given,
+    and the run a run or registry name resolved to)."""
+    folder, described = teacher_folder(section, world, scratch)
+    mlflow.set_tag(tracking.TAG_TEACHER, tracking.redact(described))
+    return folder
+
+
 def memory_plan(cfg: PipelineConfig, stages: list[str], world: str | None, device: Device | None = None,
                 processes: int | None = None, per_node: int | None = None) -> Plan:
     """The memory plan of `stages` on `device` (default: the one the stages will use), nodes of
-    `per_node` processes, from the models' configs alone (`stages.memory.plan`)."""
-    shapes = model_shapes(cfg, lambda location: resolve_location(location, world))
+    `per_node` processes, from the models' configs alone (`stages.memory.plan`; a teacher's fetched alone)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        shapes = model_shapes(cfg, lambda location: resolve_location(location, world) if location != getattr(
+            cfg.ppo.teacher, "model", None) else teacher_folder(cfg.ppo, world, Path(scratch), config_only=True)[0])
     return plan(cfg, stages, shapes, device or this_device(), data_counts(cfg, world), processes, per_node)
 
 

@@ -111,6 +111,10 @@ def _work(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str
              "upstream": upstream, "determinism": [cfg.deterministic, cfg.num_threads]}
     if stage == "ppo" and cfg.ppo.reward.functions:  # a reward function's source, wherever it lives
         parts["reward_functions"] = source_digests(cfg.ppo.reward)
+    if stage == "ppo" and cfg.ppo.teacher:  # the run (an alias resolved to its version's) or the folder's content
+        source, given = tracking.model_source(cfg.ppo.teacher.model), cfg.ppo.teacher.model
+        parts["teacher"] = f"runs:/{source.run_id}/{source.path}" if source else Fingerprint.of(
+            resolve_location(given, world)).key()
     return parts
 
 

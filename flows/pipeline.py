@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field
 from flows.form import DPOForm, PPOForm, RewardForm, SFTForm, form_overrides
 from flows.inputs import (
     context_problems,
+    fetched_teacher,
     input_problems,
     is_demo,
     logged_prompts,
@@ -180,6 +181,7 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
         sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
         reward_location = (str(tracking.download_checkpoint(ctx.upstream["reward"], run.scratch / "reward"))
                            if "reward" in ctx.upstream else None)
+        teacher = fetched_teacher(section, ctx.world, run.scratch / "teacher") if section.teacher else None
         if section.reward.functions:  # which functions, and which source of each, made this run's reward
             digests = source_digests(section.reward)
             mlflow.set_tag(tracking.TAG_REWARD_FUNCTIONS, ", ".join(
@@ -200,7 +202,8 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
         reporting = run.reporting(samples=lambda table, i: run.table(table, f"samples/iteration_{i:05d}.json"),
                                   **judged)
         return StageJob(train_ppo, PPOInputs(sft_location=sft_location, reward_location=reward_location,
-                                             prompts=train.frame, eval_prompts=evaluation.frame), train,
+                                             prompts=train.frame, eval_prompts=evaluation.frame,
+                                             teacher_location=teacher), train,
                         reporting, lambda result, metrics: ppo_report(result, metrics, run.warnings, gold,
                                                                       demo_evaluation),
                         registered_on=evaluation.digest)
@@ -409,7 +412,7 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request,
             warn_if_stale(logger, name, cfg, work)
         ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key, work, flow_run.name,
                            links["Prefect flow run"], memory and stage_memory(memory, name),
-                           resolved.describe() + (reward_terms_note(cfg.ppo.reward) if name == "ppo" else ""))
+                           resolved.describe() + (reward_terms_note(cfg.ppo) if name == "ppo" else ""))
         state = stage_task(ctx, return_state=True)
         if not state.is_completed():
             raise StageFailed(f"stage {name} failed: {state.message}")

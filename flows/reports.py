@@ -20,7 +20,7 @@ from prefect.context import get_run_context
 
 from flows.lineage import StageRecord
 from rlhf import tracking
-from rlhf.config_reward_terms import RewardTermsConfig
+from rlhf.config_ppo import PPOConfig
 from rlhf.demo.world import gold_accuracy, judge_evaluation, last_user_turns, mean_gold_reward
 from schemas.adapters import last_user_message
 
@@ -75,14 +75,13 @@ def lineage_note(lineage: str) -> str:
     return f"Started from {lineage}.\n\n" if lineage else ""
 
 
-def reward_terms_note(reward: RewardTermsConfig) -> str:
-    """How PPO's score is made, where it has terms besides the reward model (empty for the reward model
-    alone), to follow the upstream runs in its description: `; scored by reward functions `on_subject`
-    (rlhf.demo.rewards:names_the_subject, weight 1), servers `served` (score at http://..., weight 1),
-    without a reward model`."""
-    if not reward.functions and not reward.remotes:
-        return ""
-    parts = []
+def reward_terms_note(ppo: PPOConfig) -> str:
+    """How PPO's score is made, where it has terms besides the reward model or a distillation teacher
+    (empty for the reward model alone), to follow the upstream runs in its description: `; scored by
+    reward functions `on_subject` (rlhf.demo.rewards:names_the_subject, weight 1), servers `served` (score
+    at http://..., weight 1), the teacher models:/rlhf-policy@champion (weight 1, k1 per token), without a
+    reward model`."""
+    reward, teacher, parts = ppo.reward, ppo.teacher, []
     if reward.functions:
         parts.append("reward functions " + ", ".join(f"`{t.name}` ({t.function}, weight {t.weight:g})"
                                                      for t in reward.functions))
@@ -90,9 +89,11 @@ def reward_terms_note(reward: RewardTermsConfig) -> str:
         parts.append("servers " + ", ".join(
             f"`{t.name}` ({t.remote.kind}{', ' + t.remote.parse if t.remote.kind == 'judge' else ''} at "
             f"{t.remote.url}, weight {t.weight:g})" for t in reward.remotes))
+    if teacher is not None:
+        parts.append(f"the teacher {teacher.model} (weight {teacher.weight:g}, {teacher.kl_estimator} per token)")
     model = next((f" beside the reward model (weight {t.weight:g})" for t in reward.terms if t.is_model),
                  ", without a reward model")
-    return f"; scored by {', '.join(parts)}{model}"
+    return f"; scored by {', '.join(parts)}{model}" if parts else ""
 
 
 def stage_note(stage: str, metrics: dict[str, float], warnings: list[str], links: dict[str, str],
@@ -264,7 +265,7 @@ def ppo_report(result, metrics: dict[str, float], warnings: list[str], gold: Gol
                demo_evaluation: bool) -> list[dict[str, str]]:
     """PPO's evaluation against SFT and its curves; the over-optimisation plot when the rollouts
     were judged (`gold`). Returns samples to show."""
-    from flows.plots import curves, overoptimization
+    from rlhf.plots import curves, overoptimization
 
     samples = evaluation_report(result.evaluation, metrics, warnings, demo_evaluation)
     scores = ["rollout/score"] + [k for k in ("rollout/score_raw",) if k in result.history[-1]]  # raw: a reward model's

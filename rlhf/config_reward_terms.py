@@ -110,7 +110,7 @@ class TeacherConfig(_Frozen):
     distillation"). The teacher must share the policy's tokenizer: it reads the policy's token ids."""
 
     model: str
-    """A folder, hub id, `demo:<name>`, `runs:/<run id>/<path>`, or `models:/<name>@<alias>` (or `/<version>`)."""
+    """The teacher: a folder, hub id, `demo:<name>`, `runs:/<run id>/<path>` or `models:/<name>@<alias>` (`/<n>`)."""
     weight: PositiveFloat = 1.0
     """Its weight in each token's reward (beside the reward's terms, which score whole responses)."""
     kl_estimator: Literal["k1", "k3"] = "k1"

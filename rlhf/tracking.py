@@ -52,6 +52,7 @@ TAG_JUDGED_BY = "rlhf.judged_by"  # on a model version: the figure the champion 
 TAG_REGISTERED_MODEL = "rlhf.registered_model"  # on a PPO or DPO run -> `<registered model>/<version>` it became
 TAG_REWARD_FUNCTIONS = "rlhf.reward_functions"  # on a PPO run: its reward's function terms, weights and source digests
 TAG_REWARD_REMOTE = "rlhf.reward_remote"  # on a PPO run: its remote terms (kind, URL, weight, template, served run)
+TAG_TEACHER = "rlhf.teacher"  # on a PPO run: its distillation teacher as given, and what that resolved to
 TAG_NOTE = "mlflow.note.content"  # the run's description, shown on its overview page
 CHECKPOINT_PATH = "checkpoint"
 # on a stage run: every installed package, `name==version` (normalized names), sorted
@@ -214,6 +215,54 @@ def download_checkpoint(run_id: str, dst: Path) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=f"runs:/{run_id}/{CHECKPOINT_PATH}",
                                                     dst_path=str(dst)))
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model named by an MLflow URI, as the run folder that holds it."""
+
+    run_id: str
+    path: str
+    """The folder's artifact path in the run."""
+    version: str | None = None
+    """`<registered model>/<version>`, where the model was named through the registry."""
+
+    def describe(self, given: str) -> str:
+        """What a run's tag says of it: the URI given, and what it resolved to."""
+        version = f"version {self.version.rsplit('/', 1)[1]}, " if self.version and given.startswith("models:/") \
+            and "@" in given else ""
+        return f"{given} ({version}runs:/{self.run_id}/{self.path})"
+
+
+def model_source(location: str) -> ModelSource | None:
+    """`runs:/<run id>/<path>`, `models:/<name>@<alias>` or `models:/<name>/<version>` as the run folder it
+    names (a registered version: its run's `checkpoint`, the plain folder our stages log beside the
+    MLflow model); None for any other location (a folder, a hub id). An alias is resolved now, to the
+    version that holds it. Raises `TrackingError` naming what is missing."""
+    if location.startswith("runs:/"):
+        run_id, _, path = location[len("runs:/"):].partition("/")
+        return ModelSource(run_id, path.strip("/") or CHECKPOINT_PATH)
+    if not location.startswith("models:/"):
+        return None
+    name, alias = (location[len("models:/"):].split("@", 1) + [None])[:2]
+    name, number = (name, None) if alias else name.rsplit("/", 1)
+    try:
+        version = MlflowClient().get_model_version_by_alias(name, alias) if alias else \
+            MlflowClient().get_model_version(name, number)
+    except mlflow.exceptions.MlflowException as e:
+        raise TrackingError(f"{location}: no such registered model version ({e.message})") from e
+    if not version.run_id or find_run(version.run_id) is None:
+        raise TrackingError(f"{location} is version {version.version} of {name}, which names no run of this server "
+                            "to fetch its folder from: give the folder or runs:/<run id>/<path> instead")
+    return ModelSource(version.run_id, CHECKPOINT_PATH, f"{name}/{version.version}")
+
+
+def download_model(source: ModelSource, dst: Path, config_only: bool = False) -> Path:
+    """The folder `source` names, fetched through MLflow into `dst` (`config_only`: its `config.json` alone)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    path = source.path + ("/config.json" if config_only else "")
+    fetched = Path(mlflow.artifacts.download_artifacts(artifact_uri=f"runs:/{source.run_id}/{path}", dst_path=str(dst)))
+    return fetched.parent if config_only else fetched
 
 
 def finished_runs(experiment_name: str, stage: str, tags: dict[str, str] | None = None, max_results: int = 1000):

@@ -22,6 +22,7 @@ LAYERS = {
     "rlhf/numerics.py": (),
     "rlhf/demo/locations.py": (),
     "rlhf/evaluation.py": (),
+    "rlhf/plots.py": (),
     "rlhf/demo/rewards.py": (),
     "rlhf/demo/tools.py": (),
     "rlhf/config_common.py": ("rlhf.demo.locations",),

@@ -92,11 +92,28 @@ def test_prefect_yaml_defines_the_deployments_of_the_one_flow():
 
     spec = yaml.safe_load((Path(__file__).resolve().parent.parent / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}
-    assert set(deployments) == {"full", "sft", "reward", "ppo", "dpo"}
+    assert set(deployments) == {"full", "sft", "reward", "ppo", "dpo", "distill"}
     assert {d["entrypoint"] for d in deployments.values()} == {"flows/pipeline.py:rlhf"}
     assert deployments["full"]["parameters"]["stages"] == ["sft", "reward", "ppo"]
-    assert {name: d["parameters"]["stages"] for name, d in deployments.items() if name != "full"} == {
-        name: [name] for name in ("sft", "reward", "ppo", "dpo")}
+    assert {name: d["parameters"]["stages"] for name, d in deployments.items() if name not in ("full", "distill")} \
+        == {name: [name] for name in ("sft", "reward", "ppo", "dpo")}
+    distill = deployments["distill"]["parameters"]  # SFT, then the RL stage with the teacher: no reward stage
+    assert distill["stages"] == ["sft", "ppo"]
+    cfg = load_config(distill["config_file"])
+    assert cfg.ppo.advantage_estimator == "distill" and cfg.ppo.teacher.model.startswith("models:/")
+    assert not cfg.ppo.reward.uses_model
+
+
+def test_distillation_settings_are_refused_where_they_cannot_act():
+    with pytest.raises(ConfigError, match="advantage_estimator 'distill' learns from a teacher"):
+        load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "distill"})
+    with pytest.raises(ConfigError, match="reward.terms: give at least one term .* or a teacher"):
+        load_config("configs/tiny.yaml", {"ppo.reward": {"terms": []}})
+    beside = load_config("configs/tiny.yaml", {"ppo.teacher.model": "demo:model"})  # beside the reward model
+    assert beside.ppo.reward.uses_model and beside.ppo.advantage_estimator == "gae"
+    pure = load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "distill", "ppo.teacher.model": "demo:model"})
+    assert (pure.ppo.reward.terms, pure.ppo.kl.init_coef, pure.ppo.critic, pure.ppo.samples_per_prompt) == (
+        [], 0.0, None, 1)
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero2", "two-nodes", "fsdp", "two-nodes-fsdp"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flows.plots import overoptimization, running_mean
+from rlhf.plots import overoptimization, running_mean
 
 
 def test_running_mean_averages_the_window_ending_at_each_point():

@@ -306,19 +306,12 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
     return StagePlan(stage=stage, processes=n, sharded=sharded, held=held, phases=phases, notes=notes, alone=alone)
 
 
-def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, device: Device, counts: Counts,
-             processes: int | None = None) -> StagePlan:
-    """PPO as `stages.ppo.train_ppo` holds and runs it: policy (with LoRA: its frozen weights are the
-    reference), reference, reward model (None: a reward of functions alone), critic; sampling, the
-    rollout's forwards, the update's micro-batches, the evaluations."""
-    n, sharded = _engine(section.launch, processes)
-    autocast = _autocast(section, device)
-    compute = 2 if autocast else 4
-    sharding = n if sharded else 1
+def _ppo_models(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, teacher: ModelShape | None,
+                sharding: int, compute: int) -> tuple[list[Held], list[str]]:
+    """The models a PPO run holds, the policy first, and notes on them."""
     notes: list[str] = []
     frozen = section.frozen_dtype
-    pol = _trained("policy", policy, section.lora, frozen, sharding, compute)
-    held = [pol]
+    held = [_trained("policy", policy, section.lora, frozen, sharding, compute)]
     if section.lora is None:
         held.append(_frozen("reference", policy, frozen, sharding))
     critic_kind = section.critic.kind if section.uses_critic else None
@@ -328,12 +321,31 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, 
     elif reward is not None:
         held.append(_frozen("reward model", reward, frozen, sharding))
     else:
-        notes.append("no reward model: the reward is Python functions alone")
-    critic_model = reward_shape(policy) if critic_kind == "policy" else reward
+        notes.append("no reward model: the reward is Python functions alone" if teacher is None
+                     else "no reward model: the teacher's term is the reward")
+    if teacher is not None:  # frozen like the reference, offloaded with it
+        held.append(_frozen("teacher", teacher, frozen, sharding))
     if critic_kind in ("reward", "policy"):
-        held.append(_trained("critic", critic_model, None, frozen, sharding, compute))
+        held.append(_trained("critic", reward_shape(policy) if critic_kind == "policy" else reward, None, frozen,
+                             sharding, compute))
     elif critic_kind in ("shared", "detached"):
         notes.append("critic: a value head on the policy's body (hidden + 1 parameters)")
+    return held, notes
+
+
+def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, device: Device, counts: Counts,
+             processes: int | None = None, teacher: ModelShape | None = None) -> StagePlan:
+    """PPO as `stages.ppo.train_ppo` holds and runs it: policy (with LoRA: its frozen weights are the
+    reference), reference, reward model (None: a reward of functions alone), critic, distillation
+    teacher; sampling, the rollout's forwards, the update's micro-batches, the evaluations."""
+    n, sharded = _engine(section.launch, processes)
+    autocast = _autocast(section, device)
+    compute = 2 if autocast else 4
+    sharding = n if sharded else 1
+    held, notes = _ppo_models(section, policy, reward, teacher, sharding, compute)
+    pol = held[0]
+    critic_kind = section.critic.kind if section.uses_critic else None
+    critic_model = reward_shape(policy) if critic_kind == "policy" else reward
 
     length = section.max_prompt_length + section.response_tokens
     local = section.rollout_batch_size // n
@@ -354,12 +366,15 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, 
     at_once = section.sampling.micro_batch_size or max(local, evaluated)
     rolled, judged = min(local, at_once), min(evaluated, at_once)
     scored = min(rolled, SCORING_BATCH)
+    forwards = {"logits": forward_without_gradients(policy, rolled, length, section.response_tokens + 1, autocast)}
+    if reward is not None:
+        forwards["scoring"] = forward_without_gradients(reward, scored, length, 0, autocast)
+    if teacher is not None:  # its logits beside the policy's, which the rollout still holds
+        forwards["teacher_logits"] = forward_without_gradients(teacher, rolled, length, section.response_tokens + 1,
+                                                               autocast)
     phases = {
         "sampling": gathered_policy | {"kv_cache": kv_cache(policy, rolled, length, autocast)},
-        "rollout_forwards": {"logits": forward_without_gradients(policy, rolled, length,
-                                                                 section.response_tokens + 1,
-                                                                 autocast)} | (
-            {"scoring": forward_without_gradients(reward, scored, length, 0, autocast)} if reward is not None else {}),
+        "rollout_forwards": forwards,
         "update": update,
         "evaluation": gathered_policy | {
             "kv_cache": kv_cache(policy, judged, length, autocast),

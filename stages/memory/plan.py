@@ -40,7 +40,8 @@ def plan_stage(cfg: PipelineConfig, stage: StageName, shapes: dict[str, ModelSha
     policy = shapes["policy"]
     if stage == "ppo":
         reward = reward_shape(shapes.get("reward", policy)) if section.reward.uses_model else None
-        return plan_ppo(section, policy, reward, device, counts, processes)
+        teacher = shapes.get("teacher", policy) if section.teacher else None  # unread: as large as the policy
+        return plan_ppo(section, policy, reward, device, counts, processes, teacher)
     model = reward_shape(shapes.get("reward", policy)) if stage == "reward" else policy
     return plan_trainer_stage(stage, section, policy, model, device, counts, processes)
 
@@ -270,10 +271,12 @@ class Plan:
 
 
 def model_shapes(cfg: PipelineConfig, resolve=lambda location: location) -> dict[str, ModelShape]:
-    """The policy's shape (`sft.model`) and, when the config names one, the reward model's."""
+    """The policy's shape (`sft.model`) and, when the config names them, the reward model's and PPO's teacher's."""
     shapes = {"policy": model_shape(resolve(cfg.sft.model), cfg.sft.trust_remote_code)}
     if cfg.reward.model:
         shapes["reward"] = model_shape(resolve(cfg.reward.model), cfg.reward.trust_remote_code)
+    if cfg.ppo.teacher:
+        shapes["teacher"] = model_shape(resolve(cfg.ppo.teacher.model), cfg.ppo.teacher.trust_remote_code)
     return shapes
 
 
