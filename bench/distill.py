@@ -10,12 +10,14 @@ reward model and SFT on the teacher's samples (off-policy distillation), from th
 2. The student: the demo world built with `STUDENT`'s sizes (half the width, half the layers; the same
    data and tokenizer: the world's tokenizer does not depend on the model), then the demo's SFT section.
 3. For every training seed, from the student's SFT checkpoint:
-   (a) `distill`: `advantage_estimator: distill` with the teacher (no reward model, no KL to SFT);
+   (a) `distill`: `advantage_estimator: distill` with the teacher (no reward model, no KL to SFT), at the
+       demo's learning rate and at 3e-4;
    (b) `ppo`: the demo's PPO section against the demo's reward model (the teacher's);
-   (c) `sft on teacher samples`: the teacher's responses to as many training prompts as (a) grades
-       (iterations x rollout_batch_size), sampled at the PPO section's temperature, then the demo's SFT
-       settings for one epoch over them from the student's SFT checkpoint.
-   (a) and (b) are evaluated every `--eval-every` iterations (`bench.quality.run_ours`); (c) at the end.
+   (c) `sft on teacher samples`: the teacher's responses to the training prompts (cycled), sampled at
+       the PPO section's temperature, then the demo's SFT settings for one epoch from the student's SFT
+       checkpoint over as many of them as (a) has graded after 4, 10, 20, 30 and 60 iterations
+       (iterations x rollout_batch_size): the same teacher samples, off-policy.
+   (a) and (b) are evaluated every `--eval-every` iterations (`bench.quality.run_ours`); (c) at each point.
 4. Every evaluation is the stage's own against the student SFT's responses to the held-out prompts
    (common random numbers), judged by the demo world's gold function; the teacher is judged against
    the same responses. Training time: (a) and (b) sum `time/iteration` (sampling, the teacher's or
@@ -42,6 +44,15 @@ STUDENT = {"hidden_size": 32, "intermediate_size": 96, "num_layers": 1}
 """The student's demo-world sizes: half the demo model's width (64), MLP (192) and layers (2)."""
 DISTILL = {"advantage_estimator": "distill", "reward": {"terms": []}}
 """(a)'s `ppo` settings on top of the config's section, with `teacher.model` the teacher's folder."""
+METHODS: dict[str, dict | None] = {
+    "distill": DISTILL,
+    "distill, learning rate 3e-4": DISTILL | {"learning_rate": 3.0e-4},
+    "ppo": {},
+    "sft on teacher samples": None,
+}
+"""Each method's `ppo` settings on top of the config's section (None: SFT on the teacher's samples)."""
+OFF_POLICY_POINTS = (4, 10, 20, 30, 60)
+"""(c) is trained on as many teacher samples as (a) grades in this many iterations (x rollout_batch_size)."""
 
 
 def frames(folder: Path, tokenizer, section, names: tuple[str, ...], kind: str) -> list:
@@ -139,26 +150,40 @@ def teacher_samples(cfg, teacher: Path, prompts, count: int, seed: int, out: Pat
     return out, seconds
 
 
-def off_policy(cfg, teacher: Path, student: Path, world: Path, prompts, seed: int, state: Path) -> tuple[Path, dict]:
-    """(c): SFT of the student's SFT checkpoint on the teacher's samples, one epoch: (checkpoint, record)."""
+def off_policy(cfg, teacher: Path, student: Path, world: Path, prompts, seed: int, state: Path,
+               judge) -> tuple[object, dict]:
+    """(c): the student's SFT checkpoint fine-tuned for one epoch on the teacher's first samples, as many
+    as (a) has graded after each of `OFF_POLICY_POINTS` iterations, each judged by `judge`: (the last
+    evaluation table, record with one evaluation per point; seconds: its SFT's plus its samples' share of
+    the sampling time)."""
+    from bench.quality import final_figures
     from schemas.validate import LengthBudget, load_validated
     from stages.runtime.models import load_tokenizer
     from stages.sft import SFTInputs, train_sft
 
-    count = cfg.ppo.num_iterations * cfg.ppo.rollout_batch_size
+    per_iteration = cfg.ppo.rollout_batch_size
+    count = max(OFF_POLICY_POINTS) * per_iteration
     samples, sampling_seconds = teacher_samples(cfg, teacher, prompts, count, seed, state / f"samples-{seed}.jsonl")
     tokenizer = load_tokenizer(str(student))
     # The teacher answers a cycled prompt the same way now and then (16 of 3,840 on the demo): kept once each.
-    train = load_validated(str(samples), "sft", tokenizer=tokenizer, duplicates="drop",
+    every = load_validated(str(samples), "sft", tokenizer=tokenizer, duplicates="drop",
                            budget=LengthBudget(cfg.sft.max_prompt_length, cfg.sft.max_length)).frame
     [evaluation] = frames(world, tokenizer, cfg.sft, ("sft_eval",), "sft")
-    out = state / f"offpolicy-{seed}"
-    shutil.rmtree(out, ignore_errors=True)
     section = cfg.sft.model_copy(update={"num_train_epochs": 1, "max_steps": None, "seed": seed, "num_samples": 0})
-    clock = time.perf_counter()
-    result = train_sft(section, SFTInputs(str(student), train, evaluation), out)
-    return result.checkpoint, {"train_seconds": time.perf_counter() - clock + sampling_seconds,
-                               "sampling_seconds": sampling_seconds, "teacher_samples": len(train)}
+    points, final = [], None
+    for iterations in OFF_POLICY_POINTS:
+        train = every.head(iterations * per_iteration)
+        out = state / f"offpolicy-{seed}-{iterations}"
+        shutil.rmtree(out, ignore_errors=True)
+        clock = time.perf_counter()
+        result = train_sft(section, SFTInputs(str(student), train, evaluation), out)
+        seconds = time.perf_counter() - clock + sampling_seconds * len(train) / len(every)
+        final = judge(result.checkpoint)
+        figures = final_figures(final)
+        points.append({"iteration": iterations, "seconds": seconds, "teacher_samples": len(train),
+                       **{k: figures[k] for k in ("kl", "gold_reward", "gold_win_rate")}})
+    return final, {"train_seconds": points[-1]["seconds"], "sampling_seconds": sampling_seconds,
+                   "teacher_samples": len(every), "evaluations": points}
 
 
 def reached(evaluations: list[dict], target: float) -> dict | None:
@@ -180,6 +205,17 @@ def table(results: dict) -> str:
         lines.append(f"| {row['method']} | {row['seed']} | {row['gold_win_rate']:.3f} ± {row['gold_win_rate_se']:.3f} "
                      f"| {row['gold_win_rate'] / teacher['gold_win_rate']:.2f} | {row['kl']:.2f} | "
                      f"{row['train_seconds']:.1f} | {reach} |")
+    points = sorted({e["iteration"] for row in results["rows"] for e in row["evaluations"]} & set(OFF_POLICY_POINTS))
+    lines += ["", "Gold win rate against the student's SFT at equal teacher samples (mean over seeds, lowest in "
+              "brackets; samples: iterations x rollout_batch_size)", "",
+              "| method | " + " | ".join(f"{k} it." for k in points) + " |", "|---|" + "---|" * len(points)]
+    for method in dict.fromkeys(row["method"] for row in results["rows"]):
+        cells = []
+        for k in points:
+            found = [e["gold_win_rate"] for row in results["rows"] if row["method"] == method
+                     for e in row["evaluations"] if e["iteration"] == k]
+            cells.append(f"{sum(found) / len(found):.3f} ({min(found):.3f})" if found else "")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -187,15 +223,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--methods", nargs="+", default=["distill", "ppo", "sft on teacher samples"])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--teacher", type=Path, help="a teacher's folder; default: the demo's PPO policy, trained here")
-    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--eval-every", type=int, default=2)  # OFF_POLICY_POINTS are its multiples
     parser.add_argument("--share", type=float, default=0.9, help="the target: this share of the teacher's win rate")
     parser.add_argument("--state", type=Path, default=REPO / ".rlhf" / "bench" / "distill")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from bench.quality import final_figures, run_ours
+    from bench.quality import Judge, final_figures, run_ours
     from rlhf.config import load_config, with_overrides
     from rlhf.demo.world import build_world
     from stages.runtime.models import load_tokenizer, set_determinism
@@ -213,23 +249,22 @@ def main() -> None:
     out = args.out or REPO / "bench" / "results" / f"distill-{datetime.date.today()}.json"
     results = {"config": args.config, "student": STUDENT, "teacher": judged, "teacher_ppo": teacher_run,
                "share": args.share, "target": args.share * judged["gold_win_rate"], "rows": []}
-    base = {"evaluation.every": args.eval_every}
-    settings = {"distill": base | DISTILL | {"teacher": {"model": str(teacher)}}, "ppo": base}
+    base, judge = {"evaluation.every": args.eval_every}, None
     for seed in args.seeds:
         for method in args.methods:
             print(f"--- {method}, seed {seed}", flush=True)
-            if method == "sft on teacher samples":
-                checkpoint, record = off_policy(cfg, teacher, student, world, prompts, seed, state)
-                from bench.quality import Judge
-
-                final = Judge(student, reward, eval_prompts, cfg.ppo)(checkpoint)
-                evaluations = [{"iteration": 1, "seconds": record["train_seconds"],  # one evaluation, after its epoch
-                                **{k: final_figures(final)[k] for k in ("kl", "gold_reward", "gold_win_rate")}}]
+            if METHODS[method] is None:
+                judge = judge or Judge(student, reward, eval_prompts, cfg.ppo)
+                final, record = off_policy(cfg, teacher, student, world, prompts, seed, state, judge)
             else:
-                ppo = with_overrides(cfg.ppo, settings[method] | {"seed": seed})
-                _, record = run_ours(ppo, student, None if method == "distill" else reward, prompts, eval_prompts,
-                                     state / f"{method}-{seed}", teacher if method == "distill" else None)
-                final, evaluations = record.pop("final_table"), record["evaluations"]
+                distills = METHODS[method].get("advantage_estimator") == "distill"
+                ppo = with_overrides(cfg.ppo, base | METHODS[method] | {"seed": seed} | (
+                    {"teacher": {"model": str(teacher)}} if distills else {}))
+                _, record = run_ours(ppo, student, None if distills else reward, prompts, eval_prompts,
+                                     state / f"{method.replace(' ', '-').replace(',', '')}-{seed}",
+                                     teacher if distills else None)
+                final = record.pop("final_table")
+            evaluations = record["evaluations"]
             figures = final_figures(final)
             row = {"method": method, "seed": seed, **figures, "train_seconds": record["train_seconds"],
                    "evaluations": evaluations, "to_target": reached(evaluations, results["target"]),

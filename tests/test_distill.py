@@ -1,0 +1,116 @@
+"""On-policy distillation (`ppo.teacher`, `advantage_estimator: distill`): the student moves towards its
+teacher on one process, with LoRA, and on two (DDP, FSDP2); a teacher of another vocabulary is refused;
+a teacher named through MLflow resolves to a run's folder and keys the stage's cache. The term's
+equation is worked by hand in tests/test_ppo_math.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.lineage import cache_key
+from rlhf import tracking
+from rlhf.config import load_config, with_overrides
+from rlhf.demo.world import build_world
+from stages.common.reporting import Reporting
+from stages.launch.call import call_stage
+from stages.ppo import train_ppo
+from tests.helpers import ppo_inputs
+
+DISTILL = {"advantage_estimator": "distill", "reward": {"terms": []}, "num_iterations": 4, "learning_rate": 1e-3,
+           "evaluation.every": None}
+
+
+def _distilled(tiny_config, trained, world, tmp_path, **settings):
+    """The tiny SFT policy distilled from the tiny world's base model (another policy of the same tokenizer)."""
+    cfg = with_overrides(tiny_config.ppo, DISTILL | {"teacher": {"model": str(world / "model")}} | settings)
+    return cfg, ppo_inputs(trained, reward=False, teacher=str(world / "model"))
+
+
+def _moved_towards_the_teacher(result) -> None:
+    first, last = result.history[0], result.history[-1]
+    assert last["rollout/teacher_kl"] < 0.5 * first["rollout/teacher_kl"], (first, last)
+    assert last["rollout/teacher_kl_per_token"] < first["rollout/teacher_kl_per_token"]
+    assert first["rollout/kl_coef"] == 0.0  # no KL to the SFT policy
+    assert result.metrics["eval/teacher_kl"] == pytest.approx(result.evaluation["teacher_kl"].mean())
+    assert "eval/score" not in result.metrics  # no reward model was loaded
+
+
+def test_the_student_moves_towards_its_teacher(tiny_config, trained, world, tmp_path):
+    cfg, inputs = _distilled(tiny_config, trained, world, tmp_path)
+    rollouts = []
+    result = train_ppo(cfg, inputs, tmp_path / "run", Reporting(rollouts=lambda table, i: rollouts.append(table)))
+    _moved_towards_the_teacher(result)
+    assert "teacher_kl" in rollouts[0].columns  # every episode's KL to the teacher, in the episodes table
+
+
+def test_a_lora_student_distills(tiny_config, trained, world, tmp_path):
+    cfg, inputs = _distilled(tiny_config, trained, world, tmp_path, lora={}, learning_rate=3e-3)
+    _moved_towards_the_teacher(train_ppo(cfg, inputs, tmp_path / "run", Reporting()))
+
+
+def test_a_teacher_beside_the_reward_model_grades_every_token_of_gae(tiny_config, trained, world, tmp_path):
+    cfg = with_overrides(tiny_config.ppo, {"teacher": {"model": str(world / "model"), "weight": 0.1},
+                                           "num_iterations": 2, "evaluation.every": None})
+    result = train_ppo(cfg, ppo_inputs(trained, teacher=str(world / "model")), tmp_path / "run", Reporting())
+    assert "eval/score" in result.metrics and "eval/teacher_kl" in result.metrics
+    assert result.history[0]["rollout/teacher_kl"] > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("launch", [{"num_processes": 2},
+                                    {"num_processes": 2, "accelerate_config": "configs/accelerate/fsdp.yaml"}],
+                         ids=["ddp", "fsdp2"])
+def test_distillation_on_two_processes(tiny_config, trained, world, tmp_path, launch):
+    cfg, inputs = _distilled(tiny_config, trained, world, tmp_path, launch=launch, rollout_batch_size=16)
+    result = call_stage(train_ppo, cfg, inputs, tmp_path / "run", Reporting(), deterministic=True, num_threads=2)
+    _moved_towards_the_teacher(result)
+
+
+def test_a_teacher_of_another_vocabulary_is_refused(tiny_config, trained, tmp_path):
+    other = build_world(tmp_path / "worlds", tiny_config.demo.model_copy(update={"vocab_size": 400}))
+    cfg = with_overrides(tiny_config.ppo, DISTILL | {"teacher": {"model": str(other / "model")}})
+    with pytest.raises(ValueError, match="has another vocabulary .* grade other tokens than the policy's"):
+        train_ppo(cfg, ppo_inputs(trained, reward=False, teacher=str(other / "model")), tmp_path / "run")
+
+
+def test_a_registered_teacher_resolves_to_its_versions_run_and_keys_the_cache(tmp_path, world, monkeypatch):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setattr(tracking, "code_version", lambda: ("test", "test"))  # the cache key's, without git
+    try:
+        _resolves_and_keys(world, tmp_path)
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def _resolves_and_keys(world, tmp_path):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    with mlflow.start_run() as run:
+        mlflow.log_artifacts(str(world / "model"), tracking.CHECKPOINT_PATH)
+    client = MlflowClient()
+    client.create_registered_model("teachers")
+    version = client.create_model_version("teachers", f"runs:/{run.info.run_id}/checkpoint", run.info.run_id)
+    client.set_registered_model_alias("teachers", "champion", version.version)
+    source = tracking.model_source("models:/teachers@champion")
+    assert (source.run_id, source.path, source.version) == (run.info.run_id, "checkpoint", "teachers/1")
+    assert source.describe("models:/teachers@champion") == (
+        f"models:/teachers@champion (version 1, runs:/{run.info.run_id}/checkpoint)")
+    assert tracking.model_source(f"models:/teachers/{version.version}") == source
+    assert tracking.model_source("/a/folder") is None
+    fetched = tracking.download_model(source, tmp_path / "fetched", config_only=True)
+    assert (fetched / "config.json").exists() and not (fetched / "model.safetensors").exists()
+    with pytest.raises(tracking.TrackingError, match="models:/teachers@nobody: no such registered model version"):
+        tracking.model_source("models:/teachers@nobody")
+    # The cache key holds the run the alias names now: another version under the alias is another key.
+    cfg = load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "distill",
+                                            "ppo.teacher.model": "models:/teachers@champion"})
+    before = cache_key("ppo", cfg, str(world), {"sft": "s"})
+    with mlflow.start_run() as other:
+        mlflow.log_artifacts(str(world / "model"), tracking.CHECKPOINT_PATH)
+    moved = client.create_model_version("teachers", f"runs:/{other.info.run_id}/checkpoint", other.info.run_id)
+    client.set_registered_model_alias("teachers", "champion", moved.version)
+    assert cache_key("ppo", cfg, str(world), {"sft": "s"}) != before
