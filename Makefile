@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: lock lint bench-env vllm-env golden load-test demo test test-fast bench bench-packing bench-quality bench-methods bench-tools bench-scale bench-ray bench-memory bench-rollout gpu-wheels plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env
+.PHONY: lock lint bench-env vllm-env golden load-test demo test test-fast bench bench-packing bench-quality bench-methods bench-distill bench-tools bench-scale bench-ray bench-memory bench-rollout gpu-wheels plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env
 
 # Every environment is installed exactly from its lock (locks/, scripts/locks.sh): a package that
 # differs from the lock is named and put back, one the lock does not name is removed. Syncing an
@@ -50,6 +50,9 @@ bench-quality: install bench-env  ## PPO learning quality: KL - gold-reward fron
 
 bench-methods: install  ## the RL stage's advantage estimators on the demo world: gold win rate, KL, time, memory
 	$(PY) -m bench.methods --config $${BENCH_CONFIG:-configs/demo.yaml}
+
+bench-distill: install  ## on-policy distillation: a half-size student of the demo's PPO policy, against PPO and SFT on the teacher's samples, 3 seeds
+	$(PY) -m bench.distill --config $${BENCH_CONFIG:-configs/demo.yaml}
 
 bench-tools: install  ## multi-turn episodes on the demo's tool world against the same policy trained single-turn, GRPO and PPO, 3 seeds
 	$(PY) -m bench.tools --config $${BENCH_CONFIG:-configs/tools.yaml}

@@ -47,6 +47,7 @@ DISTILL = {"advantage_estimator": "distill", "reward": {"terms": []}}
 METHODS: dict[str, dict | None] = {
     "distill": DISTILL,
     "distill, learning rate 3e-4": DISTILL | {"learning_rate": 3.0e-4},
+    "distill, 20 iterations": DISTILL | {"num_iterations": 20},  # configs/distill.yaml: it learns in the first 20
     "ppo": {},
     "sft on teacher samples": None,
 }

@@ -114,3 +114,19 @@ def _resolves_and_keys(world, tmp_path):
     moved = client.create_model_version("teachers", f"runs:/{other.info.run_id}/checkpoint", other.info.run_id)
     client.set_registered_model_alias("teachers", "champion", moved.version)
     assert cache_key("ppo", cfg, str(world), {"sft": "s"}) != before
+
+
+def test_the_memory_plan_holds_the_teacher_and_its_logits(world):
+    from stages.memory.phases import Device
+    from stages.memory.plan import plan_stage
+    from stages.memory.shapes import model_shape
+
+    cfg = load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "distill", "ppo.teacher.model": "demo:model",
+                                            "ppo.sampling.micro_batch_size": None, "ppo.micro_batch_size": None})
+    policy = model_shape(str(world / "model"))
+    plan = plan_stage(cfg, "ppo", {"policy": policy, "teacher": policy}, Device(kind="cpu", memory=64 * 2**30))
+    held = {h.name: h for h in plan.held}
+    assert list(held) == ["policy", "reference", "teacher"]  # no reward model, no critic
+    assert held["teacher"].weights == held["reference"].weights > 0  # frozen alike, in frozen_dtype
+    forwards = plan.phases["rollout_forwards"]
+    assert forwards["teacher_logits"] == forwards["logits"] > 0  # beside the policy's, which the rollout holds
