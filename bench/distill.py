@@ -42,8 +42,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 STUDENT = {"hidden_size": 32, "intermediate_size": 96, "num_layers": 1}
 """The student's demo-world sizes: half the demo model's width (64), MLP (192) and layers (2)."""
-DISTILL = {"advantage_estimator": "distill", "reward": {"terms": []}}
-"""(a)'s `ppo` settings on top of the config's section, with `teacher.model` the teacher's folder."""
+DISTILL = {"advantage_estimator": "distill", "reward": {"terms": []}, "kl.init_coef": 0.0}
+"""(a)'s `ppo` settings on top of the config's section, with `teacher.model` the teacher's folder: what `distill`
+resolves to from a config file (`with_overrides` resolves only the critic again, so the rest is spelled out)."""
 METHODS: dict[str, dict | None] = {
     "distill": DISTILL,
     "distill, learning rate 3e-4": DISTILL | {"learning_rate": 3.0e-4},

@@ -16,13 +16,14 @@ from stages.launch.call import call_stage
 from stages.ppo import train_ppo
 from tests.helpers import ppo_inputs
 
-DISTILL = {"advantage_estimator": "distill", "reward": {"terms": []}, "num_iterations": 4, "learning_rate": 1e-3,
-           "evaluation.every": None}
+DISTILL = {"advantage_estimator": "distill", "num_iterations": 4, "learning_rate": 1e-3, "evaluation.every": None}
 
 
 def _distilled(tiny_config, trained, world, tmp_path, **settings):
-    """The tiny SFT policy distilled from the tiny world's base model (another policy of the same tokenizer)."""
-    cfg = with_overrides(tiny_config.ppo, DISTILL | {"teacher": {"model": str(world / "model")}} | settings)
+    """The tiny SFT policy distilled from the tiny world's base model (another policy of the same tokenizer),
+    its config loaded as a user's is (`auto` fields resolved for `distill`: no reward terms, beta 0)."""
+    cfg = load_config("configs/tiny.yaml", {f"ppo.{key}": value for key, value in (
+        DISTILL | {"teacher": {"model": str(world / "model")}} | settings).items()}).ppo
     return cfg, ppo_inputs(trained, reward=False, teacher=str(world / "model"))
 
 
@@ -68,7 +69,8 @@ def test_distillation_on_two_processes(tiny_config, trained, world, tmp_path, la
 
 def test_a_teacher_of_another_vocabulary_is_refused(tiny_config, trained, tmp_path):
     other = build_world(tmp_path / "worlds", tiny_config.demo.model_copy(update={"vocab_size": 400}))
-    cfg = with_overrides(tiny_config.ppo, DISTILL | {"teacher": {"model": str(other / "model")}})
+    cfg = with_overrides(tiny_config.ppo, DISTILL | {"teacher": {"model": str(other / "model")},
+                                           "reward": {"terms": []}})
     with pytest.raises(ValueError, match="has another vocabulary .* grade other tokens than the policy's"):
         train_ppo(cfg, ppo_inputs(trained, reward=False, teacher=str(other / "model")), tmp_path / "run")
 
