@@ -132,3 +132,18 @@ def test_the_memory_plan_holds_the_teacher_and_its_logits(world):
     assert held["teacher"].weights == held["reference"].weights > 0  # frozen alike, in frozen_dtype
     forwards = plan.phases["rollout_forwards"]
     assert forwards["teacher_logits"] == forwards["logits"] > 0  # beside the policy's, which the rollout holds
+
+
+def test_the_run_form_and_the_runs_description_name_the_teacher():
+    from flows.form import PPOForm
+    from flows.reports import reward_terms_note
+
+    form = PPOForm(advantage_estimator="distill", teacher_model="runs:/abc/checkpoint")
+    assert form.overrides() == {"ppo.advantage_estimator": "distill", "ppo.teacher.model": "runs:/abc/checkpoint"}
+    assert "teacher" in PPOForm.model_fields["teacher_model"].description
+    assert load_config("configs/tiny.yaml", form.overrides()).ppo.teacher.model == "runs:/abc/checkpoint"
+    assert reward_terms_note(load_config("configs/distill.yaml").ppo) == (
+        "; scored by the teacher models:/rlhf-policy@champion (weight 1, k1 per token), without a reward model")
+    beside = load_config("configs/tiny.yaml", {"ppo.teacher": {"model": "demo:model", "weight": 0.1}}).ppo
+    assert reward_terms_note(beside) == "; scored by the teacher demo:model (weight 0.1, k1 per token) beside the " \
+        "reward model (weight 1)"
