@@ -423,8 +423,8 @@ def register_policy(run_id: str, checkpoint: Path, model_name: str, alias: str, 
 _SECRETS = [
     # user:password@, also after a path library collapsed the URI's "//"
     (re.compile(r"(?P<keep>[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2}[^/\s:@]+:)[^@\s/]+@"), r"\g<keep>***@"),
-    # a token as the whole userinfo: https://token@host
-    (re.compile(r"(?P<keep>[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2})[^/\s:@*]+@"), r"\g<keep>***@"),
+    # a token as the whole userinfo: https://token@host (not MLflow's `models:/<name>@<alias>`: a name, no secret)
+    (re.compile(r"(?P<keep>\b(?!models:)[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2})[^/\s:@*]+@"), r"\g<keep>***@"),
     (re.compile(r"(?P<keep>(?:token|key|secret|password|passwd|sig|signature|credential)s?=)[^&\s\"']+", re.I),
      r"\g<keep>***"),
     # YAML or JSON `api_key: value` (a name ending `_env` names a variable, not a secret; a tokenizer's

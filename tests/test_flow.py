@@ -495,6 +495,7 @@ def test_redaction_patterns():
     assert tracking.redact("s3://bucket/key?X-Amz-Signature=deadbeef&x=1") == "s3://bucket/key?X-Amz-Signature=***&x=1"
     assert tracking.redact("configs/demo.yaml") == "configs/demo.yaml"
     assert tracking.redact("judge https://tok3n@judge.example/v1") == "judge https://***@judge.example/v1"
+    assert tracking.redact("teacher models:/rlhf-policy@champion") == "teacher models:/rlhf-policy@champion"
     assert tracking.redact("key sk-proj-abcdefghijklmnop123") == "key sk-***"
     assert tracking.redact("Authorization: Bearer abc.def-123456") == "Authorization: Bearer ***"
     yaml_text = ("api_key: s3cret\napi_key_env: JUDGE_KEY\nturn_tokens: 24\nhf_token: 'abc'\npad_token: <pad>\n"
