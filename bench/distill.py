@@ -48,7 +48,9 @@ resolves to from a config file (`with_overrides` resolves only the critic again,
 METHODS: dict[str, dict | None] = {
     "distill": DISTILL,
     "distill, learning rate 3e-4": DISTILL | {"learning_rate": 3.0e-4},
-    "distill, 20 iterations": DISTILL | {"num_iterations": 20},  # configs/distill.yaml: it learns in the first 20
+    "distill, 20 iterations": DISTILL | {"num_iterations": 20},
+    # The teacher's term as a loss: KL over its top 8 tokens and the rest, through the student's logits (GKD's way).
+    "distill, top-8 loss": DISTILL | {"teacher.top_k": 8},
     "ppo": {},
     "sft on teacher samples": None,
 }
@@ -260,8 +262,8 @@ def main() -> None:
                 final, record = off_policy(cfg, teacher, student, world, prompts, seed, state, judge)
             else:
                 distills = METHODS[method].get("advantage_estimator") == "distill"
-                ppo = with_overrides(cfg.ppo, base | METHODS[method] | {"seed": seed} | (
-                    {"teacher": {"model": str(teacher)}} if distills else {}))
+                ppo = with_overrides(cfg.ppo, ({"teacher": {"model": str(teacher)}} if distills else {}) | base
+                                     | METHODS[method] | {"seed": seed})
                 _, record = run_ours(ppo, student, None if distills else reward, prompts, eval_prompts,
                                      state / f"{method.replace(' ', '-').replace(',', '')}-{seed}",
                                      teacher if distills else None)

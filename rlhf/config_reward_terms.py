@@ -107,7 +107,9 @@ class TeacherConfig(_Frozen):
     """On-policy distillation: a frozen teacher grades every token the policy samples. Its term in each
     token's reward is `weight x -KL_t`, KL_t the `kl_estimator`'s estimate of KL(policy || teacher) at the
     sampled token: with k1, `weight x (log p_teacher - log p_policy)` (docs/methods.md, "On-policy
-    distillation"). The teacher must share the policy's tokenizer: it reads the policy's token ids."""
+    distillation"). With `top_k` it is a loss term instead, the exact KL over k + 1 bins at every sampled
+    position, differentiated through the policy's logits (GKD's way). The teacher must share the
+    policy's tokenizer: it reads the policy's token ids."""
 
     model: str
     """The teacher: a folder, hub id, `demo:<name>`, `runs:/<run id>/<path>` or `models:/<name>@<alias>` (`/<n>`)."""
@@ -115,6 +117,8 @@ class TeacherConfig(_Frozen):
     """Its weight in each token's reward (beside the reward's terms, which score whole responses)."""
     kl_estimator: Literal["k1", "k3"] = "k1"
     """The per-token estimate of KL(policy || teacher): k1 the log-ratio (the published recipe), k3 (never negative)."""
+    top_k: PositiveInt | None = None
+    """A loss instead of a reward: `weight x` KL(policy || teacher) over the teacher's top-k tokens and the rest."""
     trust_remote_code: bool = False
     """Allow the teacher's own modelling code from its folder (as `ppo.trust_remote_code` for the policy)."""
 

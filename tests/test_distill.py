@@ -44,6 +44,16 @@ def test_the_student_moves_towards_its_teacher(tiny_config, trained, world, tmp_
     assert "teacher_kl" in rollouts[0].columns  # every episode's KL to the teacher, in the episodes table
 
 
+def test_a_top_k_teacher_trains_through_its_loss_term(tiny_config, trained, world, tmp_path):
+    cfg, inputs = _distilled(tiny_config, trained, world, tmp_path,
+                             teacher={"model": str(world / "model"), "top_k": 8})
+    result = train_ppo(cfg, inputs, tmp_path / "run", Reporting())
+    _moved_towards_the_teacher(result)
+    first, last = result.history[0], result.history[-1]
+    assert 0 < last["train/teacher_loss"] < first["train/teacher_loss"]
+    assert first["train/policy_loss"] == 0.0  # no reward, no term in it: the advantages are 0
+
+
 def test_a_lora_student_distills(tiny_config, trained, world, tmp_path):
     cfg, inputs = _distilled(tiny_config, trained, world, tmp_path, lora={}, learning_rate=3e-3)
     _moved_towards_the_teacher(train_ppo(cfg, inputs, tmp_path / "run", Reporting()))

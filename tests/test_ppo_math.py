@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from stages.common.tensors import (
+    binned,
     entropy_of,
     is_end,
     last_token_index,
@@ -16,6 +17,7 @@ from stages.common.tensors import (
     masked_var,
     masked_whiten,
     response_mask,
+    top_bins,
     truncate_after_eos,
 )
 from stages.math.ppo_math import (
@@ -25,6 +27,7 @@ from stages.math.ppo_math import (
     Totals,
     aggregate,
     apply_eos_penalty,
+    binned_kl,
     clipped_policy_loss,
     clipped_value_loss,
     discounted_returns,
@@ -349,6 +352,26 @@ def test_the_teachers_term_is_the_negative_reverse_kl_worked_by_hand_on_a_vocabu
         [ln2 - 0.5, 1 - ln2, 0.0], abs=1e-6)
     # Masked tokens (a tool's answer, padding) carry no term.
     assert teacher_rewards(student, teacher, w, torch.tensor([[1.0, 0.0, 1.0]])).tolist()[0][1] == 0.0
+
+
+def test_the_top_k_loss_is_the_kl_over_the_teachers_top_k_tokens_and_the_rest_worked_by_hand():
+    """Vocabulary of four: student p = (.5, .25, .15, .1), teacher q = (.1, .6, .2, .1). The teacher's top 2 are
+    tokens 1 and 2; the bins are {1}, {2} and the rest {0, 3}: p = (.25, .15, .6), q = (.6, .2, .2).
+    KL = .25 ln(.25/.6) + .15 ln(.15/.2) + .6 ln(.6/.2) = 0.39715."""
+    p, q = torch.tensor([0.5, 0.25, 0.15, 0.1]), torch.tensor([0.1, 0.6, 0.2, 0.1])
+    ids, teacher = top_bins(q.log().view(1, 1, 4), k=2)
+    assert ids.tolist() == [[[1, 2]]] and teacher.exp().tolist()[0][0] == pytest.approx([0.6, 0.2, 0.2])
+    logits = p.log().view(1, 1, 4).clone().requires_grad_(True)
+    kl = binned_kl(binned(torch.log_softmax(logits, -1), ids), teacher)
+    by_hand = 0.25 * math.log(0.25 / 0.6) + 0.15 * math.log(0.15 / 0.2) + 0.6 * math.log(0.6 / 0.2)
+    assert kl.item() == pytest.approx(by_hand, abs=1e-6)
+    kl.sum().backward()  # a loss through the policy's logits: it lowers the rest's logits, raises token 1's
+    assert logits.grad[0, 0, 1] < 0 < logits.grad[0, 0, 0]
+    # The teacher's bins as the policy's: no loss, no gradient; bins that hold all the mass stay finite.
+    same = binned_kl(teacher, teacher)
+    assert same.item() == 0.0
+    ids, every = top_bins(q.log().view(1, 1, 4), k=10)  # k past the vocabulary: the top 3 and the last token
+    assert ids.shape[-1] == 3 and torch.isfinite(binned_kl(binned(p.log().view(1, 1, 4), ids), every)).all()
 
 
 def test_logprobs_and_entropy_use_temperature_scaled_logits():

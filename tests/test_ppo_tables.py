@@ -136,6 +136,16 @@ def test_concat_pads_prompts_on_the_left_and_responses_on_the_right_and_joins_th
     assert [e.answer for e in joined.episodes] == joined.texts  # a per-row list, joined as the texts are
 
 
+def test_concat_pads_a_response_field_of_several_figures_per_token_along_the_tokens():
+    first, second = _rollout(1, 3, 0), _rollout(1, 1, 100)
+    first.teacher_top = torch.arange(12).view(2, 3, 2)  # (2, 3, k=2): two ids per token
+    second.teacher_top = torch.arange(100, 104).view(2, 1, 2)
+    joined = concat([first, second], pad_id=-1)
+    assert joined.teacher_top.shape == (4, 3, 2)
+    assert joined.teacher_top[2].tolist() == [[100, 101], [0, 0], [0, 0]]  # the short rows padded after their token
+    assert joined.teacher_bins is None  # a field no chunk holds stays None
+
+
 def test_rows_and_micro_batches_take_every_field_including_the_training_ones():
     batch = _rollout(2, 3, 0)
     assert rows_of(batch, [1, 0]).prompts == ["q0", "p0"]

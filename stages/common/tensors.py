@@ -76,3 +76,25 @@ def entropy_of(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """H = -sum_v p log p per position. # (B, T, V) -> (B, T)"""
     logps = F.log_softmax(logits.float() / temperature, dim=-1)
     return -(logps.exp() * logps).sum(-1)
+
+
+LOG_FLOOR = -60.0
+"""The least log-probability `binned` gives a bin: e^-60 is 1e-26, so a bin that holds (nearly) none of
+the mass stays finite, and 0 x (its log-ratio) is 0, not NaN."""
+
+
+def binned(logps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A distribution over the vocabulary seen as k + 1 bins: the tokens `ids` one by one, and every other
+    token together, log(1 - sum_i p(ids_i)). # (B, T, V) log-probs, (B, T, k) -> (B, T, k + 1)"""
+    top = logps.gather(-1, ids)  # (B, T, k)
+    held = torch.logsumexp(top, dim=-1).clamp(max=0.0)  # log sum_i p(ids_i) <= 0
+    rest = torch.where(held > -0.6931, torch.log(-torch.expm1(held)), torch.log1p(-torch.exp(held)))  # log(1 - e^x)
+    return torch.cat([top, rest.unsqueeze(-1)], dim=-1).clamp(min=LOG_FLOOR)
+
+
+def top_bins(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` most likely tokens under temperature-scaled logits, and `binned`'s k + 1 log-probs over them
+    and the rest. # (B, T, V) -> (B, T, k) ids, (B, T, k + 1)"""
+    logps = F.log_softmax(logits.float() / temperature, dim=-1)
+    ids = logps.topk(min(k, logps.shape[-1] - 1), dim=-1).indices
+    return ids, binned(logps, ids)

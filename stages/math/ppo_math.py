@@ -132,6 +132,17 @@ def teacher_rewards(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, weig
     return -weight * kl_estimate(logprobs, teacher_logprobs, estimator) * mask
 
 
+def binned_kl(logps_bins: torch.Tensor, teacher_bins: torch.Tensor) -> torch.Tensor:
+    """KL(pi || pi_teacher) over the same k + 1 bins of both (`stages.common.tensors.binned`: the teacher's
+    top-k tokens, and the rest of the vocabulary as one): the exact reverse KL of the two coarse-grained
+    distributions, never negative, differentiable in the policy's logits,
+
+        KL_t = sum_b p_b (log p_b - log q_b)
+
+    # (B, T, k + 1), (B, T, k + 1) -> (B, T)"""
+    return (logps_bins.exp() * (logps_bins - teacher_bins)).sum(-1)
+
+
 def sequence_rewards(scores: torch.Tensor, kl: torch.Tensor, beta: float, mask: torch.Tensor) -> torch.Tensor:
     """R = score - beta * sum_t KL_t: a whole response's reward, its KL penalty included. # (B,), (B, T) -> (B,)"""
     return scores - beta * (kl * mask).sum(dim=1)

@@ -93,7 +93,8 @@ def advantages_and_returns(accelerator: Accelerator, cfg: PPOConfig, batch: Roll
     `group_batch_normalize` whitens them over the batch. `kl` is per token and masked, `reward` the
     scores' weighted sum, `beta` the KL's weight in the reward, `dropped` the responses a remote
     term gave no score (they train nothing). A teacher (`cfg.teacher`) adds its term to every token's
-    reward (`teacher_rewards`). # -> (B, T), (B, T) | None"""
+    reward (`teacher_rewards`), unless its `top_k` makes it a loss term (`stages.rl.update`).
+    # -> (B, T), (B, T) | None"""
     estimator = estimator_named(cfg.advantage_estimator)
     failed = torch.tensor([e.status == "failed" for e in batch.episodes], device=reward.device)  # (B,)
     if dropped is not None:
@@ -103,7 +104,7 @@ def advantages_and_returns(accelerator: Accelerator, cfg: PPOConfig, batch: Roll
                              lam=cfg.critic.lam if cfg.critic is not None else 0.95,
                              whiten_rewards=cfg.critic is not None and cfg.critic.whiten_rewards,
                              std_normalize=cfg.group_std_normalize, turn_rewards=batch.turn_rewards,
-                             dense=None if cfg.teacher is None else teacher_rewards(
+                             dense=None if cfg.teacher is None or cfg.teacher.top_k else teacher_rewards(
                                  batch.logprobs, batch.teacher_logprobs, cfg.teacher.weight, batch.trainable,
                                  cfg.teacher.kl_estimator))
     if failed.any():  # a failed or dropped episode trains nothing and leaves its group's baseline alone

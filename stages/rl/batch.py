@@ -8,7 +8,7 @@ taking rows (`rows_of`), joining consecutive batches (`concat`) and dropping all
 
     prompt columns    (B, Tq) left-padded: the prompt's ids and mask
     response columns  (B, T) right-padded: response ids, mask and every per-token figure (in a multi-turn
-                      episode, everything after the prompt)
+                      episode, everything after the prompt); (B, T, k) for k figures per token
     per row           (B,) tensors, or lists with one item per row
 
 The masks over the response columns, each (B, T), one meaning each:
@@ -72,6 +72,10 @@ class Rollout:
     prompts: list[str] = per_row()  # the prompts, rendered
     teacher_logprobs: torch.Tensor | None = response_columns(default=None)
     """(B, T) the distillation teacher's log-probs of the sampled tokens, masked; None without a teacher."""
+    teacher_top: torch.Tensor | None = response_columns(default=None)
+    """(B, T, k) with `teacher.top_k`: the teacher's k most likely tokens at each position; None otherwise."""
+    teacher_bins: torch.Tensor | None = response_columns(default=None)
+    """(B, T, k + 1) with `teacher.top_k`: the teacher's log-probs of those tokens and of all the others together."""
     engine_logprobs: torch.Tensor | None = response_columns(default=None)
     """(B, T) the sampling engine's own log-probs (vLLM), masked; None: the trainer sampled."""
     trainable: torch.Tensor = response_columns()
@@ -136,8 +140,9 @@ def concat(chunks: list[Batch], pad_id: int) -> Batch:
         pad = pad_id if f.metadata.get(_PAD) == PAD_ID else f.metadata.get(_PAD)
         if f.metadata[_AXIS] == "prompt":  # (b, tq) -> (b, width)
             pieces = [torch.nn.functional.pad(x, (width - x.shape[1], 0), value=pad) for x in pieces]
-        elif f.metadata[_AXIS] == "response":  # (b, t) -> (b, steps)
-            pieces = [torch.nn.functional.pad(x, (0, steps - x.shape[1]), value=pad) for x in pieces]
+        elif f.metadata[_AXIS] == "response":  # (b, t, ...) -> (b, steps, ...): padded along the second axis
+            pieces = [torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, steps - x.shape[1]), value=pad)
+                      for x in pieces]
         return torch.cat(pieces)
 
     return dataclasses.replace(chunks[0], **{f.name: joined(f) for f in dataclasses.fields(chunks[0])})

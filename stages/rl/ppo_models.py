@@ -265,6 +265,8 @@ class Models:
     """None where no reward model takes part (DPO's evaluation; PPO whose reward is functions alone)."""
     teacher: PreTrainedModel | None = None
     """The distillation teacher (`ppo.teacher`), frozen and held as the reference is; None without one."""
+    teacher_top_k: int | None = None
+    """`ppo.teacher.top_k`: the rollout keeps the teacher's top-k bins at every position for its loss term."""
     tokenizer: object
     precision: Precision
     stop_ids: list[int]
@@ -423,7 +425,7 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
     passes = Passes(precision=precision, padding_free=padding_free, pad_id=tokenizer.pad_token_id)
     teacher = None if cfg.teacher is None else load_teacher(cfg, teacher_location, tokenizer, holding)
     return Models(policy=policy, critic=critic, reference=reference, scorer=scorer, teacher=teacher,
-                  tokenizer=tokenizer,
+                  teacher_top_k=cfg.teacher and cfg.teacher.top_k, tokenizer=tokenizer,
                   precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
                   reuse_sampling_pass=reuse_sampling_pass(cfg.old_logprobs, rounds_to_16_bits(cfg, precision)),
                   padding_free=padding_free, counts=counts, compiler=compiler_for(cfg, policy, passes))

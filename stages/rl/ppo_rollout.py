@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from stages.common.reporting import timed
-from stages.common.tensors import entropy_of, logprobs_of
+from stages.common.tensors import entropy_of, logprobs_of, top_bins
 from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling
 from stages.envs.episode import Episode, EpisodeGeneration, EpisodeSource, SingleTurn, check_failed_share
 from stages.rl.batch import Rollout, concat
@@ -135,18 +135,20 @@ def _rollout_chunk(models: Models, sampler: Sampler, source: EpisodeSource, rows
             ref_logits, _ = forward_response(reference, queries, query_mask, responses, mask, want_hidden=False,
                                              passes=models.passes("reference"))
             ref_logprobs = logprobs_of(ref_logits, responses, temperature)
-        teacher_logprobs = None
+        teacher_logprobs = teacher_top = teacher_bins = None
         if models.teacher is not None:
             with timed(timings, "teacher"):
                 teacher_logits, _ = forward_response(models.teacher, queries, query_mask, responses, mask,
                                                      want_hidden=False, passes=models.passes("teacher"))
                 teacher_logprobs = logprobs_of(teacher_logits, responses, temperature) * trainable
+                if models.teacher_top_k:  # the loss's k + 1 bins at every position (B, T, k), (B, T, k + 1)
+                    teacher_top, teacher_bins = top_bins(teacher_logits, models.teacher_top_k, temperature)
     engine_logprobs = None if sampled.engine_logprobs is None else sampled.engine_logprobs * trainable
     episodes = sampled.episodes
     ended = torch.tensor([e.status == "ok" for e in episodes], device=responses.device)  # (B,)
     return Rollout(queries=queries, query_mask=query_mask, responses=responses, mask=mask,
                    logprobs=logprobs * trainable, ref_logprobs=ref_logprobs * trainable,
-                   teacher_logprobs=teacher_logprobs,
+                   teacher_logprobs=teacher_logprobs, teacher_top=teacher_top, teacher_bins=teacher_bins,
                    values=None if values is None else values * trainable, entropy=entropy, has_eos=ended,
                    texts=[e.answer for e in episodes], prompts=[row["prompt"] for row in rows],
                    engine_logprobs=engine_logprobs, trainable=trainable, turn_rewards=sampled.turn_rewards,

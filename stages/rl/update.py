@@ -10,17 +10,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 
 from rlhf.config_ppo import PPOConfig
 from stages.common.errors import NonFiniteLossError
-from stages.common.tensors import entropy_of, logprobs_of, masked_mean
+from stages.common.tensors import binned, entropy_of, logprobs_of, masked_mean
 from stages.engines.sampler import Sampler
 from stages.envs.episode import EpisodeSource
 from stages.math.ppo_math import (
     PolicyClip,
     Totals,
     aggregate,
+    binned_kl,
     clipped_policy_loss,
     clipped_value_loss,
     kl_estimate,
@@ -185,6 +187,12 @@ def _micro_batch_step(learner: Learner, micro: TrainingBatch, num_tokens: torch.
                             clip.length)
         policy_terms = policy_terms + kl_loss_coef * kl_loss
         figures["kl_loss"] = kl_loss.item()
+    if micro.teacher_bins is not None:  # `teacher.top_k`: KL to the teacher over its top-k bins, through the logits
+        bins = binned(F.log_softmax(logits.float() / cfg.sampling.temperature, dim=-1), micro.teacher_top)
+        teacher_loss = aggregate(binned_kl(bins, micro.teacher_bins), counted, clip.aggregation, denominator,
+                                 clip.length)
+        policy_terms = policy_terms + cfg.teacher.weight * teacher_loss
+        figures["teacher_loss"] = teacher_loss.item()
     loss = (0.0 if warming_up else 1.0) * policy_terms
     if values is not None:
         value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, counted,
