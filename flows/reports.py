@@ -90,7 +90,8 @@ def reward_terms_note(ppo: PPOConfig) -> str:
             f"`{t.name}` ({t.remote.kind}{', ' + t.remote.parse if t.remote.kind == 'judge' else ''} at "
             f"{t.remote.url}, weight {t.weight:g})" for t in reward.remotes))
     if teacher is not None:
-        parts.append(f"the teacher {teacher.model} (weight {teacher.weight:g}, {teacher.kl_estimator} per token)")
+        how = f"KL over its top {teacher.top_k} as a loss" if teacher.top_k else f"{teacher.kl_estimator} per token"
+        parts.append(f"the teacher {teacher.model} (weight {teacher.weight:g}, {how})")
     model = next((f" beside the reward model (weight {t.weight:g})" for t in reward.terms if t.is_model),
                  ", without a reward model")
     return f"; scored by {', '.join(parts)}{model}" if parts else ""

@@ -153,7 +153,8 @@ def test_the_run_form_and_the_runs_description_name_the_teacher():
     assert "teacher" in PPOForm.model_fields["teacher_model"].description
     assert load_config("configs/tiny.yaml", form.overrides()).ppo.teacher.model == "runs:/abc/checkpoint"
     assert reward_terms_note(load_config("configs/distill.yaml").ppo) == (
-        "; scored by the teacher models:/rlhf-policy@champion (weight 1, k1 per token), without a reward model")
+        "; scored by the teacher models:/rlhf-policy@champion (weight 1, KL over its top 8 as a loss), without a "
+        "reward model")
     beside = load_config("configs/tiny.yaml", {"ppo.teacher": {"model": "demo:model", "weight": 0.1}}).ppo
     assert reward_terms_note(beside) == "; scored by the teacher demo:model (weight 0.1, k1 per token) beside the " \
         "reward model (weight 1)"
