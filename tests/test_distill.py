@@ -117,6 +117,16 @@ def _resolves_and_keys(world, tmp_path):
     assert (fetched / "config.json").exists() and not (fetched / "model.safetensors").exists()
     with pytest.raises(tracking.TrackingError, match="models:/teachers@nobody: no such registered model version"):
         tracking.model_source("models:/teachers@nobody")
+    # Before any stage trains: the plan reads the teacher's config alone; a name the server lacks is refused.
+    from flows.inputs import input_problems, memory_plan
+
+    named = load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "distill",
+                                              "ppo.teacher.model": "models:/teachers@champion"})
+    assert "teacher" in [h.name for h in memory_plan(named, ["ppo"], str(world)).stages["ppo"].held]
+    missing = named.model_copy(update={"ppo": named.ppo.model_copy(update={"teacher": named.ppo.teacher.model_copy(
+        update={"model": "models:/teachers@nobody"})})})
+    assert any("teacher.model models:/teachers@nobody: no such registered model version" in problem
+               for problem in input_problems(missing, ["ppo"], str(world)))
     # The cache key holds the run the alias names now: another version under the alias is another key.
     cfg = load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "distill",
                                             "ppo.teacher.model": "models:/teachers@champion"})
