@@ -187,17 +187,39 @@ def test_a_batch_of_episodes_marks_the_models_tokens_and_turn_rewards():
     assert "[failed]" in transcript(failed)
 
 
-def _scripted_rollout(tiny_config, trained, chat_tokenizer, script, **changes):
+def _scripted_rollout(tiny_config, trained, chat_tokenizer, script, teacher_location: str | None = None, **changes):
     from stages.rl.ppo_models import load_models
     from stages.rl.ppo_rollout import rollout
 
     cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"sampling": {"response_length": 48}} | changes)
-    models = load_models(cfg, trained["sft"], trained["reward"])
+    models = load_models(cfg, trained["sft"], trained["reward"], teacher_location=teacher_location)
     models.tokenizer = chat_tokenizer
     rows = [{"prompt": "", "messages": [{"role": "user", "content": p}]} for p in trained["prompts"]["prompt"][:2]]
     engine = Scripted(chat_tokenizer, script)
     batch = rollout(models, engine, _runner(chat_tokenizer), rows, cfg.sampling, {})
     return cfg, models, batch
+
+
+def test_a_distillation_teacher_grades_the_models_own_tokens_only(tiny_config, trained, chat_tokenizer, world):
+    """In an episode the teacher reads the tool's answer as context, and its log-probs (the reward's and
+    the top-k loss's terms) count on the model's own tokens alone."""
+    from accelerate import Accelerator
+
+    from stages.rewards.scoring import Scores
+    from stages.rl.advantages import estimate, kl_weights
+    from stages.rl.batch import Sampled
+
+    cfg, models, batch = _scripted_rollout(tiny_config, trained, chat_tokenizer, [CALL, "The cat is warm."],
+                                           teacher_location=str(world / "model"),
+                                           teacher={"model": str(world / "model"), "top_k": 4})
+    context, own = (batch.mask - batch.trainable).bool(), batch.trainable.bool()
+    assert context.any() and (batch.teacher_logprobs[context] == 0).all() and (batch.teacher_logprobs[own] < 0).all()
+    assert batch.teacher_bins.shape == (*batch.mask.shape, 5) and torch.isfinite(batch.teacher_bins).all()
+    scores = Scores(raw=None, normalized=None, terms={}, reward=torch.zeros(len(batch.texts)))
+    as_reward = with_overrides(cfg, {"teacher.top_k": None})  # the term in the reward: the advantages' dense part
+    estimated = estimate(Accelerator(), as_reward, 1, Sampled(batch=batch, messages=[], scores=scores),
+                         kl_weights(as_reward, 0.0))
+    assert (estimated.teacher_kl[context] == 0).all() and (estimated.teacher_kl[own] != 0).any()
 
 
 def test_the_rollout_keeps_every_figure_on_the_models_own_tokens(tiny_config, trained, chat_tokenizer, monkeypatch):
@@ -430,6 +452,21 @@ def test_the_escape_hatch_writes_whole_episodes_for_training_and_evaluation(chat
     with pytest.raises(StageUserError, match="must return a stages.envs.episode.Episode"):
         EpisodeRunner(settings=config, make=None, rollout=lambda row, engine, tokenizer: "text", chat=runner.chat,
                       stop_ids=runner.stop_ids, turn_tokens=16).episodes(engine, [ROW], 1.0)
+
+
+def test_distillation_runs_in_episodes(tools_trained, tmp_path):
+    """`distill` on the tool world, the SFT checkpoint its own teacher: at the first iteration the policy is
+    the teacher, so its KL to it is 0 up to float rounding (the sampling pass against a full forward)."""
+    from stages.ppo import train_ppo
+    from tests.helpers import ppo_inputs
+
+    cfg, trained = tools_trained
+    ppo = _tool_cfg(cfg, advantage_estimator="distill", samples_per_prompt=1, reward={"terms": []}, num_iterations=2,
+                    teacher={"model": trained["sft"]}, **{"kl.init_coef": 0.0})
+    result = train_ppo(ppo, ppo_inputs(trained, reward=False, teacher=trained["sft"]), tmp_path / "run")
+    first = result.history[0]
+    assert abs(first["rollout/teacher_kl"]) < 1e-3 and first["rollout/turns"] >= 1
+    assert "eval/teacher_kl" in result.metrics and "eval/tool_call_rate" in result.metrics
 
 
 def test_a_run_whose_every_episode_fails_stops_naming_the_reason(tools_trained, tmp_path):
