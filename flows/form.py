@@ -41,8 +41,9 @@ def _field(config: type[BaseModel], dotted: str):
     """The pydantic field `dotted` (`kl.target`) of `config`, through its sections."""
     *sections, leaf = dotted.split(".")
     for section in sections:  # an optional section (`teacher: TeacherConfig | None`) as its config
-        config = next(a for a in (*get_args(config.model_fields[section].annotation), config.model_fields[
-            section].annotation) if isinstance(a, type) and issubclass(a, BaseModel))
+        annotation = config.model_fields[section].annotation
+        config = next(a for a in (annotation, *get_args(annotation))
+                      if isinstance(a, type) and issubclass(a, BaseModel))
     return config.model_fields[leaf]
 
 

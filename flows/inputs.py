@@ -239,31 +239,28 @@ def data_counts(cfg: PipelineConfig, world: str | None) -> Counts:
                   reward_normalization_prompts=count(cfg.reward.normalization_prompts))
 
 
-def teacher_folder(section: PPOConfig, world: str | None, scratch: Path, config_only: bool = False) -> tuple[str, str]:
+def fetched_teacher(section: PPOConfig, world: str | None, scratch: Path) -> str:
     """The PPO section's distillation teacher as a folder here (fetched through MLflow where a run or the
-    registry names it; `config_only`: its config alone), and what its tag says of it."""
+    registry names it), the stage's run tagged with it (`rlhf.teacher`: as given, and what it resolved to)."""
     given = section.teacher.model
     source = tracking.model_source(given)
-    if source is None:
-        return resolve_location(given, world), given
-    return str(tracking.download_model(source, scratch, config_only)), source.describe(given)
-
-
-def fetched_teacher(section: PPOConfig, world: str | None, scratch: Path) -> str:
-    """The teacher's folder here for the PPO stage's run, which is tagged with it (`rlhf.teacher`: as given,
-    and the run a run or registry name resolved to)."""
-    folder, described = teacher_folder(section, world, scratch)
-    mlflow.set_tag(tracking.TAG_TEACHER, tracking.redact(described))
+    folder = resolve_location(given, world) if source is None else str(tracking.download_model(source, scratch))
+    mlflow.set_tag(tracking.TAG_TEACHER, tracking.redact(given if source is None else source.describe(given)))
     return folder
 
 
 def memory_plan(cfg: PipelineConfig, stages: list[str], world: str | None, device: Device | None = None,
                 processes: int | None = None, per_node: int | None = None) -> Plan:
     """The memory plan of `stages` on `device` (default: the one the stages will use), nodes of
-    `per_node` processes, from the models' configs alone (`stages.memory.plan`; a teacher's fetched alone)."""
+    `per_node` processes, from the models' configs alone (`stages.memory.plan`; a model a run or the
+    registry names: its config fetched alone)."""
     with tempfile.TemporaryDirectory() as scratch:
-        shapes = model_shapes(cfg, lambda location: resolve_location(location, world) if location != getattr(
-            cfg.ppo.teacher, "model", None) else teacher_folder(cfg.ppo, world, Path(scratch), config_only=True)[0])
+        def readable(location: str) -> str:
+            source = tracking.model_source(location)
+            return resolve_location(location, world) if source is None else str(
+                tracking.download_model(source, Path(scratch) / source.run_id, config_only=True))
+
+        shapes = model_shapes(cfg, readable)
     return plan(cfg, stages, shapes, device or this_device(), data_counts(cfg, world), processes, per_node)
 
 

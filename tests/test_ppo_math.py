@@ -359,7 +359,7 @@ def test_the_top_k_loss_is_the_kl_over_the_teachers_top_k_tokens_and_the_rest_wo
     tokens 1 and 2; the bins are {1}, {2} and the rest {0, 3}: p = (.25, .15, .6), q = (.6, .2, .2).
     KL = .25 ln(.25/.6) + .15 ln(.15/.2) + .6 ln(.6/.2) = 0.39715."""
     p, q = torch.tensor([0.5, 0.25, 0.15, 0.1]), torch.tensor([0.1, 0.6, 0.2, 0.1])
-    ids, teacher = top_bins(q.log().view(1, 1, 4), k=2)
+    ids, teacher = top_bins(q.log().view(1, 1, 4), k=2)  # log-probs of a distribution
     assert ids.tolist() == [[[1, 2]]] and teacher.exp().tolist()[0][0] == pytest.approx([0.6, 0.2, 0.2])
     logits = p.log().view(1, 1, 4).clone().requires_grad_(True)
     kl = binned_kl(binned(torch.log_softmax(logits, -1), ids), teacher)

@@ -65,11 +65,20 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
 # --- log-probabilities and entropy -----------------------------------------------------------
 
 
+def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(v) of every token under temperature-scaled logits. # (B, T, V) -> (B, T, V)"""
+    return F.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def picked(logps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The log-probs (`log_probs`) of these tokens. # (B, T, V), (B, T) -> (B, T)"""
+    return logps.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log pi(token) under temperature-scaled logits, the distribution the tokens were sampled from.
     # (B, T, V), (B, T) -> (B, T)"""
-    logps = F.log_softmax(logits.float() / temperature, dim=-1)
-    return logps.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked(log_probs(logits, temperature), tokens)
 
 
 def entropy_of(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -92,9 +101,8 @@ def binned(logps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([top, rest.unsqueeze(-1)], dim=-1).clamp(min=LOG_FLOOR)
 
 
-def top_bins(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `k` most likely tokens under temperature-scaled logits, and `binned`'s k + 1 log-probs over them
+def top_bins(logps: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` most likely tokens of a distribution (`log_probs`), and `binned`'s k + 1 log-probs over them
     and the rest. # (B, T, V) -> (B, T, k) ids, (B, T, k + 1)"""
-    logps = F.log_softmax(logits.float() / temperature, dim=-1)
     ids = logps.topk(min(k, logps.shape[-1] - 1), dim=-1).indices
     return ids, binned(logps, ids)

@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from stages.common.reporting import timed
-from stages.common.tensors import entropy_of, logprobs_of, top_bins
+from stages.common.tensors import entropy_of, log_probs, logprobs_of, picked, top_bins
 from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling
 from stages.envs.episode import Episode, EpisodeGeneration, EpisodeSource, SingleTurn, check_failed_share
 from stages.rl.batch import Rollout, concat
@@ -140,9 +140,10 @@ def _rollout_chunk(models: Models, sampler: Sampler, source: EpisodeSource, rows
             with timed(timings, "teacher"):
                 teacher_logits, _ = forward_response(models.teacher, queries, query_mask, responses, mask,
                                                      want_hidden=False, passes=models.passes("teacher"))
-                teacher_logprobs = logprobs_of(teacher_logits, responses, temperature) * trainable
+                teacher_logps = log_probs(teacher_logits, temperature)  # (B, T, V), normalised once for both
+                teacher_logprobs = picked(teacher_logps, responses) * trainable
                 if models.teacher_top_k:  # the loss's k + 1 bins at every position (B, T, k), (B, T, k + 1)
-                    teacher_top, teacher_bins = top_bins(teacher_logits, models.teacher_top_k, temperature)
+                    teacher_top, teacher_bins = top_bins(teacher_logps, models.teacher_top_k)
     engine_logprobs = None if sampled.engine_logprobs is None else sampled.engine_logprobs * trainable
     episodes = sampled.episodes
     ended = torch.tensor([e.status == "ok" for e in episodes], device=responses.device)  # (B,)

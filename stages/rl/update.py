@@ -10,12 +10,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 
 from rlhf.config_ppo import PPOConfig
 from stages.common.errors import NonFiniteLossError
-from stages.common.tensors import binned, entropy_of, logprobs_of, masked_mean
+from stages.common.tensors import binned, entropy_of, log_probs, masked_mean, picked
 from stages.engines.sampler import Sampler
 from stages.envs.episode import EpisodeSource
 from stages.math.ppo_math import (
@@ -172,7 +171,8 @@ def _micro_batch_step(learner: Learner, micro: TrainingBatch, num_tokens: torch.
     # gradient, as DDP needs); `ppo_update` then drops the policy's gradients before the step.
     warming_up = iteration <= cfg.freeze_policy_iterations
     logits, values = learner.actor_critic(micro.queries, micro.query_mask, micro.responses, micro.mask, warming_up)
-    logprobs = logprobs_of(logits, micro.responses, cfg.sampling.temperature)
+    logps = log_probs(logits, cfg.sampling.temperature)  # (b, T, V): the policy loss's and the teacher loss's
+    logprobs = picked(logps, micro.responses)
     clip = PolicyClip(low=cfg.clip_range, high=cfg.clip_high, level=cfg.ratio_level, aggregation=cfg.loss_aggregation,
                       length=cfg.aggregation_length)
     policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, counted, clip, micro.engine_weights,
@@ -188,7 +188,7 @@ def _micro_batch_step(learner: Learner, micro: TrainingBatch, num_tokens: torch.
         policy_terms = policy_terms + kl_loss_coef * kl_loss
         figures["kl_loss"] = kl_loss.item()
     if micro.teacher_bins is not None:  # `teacher.top_k`: KL to the teacher over its top-k bins, through the logits
-        bins = binned(F.log_softmax(logits.float() / cfg.sampling.temperature, dim=-1), micro.teacher_top)
+        bins = binned(logps, micro.teacher_top)
         teacher_loss = aggregate(binned_kl(bins, micro.teacher_bins), counted, clip.aggregation, denominator,
                                  clip.length)
         policy_terms = policy_terms + cfg.teacher.weight * teacher_loss
