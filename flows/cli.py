@@ -7,6 +7,7 @@
                                           each stage's memory per process, from the models' configs alone
     rlhf serve-reward [--checkpoint DIR | --run ID] [--host 127.0.0.1] [--port 8300] [--api-key-env VAR]
                                           a reward checkpoint over HTTP, for `remote` reward terms (`POST /score`)
+    rlhf serve-env --kind {ours,verifiers} ...   an environment over HTTP, for `environment.server` (--help)
 """
 
 from __future__ import annotations
@@ -262,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--timeout-s", type=float, help="seconds a request may wait for its scores (504 past it)")
     serve.set_defaults(run=_serve_reward)
 
+    commands.add_parser("serve-env", help="serve an environment over HTTP for `environment.server` (its own --help)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve-env"]:  # its arguments are its own (stages/envs/env_server.py)
+        from stages.envs.env_server import launch
+
+        return launch(argv[1:])
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -23,6 +23,7 @@ from rlhf.demo.locations import DEMO_SCHEME, resolve_location
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.common.errors import ChatTemplateError
+from stages.envs.served import server_problems
 from stages.memory.phases import Counts, Device, this_device
 from stages.memory.plan import Plan, model_shapes, plan
 from stages.rewards.functions import RewardFunctionError, load_reward_functions
@@ -156,6 +157,7 @@ def input_problems(cfg: PipelineConfig, stages: list[str], world: str | None) ->
                 client.check()
             except RemoteRewardError as e:
                 reports.append(f"ppo stage: {e}")
+        reports += [f"ppo stage: {problem}" for problem in server_problems(cfg.ppo.environment)]
     return reports
 
 

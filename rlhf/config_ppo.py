@@ -112,9 +112,29 @@ class RolloutConfig(_Frozen):
     """Updates a rollout may lag behind the policy it trains (0: synchronous); above 0 needs `rollout_engine: vllm`."""
 
 
+class EnvironmentServerConfig(_Frozen):
+    """An environment behind HTTP: each episode's `reset` and `step` are requests to a server
+    (docs/environments.md, "Environment servers"); the model's turns stay token ids on this side."""
+
+    url: str = Field(pattern=r"^https?://")
+    """The server's base URL, as `rlhf serve-env` prints it (`http://127.0.0.1:8400`)."""
+    kind: Literal["ours", "verifiers", "openenv"] = "ours"
+    """`ours`: our protocol; `verifiers`: a verifiers environment on it (`rlhf serve-env`); `openenv`: OpenEnv's."""
+    timeout_s: PositiveFloat = 60.0
+    """Seconds one request may take; past them the episode fails (a slow answer is not asked for again)."""
+    max_retries: int = Field(4, ge=0)
+    """Retries of a request that could not connect or got HTTP 408, 429 or 5xx (a server busy or restarting)."""
+    backoff_s: PositiveFloat = 1.0
+    """First wait before a retry; each next one doubles (up to 30 s), drawn with full jitter."""
+    max_concurrent: PositiveInt = 16
+    """Episodes whose requests are in flight at once at most (a round's resets and steps run concurrently)."""
+    api_key_env: str | None = None
+    """An environment variable holding a bearer token for the server; unset: none sent."""
+
+
 class EnvironmentConfig(_Frozen):
     """Multi-turn episodes: the policy acts over several turns against an environment, e.g. calling tools
-    (docs/environments.md). Exactly one of `tools`, `factory` and `rollout` says what the environment is."""
+    (docs/environments.md). Exactly one of `tools`, `factory`, `rollout` and `server` says what the environment is."""
 
     TOOL_PARSERS: ClassVar = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony", "deepseek", "glm",
                               "pythonic")
@@ -124,6 +144,8 @@ class EnvironmentConfig(_Frozen):
     """`module:function` giving a prompt record's environment (`reset(row)`, `step(turn)`), for other environments."""
     rollout: str | None = None
     """`module:function` `(row, engine, tokenizer) -> Episode`: a whole episode by hand, for what the loop cannot do."""
+    server: EnvironmentServerConfig | None = None
+    """An environment served over HTTP (`rlhf serve-env`, verifiers, OpenEnv); its rewards are turn rewards."""
     paths: list[str] = []
     """Folders put in front of the import path to find those functions (absolute, or relative to the run's folder)."""
     max_turns: PositiveInt = 4
@@ -147,16 +169,23 @@ class EnvironmentConfig(_Frozen):
 
     @model_validator(mode="after")
     def _one_environment(self) -> EnvironmentConfig:
-        """Exactly one of tools, factory and rollout, each `module:function`."""
-        given = {name: getattr(self, name) for name in ("tools", "factory", "rollout") if getattr(self, name)}
+        """Exactly one of tools, factory, rollout and server, the first three `module:function`."""
+        given = {name: getattr(self, name) for name in ("tools", "factory", "rollout", "server") if getattr(self, name)}
         if len(given) != 1:
-            raise ValueError("environment: give exactly one of tools, factory and rollout "
+            raise ValueError("environment: give exactly one of tools, factory, rollout and server "
                              f"(given: {', '.join(given) or 'none'})")
         for name, location in [*given.items(), ("tool_parser", self.tool_parser)]:
+            if name == "server":
+                continue
             known = self.TOOL_PARSERS if name == "tool_parser" else ()
             if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", location) and location not in known:
                 raise ValueError(f"environment.{name}: {location!r} is not 'module:function' nor one of {known}")
         return self
+
+    @property
+    def concurrent_episodes(self) -> int:
+        """Episodes whose reset or step run at once: a server's `max_concurrent`; in-process ones one by one."""
+        return self.server.max_concurrent if self.server is not None else 1
 
 
 class PPOConfig(TrainedStage, SampledStage):
@@ -353,8 +382,10 @@ class PPOConfig(TrainedStage, SampledStage):
         if self.teacher is None and self.advantage_estimator == "distill":
             raise ValueError("advantage_estimator 'distill' learns from a teacher's log-probs: set teacher.model "
                              "(a folder, runs:/<run id>/checkpoint or models:/<name>@<alias>)")
-        if self.teacher is None and not self.reward.terms:
-            raise ValueError("reward.terms: give at least one term (the reward model, or a function), or a teacher")
+        served = self.environment is not None and self.environment.server is not None  # its rewards are the score
+        if self.teacher is None and not self.reward.terms and not served:
+            raise ValueError("reward.terms: give at least one term (the reward model, or a function), a teacher, or "
+                             "an environment server (whose rewards land as turn rewards)")
         return self
 
     @model_validator(mode="after")

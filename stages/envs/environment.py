@@ -54,6 +54,9 @@ class Environment(Protocol):
         """The environment's answer to the model's turn."""
         ...
 
+    # Optional: `schemas()`, the tools' JSON schemas for the chat template, and `close()`, called once
+    # the episode is over (a server's episode is let go).
+
 
 class TooManyMalformedCalls(Exception):
     """An episode made more malformed tool calls than `environment.max_malformed_calls` allows."""
@@ -144,8 +147,9 @@ EnvironmentFactory = Callable[[dict], Environment]
 
 
 def environment_factory(settings: EnvironmentConfig) -> tuple[EnvironmentFactory | None, Callable | None]:
-    """What the config names: a factory of environments (`tools`, wrapped in `ToolEnvironment`, or
-    `factory`), or a whole-episode rollout function (`rollout`), imported from `settings.paths` first."""
+    """What the config names: a factory of environments in this process (`tools`, wrapped in
+    `ToolEnvironment`, or `factory`), or a whole-episode rollout function (`rollout`), imported from
+    `settings.paths` first. (A `server`'s episodes: `stages.envs.loop.served_episodes`.)"""
     on_import_path(settings.paths)
 
     def named(field: str) -> Callable:

@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlhf.config_ppo import EnvironmentConfig
+from rlhf.config_ppo import EnvironmentConfig, EnvironmentServerConfig
 from stages.common.errors import StageUserError
 from stages.common.tensors import response_mask
 from stages.common.user_code import imported_function
 from stages.engines.sampler import Sampler, Sampling
 from stages.envs.environment import Environment, EnvironmentFactory, EnvironmentSetupError, Step, environment_factory
 from stages.envs.episode import Episode, EpisodeGeneration, EpisodeSource, Segment, SingleTurn, episode_batch
-from stages.envs.parsers import ToolParser, hermes, never_raising, tool_parser
+from stages.envs.openenv_client import OpenEnvEpisode
+from stages.envs.parsers import AssistantTurn, ToolParser, hermes, never_raising, tool_parser
+from stages.envs.served import EnvironmentServer, ServedEpisode
 
 
 class TemplateNotAppendOnly(StageUserError):
@@ -221,7 +224,7 @@ class EpisodeRunner:
     def run(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Episode]:
         """The episodes of `rows`, all turns of a round sampled at once, each call asking for no more
         tokens than the turn and the roomiest episode's budget allow."""
-        live = [self._start(row) for row in rows]
+        live = self._concurrently(self._start, rows)
         for _ in range(self.settings.max_turns):
             active = [episode for episode in live if episode.status is None]
             if not active:
@@ -231,10 +234,25 @@ class EpisodeRunner:
                                            Sampling(min(self.turn_tokens, room), temperature))
             real = response_mask(sampled.responses, self.stop_ids).bool().tolist()  # (b, T)
             engine = [None] * len(active) if sampled.engine_logprobs is None else sampled.engine_logprobs.tolist()
-            for episode, ids, mask, logprobs in zip(active, sampled.responses.tolist(), real, engine, strict=True):
-                kept = sum(mask)
-                self._turn(episode, ids[:kept], None if logprobs is None else logprobs[:kept])
+            turns = [self._parsed(episode, ids[:sum(mask)], None if logprobs is None else logprobs[:sum(mask)])
+                     for episode, ids, mask, logprobs in zip(active, sampled.responses.tolist(), real, engine,
+                                                             strict=True)]
+            answers = self._concurrently(lambda turn: turn and self._stepped(*turn[:2]), turns)
+            for episode, turn, answer in zip(active, turns, answers, strict=True):
+                if turn is not None:
+                    self._answered(episode, *turn[1:], answer)
+        for episode in live:  # a server's episode is let go (an in-process environment may hold resources too)
+            if hasattr(episode.environment, "close"):
+                episode.environment.close()
         return [episode.episode() for episode in live]
+
+    def _concurrently(self, work: Callable, items: list) -> list:
+        """`work` of each item, in order: at most `concurrent_episodes` at once (an environment server's
+        requests wait side by side), one after another for in-process environments."""
+        if self.settings.concurrent_episodes == 1 or len(items) < 2:
+            return [work(item) for item in items]
+        with ThreadPoolExecutor(min(self.settings.concurrent_episodes, len(items)), "episode") as pool:
+            return list(pool.map(work, items))
 
     def _start(self, row: dict) -> _Live:
         """An episode's start: its environment reset, the conversation rendered. An environment that
@@ -250,9 +268,11 @@ class EpisodeRunner:
         return _Live(environment=environment, messages=messages, tools=tools,
                      segments=[Segment(prompt, trainable=False)], context=list(prompt), status=status, error=error)
 
-    def _turn(self, episode: _Live, ids: list[int], logprobs: list[float] | None) -> None:
+    def _parsed(self, episode: _Live, ids: list[int], logprobs: list[float] | None
+                ) -> tuple[_Live, AssistantTurn, list[int], list[float] | None] | None:
         """One sampled turn (and the engine's log-probs of it, where not the trainer's): kept as sampled
-        (cut to the episode's budget), parsed, then the environment's answer."""
+        (cut to the episode's budget) and parsed; None where it ran out of tokens mid-turn (the episode
+        is then `truncated`), else what the environment is asked (`_stepped`) and its answer applied to."""
         room = self.settings.episode_tokens - episode.after_prompt
         ended = bool(ids) and ids[-1] in self.stop_ids and len(ids) <= room
         ids, logprobs = ids[:room], None if logprobs is None else logprobs[:room]
@@ -266,9 +286,24 @@ class EpisodeRunner:
         if not ended:  # out of tokens mid-turn: nothing the environment could answer
             episode.add(Segment(ids, trainable=True, logprobs=logprobs))
             episode.status = "truncated"
-            return
+            return None
+        return episode, turn, ids, logprobs
+
+    @staticmethod
+    def _stepped(episode: _Live, turn: AssistantTurn) -> Step | Exception:
+        """The environment's answer to the turn, or what it raised (the episode fails, not the run)."""
         try:
-            step = checked_step(episode.environment.step(turn))
+            return checked_step(episode.environment.step(turn))
+        except Exception as e:  # noqa: BLE001 - the user's environment or its server failed: so does the episode
+            return e
+
+    def _answered(self, episode: _Live, turn: AssistantTurn, ids: list[int], logprobs: list[float] | None,
+                  answer: Step | Exception) -> None:
+        """The turn kept with the environment's answer: its reward, and its messages as the next context."""
+        try:
+            if isinstance(answer, Exception):
+                raise answer
+            step = answer
             delta = [] if step.done or not step.messages else self._observed(episode, ids[-1], step.messages)
         except Exception as e:  # noqa: BLE001 - the environment (or its messages' rendering) failed: so does the episode
             step, delta, episode.status, episode.error = Step(None), [], "failed", f"{type(e).__name__}: {e}"
@@ -349,11 +384,18 @@ def episode_source(settings: EnvironmentConfig | None, tokenizer: PreTrainedToke
     return episode_runner(settings, tokenizer, model, stop_ids, response_length, sees_reasoning)
 
 
+def served_episodes(cfg: EnvironmentServerConfig) -> EnvironmentFactory:
+    """A factory of episodes on the server `cfg` names (one client for all): our protocol's, or OpenEnv's."""
+    server = EnvironmentServer(cfg)
+    episode = OpenEnvEpisode if cfg.kind == "openenv" else ServedEpisode
+    return lambda row: episode(server)
+
+
 def episode_runner(settings: EnvironmentConfig, tokenizer: PreTrainedTokenizerBase, model: str,
                    stop_ids: list[int], response_length: int, sees_reasoning: bool = False) -> EpisodeRunner:
     """The runner of `settings`, its environment imported, its tool parser chosen and its template
     probed (`probe_template`) before any episode runs."""
-    make, rollout = environment_factory(settings)
+    make, rollout = (served_episodes(settings.server), None) if settings.server else environment_factory(settings)
     chat = ChatDelta(tokenizer, model, tuple(tokenizer.decode([i], skip_special_tokens=False) for i in stop_ids))
     parse, parser_name = tool_parser(settings.tool_parser, tokenizer, model, lambda location: imported_function(
         location, "environment.tool_parser", EnvironmentSetupError, "environment.paths"))

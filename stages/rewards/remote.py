@@ -18,8 +18,8 @@ Two kinds of server, one client (`RemoteReward`), called on the main process onc
 Requests run concurrently on one event loop (httpx), at most `max_concurrent` in flight and
 `max_rpm` started per minute. A request that times out, cannot connect or gets HTTP 408, 429 or 5xx
 is retried up to `max_retries` times after exponential backoff with full jitter (a `Retry-After`
-header is honoured up to `BACKOFF_MAX_S`); another 4xx is not retried. A body that is not what the
-kind promises fails its request without a retry. A response whose score never arrives is None, with
+header is honoured up to 30 s; `stages.common.retries`); another 4xx is not retried. A body that is
+not what the kind promises fails its request without a retry. A response whose score never arrives is None, with
 why; the RL stage drops it from the update or stops (`on_failure`): never a silent 0.
 """
 
@@ -30,7 +30,6 @@ import hashlib
 import json
 import math
 import os
-import random
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,13 +40,10 @@ import httpx
 from rlhf.config_common import RemoteRewardConfig
 from rlhf.config_reward_terms import RewardTerm
 from stages.common.errors import StageUserError
+from stages.common.retries import RETRIED_STATUSES, backoff
 
-BACKOFF_MAX_S = 30.0
-"""The longest wait between two tries."""
 JUDGE_MAX_TOKENS = 16
 """Tokens a judge may answer with (greedy): enough for a number and a word around it."""
-RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-"""HTTP statuses worth another try (the server is busy or restarting); other 4xx are the request's fault."""
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 """Hosts a request to never leaves this machine."""
@@ -230,7 +226,7 @@ class RemoteReward:
             except RemoteRewardError:
                 if attempt == self.cfg.max_retries:
                     raise
-            await asyncio.sleep(random.uniform(0.0, min(BACKOFF_MAX_S, self.cfg.backoff_s * 2 ** attempt)))
+            await asyncio.sleep(backoff(attempt, self.cfg.backoff_s))
 
     def _body(self, prompts: list[list[dict]], responses: list[str], complete: list[bool], reference: str | None,
               policy_first: bool) -> dict:
@@ -253,7 +249,7 @@ class RemoteReward:
         for attempt in range(cfg.max_retries + 1):
             if attempt:
                 outcome.retries += 1
-            wait = None
+            answered = None
             if pace is not None:
                 await pace.wait()
             async with limit:
@@ -269,10 +265,9 @@ class RemoteReward:
                     reason = f"HTTP {answer.status_code}: {answer.text[:200]!r}"
                     if answer.status_code not in RETRIED_STATUSES:
                         raise _Failed(reason)
-                    wait = _retry_after(answer)
+                    answered = answer
             if attempt < cfg.max_retries:
-                backoff = random.uniform(0.0, min(BACKOFF_MAX_S, cfg.backoff_s * 2 ** attempt))
-                await asyncio.sleep(min(BACKOFF_MAX_S, wait) if wait is not None else backoff)
+                await asyncio.sleep(backoff(attempt, cfg.backoff_s, answered))
         raise _Failed(f"{reason}, after {cfg.max_retries + 1} tries")
 
     def _values(self, answer: httpx.Response, rows: int, policy_first: bool) -> list[float | None]:
@@ -352,14 +347,6 @@ def _policy_first(response: str, reference: str) -> bool:
     """Whether a `choice` judge sees the response as A: a coin drawn from both texts, so that half the
     rows put it first (a judge's bias for a position cancels) and a rerun asks the same."""
     return hashlib.sha256(f"{response}\0{reference}".encode()).digest()[0] % 2 == 0
-
-
-def _retry_after(answer: httpx.Response) -> float | None:
-    """A 429's or 503's `Retry-After` in seconds (None: absent or a date, which the backoff stands in for)."""
-    try:
-        return max(0.0, float(answer.headers["retry-after"]))
-    except (KeyError, ValueError):
-        return None
 
 
 def remote_rewards(terms: list[RewardTerm]) -> list[RemoteReward]:

@@ -1,0 +1,12 @@
+"""The demo's tool world written as a verifiers (0.4) environment: `rlhf serve-env --kind verifiers
+--module tools_world --path examples/verifiers` serves it (configs/tools-served.yaml trains on it).
+
+Each task is a prompt record of the demo world (`messages` and `liked`, the adjectives its user
+likes); the shared `preferences` tool tells them, read from the rollout's state; the task's rewards
+are the world's two rules (`rlhf.demo.rewards`, as `configs/tools.yaml` weighs them in process). It
+has no dataset of its own here: the trainer's prompts are its tasks, sent with each episode's reset.
+"""
+
+from tools_world.taskset import ToolsWorld
+
+__all__ = ["ToolsWorld"]

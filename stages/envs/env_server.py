@@ -1,0 +1,304 @@
+"""`rlhf serve-env`: an environment served over HTTP on our protocol (`stages.envs.served` is its client).
+
+    rlhf serve-env --kind ours --tools rlhf.demo.tools:tools          our tool-calling environment
+    rlhf serve-env --kind ours --factory my_env:make                   any `Environment` factory
+    rlhf serve-env --kind verifiers --module my_taskset [--config '{...}']
+                                                                        a verifiers environment, run from
+                                                                        its own virtual environment (.env-verifiers)
+
+It imports nothing but the standard library until it loads what it serves, so it runs in any
+environment: `--kind verifiers` re-executes it with `.env-verifiers/bin/python` (`make env-verifiers`).
+Episodes are kept by id; a step names its turn's number, so a step sent again (a client's retry after
+a lost answer) gets the same answer, not a second step. An episode idle for `--idle-s` is let go.
+A step whose environment raises answers HTTP 422 with the reason (the client fails that episode);
+an unknown episode 404 (the client replays it: the server restarted). Binds 127.0.0.1 by default;
+`--api-key-env VAR` requires `Authorization: Bearer $VAR` on every request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import parse_qs, urlsplit
+
+PROTOCOL = "rlhf-env/1"
+REPO = Path(__file__).resolve().parents[2]
+VENVS = {"verifiers": REPO / ".env-verifiers"}
+"""The virtual environment each kind's server runs from (`make env-verifiers`); `ours` runs in the project's."""
+MAX_BODY_BYTES = 8 * 2**20
+
+
+class Served(Protocol):
+    """What the server serves, whatever its kind: episodes started from a record and stepped by turns."""
+
+    serves: str
+    name: str
+
+    def dataset(self, split: str) -> list[dict] | None:
+        """The environment's own prompt records (`messages` and columns); None: it has none."""
+
+    def start(self, row: dict) -> tuple[Any, list[dict], list[dict] | None]:
+        """A new episode of `row`: its handle, the conversation the model answers first, the tools' schemas."""
+
+    def step(self, handle: Any, assistant: dict) -> tuple[list[dict] | None, float, bool]:
+        """The answer to the model's turn (`turn_body`'s fields): messages, reward, done."""
+
+    def end(self, handle: Any) -> None:
+        """The episode is let go."""
+
+
+@dataclass(kw_only=True)
+class _Episode:
+    handle: Any
+    turns: int = 0
+    last: dict | None = None
+    """The answer to turn `turns - 1`, sent again where that turn is asked again."""
+    touched: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class EpisodeServer(ThreadingHTTPServer):
+    """Our protocol over `Served`, each request on a thread of its own."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], served: Served, token: str | None, idle_s: float):
+        super().__init__(address, _Handler)
+        self.served, self.token, self.idle_s = served, token, idle_s
+        self.episodes: dict[str, _Episode] = {}
+        self.lock = threading.Lock()
+
+    def info(self) -> dict:
+        return {"protocol": PROTOCOL, "serves": self.served.serves, "name": self.served.name,
+                "episodes": len(self.episodes)}
+
+    def reset(self, body: dict) -> dict:
+        row = body.get("row")
+        if not isinstance(row, dict):
+            raise ValueError("POST /reset takes {\"row\": {...}}")
+        self._sweep()
+        handle, messages, tools = self.served.start(row)
+        episode = uuid.uuid4().hex
+        with self.lock:
+            self.episodes[episode] = _Episode(handle=handle)
+        return {"episode": episode, "messages": messages, "tools": tools}
+
+    def step(self, body: dict) -> dict:
+        episode, turn, assistant = self._episode(body), body.get("turn"), body.get("assistant")
+        if not isinstance(turn, int) or not isinstance(assistant, dict):
+            raise ValueError("POST /step takes {\"episode\": id, \"turn\": n, \"assistant\": {...}}")
+        with episode.lock:
+            episode.touched = time.monotonic()
+            if turn == episode.turns - 1 and episode.last is not None:
+                return episode.last  # the client asks again for an answer it lost
+            if turn != episode.turns:
+                raise ValueError(f"turn {turn} is not this episode's next ({episode.turns})")
+            messages, reward, done = self.served.step(episode.handle, assistant)
+            episode.last, episode.turns = {"messages": messages, "reward": reward, "done": done}, turn + 1
+            return episode.last
+
+    def close_episode(self, body: dict) -> dict:
+        with self.lock:
+            episode = self.episodes.pop(str(body.get("episode")), None)
+        if episode is not None:
+            self.served.end(episode.handle)
+        return {}
+
+    def _episode(self, body: dict) -> _Episode:
+        with self.lock:
+            episode = self.episodes.get(str(body.get("episode")))
+        if episode is None:
+            raise KeyError(f"unknown episode {body.get('episode')!r} (ended, idle past {self.idle_s:g} s, or this "
+                           "server restarted)")
+        return episode
+
+    def _sweep(self) -> None:
+        """Episodes idle past `idle_s` let go (a client that stopped without closing them)."""
+        now = time.monotonic()
+        with self.lock:
+            idle = [key for key, e in self.episodes.items() if now - e.touched > self.idle_s]
+            gone = [self.episodes.pop(key) for key in idle]
+        for episode in gone:
+            self.served.end(episode.handle)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: EpisodeServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
+        pass  # one line per request would drown the server's own output
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if not self._authorized():
+            return
+        url = urlsplit(self.path)
+        if url.path in ("/", "/health"):
+            return self._send(200, self.server.info())
+        if url.path == "/dataset":
+            split = parse_qs(url.query).get("split", ["train"])[0]
+            rows = self.server.served.dataset(split)
+            if rows is None:
+                return self._send(404, {"error": f"{self.server.served.name} has no {split!r} dataset"})
+            return self._send(200, {"rows": rows})
+        self._send(404, {"error": f"no route GET {url.path}"})
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        if not self._authorized():
+            return
+        routes = {"/reset": self.server.reset, "/step": self.server.step, "/close": self.server.close_episode}
+        route = routes.get(urlsplit(self.path).path)
+        length = int(self.headers.get("Content-Length") or 0)
+        if route is None or length > MAX_BODY_BYTES:
+            self.rfile.read(min(length, MAX_BODY_BYTES))
+            return self._send(404 if route is None else 413, {"error": f"no route POST {self.path}" if route is None
+                                                              else f"a body over {MAX_BODY_BYTES} bytes"})
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            answer = route(body)
+        except KeyError as e:
+            return self._send(404, {"error": str(e.args[0])})
+        except (ValueError, TypeError) as e:
+            return self._send(400, {"error": f"{type(e).__name__}: {e}"})
+        except Exception as e:  # noqa: BLE001 - the served environment raised: this episode's request fails
+            return self._send(422, {"error": f"{type(e).__name__}: {e}"})
+        self._send(200, answer)
+
+    def _authorized(self) -> bool:
+        token = self.server.token
+        given = self.headers.get("Authorization", "")
+        if token is None or hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return True
+        self._send(401, {"error": "a bearer token is required (Authorization: Bearer ...)"})
+        return False
+
+    def _send(self, status: int, body: dict) -> None:
+        payload = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+
+class OursServed:
+    """One of our environments (`environment.tools` or `environment.factory`), served: the tools'
+    calls run here, as in the trainer's process."""
+
+    serves = "ours"
+
+    def __init__(self, tools: str | None, factory: str | None, paths: list[str], settings: dict):
+        from rlhf.config_ppo import EnvironmentConfig
+        from stages.envs.environment import environment_factory
+
+        config = EnvironmentConfig(tools=tools, factory=factory, paths=paths, **settings)
+        self.make, _ = environment_factory(config)
+        self.name = tools or factory or ""
+
+    def dataset(self, split: str) -> list[dict] | None:
+        return None
+
+    def start(self, row: dict) -> tuple[Any, list[dict], list[dict] | None]:
+        environment = self.make(row)
+        messages = list(environment.reset(row))
+        tools = environment.schemas() if hasattr(environment, "schemas") else None
+        return environment, messages, tools
+
+    def step(self, handle: Any, assistant: dict) -> tuple[list[dict] | None, float, bool]:
+        from stages.envs.loop import checked_step
+        from stages.envs.parsers import AssistantTurn, ToolCall
+
+        calls = [ToolCall(c["name"], c["arguments"]) if isinstance(c, dict) else str(c)
+                 for c in assistant.get("calls", [])]
+        turn = AssistantTurn(text=assistant.get("text", ""), content=assistant.get("content", ""),
+                             reasoning=assistant.get("reasoning"), calls=calls)
+        step = checked_step(handle.step(turn))
+        return step.messages, step.reward, step.done
+
+    def end(self, handle: Any) -> None:
+        if hasattr(handle, "close"):
+            handle.close()
+
+
+def arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="rlhf serve-env", description=__doc__.split("\n")[0])
+    parser.add_argument("--kind", choices=["ours", "verifiers"], default="ours")
+    parser.add_argument("--tools", help="ours: `module:function` giving a record's tools")
+    parser.add_argument("--factory", help="ours: `module:function` giving a record's environment")
+    parser.add_argument("--module", help="verifiers: the taskset's module (its id), importable here or from --path")
+    parser.add_argument("--config", default="{}", help="verifiers: JSON merged into the environment's config")
+    parser.add_argument("--settings", default="{}", help="ours: JSON of `ppo.environment` settings (max_turns...)")
+    parser.add_argument("--path", action="append", default=[], help="a folder put in front of the import path")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8400)
+    parser.add_argument("--idle-s", type=float, default=600.0, help="seconds an untouched episode is kept")
+    parser.add_argument("--api-key-env", help="a variable holding the bearer token every request must carry")
+    return parser.parse_args(argv)
+
+
+def served_of(args: argparse.Namespace) -> Served:
+    """What `args` says to serve, loaded."""
+    if args.kind == "verifiers":
+        if not args.module:
+            raise SystemExit("--kind verifiers needs --module (the taskset's module)")
+        from stages.envs.verifiers_bridge import VerifiersServed
+
+        return VerifiersServed(args.module, json.loads(args.config))
+    if bool(args.tools) == bool(args.factory):
+        raise SystemExit("--kind ours needs one of --tools and --factory")
+    return OursServed(args.tools, args.factory, args.path, json.loads(args.settings))
+
+
+def launch(argv: list[str]) -> int:
+    """`rlhf serve-env`: serve in this process, or (a kind with its own environment) from that
+    environment's Python, which must be built (`make env-verifiers`)."""
+    args = arguments(argv)
+    venv = VENVS.get(args.kind)
+    if venv is not None and Path(sys.prefix).resolve() != venv.resolve():
+        python = venv / "bin" / "python"
+        if not (venv / ".installed").exists():
+            raise SystemExit(f"--kind {args.kind} runs from {venv}, which is not built: run `make env-{args.kind}`")
+        path = os.pathsep.join([str(REPO), *map(str, map(Path.resolve, map(Path, args.path))), os.getcwd(),
+                                os.environ.get("PYTHONPATH", "")])
+        os.execve(str(python), [str(python), "-m", "stages.envs.env_server", *argv],
+                  os.environ | {"PYTHONPATH": path})
+    return serve(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    sys.path[:0] = [str(Path(p).resolve()) for p in args.path]
+    token = None
+    if args.api_key_env:
+        token = os.environ.get(args.api_key_env)
+        if not token:
+            raise SystemExit(f"--api-key-env {args.api_key_env}: the variable is not set")
+    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"WARNING: serving on {args.host} without a token: anyone who reaches this port can run episodes; "
+              "set --api-key-env", file=sys.stderr, flush=True)
+    served = served_of(args)
+    server = EpisodeServer((args.host, args.port), served, token, args.idle_s)
+    print(f"serving {served.serves} environment {served.name} on http://{args.host}:{server.server_port} "
+          f"({PROTOCOL})", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve(arguments(sys.argv[1:])))

@@ -1,0 +1,303 @@
+"""Environments behind HTTP (`environment.server`): each episode's `reset` and `step` are requests.
+
+The model's turns stay token ids on this side (`stages.envs.loop`); the server sees chat messages,
+and its messages enter the context as the template's delta, as an in-process environment's do.
+Two protocols:
+
+    ours (and verifiers: `rlhf serve-env --kind verifiers` serves one on it), `stages.envs.env_server`:
+      GET  / (or /health)         {"protocol": "rlhf-env/1", "serves": "ours" | "verifiers", "name": ...}
+      GET  /dataset?split=train   {"rows": [{"messages": [...], <columns>...}]}   (404: it has none)
+      POST /reset {"row": {...}}  {"episode": id, "messages": [...], "tools": [schemas] | null}
+      POST /step  {"episode": id, "turn": n, "assistant": {text, content, reasoning, calls}}
+                                  {"messages": [...] | null, "reward": float, "done": bool}
+      POST /close {"episode": id}
+    openenv: an OpenEnv server's websocket sessions (`stages.envs.openenv_client`).
+
+Failure rules, as remote rewards' (`stages.rewards.remote`; `stages.common.retries`): a request that
+cannot connect or gets HTTP 408, 429 or 5xx is retried up to `max_retries` times after exponential
+backoff with full jitter; one that takes longer than `timeout_s` is not asked again (a slow server
+stays slow: the episode fails, the others' turns go on). Any other refusal, or an answer that is not
+what the protocol promises, fails the episode (`failed`: out of the update, counted in
+`rollout/failed_share`), not the run. A server that restarted forgets its episodes: a step it answers
+404 is replayed on a new episode (the reset and every earlier turn, each answer checked against the
+one recorded), so a restart costs no episode of a deterministic environment. A server that does not
+answer at all is refused before any stage trains (`EnvironmentServer.check`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from dataclasses import asdict
+
+import httpx
+
+from rlhf.config_ppo import EnvironmentServerConfig
+from stages.common.errors import StageUserError
+from stages.common.retries import RETRIED_STATUSES, backoff
+from stages.envs.environment import Step
+from stages.envs.parsers import AssistantTurn, ToolCall
+
+PROTOCOL = "rlhf-env/1"
+
+
+class EnvironmentServerError(StageUserError):
+    """An environment server that does not answer, or is not what the config says it is."""
+
+
+class EpisodeRequestFailed(Exception):
+    """A request about one episode failed for good: the episode fails, with this reason."""
+
+
+class EpisodeLost(EpisodeRequestFailed):
+    """The server does not know the episode (it restarted): the episode may be replayed."""
+
+
+class EnvironmentServer:
+    """A client of one environment server, shared by every episode of a run (`httpx.Client` is thread-safe)."""
+
+    def __init__(self, cfg: EnvironmentServerConfig):
+        self.cfg = cfg
+        self.url = cfg.url.rstrip("/")
+        self._client: httpx.Client | None = None
+        self.retries = 0
+        self._action_schema: dict | None = None
+        self._schema_lock = threading.Lock()
+
+    def describe(self) -> str:
+        return f"the {self.cfg.kind} environment server at {self.cfg.url}"
+
+    def headers(self) -> dict[str, str]:
+        if self.cfg.api_key_env is None:
+            return {}
+        key = os.environ.get(self.cfg.api_key_env)
+        if not key:
+            raise EnvironmentServerError(f"{self.describe()}: the environment variable {self.cfg.api_key_env} "
+                                         "(environment.server.api_key_env) is not set")
+        return {"Authorization": f"Bearer {key}"}
+
+    @property
+    def client(self) -> httpx.Client:
+        if self._client is None:
+            limits = httpx.Limits(max_connections=self.cfg.max_concurrent + 4)
+            self._client = httpx.Client(timeout=self.cfg.timeout_s, headers=self.headers(), limits=limits)
+        return self._client
+
+    def check(self, timeout: float = 10.0) -> dict:
+        """What the server says it serves; `EnvironmentServerError` for one that does not answer, or
+        serves another protocol or kind than the config's. One request, no retries."""
+        path = "/health" if self.cfg.kind == "openenv" else "/"
+        try:
+            answer = httpx.get(self.url + path, headers=self.headers(), timeout=timeout)
+        except httpx.HTTPError as e:
+            raise EnvironmentServerError(f"{self.describe()}: the server does not answer ({type(e).__name__}: {e}); "
+                                         "start it before the run (`rlhf serve-env`)") from None
+        if answer.status_code != 200:
+            raise EnvironmentServerError(f"{self.describe()}: GET {path} answered HTTP {answer.status_code}: "
+                                         f"{answer.text[:200]!r}")
+        if self.cfg.kind == "openenv":
+            return {"serves": "openenv"}
+        try:
+            info = answer.json()
+        except ValueError:
+            info = None
+        if not isinstance(info, dict) or info.get("protocol") != PROTOCOL:
+            raise EnvironmentServerError(f"{self.describe()}: GET / is not an {PROTOCOL} server's answer: "
+                                         f"{answer.text[:200]!r} (an OpenEnv server is kind 'openenv')")
+        if self.cfg.kind == "verifiers" and info.get("serves") != "verifiers":
+            raise EnvironmentServerError(f"{self.describe()}: the server serves {info.get('serves')!r}, not a "
+                                         "verifiers environment (`rlhf serve-env --kind verifiers`)")
+        return info
+
+    def dataset(self, split: str) -> list[dict]:
+        """The environment's own prompts (`prompts: {path: "env:"}`), as records: `messages` and columns."""
+        self.check()
+        try:
+            body = self.request("GET", f"/dataset?split={split}", None)
+        except EpisodeRequestFailed as e:
+            raise EnvironmentServerError(f"{self.describe()}: no {split} dataset ({e})") from None
+        rows = body.get("rows")
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise EnvironmentServerError(f"{self.describe()}: GET /dataset answered no list of rows")
+        return rows
+
+    def request(self, method: str, path: str, body: dict | None) -> dict:
+        """One request's JSON object, retried as the module says; `EpisodeLost` on a 404 of an episode's
+        route, `EpisodeRequestFailed` once it gives up or the answer is no JSON object."""
+        reason = ""
+        for attempt in range(self.cfg.max_retries + 1):
+            refused = None
+            try:
+                answer = self.client.request(method, self.url + path, json=body)
+            except httpx.TimeoutException:
+                raise EpisodeRequestFailed(f"{method} {path}: no answer within {self.cfg.timeout_s:g} s "
+                                           "(environment.server.timeout_s)") from None
+            except httpx.HTTPError as e:
+                reason = f"{type(e).__name__}: {e}"
+            else:
+                if answer.status_code == 200:
+                    return _object(answer, f"{method} {path}")
+                reason = f"HTTP {answer.status_code}: {answer.text[:300]}"
+                if answer.status_code == 404 and body is not None and "episode" in body:
+                    raise EpisodeLost(f"{method} {path}: {reason}")
+                if answer.status_code not in RETRIED_STATUSES:
+                    raise EpisodeRequestFailed(f"{method} {path}: {reason}")
+                refused = answer
+            if attempt < self.cfg.max_retries:
+                self.backoff(attempt, refused)
+        raise EpisodeRequestFailed(f"{method} {path}: {reason}, after {self.cfg.max_retries + 1} tries")
+
+    def backoff(self, attempt: int, refused: object | None = None) -> None:
+        """The pause before retry `attempt + 1` (`stages.common.retries.backoff`: the `Retry-After` of the
+        answer that `refused` it, where it gave one), counted in `retries`."""
+        self.retries += 1
+        time.sleep(backoff(attempt, self.cfg.backoff_s, refused))
+
+    def action_schema(self) -> dict:
+        """An OpenEnv server's action schema (`GET /schema`'s `action`), asked once and kept."""
+        with self._schema_lock:
+            if self._action_schema is None:
+                action = self.request("GET", "/schema", None).get("action")
+                if not isinstance(action, dict):
+                    raise EpisodeRequestFailed(f"GET /schema: no action schema in the answer ({str(action)[:200]!r})")
+                self._action_schema = action
+            return self._action_schema
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def server_problems(settings) -> list[str]:
+    """The pre-flight check of `ppo.environment` (an `EnvironmentConfig` or None): a server that does
+    not answer, or is not what the config says, as one line; none for other environments."""
+    if settings is None or settings.server is None:
+        return []
+    try:
+        EnvironmentServer(settings.server).check()
+    except EnvironmentServerError as e:
+        return [str(e)]
+    return []
+
+
+class ServedEpisode:
+    """One episode on a server of our protocol: the `Environment` the loop steps. It records its turns
+    and the server's answers, to replay them where the server lost the episode."""
+
+    def __init__(self, server: EnvironmentServer):
+        self.server = server
+        self.episode: str | None = None
+        self.tools: list[dict] | None = None
+        self.row: dict = {}
+        self.first: list[dict] = []
+        self.history: list[tuple[dict, dict]] = []  # (turn sent, answer received)
+
+    def reset(self, row: dict) -> list[dict]:
+        self.row = row
+        self.first = self._started()
+        return list(self.first)
+
+    def _started(self) -> list[dict]:
+        body = self.server.request("POST", "/reset", {"row": _jsonable(self.row)})
+        self.episode = body.get("episode")
+        if not isinstance(self.episode, str):
+            raise EpisodeRequestFailed(f"POST /reset: no episode id in {str(body)[:200]!r}")
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise EpisodeRequestFailed(f"POST /reset: tools must be a list of JSON schemas, got {str(tools)[:200]!r}")
+        self.tools = tools or None
+        return checked_messages(body.get("messages"), "POST /reset", allow_none=False)
+
+    def schemas(self) -> list[dict] | None:
+        """The tools' schemas the server gave at reset, for the chat template's tools section."""
+        return self.tools
+
+    def step(self, turn: AssistantTurn) -> Step:
+        sent = {"turn": len(self.history), "assistant": turn_body(turn)}
+        try:
+            answer = self.server.request("POST", "/step", {"episode": self.episode, **sent})
+        except EpisodeLost as lost:
+            self._replay(lost)
+            answer = self.server.request("POST", "/step", {"episode": self.episode, **sent})
+        step = checked_answer(answer)
+        self.history.append((sent, answer))
+        return step
+
+    def _replay(self, lost: EpisodeLost) -> None:
+        """A new episode on the server, brought to where this one was: its reset and every earlier turn
+        sent again, each answer the same as the one recorded (else the episode fails)."""
+        if self._started() != self.first:
+            raise EpisodeRequestFailed(f"{lost}; replayed on a new episode, the server began it differently")
+        for at, (sent, answer) in enumerate(self.history):
+            again = self.server.request("POST", "/step", {"episode": self.episode, **sent})
+            if again != answer:
+                raise EpisodeRequestFailed(f"{lost}; replayed on a new episode, turn {at} was answered differently "
+                                           f"({str(again)[:120]!r}, before {str(answer)[:120]!r})")
+
+    def close(self) -> None:
+        if self.episode is not None:
+            try:
+                self.server.client.post(self.server.url + "/close", json={"episode": self.episode}, timeout=5.0)
+            except httpx.HTTPError:
+                pass  # the server forgets idle episodes itself
+            self.episode = None
+
+
+def turn_body(turn: AssistantTurn) -> dict:
+    """The model's turn as the server receives it: its text, answer, reasoning and calls (a malformed
+    call as its reason's text), and the OpenAI-style message."""
+    calls = [asdict(call) if isinstance(call, ToolCall) else call for call in turn.calls]
+    return {"text": turn.text, "content": turn.content, "reasoning": turn.reasoning, "calls": calls,
+            "message": turn.message()}
+
+
+def checked_messages(messages: object, where: str, allow_none: bool = True) -> list[dict] | None:
+    """A server's messages: a list of chat messages, each with a string `role` and a string (or absent)
+    `content`; `EpisodeRequestFailed` naming what is wrong otherwise."""
+    if messages is None and allow_none:
+        return None
+    if not isinstance(messages, list):
+        raise EpisodeRequestFailed(f"{where}: messages must be a list of chat messages, got {str(messages)[:200]!r}")
+    for at, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \
+                not isinstance(message.get("content", ""), str):
+            raise EpisodeRequestFailed(f"{where}: message {at} is not a chat message with a role and a text "
+                                       f"content: {str(message)[:200]!r}")
+    return messages
+
+
+def checked_answer(answer: dict) -> Step:
+    """A step's answer as a `Step`: messages checked, a finite reward, a boolean `done`."""
+    reward, done = answer.get("reward", 0.0), answer.get("done", False)
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise EpisodeRequestFailed(f"POST /step: the reward {reward!r} is not a finite number")
+    if not isinstance(done, bool):
+        raise EpisodeRequestFailed(f"POST /step: done must be true or false, got {done!r}")
+    return Step(checked_messages(answer.get("messages"), "POST /step"), float(reward), done)
+
+
+def _object(answer: httpx.Response, where: str) -> dict:
+    try:
+        body = answer.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise EpisodeRequestFailed(f"{where}: the answer is not a JSON object: {answer.text[:200]!r}")
+    return body
+
+
+def _jsonable(row: dict) -> dict:
+    """A prompt record as JSON: numpy and pandas values (a frame's row) as plain ones."""
+    def plain(value):
+        if hasattr(value, "tolist"):
+            return value.tolist()
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    return {key: plain(value) for key, value in row.items()}

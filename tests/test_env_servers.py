@@ -1,0 +1,190 @@
+"""Environments behind HTTP (`environment.server`, `rlhf serve-env`): an episode on a served
+environment is the in-process one, token for token; a step asked again gets its answer again; a
+server that restarted has its episodes replayed; a slow, malformed or dead server costs an episode
+or nothing, never the run; the demo's tool world written as a verifiers environment trains."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rlhf.config import with_overrides
+from rlhf.config_ppo import EnvironmentConfig, EnvironmentServerConfig
+from stages.envs.env_server import EpisodeServer, OursServed
+from stages.envs.loop import episode_runner
+from stages.envs.parsers import AssistantTurn, ToolCall
+from stages.envs.served import EnvironmentServer, EpisodeRequestFailed, ServedEpisode, server_problems
+from tests import helpers
+from tests.helpers import AUTO_RESOLVED, SLOW_STEP_S, TOOL_TEMPLATE, Scripted, serve_env, stop_process
+
+REPO = Path(__file__).resolve().parent.parent
+CALL = '<tool_call>{"name":"f"}</tool_call>'
+ROW = {"messages": [{"role": "user", "content": "Describe the cat."}]}
+VERIFIERS = REPO / ".env-verifiers" / ".installed"
+
+
+@pytest.fixture()
+def chat_tokenizer(tokenizer):
+    mine = copy.deepcopy(tokenizer)
+    mine.chat_template = TOOL_TEMPLATE
+    return mine
+
+
+@pytest.fixture(scope="module")
+def faults_server():
+    """`tests.helpers:served_faults` served by `rlhf serve-env` in its own process."""
+    process, url = serve_env("--kind", "ours", "--factory", "tests.helpers:served_faults")
+    yield url
+    stop_process(process)
+
+
+def _served(url: str, **settings) -> EnvironmentConfig:
+    return EnvironmentConfig(server=EnvironmentServerConfig(url=url, **settings), episode_tokens=200)
+
+
+def _runner(tokenizer, settings: EnvironmentConfig):
+    return episode_runner(settings, tokenizer, "test-model", [tokenizer.eos_token_id], 48)
+
+
+def test_an_episode_on_a_served_environment_is_the_in_process_one(chat_tokenizer, faults_server):
+    """The same scripted turns against the tools in the trainer's process and served: the same ids
+    (prompt, the model's turns, the tool's answers as the template's delta), rewards and transcript."""
+    script = [CALL, "The cat is warm."]
+    here = _runner(chat_tokenizer, EnvironmentConfig(tools="tests.helpers:scripted_tools", episode_tokens=200))
+    served = _runner(chat_tokenizer, _served(faults_server))
+    [a] = here.run(Scripted(chat_tokenizer, script), [ROW], 1.0)
+    [b] = served.run(Scripted(chat_tokenizer, script), [ROW], 1.0)
+    assert b.status == a.status == "ok" and b.tool_calls == a.tool_calls == 1
+    assert [(s.ids, s.trainable, s.reward) for s in b.segments] == [(s.ids, s.trainable, s.reward) for s in a.segments]
+    assert b.messages == a.messages and b.answer == a.answer
+    assert httpx.get(faults_server).json()["episodes"] == 0  # closed once over
+
+
+def test_a_step_asked_again_is_answered_again_and_a_lost_episode_is_replayed():
+    """A step sent twice (a retry after a lost answer) is one step; a server that forgot the episode
+    (restarted) gets it replayed and goes on; a replay answered differently fails the episode."""
+    server = EpisodeServer(("127.0.0.1", 0), OursServed(None, "tests.helpers:served_faults", [], {}), None, 600.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = EnvironmentServer(EnvironmentServerConfig(url=f"http://127.0.0.1:{server.server_port}"))
+        call = AssistantTurn(text=CALL, content="", calls=[ToolCall("f", {})])
+        episode = ServedEpisode(client)
+        episode.reset(ROW)
+        first = episode.step(call)
+        again = client.request("POST", "/step", {"episode": episode.episode, "turn": 0,
+                                                 "assistant": {"calls": [], "content": "other"}})
+        assert again == {"messages": first.messages, "reward": first.reward, "done": first.done}
+        server.episodes.clear()  # the server restarted
+        assert episode.step(call) == first and len(episode.history) == 2
+        counting = ServedEpisode(client)
+        counting.reset({**ROW, "fault": "counter"})
+        counting.step(call)
+        server.episodes.clear()
+        with pytest.raises(EpisodeRequestFailed, match="turn 0 was answered differently"):
+            counting.step(call)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_that_does_not_answer_or_serves_another_kind_is_refused_before_any_stage(faults_server):
+    url = f"http://127.0.0.1:{helpers.free_port()}"
+    [problem] = server_problems(_served(url))
+    assert url in problem and "does not answer" in problem and "rlhf serve-env" in problem
+    [problem] = server_problems(_served(faults_server, kind="verifiers"))
+    assert "serves 'ours', not a verifiers environment" in problem
+    assert server_problems(_served(faults_server)) == [] and server_problems(None) == []
+
+
+def test_a_slow_server_fails_its_episode_and_keeps_the_others_waiting_no_longer_than_the_timeout(
+        chat_tokenizer, faults_server):
+    rows = [ROW, {**ROW, "fault": "slow"}, ROW, ROW]
+    runner = _runner(chat_tokenizer, _served(faults_server, timeout_s=1.0))
+    start = time.monotonic()
+    episodes = runner.run(Scripted(chat_tokenizer, [CALL, "The cat is warm."]), rows, 1.0)
+    took = time.monotonic() - start
+    assert [e.status for e in episodes] == ["ok", "failed", "ok", "ok"]
+    assert "no answer within 1 s" in episodes[1].error
+    assert took < SLOW_STEP_S, f"the round waited {took:.1f} s for the slow episode"  # not its whole step
+
+
+def test_malformed_messages_fail_their_episode_not_the_run(chat_tokenizer, faults_server):
+    episodes = _runner(chat_tokenizer, _served(faults_server)).run(
+        Scripted(chat_tokenizer, [CALL, "The cat is warm."]), [{**ROW, "fault": "malformed"}, ROW], 1.0)
+    assert [e.status for e in episodes] == ["failed", "ok"]
+    assert "message 0 is not a chat message with a role" in episodes[0].error
+
+
+def _tools_ppo(cfg, **changes):
+    return with_overrides(cfg.ppo, AUTO_RESOLVED | {"num_iterations": 4, "evaluation": {"every": None}} | changes)
+
+
+def test_ppo_on_a_server_killed_mid_run_and_restarted_ends_as_the_in_process_run(tools_trained, tmp_path):
+    """The server dies in the middle of a step during PPO and is back 2 s later on the same port: the
+    episodes it held are replayed, none fails, and the run ends with the in-process run's figures."""
+    from tests.helpers import run_ppo
+
+    cfg, trained = tools_trained
+    environment = {"tools": None, "factory": "tests.helpers:served_faults"}  # the rest: the tiny tool world's
+    here = run_ppo(_tools_ppo(cfg, environment=environment), trained, tmp_path / "here")
+    port = str(helpers.free_port())
+    command = ("--kind", "ours", "--factory", "tests.helpers:served_faults", "--port", port)
+    died, url = serve_env(*command, environment={"RLHF_TEST_DIE_AFTER_STEPS": "6"})
+    restarted = []
+
+    def restart() -> None:
+        died.wait()
+        time.sleep(2.0)
+        restarted.append(serve_env(*command)[0])
+
+    watcher = threading.Thread(target=restart, daemon=True)
+    watcher.start()
+    try:
+        served = {"tools": None, "server": {"url": url, "backoff_s": 0.5, "max_retries": 6}}
+        result = run_ppo(_tools_ppo(cfg, environment=served), trained, tmp_path / "served")
+    finally:
+        watcher.join(timeout=200 if died.poll() is not None else 0)
+        for process in restarted:
+            stop_process(process)
+    assert died.returncode == 1 and restarted, "the server was not killed mid-run and restarted"
+    assert all(row["rollout/failed_share"] == 0 for row in result.history)
+    assert [row["rollout/tool_calls"] for row in result.history] == [row["rollout/tool_calls"] for row in here.history]
+    assert result.metrics == here.metrics
+
+
+@pytest.mark.skipif(not VERIFIERS.exists(), reason="the verifiers environment is not built: `make env-verifiers`")
+def test_the_tool_world_written_for_verifiers_is_the_in_process_world_and_trains(chat_tokenizer, tools_trained,
+                                                                                   tmp_path):
+    """The demo's tool world as a verifiers environment (examples/verifiers/tools_world), served: a
+    scripted episode gets the tool's answer and the world's two rules' score as its last reward, as
+    the in-process tools and reward functions give; then GRPO on it trains, no episode failing."""
+    from rlhf.demo.rewards import names_the_subject, uses_liked_adjectives
+    from tests.helpers import run_ppo
+
+    process, url = serve_env("--kind", "verifiers", "--module", "tools_world", "--path", "examples/verifiers")
+    try:
+        row = {"messages": [{"role": "user", "content": "Describe my cat."}], "liked": "warm calm kind"}
+        call = '<tool_call>{"name": "preferences", "arguments": {"subject": "cat"}}</tool_call>'
+        script = [call, "The cat is warm and calm."]
+        in_process = EnvironmentConfig(tools="rlhf.demo.tools:tools", episode_tokens=200)
+        [a] = _runner(chat_tokenizer, in_process).run(Scripted(chat_tokenizer, script), [row], 1.0)
+        [b] = _runner(chat_tokenizer, _served(url, kind="verifiers")).run(Scripted(chat_tokenizer, script), [row], 1.0)
+        assert b.status == "ok" and [s.ids for s in b.segments] == [s.ids for s in a.segments]
+        expected = uses_liked_adjectives([row["messages"]], [a.answer], ["warm calm kind"])[0] + \
+            names_the_subject([row["messages"]], [a.answer])[0]
+        assert b.segments[-1].reward == pytest.approx(expected) and expected == 2.0
+
+        cfg, trained = tools_trained
+        served = {"tools": None, "server": {"url": url, "kind": "verifiers"}}
+        result = run_ppo(_tools_ppo(cfg, environment=served, num_iterations=3, reward={"terms": [],
+                                                                                        "columns": ["liked"]}),
+                         trained, tmp_path / "verifiers")
+        assert all(row["rollout/failed_share"] == 0 for row in result.history)
+        assert any(row["rollout/tool_calls"] > 0 for row in result.history)
+    finally:
+        stop_process(process)
