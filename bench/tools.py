@@ -11,6 +11,10 @@ and work per iteration:
 - `episodes`: multi-turn, against the built-in tool-calling environment (`ppo.environment`);
 - `single-turn`: the same policy trained without the environment, answering in one turn (a tool call
   it writes is then just text): the baseline the episodes must beat.
+- `served`: the same episodes against the world written as a verifiers environment
+  (examples/verifiers/tools_world), served by `rlhf serve-env --kind verifiers` in its own process
+  (`make env-verifiers`), its score the environment's (`reward.terms: []`): what `--settings` adds,
+  `python -m bench.tools --estimators grpo --settings episodes served`.
 
 Each final policy is judged on the held-out prompts by the hidden gold function, on its final answers,
 against the SFT policy's answers in episodes (the tool run's evaluation baseline, common random
@@ -72,6 +76,38 @@ def run(ppo_cfg, sft: Path, frames: dict, out: Path) -> dict:
             "final_rollout": {k: v for k, v in result.history[-1].items() if k.startswith("rollout/")}}
 
 
+SERVED_PORT = 8490
+
+
+def serving():
+    """The tool world written for verifiers, served (`rlhf serve-env --kind verifiers`) once it answers."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-env", "--kind", "verifiers", "--module",
+                                "tools_world", "--path", "examples/verifiers", "--port", str(SERVED_PORT)], cwd=REPO)
+    for _ in range(240):
+        try:
+            httpx.get(f"http://127.0.0.1:{SERVED_PORT}/health", timeout=1.0)
+            return process
+        except httpx.HTTPError:
+            assert process.poll() is None, "the verifiers environment server exited while starting"
+            time.sleep(0.5)
+    raise RuntimeError("the verifiers environment server did not start within 2 minutes")
+
+
+def served_config(episodes, server):
+    """`episodes` against the served world, scored by it: the environment's rules, no reward terms here."""
+    if server is None:
+        return None
+    from rlhf.config import with_overrides
+
+    return with_overrides(episodes, {"environment": {"tools": None, "server": {
+        "url": f"http://127.0.0.1:{SERVED_PORT}", "kind": "verifiers"}}, "reward": {"terms": []}})
+
+
 def judged(table, sft_answers: list[str]) -> dict:
     """The table's final answers against the SFT policy's answers in episodes, by the gold function;
     in episodes, the gold reward of the answers that followed a tool call and of those that did not."""
@@ -99,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--estimators", nargs="+", default=["grpo", "gae"])
     parser.add_argument("--iterations", type=int, default=None, help="ppo.num_iterations (default: the config's)")
+    parser.add_argument("--settings", nargs="+", default=["episodes", "single-turn"],
+                        choices=["episodes", "single-turn", "served"])
     parser.add_argument("--sft-seed", type=int, default=None,
                         help="sft.seed (default: the config's): another SFT checkpoint to start from")
     parser.add_argument("--state", type=Path, default=REPO / ".rlhf" / "bench-tools")
@@ -111,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, state = with_overrides(cfg, {"sft": {"seed": args.sft_seed}}), state / f"sft-seed-{args.sft_seed}"
     started = time.time()
     sft, frames = upstream(cfg, state)
+    server = serving() if "served" in args.settings else None
     rows = []
     for seed in args.seeds:
         for estimator in args.estimators:
@@ -118,11 +157,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.iterations:
                 changes["num_iterations"] = args.iterations
             episodes = with_overrides(cfg.ppo, changes | {"samples_per_prompt": "auto"})
-            single = with_overrides(episodes, {"environment": None})
-            tools = run(episodes, sft, frames, state / f"{estimator}-{seed}-episodes")
-            alone = run(single, sft, frames, state / f"{estimator}-{seed}-single")
+            configs = {"episodes": episodes, "single-turn": with_overrides(episodes, {"environment": None}),
+                       "served": served_config(episodes, server)}
+            results = {setting: run(configs[setting], sft, frames, state / f"{estimator}-{seed}-{setting}")
+                       for setting in args.settings}
+            tools = results.get("episodes") or results["served"]
             sft_answers = list(tools["table"]["sft_response"])
-            for setting, result in (("episodes", tools), ("single-turn", alone)):
+            for setting, result in results.items():
                 metrics = result["metrics"]
                 rows.append({"seed": seed, "estimator": estimator, "setting": setting,
                              **judged(result["table"], sft_answers),
@@ -130,10 +171,14 @@ def main(argv: list[str] | None = None) -> int:
                              "tool_call_rate_sft": tools["metrics"]["eval/tool_call_rate_sft"],
                              "train_seconds": result["train_seconds"], "final_rollout": result["final_rollout"]})
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "final_rollout"}), flush=True)
+    if server is not None:
+        server.terminate()
+        server.wait()
     summary = summarise(rows)
     print(summary)
     out = args.out or REPO / "bench" / "results" / f"tools-{datetime.date.today()}.json"
     out.write_text(json.dumps({"config": args.config, "sft_seed": cfg.sft.seed, "seeds": args.seeds,
+                               "settings": args.settings,
                                "iterations": args.iterations,
                                "machine": platform.processor() or platform.machine(),
                                "seconds": time.time() - started, "runs": rows, "summary": summary}, indent=2))
@@ -146,7 +191,7 @@ def summarise(rows: list[dict]) -> str:
     lines = ["| estimator | setting | gold win rate vs SFT | gold reward (SFT's) | tool calls: SFT -> after | "
              "KL | train s |", "|---|---|---|---|---|---|---|"]
     for estimator in dict.fromkeys(r["estimator"] for r in rows):
-        for setting in ("episodes", "single-turn"):
+        for setting in ("episodes", "served", "single-turn"):
             mine = [r for r in rows if r["estimator"] == estimator and r["setting"] == setting]
             if not mine:
                 continue

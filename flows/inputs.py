@@ -23,7 +23,7 @@ from rlhf.demo.locations import DEMO_SCHEME, resolve_location
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.common.errors import ChatTemplateError
-from stages.envs.served import server_problems
+from stages.envs.served import env_source, server_problems
 from stages.memory.phases import Counts, Device, this_device
 from stages.memory.plan import Plan, model_shapes, plan
 from stages.rewards.functions import RewardFunctionError, load_reward_functions
@@ -71,9 +71,11 @@ def data_inputs(cfg: PipelineConfig, stage: str) -> dict[str, DataInput]:
     The SFT checkpoint carries the SFT tokenizer (and its template) to the later stages."""
     sft, reward, ppo = cfg.sft, cfg.reward, cfg.ppo
     policy = TokenizerSource(sft.model, sft.trust_remote_code, sft.chat_template)
-    if stage == "ppo":
-        return {"prompts": DataInput(ppo.prompts, "prompt", policy, tuple(ppo.reward.columns)),
-                "eval_prompts": DataInput(ppo.evaluation.prompts, "prompt", policy, tuple(ppo.reward.columns))}
+    if stage == "ppo":  # `env:` prompts are the environment server's own, fetched into a file
+        prompts, evaluation = (env_source(s, ppo.environment, tracking.state_dir() / "env-datasets")
+                               for s in (ppo.prompts, ppo.evaluation.prompts))
+        return {"prompts": DataInput(prompts, "prompt", policy, tuple(ppo.reward.columns)),
+                "eval_prompts": DataInput(evaluation, "prompt", policy, tuple(ppo.reward.columns))}
     if stage == "sft":
         kind, measured_by, extra = "sft", policy, {}
     elif stage == "dpo":

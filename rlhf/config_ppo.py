@@ -457,7 +457,12 @@ class PPOConfig(TrainedStage, SampledStage):
 
     @model_validator(mode="after")
     def _environment_runs_here(self) -> PPOConfig:
-        """Episodes step their environment on the process that samples them: not ahead, not sharded."""
+        """Episodes step their environment on the process that samples them: not ahead, not sharded;
+        `env:` prompts come from an environment server."""
+        fetched = [name for name, source in (("prompts", self.prompts), ("evaluation.prompts", self.evaluation.prompts))
+                   if source.path.startswith("env:")]
+        if fetched and (self.environment is None or self.environment.server is None):
+            raise ValueError(f"{fetched[0]}: `env:` is an environment server's dataset: set environment.server")
         if self.environment is None:
             if self.reward.sees_reasoning:
                 raise ValueError("reward.sees_reasoning: only episodes' turns are read for reasoning: set environment")

@@ -6,6 +6,7 @@ or nothing, never the run; the demo's tool world written as a verifiers environm
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from tests.helpers import AUTO_RESOLVED, SLOW_STEP_S, TOOL_TEMPLATE, Scripted, s
 REPO = Path(__file__).resolve().parent.parent
 CALL = '<tool_call>{"name":"f"}</tool_call>'
 ROW = {"messages": [{"role": "user", "content": "Describe the cat."}]}
+pytestmark = pytest.mark.multiprocess
 VERIFIERS = REPO / ".env-verifiers" / ".installed"
 
 
@@ -44,11 +46,11 @@ def faults_server():
 
 
 def _served(url: str, **settings) -> EnvironmentConfig:
-    return EnvironmentConfig(server=EnvironmentServerConfig(url=url, **settings), episode_tokens=200)
+    return EnvironmentConfig(server=EnvironmentServerConfig(url=url, **settings), episode_tokens=300)
 
 
-def _runner(tokenizer, settings: EnvironmentConfig):
-    return episode_runner(settings, tokenizer, "test-model", [tokenizer.eos_token_id], 48)
+def _runner(tokenizer, settings: EnvironmentConfig, turn_tokens: int = 48):
+    return episode_runner(settings, tokenizer, "test-model", [tokenizer.eos_token_id], turn_tokens)
 
 
 def test_an_episode_on_a_served_environment_is_the_in_process_one(chat_tokenizer, faults_server):
@@ -171,10 +173,12 @@ def test_the_tool_world_written_for_verifiers_is_the_in_process_world_and_trains
         row = {"messages": [{"role": "user", "content": "Describe my cat."}], "liked": "warm calm kind"}
         call = '<tool_call>{"name": "preferences", "arguments": {"subject": "cat"}}</tool_call>'
         script = [call, "The cat is warm and calm."]
-        in_process = EnvironmentConfig(tools="rlhf.demo.tools:tools", episode_tokens=200)
-        [a] = _runner(chat_tokenizer, in_process).run(Scripted(chat_tokenizer, script), [row], 1.0)
-        [b] = _runner(chat_tokenizer, _served(url, kind="verifiers")).run(Scripted(chat_tokenizer, script), [row], 1.0)
-        assert b.status == "ok" and [s.ids for s in b.segments] == [s.ids for s in a.segments]
+        in_process = EnvironmentConfig(tools="rlhf.demo.tools:tools", episode_tokens=300)
+        [a] = _runner(chat_tokenizer, in_process, 150).run(Scripted(chat_tokenizer, script), [row], 1.0)
+        [b] = _runner(chat_tokenizer, _served(url, kind="verifiers"), 150).run(Scripted(chat_tokenizer, script), [row],
+                                                                                1.0)
+        assert a.status == b.status == "ok" and a.tool_calls == 1
+        assert [s.ids for s in b.segments] == [s.ids for s in a.segments]
         expected = uses_liked_adjectives([row["messages"]], [a.answer], ["warm calm kind"])[0] + \
             names_the_subject([row["messages"]], [a.answer])[0]
         assert b.segments[-1].reward == pytest.approx(expected) and expected == 2.0
@@ -188,3 +192,35 @@ def test_the_tool_world_written_for_verifiers_is_the_in_process_world_and_trains
         assert any(row["rollout/tool_calls"] > 0 for row in result.history)
     finally:
         stop_process(process)
+
+
+@pytest.mark.skipif(not VERIFIERS.exists(), reason="the verifiers environment is not built: `make env-verifiers`")
+def test_an_environments_own_prompts_are_the_stages_validated_by_our_contract(tools_trained, tmp_path):
+    """`prompts: {path: "env:"}`: the verifiers environment's tasks, fetched into a file and validated
+    as any prompt file (its `liked` column kept); unset without a server, it is refused."""
+    from rlhf.config_common import DataSource
+    from schemas.validate import load_validated
+    from stages.envs.served import env_source
+    from stages.runtime.models import load_tokenizer
+
+    cfg, trained = tools_trained
+    world = Path(trained["sft"]).parent.parent / "worlds"
+    prompts = next(world.rglob("prompts.jsonl"))
+    config = json.dumps({"taskset": {"prompts": str(prompts)}})
+    process, url = serve_env("--kind", "verifiers", "--module", "tools_world", "--path", "examples/verifiers",
+                             "--config", config)
+    try:
+        settings = _served(url, kind="verifiers")
+        fetched = env_source(DataSource(path="env:"), settings, tmp_path)
+        assert Path(fetched.path).parent == tmp_path and env_source(DataSource(path="env:"), settings, tmp_path) == \
+            fetched  # named by its content
+        data = load_validated(fetched.path, "prompt", tokenizer=load_tokenizer(trained["sft"]), columns=("liked",))
+        given = [json.loads(line) for line in prompts.read_text().splitlines()]
+        assert list(data.frame["liked"]) == [r["liked"] for r in given]
+        assert [json.loads(m)[-1]["content"] for m in data.frame["prompt_messages"]] == [r["prompt"] for r in given]
+        with pytest.raises(EpisodeRequestFailed, match="no 'eval' dataset"):
+            EnvironmentServer(settings.server).request("GET", "/dataset?split=eval", None)
+    finally:
+        stop_process(process)
+    with pytest.raises(ValueError, match="`env:` is an environment server's dataset: set environment.server"):
+        with_overrides(cfg.ppo, {"prompts": {"path": "env:"}})

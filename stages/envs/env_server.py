@@ -147,7 +147,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, self.server.info())
         if url.path == "/dataset":
             split = parse_qs(url.query).get("split", ["train"])[0]
-            rows = self.server.served.dataset(split)
+            try:
+                rows = self.server.served.dataset(split)
+            except Exception as e:  # noqa: BLE001 - the served environment's own data could not be read
+                return self._send(422, {"error": f"{type(e).__name__}: {e}"})
             if rows is None:
                 return self._send(404, {"error": f"{self.server.served.name} has no {split!r} dataset"})
             return self._send(200, {"rows": rows})

@@ -26,14 +26,18 @@ answer at all is refused before any stage trains (`EnvironmentServer.check`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import httpx
 
+from rlhf.config_common import DataSource
 from rlhf.config_ppo import EnvironmentServerConfig
 from stages.common.errors import StageUserError
 from stages.common.retries import RETRIED_STATUSES, backoff
@@ -169,6 +173,27 @@ class EnvironmentServer:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+ENV_SCHEME = "env:"
+"""A data source read from the environment server: `env:` (its train split) or `env:<split>`."""
+
+
+def env_source(source: DataSource, settings, folder: Path) -> DataSource:
+    """`source` as the stage reads it: an `env:` one fetched from `settings.server` (`ppo.environment`)
+    into a JSON-lines file in `folder` named by its content (validated then by the prompt contract,
+    as any file); any other unchanged."""
+    if not source.path.startswith(ENV_SCHEME):
+        return source
+    rows = EnvironmentServer(settings.server).dataset(source.path[len(ENV_SCHEME):] or "train")
+    payload = "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+    path = folder / f"env-{hashlib.sha256(payload.encode()).hexdigest()[:16]}.jsonl"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(payload)
+        partial.replace(path)  # whole or absent, whoever reads it
+    return source.model_copy(update={"path": str(path)})
 
 
 def server_problems(settings) -> list[str]:

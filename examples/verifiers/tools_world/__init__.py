@@ -3,8 +3,9 @@
 
 Each task is a prompt record of the demo world (`messages` and `liked`, the adjectives its user
 likes); the shared `preferences` tool tells them, read from the rollout's state; the task's rewards
-are the world's two rules (`rlhf.demo.rewards`, as `configs/tools.yaml` weighs them in process). It
-has no dataset of its own here: the trainer's prompts are its tasks, sent with each episode's reset.
+are the world's two rules (`rlhf.demo.rewards`, as `configs/tools.yaml` weighs them in process). By
+default it has no dataset of its own: the trainer's prompts are its tasks, sent with each reset; with
+`--config '{"taskset": {"prompts": "<world>/prompts.jsonl"}}'` that file's records are its tasks.
 """
 
 from tools_world.taskset import ToolsWorld

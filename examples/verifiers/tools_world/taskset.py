@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import verifiers.v1 as vf
 
 from rlhf.demo.rewards import names_the_subject, uses_liked_adjectives
@@ -39,11 +41,19 @@ class Prompt(vf.Task[WorldTask, WorldState, WorldTaskConfig]):
 class ToolsWorldConfig(vf.TasksetConfig):
     task: WorldTaskConfig = WorldTaskConfig()
     tools: vf.ToolsetConfig = vf.ToolsetConfig()
+    prompts: str | None = None
+    """A JSON-lines file of the world's prompt records (`prompt` or `messages`, `liked`): the taskset's tasks,
+    what `prompts: {path: "env:"}` trains on; unset, it has none and the trainer's prompts are its tasks."""
 
 
 class ToolsWorld(vf.Taskset[Prompt, ToolsWorldConfig]):
     def load(self) -> list[Prompt]:
-        return []  # the trainer's prompts are the tasks (each reset brings its record)
+        if self.config.prompts is None:
+            return []  # each reset brings its record
+        with open(self.config.prompts) as lines:
+            records = [json.loads(line) for line in lines if line.strip()]
+        return [Prompt(WorldTask(prompt=r.get("messages") or r["prompt"], liked=r["liked"]), self.config.task)
+                for r in records]
 
     @classmethod
     def toolsets(cls, config: ToolsWorldConfig) -> list[vf.Toolset]:
