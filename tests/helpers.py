@@ -571,7 +571,7 @@ class ServedFaults:
         return self.tools.step(turn)
 
 
-SLOW_STEP_S = 4.0
+SLOW_STEP_S = 8.0
 """How long a `slow` record's step takes (`ServedFaults`)."""
 
 

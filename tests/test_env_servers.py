@@ -106,12 +106,12 @@ def test_a_server_that_does_not_answer_or_serves_another_kind_is_refused_before_
 def test_a_slow_server_fails_its_episode_and_keeps_the_others_waiting_no_longer_than_the_timeout(
         chat_tokenizer, faults_server):
     rows = [ROW, {**ROW, "fault": "slow"}, ROW, ROW]
-    runner = _runner(chat_tokenizer, _served(faults_server, timeout_s=1.0))
+    runner = _runner(chat_tokenizer, _served(faults_server, timeout_s=2.0))
     start = time.monotonic()
     episodes = runner.run(Scripted(chat_tokenizer, [CALL, "The cat is warm."]), rows, 1.0)
     took = time.monotonic() - start
-    assert [e.status for e in episodes] == ["ok", "failed", "ok", "ok"]
-    assert "no answer within 1 s" in episodes[1].error
+    assert [e.status for e in episodes] == ["ok", "failed", "ok", "ok"], [e.error for e in episodes]
+    assert "no answer within 2 s" in episodes[1].error
     assert took < SLOW_STEP_S, f"the round waited {took:.1f} s for the slow episode"  # not its whole step
 
 

@@ -205,10 +205,13 @@ class OursServed:
     def __init__(self, tools: str | None, factory: str | None, paths: list[str], settings: dict):
         from rlhf.config_ppo import EnvironmentConfig
         from stages.envs.environment import environment_factory
+        from stages.envs.loop import checked_step  # imported now, not in the first request's time
+        from stages.envs.parsers import AssistantTurn, ToolCall
 
         config = EnvironmentConfig(tools=tools, factory=factory, paths=paths, **settings)
         self.make, _ = environment_factory(config)
         self.name = tools or factory or ""
+        self.checked_step, self.turn, self.call = checked_step, AssistantTurn, ToolCall
 
     def dataset(self, split: str) -> list[dict] | None:
         return None
@@ -220,14 +223,11 @@ class OursServed:
         return environment, messages, tools
 
     def step(self, handle: Any, assistant: dict) -> tuple[list[dict] | None, float, bool]:
-        from stages.envs.loop import checked_step
-        from stages.envs.parsers import AssistantTurn, ToolCall
-
-        calls = [ToolCall(c["name"], c["arguments"]) if isinstance(c, dict) else str(c)
+        calls = [self.call(c["name"], c["arguments"]) if isinstance(c, dict) else str(c)
                  for c in assistant.get("calls", [])]
-        turn = AssistantTurn(text=assistant.get("text", ""), content=assistant.get("content", ""),
-                             reasoning=assistant.get("reasoning"), calls=calls)
-        step = checked_step(handle.step(turn))
+        turn = self.turn(text=assistant.get("text", ""), content=assistant.get("content", ""),
+                         reasoning=assistant.get("reasoning"), calls=calls)
+        step = self.checked_step(handle.step(turn))
         return step.messages, step.reward, step.done
 
     def end(self, handle: Any) -> None:
@@ -281,7 +281,7 @@ def launch(argv: list[str]) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    sys.path[:0] = [str(Path(p).resolve()) for p in args.path]
+    sys.path[:0] = [*(str(Path(p).resolve()) for p in args.path), os.getcwd()]  # what it serves: importable here
     token = None
     if args.api_key_env:
         token = os.environ.get(args.api_key_env)
