@@ -190,6 +190,8 @@ def test_the_tool_world_written_for_verifiers_is_the_in_process_world_and_trains
                          trained, tmp_path / "verifiers")
         assert all(row["rollout/failed_share"] == 0 for row in result.history)
         assert any(row["rollout/tool_calls"] > 0 for row in result.history)
+        assert any(row["rollout/environment_reward"] != 0 for row in result.history)  # the environment's score
+        assert all(row["rollout/score"] == 0 for row in result.history)  # and no other
     finally:
         stop_process(process)
 

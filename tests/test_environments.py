@@ -265,9 +265,11 @@ def test_ppo_trains_in_episodes_on_the_tool_world(tools_trained, tmp_path, estim
     rollouts = {}
     result = run_ppo(ppo, trained, tmp_path / estimator, Reporting(rollouts=lambda t, i: rollouts.update({i: t})))
     last = result.history[-1]
-    for name in ("turns", "tool_calls", "tool_call_rate", "failed_share", "truncated_share", "masked_tokens"):
+    for name in ("turns", "tool_calls", "tool_call_rate", "failed_share", "truncated_share", "masked_tokens",
+                 "environment_reward"):
         assert f"rollout/{name}" in last and f"eval/{name}" in result.metrics
-    assert last["rollout/turns"] >= 1 and "eval/tool_call_rate_sft" in result.metrics
+    assert last["rollout/turns"] >= 1
+    assert {"eval/tool_call_rate_sft", "eval/environment_reward_sft"} <= set(result.metrics)
     assert {"episode", "status", "liked"} <= set(rollouts[ppo.num_iterations].columns)
     assert {"policy_episode", "sft_episode", "liked"} <= set(result.evaluation.columns)
     assert "[user]" in result.evaluation["policy_episode"].iloc[0]

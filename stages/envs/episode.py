@@ -205,8 +205,9 @@ def check_failed_share(episodes: list[Episode], max_share: float) -> None:
 
 def episode_figures(episodes: list[Episode], prefix: str) -> dict[str, float]:
     """A batch of episodes' figures: the model's turns and tool calls per episode, the share that
-    called a tool, failed or were truncated, and the tokens per episode in no loss term (`masked_tokens`:
-    tool results and the template's glue, and all of a failed episode's)."""
+    called a tool, failed or were truncated, the tokens per episode in no loss term (`masked_tokens`:
+    tool results and the template's glue, and all of a failed episode's), and the environment's
+    rewards per episode (`environment_reward`: its turns' summed; an environment server's whole score)."""
     n = max(len(episodes), 1)
 
     def masked(e: Episode) -> int:
@@ -218,4 +219,5 @@ def episode_figures(episodes: list[Episode], prefix: str) -> dict[str, float]:
             f"{prefix}/failed_share": sum(e.status == "failed" for e in episodes) / n,
             f"{prefix}/reasoning_tokens": sum(e.reasoning_tokens for e in episodes) / n,
             f"{prefix}/truncated_share": sum(e.status == "truncated" for e in episodes) / n,
-            f"{prefix}/masked_tokens": sum(masked(e) for e in episodes) / n}
+            f"{prefix}/masked_tokens": sum(masked(e) for e in episodes) / n,
+            f"{prefix}/environment_reward": sum(s.reward for e in episodes for s in e.segments) / n}

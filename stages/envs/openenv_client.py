@@ -50,7 +50,7 @@ from websockets.sync.client import ClientConnection, connect
 from stages.common.retries import RETRIED_STATUSES
 from stages.envs.environment import Step
 from stages.envs.parsers import AssistantTurn, ToolCall
-from stages.envs.served import EnvironmentServer, EpisodeRequestFailed, _jsonable, checked_messages
+from stages.envs.served import EnvironmentServer, EpisodeRequestFailed, checked_messages, jsonable
 
 CLOSE_WAIT_S = 2.0
 """Seconds `close` waits for the server to close the socket, and the closing handshake at most."""
@@ -80,7 +80,7 @@ class OpenEnvEpisode:
         schema = self.server.action_schema()
         self.mcp = admits_tools(schema)
         self.text_field = None if self.mcp else text_field(schema)
-        data = _jsonable({key: value for key, value in row.items() if key not in NOT_SENT})
+        data = jsonable({key: value for key, value in row.items() if key not in NOT_SENT})
         observation, _, _ = self._opened({"type": "reset", "data": data})
         try:
             shown = observation.get("messages")
@@ -118,7 +118,7 @@ class OpenEnvEpisode:
                 messages.append({"role": "tool", "name": call.name,
                                  "content": "error: the environment has no tools; answer in text"})
             else:
-                action = {"type": "call_tool", "tool_name": call.name, "arguments": _jsonable(call.arguments)}
+                action = {"type": "call_tool", "tool_name": call.name, "arguments": jsonable(call.arguments)}
                 observation, step_reward, done = self._exchanged({"type": "step", "data": action},
                                                                  f"call_tool {call.name!r}")
                 messages.append({"role": "tool", "name": call.name, "content": tool_text(observation)})

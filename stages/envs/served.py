@@ -226,7 +226,7 @@ class ServedEpisode:
         return list(self.first)
 
     def _started(self) -> list[dict]:
-        body = self.server.request("POST", "/reset", {"row": _jsonable(self.row)})
+        body = self.server.request("POST", "/reset", {"row": jsonable(self.row)})
         self.episode = body.get("episode")
         if not isinstance(self.episode, str):
             raise EpisodeRequestFailed(f"POST /reset: no episode id in {str(body)[:200]!r}")
@@ -314,7 +314,7 @@ def _object(answer: httpx.Response, where: str) -> dict:
     return body
 
 
-def _jsonable(row: dict) -> dict:
+def jsonable(row: dict) -> dict:
     """A prompt record as JSON: numpy and pandas values (a frame's row) as plain ones."""
     def plain(value):
         if hasattr(value, "tolist"):

@@ -132,7 +132,8 @@ def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: Ev
                              policy_tool_calls=[e.tool_calls for e in policy.episodes],
                              sft_tool_calls=[e.tool_calls for e in held_out.sft_episodes])
         metrics |= episode_figures(policy.episodes, "eval")
-        metrics["eval/tool_call_rate_sft"] = episode_figures(held_out.sft_episodes, "eval")["eval/tool_call_rate"]
+        sft = episode_figures(held_out.sft_episodes, "eval")
+        metrics |= {f"{name}_sft": sft[name] for name in ("eval/tool_call_rate", "eval/environment_reward")}
     if models.scorer is not None:
         table["policy_score"] = models.scorer.score(messages, policy.texts, complete=policy.has_eos.tolist()).numpy()
         table["sft_score"] = models.scorer.score(messages, held_out.sft_texts, complete=held_out.sft_complete).numpy()
