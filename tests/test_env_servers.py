@@ -226,3 +226,21 @@ def test_an_environments_own_prompts_are_the_stages_validated_by_our_contract(to
         stop_process(process)
     with pytest.raises(ValueError, match="`env:` is an environment server's dataset: set environment.server"):
         with_overrides(cfg.ppo, {"prompts": {"path": "env:"}})
+
+
+def test_a_server_with_a_token_refuses_requests_without_it(monkeypatch):
+    server = EpisodeServer(("127.0.0.1", 0), OursServed(None, "tests.helpers:served_faults", [], {}), "s3cret", 600.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        [problem] = server_problems(_served(url))
+        assert "HTTP 401" in problem
+        with pytest.raises(EpisodeRequestFailed, match="HTTP 401"):
+            ServedEpisode(EnvironmentServer(EnvironmentServerConfig(url=url))).reset(ROW)
+        monkeypatch.setenv("ENV_TOKEN", "s3cret")
+        assert server_problems(_served(url, api_key_env="ENV_TOKEN")) == []
+        episode = ServedEpisode(EnvironmentServer(EnvironmentServerConfig(url=url, api_key_env="ENV_TOKEN")))
+        assert episode.reset(ROW) == ROW["messages"]
+    finally:
+        server.shutdown()
+        server.server_close()
