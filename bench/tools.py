@@ -150,6 +150,28 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     sft, frames = upstream(cfg, state)
     server = serving() if "served" in args.settings else None
+    try:
+        rows = runs(args, cfg, sft, frames, state, server)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait()
+    summary = summarise(rows)
+    print(summary)
+    out = args.out or REPO / "bench" / "results" / f"tools-{datetime.date.today()}.json"
+    out.write_text(json.dumps({"config": args.config, "sft_seed": cfg.sft.seed, "seeds": args.seeds,
+                               "settings": args.settings,
+                               "iterations": args.iterations,
+                               "machine": platform.processor() or platform.machine(),
+                               "seconds": time.time() - started, "runs": rows, "summary": summary}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def runs(args, cfg, sft, frames, state, server) -> list[dict]:
+    """Every seed's and estimator's runs in each setting, judged."""
+    from rlhf.config import with_overrides
+
     rows = []
     for seed in args.seeds:
         for estimator in args.estimators:
@@ -171,19 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                              "tool_call_rate_sft": tools["metrics"]["eval/tool_call_rate_sft"],
                              "train_seconds": result["train_seconds"], "final_rollout": result["final_rollout"]})
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "final_rollout"}), flush=True)
-    if server is not None:
-        server.terminate()
-        server.wait()
-    summary = summarise(rows)
-    print(summary)
-    out = args.out or REPO / "bench" / "results" / f"tools-{datetime.date.today()}.json"
-    out.write_text(json.dumps({"config": args.config, "sft_seed": cfg.sft.seed, "seeds": args.seeds,
-                               "settings": args.settings,
-                               "iterations": args.iterations,
-                               "machine": platform.processor() or platform.machine(),
-                               "seconds": time.time() - started, "runs": rows, "summary": summary}, indent=2))
-    print(f"wrote {out}")
-    return 0
+    return rows
 
 
 def summarise(rows: list[dict]) -> str:

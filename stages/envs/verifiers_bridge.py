@@ -79,8 +79,9 @@ class RelayHarness(vf.Harness[vf.HarnessConfig]):
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data) -> vf.ProgramResult:
         messages = conversation(data)
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, timeout=None)
-        async with AsyncExitStack() as stack:
+        async with AsyncExitStack() as stack:  # the model's client closed with the rollout: its sockets too
+            client = await stack.enter_async_context(AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
+                                                                 timeout=None))
             tools, dispatch, servers = await connect_mcp({"mcpServers": {n: {"url": u} for n, u in mcp_urls.items()}},
                                                          stack)
             while True:
@@ -250,11 +251,14 @@ class VerifiersServed:
                       "model": body.get("model", "policy"),
                       "choices": [{"index": 0, "message": message, "finish_reason": reason}],
                       "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
+        # Each answer closes its connection: verifiers' interception keeps a client per rollout that it
+        # never closes, and kept-alive connections to here piled up (two sockets each, ~2 per episode,
+        # until the process ran out of descriptors after ~10,000 episodes).
         if not body.get("stream"):
-            return web.json_response(completion)
+            return web.json_response(completion, headers={"Connection": "close"})
         chunk = completion | {"object": "chat.completion.chunk",
                               "choices": [{"index": 0, "delta": message, "finish_reason": reason}]}
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Connection": "close"})
         await stream.prepare(request)
         await stream.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
         await stream.write_eof()
