@@ -147,7 +147,7 @@ def test_ppo_on_a_server_killed_mid_run_and_restarted_ends_as_the_in_process_run
     watcher = threading.Thread(target=restart, daemon=True)
     watcher.start()
     try:
-        served = {"tools": None, "server": {"url": url, "backoff_s": 0.5, "max_retries": 6}}
+        served = {"tools": None, "server": {"url": url, "backoff_s": 0.25, "max_retries": 12}}
         result = run_ppo(_tools_ppo(cfg, environment=served), trained, tmp_path / "served")
     finally:
         watcher.join(timeout=200 if died.poll() is not None else 0)
