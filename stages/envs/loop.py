@@ -27,7 +27,6 @@ from stages.common.user_code import imported_function
 from stages.engines.sampler import Sampler, Sampling
 from stages.envs.environment import Environment, EnvironmentFactory, EnvironmentSetupError, Step, environment_factory
 from stages.envs.episode import Episode, EpisodeGeneration, EpisodeSource, Segment, SingleTurn, episode_batch
-from stages.envs.openenv_client import OpenEnvEpisode
 from stages.envs.parsers import AssistantTurn, ToolParser, hermes, never_raising, tool_parser
 from stages.envs.served import EnvironmentServer, ServedEpisode
 
@@ -387,8 +386,11 @@ def episode_source(settings: EnvironmentConfig | None, tokenizer: PreTrainedToke
 def served_episodes(cfg: EnvironmentServerConfig) -> EnvironmentFactory:
     """A factory of episodes on the server `cfg` names (one client for all): our protocol's, or OpenEnv's."""
     server = EnvironmentServer(cfg)
-    episode = OpenEnvEpisode if cfg.kind == "openenv" else ServedEpisode
-    return lambda row: episode(server)
+    if cfg.kind != "openenv":
+        return lambda row: ServedEpisode(server)
+    from stages.envs.openenv_client import OpenEnvEpisode  # websockets: imported where an OpenEnv server is used
+
+    return lambda row: OpenEnvEpisode(server)
 
 
 def episode_runner(settings: EnvironmentConfig, tokenizer: PreTrainedTokenizerBase, model: str,
