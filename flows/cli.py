@@ -191,7 +191,7 @@ def _serve_reward(args: argparse.Namespace) -> int:
 def _serve_limits(args: argparse.Namespace):
     """The reward server's `Limits` from the command line, its token read from `--api-key-env`; a
     warning where it listens beyond this machine without one."""
-    from stages.rewards.remote import LOOPBACK
+    from stages.common.clients import LOOPBACK
     from stages.rewards.server import Limits
 
     token = None

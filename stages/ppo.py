@@ -57,6 +57,7 @@ from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting, timed
 from stages.engines.vllm_server import sampler_for
 from stages.envs.loop import episode_source
+from stages.envs.served import served_environment
 from stages.math.ppo_math import KLController
 from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches
@@ -218,9 +219,9 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
     cfg = with_micro_batches("ppo", cfg, Counts(ppo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,
                              inputs.reward_location, reporting)
     learner = build_learner(cfg, inputs, output_dir)
-    for remote in learner.remote_rewards:
-        if warning := remote.exposed_token():
-            reporting.warning(warning)
+    servers = [*learner.remote_rewards, *served_environment(cfg.environment)]
+    for warning in filter(None, (server.exposed_token() for server in servers)):
+        reporting.warning(warning)
     staleness = cfg.rollout.max_staleness
     ahead = SamplingAhead(learner.sampler, cfg.sampling, staleness) if staleness else None
     try:

@@ -19,7 +19,13 @@ from rlhf.config_ppo import EnvironmentConfig, EnvironmentServerConfig
 from stages.envs.env_server import EpisodeServer, OursServed
 from stages.envs.loop import episode_runner
 from stages.envs.parsers import AssistantTurn, ToolCall
-from stages.envs.served import EnvironmentServer, EpisodeRequestFailed, ServedEpisode, server_problems
+from stages.envs.served import (
+    EnvironmentServer,
+    EpisodeRequestFailed,
+    ServedEpisode,
+    served_environment,
+    server_problems,
+)
 from tests import helpers
 from tests.helpers import AUTO_RESOLVED, SLOW_STEP_S, TOOL_TEMPLATE, Scripted, serve_env, stop_process
 
@@ -238,6 +244,8 @@ def test_a_server_with_a_token_refuses_requests_without_it(monkeypatch):
         url = f"http://127.0.0.1:{server.server_port}"
         [problem] = server_problems(_served(url))
         assert "HTTP 401" in problem
+        [unset] = server_problems(_served(url, api_key_env="ENV_TOKEN"))
+        assert "ENV_TOKEN (environment.server.api_key_env) is not set" in unset
         with pytest.raises(EpisodeRequestFailed, match="HTTP 401"):
             ServedEpisode(EnvironmentServer(EnvironmentServerConfig(url=url))).reset(ROW)
         monkeypatch.setenv("ENV_TOKEN", "s3cret")
@@ -247,3 +255,16 @@ def test_a_server_with_a_token_refuses_requests_without_it(monkeypatch):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_token_over_plain_http_to_another_host_is_warned_of():
+    def served(url: str, **settings) -> EnvironmentServer:
+        [server] = served_environment(_served(url, **settings))
+        return server
+
+    token = {"api_key_env": "ENV_TOKEN"}
+    assert "sent over plain http to envs.example" in served("http://envs.example:8400", **token).exposed_token()
+    assert served("https://envs.example:8400", **token).exposed_token() is None
+    assert served("http://127.0.0.1:8400", **token).exposed_token() is None
+    assert served("http://envs.example:8400").exposed_token() is None  # no token, nothing to read
+    assert served_environment(None) == []

@@ -47,7 +47,7 @@ import time
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
-from stages.common.retries import RETRIED_STATUSES
+from stages.common.clients import RETRIED_STATUSES
 from stages.envs.environment import Step
 from stages.envs.parsers import AssistantTurn, ToolCall
 from stages.envs.served import EnvironmentServer, EpisodeRequestFailed, checked_messages, jsonable

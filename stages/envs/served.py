@@ -13,7 +13,7 @@ Two protocols:
       POST /close {"episode": id}
     openenv: an OpenEnv server's websocket sessions (`stages.envs.openenv_client`).
 
-Failure rules, as remote rewards' (`stages.rewards.remote`; `stages.common.retries`): a request that
+Failure rules, as remote rewards' (`stages.rewards.remote`; `stages.common.clients`): a request that
 cannot connect or gets HTTP 408, 429 or 5xx is retried up to `max_retries` times after exponential
 backoff with full jitter; one that takes longer than `timeout_s` is not asked again (a slow server
 stays slow: the episode fails, the others' turns go on). Any other refusal, or an answer that is not
@@ -39,8 +39,8 @@ import httpx
 
 from rlhf.config_common import DataSource
 from rlhf.config_ppo import EnvironmentServerConfig
+from stages.common.clients import RETRIED_STATUSES, backoff, bearer, exposed_token
 from stages.common.errors import StageUserError
-from stages.common.retries import RETRIED_STATUSES, backoff
 from stages.envs.environment import Step
 from stages.envs.parsers import AssistantTurn, ToolCall
 
@@ -74,13 +74,15 @@ class EnvironmentServer:
         return f"the {self.cfg.kind} environment server at {self.cfg.url}"
 
     def headers(self) -> dict[str, str]:
-        if self.cfg.api_key_env is None:
-            return {}
-        key = os.environ.get(self.cfg.api_key_env)
-        if not key:
-            raise EnvironmentServerError(f"{self.describe()}: the environment variable {self.cfg.api_key_env} "
-                                         "(environment.server.api_key_env) is not set")
-        return {"Authorization": f"Bearer {key}"}
+        try:
+            return bearer(self.cfg.api_key_env, "environment.server.api_key_env")
+        except LookupError as e:
+            raise EnvironmentServerError(f"{self.describe()}: {e}") from None
+
+    def exposed_token(self) -> str | None:
+        """A warning where a bearer token would travel in plain text (http to a host that is not this machine)."""
+        exposed = exposed_token(self.cfg.url, self.cfg.api_key_env)
+        return f"{self.describe()}: {exposed}" if exposed else None
 
     @property
     def client(self) -> httpx.Client:
@@ -154,7 +156,7 @@ class EnvironmentServer:
         raise EpisodeRequestFailed(f"{method} {path}: {reason}, after {self.cfg.max_retries + 1} tries")
 
     def backoff(self, attempt: int, refused: object | None = None) -> None:
-        """The pause before retry `attempt + 1` (`stages.common.retries.backoff`: the `Retry-After` of the
+        """The pause before retry `attempt + 1` (`stages.common.clients.backoff`: the `Retry-After` of the
         answer that `refused` it, where it gave one), counted in `retries`."""
         self.retries += 1
         time.sleep(backoff(attempt, self.cfg.backoff_s, refused))
@@ -196,16 +198,21 @@ def env_source(source: DataSource, settings, folder: Path) -> DataSource:
     return source.model_copy(update={"path": str(path)})
 
 
+def served_environment(settings) -> list[EnvironmentServer]:
+    """The environment server `settings` (`ppo.environment`, or None) names, as a list of none or one."""
+    return [] if settings is None or settings.server is None else [EnvironmentServer(settings.server)]
+
+
 def server_problems(settings) -> list[str]:
     """The pre-flight check of `ppo.environment` (an `EnvironmentConfig` or None): a server that does
     not answer, or is not what the config says, as one line; none for other environments."""
-    if settings is None or settings.server is None:
-        return []
-    try:
-        EnvironmentServer(settings.server).check()
-    except EnvironmentServerError as e:
-        return [str(e)]
-    return []
+    problems = []
+    for server in served_environment(settings):
+        try:
+            server.check()
+        except EnvironmentServerError as e:
+            problems.append(str(e))
+    return problems
 
 
 class ServedEpisode:

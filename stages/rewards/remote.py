@@ -18,7 +18,7 @@ Two kinds of server, one client (`RemoteReward`), called on the main process onc
 Requests run concurrently on one event loop (httpx), at most `max_concurrent` in flight and
 `max_rpm` started per minute. A request that times out, cannot connect or gets HTTP 408, 429 or 5xx
 is retried up to `max_retries` times after exponential backoff with full jitter (a `Retry-After`
-header is honoured up to 30 s; `stages.common.retries`); another 4xx is not retried. A body that is
+header is honoured up to 30 s; `stages.common.clients`); another 4xx is not retried. A body that is
 not what the kind promises fails its request without a retry. A response whose score never arrives is None, with
 why; the RL stage drops it from the update or stops (`on_failure`): never a silent 0.
 """
@@ -29,7 +29,6 @@ import asyncio
 import hashlib
 import json
 import math
-import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,14 +38,12 @@ import httpx
 
 from rlhf.config_common import RemoteRewardConfig
 from rlhf.config_reward_terms import RewardTerm
+from stages.common.clients import RETRIED_STATUSES, backoff, bearer, exposed_token
 from stages.common.errors import StageUserError
-from stages.common.retries import RETRIED_STATUSES, backoff
 
 JUDGE_MAX_TOKENS = 16
 """Tokens a judge may answer with (greedy): enough for a number and a word around it."""
 
-LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
-"""Hosts a request to never leaves this machine."""
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 _SCALE = re.compile(r"(?<![\d.])\d+(?:\.\d+)?\s*(?:-|–|to)\s*\d+(?:\.\d+)?(?![\d.])", re.I)
 """A scale the judge restates ("1-10", "0 to 10"): not its score."""
@@ -114,21 +111,15 @@ class RemoteReward:
         return self.cfg.url.rstrip("/") + "/chat/completions" if self.cfg.kind == "judge" else self.cfg.url
 
     def headers(self) -> dict[str, str]:
-        if self.cfg.api_key_env is None:
-            return {}
-        key = os.environ.get(self.cfg.api_key_env)
-        if not key:
-            raise RemoteRewardError(f"{self.describe()}: the environment variable {self.cfg.api_key_env} "
-                                    "(remote.api_key_env) is not set")
-        return {"Authorization": f"Bearer {key}"}
+        try:
+            return bearer(self.cfg.api_key_env, "remote.api_key_env")
+        except LookupError as e:
+            raise RemoteRewardError(f"{self.describe()}: {e}") from None
 
     def exposed_token(self) -> str | None:
         """A warning where a bearer token would travel in plain text (http to a host that is not this machine)."""
-        host = httpx.URL(self.cfg.url).host
-        if self.cfg.api_key_env is None or self.cfg.url.startswith("https://") or host in LOOPBACK:
-            return None
-        return (f"{self.describe()}: the token in {self.cfg.api_key_env} is sent over plain http to {host}, "
-                "readable by anyone on the path; use https")
+        exposed = exposed_token(self.cfg.url, self.cfg.api_key_env)
+        return f"{self.describe()}: {exposed}" if exposed else None
 
     def check(self, timeout: float = 10.0) -> None:
         """Refuse a server that does not answer, before anything trains: one request, no retries. A
