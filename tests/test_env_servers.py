@@ -87,8 +87,10 @@ def test_a_step_asked_again_is_answered_again_and_a_lost_episode_is_replayed():
         again = client.request("POST", "/step", {"episode": episode.episode, "turn": 0,
                                                  "assistant": {"calls": [], "content": "other"}})
         assert again == {"messages": first.messages, "reward": first.reward, "done": first.done}
+        assert episode.retries == 0
         server.episodes.clear()  # the server restarted
         assert episode.step(call) == first and len(episode.history) == 2
+        assert episode.retries == 1  # the replay, counted once (`rollout/environment_retries`)
         counting = ServedEpisode(client)
         counting.reset({**ROW, "fault": "counter"})
         counting.step(call)
@@ -161,6 +163,8 @@ def test_ppo_on_a_server_killed_mid_run_and_restarted_ends_as_the_in_process_run
             stop_process(process)
     assert died.returncode == 1 and restarted, "the server was not killed mid-run and restarted"
     assert all(row["rollout/failed_share"] == 0 for row in result.history)
+    assert sum(row["rollout/environment_retries"] for row in result.history) > 0  # the restart, seen
+    assert all(row["rollout/environment_retries"] == 0 for row in here.history)
     assert [row["rollout/tool_calls"] for row in result.history] == [row["rollout/tool_calls"] for row in here.history]
     assert result.metrics == here.metrics
 

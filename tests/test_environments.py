@@ -266,7 +266,7 @@ def test_ppo_trains_in_episodes_on_the_tool_world(tools_trained, tmp_path, estim
     result = run_ppo(ppo, trained, tmp_path / estimator, Reporting(rollouts=lambda t, i: rollouts.update({i: t})))
     last = result.history[-1]
     for name in ("turns", "tool_calls", "tool_call_rate", "failed_share", "truncated_share", "masked_tokens",
-                 "environment_reward"):
+                 "environment_reward", "environment_retries"):
         assert f"rollout/{name}" in last and f"eval/{name}" in result.metrics
     assert last["rollout/turns"] >= 1
     assert {"eval/tool_call_rate_sft", "eval/environment_reward_sft"} <= set(result.metrics)

@@ -54,8 +54,9 @@ class Environment(Protocol):
         """The environment's answer to the model's turn."""
         ...
 
-    # Optional: `schemas()`, the tools' JSON schemas for the chat template, and `close()`, called once
-    # the episode is over (a server's episode is let go).
+    # Optional: `schemas()`, the tools' JSON schemas for the chat template, `close()`, called once
+    # the episode is over (a server's episode is let go), and `retries`, its requests to a server tried
+    # again (`rollout/environment_retries`).
 
 
 class TooManyMalformedCalls(Exception):

@@ -56,6 +56,8 @@ class Episode:
     """Tokens of the model's reasoning blocks, over its turns (they train as its own)."""
     error: str | None = None
     """Why a `failed` episode failed."""
+    retries: int = 0
+    """Requests to an environment server tried again in this episode, a replay after a restart counting once."""
     columns: dict = field(default_factory=dict)
     """The prompt record's declared columns (`reward.columns`): the reward functions' inputs, and the tables'."""
     reference: str | None = None
@@ -207,7 +209,8 @@ def episode_figures(episodes: list[Episode], prefix: str) -> dict[str, float]:
     """A batch of episodes' figures: the model's turns and tool calls per episode, the share that
     called a tool, failed or were truncated, the tokens per episode in no loss term (`masked_tokens`:
     tool results and the template's glue, and all of a failed episode's), and the environment's
-    rewards per episode (`environment_reward`: its turns' summed; an environment server's whole score)."""
+    rewards per episode (`environment_reward`: its turns' summed; an environment server's whole score)
+    and its requests tried again per episode (`environment_retries`: a server's hiccups, 0 in process)."""
     n = max(len(episodes), 1)
 
     def masked(e: Episode) -> int:
@@ -220,4 +223,5 @@ def episode_figures(episodes: list[Episode], prefix: str) -> dict[str, float]:
             f"{prefix}/reasoning_tokens": sum(e.reasoning_tokens for e in episodes) / n,
             f"{prefix}/truncated_share": sum(e.status == "truncated" for e in episodes) / n,
             f"{prefix}/masked_tokens": sum(masked(e) for e in episodes) / n,
-            f"{prefix}/environment_reward": sum(s.reward for e in episodes for s in e.segments) / n}
+            f"{prefix}/environment_reward": sum(s.reward for e in episodes for s in e.segments) / n,
+            f"{prefix}/environment_retries": sum(e.retries for e in episodes) / n}

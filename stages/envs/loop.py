@@ -159,6 +159,7 @@ class _Live:
     reasoning_tokens: int = 0
     error: str | None = None
     context: list[int] = field(default_factory=list)
+    retries: int = 0
 
     @property
     def after_prompt(self) -> int:
@@ -171,7 +172,7 @@ class _Live:
     def episode(self) -> Episode:
         return Episode(segments=self.segments, status=self.status or "truncated", messages=self.messages,
                        answer=self.answer, tool_calls=self.tool_calls, reasoning_tokens=self.reasoning_tokens,
-                       error=self.error)
+                       error=self.error, retries=self.retries)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,6 +244,7 @@ class EpisodeRunner:
         for episode in live:  # a server's episode is let go (an in-process environment may hold resources too)
             if hasattr(episode.environment, "close"):
                 episode.environment.close()
+            episode.retries = getattr(episode.environment, "retries", 0)
         return [episode.episode() for episode in live]
 
     def _concurrently(self, work: Callable, items: list) -> list:

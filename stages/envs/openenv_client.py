@@ -74,6 +74,7 @@ class OpenEnvEpisode:
         self.tools: list[dict] | None = None
         self.mcp = False
         self.text_field: str | None = None
+        self.retries = 0
 
     def reset(self, row: dict) -> list[dict]:
         self.close()  # a second reset starts a new session
@@ -156,7 +157,7 @@ class OpenEnvEpisode:
                 self._dropped()
                 raise
             if attempt < cfg.max_retries:
-                self.server.backoff(attempt, refused)
+                self.server.backoff(attempt, refused, self)
         raise EpisodeRequestFailed(f"{reason}, after {cfg.max_retries + 1} tries")
 
     def _exchanged(self, message: dict, where: str, opening: bool = False) -> tuple[dict, float, bool]:

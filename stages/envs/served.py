@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -59,6 +60,12 @@ class EpisodeLost(EpisodeRequestFailed):
     """The server does not know the episode (it restarted): the episode may be replayed."""
 
 
+class Retried(Protocol):
+    """What counts its requests tried again: an episode on a server."""
+
+    retries: int
+
+
 class EnvironmentServer:
     """A client of one environment server, shared by every episode of a run (`httpx.Client` is thread-safe)."""
 
@@ -66,7 +73,6 @@ class EnvironmentServer:
         self.cfg = cfg
         self.url = cfg.url.rstrip("/")
         self._client: httpx.Client | None = None
-        self.retries = 0
         self._action_schema: dict | None = None
         self._schema_lock = threading.Lock()
 
@@ -129,9 +135,10 @@ class EnvironmentServer:
             raise EnvironmentServerError(f"{self.describe()}: GET /dataset answered no list of rows")
         return rows
 
-    def request(self, method: str, path: str, body: dict | None) -> dict:
-        """One request's JSON object, retried as the module says; `EpisodeLost` on a 404 of an episode's
-        route, `EpisodeRequestFailed` once it gives up or the answer is no JSON object."""
+    def request(self, method: str, path: str, body: dict | None, episode: Retried | None = None) -> dict:
+        """One request's JSON object, retried as the module says (each retry counted in `episode`'s
+        `retries`, where it is for one); `EpisodeLost` on a 404 of an episode's route,
+        `EpisodeRequestFailed` once it gives up or the answer is no JSON object."""
         reason = ""
         for attempt in range(self.cfg.max_retries + 1):
             refused = None
@@ -152,13 +159,14 @@ class EnvironmentServer:
                     raise EpisodeRequestFailed(f"{method} {path}: {reason}")
                 refused = answer
             if attempt < self.cfg.max_retries:
-                self.backoff(attempt, refused)
+                self.backoff(attempt, refused, episode)
         raise EpisodeRequestFailed(f"{method} {path}: {reason}, after {self.cfg.max_retries + 1} tries")
 
-    def backoff(self, attempt: int, refused: object | None = None) -> None:
+    def backoff(self, attempt: int, refused: object | None = None, episode: Retried | None = None) -> None:
         """The pause before retry `attempt + 1` (`stages.common.clients.backoff`: the `Retry-After` of the
-        answer that `refused` it, where it gave one), counted in `retries`."""
-        self.retries += 1
+        answer that `refused` it, where it gave one), counted in `episode`'s `retries`."""
+        if episode is not None:
+            episode.retries += 1
         time.sleep(backoff(attempt, self.cfg.backoff_s, refused))
 
     def action_schema(self) -> dict:
@@ -226,6 +234,7 @@ class ServedEpisode:
         self.row: dict = {}
         self.first: list[dict] = []
         self.history: list[tuple[dict, dict]] = []  # (turn sent, answer received)
+        self.retries = 0
 
     def reset(self, row: dict) -> list[dict]:
         self.row = row
@@ -233,7 +242,7 @@ class ServedEpisode:
         return list(self.first)
 
     def _started(self) -> list[dict]:
-        body = self.server.request("POST", "/reset", {"row": jsonable(self.row)})
+        body = self.server.request("POST", "/reset", {"row": jsonable(self.row)}, self)
         self.episode = body.get("episode")
         if not isinstance(self.episode, str):
             raise EpisodeRequestFailed(f"POST /reset: no episode id in {str(body)[:200]!r}")
@@ -250,10 +259,10 @@ class ServedEpisode:
     def step(self, turn: AssistantTurn) -> Step:
         sent = {"turn": len(self.history), "assistant": turn_body(turn)}
         try:
-            answer = self.server.request("POST", "/step", {"episode": self.episode, **sent})
+            answer = self.server.request("POST", "/step", {"episode": self.episode, **sent}, self)
         except EpisodeLost as lost:
             self._replay(lost)
-            answer = self.server.request("POST", "/step", {"episode": self.episode, **sent})
+            answer = self.server.request("POST", "/step", {"episode": self.episode, **sent}, self)
         step = checked_answer(answer)
         self.history.append((sent, answer))
         return step
@@ -261,10 +270,11 @@ class ServedEpisode:
     def _replay(self, lost: EpisodeLost) -> None:
         """A new episode on the server, brought to where this one was: its reset and every earlier turn
         sent again, each answer the same as the one recorded (else the episode fails)."""
+        self.retries += 1
         if self._started() != self.first:
             raise EpisodeRequestFailed(f"{lost}; replayed on a new episode, the server began it differently")
         for at, (sent, answer) in enumerate(self.history):
-            again = self.server.request("POST", "/step", {"episode": self.episode, **sent})
+            again = self.server.request("POST", "/step", {"episode": self.episode, **sent}, self)
             if again != answer:
                 raise EpisodeRequestFailed(f"{lost}; replayed on a new episode, turn {at} was answered differently "
                                            f"({str(again)[:120]!r}, before {str(answer)[:120]!r})")
