@@ -102,6 +102,24 @@ def test_a_step_asked_again_is_answered_again_and_a_lost_episode_is_replayed():
         server.server_close()
 
 
+def test_episodes_a_stopped_client_left_open_are_let_go_once_idle():
+    """A cancelled run never closes its episodes: the server lets them go after `idle_s`, with no new request."""
+    server = EpisodeServer(("127.0.0.1", 0), OursServed(None, "tests.helpers:served_faults", [], {}), None, 0.4)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        for _ in range(3):
+            ServedEpisode(EnvironmentServer(EnvironmentServerConfig(url=url))).reset(ROW)  # never closed
+        assert httpx.get(url).json()["episodes"] == 3
+        deadline = time.monotonic() + 10.0
+        while httpx.get(url).json()["episodes"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(url).json()["episodes"] == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_server_that_does_not_answer_or_serves_another_kind_is_refused_before_any_stage(faults_server):
     url = f"http://127.0.0.1:{helpers.free_port()}"
     [problem] = server_problems(_served(url))

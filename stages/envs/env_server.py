@@ -77,6 +77,12 @@ class EpisodeServer(ThreadingHTTPServer):
         self.served, self.token, self.idle_s = served, token, idle_s
         self.episodes: dict[str, _Episode] = {}
         self.lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._sweeping, name="idle-sweep", daemon=True).start()
+
+    def server_close(self) -> None:
+        self._closed.set()
+        super().server_close()
 
     def info(self) -> dict:
         return {"protocol": PROTOCOL, "serves": self.served.serves, "name": self.served.name,
@@ -86,7 +92,6 @@ class EpisodeServer(ThreadingHTTPServer):
         row = body.get("row")
         if not isinstance(row, dict):
             raise ValueError("POST /reset takes {\"row\": {...}}")
-        self._sweep()
         handle, messages, tools = self.served.start(row)
         episode = uuid.uuid4().hex
         with self.lock:
@@ -121,6 +126,12 @@ class EpisodeServer(ThreadingHTTPServer):
             raise KeyError(f"unknown episode {body.get('episode')!r} (ended, idle past {self.idle_s:g} s, or this "
                            "server restarted)")
         return episode
+
+    def _sweeping(self) -> None:
+        """`_sweep` every half `idle_s` (at most a minute) until the server closes: a cancelled run's
+        episodes, held mid-turn (a verifiers rollout waits on its model), are let go with no new request."""
+        while not self._closed.wait(min(60.0, self.idle_s / 2)):
+            self._sweep()
 
     def _sweep(self) -> None:
         """Episodes idle past `idle_s` let go (a client that stopped without closing them)."""
