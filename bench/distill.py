@@ -114,7 +114,7 @@ def teacher_judged(cfg, teacher: Path, student: Path, eval_prompts) -> dict[str,
     under the gold function: what every student is measured against."""
     from rlhf.demo.world import gold_comparison
     from stages.rl.evaluation import HeldOut
-    from stages.rl.ppo_rollout import single_turn
+    from stages.rl.rollout import single_turn
 
     held = {}
     for name, folder in (("teacher", teacher), ("student", student)):
@@ -132,7 +132,7 @@ def teacher_samples(cfg, teacher: Path, prompts, count: int, seed: int, out: Pat
     import torch
 
     from stages.engines.sampler import Sampling
-    from stages.rl.ppo_rollout import in_chunks, policy_sampler, single_turn
+    from stages.rl.rollout import in_chunks, policy_sampler, single_turn
 
     _, models = sampling_models(cfg, teacher)
     models.train(False)
@@ -144,8 +144,8 @@ def teacher_samples(cfg, teacher: Path, prompts, count: int, seed: int, out: Pat
     torch.manual_seed(seed)
     clock, records = time.perf_counter(), []
     with torch.no_grad():
-        for chunk in in_chunks(rows, cfg.ppo.sampling.model_copy(update={"micro_batch_size": 64})):
-            episodes = source.generation(sampler, chunk, sampling, models.policy.device).episodes
+        for chunk in in_chunks(rows, 64):
+            episodes = source.generation(sampler, chunk, sampling, models.policy.device, {}).episodes
             records += [{"prompt": row["messages"][-1]["content"], "response": e.answer}
                         for row, e in zip(chunk, episodes, strict=True) if e.status == "ok"]
     seconds = time.perf_counter() - clock

@@ -133,7 +133,8 @@ class PhasePeaks:
     is reset as each phase starts (folded into the phases still open first), so `call_stage`'s own peak
     then covers only what ran after the last phase; `overall` takes the larger."""
 
-    MODULES = ("stages.ppo", "stages.rl.ppo_rollout", "stages.rl.ppo_sampling")
+    MODULES = ("stages.ppo", "stages.rl.rollout", "stages.rl.scoring", "stages.rl.teacher", "stages.envs.episode",
+               "stages.envs.loop", "stages.envs.ahead")
 
     def __init__(self):
         self.peaks: dict[str, float] = {}

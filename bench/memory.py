@@ -74,11 +74,11 @@ def _record_state(held: dict) -> None:
 
     real_update = stages.ppo.ppo_update
 
-    def ppo_update(trainer, episodes):
-        figures = real_update(trainer, episodes)
+    def ppo_update(trainer, *args, **kwargs):
+        figures = real_update(trainer, *args, **kwargs)
         if not held:
             models = trainer.models
-            held["state"] = state_bytes([models.policy, models.critic, models.reference, models.scorer.model],
+            held["state"] = state_bytes([*models.trained_modules(), models.reference, models.scorer.model],
                                          trainer.optimizer, models.trainable())
         return figures
 

@@ -164,11 +164,11 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
     held, real_update = {}, stages.ppo.ppo_update
     initial, changes, iterations = {}, [], {}
 
-    def ppo_update(trainer, episodes):
+    def ppo_update(trainer, *args, **kwargs):
         if trace and not initial:
             initial.update({name: p.detach().float().clone() for name, p in trainer.models.policy.named_parameters()
                             if "lora_" not in name})  # the SFT weights
-        figures = real_update(trainer, episodes)
+        figures = real_update(trainer, *args, **kwargs)
         if not held:  # after the first optimizer step: AdamW's state exists
             held.update(held_bytes(trainer.models, trainer.optimizer))
         if trace:
@@ -181,8 +181,8 @@ def run_one(config: str, method: str, settings: dict, state: Path, overrides: di
     stages.ppo.ppo_update = ppo_update
     real_build = stages.ppo.build_learner
 
-    def build_learner(cfg, inputs, output_dir):
-        trainer = real_build(cfg, inputs, output_dir)
+    def build_learner(cfg, inputs):
+        trainer = real_build(cfg, inputs)
         for name, parameter in trainer.models.policy.named_parameters():
             if any(part in name for part in freeze):
                 parameter.requires_grad_(False)  # no gradient: AdamW steps over it

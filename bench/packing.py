@@ -59,10 +59,12 @@ def lengths(mix: str, n: int, generator: torch.Generator) -> tuple[list[int], li
 def synthetic_episodes(learner, prompt_lengths: list[int], response_lengths: list[int], seed: int):
     """A training batch of these lengths: random ids, the policy's own log-probs (a ratio of 1 at the
     first step), random advantages and returns. What the update reads of an iteration."""
+    from stages.common.batches import Sequences
     from stages.common.tensors import logprobs_of
-    from stages.rl.advantages import Estimated, KLWeights
-    from stages.rl.batch import TrainingBatch
+    from stages.rewards.scoring import Scores
+    from stages.rl.batch import KLWeights, TrainingBatch
     from stages.rl.ppo_models import policy_and_values
+    from stages.rl.teacher import Marks
 
     generator = torch.Generator().manual_seed(seed)
     n, width, steps = len(prompt_lengths), max(prompt_lengths), max(response_lengths)
@@ -74,16 +76,20 @@ def synthetic_episodes(learner, prompt_lengths: list[int], response_lengths: lis
     pad = learner.models.tokenizer.pad_token_id
     queries, responses = queries.masked_fill(query_mask == 0, pad), responses.masked_fill(mask == 0, pad)
     with torch.no_grad():
-        logits, values = policy_and_values(learner.models, queries, query_mask, responses, mask, phase="setup")
+        logits, values = policy_and_values(learner.models, Sequences(queries, query_mask, responses, mask),
+                                           phase="setup")
     logprobs = logprobs_of(logits, responses) * mask
-    batch = TrainingBatch(queries=queries, query_mask=query_mask, responses=responses, mask=mask, logprobs=logprobs,
-                          ref_logprobs=logprobs, values=values * mask, entropy=torch.zeros_like(mask),
-                          has_eos=torch.ones(n, dtype=torch.bool), texts=[""] * n, prompts=[""] * n,
-                          trainable=mask, turn_rewards=torch.zeros_like(mask),
-                          advantages=torch.randn(n, 1, generator=generator) * mask,
-                          returns=torch.randn(n, steps, generator=generator) * mask)
-    return Estimated(iteration=99, batch=batch, messages=[], scores=None, kl=torch.zeros_like(mask),
-                    weights=KLWeights(beta=0.0, in_reward=0.0, in_loss=0.0))
+    nothing = torch.zeros(n)
+    scores = Scores(terms={}, reward=nothing, reported=nothing, dropped=nothing.bool(), raw={})
+    return TrainingBatch(queries=queries, query_mask=query_mask, responses=responses, mask=mask, logprobs=logprobs,
+                         ref_logprobs=logprobs, values=values * mask, entropy=torch.zeros_like(mask),
+                         engine_logprobs=logprobs, teacher=Marks(), has_eos=torch.ones(n, dtype=torch.bool),
+                         episodes=[None] * n, messages=[[]] * n, trainable=mask, turn_rewards=torch.zeros_like(mask),
+                         scores=scores, kl=torch.zeros_like(mask),
+                         advantages=torch.randn(n, 1, generator=generator) * mask,
+                         returns=torch.randn(n, steps, generator=generator) * mask,
+                         engine_weights=torch.ones_like(mask), counted=mask,
+                         kl_weights=KLWeights(beta=0.0, in_reward=0.0, in_loss=0.0))
 
 
 def learners(assets: Path, config_file: str, precisions: list[str], out: Path) -> dict:
@@ -101,7 +107,7 @@ def learners(assets: Path, config_file: str, precisions: list[str], out: Path) -
             cfg = with_overrides(base, setting | {
                 "precision": precision, "micro_batch_size": None, "sampling.micro_batch_size": None,
                 "sharded_sampling": "whole", "max_prompt_length": 32, "sampling.response_length": 256})
-            built[(precision, name)] = build_learner(cfg, inputs, out)
+            built[(precision, name)] = build_learner(cfg, inputs)
     return built
 
 
@@ -120,7 +126,7 @@ def measure(built: dict, mixes: list[str], repeats: int, seed: int = 0) -> list[
             for key, learner in built.items():
                 learner.models.counts.reset()
                 start = time.perf_counter()
-                ppo_update(learner, episodes[key])
+                ppo_update(learner, episodes[key], iteration=99)
                 if round_:
                     seconds[key].append(time.perf_counter() - start)
                 shares[key] = learner.models.counts.shares().get("perf/padding_share/update", 0.0)

@@ -214,21 +214,22 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
     from torch.utils.flop_counter import FlopCounterMode
 
     import stages.ppo
-    import stages.rl.ppo_rollout
+    import stages.rl.rollout
     from rlhf.config import load_config
     from stages.common.reporting import Reporting
     from stages.ppo import PPOInputs, train_ppo
     from stages.runtime.models import set_determinism
 
     counted, once = {}, {}
-    real_update, real_save, real_hand_off = stages.ppo.ppo_update, stages.ppo.save_state, stages.ppo.hand_off
+    real_update, real_save = stages.ppo.ppo_update, stages.ppo.save_state
+    real_evaluation, real_save_policy = stages.ppo.final_evaluation, stages.ppo.save_policy
 
     def ppo_update(trainer, *args, **kwargs):
         """The first update (the warm-up iteration's, untimed) under torch's FLOP counter, its linear layers'
         shapes counted."""
         if "train_flops" in counted:
             return real_update(trainer, *args, **kwargs)
-        trained = [m for m in (trainer.models.policy, trainer.models.critic) if m is not None]
+        trained = trainer.models.trained_modules()
         calls, handles = _linear_calls(trained)
         with FlopCounterMode(display=False) as counter:
             figures = real_update(trainer, *args, **kwargs)
@@ -246,17 +247,18 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
             return result
         return wrapper
 
-    def in_chunks(items, sampling):
+    def in_chunks(items, size):
         """The sampling batch: how many prompts one decode loop carries at once."""
-        chunks = real_in_chunks(items, sampling)
+        chunks = real_in_chunks(items, size)
         counted["sampling_batch"] = max(counted.get("sampling_batch", 0), *map(len, chunks))
         return chunks
 
-    real_in_chunks = stages.rl.ppo_rollout.in_chunks
-    stages.rl.ppo_rollout.in_chunks = in_chunks
+    real_in_chunks = stages.rl.rollout.in_chunks
+    stages.rl.rollout.in_chunks = in_chunks
     stages.ppo.ppo_update = ppo_update
     stages.ppo.save_state = timed_once("checkpoint", real_save)
-    stages.ppo.hand_off = timed_once("final evaluation and hand-off", real_hand_off)
+    stages.ppo.final_evaluation = timed_once("final evaluation and hand-off", real_evaluation)
+    stages.ppo.save_policy = timed_once("final evaluation and hand-off", real_save_policy)
 
     set_determinism(False, threads)
     cfg = load_config(config_file, overrides | {"ppo.num_iterations": warmup + iterations}).ppo

@@ -116,7 +116,7 @@ class Judge:
         from stages.memory.plan import with_micro_batches
         from stages.rl.evaluation import HeldOut
         from stages.rl.ppo_models import load_models
-        from stages.rl.ppo_rollout import single_turn
+        from stages.rl.rollout import single_turn
 
         # The sampling sizes left `auto` resolved as the stage resolves them (the config's own are not sizes yet).
         ppo_cfg = with_micro_batches("ppo", ppo_cfg, Counts(ppo_eval_prompts=len(eval_prompts)), str(sft_folder),
@@ -131,7 +131,7 @@ class Judge:
         from safetensors.torch import load_file
 
         from stages.rl.evaluation import evaluate
-        from stages.rl.ppo_rollout import policy_sampler
+        from stages.rl.rollout import policy_sampler
 
         weights = load_file(str(policy_folder / "model.safetensors"))
         missing, unexpected = self.models.policy.load_state_dict({k: v.float() for k, v in weights.items()},

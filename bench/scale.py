@@ -84,7 +84,7 @@ def held_bytes(models, optimizer) -> dict[str, int]:
     model's), the trained ones' gradients (held from backward to the step), AdamW's state."""
     import torch
 
-    held = [models.policy, models.critic, models.reference, models.scorer and models.scorer.model]
+    held = [*models.trained_modules(), models.reference, models.scorer and models.scorer.model]
     parameters = {id(p): p for m in held if m is not None for p in m.parameters()}.values()
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return {"weights_bytes": _bytes(parameters), "gradients_bytes": _bytes(models.trainable()),

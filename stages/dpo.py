@@ -30,7 +30,7 @@ from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches
 from stages.rl.evaluation import HeldOut, evaluate, warn_over_kl_budget
 from stages.rl.ppo_models import Models, reuse_sampling_pass
-from stages.rl.ppo_rollout import policy_sampler, single_turn
+from stages.rl.rollout import policy_sampler, single_turn
 from stages.runtime.holding import Holding, Sharded
 from stages.runtime.lora import copied, lora_config
 from stages.runtime.models import (
@@ -143,7 +143,7 @@ def evaluation_models(policy: torch.nn.Module, holding: Holding, cfg: DPOConfig,
     disable_dropout(policy)
     reference = holding.frozen(reference.eval().requires_grad_(False))
     precision = resolve_precision(cfg.precision)
-    return Models(policy=policy.to(device()), critic=None, reference=reference, scorer=None, tokenizer=tokenizer,
+    return Models(policy=policy.to(device()), reference=reference, scorer=None, tokenizer=tokenizer,
                   precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
                   reuse_sampling_pass=reuse_sampling_pass("auto", precision.autocast_dtype is not None))
 

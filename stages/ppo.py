@@ -56,6 +56,8 @@ from rlhf.config_ppo import PPOConfig
 from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting, timed
 from stages.engines.vllm_server import sampler_for
+from stages.envs.ahead import SampledAhead, Schedule
+from stages.envs.episode import EpisodeSource
 from stages.envs.loop import episode_source
 from stages.envs.served import served_environment
 from stages.math.ppo_math import KLController
@@ -67,11 +69,9 @@ from stages.rl.advantages import estimate, kl_weights
 from stages.rl.evaluation import HeldOut, evaluate, evaluate_midway, warn_over_kl_budget
 from stages.rl.ppo_models import ActorCritic, load_models
 from stages.rl.ppo_report import iteration_figures, report_iteration
-from stages.rl.ppo_rollout import Prompts, policy_sampler
-from stages.rl.ppo_sampling import sampling_for, sync_weights
-from stages.rl.ppo_scores import term_judge
 from stages.rl.ppo_state import LoopState, complete_state, load_state, save_state_everywhere
-from stages.rl.sampling_ahead import SamplingAhead
+from stages.rl.rollout import Prompts, Rollouts, policy_sampler
+from stages.rl.scoring import Scoring
 from stages.rl.update import Learner, ppo_update
 from stages.runtime.collectives import mean_over_processes, over_processes
 from stages.runtime.holding import held_as, holding_for
@@ -108,9 +108,10 @@ class PPOResult:
     whether the passes were compiled (`rlhf.compile`)."""
 
 
-def build_learner(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> Learner:
+def build_learner(cfg: PPOConfig, inputs: PPOInputs) -> Learner:
     """This process's models, held as `cfg.launch` says (`stages.runtime.holding`), with their optimizer,
-    schedule and sampler. Rank 0 keeps the single-process random stream; the others sample with their own."""
+    schedule and loss scaling. Rank 0 keeps the single-process random stream; the others sample with
+    their own."""
     accelerator = Accelerator()
     torch.manual_seed(cfg.seed)
     autocast = resolve_precision(cfg.precision).autocast_dtype
@@ -126,76 +127,82 @@ def build_learner(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path) -> Learne
     total_steps = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
-    sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log", cfg.launch.engine == "ray")
-    source = episode_source(cfg.environment, models.tokenizer, inputs.sft_location, models.stop_ids,
-                              cfg.sampling.response_length, cfg.reward.sees_reasoning)
     return Learner(cfg=cfg, accelerator=accelerator, models=models, actor_critic=actor_critic, optimizer=optimizer,
-                   scheduler=scheduler, scaler=scaler, sampler=sampler,
-                   reward_functions=load_reward_functions(cfg.reward), episode_source=source,
-                   remote_rewards=remote_rewards(cfg.reward.remotes))
+                   scheduler=scheduler, scaler=scaler)
 
 
-def resume(learner: Learner, state_dir: Path, reporting: Reporting) -> LoopState:
-    """The loop state of an earlier, interrupted attempt, its models and optimizer restored; its
-    figures replayed, so this run's curves start at iteration 1, not at the resume point."""
-    models = learner.models
-    loop = load_state(state_dir, models, learner.optimizer, learner.scheduler, learner.scaler,
-                      learner.accelerator.process_index)
-    if loop.normalization is not None:
-        models.restore_normalization(loop.normalization.gain, loop.normalization.bias)
-    learner.sampler.sync(models.policy)
-    reporting.warning(f"resumed from the full-state checkpoint after iteration {loop.iteration}")
-    for past in loop.history:
-        reporting.metrics({k: v for k, v in past.items() if k != "iteration"}, int(past["iteration"]))
-    return loop
+def build_rollouts(learner: Learner, inputs: PPOInputs, output_dir: Path) -> Rollouts:
+    """Where the run's episodes come from and what scores them: the sampler (`rollout_engine`), the
+    episode source (one turn per prompt, the `environment`'s loop, or single turns sampled ahead on the
+    vLLM server with `rollout.max_staleness`), the prompts' order, and the reward's terms."""
+    cfg, models = learner.cfg, learner.models
+    sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log", cfg.launch.engine == "ray")
+    source: EpisodeSource = episode_source(cfg.environment, models.tokenizer, inputs.sft_location, models.stop_ids,
+                                           cfg.sampling.response_length, cfg.reward.sees_reasoning)
+    scoring = Scoring(cfg=cfg, accelerator=learner.accelerator, models=models,
+                      functions=load_reward_functions(cfg.reward), remotes=remote_rewards(cfg.reward.remotes),
+                      prompts_as_sampled=source.prompt_is_row)
+    rollouts = Rollouts(cfg=cfg, accelerator=learner.accelerator, models=models, sampler=sampler, source=source,
+                        scoring=scoring, prompts=Prompts.of(inputs.prompts, cfg))
+    if cfg.rollout.max_staleness:  # the single turns sampled ahead, read as the source reads them
+        rollouts.source = SampledAhead(sampler, source, cfg.sampling, cfg.rollout.max_staleness,
+                                       Schedule(rollouts.texts_of, cfg.num_iterations))
+    return rollouts
 
 
-def start_or_resume(learner: Learner, ahead: SamplingAhead | None, state_dir: Path,
-                    reporting: Reporting) -> LoopState:
-    """A fresh loop state, or an interrupted attempt's from `state_dir` (`resume`) with its rollouts
-    sampled ahead."""
-    cfg, accelerator = learner.cfg, learner.accelerator
+def start_or_resume(learner: Learner, rollouts: Rollouts, state_dir: Path, reporting: Reporting) -> LoopState:
+    """A fresh loop state, or an interrupted attempt's from `state_dir`: its models and optimizer
+    restored, the sampler synced to them, what the source held in flight (rollouts sampled ahead)
+    restored, and its figures replayed, so this run's curves start at iteration 1, not at the resume point."""
+    cfg, accelerator, models = learner.cfg, learner.accelerator, learner.models
     found, passed = complete_state(state_dir)
     if passed is not None:
         reporting.warning(f"the full-state checkpoint was passed over: {passed}; "
                           + (f"resuming from {found.name}" if found else "starting over"))
     if found is None:
         return LoopState(kl=KLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon))
-    loop = resume(learner, found, reporting)
-    if ahead is not None:
-        ahead.resume(found, accelerator.process_index, accelerator.device, version=loop.iteration)
+    loop = load_state(found, models, learner.optimizer, learner.scheduler, learner.scaler, accelerator.process_index)
+    if loop.normalization is not None:
+        models.restore_normalization(loop.normalization.gain, loop.normalization.bias)
+    rollouts.sampler.sync(models.policy)
+    rollouts.source.resume(found, accelerator.process_index, accelerator.device, version=loop.iteration)
+    reporting.warning(f"resumed from the full-state checkpoint after iteration {loop.iteration}")
+    for past in loop.history:
+        reporting.metrics({k: v for k, v in past.items() if k != "iteration"}, int(past["iteration"]))
     return loop
 
 
-def save_state(learner: Learner, state_dir: Path, loop: LoopState, ahead: SamplingAhead | None = None) -> None:
-    """A full-state checkpoint of every process (collective), with the rollouts sampled ahead."""
+def save_state(learner: Learner, rollouts: Rollouts, state_dir: Path, loop: LoopState) -> None:
+    """A full-state checkpoint of every process (collective), with what the source holds in flight."""
     rank = learner.accelerator.process_index
-    own = None if ahead is None else lambda staging: ahead.save(staging, rank)
-    save_state_everywhere(learner, state_dir, loop, own)
+    save_state_everywhere(learner, state_dir, loop, lambda staging: rollouts.source.save(staging, rank))
 
 
-def hand_off(learner: Learner, loop: LoopState, held_out: HeldOut, inputs: PPOInputs, output_dir: Path,
-             reporting: Reporting) -> PPOResult | None:
-    """The final evaluation (every process: a sharded model needs them all), then on rank 0 the
-    trained policy saved as a plain Hugging Face folder, and the stage's result."""
-    cfg, models, holding = learner.cfg, learner.models, learner.models.holding
-    holding.check_weights_agree(learner.actor_critic)
+def final_evaluation(learner: Learner, rollouts: Rollouts, held_out: HeldOut,
+                     reporting: Reporting) -> tuple[dict[str, float], pd.DataFrame]:
+    """The final evaluation, on every process (a sharded model needs them all)."""
+    cfg, models = learner.cfg, learner.models
+    models.holding.check_weights_agree(learner.actor_critic)
     learner.optimizer.state.clear()  # the last full-state checkpoint holds it; the evaluation needs the memory
-    held = held_as(models.policy, learner.accelerator.num_processes)
-    metrics, evaluation = evaluate(models, learner.sampler, held_out, cfg.evaluation, cfg.sampling,
-                                   term_judge(learner))
-    saved, tags = saved_dtype_and_tags(cfg, inputs.sft_location, learner.trained_parameters())
-    # LoRA merged in float32: into bf16-held weights (`frozen_dtype`) a bf16 merge would round small updates away.
-    checkpoint = output_dir / "checkpoint"
-    holding.save_plain(models.policy, models.tokenizer, checkpoint, saved)
-    if not learner.accelerator.is_main_process:
-        return None
-    warn_over_kl_budget(metrics, cfg.evaluation.kl_budget, reporting)
-    metrics["train/iterations"] = float(loop.iteration)
+    metrics, evaluation = evaluate(models, rollouts.sampler, held_out, cfg.evaluation, cfg.sampling,
+                                   rollouts.scoring.term_judge())
+    if learner.accelerator.is_main_process:
+        warn_over_kl_budget(metrics, cfg.evaluation.kl_budget, reporting)
     if models.scorer is not None:
         metrics |= {"normalization/gain": models.scorer.gain, "normalization/bias": models.scorer.bias}
-    return PPOResult(checkpoint=checkpoint, metrics=metrics, history=loop.history, evaluation=evaluation,
-                     tags=tags | held | learner.episode_source.tags | compile_tags(cfg, models))
+    return metrics, evaluation
+
+
+def save_policy(learner: Learner, sft_location: str, output_dir: Path) -> tuple[Path, dict[str, str]]:
+    """The trained policy saved as a plain Hugging Face folder (every process takes part), and the
+    run's tags of how it was held and computed."""
+    cfg, models = learner.cfg, learner.models
+    held = held_as(models.policy, learner.accelerator.num_processes)
+    saved, tags = saved_dtype_and_tags(cfg, sft_location, learner.trained_parameters())
+    # LoRA merged in float32: into bf16-held weights (`frozen_dtype`) a bf16 merge would round small updates away.
+    checkpoint = output_dir / "checkpoint"
+    models.holding.save_plain(models.policy, models.tokenizer, checkpoint, saved)
+    return checkpoint, tags | held | compile_tags(cfg, models)
 
 
 def compile_tags(cfg: PPOConfig, models) -> dict[str, str]:
@@ -218,63 +225,63 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
         inputs = replace(inputs, reward_location=None)
     cfg = with_micro_batches("ppo", cfg, Counts(ppo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,
                              inputs.reward_location, reporting)
-    learner = build_learner(cfg, inputs, output_dir)
-    servers = [*learner.remote_rewards, *served_environment(cfg.environment)]
+    learner = build_learner(cfg, inputs)
+    rollouts = build_rollouts(learner, inputs, output_dir)
+    servers = [*rollouts.scoring.remotes, *served_environment(cfg.environment)]
     for warning in filter(None, (server.exposed_token() for server in servers)):
         reporting.warning(warning)
-    staleness = cfg.rollout.max_staleness
-    ahead = SamplingAhead(learner.sampler, cfg.sampling, staleness) if staleness else None
     try:
-        return _train(learner, ahead, inputs, output_dir, reporting)
+        return _train(learner, rollouts, inputs, output_dir, reporting)
     finally:
-        if ahead is not None:
-            ahead.close()
-        learner.sampler.close()  # a vLLM server stopped however the stage ends
+        rollouts.close()  # what was sampled ahead dropped, a vLLM server stopped, however the stage ends
 
 
-def _train(learner: Learner, ahead: SamplingAhead | None, inputs: PPOInputs, output_dir: Path,
+def _train(learner: Learner, rollouts: Rollouts, inputs: PPOInputs, output_dir: Path,
            reporting: Reporting) -> PPOResult | None:
-    """`train_ppo`'s loop and hand-off, on a built learner (and its rollouts sampled ahead, if any)."""
+    """`train_ppo`'s loop and hand-off, on a built learner and its rollouts."""
     cfg, accelerator, models = learner.cfg, learner.accelerator, learner.models
     # Before a resume or a reference refresh can change the reference: it is the SFT policy now.
-    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, learner.episode_source,
+    held_out = HeldOut.sample(models, inputs.eval_prompts, cfg.evaluation, cfg.sampling, rollouts.source.now(),
                               tuple(cfg.reward.columns))
     state_dir = output_dir / "state"
-    loop = start_or_resume(learner, ahead, state_dir, reporting)
-    prompts = Prompts.of(inputs.prompts, cfg)
-    sample = sampling_for(learner, loop, prompts, ahead)  # one round, dynamic sampling, or sampled ahead
+    loop = start_or_resume(learner, rollouts, state_dir, reporting)
 
     while loop.iteration < cfg.num_iterations:
         iteration, started, timings = loop.iteration + 1, time.perf_counter(), {}
         models.counts.reset()  # this iteration's passes only, not the evaluations' between
-        # 1. sample and score this process's share of the episodes
-        sampled = sample(iteration, timings)
+        # 1. sample this process's share of the episodes, with the passes PPO needs, and score them
+        rollout, scores = rollouts.sample(loop, iteration, timings)
         # 2. advantage: the KL to the reference, weighted where `kl_weights` puts beta
-        weights = kl_weights(cfg, beta=loop.kl.value)
         with timed(timings, "advantages"):
-            estimated = estimate(accelerator, cfg, iteration, sampled, weights)
+            batch = estimate(accelerator, cfg, models.teacher, rollout, scores, kl_weights(cfg, beta=loop.kl.value))
         # 3. update: epochs of minibatches, one optimizer step each
         with timed(timings, "train"):
-            train = ppo_update(learner, estimated)
+            train = ppo_update(learner, batch, iteration)
         # 4. sync the sampler to the updated policy
-        sync_weights(learner, ahead, iteration, timings)
-        figures = over_processes(accelerator, iteration_figures(learner, estimated, train, timings, started)
-                                 | sampled.figures)  # this iteration's, over every process
+        rollouts.sync(iteration, timings)
+        figures = over_processes(accelerator, iteration_figures(learner, rollouts, batch, train, timings, started)
+                                 | rollout.figures)  # this iteration's, over every process
         # 5. control: the KL coefficient, fed the mean KL per sequence over every process
-        kl_per_sequence = mean_over_processes(accelerator, estimated.sequence_kl.mean().item())
+        kl_per_sequence = mean_over_processes(accelerator, batch.sequence_kl.mean().item())
         loop.kl.update(kl_per_sequence, cfg.rollout_batch_size)
         if cfg.ref_refresh_every and iteration % cfg.ref_refresh_every == 0:
             models.reference.load_state_dict(models.policy.state_dict())
         # 6. report; evaluate now and then; checkpoint the full state
         loop.first_length = loop.first_length or figures["rollout/response_length"]
-        report_iteration(reporting, cfg, loop, estimated, figures, learner.episode_source.multi_turn)
-        loop.iteration, loop.cursor = iteration, loop.cursor + prompts.per_iteration * sampled.rounds
+        report_iteration(reporting, rollouts, loop, batch, figures, iteration)
+        loop.iteration = iteration
         if cfg.evaluation.every and iteration % cfg.evaluation.every == 0 and iteration < cfg.num_iterations:
-            figures |= evaluate_midway(models, learner.sampler, held_out, cfg, iteration, reporting,
-                                       term_judge(learner))
+            figures |= evaluate_midway(rollouts, held_out, iteration, reporting)
         loop.history = loop.history + [{"iteration": iteration, **figures}]
         reporting.progress(iteration, cfg.num_iterations)
         if iteration % cfg.checkpoint_every == 0 or iteration == cfg.num_iterations:
-            save_state(learner, state_dir, loop, ahead)  # the last one too: if the upload fails, a rerun evaluates
+            save_state(learner, rollouts, state_dir, loop)  # the last one too: if the upload fails, a rerun evaluates
 
-    return hand_off(learner, loop, held_out, inputs, output_dir, reporting)
+    # Hand-off: the final evaluation and the saved policy (every process), the result (the main one)
+    metrics, evaluation = final_evaluation(learner, rollouts, held_out, reporting)
+    checkpoint, tags = save_policy(learner, inputs.sft_location, output_dir)
+    if not accelerator.is_main_process:
+        return None
+    metrics["train/iterations"] = float(loop.iteration)
+    return PPOResult(checkpoint=checkpoint, metrics=metrics, history=loop.history, evaluation=evaluation,
+                     tags=tags | rollouts.source.tags)

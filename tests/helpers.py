@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -298,9 +299,9 @@ def park_after_first_checkpoint(marker: str) -> None:
     checkpoint to resume from, whatever the machine's speed (polling for the checkpoint raced with
     the run finishing on fast machines)."""
     import stages.ppo
-    import stages.rl.ppo_sampling
+    import stages.rl.rollout
 
-    saved, real_save_state, real_rollout = [], stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout
+    saved, real_save_state, real_rollout = [], stages.ppo.save_state_everywhere, stages.rl.rollout.rollout
 
     def save_state(*args, **kwargs):
         saved.append(True)
@@ -312,22 +313,22 @@ def park_after_first_checkpoint(marker: str) -> None:
             time.sleep(3600)
         return real_rollout(*args, **kwargs)
 
-    stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout = save_state, rollout
+    stages.ppo.save_state_everywhere, stages.rl.rollout.rollout = save_state, rollout
 
 
 # --- PPO's gradient, as the update accumulates it (tests/test_ppo_gradients.py, tests/test_packing.py) ---
 
 
 def ppo_gradients(models, accelerator, actor_critic, batch, advantages, returns, cfg,
-              loss_mask=None) -> dict[str, torch.Tensor]:
+                  counted=None) -> dict[str, torch.Tensor]:
     """The trained parameters' gradients after accumulating this process's whole rollout as one minibatch."""
     from stages.rl.update import accumulate_gradients
 
     for parameter in models.trainable():
         parameter.grad = None
     trainer = ppo_trainer(cfg, accelerator, models, actor_critic)
-    accumulate_gradients(trainer, ppo_episodes(cfg, batch, advantages, returns, loss_mask),
-                         torch.arange(len(batch.responses)))
+    accumulate_gradients(trainer, ppo_episodes(cfg, batch, advantages, returns, counted),
+                         torch.arange(len(batch.responses)), iteration=1)
     from stages.rl.ppo_models import ActorCritic
 
     # A sharded gradient is gathered whole (collective) to compare it with the one-process gradient.
@@ -337,12 +338,10 @@ def ppo_gradients(models, accelerator, actor_critic, batch, advantages, returns,
 
 def ppo_trainer(cfg, accelerator, models, actor_critic, optimizer=None, scheduler=None):
     """What the update reads of a learner; no optimizer where only gradients are wanted."""
-    from stages.rl.ppo_rollout import policy_sampler, single_turn
     from stages.rl.update import Learner
 
     return Learner(cfg=cfg, accelerator=accelerator, models=models, actor_critic=actor_critic, optimizer=optimizer,
-                   scheduler=scheduler, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                   sampler=policy_sampler(models), episode_source=single_turn(models))
+                   scheduler=scheduler, scaler=torch.amp.GradScaler("cpu", enabled=False))
 
 
 def prompt_rows(prompts: list[str]) -> list[dict]:
@@ -351,26 +350,57 @@ def prompt_rows(prompts: list[str]) -> list[dict]:
 
 
 def single_turn_rollout(models, sampler, prompts: list[str], sampling, timings: dict | None = None, sampled=None):
-    """`rollout` of one response per rendered prompt; `sampled`: `Generation`s sampled earlier, one per chunk."""
-    from stages.envs.episode import single_turn_batch
-    from stages.rl.ppo_rollout import in_chunks, rollout, single_turn
+    """`rollout` of one response per rendered prompt; `sampled`: `Generation`s sampled earlier, one per
+    chunk, handed back by a source instead of sampling (as a source that samples ahead does)."""
+    from stages.rl.rollout import rollout, single_turn
 
-    rows = prompt_rows(prompts)
+    source = single_turn(models)
     if sampled is not None:
-        sampled = [single_turn_batch(g, chunk, models.tokenizer, models.stop_ids)
-                   for g, chunk in zip(sampled, in_chunks(rows, sampling), strict=True)]
-    return rollout(models, sampler, single_turn(models), rows, sampling,
-                   {} if timings is None else timings, sampled)
+        source = HandedBack(source, list(sampled))
+    return rollout(models, sampler, source, prompt_rows(prompts), sampling, {} if timings is None else timings)
 
 
-def ppo_episodes(cfg, batch, advantages, returns, loss_mask=None):
-    """What the update reads of an iteration's episodes (no scores or KL figures)."""
-    from stages.rl.advantages import Estimated, KLWeights
-    from stages.rl.batch import TrainingBatch
+class HandedBack:
+    """An episode source that hands back `Generation`s sampled earlier, in order, read as `reading`'s single turns."""
 
-    trained = TrainingBatch.of(batch, advantages=advantages, returns=returns, loss_mask=loss_mask)
-    return Estimated(iteration=1, batch=trained, messages=[], scores=None, kl=torch.zeros_like(batch.logprobs),
-                    weights=KLWeights(beta=0.0, in_reward=0.0, in_loss=cfg.kl.loss_coef))
+    def __init__(self, reading, generations):
+        self.reading, self.generations = reading, generations
+        self.max_failed_share = 1.0
+
+    def generation(self, sampler, rows, sampling, device, timings):
+        return self.reading.batch(self.generations.pop(0), rows)
+
+
+def ppo_scoring(cfg, models, functions=(), remotes=()):
+    """The reward's terms of a single-turn run on one process: the reward model `models` holds, and
+    `functions` and `remotes` (none by default)."""
+    from accelerate import Accelerator
+
+    from stages.rl.scoring import Scoring
+
+    return Scoring(cfg=cfg, accelerator=Accelerator(cpu=True), models=models, functions=list(functions),
+                   remotes=list(remotes), prompts_as_sampled=True)
+
+
+def plain_scores(reward: torch.Tensor, dropped: torch.Tensor | None = None, **terms: torch.Tensor):
+    """`Scores` of a rollout whose reward is `reward` as is (no reward model), `terms` by name, `dropped`
+    where a server never scored (none by default)."""
+    from stages.rewards.scoring import Scores
+
+    dropped = torch.zeros(len(reward), dtype=torch.bool) if dropped is None else dropped
+    return Scores(terms=terms, reward=reward, reported=reward, dropped=dropped, raw={})
+
+
+def ppo_episodes(cfg, batch, advantages, returns, counted=None):
+    """What the update reads of an iteration's episodes (no scores or KL figures): a `TrainingBatch`."""
+    from stages.rl.batch import KLWeights, TrainingBatch
+
+    return TrainingBatch.of(batch, scores=plain_scores(torch.zeros(len(batch.responses))),
+                            kl=torch.zeros_like(batch.logprobs), advantages=advantages,
+                            returns=torch.zeros_like(advantages) if returns is None else returns,
+                            engine_weights=torch.ones_like(batch.trainable),
+                            counted=batch.trainable if counted is None else counted,
+                            kl_weights=KLWeights(beta=0.0, in_reward=0.0, in_loss=cfg.kl.loss_coef))
 
 
 def ppo_gradient_setup(tiny_config, trained, critic="reward", lora=False, **overrides):
@@ -381,8 +411,7 @@ def ppo_gradient_setup(tiny_config, trained, critic="reward", lora=False, **over
     from stages.common.tensors import masked_whiten
     from stages.math.ppo_math import gae, kl_estimate, token_rewards
     from stages.rl.ppo_models import load_models
-    from stages.rl.ppo_rollout import policy_sampler
-    from stages.rl.ppo_scores import raw_scores, scores_of
+    from stages.rl.rollout import policy_sampler
     cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"rollout_batch_size": 8, "num_minibatches": 1,
                                                            "sampling.response_length": 16, "critic.kind": critic,
                                                            "lora": LoRAConfig() if lora else None} | overrides)
@@ -390,11 +419,13 @@ def ppo_gradient_setup(tiny_config, trained, critic="reward", lora=False, **over
     models = load_models(cfg, trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(8)
     batch = single_turn_rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg.sampling)
-    raw = raw_scores(models.scorer, batch, [json.loads(m) for m in prompts["prompt_messages"]], {}, single_turn=True)
+    batch = replace(batch, messages=[json.loads(m) for m in prompts["prompt_messages"]])
+    scoring = ppo_scoring(cfg, models)
+    scores = scoring.scores_of(scoring.raw_scores(batch, {}), batch, {}, {})  # on the checkpoint's own normalisation
     lengths = batch.mask.sum(1)
     assert lengths.min() < lengths.max(), "responses of equal length would not tell the normalisations apart"
-    rewards = token_rewards(scores_of(raw, batch, models.scorer, cfg).reward,
-                            kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05, batch.mask)
+    rewards = token_rewards(scores.reward, kl_estimate(batch.logprobs, batch.ref_logprobs) * batch.mask, 0.05,
+                            batch.mask)
     advantages, returns = gae(rewards, batch.values, batch.mask, 1.0, 0.95)
     # A step away from the rollout policy, so ratios differ from 1 and some tokens are clipped; and from
     # the critic's fresh adapters, whose B = 0 would leave their A without a gradient.

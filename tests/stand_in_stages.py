@@ -52,9 +52,9 @@ def ppo_killed_after_first_checkpoint(cfg, inputs: KilledAfterFirstCheckpoint, o
     import signal
 
     import stages.ppo
-    import stages.rl.ppo_sampling
+    import stages.rl.rollout
 
-    saved, real_save, real_rollout = [], stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout
+    saved, real_save, real_rollout = [], stages.ppo.save_state_everywhere, stages.rl.rollout.rollout
 
     def save_state(*args, **kwargs):
         real_save(*args, **kwargs)
@@ -65,7 +65,7 @@ def ppo_killed_after_first_checkpoint(cfg, inputs: KilledAfterFirstCheckpoint, o
             os.killpg(os.getpgid(0), signal.SIGKILL)
         return real_rollout(*args, **kwargs)
 
-    stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout = save_state, rollout
+    stages.ppo.save_state_everywhere, stages.rl.rollout.rollout = save_state, rollout
     return stages.ppo.train_ppo(cfg, inputs.ppo_inputs, output_dir, reporting)
 
 
@@ -167,9 +167,9 @@ def ppo_with_a_rank_killed_once(cfg, inputs: RankKilledOnce, output_dir: Path, r
     import signal
 
     import stages.ppo
-    import stages.rl.ppo_sampling
+    import stages.rl.rollout
 
-    saved, real_save, real_rollout = [], stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout
+    saved, real_save, real_rollout = [], stages.ppo.save_state_everywhere, stages.rl.rollout.rollout
 
     def save_state(*args, **kwargs):
         real_save(*args, **kwargs)
@@ -181,7 +181,7 @@ def ppo_with_a_rank_killed_once(cfg, inputs: RankKilledOnce, output_dir: Path, r
             os.kill(os.getpid(), signal.SIGKILL)
         return real_rollout(*args, **kwargs)
 
-    stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout = save_state, rollout
+    stages.ppo.save_state_everywhere, stages.rl.rollout.rollout = save_state, rollout
     return stages.ppo.train_ppo(cfg, inputs.ppo_inputs, output_dir, reporting)
 
 
@@ -201,9 +201,9 @@ def ppo_paused_once_after_a_checkpoint(cfg, inputs: PausedOnce, output_dir: Path
     import time
 
     import stages.ppo
-    import stages.rl.ppo_sampling
+    import stages.rl.rollout
 
-    saved, real_save, real_rollout = [], stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout
+    saved, real_save, real_rollout = [], stages.ppo.save_state_everywhere, stages.rl.rollout.rollout
 
     def save_state(*args, **kwargs):
         real_save(*args, **kwargs)
@@ -216,5 +216,5 @@ def ppo_paused_once_after_a_checkpoint(cfg, inputs: PausedOnce, output_dir: Path
             time.sleep(inputs.seconds)
         return real_rollout(*args, **kwargs)
 
-    stages.ppo.save_state_everywhere, stages.rl.ppo_sampling.rollout = save_state, rollout
+    stages.ppo.save_state_everywhere, stages.rl.rollout.rollout = save_state, rollout
     return stages.ppo.train_ppo(cfg, inputs.ppo_inputs, output_dir, reporting)

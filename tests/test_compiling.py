@@ -15,9 +15,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhf.config_ppo import PPOConfig
+from stages.common.batches import Sequences
 from stages.common.tensors import logprobs_of, response_mask
-from stages.rl.ppo_models import compiler_for, forward_response
+from stages.rl.ppo_models import compiler_for
 from stages.runtime.compiling import Compiler, bucketed
+from stages.runtime.forward import forward_response
 from stages.runtime.models import resolve_precision
 from stages.runtime.packing import Passes, pack
 
@@ -47,9 +49,10 @@ def test_a_bucketed_pack_adds_padding_rows_and_columns_that_nothing_reads():
     query_mask = torch.tensor([[0, 1, 1], [0, 0, 1], [1, 1, 1]])
     responses = torch.tensor([[13, 14, 0], [22, 23, 24], [34, 0, 0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    plain = pack(queries, query_mask, responses, mask, pad_id=0)
+    plain = pack(Sequences(queries, query_mask, responses, mask), pad_id=0)
     # Rows of 4 -> 5 columns, 3 rows kept, 3 kept columns -> 3 with this bucket (2 -> 2 rounds nothing below 8).
-    packed = pack(queries, query_mask, responses, mask, pad_id=0, bucket=lambda n: n + 1 if n in (3, 4) else n)
+    packed = pack(Sequences(queries, query_mask, responses, mask), pad_id=0,
+                  bucket=lambda n: n + 1 if n in (3, 4) else n)
     assert packed.ids.shape == (4, 5) and packed.ids[3].tolist() == [0] * 5  # a fourth row of padding alone
     assert packed.positions[3].tolist() == [0, 1, 2, 3, 4]
     assert len(packed.kept) == 4 and packed.kept[-1] == packed.kept[-2]  # the extra kept column repeats the last
@@ -96,7 +99,7 @@ def test_a_compiled_pass_gives_the_eager_log_probs_and_gradients(padding_free, s
     results = []
     for compiler in (Compiler(enabled=False), Compiler(enabled=True, static_shapes=static_shapes)):
         passes = Passes(precision=resolve_precision("fp32"), padding_free=padding_free, compiler=compiler)
-        logits, hidden = forward_response(policy, *batch, want_hidden=True, passes=passes)
+        logits, hidden = forward_response(policy, Sequences(*batch), passes, want_hidden=True)
         logprobs = logprobs_of(logits, batch[2]) * batch[3]  # (B, T)
         (logprobs.sum() + hidden.pow(2).mean()).backward()
         gradients = [p.grad.clone() for p in policy.parameters()]

@@ -19,7 +19,7 @@ from stages.envs.episode import Episode, Segment, episode_batch, episode_figures
 from stages.envs.loop import EpisodeRunner, TemplateNotAppendOnly, episode_runner
 from stages.envs.parsers import ToolCall, hermes
 from tests import helpers
-from tests.helpers import AUTO_RESOLVED, TOOL_TEMPLATE, Scripted
+from tests.helpers import AUTO_RESOLVED, TOOL_TEMPLATE, Scripted, plain_scores, ppo_episodes
 
 CALL = '<tool_call>{"name":"f"}</tool_call>'
 """A short call: the tiny world's tokenizer learned no merges for JSON."""
@@ -162,7 +162,7 @@ def test_a_batch_of_episodes_marks_the_models_tokens_and_turn_rewards():
 
 def _scripted_rollout(tiny_config, trained, chat_tokenizer, script, teacher_location: str | None = None, **changes):
     from stages.rl.ppo_models import load_models
-    from stages.rl.ppo_rollout import rollout
+    from stages.rl.rollout import rollout
 
     cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {"sampling": {"response_length": 48}} | changes)
     models = load_models(cfg, trained["sft"], trained["reward"], teacher_location=teacher_location)
@@ -178,21 +178,24 @@ def test_a_distillation_teacher_grades_the_models_own_tokens_only(tiny_config, t
     the top-k loss's terms) count on the model's own tokens alone."""
     from accelerate import Accelerator
 
-    from stages.rewards.scoring import Scores
     from stages.rl.advantages import estimate, kl_weights
-    from stages.rl.batch import Sampled
+    from stages.rl.teacher import Teacher
 
     cfg, models, batch = _scripted_rollout(tiny_config, trained, chat_tokenizer, [CALL, "The cat is warm."],
                                            teacher_location=str(world / "model"),
                                            teacher={"model": str(world / "model"), "top_k": 4})
     context, own = (batch.mask - batch.trainable).bool(), batch.trainable.bool()
-    assert context.any() and (batch.teacher_logprobs[context] == 0).all() and (batch.teacher_logprobs[own] < 0).all()
-    assert batch.teacher_bins.shape == (*batch.mask.shape, 5) and torch.isfinite(batch.teacher_bins).all()
-    scores = Scores(raw=None, normalized=None, terms={}, reward=torch.zeros(len(batch.texts)))
+    marks = batch.teacher
+    assert context.any() and (marks.logprobs[context] == 0).all() and (marks.logprobs[own] < 0).all()
+    assert marks.bins.shape == (*batch.mask.shape, 5) and torch.isfinite(marks.bins).all()
     as_reward = with_overrides(cfg, {"teacher.top_k": None})  # the term in the reward: the advantages' dense part
-    estimated = estimate(Accelerator(), as_reward, 1, Sampled(batch=batch, messages=[], scores=scores),
-                         kl_weights(as_reward, 0.0))
-    assert (estimated.teacher_kl[context] == 0).all() and (estimated.teacher_kl[own] != 0).any()
+    teacher = Teacher(models.teacher.model, as_reward.teacher)
+    trained_batch = estimate(Accelerator(), as_reward, teacher, batch, plain_scores(torch.zeros(len(batch.texts))),
+                             kl_weights(as_reward, 0.0))
+    teacher_kl = teacher.kl(trained_batch.logprobs, trained_batch.teacher, trained_batch.trainable)
+    assert (teacher_kl[context] == 0).all() and (teacher_kl[own] != 0).any()
+    dense = teacher.dense_rewards(batch.logprobs, batch.teacher, batch.trainable)  # in the advantages, own tokens only
+    assert (dense[context] == 0).all() and (trained_batch.advantages[context] == 0).all()
 
 
 def test_the_rollout_keeps_every_figure_on_the_models_own_tokens(tiny_config, trained, chat_tokenizer, monkeypatch):
@@ -213,10 +216,7 @@ def test_the_loss_and_its_gradient_ignore_tool_tokens(tiny_config, trained, chat
     gradient are those of the model's own tokens: tool tokens are in no term and no denominator."""
     from accelerate import Accelerator
 
-    from stages.rl.advantages import Estimated, KLWeights
-    from stages.rl.batch import TrainingBatch
     from stages.rl.ppo_models import ActorCritic
-    from stages.rl.ppo_rollout import policy_sampler
     from stages.rl.update import Learner, accumulate_gradients
 
     cfg, models, batch = _scripted_rollout(tiny_config, trained, chat_tokenizer, [CALL, "The cat is warm."],
@@ -226,16 +226,14 @@ def test_the_loss_and_its_gradient_ignore_tool_tokens(tiny_config, trained, chat
     def gradients(noise: float) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         torch.manual_seed(1)
         advantages = torch.randn_like(batch.mask) * batch.trainable + noise * context
-        trained_batch = TrainingBatch.of(batch, advantages=advantages, returns=advantages + noise * context)
+        trained_batch = ppo_episodes(cfg.model_copy(update={"kl": cfg.kl.model_copy(update={"loss_coef": 0.1})}),
+                                     batch, advantages, advantages + noise * context)
         trained_batch.logprobs = batch.logprobs + noise * context
         for parameter in models.trainable():
             parameter.grad = None
         learner = Learner(cfg=cfg, accelerator=Accelerator(cpu=True), models=models, actor_critic=ActorCritic(models),
-                          optimizer=None, scheduler=None, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                          sampler=policy_sampler(models), episode_source=_runner(chat_tokenizer))
-        scored = Estimated(iteration=5, batch=trained_batch, messages=[], scores=None, kl=torch.zeros_like(batch.mask),
-                            weights=KLWeights(0.0, 0.0, 0.1))
-        figures = accumulate_gradients(learner, scored, torch.arange(len(batch.responses)))
+                          optimizer=None, scheduler=None, scaler=torch.amp.GradScaler("cpu", enabled=False))
+        figures = accumulate_gradients(learner, trained_batch, torch.arange(len(batch.responses)), iteration=5)
         return {n: p.grad.clone() for n, p in ActorCritic(models).named_parameters() if p.requires_grad}, figures
 
     clean, clean_figures = gradients(0.0)
@@ -362,9 +360,7 @@ def test_every_estimator_gives_advantages_on_the_models_tokens_alone(tiny_config
     skips the tool's tokens, the group estimators sum it into the episode's score)."""
     from accelerate import Accelerator
 
-    from stages.rewards.scoring import Scores
     from stages.rl.advantages import estimate, kl_weights
-    from stages.rl.batch import Sampled
 
     grouped = estimator in ("grpo", "rloo", "reinforce++-baseline")
     changes = {"advantage_estimator": estimator, "samples_per_prompt": 2 if grouped else 1}
@@ -373,11 +369,9 @@ def test_every_estimator_gives_advantages_on_the_models_tokens_alone(tiny_config
     first_turn_end = batch.trainable[0].nonzero().flatten()
     first_turn_end = first_turn_end[(first_turn_end.diff() > 1).nonzero().flatten()[0]]
     batch.turn_rewards[0, first_turn_end] = 2.0  # the first episode's call earned something
-    scores = torch.tensor([0.0, 0.0])
-    sampled = Sampled(batch=batch, messages=[[{"role": "user", "content": "x"}]] * 2,
-                      scores=Scores(raw=None, normalized=scores, terms={}, reward=scores))
-    scored = estimate(Accelerator(cpu=True), cfg, 1, sampled, kl_weights(cfg, 0.0))
-    advantages = scored.batch.advantages
+    scored = estimate(Accelerator(cpu=True), cfg, models.teacher, batch, plain_scores(torch.tensor([0.0, 0.0])),
+                      kl_weights(cfg, 0.0))
+    advantages = scored.advantages
     context = (batch.mask - batch.trainable).bool()
     assert torch.isfinite(advantages).all() and (advantages[context] == 0).all()
     assert advantages[0, :first_turn_end + 1].abs().sum() > 0

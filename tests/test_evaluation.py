@@ -20,7 +20,7 @@ def test_the_sft_baseline_is_the_same_for_runs_with_different_training_seeds(tin
     from rlhf.config import with_overrides
     from stages.rl.evaluation import HeldOut, evaluate
     from stages.rl.ppo_models import load_models
-    from stages.rl.ppo_rollout import policy_sampler, single_turn
+    from stages.rl.rollout import policy_sampler, single_turn
 
     tables = []
     for seed in (0, 1):

@@ -133,7 +133,9 @@ def test_generation_stops_at_the_reply_end_the_eos_and_every_id_the_checkpoint_l
 def test_log_probs_do_not_trust_logits_to_keep(tiny_config, trained):
     """A model that ignores `logits_to_keep` returns every position's logits; the response's
     log-probs must still be read at the response positions."""
-    from stages.rl.ppo_models import forward_response, load_models
+    from stages.common.batches import Sequences
+    from stages.rl.ppo_models import load_models
+    from stages.runtime.forward import forward_response
 
     models = load_models(tiny_config.ppo, trained["sft"], trained["reward"])
 
@@ -148,12 +150,12 @@ def test_log_probs_do_not_trust_logits_to_keep(tiny_config, trained):
     queries = models.tokenizer(["<s><|user|>Describe the cat.<|assistant|>"], return_tensors="pt",
                                add_special_tokens=False)
     responses = models.tokenizer(["The cat is warm.</s>"], return_tensors="pt", add_special_tokens=False)
-    args = (queries["input_ids"], queries["attention_mask"], responses["input_ids"],
-            responses["attention_mask"].float())
+    sequences = Sequences(queries["input_ids"], queries["attention_mask"], responses["input_ids"],
+                          responses["attention_mask"].float())
     with torch.no_grad():
-        kept, kept_hidden = forward_response(models.policy, *args, want_hidden=True, passes=models.passes("test"))
-        full, full_hidden = forward_response(IgnoresLogitsToKeep(models.policy), *args, want_hidden=True,
-                                             passes=models.passes("test"))
+        kept, kept_hidden = forward_response(models.policy, sequences, models.passes("test"), want_hidden=True)
+        full, full_hidden = forward_response(IgnoresLogitsToKeep(models.policy), sequences, models.passes("test"),
+                                             want_hidden=True)
     assert full.shape == kept.shape == (1, responses["input_ids"].shape[1], len(models.tokenizer))
     torch.testing.assert_close(full, kept)
     torch.testing.assert_close(full_hidden, kept_hidden)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stages.common.batches import Sequences
 from stages.runtime.packing import (
     TokenCounts,
     first_fit_decreasing,
@@ -35,7 +36,7 @@ def _three_rows():
 
 
 def test_pack_lays_sequences_end_to_end_and_maps_outputs_back_by_hand():
-    packed = pack(*_three_rows(), pad_id=0)
+    packed = pack(Sequences(*_three_rows()), pad_id=0)
     # Lengths 4, 4, 4; capacity 4: one sequence per row, longest first, ties in row order.
     assert packed.ids.tolist() == [[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]]
     assert packed.positions.tolist() == [[0, 1, 2, 3]] * 3
@@ -52,7 +53,7 @@ def test_short_sequences_share_a_row_and_their_positions_restart():
     queries, query_mask, responses, mask = _three_rows()
     queries[2], query_mask[2] = torch.tensor([0, 0, 33]), torch.tensor([0, 0, 1])  # row 2: 1 + 1 tokens
     mask[1] = torch.tensor([1.0, 0.0, 0.0])  # row 1: 1 + 1 tokens; row 0: 2 + 2
-    packed = pack(queries, query_mask, responses, mask, pad_id=9)
+    packed = pack(Sequences(queries, query_mask, responses, mask), pad_id=9)
     assert packed.ids.tolist() == [[11, 12, 13, 14], [21, 22, 33, 34]]
     assert packed.positions.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1]]  # row 2 starts again at 0
     # Row 0's response at columns 1, 2 of packed row 0; row 1's at column 0 of packed row 1; row 2's at column 2.
@@ -108,8 +109,9 @@ def _models(tiny_config, trained, padding_free, **overrides):
 def test_packed_passes_give_the_padded_log_probs_and_values(tiny_config, trained, critic):
     """The rollout's passes (policy, critic, reference) packed and padded, on the same sampled batch."""
     from stages.common.tensors import logprobs_of
-    from stages.rl.ppo_models import forward_response, policy_and_values
-    from stages.rl.ppo_rollout import policy_sampler
+    from stages.rl.ppo_models import policy_and_values
+    from stages.rl.rollout import policy_sampler
+    from stages.runtime.forward import forward_response
     from tests.helpers import single_turn_rollout
 
     cfg, models = _models(tiny_config, trained, True, **{"critic.kind": critic, "old_logprobs": "recompute"})
@@ -118,15 +120,12 @@ def test_packed_passes_give_the_padded_log_probs_and_values(tiny_config, trained
                                 cfg.sampling)
     lengths = batch.mask.sum(1) + batch.query_mask.sum(1)
     assert lengths.min() < lengths.max()
-    inputs = (batch.queries, batch.query_mask, batch.responses, batch.mask)
     with torch.no_grad():
-        logits, values = policy_and_values(models, *inputs)
-        packed_reference, _ = forward_response(models.reference, *inputs, want_hidden=False,
-                                               passes=models.passes("reference"))
+        logits, values = policy_and_values(models, batch.sequences)
+        packed_reference, _ = forward_response(models.reference, batch.sequences, models.passes("reference"))
         models.padding_free = False
-        padded_logits, padded_values = policy_and_values(models, *inputs)
-        padded_reference, _ = forward_response(models.reference, *inputs, want_hidden=False,
-                                               passes=models.passes("reference"))
+        padded_logits, padded_values = policy_and_values(models, batch.sequences)
+        padded_reference, _ = forward_response(models.reference, batch.sequences, models.passes("reference"))
     mask = batch.mask
     for packed, padded in ((logits, padded_logits), (packed_reference, padded_reference)):
         torch.testing.assert_close(logprobs_of(packed, batch.responses) * mask,
@@ -175,16 +174,17 @@ def test_auto_packs_only_where_it_saves_a_tenth():
 
     passes = Passes(precision=resolve_precision("fp32"), padding_free="auto", counts=TokenCounts(), phase="update")
     ragged = _three_rows()  # 12 real tokens padded to 3 x (3 + 3) = 18 positions
-    assert passes.layout(*ragged) is not None
+    assert passes.layout(Sequences(*ragged)) is not None
     full = (ragged[0], torch.ones_like(ragged[1]), ragged[2], torch.ones_like(ragged[3]))  # no padding at all
-    assert passes.layout(*full) is None
+    assert passes.layout(Sequences(*full)) is None
     assert passes.counts.counts["update"] == [12.0 + 18.0, 12.0 + 18.0]
 
 
 def test_a_model_that_lets_packed_sequences_see_each_other_is_refused(trained):
     from transformers import AutoModelForCausalLM
 
-    from stages.rl.ppo_models import packing_setting, padding_free_refusal
+    from stages.rl.ppo_models import packing_setting
+    from stages.runtime.forward import padding_free_refusal
 
     model = AutoModelForCausalLM.from_pretrained(trained["sft"], attn_implementation="sdpa")
     assert padding_free_refusal(model) is None
@@ -210,7 +210,7 @@ REFUSED = {"opt": "OPT's learned positions are counted from the attention mask, 
 def test_model_families_take_packed_passes_or_are_refused(name, tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from stages.rl.ppo_models import padding_free_refusal
+    from stages.runtime.forward import padding_free_refusal
 
     folder = build_family(name, tmp_path)
     policy = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -3,6 +3,7 @@ LoRA uses the adapter-disabled reference, and a non-finite loss stops with a cle
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -13,11 +14,13 @@ from transformers import AutoModelForCausalLM
 from rlhf.config import with_overrides
 from rlhf.config_common import LoRAConfig
 from rlhf.config_ppo import PPOConfig
+from stages.common.batches import Sequences
 from stages.common.errors import NonFiniteLossError
 from stages.common.reporting import Reporting
-from stages.rl.ppo_models import forward_response, load_models, reference_policy
+from stages.rl.ppo_models import load_models, reference_policy
+from stages.runtime.forward import forward_response
 from stages.runtime.models import load_tokenizer, position_ids_for
-from tests.helpers import AUTO_RESOLVED, killed_and_resumed, run_ppo, single_turn_rollout
+from tests.helpers import AUTO_RESOLVED, killed_and_resumed, plain_scores, ppo_scoring, run_ppo, single_turn_rollout
 
 
 def _cfg(tiny_config, **changes):
@@ -107,8 +110,8 @@ def test_normalize_critic_maps_the_critic_like_the_scorer_maps_raw_scores(tiny_c
     tokenizer = models.tokenizer
     queries = tokenizer(["<s><|user|>Describe the cat.<|assistant|>"], return_tensors="pt", add_special_tokens=False)
     responses = tokenizer(["The cat is warm.</s>"], return_tensors="pt", add_special_tokens=False)
-    inputs = (None, queries["input_ids"], queries["attention_mask"], responses["input_ids"],
-              responses["attention_mask"], models.passes("test"))
+    inputs = (None, Sequences(queries["input_ids"], queries["attention_mask"], responses["input_ids"],
+                              responses["attention_mask"]), models.passes("test"))
     with torch.no_grad():
         raw = models.critic.values(*inputs)  # (1, T)
     mapped = models.critic.adopt_normalization(gain=0.4, bias=-1.5, values=raw)
@@ -128,18 +131,19 @@ def test_left_padding_does_not_change_log_probs(tiny_config, trained):
     responses = tokenizer(["The cat is warm.</s>", "The river is calm.</s>"], return_tensors="pt", padding=True,
                           padding_side="right", add_special_tokens=False)
     with torch.no_grad():
-        padded, _ = forward_response(models.policy, batch["input_ids"], batch["attention_mask"], responses["input_ids"],
-                                     responses["attention_mask"], want_hidden=False, passes=models.passes("test"))
+        padded, _ = forward_response(models.policy, Sequences(batch["input_ids"], batch["attention_mask"],
+                                                              responses["input_ids"], responses["attention_mask"]),
+                                     models.passes("test"))
         alone = tokenizer([prompts[0]], return_tensors="pt", add_special_tokens=False)
-        single, _ = forward_response(models.policy, alone["input_ids"], alone["attention_mask"],
-                                     responses["input_ids"][:1], responses["attention_mask"][:1], want_hidden=False,
-                                     passes=models.passes("test"))
+        single, _ = forward_response(models.policy, Sequences(alone["input_ids"], alone["attention_mask"],
+                                                              responses["input_ids"][:1],
+                                                              responses["attention_mask"][:1]), models.passes("test"))
     n = int(responses["attention_mask"][0].sum())
     assert torch.allclose(padded[0, :n], single[0, :n], atol=1e-4)
 
 
 def test_lora_reference_is_the_policy_with_adapters_disabled(tiny_config, trained, tmp_path):
-    from stages.rl.ppo_rollout import policy_sampler
+    from stages.rl.rollout import policy_sampler
 
     cfg = _cfg(tiny_config, lora=LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"]), num_iterations=2)
     models = load_models(cfg, trained["sft"], trained["reward"])
@@ -203,7 +207,7 @@ def test_critic_free_estimators_sample_groups_and_train_no_critic(tiny_config, t
     cfg = _cfg(tiny_config, num_iterations=2, rollout_batch_size=8, samples_per_prompt=4, advantage_estimator=estimator,
                evaluation={"every": None}, kl={"init_coef": 0.1, "target": None})
     models = load_models(cfg, trained["sft"], trained["reward"])
-    assert models.critic is None and models.trainable() == [p for p in models.policy.parameters() if p.requires_grad]
+    assert not models.critic.learns and models.trainable() == [p for p in models.policy.parameters() if p.requires_grad]
     rollouts = {}
     result = run_ppo(cfg, trained, tmp_path, Reporting(rollouts=lambda t, i: rollouts.update({i: t})))
     for table in rollouts.values():  # 2 prompts a batch, each answered 4 times on consecutive rows
@@ -275,8 +279,7 @@ def test_non_finite_loss_stops_naming_the_iteration_and_keeps_the_last_checkpoin
 
 
 def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, trained):
-    from stages.rl.ppo_rollout import policy_sampler
-    from stages.rl.ppo_scores import raw_scores, scores_of
+    from stages.rl.rollout import policy_sampler
 
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
     prompts = trained["prompts"].head(4)
@@ -284,15 +287,16 @@ def test_truncated_responses_are_scored_as_they_are_then_penalised(tiny_config, 
     torch.manual_seed(0)
     cfg = _cfg(tiny_config, sampling={"response_length": 2})
     batch = single_turn_rollout(models, policy_sampler(models), list(prompts["prompt"]), cfg.sampling)
+    batch = dataclasses.replace(batch, messages=messages)
     assert not batch.has_eos.any()  # two tokens never finish a demo reply
     as_they_are = models.scorer.score(messages, batch.texts, normalized=False, complete=[False] * 4)
     completed = models.scorer.score(messages, batch.texts, normalized=False)
-    raw = raw_scores(models.scorer, batch, messages, {}, single_turn=True)
-    torch.testing.assert_close(raw, as_they_are)
-    assert not torch.allclose(raw, completed)  # an appended EOS would have changed the score
-    assert scores_of(raw, batch, models.scorer, cfg).reward.tolist() == [-3.0] * 4  # missing_eos_score
-    unpenalised = scores_of(raw, batch, models.scorer, _cfg(tiny_config, missing_eos_score=None))
-    torch.testing.assert_close(unpenalised.reward, unpenalised.normalized)
+    raw = ppo_scoring(cfg, models).raw_scores(batch, {})
+    torch.testing.assert_close(raw["reward_model"], as_they_are)
+    assert not torch.allclose(raw["reward_model"], completed)  # an appended EOS would have changed the score
+    assert ppo_scoring(cfg, models).scores_of(raw, batch, {}, {}).reward.tolist() == [-3.0] * 4  # missing_eos_score
+    unpenalised = ppo_scoring(_cfg(tiny_config, missing_eos_score=None), models).scores_of(raw, batch, {}, {})
+    torch.testing.assert_close(unpenalised.reward, unpenalised.reported)
 
 
 def test_the_reward_model_reads_the_policys_prompt_ids_and_packed_rows_as_rendered_padded_ones(tiny_config, trained):
@@ -300,8 +304,7 @@ def test_the_reward_model_reads_the_policys_prompt_ids_and_packed_rows_as_render
     rendering the prompts again gives, so they are read as they are; the responses are encoded from
     their texts (a sampled token sequence need not be the one its text encodes to: 5 of these 8);
     and the scores, packed (`padding_free`) or padded, re-rendered or not, are the same."""
-    from stages.rl.ppo_rollout import policy_sampler
-    from stages.rl.ppo_scores import raw_scores
+    from stages.rl.rollout import policy_sampler
 
     models = load_models(_cfg(tiny_config, padding_free=True), trained["sft"], trained["reward"])
     scorer = models.scorer
@@ -316,9 +319,10 @@ def test_the_reward_model_reads_the_policys_prompt_ids_and_packed_rows_as_render
     assert scorer.encode(messages, batch.texts, batch.has_eos.tolist(), prompt_ids) == rendered
     sampled = [p + r[m > 0].tolist() for p, r, m in zip(prompt_ids, batch.responses, batch.mask, strict=True)]
     assert sum(a != b for a, b in zip(sampled, rendered, strict=True)) == 5
-    packed = raw_scores(scorer, batch, messages, {}, single_turn=True)
+    batch, scoring = dataclasses.replace(batch, messages=messages), ppo_scoring(_cfg(tiny_config), models)
+    packed = scoring.raw_scores(batch, {})["reward_model"]
     scorer.padding_free, scorer.policy_tokens = False, False
-    padded = raw_scores(scorer, batch, messages, {}, single_turn=True)
+    padded = scoring.raw_scores(batch, {})["reward_model"]
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
 
 
@@ -389,7 +393,7 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
     from stages.common.tensors import entropy_of, logprobs_of, response_mask
     from stages.engines.sampler import Sampling
     from stages.rl.ppo_models import policy_and_values
-    from stages.rl.ppo_rollout import policy_sampler
+    from stages.rl.rollout import policy_sampler
 
     cfg = _cfg(tiny_config, sampling={"temperature": 0.7}, critic={"kind": "shared"})
     models = load_models(cfg, trained["sft"], trained["reward"])
@@ -400,8 +404,9 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
     mask = response_mask(sampled.responses, models.stop_ids)
     assert (mask.sum(1) < sampled.responses.shape[1]).any()  # some responses ended early: truncation is covered
     with torch.inference_mode():
-        logits, values = policy_and_values(models, sampled.queries, sampled.query_mask, sampled.responses, mask)
-        sampled_values = models.critic.values(sampled.hidden, None, None, None, None, models.passes("test"))
+        logits, values = policy_and_values(models, Sequences(sampled.queries, sampled.query_mask, sampled.responses,
+                                                             mask))
+        sampled_values = models.critic.values(sampled.hidden, None, models.passes("test"))
     torch.testing.assert_close(sampled.logprobs * mask, logprobs_of(logits, sampled.responses, 0.7) * mask,
                                atol=1e-4, rtol=0)
     torch.testing.assert_close(sampled.entropy * mask, entropy_of(logits, 0.7) * mask, atol=1e-4, rtol=0)
@@ -410,7 +415,8 @@ def test_sampling_pass_log_probs_and_values_equal_a_fresh_forward(tiny_config, t
 
 def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_config, trained):
     from stages.envs.episode import Episode, Segment
-    from stages.rl.batch import TrainingBatch, micro_batch
+    from stages.rl.batch import KLWeights, TrainingBatch, micro_batch
+    from stages.rl.teacher import Marks
 
     models = load_models(_cfg(tiny_config), trained["sft"], trained["reward"])
     pad, eos = models.tokenizer.pad_token_id, models.tokenizer.eos_token_id
@@ -423,10 +429,11 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
     episodes = [Episode(segments=[Segment(q[m.bool()].tolist(), False), Segment(r[k.bool()].tolist(), True)],
                         answer=text) for q, m, r, k, text in rows]
     batch = TrainingBatch(queries=queries, query_mask=query_mask, responses=responses, mask=mask, logprobs=per_token,
-                          ref_logprobs=per_token, values=per_token, entropy=per_token,
-                          has_eos=torch.ones(3, dtype=torch.bool), texts=["a", "b", "c"], prompts=["p", "q", "r"],
-                          episodes=episodes, trainable=mask, turn_rewards=torch.zeros_like(mask), advantages=per_token,
-                          returns=per_token)
+                          ref_logprobs=per_token, values=per_token, entropy=per_token, engine_logprobs=per_token,
+                          teacher=Marks(), has_eos=torch.ones(3, dtype=torch.bool), messages=[[], [], []],
+                          episodes=episodes, trainable=mask, turn_rewards=torch.zeros_like(mask),
+                          scores=plain_scores(torch.zeros(3)), kl=per_token, advantages=per_token, returns=per_token,
+                          engine_weights=torch.ones_like(mask), counted=mask, kl_weights=KLWeights(0.0, 0.0, 0.0))
     micro = micro_batch(batch, torch.tensor([1, 0]))
     assert micro.queries.tolist() == [[pad, 7], [5, 6]] and micro.query_mask.tolist() == [[0, 1], [1, 1]]
     assert micro.responses.tolist() == [[9, pad], [8, eos]] and micro.values.tolist() == [[4.0, 5.0], [0.0, 1.0]]
@@ -434,10 +441,9 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
     assert [episode.answer for episode in micro.episodes] == ["b", "a"]
     # The trimmed rows give the model the same inputs at the same positions.
     with torch.inference_mode():
-        full, _ = forward_response(models.policy, queries[[1, 0]], query_mask[[1, 0]], responses[[1, 0]], mask[[1, 0]],
-                                   False, models.passes("test"))
-        trimmed, _ = forward_response(models.policy, micro.queries, micro.query_mask, micro.responses, micro.mask,
-                                      False, models.passes("test"))
+        full, _ = forward_response(models.policy, Sequences(queries[[1, 0]], query_mask[[1, 0]], responses[[1, 0]],
+                                                            mask[[1, 0]]), models.passes("test"))
+        trimmed, _ = forward_response(models.policy, micro.sequences, models.passes("test"))
     torch.testing.assert_close(trimmed * micro.mask[..., None], full[:, :2] * micro.mask[..., None], atol=1e-5, rtol=0)
 
 
@@ -446,7 +452,7 @@ def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_
     the log-probs and values one pass over the joined batch computes (padding changes nothing)."""
     from stages.common.tensors import logprobs_of
     from stages.rl.ppo_models import policy_and_values
-    from stages.rl.ppo_rollout import policy_sampler
+    from stages.rl.rollout import policy_sampler
 
     cfg = _cfg(tiny_config, sampling={"micro_batch_size": 3, "response_length": 12})
     models = load_models(cfg, trained["sft"], trained["reward"])
@@ -455,12 +461,11 @@ def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_
     timings: dict[str, float] = {}
     batch = single_turn_rollout(models, policy_sampler(models), prompts, cfg.sampling, timings)
     assert len(batch.texts) == 8 and batch.queries.shape[0] == 8 and timings["generate"] > 0
-    assert batch.prompts == prompts
+    assert [m[0]["content"] for m in batch.messages] == prompts
     with torch.no_grad():
-        logits, values = policy_and_values(models, batch.queries, batch.query_mask, batch.responses, batch.mask)
+        logits, values = policy_and_values(models, batch.sequences)
         with reference_policy(models) as reference:
-            ref_logits, _ = forward_response(reference, batch.queries, batch.query_mask, batch.responses, batch.mask,
-                                             want_hidden=False, passes=models.passes("test"))
+            ref_logits, _ = forward_response(reference, batch.sequences, models.passes("test"))
     mask = batch.mask
     torch.testing.assert_close(logprobs_of(logits, batch.responses, cfg.sampling.temperature) * mask, batch.logprobs,
                                atol=1e-5, rtol=0)

@@ -62,16 +62,16 @@ def test_no_loss_aggregation_or_ratio_level_depends_on_the_micro_batch_size(tiny
 
     cfg, models, batch, advantages, returns = ppo_gradient_setup(tiny_config, trained)
     accelerator, actor_critic = Accelerator(cpu=True), ActorCritic(models)
-    loss_mask = batch.mask.clone()
-    loss_mask[[0, 3]] = 0.0  # as two truncated responses are with `mask_truncated_responses`
+    counted = batch.mask.clone()
+    counted[[0, 3]] = 0.0  # as two truncated responses are with `mask_truncated_responses`
     for aggregation in PPOConfig.model_fields["loss_aggregation"].annotation.__args__:
         varied = with_overrides(cfg, {"loss_aggregation": aggregation, "ratio_level": ratio_level,
                                       "clip_range_high": 0.28, "kl.loss_coef": 0.1})
-        whole = ppo_gradients(models, accelerator, actor_critic, batch, advantages, returns, varied, loss_mask)
+        whole = ppo_gradients(models, accelerator, actor_critic, batch, advantages, returns, varied, counted)
         assert sum(g.norm() for g in whole.values()) > 0
         for micro in (1, 4):
             split = ppo_gradients(models, accelerator, actor_critic, batch, advantages, returns,
-                              varied.model_copy(update={"micro_batch_size": micro}), loss_mask)
+                              varied.model_copy(update={"micro_batch_size": micro}), counted)
             _assert_same(split, whole)
 
 
@@ -81,10 +81,10 @@ def test_masking_truncated_responses_trains_as_if_only_the_ended_ones_were_sampl
     from accelerate import Accelerator
 
     from rlhf.config import with_overrides
-    from stages.rl.advantages import loss_mask
-    from stages.rl.batch import rows_of
+    from stages.common.batches import rows_of
+    from stages.rl.advantages import counted as counted_tokens
     from stages.rl.ppo_models import ActorCritic, load_models
-    from stages.rl.ppo_rollout import policy_sampler
+    from stages.rl.rollout import policy_sampler
     from tests.helpers import AUTO_RESOLVED, ppo_gradients, single_turn_rollout
 
     cfg = with_overrides(tiny_config.ppo, AUTO_RESOLVED | {
@@ -95,7 +95,7 @@ def test_masking_truncated_responses_trains_as_if_only_the_ended_ones_were_sampl
     batch = single_turn_rollout(models, policy_sampler(models), list(trained["prompts"]["prompt"].head(8)),
                                 cfg.sampling)
     assert batch.has_eos.any() and not batch.has_eos.all(), batch.has_eos  # some ended, some were cut off
-    counted = loss_mask(batch, cfg)
+    counted = counted_tokens(batch, cfg)
     assert torch.equal(counted, batch.mask * batch.has_eos.unsqueeze(1))
     advantages = torch.randn(8, 1) * batch.mask
     with torch.no_grad():  # a step away from the rollout policy, so ratios differ from 1
@@ -127,7 +127,7 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
         optimizer = torch.optim.SGD(models.trainable(), lr=1e-2)  # Adam would hide a rescaled gradient
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         trainer = ppo_trainer(cfg, Accelerator(cpu=True), models, ActorCritic(models), optimizer, scheduler)
-        figures = ppo_update(trainer, ppo_episodes(cfg, batch, advantages, returns))
+        figures = ppo_update(trainer, ppo_episodes(cfg, batch, advantages, returns), iteration=1)
         return figures, models
 
     light, light_models = one_update(0.1)
@@ -182,7 +182,7 @@ def _worker(folder: Path, engine: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from rlhf.config_ppo import PPOConfig
-    from stages.rl.batch import rows_of
+    from stages.common.batches import rows_of
     from stages.rl.ppo_models import ActorCritic, load_models
     from stages.runtime.holding import Replicated, Sharded
     from tests.helpers import ppo_gradients

@@ -225,7 +225,7 @@ def test_engine_importance_weights_per_token_and_per_sequence_truncated_at_the_c
 
 
 def test_a_rollout_sampled_one_update_ago_is_clipped_near_the_updates_start_and_weighted_to_its_sampler():
-    """Decoupled PPO as `ppo.rollout.max_staleness: 1` trains (stages.rl.sampling_ahead): the server
+    """Decoupled PPO as `ppo.rollout.max_staleness: 1` trains (stages.envs.ahead): the server
     drew the tokens with v0 (behaviour), the trainer recomputed the old log-probs under v1, where the
     update starts (proximal), and the update has moved the policy to theta. Two tokens, cap 2:
       token 1: pi_v0 0.5, pi_v1 0.4, pi_theta 0.6, A = +1: ratio 0.6 / 0.4 = 1.5, clipped to 1.2;

@@ -399,20 +399,17 @@ def test_ppo_drops_the_responses_a_server_gave_no_score_and_stops_where_told(tin
 def test_a_dropped_response_trains_nothing_and_leaves_its_groups_baseline_alone(tiny_config):
     from accelerate import Accelerator
 
-    from stages.rewards.scoring import Scores
     from stages.rl.advantages import estimate, kl_weights
-    from stages.rl.batch import Sampled
+    from stages.rl.teacher import NoTeacher
+    from tests.helpers import plain_scores
 
     cfg = with_overrides(tiny_config.ppo, {"advantage_estimator": "grpo", "samples_per_prompt": 2,
                                            "rollout_batch_size": 4})
     batch = _rollout(rows=4, steps=3)
     reward = torch.tensor([1.0, 0.0, 2.0, 4.0])  # row 1's server term never arrived: the other terms' sum
     dropped = torch.tensor([False, True, False, False])
-    scores = Scores(raw=None, normalized=None, terms={"served": torch.tensor([1.0, math.nan, 2.0, 4.0])},
-                    reward=reward, dropped=dropped)
-    scored = estimate(Accelerator(cpu=True), cfg, 1, Sampled(batch=batch, messages=[[]] * 4, scores=scores),
-                           kl_weights(cfg, 0.0))
-    trained = scored.batch
+    scores = plain_scores(reward, dropped, served=torch.tensor([1.0, math.nan, 2.0, 4.0]))
+    trained = estimate(Accelerator(cpu=True), cfg, NoTeacher(), batch, scores, kl_weights(cfg, 0.0))
     assert trained.trainable[1].sum() == 0 and torch.equal(trained.trainable[[0, 2, 3]], batch.trainable[[0, 2, 3]])
     # group 0: the dropped row stands at its partner's score, so the partner's advantage is 0, not 1 - 0
     assert torch.all(trained.advantages[0] == 0) and torch.all(trained.advantages[1] * trained.trainable[1] == 0)
@@ -422,12 +419,13 @@ def test_a_dropped_response_trains_nothing_and_leaves_its_groups_baseline_alone(
 def _rollout(rows: int, steps: int):
     from stages.envs.episode import Episode
     from stages.rl.batch import Rollout
+    from stages.rl.teacher import Marks
 
     zeros = torch.zeros(rows, steps)
     return Rollout(queries=torch.ones(rows, 2, dtype=torch.long), query_mask=torch.ones(rows, 2),
                    responses=torch.ones(rows, steps, dtype=torch.long), mask=torch.ones(rows, steps),
-                   logprobs=zeros, ref_logprobs=zeros, values=None, entropy=zeros,
-                   has_eos=torch.ones(rows, dtype=torch.bool), texts=["r"] * rows, prompts=["p"] * rows,
+                   logprobs=zeros, ref_logprobs=zeros, values=zeros, entropy=zeros, engine_logprobs=zeros,
+                   teacher=Marks(), has_eos=torch.ones(rows, dtype=torch.bool), messages=[[]] * rows,
                    trainable=torch.ones(rows, steps), turn_rewards=zeros,
                    episodes=[Episode(segments=[], answer="r") for _ in range(rows)])
 
@@ -473,7 +471,8 @@ def test_the_evaluation_leaves_a_pair_whose_served_score_never_arrived_out_of_th
     import pandas as pd
 
     from stages.envs.episode import Episode
-    from stages.rl.evaluation import HeldOut, TermJudge, judged_by_terms
+    from stages.rl.evaluation import HeldOut, judged_by_terms
+    from stages.rl.scoring import TermJudge
 
     prompts = ["p0", "p0", "p1", "p1"]
     held_out = HeldOut(prompts=prompts, messages=[[{"role": "user", "content": p}] for p in prompts],

@@ -9,8 +9,9 @@ import torch
 from rlhf.config import with_overrides
 from stages.common.tensors import logprobs_of
 from stages.engines.sampler import Generation, HFSampler, Sampling
-from stages.rl.ppo_models import forward_response, load_models
-from stages.rl.ppo_rollout import policy_sampler
+from stages.rl.ppo_models import load_models
+from stages.rl.rollout import policy_sampler
+from stages.runtime.forward import forward_response
 from tests.helpers import AUTO_RESOLVED, single_turn_rollout
 
 
@@ -62,7 +63,7 @@ def test_a_rollout_recomputes_what_its_sampler_cannot_give(tiny_config, trained)
 
 
 def test_a_rollout_sampled_earlier_is_scored_under_the_policy_as_it_is_now(tiny_config, trained):
-    """Responses sampled ahead by an older policy (`stages.rl.sampling_ahead`): the rollout takes
+    """Responses sampled ahead by an older policy (`stages.envs.ahead`): the rollout takes
     them as they were sampled, keeps the sampler's log-probs as `engine_logprobs`, and computes the
     old log-probs under the policy's weights now, where the next update starts."""
     cfg = _cfg(tiny_config, sampling={"response_length": 12})
@@ -78,8 +79,7 @@ def test_a_rollout_sampled_earlier_is_scored_under_the_policy_as_it_is_now(tiny_
     batch = single_turn_rollout(models, policy_sampler(models), prompts, cfg.sampling, timings, sampled=[ahead])
     assert "generate" not in timings and torch.equal(batch.responses, earlier.responses)
     with torch.no_grad():  # the new weights' own pass over the same tokens
-        logits, _ = forward_response(models.policy, batch.queries, batch.query_mask, batch.responses, batch.mask,
-                                     want_hidden=False, passes=models.passes("test"))
+        logits, _ = forward_response(models.policy, batch.sequences, models.passes("test"))
     torch.testing.assert_close(batch.logprobs, logprobs_of(logits, batch.responses, 1.0) * batch.mask)
     torch.testing.assert_close(batch.engine_logprobs, earlier.logprobs * batch.mask, atol=0, rtol=0)
     assert (batch.logprobs - batch.engine_logprobs).abs().max() > 1e-3  # the two policies differ

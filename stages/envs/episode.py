@@ -15,14 +15,17 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from stages.common.errors import StageUserError
+from stages.common.reporting import timed
 from stages.common.tensors import is_end, response_mask
 from stages.engines.sampler import Generation, Sampler, Sampling
+from stages.envs.parsers import AssistantTurn, ToolParser, split_turn, without_special_tokens
 
 Status = Literal["ok", "truncated", "failed"]
 
@@ -115,64 +118,117 @@ def episode_batch(episodes: list[Episode], pad_id: int, device: torch.device) ->
                              engine_logprobs=engine.to(device) if sampled_elsewhere else None)
 
 
-def single_turn_batch(generation: Generation, rows: list[dict], tokenizer: PreTrainedTokenizerBase,
-                      stop_ids: list[int]) -> EpisodeGeneration:
-    """Sampled single responses (cut at the first end token) as episodes of one trainable turn, the
-    sampling pass's figures (log-probs, entropy, hidden states, computed tokens) kept."""
-    mask = response_mask(generation.responses, stop_ids)  # (B, T) up to and including the first end token
-    ended = is_end(generation.responses, stop_ids).any(dim=1).tolist()  # (B,)
-    answers = tokenizer.batch_decode(generation.responses, skip_special_tokens=True)
-    episodes = []
-    for row, query, query_mask, response, kept, end, answer in zip(
-            rows, generation.queries.tolist(), generation.query_mask.tolist(), generation.responses.tolist(),
-            mask.tolist(), ended, answers, strict=True):
-        prompt = [i for i, real in zip(query, query_mask, strict=True) if real]
-        turn = [i for i, real in zip(response, kept, strict=True) if real]
-        episodes.append(Episode(segments=[Segment(prompt, trainable=False), Segment(turn, trainable=True)],
-                                status="ok" if end else "truncated", answer=answer,
-                                messages=[*row["messages"], {"role": "assistant", "content": answer}],
-                                columns={k: v for k, v in row.items() if k not in ("prompt", "messages")}))
-    sampled = {f.name: getattr(generation, f.name) for f in dataclasses.fields(Generation)}
-    return EpisodeGeneration(**sampled, mask=mask, trainable=mask, turn_rewards=torch.zeros_like(mask),
-                             episodes=episodes)
+def in_chunks(items: list, size: int | None) -> list[list]:
+    """`items` in runs of `size` (one run when unset): what a process samples at once."""
+    size = size or max(len(items), 1)
+    return [items[start:start + size] for start in range(0, len(items), size)]
 
 
-class EpisodeSource(Protocol):
-    """Where a rollout's episodes come from: one turn per prompt (`SingleTurn`) or an environment's
-    loop (`stages.envs.loop.EpisodeRunner`)."""
+class EpisodeSource:
+    """Where a rollout's episodes come from: one turn per prompt (`SingleTurn`), an environment's loop
+    (`stages.envs.loop.EpisodeRunner`), or single turns sampled ahead on a vLLM server
+    (`stages.envs.ahead.SampledAhead`). The hooks after `generation` are for work a source holds in
+    flight between iterations: only a source that samples ahead has any; here they do nothing."""
 
-    multi_turn: bool
-    """Whether episodes have turns and tools worth reporting (transcripts, tool-call figures)."""
-    max_failed_share: float
+    multi_turn: bool = False
+    """Whether episodes have turns and tools worth reporting (transcripts, tool-call figures); reporting only."""
+    prompt_is_row: bool = False
+    """Whether every episode's prompt segment is its row's rendered `prompt`, token for token (a single
+    turn's): then a reward model of the policy's tokenizer reads those ids instead of rendering them again."""
+    max_failed_share: float = 1.0
     """The share of an iteration's episodes that may fail before the run stops (`check_failed_share`)."""
-    tags: dict[str, str]
-    """The run's tags of how its episodes were read (`rlhf.tool_parser`)."""
-
-    def generation(self, sampler: Sampler, rows: list[dict], sampling: Sampling,
-                   device: torch.device) -> EpisodeGeneration:
-        """Every row's episode (`rows`: each prompt's record: `prompt`, `messages`, declared columns), as a batch."""
-        ...
-
-
-@dataclass(frozen=True)
-class SingleTurn:
-    """Single-turn rollout: each prompt's episode is one response, against an environment that says
-    nothing back. The rendered prompt is sampled in one `generate` call, so the sampling pass's
-    log-probs and hidden states serve the update (`models.reuse_sampling_pass`)."""
-
-    tokenizer: PreTrainedTokenizerBase
-    stop_ids: list[int]
-    multi_turn = False
-    max_failed_share = 1.0  # a single response has no environment to fail
 
     @property
     def tags(self) -> dict[str, str]:
-        return {}  # nothing is parsed of a single response
+        """The run's tags of how its episodes were read (`rlhf.tool_parser`)."""
+        return {}
 
-    def generation(self, sampler: Sampler, rows: list[dict], sampling: Sampling,
-                   device: torch.device) -> EpisodeGeneration:
-        generated = sampler.generate([row["prompt"] for row in rows], sampling)
-        return single_turn_batch(generated, rows, self.tokenizer, self.stop_ids)
+    @property
+    def figures(self) -> dict[str, float]:
+        """What the source measured of its latest round besides time (a rollout's staleness)."""
+        return {}
+
+    def generation(self, sampler: Sampler, rows: list[dict], sampling: Sampling, device: torch.device,
+                   timings: dict[str, float]) -> EpisodeGeneration:
+        """Every row's episode (`rows`: each prompt's record: `prompt`, `messages`, declared columns), as a
+        batch; the sampling timed into `timings` (`generate`)."""
+        raise NotImplementedError
+
+    def now(self) -> EpisodeSource:
+        """The source that samples on the sampler as it is, now: itself, or the single turn a source
+        that samples ahead reads its episodes with (the evaluations' and the SFT references')."""
+        return self
+
+    def settle(self, timings: dict[str, float]) -> None:
+        """Wait until nothing is in flight, so the sampler may take new weights."""
+
+    def synced(self, version: int) -> None:
+        """The sampler now holds the policy after `version` updates."""
+
+    def save(self, folder: Path, rank: int) -> None:
+        """What this process holds in flight, into a full-state checkpoint's `folder`."""
+
+    def resume(self, folder: Path, rank: int, device: torch.device, version: int) -> None:
+        """Continue from a full-state checkpoint written after iteration `version`."""
+
+    def close(self) -> None:
+        """Drop what is in flight; the stage calls it however it ends."""
+
+
+@dataclass(frozen=True)
+class SingleTurn(EpisodeSource):
+    """Single-turn rollout: each prompt's episode is one response, against an environment that says
+    nothing back. The rendered prompt is sampled in one `generate` call, so the sampling pass's
+    log-probs and hidden states serve the update (`models.reuse_sampling_pass`). A thinking model's
+    reasoning is read in its family's convention (`parse`: `stages.envs.parsers.reasoning_parser`) and
+    kept out of the answer the reward terms score, unless `sees_reasoning`."""
+
+    tokenizer: PreTrainedTokenizerBase
+    stop_ids: list[int]
+    parse: ToolParser = split_turn
+    """A response's text -> its reasoning and answer."""
+    sees_reasoning: bool = False
+    """Whether the answer keeps the reasoning block (`reward.sees_reasoning`)."""
+    prompt_is_row = True
+
+    def generation(self, sampler: Sampler, rows: list[dict], sampling: Sampling, device: torch.device,
+                   timings: dict[str, float]) -> EpisodeGeneration:
+        with timed(timings, "generate"):
+            generated = sampler.generate([row["prompt"] for row in rows], sampling)
+        return self.batch(generated, rows)
+
+    def batch(self, generation: Generation, rows: list[dict]) -> EpisodeGeneration:
+        """Sampled single responses (cut at the first end token) as episodes of one trainable turn, the
+        sampling pass's figures (log-probs, entropy, hidden states, computed tokens) kept."""
+        mask = response_mask(generation.responses, self.stop_ids)  # (B, T) up to and including the first end token
+        ended = is_end(generation.responses, self.stop_ids).any(dim=1).tolist()  # (B,)
+        decoded = self.tokenizer.batch_decode(generation.responses, skip_special_tokens=True)
+        episodes = []
+        for row, query, query_mask, response, kept, end, text in zip(
+                rows, generation.queries.tolist(), generation.query_mask.tolist(), generation.responses.tolist(),
+                mask.tolist(), ended, decoded, strict=True):
+            prompt = [i for i, real in zip(query, query_mask, strict=True) if real]
+            turn = [i for i, real in zip(response, kept, strict=True) if real]
+            read = self._read(turn, end, text)
+            reasoning = len(self.tokenizer(read.reasoning, add_special_tokens=False)["input_ids"]) \
+                if read.reasoning else 0
+            episodes.append(Episode(segments=[Segment(prompt, trainable=False), Segment(turn, trainable=True)],
+                                    status="ok" if end else "truncated", answer=read.content,
+                                    messages=[*row["messages"], read.message()], reasoning_tokens=reasoning,
+                                    columns={k: v for k, v in row.items() if k not in ("prompt", "messages")}))
+        sampled = {f.name: getattr(generation, f.name) for f in dataclasses.fields(Generation)}
+        return EpisodeGeneration(**sampled, mask=mask, trainable=mask, turn_rewards=torch.zeros_like(mask),
+                                 episodes=episodes)
+
+    def _read(self, ids: list[int], ended: bool, decoded: str) -> AssistantTurn:
+        """The response as its family writes it: its reasoning (where it has a block) apart from the
+        answer, which is otherwise the text as decoded without special tokens; with `sees_reasoning`,
+        the answer is all of it."""
+        turn = self.parse(self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False))
+        if turn.reasoning is None:
+            return AssistantTurn(decoded, decoded)
+        answer = decoded if self.sees_reasoning else without_special_tokens(self.tokenizer, turn.content)
+        return AssistantTurn(turn.text, answer, turn.reasoning)
 
 
 def transcript(episode: Episode) -> str:

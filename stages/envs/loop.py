@@ -15,19 +15,28 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from rlhf.config_ppo import EnvironmentConfig, EnvironmentServerConfig
 from stages.common.errors import StageUserError
+from stages.common.reporting import timed
 from stages.common.tensors import response_mask
 from stages.common.user_code import imported_function
 from stages.engines.sampler import Sampler, Sampling
 from stages.envs.environment import Environment, EnvironmentFactory, EnvironmentSetupError, Step, environment_factory
 from stages.envs.episode import Episode, EpisodeGeneration, EpisodeSource, Segment, SingleTurn, episode_batch
-from stages.envs.parsers import AssistantTurn, ToolParser, hermes, never_raising, tool_parser
+from stages.envs.parsers import (
+    AssistantTurn,
+    ToolParser,
+    hermes,
+    never_raising,
+    reasoning_parser,
+    tool_parser,
+    without_special_tokens,
+)
 from stages.envs.served import EnvironmentServer, ServedEpisode
 
 
@@ -146,37 +155,33 @@ def _arguments_as_text(messages: list[dict]) -> list[dict]:
 
 
 @dataclass(kw_only=True)
-class _Live:
-    """An episode while it runs."""
+class Running:
+    """An episode while it runs: the `Episode` as it grows, its environment and tools, and the context
+    the next turn is sampled on (every segment's ids so far)."""
 
+    episode: Episode
     environment: Environment | None
-    messages: list[dict]
     tools: list[dict] | None
-    segments: list[Segment]
-    status: str | None = None
-    answer: str = ""
-    tool_calls: int = 0
-    reasoning_tokens: int = 0
-    error: str | None = None
-    context: list[int] = field(default_factory=list)
-    retries: int = 0
+    context: list[int]
+    ended: bool = False
+    """Whether the episode has its status: it answered, ran out of room, or failed."""
 
     @property
     def after_prompt(self) -> int:
-        return len(self.context) - len(self.segments[0].ids)
+        return len(self.context) - len(self.episode.prompt_ids)
 
     def add(self, segment: Segment) -> None:
-        self.segments.append(segment)
+        self.episode.segments.append(segment)
         self.context = self.context + segment.ids
 
-    def episode(self) -> Episode:
-        return Episode(segments=self.segments, status=self.status or "truncated", messages=self.messages,
-                       answer=self.answer, tool_calls=self.tool_calls, reasoning_tokens=self.reasoning_tokens,
-                       error=self.error, retries=self.retries)
+    def end(self, status: str, error: str | None = None) -> None:
+        self.episode.status, self.ended = status, True
+        if error is not None:
+            self.episode.error = error
 
 
 @dataclass(frozen=True, kw_only=True)
-class EpisodeRunner:
+class EpisodeRunner(EpisodeSource):
     """Runs episodes against the configured environment on a sampler: what the rollout calls."""
 
     settings: EnvironmentConfig
@@ -206,11 +211,12 @@ class EpisodeRunner:
         """Which tool-call convention the loop read turns in (none where the user's rollout writes episodes)."""
         return {} if self.rollout is not None else {"rlhf.tool_parser": self.parser_name}
 
-    def generation(self, sampler: Sampler, rows: list[dict], sampling: Sampling,
-                   device: torch.device) -> EpisodeGeneration:
+    def generation(self, sampler: Sampler, rows: list[dict], sampling: Sampling, device: torch.device,
+                   timings: dict[str, float]) -> EpisodeGeneration:
         """Every row's episode, as the rollout's batch (each turn at most `turn_tokens`, whatever
         `sampling.max_new_tokens` says: an episode's budget is `environment.episode_tokens`)."""
-        episodes = self.episodes(sampler, rows, sampling.temperature)
+        with timed(timings, "generate"):
+            episodes = self.episodes(sampler, rows, sampling.temperature)
         for episode, row in zip(episodes, rows, strict=True):
             episode.columns = {name: value for name, value in row.items() if name not in ("prompt", "messages")}
         return episode_batch(episodes, self.chat.tokenizer.pad_token_id, device)
@@ -226,7 +232,7 @@ class EpisodeRunner:
         tokens than the turn and the roomiest episode's budget allow."""
         live = self._concurrently(self._start, rows)
         for _ in range(self.settings.max_turns):
-            active = [episode for episode in live if episode.status is None]
+            active = [running for running in live if not running.ended]
             if not active:
                 break
             room = max(self.settings.episode_tokens - e.after_prompt for e in active)
@@ -241,11 +247,13 @@ class EpisodeRunner:
             for episode, turn, answer in zip(active, turns, answers, strict=True):
                 if turn is not None:
                     self._answered(episode, *turn[1:], answer)
-        for episode in live:  # a server's episode is let go (an in-process environment may hold resources too)
-            if hasattr(episode.environment, "close"):
-                episode.environment.close()
-            episode.retries = getattr(episode.environment, "retries", 0)
-        return [episode.episode() for episode in live]
+        for running in live:  # a server's episode is let go (an in-process environment may hold resources too)
+            if hasattr(running.environment, "close"):
+                running.environment.close()
+            running.episode.retries = getattr(running.environment, "retries", 0)
+            if not running.ended:  # out of turns
+                running.end("truncated")
+        return [running.episode for running in live]
 
     def _concurrently(self, work: Callable, items: list) -> list:
         """`work` of each item, in order: at most `concurrent_episodes` at once (an environment server's
@@ -255,29 +263,32 @@ class EpisodeRunner:
         with ThreadPoolExecutor(min(self.settings.concurrent_episodes, len(items)), "episode") as pool:
             return list(pool.map(work, items))
 
-    def _start(self, row: dict) -> _Live:
+    def _start(self, row: dict) -> Running:
         """An episode's start: its environment reset, the conversation rendered. An environment that
         cannot start fails its episode (on the record's own messages), not the run."""
-        environment, status, error = None, None, None
+        environment, error = None, None
         try:
             environment = self.make(row)
             messages = list(environment.reset(row))
         except Exception as e:  # noqa: BLE001 - the user's environment failed: the episode fails, the run goes on
-            messages, status, error = list(row["messages"]), "failed", f"{type(e).__name__}: {e}"
+            messages, error = list(row["messages"]), f"{type(e).__name__}: {e}"
         tools = environment.schemas() if hasattr(environment, "schemas") else None
         prompt = self.chat.ids(self.chat.render(messages, tools))
-        return _Live(environment=environment, messages=messages, tools=tools,
-                     segments=[Segment(prompt, trainable=False)], context=list(prompt), status=status, error=error)
+        running = Running(episode=Episode(segments=[Segment(prompt, trainable=False)], messages=messages),
+                          environment=environment, tools=tools, context=list(prompt))
+        if error is not None:
+            running.end("failed", error)
+        return running
 
-    def _parsed(self, episode: _Live, ids: list[int], logprobs: list[float] | None
-                ) -> tuple[_Live, AssistantTurn, list[int], list[float] | None] | None:
+    def _parsed(self, running: Running, ids: list[int], logprobs: list[float] | None
+                ) -> tuple[Running, AssistantTurn, list[int], list[float] | None] | None:
         """One sampled turn (and the engine's log-probs of it, where not the trainer's): kept as sampled
         (cut to the episode's budget) and parsed; None where it ran out of tokens mid-turn (the episode
         is then `truncated`), else what the environment is asked (`_stepped`) and its answer applied to."""
-        room = self.settings.episode_tokens - episode.after_prompt
+        room = self.settings.episode_tokens - running.after_prompt
         ended = bool(ids) and ids[-1] in self.stop_ids and len(ids) <= room
         ids, logprobs = ids[:room], None if logprobs is None else logprobs[:room]
-        tokenizer = self.chat.tokenizer
+        tokenizer, episode = self.chat.tokenizer, running.episode
         turn = self.parse(tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False))
         episode.answer = tokenizer.decode(ids, skip_special_tokens=True) if self.sees_reasoning else \
             without_special_tokens(tokenizer, turn.content)
@@ -285,53 +296,48 @@ class EpisodeRunner:
         episode.tool_calls += len(turn.calls)
         episode.reasoning_tokens += len(self.chat.ids(turn.reasoning)) if turn.reasoning else 0
         if not ended:  # out of tokens mid-turn: nothing the environment could answer
-            episode.add(Segment(ids, trainable=True, logprobs=logprobs))
-            episode.status = "truncated"
+            running.add(Segment(ids, trainable=True, logprobs=logprobs))
+            running.end("truncated")
             return None
-        return episode, turn, ids, logprobs
+        return running, turn, ids, logprobs
 
     @staticmethod
-    def _stepped(episode: _Live, turn: AssistantTurn) -> Step | Exception:
+    def _stepped(running: Running, turn: AssistantTurn) -> Step | Exception:
         """The environment's answer to the turn, or what it raised (the episode fails, not the run)."""
         try:
-            return checked_step(episode.environment.step(turn))
+            return checked_step(running.environment.step(turn))
         except Exception as e:  # noqa: BLE001 - the user's environment or its server failed: so does the episode
             return e
 
-    def _answered(self, episode: _Live, turn: AssistantTurn, ids: list[int], logprobs: list[float] | None,
+    def _answered(self, running: Running, turn: AssistantTurn, ids: list[int], logprobs: list[float] | None,
                   answer: Step | Exception) -> None:
         """The turn kept with the environment's answer: its reward, and its messages as the next context."""
         try:
             if isinstance(answer, Exception):
                 raise answer
             step = answer
-            delta = [] if step.done or not step.messages else self._observed(episode, ids[-1], step.messages)
+            delta = [] if step.done or not step.messages else self._observed(running, ids[-1], step.messages)
         except Exception as e:  # noqa: BLE001 - the environment (or its messages' rendering) failed: so does the episode
-            step, delta, episode.status, episode.error = Step(None), [], "failed", f"{type(e).__name__}: {e}"
-        episode.add(Segment(ids, trainable=True, reward=step.reward, logprobs=logprobs))
-        if episode.status is not None:
+            step, delta = Step(None), []
+            running.end("failed", f"{type(e).__name__}: {e}")
+        running.add(Segment(ids, trainable=True, reward=step.reward, logprobs=logprobs))
+        if running.ended:
             return
         if step.done or not step.messages:
-            episode.status = "ok"
+            running.end("ok")
             return
-        episode.add(Segment(delta[:max(self.settings.episode_tokens - episode.after_prompt, 0)], trainable=False))
-        if episode.after_prompt >= self.settings.episode_tokens:
-            episode.status = "truncated"
+        running.add(Segment(delta[:max(self.settings.episode_tokens - running.after_prompt, 0)], trainable=False))
+        if running.after_prompt >= self.settings.episode_tokens:
+            running.end("truncated")
 
-    def _observed(self, episode: _Live, stop_id: int, messages: list[dict]) -> list[int]:
+    def _observed(self, running: Running, stop_id: int, messages: list[dict]) -> list[int]:
         """The environment's messages appended: the ids of the template's fixed-base delta after a turn
         that ended with `stop_id` (its closing glue, the messages, the next turn's opening)."""
-        episode.messages = episode.messages + list(messages)
+        running.episode.messages = running.episode.messages + list(messages)
         stop = self.chat.tokenizer.decode([stop_id], skip_special_tokens=False)
-        rounds = min(sum(not s.trainable for s in episode.segments[1:]), 1)  # the first observation, or a later one
-        return self.chat.ids(self.chat.observation(list(messages), episode.tools, stop, rounds))
-
-
-def without_special_tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> str:
-    """`text` with the tokenizer's special tokens taken out, as `decode(skip_special_tokens=True)` would."""
-    for token in tokenizer.all_special_tokens:
-        text = text.replace(token, "")
-    return text
+        # the first observation, or a later one
+        rounds = min(sum(not s.trainable for s in running.episode.segments[1:]), 1)
+        return self.chat.ids(self.chat.observation(list(messages), running.tools, stop, rounds))
 
 
 def checked_step(answer: object) -> Step:
@@ -379,9 +385,10 @@ def probe_template(chat: ChatDelta) -> None:
 
 def episode_source(settings: EnvironmentConfig | None, tokenizer: PreTrainedTokenizerBase, model: str,
                    stop_ids: list[int], response_length: int, sees_reasoning: bool = False) -> EpisodeSource:
-    """A single turn per prompt where no environment is set (`SingleTurn`), else `episode_runner`'s."""
+    """A single turn per prompt where no environment is set (`SingleTurn`, reading a thinking model's
+    reasoning in its family's convention), else `episode_runner`'s."""
     if settings is None:
-        return SingleTurn(tokenizer, stop_ids)
+        return SingleTurn(tokenizer, stop_ids, reasoning_parser(tokenizer), sees_reasoning)
     return episode_runner(settings, tokenizer, model, stop_ids, response_length, sees_reasoning)
 
 

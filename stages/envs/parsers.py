@@ -124,6 +124,31 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return None, text
 
 
+def split_turn(text: str) -> AssistantTurn:
+    """A turn read for its reasoning alone (`split_reasoning`: the `</think>` convention), no calls:
+    what a single response without tools is read with where its family has nothing more particular."""
+    reasoning, answer = split_reasoning(text)
+    return AssistantTurn(text, answer, reasoning)
+
+
+def reasoning_parser(tokenizer) -> ToolParser:
+    """How a single response's reasoning is read in the model family's convention: the tokenizer's
+    response template where it has one, gpt-oss's channels (`harmony`), else `split_turn`. Never
+    raises (`never_raising`); a response without reasoning reads as having none."""
+    if getattr(tokenizer, "response_template", None) is not None:
+        return never_raising(response_template_parser(tokenizer))
+    if detect_parser(getattr(tokenizer, "chat_template", None) or "") == "harmony":
+        return never_raising(harmony)
+    return never_raising(split_turn)
+
+
+def without_special_tokens(tokenizer, text: str) -> str:
+    """`text` with the tokenizer's special tokens taken out, as `decode(skip_special_tokens=True)` would."""
+    for token in tokenizer.all_special_tokens:
+        text = text.replace(token, "")
+    return text
+
+
 def _blocks(text: str, start: str, end: str) -> tuple[str, list[tuple[str, bool]]]:
     """The text outside `start ... end` blocks, and each block's body with whether it was closed."""
     pattern = re.compile(re.escape(start) + r"(.*?)(" + re.escape(end) + r"|$)", re.DOTALL)

@@ -1,7 +1,9 @@
 """PPO for language models, one equation per function. Pure tensor code: no models, no I/O.
 
-Shapes: B sequences, T response tokens. `mask` is 1.0 on real response tokens (up to and
-including the first end token) and 0.0 after them. Tests work each function through by hand.
+Shapes: B sequences, T response tokens. `mask` is 1.0 on the tokens that count and 0.0 elsewhere: on a
+single response its real tokens (up to and including the first end token); the stage passes the
+model's own tokens (`trainable`: an episode's turns, not its tool results), and where an equation
+steps through time a token outside the mask is no step. Tests work each function through by hand.
 
 Losses are token means, or the policy loss's `aggregate`. Their `num_tokens` (`denominator`) is
 what the mean divides by: left unset, the batch given's; in the update, the whole minibatch's
@@ -227,7 +229,7 @@ class EstimatorInputs:
     scores: torch.Tensor  # (B,) each response's reward
     kl: torch.Tensor  # (B, T) the per-token KL to the reference, masked
     beta: float  # the KL's weight in the reward: 0 where it is a loss term instead (GRPO)
-    mask: torch.Tensor  # (B, T)
+    trainable: torch.Tensor  # (B, T) the tokens that count: the model's own (a rollout's `trainable`)
     values: torch.Tensor | None = None  # (B, T) the critic's (GAE only)
     group_size: int = 1  # consecutive responses to one prompt
     gamma: float = 1.0
@@ -239,13 +241,13 @@ class EstimatorInputs:
 
     def token_rewards(self) -> torch.Tensor:
         """r_t = -beta * KL_t + dense_t, the score on the last token and each turn's reward on its own last. # (B, T)"""
-        rewards = token_rewards(self.scores, self.kl, self.beta, self.mask) + self.turn_rewards
-        return rewards if self.dense is None else rewards + self.dense * self.mask
+        rewards = token_rewards(self.scores, self.kl, self.beta, self.trainable) + self.turn_rewards
+        return rewards if self.dense is None else rewards + self.dense * self.trainable
 
     def episode_scores(self) -> torch.Tensor:
         """Each episode's score with its turn rewards and its dense rewards summed in: what a group
         baseline compares. # (B,)"""
-        dense = 0.0 if self.dense is None else (self.dense * self.mask).sum(dim=1)
+        dense = 0.0 if self.dense is None else (self.dense * self.trainable).sum(dim=1)
         return self.scores + self.turn_rewards.sum(dim=1) + dense
 
 
@@ -253,29 +255,30 @@ def gae_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[to
     """GAE on r_t = -beta * KL_t plus the score on the last token; returns = A + V (A before whitening)."""
     rewards = e.token_rewards()
     if e.whiten_rewards:
-        rewards = whiten(rewards, e.mask, shift_mean=False)
-    return gae(rewards, e.values, e.mask, e.gamma, e.lam)
+        rewards = whiten(rewards, e.trainable, shift_mean=False)
+    return gae(rewards, e.values, e.trainable, e.gamma, e.lam)
 
 
 def grpo_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
     """GRPO on the score alone: its KL is a loss term (`kl_weights`)."""
-    return grpo_advantages(e.episode_scores(), e.mask, e.group_size, e.std_normalize), None
+    return grpo_advantages(e.episode_scores(), e.trainable, e.group_size, e.std_normalize), None
 
 
 def rloo_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
     """RLOO on R = score - beta * sum KL."""
-    return rloo_advantages(sequence_rewards(e.episode_scores(), e.kl, e.beta, e.mask), e.mask, e.group_size), None
+    rewards = sequence_rewards(e.episode_scores(), e.kl, e.beta, e.trainable)  # (B,)
+    return rloo_advantages(rewards, e.trainable, e.group_size), None
 
 
 def reinforce_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
     """REINFORCE++: discounted returns of r_t = -beta * KL_t plus the score on the last token."""
-    return discounted_returns(e.token_rewards(), e.mask, e.gamma), None
+    return discounted_returns(e.token_rewards(), e.trainable, e.gamma), None
 
 
 def distill_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:
     """On-policy distillation (the published recipe): each token's own reward, discount 0, no baseline:
     A_t = r_t, with the teacher's term `dense_t = w * (log p_teacher - log p_policy)` (k1) in it."""
-    return discounted_returns(e.token_rewards(), e.mask, gamma=0.0), None
+    return discounted_returns(e.token_rewards(), e.trainable, gamma=0.0), None
 
 
 def reinforce_baseline_estimate(e: EstimatorInputs, whiten: Whiten = masked_whiten) -> tuple[torch.Tensor, None]:

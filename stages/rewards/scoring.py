@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from schemas.validate import render_prompt
+from stages.common.batches import per_row
 from stages.common.tensors import last_token_index
 from stages.memory.phases import SCORING_BATCH
 from stages.runtime.models import (
@@ -196,43 +197,20 @@ def fit_normalization(reference_scores: torch.Tensor) -> tuple[float, float]:
 
 @dataclass(frozen=True, kw_only=True)
 class Scores:
-    """What a rollout's responses scored. # (B,) each"""
+    """What the reward said of each episode: a batch over the episodes' rows. # (B,) each"""
 
-    raw: torch.Tensor | None
-    """The reward model's outputs for each response as it is: a cut-off one is scored without an end
-    token. None without a reward model."""
-    normalized: torch.Tensor | None
-    """On the normalised scale: gain * raw + bias. None without a reward model."""
-    terms: dict[str, torch.Tensor]
+    terms: dict[str, torch.Tensor] = per_row()
     """Each term of `reward` by name: the reward model's normalised score with a cut-off response
     given `missing_eos_score` (when set), clipped to `score_clip` (when set); each function's
-    values (NaN where it gave none)."""
-    reward: torch.Tensor
+    values (NaN where it gave none); each server's (NaN where its score never arrived)."""
+    reward: torch.Tensor = per_row()
     """The reward PPO trains on: the terms' weighted sum."""
-    dropped: torch.Tensor | None = None
+    reported: torch.Tensor = per_row()
+    """What figures and tables show as `score`: the reward model's normalised score, or without a
+    reward model the terms' weighted sum."""
+    dropped: torch.Tensor = per_row()
     """(B,) bool: a remote term's score never arrived (`remote.on_failure: drop`): the response trains
-    nothing and leaves its group's baseline alone. None: every response was scored."""
-
-    @property
-    def reported(self) -> torch.Tensor:
-        """The score figures and tables show as `score`: the reward model's normalised score, or
-        without a reward model the terms' weighted sum."""
-        return self.normalized if self.normalized is not None else self.reward
-
-    def rows(self, rows: list[int]) -> Scores:
-        """These responses' scores, in this order."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.reward.device)
-        return Scores(raw=None if self.raw is None else self.raw[index],
-                      normalized=None if self.normalized is None else self.normalized[index],
-                      terms={name: values[index] for name, values in self.terms.items()}, reward=self.reward[index],
-                      dropped=None if self.dropped is None else self.dropped[index])
-
-
-def concat_scores(parts: list[Scores]) -> Scores:
-    """Scores of consecutive rollouts as one."""
-    def joined(pieces: list) -> torch.Tensor | None:
-        return None if pieces[0] is None else torch.cat(pieces)
-
-    return Scores(raw=joined([p.raw for p in parts]), normalized=joined([p.normalized for p in parts]),
-                  terms={name: torch.cat([p.terms[name] for p in parts]) for name in parts[0].terms},
-                  reward=torch.cat([p.reward for p in parts]), dropped=joined([p.dropped for p in parts]))
+    nothing and leaves its group's baseline alone. All False without remote terms."""
+    raw: dict[str, torch.Tensor] = per_row()
+    """The reward model's outputs as it is (a cut-off response scored without an end token), before
+    normalisation, under its term's name; empty without a reward model."""

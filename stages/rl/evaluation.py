@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,35 +20,14 @@ import pandas as pd
 import torch
 
 from rlhf.config_common import EvaluationConfig, SamplingConfig
-from rlhf.config_ppo import PPOConfig
 from rlhf.evaluation import win_rate
 from stages.common.reporting import Reporting
 from stages.engines.sampler import Sampler
 from stages.envs.episode import Episode, EpisodeSource, episode_figures, transcript
-from stages.math.ppo_math import kl_estimate, weighted_reward
+from stages.math.ppo_math import kl_estimate
 from stages.rl.ppo_models import Models
-from stages.rl.ppo_rollout import own_random_stream, reference_episodes, rollout
-
-
-@dataclass(frozen=True)
-class TermJudge:
-    """PPO's reward terms besides the reward model (functions, servers) as an evaluation scores
-    responses with them."""
-
-    values: Callable[[list[list[dict]], list[Episode], str], dict[str, torch.Tensor]]
-    """(prompt messages, the episodes judged, what is judged) -> each term's values by name for the
-    episodes' answers, NaN where it gave none; a `choice` judge's only where the episodes carry the
-    SFT answer it compares with (`Episode.reference`). # -> {name: (B,)}"""
-    weights: dict[str, float]
-    """The weight by name of every term that scores a response alone (the reward model's too; no `choice` judge)."""
-    with_model: bool
-    """Whether a reward model is one of the terms (it then scores, and judges the win rate)."""
-    served: frozenset[str] = frozenset()
-    """The terms a server scores: their NaN is a score that never arrived, not "no reward"."""
-
-    def weighted(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The weighted sum of the terms that score a response alone, "no reward" (NaN) adding nothing. # -> (B,)"""
-        return weighted_reward(values, self.weights, no_reward=values)
+from stages.rl.rollout import Rollouts, own_random_stream, reference_episodes, rollout
+from stages.rl.scoring import TermJudge
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -120,10 +98,10 @@ def evaluate(models: Models, sampler: Sampler, held_out: HeldOut, evaluation: Ev
                           "policy_response": policy.texts, "sft_response": held_out.sft_texts, "kl": kl.cpu().numpy()})
     metrics = {"eval/kl": table["kl"].mean(), "eval/response_length": policy.trainable.sum(1).float().mean().item(),
                "eval/eos_rate": policy.has_eos.float().mean().item()}
-    if policy.teacher_logprobs is not None:  # the teacher's view of each response: KL(policy || teacher), k1, summed
-        teacher_kl = kl_estimate(policy.logprobs, policy.teacher_logprobs) * policy.trainable  # (B, T)
-        table["teacher_kl"] = teacher_kl.sum(1).cpu().numpy()
-        metrics["eval/teacher_kl"] = table["teacher_kl"].mean()
+    teacher = models.teacher.evaluation(policy.logprobs, policy.teacher, policy.trainable)  # a teacher's view of each
+    for name, column in teacher.items():
+        table[name] = column
+        metrics[f"eval/{name}"] = table[name].mean()
     if held_out.columns and held_out.columns[0]:  # the records' declared columns, which a judge may read
         table = table.assign(**pd.DataFrame(held_out.columns, index=table.index))
     if held_out.source.multi_turn:  # the conversations, and how often each policy called a tool
@@ -185,11 +163,12 @@ def warn_over_kl_budget(metrics: dict[str, float], kl_budget: float, reporting: 
                           f"is over the budget of {kl_budget}")
 
 
-def evaluate_midway(models: Models, sampler: Sampler, held_out: HeldOut, cfg: PPOConfig, iteration: int,
-                    reporting: Reporting, judge: TermJudge | None = None) -> dict[str, float]:
+def evaluate_midway(rollouts: Rollouts, held_out: HeldOut, iteration: int, reporting: Reporting) -> dict[str, float]:
     """An evaluation between iterations, reported at `iteration`, leaving training's random stream as it was."""
+    models, cfg = rollouts.models, rollouts.cfg
     with own_random_stream(models.policy.device):
-        metrics, table = evaluate(models, sampler, held_out, cfg.evaluation, cfg.sampling, judge)
+        metrics, table = evaluate(models, rollouts.sampler, held_out, cfg.evaluation, cfg.sampling,
+                                  rollouts.scoring.term_judge())
     reporting.metrics(metrics, iteration)
     reporting.evaluation(table, iteration)
     return metrics

@@ -1,11 +1,13 @@
 """The models PPO holds and the passes it takes through them.
 
-The policy (with LoRA adapters or not), its frozen reference, the reward model that scores, and,
-for GAE, the critic: a value head on the policy's own body (`SharedValueHead`), a separate model
-started from the reward model (`RewardCritic`), or LoRA adapters and a value head on the reward
-model the scorer holds (`RewardLoRACritic`: one copy of the reward model instead of two). Every
-critic answers `values(...)` the same way, so the rollout and the update never ask which one they
-have; the critic-free estimators (GRPO, RLOO, REINFORCE++) build none, and their values are None.
+The policy (with LoRA adapters or not), its frozen reference, the reward model that scores, the
+distillation teacher (`stages.rl.teacher`), and, for GAE, the critic: a value head on the policy's
+own body (`SharedValueHead`), a separate model started from the reward model (`RewardCritic`), or
+LoRA adapters and a value head on the reward model the scorer holds (`RewardLoRACritic`: one copy
+of the reward model instead of two). Every critic answers `values(...)`, its value loss and its
+figure the same way, so the rollout, the update and the report never ask which one they have; the
+critic-free estimators (GRPO, RLOO, REINFORCE++, distillation) hold `NoCritic`, whose values are 0
+and which adds no loss.
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ import torch
 from transformers import PreTrainedModel
 
 from rlhf.config_common import LoRAConfig
-from rlhf.config_ppo import PPOConfig
+from rlhf.config_ppo import CriticConfig, PPOConfig
+from stages.common.batches import Sequences
+from stages.math.ppo_math import clipped_value_loss, explained_variance
 from stages.rewards.scoring import RewardScorer, load_reward_model, shares_tokenizer
+from stages.rl.teacher import NoTeacher, Teacher, teacher_for
 from stages.runtime.compiling import LEAST_COMPILE_S, Compiler, probe_compile
+from stages.runtime.forward import forward_response, last_hidden, padding_free_refusal
 from stages.runtime.holding import Holding, Replicated
 from stages.runtime.lora import copied, lora_config, restore_adapters, with_lora
 from stages.runtime.models import (
@@ -30,113 +36,60 @@ from stages.runtime.models import (
     dtype_named,
     load_causal_lm,
     load_tokenizer,
-    position_ids_for,
     resolve_precision,
     stop_token_ids,
 )
 from stages.runtime.packing import Passes, TokenCounts
 
-
-def forward_response(model: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
-                     mask: torch.Tensor, want_hidden: bool, passes: Passes
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits that predict each response token, and the final hidden states at the same
-    positions, from one pass over prompt + response, padded or packed as `passes` says (where
-    `mask` is 0, whatever the layout leaves there), compiled where `passes.compiler` is on.
-    # -> (B, T, V), (B, T, H) | None"""
-    rows, steps = responses.shape
-    packed, run = passes.layout(queries, query_mask, responses, mask), passes.compiler(model)
-    with passes.precision.autocast(queries.device):
-        if packed is not None:  # no attention mask: the position ids' restarts are the sequences' bounds
-            out = run(input_ids=packed.ids, position_ids=packed.positions, output_hidden_states=want_hidden,
-                      use_cache=False, logits_to_keep=packed.kept)
-            # A model that ignores `logits_to_keep` returns every column.
-            kept = out.logits if out.logits.shape[1] == len(packed.kept) else out.logits[:, packed.kept]
-            return packed.logits(kept), packed.hidden(out.hidden_states[-1]) if want_hidden else None
-        padded = _padded(queries, query_mask, responses, mask, passes)
-        kept = padded.pop("response_columns") + 1
-        # Only the last T' + 1 positions need the vocabulary projection: the logits at position p predict token p + 1.
-        out = run(**padded, output_hidden_states=want_hidden, use_cache=False, logits_to_keep=kept)
-    # Sliced here as well: a model that ignores `logits_to_keep` returns every position.
-    logits = out.logits[:rows, -kept:-1][:, :steps]  # (B, T, V)
-    hidden = out.hidden_states[-1][:rows, -kept:-1][:, :steps] if want_hidden else None  # (B, T, H)
-    return logits, hidden
-
-
-def _padded(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor,
-            passes: Passes) -> dict:
-    """Prompt + response as one padded batch: ids, attention mask and positions that count real
-    tokens only, and `response_columns`, T'. A compiled pass takes bucketed shapes
-    (`passes.compiler.bucket`): the responses padded on the right to T', the prompts on the left to
-    the bucketed whole width, and rows of one padding token added; nothing reads their outputs.
-    # -> (B', Tq' + T') each"""
-    (rows, width), steps, bucket = queries.shape, responses.shape[1], passes.compiler.bucket
-    columns = bucket(steps)
-    prompt_columns = bucket(width + columns) - columns
-    extra_rows = bucket(rows) - rows
-    if (columns, prompt_columns, extra_rows) != (steps, width, 0):
-        pad = passes.pad_id
-        queries = torch.nn.functional.pad(queries, (prompt_columns - width, 0, 0, extra_rows), value=pad)
-        query_mask = torch.nn.functional.pad(query_mask, (prompt_columns - width, 0, 0, extra_rows))
-        query_mask[rows:, -1] = 1  # an added row attends to one token of its own
-        responses = torch.nn.functional.pad(responses, (0, columns - steps, 0, extra_rows), value=pad)
-        mask = torch.nn.functional.pad(mask, (0, columns - steps, 0, extra_rows))
-    attention_mask = torch.cat([query_mask, mask.long()], dim=1)
-    return {"input_ids": torch.cat([queries, responses], dim=1), "attention_mask": attention_mask,
-            "position_ids": position_ids_for(attention_mask), "response_columns": columns}
-
-
-def last_hidden(base: PreTrainedModel, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
-                mask: torch.Tensor, passes: Passes) -> torch.Tensor:
-    """A base model's (no head) final hidden states before each response token, from one pass over
-    prompt + response, padded or packed, compiled where `passes.compiler` is on. # -> (B, T, H)"""
-    rows, steps = responses.shape
-    packed, run = passes.layout(queries, query_mask, responses, mask), passes.compiler(base)
-    with passes.precision.autocast(queries.device):
-        if packed is not None:
-            return packed.hidden(run(input_ids=packed.ids, position_ids=packed.positions,
-                                     use_cache=False).last_hidden_state)
-        padded = _padded(queries, query_mask, responses, mask, passes)
-        kept = padded.pop("response_columns") + 1
-        hidden = run(**padded, use_cache=False).last_hidden_state  # (B', Tq' + T', H)
-    return hidden[:rows, -kept:-1][:, :steps]  # the states before each response token
-
-
-def padding_free_refusal(model: PreTrainedModel, base: bool = False) -> str | None:
-    """Why `model` cannot take packed passes, or None: a probe of three short sequences (two of them
-    packed into one row) run padded and packed, whose outputs must agree (as float round-off allows at
-    the model's dtype). A model whose attention ignores the position ids' restarts lets one sequence
-    see another; one whose forward takes no `position_ids` or `logits_to_keep` fails outright.
-    `base`: a body without a head (`last_hidden`), else a causal LM (`forward_response`)."""
-    vocab = model.config.get_text_config().vocab_size
-    ids = (torch.arange(12).reshape(3, 4) * 7 + 3) % vocab  # (3, 4) arbitrary real ids
-    query_mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1]])
-    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0]])  # lengths 6, 3 and 2: a row of 6 holds the two short ones
-    on = next(model.parameters()).device
-    inputs = [x.to(on) for x in (ids, query_mask, ids[:, :2], mask)]
-    try:
-        with torch.no_grad():
-            ways = [Passes(precision=resolve_precision("fp32"), padding_free=way) for way in (False, True)]
-            if base:
-                outputs = [last_hidden(model, *inputs, way) for way in ways]
-            else:
-                outputs = [forward_response(model, *inputs, want_hidden=False, passes=way)[0] for way in ways]
-    except (TypeError, ValueError, RuntimeError, IndexError) as error:
-        return f"{type(model).__name__} failed a packed forward pass: {error}"
-    padded, packed = (x * inputs[3].unsqueeze(-1) for x in outputs)
-    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 3e-2
-    gap = float((padded - packed).abs().max() / padded.abs().max().clamp(min=1e-6))
-    if gap > tolerance:
-        return (f"{type(model).__name__}'s packed outputs differ from its padded ones by {gap:.2g} (relative; at most "
-                f"{tolerance:g} expected): its attention does not keep packed sequences apart "
-                f"(attn_implementation {model.config._attn_implementation!r})")
-    return None
-
-
 # --- critics ------------------------------------------------------------------------------------
 
 
-class SharedValueHead(torch.nn.Module):
+class ValueFunction(torch.nn.Module):
+    """What every critic that learns shares: its value loss in the update and its figure."""
+
+    learns = True
+
+    def with_value_loss(self, loss: torch.Tensor, values: torch.Tensor, micro, settings: CriticConfig,
+                        num_tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """`loss` plus c1 x the clipped value loss of `values` (B, T) against the micro-batch's returns,
+        over the minibatch's `num_tokens`; its figures."""
+        value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, micro.counted,
+                                                       settings.clip_range_value, num_tokens)
+        return loss + settings.vf_coef * value_loss, {"value_loss": value_loss.item(),
+                                                       "value_clip_fraction": value_clipped.item()}
+
+    def figures(self, batch) -> dict[str, float]:
+        """How much of the returns' variance the rollout's values explain."""
+        return {"train/explained_variance": explained_variance(batch.values, batch.returns, batch.trainable)}
+
+
+class NoCritic:
+    """The critic-free estimators' stand-in (GRPO, RLOO, REINFORCE++, distillation): no value function
+    learns, so V = 0 on every token (their baselines come from the scores), with no value loss, no
+    parameters and no figures."""
+
+    learns = False
+    reads_policy_hidden = False
+
+    def values(self, policy_hidden, sequences: Sequences, passes: Passes, detach_body: bool = False
+               ) -> torch.Tensor:  # -> (B, T)
+        return torch.zeros_like(sequences.mask)
+
+    def adopt_normalization(self, gain: float, bias: float, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def restore_normalization(self, gain: float, bias: float) -> None:
+        return None
+
+    def with_value_loss(self, loss: torch.Tensor, values: torch.Tensor, micro, settings: CriticConfig | None,
+                        num_tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        return loss, {}
+
+    def figures(self, batch) -> dict[str, float]:
+        return {}
+
+
+class SharedValueHead(ValueFunction):
     """V(s_t) = w . h_t + b on the policy's final hidden states: no model of its own. Small
     initial values, so early advantages come from the rewards, not from noise. `detach_body`:
     the value loss trains the head only, never the policy's body it reads."""
@@ -150,7 +103,7 @@ class SharedValueHead(torch.nn.Module):
         torch.nn.init.normal_(self.linear.weight, std=1.0 / math.sqrt(hidden_size + 1))
         torch.nn.init.zeros_(self.linear.bias)
 
-    def values(self, policy_hidden: torch.Tensor, queries, query_mask, responses, mask, passes: Passes,
+    def values(self, policy_hidden: torch.Tensor, sequences: Sequences, passes: Passes,
                detach_body: bool = False) -> torch.Tensor:  # (B, T, H) -> (B, T)
         hidden = policy_hidden.to(self.linear.weight.dtype)
         return self.linear(hidden.detach() if self.detach_body or detach_body else hidden).squeeze(-1)
@@ -163,7 +116,7 @@ class SharedValueHead(torch.nn.Module):
         return None
 
 
-class ScoreHeadCritic(torch.nn.Module):
+class ScoreHeadCritic(ValueFunction):
     """A critic read off a reward model's score head at every response position, plus a constant
     `offset` (most families' score heads have no bias): `RewardCritic` and `RewardLoRACritic`, each
     giving `head` and `values`. With `rescale`, the reward normalisation PPO fits on its first
@@ -207,9 +160,9 @@ class RewardCritic(ScoreHeadCritic):
     def head(self) -> torch.nn.Module:
         return self.model.score
 
-    def values(self, policy_hidden, queries, query_mask, responses, mask, passes: Passes,
-               detach_body: bool = False) -> torch.Tensor:  # -> (B, T)
-        hidden = last_hidden(self.model.base_model, queries, query_mask, responses, mask, passes)
+    def values(self, policy_hidden, sequences: Sequences, passes: Passes, detach_body: bool = False
+               ) -> torch.Tensor:  # -> (B, T)
+        hidden = last_hidden(self.model.base_model, sequences, passes)
         return self.head(hidden).squeeze(-1).float() + self.offset
 
 
@@ -242,13 +195,13 @@ class RewardLoRACritic(ScoreHeadCritic):
             getattr(layer, name) for layer in model.modules() if isinstance(layer, BaseTunerLayer)
             for name in layer.adapter_layer_names if len(getattr(layer, name, ())))
 
-    def values(self, policy_hidden, queries, query_mask, responses, mask, passes: Passes,
-               detach_body: bool = False) -> torch.Tensor:  # -> (B, T)
-        hidden = last_hidden(self.scorer.model.base_model, queries, query_mask, responses, mask, passes)
+    def values(self, policy_hidden, sequences: Sequences, passes: Passes, detach_body: bool = False
+               ) -> torch.Tensor:  # -> (B, T)
+        hidden = last_hidden(self.scorer.model.base_model, sequences, passes)
         return self.head(hidden.float()).squeeze(-1) + self.offset
 
 
-Critic = SharedValueHead | RewardCritic | RewardLoRACritic
+Critic = SharedValueHead | RewardCritic | RewardLoRACritic | NoCritic
 
 
 # --- the models of a run -------------------------------------------------------------------------
@@ -256,17 +209,17 @@ Critic = SharedValueHead | RewardCritic | RewardLoRACritic
 
 @dataclass(kw_only=True)
 class Models:
+    """The models a run holds, placed as `holding` says, and how its passes over them compute."""
+
     policy: PreTrainedModel
-    critic: Critic | None
-    """None for the critic-free advantage estimators."""
+    critic: Critic = field(default_factory=NoCritic)
+    """The value function GAE learns; `NoCritic` for the critic-free advantage estimators."""
     reference: PreTrainedModel | None
-    """None when LoRA is on: the reference is the policy with its adapters disabled."""
+    """None when LoRA is on: the reference is the policy with its adapters disabled (`reference_policy`)."""
     scorer: RewardScorer | None
     """None where no reward model takes part (DPO's evaluation; PPO whose reward is functions alone)."""
-    teacher: PreTrainedModel | None = None
-    """The distillation teacher (`ppo.teacher`), frozen and held as the reference is; None without one."""
-    teacher_top_k: int | None = None
-    """`ppo.teacher.top_k`: the rollout keeps the teacher's top-k bins at every position for its loss term."""
+    teacher: Teacher | NoTeacher = field(default_factory=NoTeacher)
+    """The distillation teacher (`ppo.teacher`), frozen and held as the reference is; `NoTeacher` without one."""
     tokenizer: object
     precision: Precision
     stop_ids: list[int]
@@ -297,23 +250,22 @@ class Models:
         return [p for m in self.trained_modules() for p in m.parameters() if p.requires_grad]
 
     def trained_modules(self) -> list[torch.nn.Module]:
-        return [m for m in (self.policy, self.critic) if m is not None]
+        return [self.policy, self.critic] if self.critic.learns else [self.policy]
 
     def train(self, mode: bool = True) -> None:
         for module in self.trained_modules():
             module.train(mode)
 
-    def adopt_normalization(self, gain: float, bias: float, values: torch.Tensor | None) -> torch.Tensor | None:
+    def adopt_normalization(self, gain: float, bias: float, values: torch.Tensor) -> torch.Tensor:
         """The scorer, and the critic if it takes it, on the normalised scale; `values` mapped alike
         (only with a reward model: nothing else is normalised)."""
         self.scorer.gain, self.scorer.bias = gain, bias
-        return values if self.critic is None else self.critic.adopt_normalization(gain, bias, values)
+        return self.critic.adopt_normalization(gain, bias, values)
 
     def restore_normalization(self, gain: float, bias: float) -> None:
         """On resume: the scorer's map, and the critic's offset (its saved head is already scaled)."""
         self.scorer.gain, self.scorer.bias = gain, bias
-        if self.critic is not None:
-            self.critic.restore_normalization(gain, bias)
+        self.critic.restore_normalization(gain, bias)
 
 
 def rounds_to_16_bits(cfg: PPOConfig, precision: Precision) -> bool:
@@ -344,11 +296,11 @@ def build_policy(cfg: PPOConfig, sft_location: str, tokenizer) -> PreTrainedMode
 
 
 def build_critic(cfg: PPOConfig, policy: PreTrainedModel, tokenizer, scorer: RewardScorer | None,
-                 reward_location: str | None, sft_location: str) -> Critic | None:
-    """GAE's critic as `cfg.critic.kind` asks; None for the critic-free estimators. The critics on the
-    reward model read the policy's token ids, so that model must share the policy's tokenizer."""
+                 reward_location: str | None, sft_location: str) -> Critic:
+    """GAE's critic as `cfg.critic.kind` asks; `NoCritic` for the critic-free estimators. The critics on
+    the reward model read the policy's token ids, so that model must share the policy's tokenizer."""
     if not cfg.uses_critic:
-        return None
+        return NoCritic()
     critic = cfg.critic
     if critic.kind in ("shared", "detached"):
         return SharedValueHead(policy.config.hidden_size, detach_body=critic.kind == "detached")
@@ -365,24 +317,6 @@ def build_critic(cfg: PPOConfig, policy: PreTrainedModel, tokenizer, scorer: Rew
         return RewardLoRACritic(scorer, critic.lora, rescale=critic.normalize)
     return RewardCritic(load_reward_model(reward_location, tokenizer, trust_remote_code=cfg.trust_remote_code,
                                           fresh_head=False), rescale=critic.normalize)
-
-
-def load_teacher(cfg: PPOConfig, location: str, tokenizer, holding: Holding) -> PreTrainedModel:
-    """The distillation teacher at `location`, frozen in `cfg.frozen_dtype`, dropout off, placed as the
-    reference is (sharded and offloaded where the holding says). It reads the policy's token ids, so
-    a teacher whose vocabulary differs is refused with the first ids that differ."""
-    settings = cfg.teacher
-    own = load_tokenizer(location, trust_remote_code=settings.trust_remote_code).get_vocab()
-    policy_vocab = tokenizer.get_vocab()
-    if own != policy_vocab:
-        differ = sorted(set(own.items()) ^ set(policy_vocab.items()), key=lambda item: item[1])[:3]
-        raise ValueError(f"ppo.teacher: the teacher at {location} has another vocabulary ({len(own)} tokens against "
-                         f"the policy's {len(policy_vocab)}; e.g. {differ}): its log-probs would grade other tokens "
-                         "than the policy's; distil from a teacher of the policy's tokenizer")
-    teacher = load_causal_lm(location, tokenizer, dtype=dtype_named(cfg.frozen_dtype),
-                             trust_remote_code=settings.trust_remote_code)
-    disable_dropout(teacher)
-    return holding.frozen(teacher.eval().requires_grad_(False))
 
 
 def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
@@ -416,17 +350,16 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
         scorer.padding_free = packing_setting(padding_free, [(scorer.model.base_model, True)])
         scorer.policy_tokens = shares_tokenizer(scorer.tokenizer, tokenizer)
         scorer.model = holding.frozen(scorer.model)
-    if critic is not None:
+    if critic.learns:
         holding.place_trained(critic)
     precision = resolve_precision(cfg.precision)
     counts = TokenCounts()
     if scorer is not None:
         scorer.counts = counts
     passes = Passes(precision=precision, padding_free=padding_free, pad_id=tokenizer.pad_token_id)
-    teacher = None if cfg.teacher is None else load_teacher(cfg, teacher_location, tokenizer, holding)
+    teacher = teacher_for(cfg.teacher, teacher_location, tokenizer, holding, cfg.frozen_dtype)
     return Models(policy=policy, critic=critic, reference=reference, scorer=scorer, teacher=teacher,
-                  teacher_top_k=cfg.teacher and cfg.teacher.top_k, tokenizer=tokenizer,
-                  precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
+                  tokenizer=tokenizer, precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
                   reuse_sampling_pass=reuse_sampling_pass(cfg.old_logprobs, rounds_to_16_bits(cfg, precision)),
                   padding_free=padding_free, counts=counts, compiler=compiler_for(cfg, policy, passes))
 
@@ -465,7 +398,7 @@ def compiler_for(cfg: PPOConfig, policy: PreTrainedModel, passes: Passes) -> Com
     return Compiler(enabled=enabled, static_shapes=static_shapes, reason=reason)
 
 
-def critic_bodies(critic: Critic | None) -> list[tuple[PreTrainedModel, bool]]:
+def critic_bodies(critic: Critic) -> list[tuple[PreTrainedModel, bool]]:
     """The models a critic runs passes of its own through (none for the shared value head), as
     `packing_setting` probes them: (model, a body without a head)."""
     if isinstance(critic, RewardCritic):
@@ -499,17 +432,14 @@ def reference_policy(models: Models) -> Iterator[PreTrainedModel]:
             yield models.policy
 
 
-def policy_and_values(models: Models, queries, query_mask, responses, mask, freeze_policy: bool = False,
-                      phase: str = "update") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Policy logits and values for the response tokens (None without a critic); with the shared
+def policy_and_values(models: Models, sequences: Sequences, freeze_policy: bool = False,
+                      phase: str = "update") -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy logits and values for the response tokens (0 without a critic); with the shared
     value head, one backbone pass (`freeze_policy`: the value loss does not reach the body). Its
     passes are counted under `phase`. # (B, T, V), (B, T)"""
     critic, passes = models.critic, models.passes(phase)
-    logits, hidden = forward_response(models.policy, queries, query_mask, responses, mask,
-                                      want_hidden=critic is not None and critic.reads_policy_hidden, passes=passes)
-    if critic is None:
-        return logits, None
-    return logits, critic.values(hidden, queries, query_mask, responses, mask, passes, detach_body=freeze_policy)
+    logits, hidden = forward_response(models.policy, sequences, passes, want_hidden=critic.reads_policy_hidden)
+    return logits, critic.values(hidden, sequences, passes, detach_body=freeze_policy)
 
 
 class ActorCritic(torch.nn.Module):
@@ -522,4 +452,5 @@ class ActorCritic(torch.nn.Module):
         self.models = models
 
     def forward(self, queries, query_mask, responses, mask, freeze_policy=False) -> tuple[torch.Tensor, torch.Tensor]:
-        return policy_and_values(self.models, queries, query_mask, responses, mask, freeze_policy)
+        """The four tensors of `Sequences` one by one: what DDP and FSDP2 hand a module's forward."""
+        return policy_and_values(self.models, Sequences(queries, query_mask, responses, mask), freeze_policy)

@@ -1,6 +1,6 @@
-"""What a PPO iteration reports: its figures (`iteration_figures`; the reward terms' own,
-`term_figures`), the warnings they raise (`warnings_of`), and the episodes and samples tables
-(`report_iteration`)."""
+"""What a PPO iteration reports: its figures (`iteration_figures`; the reward terms', the critic's and
+the teacher's own are theirs to give), the warnings they raise (`warnings_of`), and the episodes and
+samples tables (`report_iteration`)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ import json
 import time
 
 import pandas as pd
-import torch
 
 from rlhf.config_ppo import PPOConfig
 from schemas.adapters import last_user_message
 from stages.common.reporting import Reporting
 from stages.common.tensors import masked_mean
 from stages.envs.episode import episode_figures, transcript
-from stages.math.ppo_math import explained_variance
-from stages.rl.advantages import Estimated
+from stages.rl.batch import TrainingBatch
 from stages.rl.ppo_models import rounds_to_16_bits
 from stages.rl.ppo_state import LoopState
+from stages.rl.rollout import Rollouts
 from stages.rl.update import Learner
 from stages.runtime.collectives import gathered
 from stages.runtime.models import Precision, resolve_precision
@@ -82,73 +81,52 @@ def warnings_of(cfg: PPOConfig, figures: dict[str, float], first_length: float, 
     return [f"iteration {iteration}: {message}" for message in found]
 
 
-def iteration_figures(learner: Learner, estimated: Estimated, train: dict[str, float], timings: dict[str, float],
-                      started: float) -> dict[str, float]:
+def iteration_figures(learner: Learner, rollouts: Rollouts, batch: TrainingBatch, train: dict[str, float],
+                      timings: dict[str, float], started: float) -> dict[str, float]:
     """What one iteration logs, this process's share (`over_processes` combines them); `started`:
     the iteration's start on the `time.perf_counter` clock."""
-    batch, scores, kl, accelerator = estimated.batch, estimated.scores, estimated.kl, learner.accelerator
+    scores, kl, accelerator, cfg, models = batch.scores, batch.kl, learner.accelerator, learner.cfg, learner.models
     figures = {
         "rollout/score": scores.reported.mean().item(),
         "rollout/score_std": gathered(accelerator, scores.reported).std().item(),  # over all processes' scores
         "rollout/score_used": scores.reward.mean().item(),
-        "rollout/non_score_reward": (-estimated.weights.in_reward * kl).sum(1).mean().item(),
-        "rollout/kl": estimated.sequence_kl.mean().item(),
-        "rollout/kl_coef": estimated.weights.beta,
+        "rollout/non_score_reward": (-batch.kl_weights.in_reward * kl).sum(1).mean().item(),
+        "rollout/kl": batch.sequence_kl.mean().item(),
+        "rollout/kl_coef": batch.kl_weights.beta,
         "rollout/entropy": masked_mean(batch.entropy, batch.trainable).item(),
         "rollout/response_length": batch.trainable.sum(1).float().mean().item(),
         "rollout/eos_rate": batch.has_eos.float().mean().item(),
         **{f"train/{k}": v for k, v in train.items()},
         "train/learning_rate": learner.scheduler.get_last_lr()[0],
         **{f"time/{k}": v for k, v in timings.items()},
-        **learner.models.counts.shares(),  # perf/padding_share/<phase>: positions computed that held no token
-        **learner.models.compiler.figures(),  # perf/recompiles, time/compile: when the passes are compiled
+        **models.counts.shares(),  # perf/padding_share/<phase>: positions computed that held no token
+        **models.compiler.figures(),  # perf/recompiles, time/compile: when the passes are compiled
+        **rollouts.scoring.figures(scores),  # the reward model's raw mean; each term besides it
+        **models.teacher.figures(batch.logprobs, batch.teacher, batch.trainable),  # on-policy distillation
+        **models.critic.figures(batch),  # explained variance
     }
-    if scores.raw is not None:
-        figures["rollout/score_raw"] = scores.raw.mean().item()
-    if scores.dropped is not None:  # responses a server never scored, left out of the update
-        figures["rollout/remote_failed_share"] = scores.dropped.float().mean().item()
-    if estimated.teacher_kl is not None:  # on-policy distillation: how far the policy is from its teacher
-        figures |= {"rollout/teacher_kl": estimated.teacher_kl.sum(1).mean().item(),
-                    "rollout/teacher_kl_per_token": masked_mean(estimated.teacher_kl, batch.trainable).item()}
-    if batch.returns is not None:
-        figures["train/explained_variance"] = explained_variance(batch.values, batch.returns, batch.trainable)
-    if learner.reward_functions or learner.remote_rewards or learner.cfg.reward.overlong:  # terms besides the RM's
-        figures |= term_figures(scores.terms, {f.term.name for f in learner.reward_functions})
-    if batch.engine_logprobs is not None:
+    if cfg.rollout_engine == "vllm":  # the engine's log-probs against the trainer's
         gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.trainable  # (B, T)
         figures |= {"rollout/vllm_logprob_gap": masked_mean(gap, batch.trainable).item(),
                     "rollout/vllm_logprob_gap_max": gap.max().item()}
-    if learner.episode_source.multi_turn:
+        if cfg.vllm.importance_sampling is not None:
+            weights = batch.engine_weights[batch.trainable.bool()]  # (tokens,)
+            capped = weights >= cfg.vllm.importance_sampling_cap - 1e-6
+            figures |= {"rollout/engine_importance_weight": weights.mean().item(),
+                        "rollout/engine_importance_weight_std": weights.std().item() if len(weights) > 1 else 0.0,
+                        "rollout/engine_importance_weight_capped": capped.float().mean().item()}
+    if rollouts.source.multi_turn:
         figures |= episode_figures(batch.episodes, "rollout")
-    if batch.engine_weights is not None:
-        weights = batch.engine_weights[batch.trainable.bool()]  # (tokens,)
-        capped = weights >= learner.cfg.vllm.importance_sampling_cap - 1e-6
-        figures |= {"rollout/engine_importance_weight": weights.mean().item(),
-                    "rollout/engine_importance_weight_std": weights.std().item() if len(weights) > 1 else 0.0,
-                    "rollout/engine_importance_weight_capped": capped.float().mean().item()}
     elapsed = time.perf_counter() - started
     return figures | {"time/iteration": elapsed,
                       "time/tokens_per_second": batch.mask.sum().item() * accelerator.num_processes / elapsed}
 
 
-def term_figures(terms: dict[str, torch.Tensor], functions: set[str]) -> dict[str, float]:
-    """Each reward term's mean and std over the responses it scored; for a function, the share of
-    responses it gave no reward (`_none`)."""
-    figures = {}
-    for name, values in terms.items():  # (B,) each, NaN where a function gave none
-        given = values[~values.isnan()]
-        figures[f"rollout/reward/{name}"] = given.mean().item() if len(given) else 0.0
-        figures[f"rollout/reward/{name}_std"] = given.std().item() if len(given) > 1 else 0.0
-        if name in functions:
-            figures[f"rollout/reward/{name}_none"] = values.isnan().float().mean().item()
-    return figures
-
-
-def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, estimated: Estimated,
-                     figures: dict[str, float], multi_turn: bool) -> None:
-    """Warnings, figures, every episode (`multi_turn`: with its conversation and status), and now and
-    then a few samples to read."""
-    iteration, batch, messages, scores = estimated.iteration, estimated.batch, estimated.messages, estimated.scores
+def report_iteration(reporting: Reporting, rollouts: Rollouts, loop: LoopState, batch: TrainingBatch,
+                     figures: dict[str, float], iteration: int) -> None:
+    """Warnings, figures, every episode (a source of multi-turn episodes: with its conversation and
+    status), and now and then a few samples to read."""
+    cfg, scores, messages = rollouts.cfg, batch.scores, batch.messages
     previous_length = loop.history[-1]["rollout/response_length"] if loop.history else None
     for message in warnings_of(cfg, figures, loop.first_length, iteration, previous_length, loop.history):
         reporting.warning(message)
@@ -157,14 +135,14 @@ def report_iteration(reporting: Reporting, cfg: PPOConfig, loop: LoopState, esti
     # where a function gave none or a server's score never arrived).
     terms = {f"reward/{name}": values.cpu().numpy() for name, values in scores.terms.items()} \
         if cfg.reward.functions or cfg.reward.remotes or cfg.reward.overlong else {}
-    teacher = {} if estimated.teacher_kl is None else {"teacher_kl": estimated.teacher_kl.sum(1).cpu().numpy()}
+    teacher = rollouts.models.teacher.columns(batch.logprobs, batch.teacher, batch.trainable)
     # A multi-turn episode's whole conversation, tool results marked `[tool <name>]`, and its status.
-    turns = {} if not multi_turn else {"episode": [transcript(e) for e in batch.episodes],
-                                       "status": [e.status for e in batch.episodes],
-                                       **{c: [e.columns.get(c) for e in batch.episodes] for c in cfg.reward.columns}}
+    turns = {} if not rollouts.source.multi_turn else {
+        "episode": [transcript(e) for e in batch.episodes], "status": [e.status for e in batch.episodes],
+        **{c: [e.columns.get(c) for e in batch.episodes] for c in cfg.reward.columns}}
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
                                      "score": scores.reported.cpu().numpy(), **terms,
-                                     "kl": estimated.sequence_kl.cpu().numpy(), **teacher, **turns}), iteration)
+                                     "kl": batch.sequence_kl.cpu().numpy(), **teacher, **turns}), iteration)
     if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
         shown = slice(0, cfg.num_logged_samples)
         reporting.samples(pd.DataFrame({"user": [last_user_message(m) for m in messages[shown]],

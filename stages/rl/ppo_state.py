@@ -76,7 +76,8 @@ def rng_states(accelerator: Accelerator) -> dict[str, torch.Tensor]:
 
 def _held(models: Models) -> dict[str, torch.nn.Module]:
     """The modules a full-state checkpoint holds the weights of."""
-    modules = {"policy": models.policy, "critic": models.critic, "reference": models.reference}
+    modules = {"policy": models.policy, "critic": models.critic if models.critic.learns else None,
+               "reference": models.reference}
     return {name: module for name, module in modules.items() if module is not None}
 
 

@@ -1,8 +1,9 @@
-"""PPO's update: the epochs of minibatches over one iteration's `Estimated`, each minibatch's gradient
-accumulated over micro-batches and processes (`accumulate_gradients`) as one token mean, the
-clipped policy loss and the value loss from `stages.math.ppo_math`, and the optimizer step. A new
-policy loss is an equation in `stages.math.ppo_math` and is applied here, in `_micro_batch_step`.
-`Learner` is what every process trains with (built by `stages.ppo.build_learner`)."""
+"""PPO's update: the epochs of minibatches over one iteration's `TrainingBatch`, each minibatch's
+gradient accumulated over micro-batches and processes (`accumulate_gradients`) as one token mean,
+the clipped policy loss from `stages.math.ppo_math` with the critic's value loss and the teacher's
+loss term where they have one, and the optimizer step. A new policy loss is an equation in
+`stages.math.ppo_math` and is applied here, in `_micro_batch_step`. `Learner` is what every process
+trains with (built by `stages.ppo.build_learner`)."""
 
 from __future__ import annotations
 
@@ -14,22 +15,8 @@ from accelerate import Accelerator
 
 from rlhf.config_ppo import PPOConfig
 from stages.common.errors import NonFiniteLossError
-from stages.common.tensors import binned, entropy_of, log_probs, masked_mean, picked
-from stages.engines.sampler import Sampler
-from stages.envs.episode import EpisodeSource
-from stages.math.ppo_math import (
-    PolicyClip,
-    Totals,
-    aggregate,
-    binned_kl,
-    clipped_policy_loss,
-    clipped_value_loss,
-    kl_estimate,
-    loss_denominator,
-)
-from stages.rewards.functions import RewardFunction
-from stages.rewards.remote import RemoteReward
-from stages.rl.advantages import Estimated
+from stages.common.tensors import entropy_of, log_probs, masked_mean, picked
+from stages.math.ppo_math import PolicyClip, Totals, aggregate, clipped_policy_loss, kl_estimate, loss_denominator
 from stages.rl.batch import TrainingBatch, micro_batch
 from stages.rl.ppo_models import Models
 from stages.runtime.collectives import combined, gathered, sum_over_processes
@@ -40,8 +27,8 @@ from stages.runtime.packing import micro_batches_needed, split_by_tokens
 
 @dataclass(kw_only=True)
 class Learner:
-    """What every process of a PPO run learns with: its models, optimizer, schedule and sampler,
-    built once by `stages.ppo.build_learner`."""
+    """What every process of a PPO run trains with: its models, their optimizer, schedule and loss
+    scaling, built once by `stages.ppo.build_learner`."""
 
     cfg: PPOConfig
     accelerator: Accelerator
@@ -52,14 +39,6 @@ class Learner:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     """Loss scaling for fp16 autocast only; disabled, it passes losses and steps through unchanged."""
-    sampler: Sampler
-    """What the rollouts and evaluations sample the policy with."""
-    reward_functions: list[RewardFunction] = field(default_factory=list)
-    """The `reward` terms that are Python functions, imported and checked."""
-    episode_source: EpisodeSource
-    """Where the rollouts' episodes come from: one turn per prompt, or the `environment`'s loop."""
-    remote_rewards: list[RemoteReward] = field(default_factory=list)
-    """The `reward` terms a server scores, each with its client."""
 
     def trained_parameters(self) -> list[torch.nn.Parameter]:
         """Every parameter the optimizer steps: the policy's (or its adapters) and the critic's."""
@@ -78,7 +57,7 @@ class UpdateStats:
         return {key: combined(key, v, lambda v: float(np.mean(v))) for key, v in self.values.items()}
 
 
-def ppo_update(learner: Learner, estimated: Estimated) -> dict[str, float]:
+def ppo_update(learner: Learner, batch: TrainingBatch, iteration: int) -> dict[str, float]:
     """num_ppo_epochs passes of shuffled minibatches over this process's rollout, one optimizer step each.
     `initial_ratio_deviation`, max |ratio - 1| over the first minibatch before any step, checks that
     the update computes the policy the rollout sampled from (dropout off, same precision)."""
@@ -88,16 +67,16 @@ def ppo_update(learner: Learner, estimated: Estimated) -> dict[str, float]:
     policy_parameters = list(learner.models.policy.parameters())
     in_policy = {id(p) for p in policy_parameters}
     critic_parameters = [p for p in trained if id(p) not in in_policy]  # the value head or the critic model
-    n = len(estimated.batch.responses)
+    n = len(batch.responses)
     stats = UpdateStats()
     for epoch in range(cfg.num_ppo_epochs):
         for index, minibatch in enumerate(torch.randperm(n).split(n // cfg.num_minibatches)):
-            figures = accumulate_gradients(learner, estimated, minibatch.to(estimated.batch.responses.device))
+            figures = accumulate_gradients(learner, batch, minibatch.to(batch.responses.device), iteration)
             deviation = figures.pop("ratio_deviation_max")
             if epoch == 0 and index == 0:
                 stats.add(initial_ratio_deviation=deviation)
             # Critic warm-up: no policy step at all, so Adam's moments and step count stay fresh.
-            if estimated.iteration <= cfg.freeze_policy_iterations:
+            if iteration <= cfg.freeze_policy_iterations:
                 for parameter in policy_parameters:
                     parameter.grad = None
             scaler.unscale_(optimizer)  # clipping reads true gradient norms (no-op without fp16 loss scaling)
@@ -113,7 +92,8 @@ def ppo_update(learner: Learner, estimated: Estimated) -> dict[str, float]:
     return stats.means()
 
 
-def accumulate_gradients(learner: Learner, estimated: Estimated, rows: torch.Tensor) -> dict[str, float]:
+def accumulate_gradients(learner: Learner, batch: TrainingBatch, rows: torch.Tensor,
+                         iteration: int) -> dict[str, float]:
     """Gradients of one minibatch (these `rows` of this process's rollout), accumulated over its
     micro-batches and averaged over processes (DDP: at the last one; FSDP2: at each, into shards).
 
@@ -123,7 +103,7 @@ def accumulate_gradients(learner: Learner, estimated: Estimated, rows: torch.Ten
     `micro_batch_size` and process count (tested to 1e-5). Returned figures are this process's
     sums on the same scale, so their mean over processes is the minibatch's token mean."""
     accelerator, cfg = learner.accelerator, learner.cfg
-    counted = estimated.batch.counted[rows]  # (b, T)
+    counted = batch.counted[rows]  # (b, T)
     num_tokens = sum_over_processes(accelerator, counted.sum())
     num_tokens = num_tokens.clamp(min=1.0) / accelerator.num_processes
     denominator = num_tokens  # the policy and KL losses' `aggregate`: tokens, or sequences (x a length)
@@ -131,13 +111,12 @@ def accumulate_gradients(learner: Learner, estimated: Estimated, rows: torch.Ten
         denominator = sum_over_processes(accelerator, loss_denominator(counted, cfg.loss_aggregation,
                                                                        cfg.aggregation_length))
         denominator = denominator.clamp(min=1.0) / accelerator.num_processes
-    micro_batches = micro_batch_rows(learner, estimated.batch, rows)
+    micro_batches = micro_batch_rows(learner, batch, rows)
     parts: dict[str, list[float]] = {}
     for position, micro_rows in enumerate(micro_batches):
         with learner.models.holding.accumulating(learner.actor_critic, last=position == len(micro_batches) - 1):
-            micro = micro_batch(estimated.batch, micro_rows)
-            figures = _micro_batch_step(learner, micro, num_tokens, denominator, estimated.iteration,
-                                        estimated.weights.in_loss)
+            micro = micro_batch(batch, micro_rows)
+            figures = _micro_batch_step(learner, micro, Totals(num_tokens, denominator), iteration)
         for key, value in figures.items():
             parts.setdefault(key, []).append(value)
     return {key: combined(key, values, sum) for key, values in parts.items()}
@@ -161,44 +140,40 @@ def micro_batch_rows(learner: Learner, batch: TrainingBatch, rows: torch.Tensor)
     return [rows[torch.tensor(run, device=rows.device)] for run in split_by_tokens(lengths, min(count, len(rows)))]
 
 
-def _micro_batch_step(learner: Learner, micro: TrainingBatch, num_tokens: torch.Tensor, denominator: torch.Tensor,
-                      iteration: int, kl_loss_coef: float) -> dict[str, float]:
-    """Forward and backward of one micro-batch: its masked loss sums over the minibatch's `num_tokens`
-    (the policy and KL losses: over its `denominator`, as `loss_aggregation` counts); the value loss
-    only with a critic."""
-    cfg, counted = learner.cfg, micro.counted
+def _micro_batch_step(learner: Learner, micro: TrainingBatch, totals: Totals, iteration: int) -> dict[str, float]:
+    """Forward and backward of one micro-batch: its masked loss sums over the minibatch's
+    `totals.tokens` (the policy and KL losses: over its `totals.denominator`, as `loss_aggregation`
+    counts); the critic's value loss and the teacher's loss term where they have one."""
+    cfg, models, counted, num_tokens = learner.cfg, learner.models, micro.counted, totals.tokens
     # Critic warm-up: the policy terms stay in the graph at weight 0 (every parameter gets a
     # gradient, as DDP needs); `ppo_update` then drops the policy's gradients before the step.
     warming_up = iteration <= cfg.freeze_policy_iterations
-    logits, values = learner.actor_critic(micro.queries, micro.query_mask, micro.responses, micro.mask, warming_up)
+    logits, values = learner.actor_critic(*micro.sequences, warming_up)
     logps = log_probs(logits, cfg.sampling.temperature)  # (b, T, V): the policy loss's and the teacher loss's
     logprobs = picked(logps, micro.responses)
     clip = PolicyClip(low=cfg.clip_range, high=cfg.clip_high, level=cfg.ratio_level, aggregation=cfg.loss_aggregation,
                       length=cfg.aggregation_length)
     policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, counted, clip, micro.engine_weights,
-                                 Totals(num_tokens, denominator))
+                                 totals)
     # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
     entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.sampling.temperature),
                           counted, num_tokens=num_tokens)
     policy_terms = policy.loss - cfg.entropy_coef * entropy
     figures = {}
+    kl_loss_coef = micro.kl_weights.in_loss
     if kl_loss_coef > 0:
-        kl_loss = aggregate(kl_estimate(logprobs, micro.ref_logprobs, "k3"), counted, clip.aggregation, denominator,
-                            clip.length)
+        kl_loss = aggregate(kl_estimate(logprobs, micro.ref_logprobs, "k3"), counted, clip.aggregation,
+                            totals.denominator, clip.length)
         policy_terms = policy_terms + kl_loss_coef * kl_loss
         figures["kl_loss"] = kl_loss.item()
-    if micro.teacher_bins is not None:  # `teacher.top_k`: KL to the teacher over its top-k bins, through the logits
-        bins = binned(logps, micro.teacher_top)
-        teacher_loss = aggregate(binned_kl(bins, micro.teacher_bins), counted, clip.aggregation, denominator,
-                                 clip.length)
-        policy_terms = policy_terms + cfg.teacher.weight * teacher_loss
-        figures["teacher_loss"] = teacher_loss.item()
-    loss = (0.0 if warming_up else 1.0) * policy_terms
-    if values is not None:
-        value_loss, value_clipped = clipped_value_loss(values, micro.values, micro.returns, counted,
-                                                       cfg.critic.clip_range_value, num_tokens)
-        loss = loss + cfg.critic.vf_coef * value_loss
-        figures |= dict(value_loss=value_loss.item(), value_clip_fraction=value_clipped.item())
+
+    def aggregated(per_token: torch.Tensor) -> torch.Tensor:  # a loss term as the policy loss aggregates
+        return aggregate(per_token, counted, clip.aggregation, totals.denominator, clip.length)
+
+    policy_terms, teacher_figures = models.teacher.with_loss(policy_terms, logps, micro.teacher, aggregated)
+    loss, value_figures = models.critic.with_value_loss((0.0 if warming_up else 1.0) * policy_terms, values, micro,
+                                                        cfg.critic, num_tokens)
+    figures |= teacher_figures | value_figures
     if not torch.isfinite(loss):
         raise NonFiniteLossError(f"non-finite PPO loss ({loss.item()}) at iteration {iteration}; "
                                  "the last full-state checkpoint is kept")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stages.common.batches import Sequences
 from stages.runtime.compiling import Compiler
 from stages.runtime.models import Precision
 
@@ -95,14 +96,14 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def pack(queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor, mask: torch.Tensor,
-         pad_id: int, bucket: Callable[[int], int] | None = None) -> Packed:
+def pack(sequences: Sequences, pad_id: int, bucket: Callable[[int], int] | None = None) -> Packed:
     """The batch's sequences, prompt then response, packed into rows as long as the longest one.
     Prompts are left-padded (`query_mask` a suffix of each row), responses right-padded (`mask` a
     prefix), so each sequence's real tokens are one run of the joined (B, Tq + T) row, moved whole
     to its place. `bucket` (a compiled pass's, `stages.runtime.compiling.bucketed`) rounds the rows'
     length, their count and the kept columns up, the extra rows and columns padding whose outputs
     nothing reads. # (B, Tq), (B, Tq), (B, T), (B, T) -> Packed"""
+    queries, query_mask, responses, mask = sequences
     device, width = queries.device, queries.shape[1]
     bucket = bucket or (lambda n: n)
     prompt_lengths = query_mask.sum(dim=1).cpu()  # (B,)
@@ -241,13 +242,12 @@ class Passes:
     compiler: Compiler = field(default_factory=Compiler)
     """Runs the models compiled, at bucketed shapes, or as they are (`ppo.compile`)."""
 
-    def layout(self, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
-               mask: torch.Tensor) -> Packed | None:
+    def layout(self, sequences: Sequences) -> Packed | None:
         """The packed layout of this batch, or None to run it padded; the pass counted either way."""
-        bucket = self.compiler.bucket  # a compiled pass's shapes (`stages.rl.ppo_models._padded`), else as they are
+        queries, query_mask, responses, mask = sequences
+        bucket = self.compiler.bucket  # a compiled pass's shapes (`stages.runtime.forward._padded`), else as they are
         padded = bucket(len(queries)) * bucket(queries.shape[1] + bucket(responses.shape[1]))
-        packed = None if self.padding_free is False else pack(queries, query_mask, responses, mask, self.pad_id,
-                                                              self.compiler.bucket)
+        packed = None if self.padding_free is False else pack(sequences, self.pad_id, self.compiler.bucket)
         if packed is not None and self.padding_free == "auto" and packed.computed_tokens > (1 - AUTO_SAVING) * padded:
             packed = None
         if self.counts is not None:

@@ -1,5 +1,7 @@
 """Sampling ahead of the updates (`ppo.rollout.max_staleness` s > 0): the vLLM server samples the
-next iterations' rollouts while the trainer scores and updates on this one's.
+next iterations' rollouts while the trainer scores and updates on this one's. `SampledAhead` is the
+`EpisodeSource` that hands back, in order, the single turns sampled earlier; the rollout takes its
+episodes as it takes any source's.
 
     iteration k, s = 1
       trainer thread   take k | submit k+1 | forward passes, score, advantages, update | settle | sync v_k
@@ -44,13 +46,24 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from rlhf.config_common import SamplingConfig
+from stages.common.reporting import timed
 from stages.engines.sampler import Generation, Sampling
 from stages.engines.vllm_server import VLLMSampler
-from stages.rl.ppo_rollout import in_chunks
+from stages.envs.episode import EpisodeGeneration, EpisodeSource, SingleTurn, in_chunks
 
 
 @dataclass(frozen=True)
-class SampledAhead:
+class Schedule:
+    """Which prompts this process samples at each iteration, known ahead (no dynamic sampling here)."""
+
+    prompts: Callable[[int], list[str]]
+    """Iteration k (from 1) -> this process's rendered prompts of it, each repeated for its group."""
+    last: int
+    """The run's last iteration: nothing is sampled past it."""
+
+
+@dataclass(frozen=True)
+class Answered:
     """One iteration's rollout as the server answered it: its chunks (`in_chunks`), the version of
     the weights that sampled it and the seconds the server took."""
 
@@ -64,45 +77,84 @@ class Ahead:
     """A rollout submitted to the server, for iteration `iteration`."""
 
     iteration: int
-    future: Future[SampledAhead]
+    future: Future[Answered]
 
 
-class SamplingAhead:
-    """The rollouts of the next `max_staleness` iterations, sampled on a vLLM server by a thread of their own."""
+class SampledAhead(EpisodeSource):
+    """Single turns sampled on a vLLM server by a thread of their own, the next `max_staleness`
+    iterations' ahead of the one training; each round's chunks handed back in order, read as
+    `reading` reads single turns."""
 
-    def __init__(self, sampler: VLLMSampler, sampling: SamplingConfig, max_staleness: int):
-        self.sampler, self.sampling, self.max_staleness = sampler, sampling, max_staleness
+    prompt_is_row = True
+
+    def __init__(self, sampler: VLLMSampler, reading: SingleTurn, sampling: SamplingConfig, max_staleness: int,
+                 schedule: Schedule):
+        self.sampler, self.reading, self.sampling, self.max_staleness = sampler, reading, sampling, max_staleness
+        self.schedule = schedule
         self.version = 0
         """Updates the server's weights hold (the last `synced`)."""
+        self.taken = 0
+        """The last iteration whose rollout was taken."""
         self.pending: deque[Ahead] = deque()
+        self._chunks: deque[Generation] = deque()
+        self._figures: dict[str, float] = {}
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="rlhf-sampling-ahead")
 
-    def fill(self, iteration: int, last: int, prompts_of: Callable[[int], list[str]]) -> None:
+    @property
+    def figures(self) -> dict[str, float]:
+        return self._figures
+
+    def now(self) -> SingleTurn:
+        return self.reading
+
+    def generation(self, sampler, rows: list[dict], sampling: Sampling, device: torch.device,
+                   timings: dict[str, float]) -> EpisodeGeneration:
+        """The next chunk of this iteration's rollout, sampled earlier (at an iteration's first chunk,
+        the next iterations' are submitted first, so the server samples them while this one trains).
+        Timed: `rollout_wait`, this iteration's wait for its rollout; `generate`, the server's seconds
+        on it, spent beside earlier work."""
+        if not self._chunks:
+            iteration = self.taken + 1
+            self.fill(iteration)
+            with timed(timings, "rollout_wait"):
+                earlier = self.take(iteration)
+            timings["generate"] = earlier.seconds
+            self._chunks = deque(earlier.generations)
+            self._figures = {"rollout/staleness": float(iteration - 1 - earlier.version)}
+        generation = self._chunks.popleft()
+        if len(generation.responses) != len(rows):
+            raise RuntimeError(f"sampled ahead {len(generation.responses)} responses, but {len(rows)} rows asked")
+        return self.reading.batch(generation, rows)
+
+    def fill(self, iteration: int) -> None:
         """Submit, in order, the rollouts of iterations `iteration` to `iteration + max_staleness`
-        (none past `last`) not yet submitted; `prompts_of(k)`: this process's prompts of iteration k."""
+        (none past the schedule's last) not yet submitted."""
         start = self.pending[-1].iteration + 1 if self.pending else iteration
-        for k in range(start, min(iteration + self.max_staleness, last) + 1):
+        for k in range(start, min(iteration + self.max_staleness, self.schedule.last) + 1):
             sampling = Sampling(self.sampling.response_length, self.sampling.temperature)
-            requests = [self.sampler.requests(chunk, sampling) for chunk in in_chunks(prompts_of(k), self.sampling)]
+            requests = [self.sampler.requests(chunk, sampling)
+                        for chunk in in_chunks(self.schedule.prompts(k), self.sampling.micro_batch_size)]
             self.pending.append(Ahead(k, self._thread.submit(self._sample, requests, self.version)))
 
-    def _sample(self, requests: list, version: int) -> SampledAhead:
+    def _sample(self, requests: list, version: int) -> Answered:
         """On the sampler thread: send the requests, wait for the answers."""
         clock = time.perf_counter()
         generations = self.sampler.answer(requests)
-        return SampledAhead(generations, version, time.perf_counter() - clock)
+        return Answered(generations, version, time.perf_counter() - clock)
 
-    def take(self, iteration: int) -> SampledAhead:
+    def take(self, iteration: int) -> Answered:
         """Iteration `iteration`'s rollout (waiting for it if the server is still sampling it)."""
         ahead = self.pending.popleft()
         if ahead.iteration != iteration:
             raise RuntimeError(f"sampled ahead for iteration {ahead.iteration}, but iteration {iteration} asked")
+        self.taken = iteration
         return ahead.future.result()
 
-    def settle(self) -> None:
+    def settle(self, timings: dict[str, float]) -> None:
         """Wait until nothing is in flight: the server may take new weights."""
-        for ahead in self.pending:
-            ahead.future.result()
+        with timed(timings, "sampling_wait"):
+            for ahead in self.pending:
+                ahead.future.result()
 
     def synced(self, version: int) -> None:
         self.version = version
@@ -130,7 +182,7 @@ class SamplingAhead:
         """Continue from a full-state checkpoint after iteration `version`, to whose weights the
         server was synced: its rollouts sampled ahead as it holds them (none where it has no file:
         a checkpoint written without sampling ahead)."""
-        self.version = version
+        self.version = self.taken = version
         path = folder / _file(rank)
         if not path.exists():
             return
@@ -142,8 +194,8 @@ class SamplingAhead:
             k = entry["iteration"]
             generations = [Generation(**{name: tensors.get(f"{k}.{chunk}.{name}") for name in fields})
                            for chunk in range(entry["chunks"])]
-            done: Future[SampledAhead] = Future()
-            done.set_result(SampledAhead(generations, entry["version"], entry["seconds"]))
+            done: Future[Answered] = Future()
+            done.set_result(Answered(generations, entry["version"], entry["seconds"]))
             self.pending.append(Ahead(k, done))
 
 
