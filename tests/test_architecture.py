@@ -243,3 +243,33 @@ def test_dataclasses_of_more_than_four_fields_are_built_by_keyword(path):
         assert len(fields) <= MAX_POSITIONAL_FIELDS or keyword_only, (
             f"{path.relative_to(REPO)}:{node.lineno} {node.name} has {len(fields)} fields: declare it "
             "@dataclass(kw_only=True) and build it by keyword")
+
+
+READING_PATH = ("stages/ppo.py", "stages/rl/rollout.py", "stages/rl/scoring.py", "stages/rl/advantages.py",
+                "stages/rl/update.py")
+"""One PPO iteration, read in this order: the loop, where its episodes come from (sampled, passed), what
+scores them, the advantages, the update. docs/architecture.md names them in the same order."""
+NAMED_HELPERS = ("stages.rl.batch", "stages.rl.teacher", "stages.rl.ppo_models", "stages.rl.ppo_report",
+                 "stages.rl.evaluation", "stages.rl.ppo_state")
+"""What the five files call into of the RL stage besides each other, each named by docs/architecture.md
+(the batch types, the teacher, the models and critics, the figures, the evaluations, the checkpoints)."""
+
+
+def test_one_iteration_reads_in_the_five_files_docs_architecture_names():
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    path_section = doc.split("## Read this first", 1)[1].split("\n## ", 1)[0]
+    named = [line.split("`")[1] for line in path_section.splitlines() if line[:3] in {f"{i}. " for i in range(1, 10)}]
+    assert named == list(READING_PATH), f"docs/architecture.md's reading path names {named}, not {READING_PATH}"
+    path_modules = {module_name(REPO / p) for p in READING_PATH}
+    for path in READING_PATH:
+        assert (REPO / path).exists(), f"{path} is on the reading path but does not exist"
+        of_the_rl_stage = {m for m in imports_of(REPO / path) if m.startswith("stages.rl")}
+        unnamed = sorted(of_the_rl_stage - path_modules - set(NAMED_HELPERS))
+        assert not unnamed, (f"{path} calls into {unnamed} of the RL stage: put it on the reading path, or name it "
+                             "as a helper (NAMED_HELPERS and docs/architecture.md)")
+    for helper in NAMED_HELPERS:
+        assert (REPO / (helper.replace(".", "/") + ".py")).exists(), helper
+        assert f"`{helper.replace('.', '/')}.py`" in path_section, f"docs/architecture.md does not name {helper}"
+    rl_modules = {module_name(p) for p in (REPO / "stages" / "rl").glob("*.py") if p.name != "__init__.py"}
+    assert rl_modules <= path_modules | set(NAMED_HELPERS), (
+        f"stages/rl holds {sorted(rl_modules - path_modules - set(NAMED_HELPERS))}, on no reading path")
