@@ -166,8 +166,8 @@ def _serve_reward(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rlhf import tracking
+    from servers.reward_server import reward_app
     from stages.rewards.scoring import RewardScorer
-    from stages.rewards.server import reward_app
 
     run_id, checkpoint = args.run_id, args.checkpoint
     limits = _serve_limits(args)
@@ -191,8 +191,8 @@ def _serve_reward(args: argparse.Namespace) -> int:
 def _serve_limits(args: argparse.Namespace):
     """The reward server's `Limits` from the command line, its token read from `--api-key-env`; a
     warning where it listens beyond this machine without one."""
+    from servers.reward_server import Limits
     from stages.common.clients import LOOPBACK
-    from stages.rewards.server import Limits
 
     token = None
     if args.api_key_env is not None:
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8300)
     serve.add_argument("--max-batch", type=int, default=64, help="responses scored in one pass at most")
     serve.add_argument("--api-key-env", help="an environment variable holding the bearer token clients must send")
-    # Unset: stages.rewards.server.Limits' defaults.
+    # Unset: servers.reward_server.Limits' defaults.
     serve.add_argument("--max-body-mb", type=float, help="a request body's size at most (413 past it)")
     serve.add_argument("--max-rows", type=int, help="responses in one request at most (413 past it)")
     serve.add_argument("--max-chars", type=int, help="characters per response or message at most (422 past it)")
@@ -265,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_parser("serve-env", help="serve an environment over HTTP for `environment.server` (its own --help)")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve-env"]:  # its arguments are its own (stages/envs/env_server.py)
-        from stages.envs.env_server import launch
+    if argv[:1] == ["serve-env"]:  # its arguments are its own (servers/env_server.py)
+        from servers.env_server import launch
 
         return launch(argv[1:])
     args = parser.parse_args(argv)

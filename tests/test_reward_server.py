@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from stages.rewards.server import Limits, reward_app
+from servers.reward_server import Limits, reward_app
 from tests.helpers import free_port, serve_process, served_in_thread, stop_process
 
 TOKEN = "test-token-1234567890"

@@ -4,7 +4,7 @@ The model's turns stay token ids on this side (`stages.envs.loop`); the server s
 and its messages enter the context as the template's delta, as an in-process environment's do.
 Two protocols:
 
-    ours (and verifiers: `rlhf serve-env --kind verifiers` serves one on it), `stages.envs.env_server`:
+    ours (and verifiers: `rlhf serve-env --kind verifiers` serves one on it), `servers.env_server`:
       GET  / (or /health)         {"protocol": "rlhf-env/1", "serves": "ours" | "verifiers", "name": ...}
       GET  /dataset?split=train   {"rows": [{"messages": [...], <columns>...}]}   (404: it has none)
       POST /reset {"row": {...}}  {"episode": id, "messages": [...], "tools": [schemas] | null}

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 PROTOCOL = "rlhf-env/1"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 VENVS = {"verifiers": REPO / ".env-verifiers"}
 """The virtual environment each kind's server runs from (`make env-verifiers`); `ours` runs in the project's."""
 MAX_BODY_BYTES = 8 * 2**20
@@ -267,7 +267,7 @@ def served_of(args: argparse.Namespace) -> Served:
     if args.kind == "verifiers":
         if not args.module:
             raise SystemExit("--kind verifiers needs --module (the taskset's module)")
-        from stages.envs.verifiers_bridge import VerifiersServed
+        from servers.verifiers_bridge import VerifiersServed
 
         return VerifiersServed(args.module, json.loads(args.config))
     if bool(args.tools) == bool(args.factory):
@@ -286,7 +286,7 @@ def launch(argv: list[str]) -> int:
             raise SystemExit(f"--kind {args.kind} runs from {venv}, which is not built: run `make env-{args.kind}`")
         path = os.pathsep.join([str(REPO), *map(str, map(Path.resolve, map(Path, args.path))), os.getcwd(),
                                 os.environ.get("PYTHONPATH", "")])
-        os.execve(str(python), [str(python), "-m", "stages.envs.env_server", *argv],
+        os.execve(str(python), [str(python), "-m", "servers.env_server", *argv],
                   os.environ | {"PYTHONPATH": path})
     return serve(args)
 
