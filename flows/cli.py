@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -191,17 +190,10 @@ def _serve_reward(args: argparse.Namespace) -> int:
 def _serve_limits(args: argparse.Namespace):
     """The reward server's `Limits` from the command line, its token read from `--api-key-env`; a
     warning where it listens beyond this machine without one."""
+    from servers.auth import server_token
     from servers.reward_server import Limits
-    from stages.common.clients import LOOPBACK
 
-    token = None
-    if args.api_key_env is not None:
-        token = os.environ.get(args.api_key_env)
-        if not token:
-            raise SystemExit(f"--api-key-env {args.api_key_env}: the variable is not set")
-    if args.host not in LOOPBACK and token is None:
-        print(f"WARNING: serving on {args.host} without a token: anyone who reaches this port can use the "
-              "model; set --api-key-env", file=sys.stderr, flush=True)
+    token = server_token(args.api_key_env, args.host, "use the model")
     given = {"max_body_bytes": args.max_body_mb and int(args.max_body_mb * 2**20), "max_rows": args.max_rows,
              "max_chars": args.max_chars, "max_queue": args.max_queue, "timeout_s": args.timeout_s}
     return Limits(api_key=token, **{name: value for name, value in given.items() if value is not None})

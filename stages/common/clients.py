@@ -25,14 +25,13 @@ from typing import Any, TypeVar
 import httpx
 
 from rlhf.config_common import ServerClientConfig
+from stages.common.hosts import LOOPBACK
 
 T = TypeVar("T")
 BACKOFF_MAX_S = 30.0
 """The longest wait between two tries."""
 RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 """HTTP statuses worth another try (the server is busy or restarting); other 4xx are the request's fault."""
-LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
-"""Hosts a request to which never leaves this machine."""
 
 
 class TryFailed(Exception):
