@@ -65,7 +65,6 @@ CARRIED = (
 NOT_ON_THE_DEVICE = {
     "mlflow": "rlhf/tracking.py: the flow's side, not a stage's",
     "ray": "launch.engine ray only; the GPU check runs each stage in one process",
-    "fastapi": "stages/rewards/server.py: `rlhf serve-reward`'s app, which serves a reward model beside the stages",
     "websockets": "stages/envs/openenv_client.py: OpenEnv environment servers only (imported where one is used)",
 }
 """Modules `stages/`, `rlhf/` or `schemas/` import that the GPU check does not use, and why."""

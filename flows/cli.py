@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -166,8 +165,8 @@ def _serve_reward(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rlhf import tracking
+    from servers.reward_server import reward_app
     from stages.rewards.scoring import RewardScorer
-    from stages.rewards.server import reward_app
 
     run_id, checkpoint = args.run_id, args.checkpoint
     limits = _serve_limits(args)
@@ -191,17 +190,10 @@ def _serve_reward(args: argparse.Namespace) -> int:
 def _serve_limits(args: argparse.Namespace):
     """The reward server's `Limits` from the command line, its token read from `--api-key-env`; a
     warning where it listens beyond this machine without one."""
-    from stages.common.clients import LOOPBACK
-    from stages.rewards.server import Limits
+    from servers.auth import server_token
+    from servers.reward_server import Limits
 
-    token = None
-    if args.api_key_env is not None:
-        token = os.environ.get(args.api_key_env)
-        if not token:
-            raise SystemExit(f"--api-key-env {args.api_key_env}: the variable is not set")
-    if args.host not in LOOPBACK and token is None:
-        print(f"WARNING: serving on {args.host} without a token: anyone who reaches this port can use the "
-              "model; set --api-key-env", file=sys.stderr, flush=True)
+    token = server_token(args.api_key_env, args.host, "use the model")
     given = {"max_body_bytes": args.max_body_mb and int(args.max_body_mb * 2**20), "max_rows": args.max_rows,
              "max_chars": args.max_chars, "max_queue": args.max_queue, "timeout_s": args.timeout_s}
     return Limits(api_key=token, **{name: value for name, value in given.items() if value is not None})
@@ -255,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8300)
     serve.add_argument("--max-batch", type=int, default=64, help="responses scored in one pass at most")
     serve.add_argument("--api-key-env", help="an environment variable holding the bearer token clients must send")
-    # Unset: stages.rewards.server.Limits' defaults.
+    # Unset: servers.reward_server.Limits' defaults.
     serve.add_argument("--max-body-mb", type=float, help="a request body's size at most (413 past it)")
     serve.add_argument("--max-rows", type=int, help="responses in one request at most (413 past it)")
     serve.add_argument("--max-chars", type=int, help="characters per response or message at most (422 past it)")
@@ -265,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_parser("serve-env", help="serve an environment over HTTP for `environment.server` (its own --help)")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve-env"]:  # its arguments are its own (stages/envs/env_server.py)
-        from stages.envs.env_server import launch
+    if argv[:1] == ["serve-env"]:  # its arguments are its own (servers/env_server.py)
+        from servers.env_server import launch
 
         return launch(argv[1:])
     args = parser.parse_args(argv)

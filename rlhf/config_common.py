@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -320,12 +320,37 @@ JUDGE_ONLY = ("parse", "template", "extra_body", "score_pattern", "score_range")
 """`remote` fields a `score` server never reads."""
 
 
-class RemoteRewardConfig(_Frozen):
+ServerURL = Annotated[str, Field(pattern=r"^https?://")]
+"""A server's URL: http or https."""
+
+
+class ServerClientConfig(_Frozen):
+    """How a client reaches a server over HTTP: its URL, how long a request may take, how often and after how long
+    it is tried again, how many are in flight, the bearer token (`stages.common.clients` applies them). The
+    sections built on it (`remote`, `environment.server`) say what their URL is and where a default is their own."""
+
+    url: ServerURL
+    """The server's URL."""
+    timeout_s: PositiveFloat = 60.0
+    """Seconds one request may take before it counts as failed."""
+    max_retries: int = Field(4, ge=0)
+    """Retries of a request that could not connect or got HTTP 408, 429 or 5xx (no other 4xx; timeouts: `timeout_s`)."""
+    backoff_s: PositiveFloat = 1.0
+    """First wait before a retry; each next one doubles (up to 30 s), drawn with full jitter."""
+    max_concurrent: PositiveInt = 8
+    """Requests in flight at once at most."""
+    api_key_env: str | None = None
+    """An environment variable holding a bearer token for the server; unset: none sent."""
+
+
+class RemoteRewardConfig(ServerClientConfig):
     """A reward term scored by a server: a scoring endpoint such as `rlhf serve-reward`'s (`score`), or an
     OpenAI-compatible chat model grading each response with `template` (`judge`); docs/settings.md."""
 
-    url: str = Field(pattern=r"^https?://")
+    url: ServerURL
     """`score`: the endpoint batches are posted to; `judge`: the API's base (`.../v1`), `/chat/completions` added."""
+    timeout_s: PositiveFloat = 180.0
+    """Seconds one request may take before it fails and is retried (180 here, not 60: a judge writes its answer)."""
     kind: Literal["score", "judge"] = "score"
     """`score`: a scoring server's JSON scores; `judge`: a chat model's graded answer (`parse`)."""
     parse: Literal["number", "choice"] = "number"
@@ -336,14 +361,6 @@ class RemoteRewardConfig(_Frozen):
     """`judge`, `number`: a score outside [low, high] is unscored, not used; unset: [0, 10] for the default template."""
     batch_size: PositiveInt | None = None
     """`score`: responses per request (unset: 32); a `judge` request grades one response."""
-    timeout_s: PositiveFloat = 180.0
-    """Seconds one request may take before it counts as failed (and is retried)."""
-    max_retries: int = Field(4, ge=0)
-    """Retries of a request that timed out, could not connect, or got HTTP 408, 429 or 5xx (other 4xx: none)."""
-    backoff_s: PositiveFloat = 1.0
-    """First wait before a retry; each next one doubles (up to 30 s), drawn with full jitter."""
-    max_concurrent: PositiveInt = 8
-    """Requests in flight at once at most."""
     max_rpm: PositiveInt | None = None
     """Requests started per minute at most (a server's rate limit); unset: no limit."""
     on_failure: Literal["drop", "stop"] = "drop"
@@ -354,8 +371,6 @@ class RemoteRewardConfig(_Frozen):
     """`judge`: fields merged into each request: `model` (unset: the server's first), vLLM's `structured_outputs`..."""
     template: str | None = None
     """`judge`: the user message; `{prompt}` (last user turn) and `{response}` (`choice`: `{a}`, `{b}`) filled in."""
-    api_key_env: str | None = None
-    """An environment variable holding a bearer token for the server; unset: none sent."""
 
     @model_validator(mode="after")
     def _fields_of_its_kind(self) -> RemoteRewardConfig:

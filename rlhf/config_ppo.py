@@ -26,6 +26,8 @@ from rlhf.config_common import (
     PolicyLoRAConfig,
     SampledStage,
     SamplingConfig,
+    ServerClientConfig,
+    ServerURL,
     TrainedStage,
     _Frozen,
 )
@@ -112,24 +114,18 @@ class RolloutConfig(_Frozen):
     """Updates a rollout may lag behind the policy it trains (0: synchronous); above 0 needs `rollout_engine: vllm`."""
 
 
-class EnvironmentServerConfig(_Frozen):
+class EnvironmentServerConfig(ServerClientConfig):
     """An environment behind HTTP: each episode's `reset` and `step` are requests to a server
     (docs/environments.md, "Environment servers"); the model's turns stay token ids on this side."""
 
-    url: str = Field(pattern=r"^https?://")
+    url: ServerURL
     """The server's base URL, as `rlhf serve-env` prints it (`http://127.0.0.1:8400`)."""
     kind: Literal["ours", "verifiers", "openenv"] = "ours"
     """`ours`: our protocol; `verifiers`: a verifiers environment on it (`rlhf serve-env`); `openenv`: OpenEnv's."""
     timeout_s: PositiveFloat = 60.0
     """Seconds one request may take; past them the episode fails (a slow answer is not asked for again)."""
-    max_retries: int = Field(4, ge=0)
-    """Retries of a request that could not connect or got HTTP 408, 429 or 5xx (a server busy or restarting)."""
-    backoff_s: PositiveFloat = 1.0
-    """First wait before a retry; each next one doubles (up to 30 s), drawn with full jitter."""
     max_concurrent: PositiveInt = 16
-    """Episodes whose requests are in flight at once at most (a round's resets and steps run concurrently)."""
-    api_key_env: str | None = None
-    """An environment variable holding a bearer token for the server; unset: none sent."""
+    """Episodes with requests in flight at once at most (16 here, not 8: a round's resets and steps run at once)."""
 
 
 class EnvironmentConfig(_Frozen):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-OURS = ("schemas", "rlhf", "stages", "flows", "bench", "tests")
-LAYERED = ("schemas", "rlhf", "stages", "flows")
+OURS = ("schemas", "rlhf", "stages", "servers", "flows", "bench", "tests")
+LAYERED = ("schemas", "rlhf", "stages", "servers", "flows")
 """The product's folders: every module in them is in the import graph the tests below check."""
 
 CONFIG = ("rlhf.config", "rlhf.config_common", "rlhf.config_reward_terms", "rlhf.config_ppo", "schemas")
@@ -43,6 +43,7 @@ LAYERS = {
     "stages/rl": ("stages.common", "stages.math", "stages.runtime", "stages.memory", "stages.engines", "stages.envs",
                   "stages.rewards", "stages.rl", "rlhf.evaluation") + CONFIG,
     "stages": ("stages", "rlhf.evaluation") + CONFIG,  # the stage entry points, stages/*.py
+    "servers": ("servers", "stages") + CONFIG,  # processes of their own, reached over HTTP: never `flows`
     "flows": None,  # the top: the flow, its tasks and the `rlhf` command may import anything
 }
 NEVER_IN_STAGES = ("mlflow", "prefect")
@@ -88,9 +89,10 @@ def test_each_layer_imports_only_what_it_may(path):
     refused = sorted(m for m in ours if not any(m == a or m.startswith(a + ".") for a in allowed))
     assert not refused, (f"{path.relative_to(REPO)} imports {refused}; docs/architecture.md says it may import only "
                          f"{allowed}")
-    if path.relative_to(REPO).parts[0] == "stages":
+    if path.relative_to(REPO).parts[0] in ("stages", "servers"):
         outside = sorted(m for m in imports_of(path) if m.split(".")[0] in NEVER_IN_STAGES)
-        assert not outside, f"{path.relative_to(REPO)} imports {outside}: stages never talk to MLflow or Prefect"
+        assert not outside, (f"{path.relative_to(REPO)} imports {outside}: stages and servers never talk to MLflow "
+                             "or Prefect")
 
 
 def import_graph(paths: list[Path]) -> dict[str, set[str]]:
@@ -197,7 +199,8 @@ def _is_flow(node: ast.FunctionDef) -> bool:
     return any(isinstance(d, ast.Call) and getattr(d.func, "id", None) == "flow" for d in node.decorator_list)
 
 
-@pytest.mark.parametrize("path", sorted(p for folder in ("stages", "flows") for p in (REPO / folder).rglob("*.py")),
+@pytest.mark.parametrize("path", sorted(p for folder in ("stages", "servers", "flows")
+                                        for p in (REPO / folder).rglob("*.py")),
                          ids=lambda p: p.relative_to(REPO).as_posix())
 def test_no_function_is_over_80_lines_or_7_parameters(path):
     found = []
@@ -228,7 +231,8 @@ def _dataclass_decorator(node: ast.ClassDef) -> ast.expr | None:
     return None
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "stages").rglob("*.py")), ids=lambda p: p.relative_to(REPO).as_posix())
+@pytest.mark.parametrize("path", sorted(p for folder in ("stages", "servers") for p in (REPO / folder).rglob("*.py")),
+                         ids=lambda p: p.relative_to(REPO).as_posix())
 def test_dataclasses_of_more_than_four_fields_are_built_by_keyword(path):
     """A positional call of a dataclass with many fields hides which value is which (and breaks
     silently when a field is added in the middle): such dataclasses are `kw_only`, so Python refuses

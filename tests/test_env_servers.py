@@ -16,7 +16,7 @@ import pytest
 
 from rlhf.config import with_overrides
 from rlhf.config_ppo import EnvironmentConfig, EnvironmentServerConfig
-from stages.envs.env_server import EpisodeServer, OursServed
+from servers.env_server import EpisodeServer, OursServed
 from stages.envs.loop import episode_runner
 from stages.envs.parsers import AssistantTurn, ToolCall
 from stages.envs.served import (

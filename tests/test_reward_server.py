@@ -14,7 +14,8 @@ import httpx
 import pytest
 import torch
 
-from stages.rewards.server import Limits, reward_app
+from servers.auth import UNAUTHORIZED
+from servers.reward_server import Limits, reward_app
 from tests.helpers import free_port, serve_process, served_in_thread, stop_process
 
 TOKEN = "test-token-1234567890"
@@ -63,7 +64,8 @@ def test_the_reward_server_wants_its_token_and_survives_a_flood_of_bad_requests(
     from stages.rewards.scoring import RewardScorer
 
     base, process = guarded
-    assert httpx.post(base + "/score", json=_request(0, 0)).status_code == 401
+    refused = httpx.post(base + "/score", json=_request(0, 0))
+    assert refused.status_code == 401 and refused.json() == {"detail": UNAUTHORIZED}  # both servers' reason
     wrong = {"Authorization": "Bearer wrong"}
     assert httpx.post(base + "/score", json=_request(0, 0), headers=wrong).status_code == 401
     assert httpx.get(base + "/score").status_code == 401 and httpx.get(base + "/health").status_code == 200

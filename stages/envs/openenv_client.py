@@ -29,7 +29,7 @@ number | null, "done": bool}}` or `{"type": "error", "data": {"message", "code"}
                  It never raises.
 
 Failures, as `EnvironmentServer.request`'s: opening the episode (connect and reset) is retried up to
-`max_retries` times after `EnvironmentServer.backoff` where it cannot connect, is refused with HTTP
+`max_retries` times by `EnvironmentServer.retried` where it cannot connect, is refused with HTTP
 408, 429 or 5xx, the socket closes before the reset is answered, or the server is at capacity
 (`CAPACITY_REACHED`); waiting past `timeout_s` (to connect, or for any answer) is not retried. Once
 the episode is open nothing is retried (the server's session holds the episode's state): a lost
@@ -47,7 +47,7 @@ import time
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 from websockets.sync.client import ClientConnection, connect
 
-from stages.common.clients import RETRIED_STATUSES
+from stages.common.clients import RequestFailed, TryFailed
 from stages.envs.environment import Step
 from stages.envs.parsers import AssistantTurn, ToolCall
 from stages.envs.served import EnvironmentServer, EpisodeRequestFailed, checked_messages, jsonable
@@ -130,9 +130,9 @@ class OpenEnvEpisode:
 
     def _opened(self, reset: dict) -> tuple[dict, float, bool]:
         """A new session's socket, and the reset's answer on it: retried as the module says."""
-        cfg, reason = self.server.cfg, ""
-        for attempt in range(cfg.max_retries + 1):
-            refused = None
+        cfg = self.server.cfg
+
+        def attempt() -> tuple[dict, float, bool]:
             try:
                 self.socket = connect(websocket_url(self.server.url), additional_headers=self.server.headers(),
                                       open_timeout=cfg.timeout_s, close_timeout=CLOSE_WAIT_S, ping_interval=None,
@@ -140,25 +140,25 @@ class OpenEnvEpisode:
                 return self._exchanged(reset, "reset", opening=True)
             except TimeoutError:
                 self._dropped()
-                raise EpisodeRequestFailed(f"reset: no connection within {cfg.timeout_s:g} s "
-                                           "(environment.server.timeout_s)") from None
-            except InvalidStatus as e:
-                reason = f"reset: GET /ws answered HTTP {e.response.status_code}"
-                if e.response.status_code not in RETRIED_STATUSES:
-                    raise EpisodeRequestFailed(reason) from None
-                refused = e.response  # its `Retry-After` is honoured, as an HTTP answer's
+                raise TryFailed(f"reset: no connection within {cfg.timeout_s:g} s (environment.server.timeout_s)",
+                                timed_out=True) from None
+            except InvalidStatus as e:  # its `Retry-After` is honoured, as an HTTP answer's
+                raise TryFailed(f"reset: GET /ws answered HTTP {e.response.status_code}", e.response) from None
             except _Retriable as e:
                 self._dropped()
-                reason = str(e)
+                raise TryFailed(str(e)) from None
             except (OSError, WebSocketException) as e:
                 self._dropped()
-                reason = f"reset: cannot connect to {websocket_url(self.server.url)} ({type(e).__name__}: {e})"
+                raise TryFailed(f"reset: cannot connect to {websocket_url(self.server.url)} "
+                                f"({type(e).__name__}: {e})") from None
             except EpisodeRequestFailed:
                 self._dropped()
                 raise
-            if attempt < cfg.max_retries:
-                self.server.backoff(attempt, refused, self)
-        raise EpisodeRequestFailed(f"{reason}, after {cfg.max_retries + 1} tries")
+
+        try:
+            return self.server.retried(attempt, self)
+        except RequestFailed as e:
+            raise EpisodeRequestFailed(str(e)) from None
 
     def _exchanged(self, message: dict, where: str, opening: bool = False) -> tuple[dict, float, bool]:
         """One frame sent and its answer received, checked: (observation, reward, done). A connection lost

@@ -4,7 +4,7 @@ The model's turns stay token ids on this side (`stages.envs.loop`); the server s
 and its messages enter the context as the template's delta, as an in-process environment's do.
 Two protocols:
 
-    ours (and verifiers: `rlhf serve-env --kind verifiers` serves one on it), `stages.envs.env_server`:
+    ours (and verifiers: `rlhf serve-env --kind verifiers` serves one on it), `servers.env_server`:
       GET  / (or /health)         {"protocol": "rlhf-env/1", "serves": "ours" | "verifiers", "name": ...}
       GET  /dataset?split=train   {"rows": [{"messages": [...], <columns>...}]}   (404: it has none)
       POST /reset {"row": {...}}  {"episode": id, "messages": [...], "tools": [schemas] | null}
@@ -31,21 +31,22 @@ import json
 import math
 import os
 import threading
-import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import httpx
 
 from rlhf.config_common import DataSource
 from rlhf.config_ppo import EnvironmentServerConfig
-from stages.common.clients import RETRIED_STATUSES, backoff, bearer, exposed_token
+from stages.common.clients import RequestFailed, TryFailed, bearer, exposed_token, http_failures, retried
 from stages.common.errors import StageUserError
 from stages.envs.environment import Step
 from stages.envs.parsers import AssistantTurn, ToolCall
 
 PROTOCOL = "rlhf-env/1"
+T = TypeVar("T")
 
 
 class EnvironmentServerError(StageUserError):
@@ -139,35 +140,29 @@ class EnvironmentServer:
         """One request's JSON object, retried as the module says (each retry counted in `episode`'s
         `retries`, where it is for one); `EpisodeLost` on a 404 of an episode's route,
         `EpisodeRequestFailed` once it gives up or the answer is no JSON object."""
-        reason = ""
-        for attempt in range(self.cfg.max_retries + 1):
-            refused = None
-            try:
+        def attempt() -> dict:
+            with http_failures(f"no answer within {self.cfg.timeout_s:g} s (environment.server.timeout_s)"):
                 answer = self.client.request(method, self.url + path, json=body)
-            except httpx.TimeoutException:
-                raise EpisodeRequestFailed(f"{method} {path}: no answer within {self.cfg.timeout_s:g} s "
-                                           "(environment.server.timeout_s)") from None
-            except httpx.HTTPError as e:
-                reason = f"{type(e).__name__}: {e}"
-            else:
-                if answer.status_code == 200:
-                    return _object(answer, f"{method} {path}")
-                reason = f"HTTP {answer.status_code}: {answer.text[:300]}"
-                if answer.status_code == 404 and body is not None and "episode" in body:
-                    raise EpisodeLost(f"{method} {path}: {reason}")
-                if answer.status_code not in RETRIED_STATUSES:
-                    raise EpisodeRequestFailed(f"{method} {path}: {reason}")
-                refused = answer
-            if attempt < self.cfg.max_retries:
-                self.backoff(attempt, refused, episode)
-        raise EpisodeRequestFailed(f"{method} {path}: {reason}, after {self.cfg.max_retries + 1} tries")
+            if answer.status_code == 200:
+                return _object(answer, f"{method} {path}")
+            reason = f"HTTP {answer.status_code}: {answer.text[:300]}"
+            if answer.status_code == 404 and body is not None and "episode" in body:
+                raise EpisodeLost(f"{method} {path}: {reason}")
+            raise TryFailed(reason, answer)
 
-    def backoff(self, attempt: int, refused: object | None = None, episode: Retried | None = None) -> None:
-        """The pause before retry `attempt + 1` (`stages.common.clients.backoff`: the `Retry-After` of the
-        answer that `refused` it, where it gave one), counted in `episode`'s `retries`."""
-        if episode is not None:
-            episode.retries += 1
-        time.sleep(backoff(attempt, self.cfg.backoff_s, refused))
+        try:
+            return self.retried(attempt, episode)
+        except RequestFailed as e:
+            raise EpisodeRequestFailed(f"{method} {path}: {e}") from None
+
+    def retried(self, attempt: Callable[[], T], episode: Retried | None = None) -> T:
+        """`attempt` tried by `stages.common.clients.retried` on this server's settings, a timeout not again (a
+        slow server stays slow), each retry counted in `episode`'s `retries`; `RequestFailed` once it gives up."""
+        def counted() -> None:
+            if episode is not None:
+                episode.retries += 1
+
+        return retried(attempt, self.cfg, retry_timeouts=False, on_retry=counted)
 
     def action_schema(self) -> dict:
         """An OpenEnv server's action schema (`GET /schema`'s `action`), asked once and kept."""

@@ -38,7 +38,14 @@ import httpx
 
 from rlhf.config_common import RemoteRewardConfig
 from rlhf.config_reward_terms import RewardTerm
-from stages.common.clients import RETRIED_STATUSES, backoff, bearer, exposed_token
+from stages.common.clients import (
+    RequestFailed,
+    TryFailed,
+    bearer,
+    exposed_token,
+    http_failures,
+    retried_async,
+)
 from stages.common.errors import StageUserError
 
 JUDGE_MAX_TOKENS = 16
@@ -125,23 +132,29 @@ class RemoteReward:
         """Refuse a server that does not answer, before anything trains: one request, no retries. A
         judge's server must list its models (`/models`); a scoring server must answer a GET on its URL
         at all (any status but a connection failure or a 5xx)."""
+        try:
+            self._probe(timeout)
+        except TryFailed as e:
+            raise RemoteRewardError(f"{self.describe()}: {e.reason}") from None
+
+    def _probe(self, timeout: float = 10.0) -> None:
+        """`check`'s one request (a judge's first listed model kept); `TryFailed` saying why the server fails it."""
         url = self.cfg.url.rstrip("/") + "/models" if self.cfg.kind == "judge" else self.cfg.url
         try:
             answer = httpx.get(url, headers=self.headers(), timeout=timeout)
         except httpx.HTTPError as e:
-            raise RemoteRewardError(f"{self.describe()}: the server does not answer ({type(e).__name__}: {e}); "
-                                    "start it before the run") from None
+            raise TryFailed(f"the server does not answer ({type(e).__name__}: {e}); start it before the run",
+                            timed_out=isinstance(e, httpx.TimeoutException)) from None
         if answer.status_code >= 500 or (self.cfg.kind == "judge" and answer.status_code != 200):
-            raise RemoteRewardError(f"{self.describe()}: GET {url} answered HTTP {answer.status_code}: "
-                                    f"{answer.text[:200]!r}")
+            raise TryFailed(f"GET {url} answered HTTP {answer.status_code}: {answer.text[:200]!r}", answer)
         if self.cfg.kind == "judge" and self._model is None:
             try:
                 listed = _json(answer)
             except _Failed as e:
-                raise RemoteRewardError(f"{self.describe()}: GET {url}: {e.reason}") from None
+                raise TryFailed(f"GET {url}: {e.reason}", answer) from None
             models = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)]
             if not models:
-                raise RemoteRewardError(f"{self.describe()}: GET {url} lists no model; set remote.extra_body.model")
+                raise TryFailed(f"GET {url} lists no model; set remote.extra_body.model", answer)
             self._model = models[0]
 
     def lineage(self) -> str:
@@ -211,13 +224,10 @@ class RemoteReward:
 
     async def _resolve_model(self) -> None:
         """The judge's model, the server's first listed, asked for with the requests' retries and backoff."""
-        for attempt in range(self.cfg.max_retries + 1):
-            try:
-                return await asyncio.to_thread(self.check)
-            except RemoteRewardError:
-                if attempt == self.cfg.max_retries:
-                    raise
-            await asyncio.sleep(backoff(attempt, self.cfg.backoff_s))
+        try:
+            await retried_async(lambda: asyncio.to_thread(self._probe), self.cfg)
+        except RequestFailed as e:
+            raise RemoteRewardError(f"{self.describe()}: {e}") from None
 
     def _body(self, prompts: list[list[dict]], responses: list[str], complete: list[bool], reference: str | None,
               policy_first: bool) -> dict:
@@ -235,31 +245,25 @@ class RemoteReward:
 
     async def _send(self, client: httpx.AsyncClient, body: dict, rows: int, limit: asyncio.Semaphore,
                     pace: _Pace | None, outcome: RemoteOutcome, policy_first: bool) -> list[float | None]:
-        """One request's values, tried up to `max_retries` more times; `_Failed` once it gives up."""
-        cfg, reason = self.cfg, ""
-        for attempt in range(cfg.max_retries + 1):
-            if attempt:
-                outcome.retries += 1
-            answered = None
+        """One request's values, retried as the module says (each retry counted in `outcome`); `_Failed` once
+        it gives up."""
+        async def attempt() -> list[float | None]:
             if pace is not None:
                 await pace.wait()
             async with limit:
-                try:
+                with http_failures(f"no answer within {self.cfg.timeout_s:g} s (remote.timeout_s)"):
                     answer = await client.post(self.endpoint, json=body)
-                except httpx.TimeoutException:
-                    reason = f"no answer within {cfg.timeout_s:g} s (remote.timeout_s)"
-                except httpx.HTTPError as e:
-                    reason = f"{type(e).__name__}: {e}"
-                else:
-                    if answer.status_code == 200:
-                        return self._values(answer, rows, policy_first)
-                    reason = f"HTTP {answer.status_code}: {answer.text[:200]!r}"
-                    if answer.status_code not in RETRIED_STATUSES:
-                        raise _Failed(reason)
-                    answered = answer
-            if attempt < cfg.max_retries:
-                await asyncio.sleep(backoff(attempt, cfg.backoff_s, answered))
-        raise _Failed(f"{reason}, after {cfg.max_retries + 1} tries")
+                if answer.status_code != 200:
+                    raise TryFailed(f"HTTP {answer.status_code}: {answer.text[:200]!r}", answer)
+                return self._values(answer, rows, policy_first)
+
+        def counted() -> None:
+            outcome.retries += 1
+
+        try:
+            return await retried_async(attempt, self.cfg, on_retry=counted)
+        except RequestFailed as e:
+            raise _Failed(str(e)) from None
 
     def _values(self, answer: httpx.Response, rows: int, policy_first: bool) -> list[float | None]:
         """The scores in a 200 answer, checked: `_Failed` for a body that is not what the kind promises

@@ -20,13 +20,12 @@ each before anything is queued; at most `max_queue` requests wait (then 503 with
 request not answered within `timeout_s` gets 504 and is not scored once abandoned. A pass that fails
 is retried request by request, so a request that cannot be scored fails alone. An input longer than
 the model's positions keeps its last ones (the response's end, where the score is read) and says so
-(`truncated`). With a token (`api_key`), every route but `/health` wants `Authorization: Bearer`.
+(`truncated`). With a token (`api_key`), every route but `/health` wants `Authorization: Bearer` (`servers.auth`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from servers.auth import CHALLENGE, UNAUTHORIZED, authorized
 from stages.rewards.scoring import RewardScorer
 
 
@@ -250,17 +250,15 @@ def reward_app(scorer: RewardScorer, served: dict[str, str | None], max_batch: i
         yield
         task.cancel()
 
-    def authorized(request: Request) -> None:
-        given = request.headers.get("authorization", "")
-        if limits.api_key is not None and not hmac.compare_digest(given.encode(), f"Bearer {limits.api_key}".encode()):
-            raise HTTPException(401, "a bearer token is wanted (Authorization: Bearer ...)",
-                                headers={"WWW-Authenticate": "Bearer"})
+    def checked_token(request: Request) -> None:
+        if not authorized(limits.api_key, request.headers.get("authorization")):
+            raise HTTPException(401, UNAUTHORIZED, headers=CHALLENGE)
 
     app = FastAPI(title="rlhf reward model", lifespan=lifespan,
                   description="Scores (prompt, response) pairs with a reward checkpoint.")
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
 
-    @app.post("/score", dependencies=[Depends(authorized)])
+    @app.post("/score", dependencies=[Depends(checked_token)])
     async def score(request: ScoreRequest) -> dict[str, list]:
         if (refusal := request.over(limits)) is not None:
             raise refusal
@@ -273,7 +271,7 @@ def reward_app(scorer: RewardScorer, served: dict[str, str | None], max_batch: i
             raise HTTPException(504, f"not scored within {limits.timeout_s:g} s (--timeout-s)") from None
         return {"scores": scores, "raw": raw, "truncated": truncated}
 
-    @app.get("/score", dependencies=[Depends(authorized)])
+    @app.get("/score", dependencies=[Depends(checked_token)])
     async def info() -> dict:
         return {**served, "normalization": {"gain": scorer.gain, "bias": scorer.bias}, "passes": batcher.passes,
                 "protocol": "POST {prompts, responses, complete?} -> {scores, raw, truncated}"}

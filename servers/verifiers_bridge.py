@@ -145,7 +145,7 @@ class _Live:
 
 
 class VerifiersServed:
-    """A verifiers environment, its rollouts stepped by our protocol (`stages.envs.env_server.Served`)."""
+    """A verifiers environment, its rollouts stepped by our protocol (`servers.env_server.Served`)."""
 
     serves = "verifiers"
 

@@ -12,13 +12,12 @@ Episodes are kept by id; a step names its turn's number, so a step sent again (a
 a lost answer) gets the same answer, not a second step. An episode idle for `--idle-s` is let go.
 A step whose environment raises answers HTTP 422 with the reason (the client fails that episode);
 an unknown episode 404 (the client replays it: the server restarted). Binds 127.0.0.1 by default;
-`--api-key-env VAR` requires `Authorization: Bearer $VAR` on every request.
+`--api-key-env VAR` requires `Authorization: Bearer $VAR` on every request (`servers.auth`).
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import os
 import sys
@@ -31,8 +30,10 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
+from servers.auth import CHALLENGE, UNAUTHORIZED, authorized, server_token
+
 PROTOCOL = "rlhf-env/1"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 VENVS = {"verifiers": REPO / ".env-verifiers"}
 """The virtual environment each kind's server runs from (`make env-verifiers`); `ours` runs in the project's."""
 MAX_BODY_BYTES = 8 * 2**20
@@ -191,16 +192,16 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, answer)
 
     def _authorized(self) -> bool:
-        token = self.server.token
-        given = self.headers.get("Authorization", "")
-        if token is None or hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        if authorized(self.server.token, self.headers.get("Authorization")):
             return True
-        self._send(401, {"error": "a bearer token is required (Authorization: Bearer ...)"})
+        self._send(401, {"error": UNAUTHORIZED}, CHALLENGE)
         return False
 
-    def _send(self, status: int, body: dict) -> None:
+    def _send(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
         payload = json.dumps(body).encode()
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
@@ -267,7 +268,7 @@ def served_of(args: argparse.Namespace) -> Served:
     if args.kind == "verifiers":
         if not args.module:
             raise SystemExit("--kind verifiers needs --module (the taskset's module)")
-        from stages.envs.verifiers_bridge import VerifiersServed
+        from servers.verifiers_bridge import VerifiersServed
 
         return VerifiersServed(args.module, json.loads(args.config))
     if bool(args.tools) == bool(args.factory):
@@ -286,21 +287,14 @@ def launch(argv: list[str]) -> int:
             raise SystemExit(f"--kind {args.kind} runs from {venv}, which is not built: run `make env-{args.kind}`")
         path = os.pathsep.join([str(REPO), *map(str, map(Path.resolve, map(Path, args.path))), os.getcwd(),
                                 os.environ.get("PYTHONPATH", "")])
-        os.execve(str(python), [str(python), "-m", "stages.envs.env_server", *argv],
+        os.execve(str(python), [str(python), "-m", "servers.env_server", *argv],
                   os.environ | {"PYTHONPATH": path})
     return serve(args)
 
 
 def serve(args: argparse.Namespace) -> int:
     sys.path[:0] = [*(str(Path(p).resolve()) for p in args.path), os.getcwd()]  # what it serves: importable here
-    token = None
-    if args.api_key_env:
-        token = os.environ.get(args.api_key_env)
-        if not token:
-            raise SystemExit(f"--api-key-env {args.api_key_env}: the variable is not set")
-    elif args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"WARNING: serving on {args.host} without a token: anyone who reaches this port can run episodes; "
-              "set --api-key-env", file=sys.stderr, flush=True)
+    token = server_token(args.api_key_env, args.host, "run episodes")
     served = served_of(args)
     server = EpisodeServer((args.host, args.port), served, token, args.idle_s)
     print(f"serving {served.serves} environment {served.name} on http://{args.host}:{server.server_port} "
