@@ -76,17 +76,17 @@ METHODS: dict[str, dict] = {
     # No reward model: the same rule alone, the score a GRPO group compares (`stages: [sft, ppo]`).
     "grpo, on-subject rule alone": RULE_ALONE,
     # The policy-loss options (docs/methods.md): each on GRPO beside the plain row.
-    "grpo, clip-higher": {**GRPO, "clip_range_high": 0.14},  # 1.4x the demo's clip 0.1 below, as DAPO's 0.28 to 0.2
+    "grpo, clip-higher": {**GRPO, "clip_range": [0.1, 0.14]},  # 1.4x the demo's clip 0.1 below, as DAPO's 0.28 to 0.2
     "grpo, seq-mean-token-mean": {**GRPO, "loss_aggregation": "seq-mean-token-mean"},
-    "grpo, dr. grpo": {**GRPO, "loss_aggregation": "seq-mean-token-sum-norm", "group_std_normalize": False},
-    "grpo, batch-normalized (no group std)": {**GRPO, "group_batch_normalize": True, "group_std_normalize": False},
+    "grpo, dr. grpo": {**GRPO, "loss_aggregation": "seq-mean-token-sum-norm", "group_normalization": "mean"},
+    "grpo, batch-normalized (no group std)": {**GRPO, "group_normalization": "batch"},
     "grpo, gspo": {**GRPO, "ratio_level": "sequence", "loss_aggregation": "seq-mean-token-mean",
-                   "clip_range": 3e-4, "clip_range_high": 4e-4},  # GSPO's paper's sequence-level clip
+                   "clip_range": [3e-4, 4e-4]},  # GSPO's paper's sequence-level clip
     "grpo, truncated masked": {**GRPO, "mask_truncated_responses": True},
     # Dynamic sampling matters where groups tie: the on-subject rule alone scores 1, 0 or -1.
     "grpo, on-subject rule alone, dynamic sampling": {**RULE_ALONE, "dynamic_sampling": {"max_rounds": 4}},
-    "grpo, on-subject rule alone, dapo": {**RULE_ALONE, "clip_range_high": 0.14, "dynamic_sampling": {"max_rounds": 4},
-                                          "mask_truncated_responses": True,
+    "grpo, on-subject rule alone, dapo": {**RULE_ALONE, "clip_range": [0.1, 0.14],
+                                          "dynamic_sampling": {"max_rounds": 4}, "mask_truncated_responses": True,
                                           "reward": {**RULE_ALONE["reward"], "overlong": {"buffer": 6}}},
 }
 """Each method's settings on top of its config section (`ppo`; `dpo` for DPO)."""

@@ -238,7 +238,7 @@ def run_trl(reference: str, sft_folder: Path, reward_folder: Path, prompts_file:
                 "response_length": ppo_cfg.sampling.response_length, "ppo_epochs": ppo_cfg.num_ppo_epochs,
                 "minibatches": ppo_cfg.num_minibatches, "learning_rate": ppo_cfg.learning_rate,
                 "temperature": ppo_cfg.sampling.temperature, "kl_coef": beta, "seed": seed, "threads": threads,
-                "vf_coef": ppo_cfg.critic.vf_coef, "cliprange": ppo_cfg.clip_range,
+                "vf_coef": ppo_cfg.critic.vf_coef, "cliprange": ppo_cfg.clip_low,
                 "cliprange_value": ppo_cfg.critic.clip_range_value, "gamma": ppo_cfg.gamma, "lam": ppo_cfg.critic.lam,
                 "missing_eos_penalty": -(ppo_cfg.missing_eos_score or 0.0), "snapshot_every": ppo_cfg.evaluation.every}
     shutil.rmtree(out, ignore_errors=True)
@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     def fixed(settings: dict, beta: float, seed: int):
         """The PPO section a run trains with: the candidate's settings, beta fixed, evaluated every `eval_every`."""
         run = {"kl.init_coef": beta, "kl.target": None, "seed": seed, "checkpoint_every": 10_000,
-               "sample_every": 10_000, "evaluation.every": args.eval_every}
+               "evaluation.every": args.eval_every}
         return load_config(args.config, overrides | {f"ppo.{k}": v for k, v in (settings | run).items()}).ppo
 
     judge = None

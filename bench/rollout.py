@@ -90,11 +90,11 @@ PPO_VARIANTS = {
     "hf": ({"rollout_engine": "hf"}, None),
     "vllm": ({"rollout_engine": "vllm"}, None),
     "vllm-ahead": ({"rollout_engine": "vllm", "rollout.max_staleness": 1}, None),
-    "vllm-ahead-split": ({"rollout_engine": "vllm", "rollout.max_staleness": 1, "vllm.cpu_cores": "1"}, 1),
+    "vllm-ahead-split": ({"rollout_engine": "vllm", "rollout.max_staleness": 1, "vllm.devices": "1"}, 1),
 }
 """The PPO rows a run can take: (overrides, trainer threads; None: torch's default). `vllm-ahead`: the
 server samples the next iteration's rollout while the trainer updates, both on every core;
-`-split`: the server on the last core (`vllm.cpu_cores`), the trainer on one thread."""
+`-split`: the server on the last core (`vllm.devices`), the trainer on one thread."""
 
 
 def ppo_row(variant: str, checkpoint: str, world: Path, work: Path, response_length: int) -> dict:

@@ -87,7 +87,7 @@ def reward_terms_note(ppo: PPOConfig) -> str:
                                                      for t in reward.functions))
     if reward.remotes:
         parts.append("servers " + ", ".join(
-            f"`{t.name}` ({t.remote.kind}{', ' + t.remote.parse if t.remote.kind == 'judge' else ''} at "
+            f"`{t.name}` ({t.remote.kind} at "
             f"{t.remote.url}, weight {t.weight:g})" for t in reward.remotes))
     if teacher is not None:
         how = f"KL over its top {teacher.top_k} as a loss" if teacher.top_k else f"{teacher.kl_estimator} per token"

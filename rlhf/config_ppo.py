@@ -132,6 +132,10 @@ class EnvironmentConfig(_Frozen):
     """Multi-turn episodes: the policy acts over several turns against an environment, e.g. calling tools
     (docs/environments.md). Exactly one of `tools`, `factory`, `rollout` and `server` says what the environment is."""
 
+    MERGED: ClassVar[dict[str, str]] = {
+        "turn_tokens": "sampling.response_length is each turn's budget in an episode (environment.episode_tokens "
+                       "the whole episode's)",
+    }
     TOOL_PARSERS: ClassVar = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony", "deepseek", "glm",
                               "pythonic")
     tools: str | None = None
@@ -146,8 +150,6 @@ class EnvironmentConfig(_Frozen):
     """Folders put in front of the import path to find those functions (absolute, or relative to the run's folder)."""
     max_turns: PositiveInt = 4
     """Assistant turns an episode may take; one that wants more ends `truncated`."""
-    turn_tokens: PositiveInt | None = None
-    """New tokens per assistant turn at most; unset: `sampling.response_length`."""
     episode_tokens: PositiveInt = 96
     """Tokens after the prompt an episode holds at most: the model's turns, tool results and the template's glue."""
     malformed_call_reward: float = -1.0
@@ -207,10 +209,8 @@ class PPOConfig(TrainedStage, SampledStage):
     """How tokens get advantages: GAE with a critic (`gae`), from scores (`grpo`, ...), or by a teacher (`distill`)."""
     samples_per_prompt: PositiveInt | Literal["auto"] = "auto"
     """Responses per prompt per iteration (a group); `auto`: 1 for `gae` and `reinforce++`, 4 for group estimators."""
-    group_std_normalize: bool = True
-    """With `grpo` only: divide by the group's score std as well as subtracting its mean; false: Dr. GRPO."""
-    group_batch_normalize: bool = False
-    """With `grpo` and `rloo`: whiten the group advantages over the whole batch (as REINFORCE++-baseline does)."""
+    group_normalization: Literal["std", "mean", "batch", "std+batch"] = "std"
+    """Group advantages (grpo, rloo): `std` ÷ the group's std (GRPO), `mean` (Dr. GRPO), `batch` whitened overall."""
     dynamic_sampling: DynamicSamplingConfig | None = None
     """DAPO's dynamic sampling: drop groups whose scores are all equal, sample more prompts instead; unset: off."""
     num_ppo_epochs: PositiveInt = 4
@@ -221,10 +221,8 @@ class PPOConfig(TrainedStage, SampledStage):
     """Peak AdamW learning rate of policy and critic."""
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
     """Share of optimizer steps with a linearly rising learning rate; then linear decay to zero."""
-    clip_range: PositiveFloat = 0.2
-    """Policy ratio clip epsilon: the ratio is clipped to [1 - clip_range, 1 + clip_range]."""
-    clip_range_high: PositiveFloat | None = None
-    """Upper policy ratio clip epsilon (DAPO's clip-higher); unset: clip_range (symmetric)."""
+    clip_range: PositiveFloat | tuple[PositiveFloat, PositiveFloat] = 0.2
+    """Policy ratio clip epsilon: the ratio is clipped to [1 - eps, 1 + eps]; `[low, high]`: DAPO's clip-higher."""
     ratio_level: Literal["token", "sequence"] = "token"
     """The ratio the policy loss clips: per token (PPO), or per sequence, its tokens' geometric mean (GSPO)."""
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
@@ -252,10 +250,8 @@ class PPOConfig(TrainedStage, SampledStage):
     """Copy the policy into the reference every this many iterations; unset: never. Not with `lora`."""
 
     # --- diagnostics ---
-    sample_every: PositiveInt = 10
-    """Log a table of (prompt, response, score) samples every this many iterations."""
     num_logged_samples: PositiveInt = 8
-    """Rows in each samples table."""
+    """Rows of the samples table (prompt, response, score) logged at each evaluation (`evaluation.every`)."""
     evaluation: PPOEvaluationConfig = PPOEvaluationConfig()
     """The evaluations against the SFT policy on held-out prompts."""
     warnings: WarningsConfig = WarningsConfig()
@@ -285,6 +281,12 @@ class PPOConfig(TrainedStage, SampledStage):
     environment: EnvironmentConfig | None = None
     """Multi-turn episodes against an environment (tools); unset: one response to each prompt."""
 
+    MERGED: ClassVar[dict[str, str]] = {
+        "clip_range_high": "clip_range: [low, high] (DAPO's clip-higher: [0.2, 0.28])",
+        "group_std_normalize": "group_normalization: std (true) or mean (false: Dr. GRPO)",
+        "group_batch_normalize": "group_normalization: batch (or std+batch, keeping the group's std)",
+        "sample_every": "the samples table is logged with each evaluation (evaluation.every) and at the end",
+    }
     DERIVED: ClassVar[dict[str, str]] = {"advantage_estimator": "critic", "reward": "critic"}
     """`auto` fields resolved from another, which `with_overrides` resolves again when that one changes."""
 
@@ -403,9 +405,9 @@ class PPOConfig(TrainedStage, SampledStage):
     @model_validator(mode="after")
     def _clip_and_loss_settings_act(self) -> PPOConfig:
         """Clip-higher raises the upper bound; a loss aggregation length needs the aggregation it is the constant of."""
-        if self.clip_range_high is not None and self.clip_range_high < self.clip_range:
-            raise ValueError(f"clip_range_high ({self.clip_range_high}) is below clip_range ({self.clip_range}): "
-                             "clip-higher raises the upper bound; set clip_range for a symmetric clip")
+        if self.clip_high < self.clip_low:
+            raise ValueError(f"clip_range [{self.clip_low}, {self.clip_high}]: the upper epsilon is below the lower "
+                             "one: clip-higher raises the upper bound; give one number for a symmetric clip")
         if self.loss_aggregation_length is not None and self.loss_aggregation != "seq-mean-token-sum-norm":
             raise ValueError("loss_aggregation_length is the constant of loss_aggregation 'seq-mean-token-sum-norm' "
                              f"(Dr. GRPO); with {self.loss_aggregation!r} it cannot act: unset it")
@@ -414,10 +416,13 @@ class PPOConfig(TrainedStage, SampledStage):
     @model_validator(mode="after")
     def _group_settings_act(self) -> PPOConfig:
         """Batch-normalised group advantages need grpo or rloo; dynamic sampling needs groups."""
-        if self.group_batch_normalize and self.advantage_estimator not in ("grpo", "rloo"):
-            raise ValueError(f"group_batch_normalize cannot act with advantage_estimator {self.advantage_estimator!r}: "
-                             "it whitens grpo's and rloo's group advantages over the batch (gae and the reinforce++ "
-                             "estimators whiten over the batch already)")
+        if self.group_normalization != "std" and self.advantage_estimator not in ("grpo", "rloo"):
+            raise ValueError(f"group_normalization {self.group_normalization!r} cannot act with advantage_estimator "
+                             f"{self.advantage_estimator!r}: it scales grpo's and rloo's group advantages (gae and the "
+                             "reinforce++ estimators whiten over the batch already)")
+        if self.group_normalization == "mean" and self.advantage_estimator == "rloo":
+            raise ValueError("group_normalization 'mean' is grpo's (Dr. GRPO): rloo's baseline is the group's others' "
+                             "mean already; use std (its default) or batch")
         if self.dynamic_sampling is not None and self.samples_per_prompt < 2:
             raise ValueError("dynamic_sampling drops prompt groups whose responses all score the same, so it needs "
                              f"groups: set samples_per_prompt to 2 or more (it is {self.samples_per_prompt})")
@@ -460,12 +465,10 @@ class PPOConfig(TrainedStage, SampledStage):
         if fetched and (self.environment is None or self.environment.server is None):
             raise ValueError(f"{fetched[0]}: `env:` is an environment server's dataset: set environment.server")
         if self.environment is None:
-            if self.reward.sees_reasoning:
-                raise ValueError("reward.sees_reasoning: only episodes' turns are read for reasoning: set environment")
             return self
         if self.reward.pairwise:
-            raise ValueError(f"reward.terms[{self.reward.pairwise[0].name}]: a `choice` judge compares a response with "
-                             "the SFT policy's; an episode has none to compare with: use `parse: number`")
+            raise ValueError(f"reward.terms[{self.reward.pairwise[0].name}]: a `compare` judge compares a response "
+                             "with the SFT policy's; an episode has none to compare with: use kind: judge")
         if self.rollout.max_staleness:
             raise ValueError("environment: episodes step their environment between turns, which sampling ahead "
                              "(rollout.max_staleness above 0) does not run: set max_staleness 0")
@@ -486,9 +489,24 @@ class PPOConfig(TrainedStage, SampledStage):
         return self.advantage_estimator == "grpo"
 
     @property
+    def clip_low(self) -> float:
+        """The policy ratio's lower clip epsilon: the ratio's lower bound is 1 - it."""
+        return self.clip_range if isinstance(self.clip_range, float | int) else self.clip_range[0]
+
+    @property
     def clip_high(self) -> float:
-        """The policy ratio's upper clip epsilon."""
-        return self.clip_range if self.clip_range_high is None else self.clip_range_high
+        """The policy ratio's upper clip epsilon: the ratio's upper bound is 1 + it."""
+        return self.clip_range if isinstance(self.clip_range, float | int) else self.clip_range[1]
+
+    @property
+    def group_std_normalize(self) -> bool:
+        """`grpo`: divide by the group's score std as well as subtracting its mean (false: Dr. GRPO)."""
+        return self.group_normalization in ("std", "std+batch")
+
+    @property
+    def group_batch_normalize(self) -> bool:
+        """`grpo`, `rloo`: whiten the group advantages over the whole batch (as REINFORCE++-baseline does)."""
+        return "batch" in self.group_normalization
 
     @property
     def response_tokens(self) -> int:

@@ -5,7 +5,7 @@ per-token log-probs grade every token the policy samples (on-policy distillation
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
@@ -111,6 +111,11 @@ class TeacherConfig(_Frozen):
     position, differentiated through the policy's logits (GKD's way). The teacher must share the
     policy's tokenizer: it reads the policy's token ids."""
 
+    MERGED: ClassVar[dict[str, str]] = {
+        "trust_remote_code": "ppo.trust_remote_code allows every model the stage loads its own code: the policy's, "
+                             "the reward model's and the teacher's",
+    }
+
     model: str
     """The teacher: a folder, hub id, `demo:<name>`, `runs:/<run id>/<path>` or `models:/<name>@<alias>` (`/<n>`)."""
     weight: PositiveFloat = 1.0
@@ -119,8 +124,6 @@ class TeacherConfig(_Frozen):
     """The per-token estimate of KL(policy || teacher): k1 the log-ratio (the published recipe), k3 (never negative)."""
     top_k: PositiveInt | None = None
     """A loss instead of a reward: `weight x` KL(policy || teacher) over the teacher's top-k tokens and the rest."""
-    trust_remote_code: bool = False
-    """Allow the teacher's own modelling code from its folder (as `ppo.trust_remote_code` for the policy)."""
 
 
 OVERLONG_TERM = "overlong"

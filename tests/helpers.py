@@ -188,7 +188,8 @@ TOOLS_OVERRIDES = {
     "demo.task": "tools",
     "sft.max_prompt_length": 64,  # a transcript's conversation before its last answer
     "sft.max_length": 96,
-    "ppo.environment": {"tools": "rlhf.demo.tools:tools", "max_turns": 3, "turn_tokens": 24, "episode_tokens": 64},
+    "ppo.environment": {"tools": "rlhf.demo.tools:tools", "max_turns": 3, "episode_tokens": 64},
+    "ppo.sampling.response_length": 24,  # each turn's budget
     "ppo.reward": {"terms": [{"name": "liked", "function": "rlhf.demo.rewards:uses_liked_adjectives"}],
                    "columns": ["liked"]},
     "ppo.advantage_estimator": "grpo",

@@ -302,8 +302,37 @@ def test_what_episodes_cannot_do_is_refused_with_the_reason(tools_trained):
         EnvironmentConfig(tools="no-colon")
     with pytest.raises(ValueError, match="not 'module:function' nor one of .*'hermes'"):
         EnvironmentConfig(tools="a:b", tool_parser="qwen")
-    with pytest.raises(ValueError, match="reward.sees_reasoning: only episodes' turns are read for reasoning"):
-        _tool_cfg(cfg, environment=None, reward={"sees_reasoning": True})
+    # A single turn's reasoning is read too (`SingleTurn`): the reward may see it without an environment.
+    assert _tool_cfg(cfg, environment=None, reward={"sees_reasoning": True}).reward.sees_reasoning
+
+
+def test_a_single_turns_reasoning_is_read_in_its_familys_convention_and_kept_from_the_answer(tokenizer):
+    """A thinking model's response sampled in one turn: its reasoning block is not what the reward
+    terms score (unless `reward.sees_reasoning`), it is the message's `reasoning_content` and its
+    tokens are counted; a response without a block is the decoded text as it was."""
+    from stages.engines.sampler import Generation
+    from stages.envs.episode import SingleTurn
+    from stages.envs.parsers import harmony, reasoning_parser, split_turn
+
+    texts = ["<think>Warm things are liked.</think>The cat is warm.", "The cat is warm."]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    width = max(map(len, ids))
+    responses = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in ids])
+    generation = Generation(queries=torch.ones(2, 1, dtype=torch.long), query_mask=torch.ones(2, 1, dtype=torch.long),
+                            responses=responses)
+    rows = [{"prompt": "", "messages": [{"role": "user", "content": "Describe the cat."}]}] * 2
+    thinking, plain = SingleTurn(tokenizer, [tokenizer.eos_token_id], reasoning_parser(tokenizer)).batch(
+        generation, rows).episodes
+    assert thinking.answer == "The cat is warm." and plain.answer == "The cat is warm."
+    assert thinking.messages[-1]["reasoning_content"] == "Warm things are liked." and thinking.reasoning_tokens > 0
+    assert "reasoning_content" not in plain.messages[-1] and plain.reasoning_tokens == 0
+    seen = SingleTurn(tokenizer, [tokenizer.eos_token_id], reasoning_parser(tokenizer), sees_reasoning=True)
+    assert seen.batch(generation, rows).episodes[0].answer == tokenizer.decode(ids[0], skip_special_tokens=True)
+    # The family's convention: gpt-oss's channels where the template writes them, else `</think>`.
+    assert reasoning_parser(tokenizer)("<think>a</think>b").reasoning == split_turn("<think>a</think>b").reasoning
+    channels = type("Harmony", (), {"chat_template": "<|channel|>analysis", "response_template": None})()
+    analysis = "<|channel|>analysis<|message|>plan<|end|><|start|>assistant<|channel|>final<|message|>done"
+    assert reasoning_parser(channels)(analysis) == harmony(analysis)
 
 
 MISTRAL_TOOLS_TEMPLATE = (

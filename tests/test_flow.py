@@ -836,7 +836,7 @@ def test_rlhf_full_with_llm_judges_on_vllms_cpu_server_scores_training_and_evalu
     digits, letters = [str(i) for i in range(11)], ["A", "B"]
     terms = [{"name": "graded", "remote": {"url": url, "kind": "judge", "template": "{prompt} {response} Score:",
                                            "extra_body": {"structured_outputs": {"choice": digits}}}},
-             {"name": "versus", "remote": {"url": url, "kind": "judge", "parse": "choice",  # the judge reads 128 tokens
+             {"name": "versus", "remote": {"url": url, "kind": "compare",  # the judge reads 128 tokens
                                            "template": "{prompt} A: {a} B: {b} Better:",
                                            "extra_body": {"structured_outputs": {"choice": letters}}}},
              {"name": "reward_model", "weight": 0.1}]

@@ -35,13 +35,12 @@ def test_groups_with_signal_are_those_whose_scores_differ():
 
 
 OPTIONS = {
-    "clip-higher": {"clip_range_high": 0.28},
+    "clip-higher": {"clip_range": [0.2, 0.28]},
     "seq-mean-token-mean": {"loss_aggregation": "seq-mean-token-mean"},
     "seq-mean-token-sum": {"loss_aggregation": "seq-mean-token-sum"},
-    "dr-grpo": {"loss_aggregation": "seq-mean-token-sum-norm", "group_std_normalize": False},
-    "gspo": {"ratio_level": "sequence", "loss_aggregation": "seq-mean-token-mean", "clip_range": 3e-4,
-             "clip_range_high": 4e-4},
-    "batch-normalized": {"group_batch_normalize": True, "group_std_normalize": False},
+    "dr-grpo": {"loss_aggregation": "seq-mean-token-sum-norm", "group_normalization": "mean"},
+    "gspo": {"ratio_level": "sequence", "loss_aggregation": "seq-mean-token-mean", "clip_range": [3e-4, 4e-4]},
+    "batch-normalized": {"group_normalization": "batch"},
     "mask-truncated": {"mask_truncated_responses": True},
     "overlong": {"reward": {"overlong": {"buffer": 4}}},
 }
@@ -82,10 +81,11 @@ def test_dynamic_sampling_fills_the_batch_with_groups_that_differ(tiny_config, t
 
 REFUSED = [
     ({"advantage_estimator": "gae", "samples_per_prompt": 1, "dynamic_sampling": {}}, "needs groups"),
-    ({"group_batch_normalize": True, "advantage_estimator": "reinforce++", "samples_per_prompt": 1},
-     "group_batch_normalize cannot act"),
+    ({"group_normalization": "batch", "advantage_estimator": "reinforce++", "samples_per_prompt": 1},
+     "group_normalization 'batch' cannot act"),
     ({"loss_aggregation_length": 8}, "loss_aggregation_length is the constant"),
-    ({"clip_range_high": 0.1}, "below clip_range"),
+    ({"clip_range": [0.2, 0.1]}, "the upper epsilon is below the lower one"),
+    ({"clip_range_high": 0.28}, r"clip_range_high was merged: clip_range: \[low, high\]"),
     ({"reward": {"overlong": {"buffer": 64}}, "sampling": {"response_length": 64}}, "must be shorter"),
     ({"reward": RULE | {"overlong": {},
                         "terms": [{"name": "overlong", "function": "rlhf.demo.rewards:length_penalty"}]}},

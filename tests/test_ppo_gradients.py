@@ -66,7 +66,7 @@ def test_no_loss_aggregation_or_ratio_level_depends_on_the_micro_batch_size(tiny
     counted[[0, 3]] = 0.0  # as two truncated responses are with `mask_truncated_responses`
     for aggregation in PPOConfig.model_fields["loss_aggregation"].annotation.__args__:
         varied = with_overrides(cfg, {"loss_aggregation": aggregation, "ratio_level": ratio_level,
-                                      "clip_range_high": 0.28, "kl.loss_coef": 0.1})
+                                      "clip_range": [cfg.clip_low, 0.28], "kl.loss_coef": 0.1})
         whole = ppo_gradients(models, accelerator, actor_critic, batch, advantages, returns, varied, counted)
         assert sum(g.norm() for g in whole.values()) > 0
         for micro in (1, 4):

@@ -121,10 +121,12 @@ def test_a_remote_term_is_not_the_reward_model_and_names_what_it_needs(tiny_conf
         RewardTermsConfig(terms=[{"name": "x", "remote": {"url": "http://h/score", "template": "{response}"}}])
     with pytest.raises(ValidationError, match="batch_size is not read by a 'judge' server"):
         RewardTermsConfig(terms=[{"name": "j", "remote": {"url": "http://h/v1", "kind": "judge", "batch_size": 8}}])
-    with pytest.raises(ValidationError, match=r"'choice' judge's template needs \{b\}"):
-        RewardTermsConfig(terms=[{"name": "j", "remote": {"url": "http://h/v1", "kind": "judge", "parse": "choice",
+    with pytest.raises(ValidationError, match=r"'compare' judge's template needs \{b\}"):
+        RewardTermsConfig(terms=[{"name": "j", "remote": {"url": "http://h/v1", "kind": "compare",
                                                            "template": "{a} or {response}?"}}])
-    choice = {"terms": [{"name": "versus", "remote": {"url": "http://h/v1", "kind": "judge", "parse": "choice"}}]}
+    with pytest.raises(ValidationError, match=r"parse was merged: kind: judge \(parse: number\) or compare"):
+        RewardTermsConfig(terms=[{"name": "j", "remote": {"url": "http://h/v1", "kind": "judge", "parse": "choice"}}])
+    choice = {"terms": [{"name": "versus", "remote": {"url": "http://h/v1", "kind": "compare"}}]}
     assert [t.name for t in RewardTermsConfig(**choice).pairwise] == ["versus"]
     with pytest.raises(ValidationError, match="an episode has none to compare with"):
         with_overrides(tiny_config.ppo, {"reward": choice, "environment": {"tools": "m:f"}})
@@ -181,10 +183,13 @@ def test_a_malformed_body_fails_its_request_without_a_retry(body):
         or "not a finite number" in outcome.failures[0]
 
 
-def test_on_failure_stop_names_the_url_the_status_and_the_batch():
+def test_stopping_at_the_first_failure_names_the_url_the_status_and_the_batch():
+    from stages.rewards.remote import remote_values
+
     with served_in_thread(scoring_app(Misbehaviour(status=500))) as base:
-        with pytest.raises(RemoteRewardError) as raised:
-            score(client(base + "/score", max_retries=1, on_failure="stop"), batch=7)
+        with pytest.raises(RemoteRewardError) as raised:  # max_failed_share 0: no response may go without a score
+            remote_values([client(base + "/score", max_retries=1, max_failed_share=0.0)], PROMPTS, RESPONSES,
+                          [True] * len(RESPONSES), 7)
     message = str(raised.value)
     assert base + "/score" in message and "HTTP 500" in message and "batch 7" in message and "'served'" in message
 
@@ -267,9 +272,9 @@ def test_a_choice_judge_sees_both_responses_in_a_drawn_order_and_scores_a_win_as
     app, asked = judge_app("B, clearly")
     references = [f"sft {i}" for i in range(10)]
     with served_in_thread(app) as base:
-        remote = client(base + "/v1", kind="judge", parse="choice")
+        remote = client(base + "/v1", kind="compare")
         outcome = remote.score(PROMPTS, RESPONSES, [True] * 10, 1, references)
-        assert ", choice, template " in remote.lineage()
+        assert "served=compare " in remote.lineage() and ", template " in remote.lineage()
         # The SFT policy's own responses have nothing to be compared with: a choice judge is not asked.
         values, _ = remote_values([remote], PROMPTS, references, [True] * 10, "evaluation (sft responses)")
     assert values == {} and len(asked) == 10
@@ -284,7 +289,7 @@ def test_a_choice_judge_sees_both_responses_in_a_drawn_order_and_scores_a_win_as
     assert outcome.values == [float(second[r]) for r in RESPONSES]  # the judge always answered B
     app, _ = judge_app("neither")
     with served_in_thread(app) as base:
-        outcome = client(base + "/v1", kind="judge", parse="choice").score(PROMPTS, RESPONSES, [True] * 10, 1,
+        outcome = client(base + "/v1", kind="compare").score(PROMPTS, RESPONSES, [True] * 10, 1,
                                                                           references)
     assert outcome.values == [None] * 10 and "names neither A nor B" in outcome.failures[0]
 
@@ -388,8 +393,8 @@ def test_ppo_drops_the_responses_a_server_gave_no_score_and_stops_where_told(tin
             dropped = table["reward/served"].isna()
             assert row["rollout/remote_failed_share"] == pytest.approx(dropped.mean())
             assert (table["response"][dropped].str.len() % 2 == 0).all()
-        with pytest.raises(StageUserError, match="on_failure is 'stop'"):
-            run_ppo(_remote_ppo(tiny_config, base + "/score", on_failure="stop"), trained, tmp_path / "stop")
+        with pytest.raises(StageUserError, match="past remote.max_failed_share 0 "):
+            run_ppo(_remote_ppo(tiny_config, base + "/score", max_failed_share=0.0), trained, tmp_path / "stop")
     how.null_every, how.status = 0, 500
     with served_in_thread(scoring_app(how)) as base:
         with pytest.raises(StageUserError, match=r"past remote.max_failed_share 0.5 .*HTTP 500"):

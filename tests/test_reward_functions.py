@@ -238,8 +238,7 @@ def test_ppo_without_a_reward_model_trains_on_the_functions_and_evaluates_by_the
     from stages.ppo import train_ppo
 
     cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE, "advantage_estimator": "grpo",
-                                           "samples_per_prompt": 4, "num_iterations": 2, "evaluation.every": 1,
-                                           "sample_every": 1})
+                                           "samples_per_prompt": 4, "num_iterations": 2, "evaluation.every": 1})
     samples = []
     result = train_ppo(cfg, ppo_inputs(trained, reward=False),
                        tmp_path / "run", Reporting(samples=lambda table, step: samples.append(table)))

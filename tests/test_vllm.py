@@ -136,7 +136,7 @@ def test_dynamic_sampling_and_the_policy_loss_options_sample_on_the_vllm_server(
     cfg, trained = servable
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {
         "advantage_estimator": "grpo", "samples_per_prompt": 4, "dynamic_sampling": {"max_rounds": 3},
-        "ratio_level": "sequence", "loss_aggregation": "seq-mean-token-mean", "clip_range_high": 0.28,
+        "ratio_level": "sequence", "loss_aggregation": "seq-mean-token-mean", "clip_range": [0.2, 0.28],
         "reward": {"terms": [{"name": "on_subject", "function": "rlhf.demo.rewards:names_the_subject"}]}})
     result = run_ppo(ppo, trained, tmp_path / "out")
     assert len(started) == 1  # one server for every round of every iteration

@@ -97,14 +97,14 @@ class VLLMServer:
         if kv_cache_gib is not None:
             command += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
         environment = os.environ | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-        if settings.cuda_visible_devices is not None:
-            environment["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
+        if settings.devices is not None and torch.cuda.is_available():
+            environment["CUDA_VISIBLE_DEVICES"] = settings.devices
         if not torch.cuda.is_available():
             # vLLM's CPU worker keeps a core for its HTTP front end by default; the trainer and the
             # server take turns (the trainer waits while the server samples), so sampling gets them all.
             environment.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-            if settings.cpu_cores is not None:
-                environment["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpu_cores
+            if settings.devices is not None:
+                environment["VLLM_CPU_OMP_THREADS_BIND"] = settings.devices
             # vLLM's CPU guide: preload Intel's OpenMP runtime, which its environment ships
             iomp = vllm_python(settings).parent.parent / "lib" / "libiomp5.so"
             if iomp.exists():

@@ -145,7 +145,7 @@ class RayServed:
               log: Path) -> RayEndpoint:
         """Start the server on the folder (written by now); how every rank reaches it."""
         # Ray hands the actor its GPUs (CUDA_VISIBLE_DEVICES): a choice of devices in the settings would fight it.
-        settings = settings.model_copy(update={"cuda_visible_devices": None})
+        settings = settings.model_copy(update={"devices": None})
         _get(self.actor.start.remote(settings, dtype, seed, max_model_len, str(log)), "starting the vLLM server",
              settings.startup_timeout + 60)
         return RayEndpoint(self.name)

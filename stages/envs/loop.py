@@ -413,5 +413,5 @@ def episode_runner(settings: EnvironmentConfig, tokenizer: PreTrainedTokenizerBa
     if rollout is None:
         probe_template(chat)
     return EpisodeRunner(settings=settings, make=make, rollout=rollout, chat=chat, stop_ids=stop_ids,
-                         turn_tokens=settings.turn_tokens or response_length, parse=parse, parser_name=parser_name,
+                         turn_tokens=response_length, parse=parse, parser_name=parser_name,
                          sees_reasoning=sees_reasoning)

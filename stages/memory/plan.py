@@ -276,7 +276,7 @@ def model_shapes(cfg: PipelineConfig, resolve=lambda location: location) -> dict
     if cfg.reward.model:
         shapes["reward"] = model_shape(resolve(cfg.reward.model), cfg.reward.trust_remote_code)
     if cfg.ppo.teacher:
-        shapes["teacher"] = model_shape(resolve(cfg.ppo.teacher.model), cfg.ppo.teacher.trust_remote_code)
+        shapes["teacher"] = model_shape(resolve(cfg.ppo.teacher.model), cfg.ppo.trust_remote_code)
     return shapes
 
 

@@ -6,21 +6,20 @@ Two kinds of server, one client (`RemoteReward`), called on the main process onc
             -> {"scores": [float | null, ...]}  one per response (`rlhf serve-reward` serves our reward
             model this way; null: no score for that response)
     judge   POST {url}/chat/completions, one request per response (OpenAI-compatible), greedy, the
-            user's `template` filled with the prompt and the response, each response fenced in
+    compare user's `template` filled with the prompt and the response, each response fenced in
             <response> tags (a closing tag inside it broken), so that the policy cannot end its own text
-            and write the judge's instructions. `parse: number`: the answer's one number (a restated scale and a
+            and write the judge's instructions. `judge`: the answer's one number (a restated scale and a
             denominator set aside), or the first group of `score_pattern`; several numbers, one outside
-            `score_range`, or one not finite: unscored. `parse:
-            choice`: the response and the SFT policy's to the same prompt as A and B, in an order drawn
-            from their texts (half the rows each way, the same on a rerun); 1 where the answer's first A
-            or B names the response, else 0
+            `score_range`, or one not finite: unscored. `compare`: the response and the SFT policy's to
+            the same prompt as A and B, in an order drawn from their texts (half the rows each way, the
+            same on a rerun); 1 where the answer's first A or B names the response, else 0
 
 Requests run concurrently on one event loop (httpx), at most `max_concurrent` in flight and
 `max_rpm` started per minute. A request that times out, cannot connect or gets HTTP 408, 429 or 5xx
 is retried up to `max_retries` times after exponential backoff with full jitter (a `Retry-After`
 header is honoured up to 30 s; `stages.common.clients`); another 4xx is not retried. A body that is
 not what the kind promises fails its request without a retry. A response whose score never arrives is None, with
-why; the RL stage drops it from the update or stops (`on_failure`): never a silent 0.
+why; the RL stage drops it from the update, or stops past `max_failed_share` of a batch: never a silent 0.
 """
 
 from __future__ import annotations
@@ -115,7 +114,7 @@ class RemoteReward:
 
     @property
     def endpoint(self) -> str:
-        return self.cfg.url.rstrip("/") + "/chat/completions" if self.cfg.kind == "judge" else self.cfg.url
+        return self.cfg.url.rstrip("/") + "/chat/completions" if self.cfg.judges else self.cfg.url
 
     def headers(self) -> dict[str, str]:
         try:
@@ -139,15 +138,15 @@ class RemoteReward:
 
     def _probe(self, timeout: float = 10.0) -> None:
         """`check`'s one request (a judge's first listed model kept); `TryFailed` saying why the server fails it."""
-        url = self.cfg.url.rstrip("/") + "/models" if self.cfg.kind == "judge" else self.cfg.url
+        url = self.cfg.url.rstrip("/") + "/models" if self.cfg.judges else self.cfg.url
         try:
             answer = httpx.get(url, headers=self.headers(), timeout=timeout)
         except httpx.HTTPError as e:
             raise TryFailed(f"the server does not answer ({type(e).__name__}: {e}); start it before the run",
                             timed_out=isinstance(e, httpx.TimeoutException)) from None
-        if answer.status_code >= 500 or (self.cfg.kind == "judge" and answer.status_code != 200):
+        if answer.status_code >= 500 or (self.cfg.judges and answer.status_code != 200):
             raise TryFailed(f"GET {url} answered HTTP {answer.status_code}: {answer.text[:200]!r}", answer)
-        if self.cfg.kind == "judge" and self._model is None:
+        if self.cfg.judges and self._model is None:
             try:
                 listed = _json(answer)
             except _Failed as e:
@@ -161,14 +160,14 @@ class RemoteReward:
         """What the run's tag says of this term: kind, URL, weight, the template's digest for a judge,
         and the run whose checkpoint a scoring server says it serves (`rlhf serve-reward` says so)."""
         cfg, served = self.cfg, ""
-        if cfg.kind == "judge":
+        if cfg.judges:
             if self._model is None:
                 try:
                     self.check()
                 except RemoteRewardError:
                     pass  # the run's own requests will say what is wrong
             digest = hashlib.sha256(cfg.prompt_template.encode()).hexdigest()[:12]
-            served = f", {cfg.parse}, template {digest}, model {self._model}"
+            served = f", template {digest}, model {self._model}"
         else:
             try:
                 run_id = httpx.get(cfg.url, headers=self.headers(), timeout=10.0).json().get("run_id")
@@ -181,22 +180,17 @@ class RemoteReward:
               batch: int | str, references: list[str] | None = None) -> RemoteOutcome:
         """The server's scores for these responses (`batch`: the iteration, or which evaluation;
         `references`: the SFT policy's response to each one's prompt, which a `choice` judge compares
-        it with). With `on_failure: stop`, a failed request raises `RemoteRewardError` instead."""
+        it with)."""
         assert (references is not None) == self.cfg.pairwise, self.describe()
         start = time.monotonic()
         outcome = _run(self._score(prompts, responses, complete, references))
         outcome.seconds = time.monotonic() - start
-        if outcome.failures and self.cfg.on_failure == "stop":
-            row, reason = next(iter(sorted(outcome.failures.items())))
-            raise RemoteRewardError(f"{self.describe()}: batch {batch}: no score for {len(outcome.failures)} of "
-                                    f"{len(responses)} responses (first: row {row}, {reason}); "
-                                    "remote.on_failure is 'stop'")
         return outcome
 
     async def _score(self, prompts: list[list[dict]], responses: list[str], complete: list[bool],
                      references: list[str] | None) -> RemoteOutcome:
         cfg, size = self.cfg, self.cfg.responses_per_request
-        if cfg.kind == "judge" and self._model is None:
+        if cfg.judges and self._model is None:
             await self._resolve_model()
         groups = [list(range(i, min(i + size, len(responses)))) for i in range(0, len(responses), size)]
         outcome = RemoteOutcome(values=[None] * len(responses))
@@ -269,12 +263,12 @@ class RemoteReward:
         """The scores in a 200 answer, checked: `_Failed` for a body that is not what the kind promises
         (`policy_first`: a `choice` judge's A is the response judged)."""
         body = _json(answer)
-        if self.cfg.kind == "judge":
+        if self.cfg.judges:
             try:
                 text = body["choices"][0]["message"]["content"] or ""
             except (KeyError, IndexError, TypeError):
                 raise _Failed(f"not a chat completion: {answer.text[:200]!r}") from None
-            if self.cfg.parse == "choice":
+            if self.cfg.pairwise:
                 choice = _CHOICE.search(text)
                 if choice is None:
                     raise _Failed(f"the judge's answer names neither A nor B: {text[:200]!r}")

@@ -357,7 +357,7 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
     if scorer is not None:
         scorer.counts = counts
     passes = Passes(precision=precision, padding_free=padding_free, pad_id=tokenizer.pad_token_id)
-    teacher = teacher_for(cfg.teacher, teacher_location, tokenizer, holding, cfg.frozen_dtype)
+    teacher = teacher_for(cfg, teacher_location, tokenizer, holding)
     return Models(policy=policy, critic=critic, reference=reference, scorer=scorer, teacher=teacher,
                   tokenizer=tokenizer, precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
                   reuse_sampling_pass=reuse_sampling_pass(cfg.old_logprobs, rounds_to_16_bits(cfg, precision)),

@@ -143,7 +143,8 @@ def report_iteration(reporting: Reporting, rollouts: Rollouts, loop: LoopState, 
     reporting.rollouts(pd.DataFrame({"prompt_messages": [json.dumps(m) for m in messages], "response": batch.texts,
                                      "score": scores.reported.cpu().numpy(), **terms,
                                      "kl": batch.sequence_kl.cpu().numpy(), **teacher, **turns}), iteration)
-    if iteration % cfg.sample_every == 0 or iteration == cfg.num_iterations:
+    every = cfg.evaluation.every or cfg.num_iterations  # with each evaluation, and at the end
+    if iteration % every == 0 or iteration == cfg.num_iterations:
         shown = slice(0, cfg.num_logged_samples)
         reporting.samples(pd.DataFrame({"user": [last_user_message(m) for m in messages[shown]],
                                         "response": batch.texts[shown],

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from rlhf.config_ppo import PPOConfig
 from rlhf.config_reward_terms import TeacherConfig
 from stages.common.batches import Sequences, response_columns
 from stages.common.reporting import timed
@@ -137,22 +138,23 @@ class Teacher:
         return {"teacher_kl": (kl_estimate(logprobs, marks.logprobs) * trainable).sum(1).cpu().numpy()}
 
 
-def teacher_for(settings: TeacherConfig | None, location: str | None, tokenizer, holding: Holding,
-                frozen_dtype: str) -> Teacher | NoTeacher:
+def teacher_for(cfg: PPOConfig, location: str | None, tokenizer, holding: Holding) -> Teacher | NoTeacher:
     """The run's teacher: `NoTeacher` without `ppo.teacher`, else the model at `location` (the folder
-    the flow resolved `teacher.model` to), frozen in `frozen_dtype`, dropout off, placed as the
+    the flow resolved `teacher.model` to), frozen in `frozen_dtype`, dropout off, its code trusted only
+    with `ppo.trust_remote_code` (as the policy's and the reward model's), placed as the
     reference is (sharded and offloaded where the holding says). It reads the policy's token ids, so
     a teacher whose vocabulary differs is refused with the first ids that differ."""
+    settings = cfg.teacher
     if settings is None:
         return NoTeacher()
-    own = load_tokenizer(location, trust_remote_code=settings.trust_remote_code).get_vocab()
+    own = load_tokenizer(location, trust_remote_code=cfg.trust_remote_code).get_vocab()
     policy_vocab = tokenizer.get_vocab()
     if own != policy_vocab:
         differ = sorted(set(own.items()) ^ set(policy_vocab.items()), key=lambda item: item[1])[:3]
         raise ValueError(f"ppo.teacher: the teacher at {location} has another vocabulary ({len(own)} tokens against "
                          f"the policy's {len(policy_vocab)}; e.g. {differ}): its log-probs would grade other tokens "
                          "than the policy's; distil from a teacher of the policy's tokenizer")
-    model = load_causal_lm(location, tokenizer, dtype=dtype_named(frozen_dtype),
-                           trust_remote_code=settings.trust_remote_code)
+    model = load_causal_lm(location, tokenizer, dtype=dtype_named(cfg.frozen_dtype),
+                           trust_remote_code=cfg.trust_remote_code)
     disable_dropout(model)
     return Teacher(holding.frozen(model.eval().requires_grad_(False)), settings)

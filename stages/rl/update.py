@@ -151,7 +151,7 @@ def _micro_batch_step(learner: Learner, micro: TrainingBatch, totals: Totals, it
     logits, values = learner.actor_critic(*micro.sequences, warming_up)
     logps = log_probs(logits, cfg.sampling.temperature)  # (b, T, V): the policy loss's and the teacher loss's
     logprobs = picked(logps, micro.responses)
-    clip = PolicyClip(low=cfg.clip_range, high=cfg.clip_high, level=cfg.ratio_level, aggregation=cfg.loss_aggregation,
+    clip = PolicyClip(low=cfg.clip_low, high=cfg.clip_high, level=cfg.ratio_level, aggregation=cfg.loss_aggregation,
                       length=cfg.aggregation_length)
     policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, counted, clip, micro.engine_weights,
                                  totals)
