@@ -2,6 +2,8 @@
 
     rlhf validate --kind {sft,preference,prompt} PATH [--format F] [--tokenizer T --max-prompt-length N --max-length N]
     rlhf summary [--experiment rlhf]      the latest pipeline run and its stage runs, with links to the MLflow UI
+    rlhf config show [CONFIG] [--stage ppo] [--first]
+                                          a config's settings: the ones most people change first, then by section
     rlhf config-reference [--write PATH]  every config field with its default and meaning (Markdown: docs/config.md)
     rlhf plan CONFIG [--processes N] [--device-memory GiB] [--stages ...] [--json]
                                           each stage's memory per process, from the models' configs alone
@@ -74,46 +76,24 @@ CONFIG_REFERENCE = "docs/config.md"
 
 
 def config_reference() -> str:
-    """The configuration reference page: every config field with its default and meaning, from the fields'
-    docstrings. `rlhf config-reference` prints it; `--write docs/config.md` regenerates the page."""
-    from pydantic import BaseModel
+    """The configuration reference page (`rlhf.config_guide.reference`): `rlhf config-reference` prints it;
+    `--write docs/config.md` regenerates the page."""
+    from rlhf.config_guide import reference
 
-    from rlhf.config import PipelineConfig
+    return reference()
 
-    sources: set[str] = set()
 
-    def rows(model: type[BaseModel], prefix: str):
-        sources.update(cls.__module__ for cls in model.__mro__
-                       if issubclass(cls, BaseModel) and cls.__module__.startswith("rlhf."))
-        for name, field in model.model_fields.items():
-            annotation = field.annotation
-            nested = next((a for a in getattr(annotation, "__args__", (annotation,))
-                           if isinstance(a, type) and issubclass(a, BaseModel)), None)
-            key = f"{prefix}{name}"
-            if nested is not None and getattr(annotation, "__origin__", None) is list:  # a list of sections
-                default = [item.model_dump() for item in field.default]
-                yield f"| `{key}` | `{default!r}` | {field.description or ''} |"
-                yield from rows(nested, key + "[].")
-            elif nested is not None and name not in ("train_data", "eval_data"):
-                yield from rows(nested, key + ".")
-            else:
-                default = field.default.model_dump() if isinstance(field.default, BaseModel) else field.default
-                shown = "required" if field.is_required() else f"`{default!r}`"
-                yield f"| `{key}` | {shown} | {field.description or ''} |"
+def _config_show(args: argparse.Namespace) -> int:
+    from rlhf.config import ConfigError, load_config
+    from rlhf.config_guide import show
 
-    table = "\n".join(rows(PipelineConfig, ""))
-    files = ", ".join(f"`{module.replace('.', '/')}.py`" for module in sorted(sources))
-    return (
-        "# Configuration reference\n\n"
-        "Every config field, its default and its meaning. Generated from the fields' docstrings in\n"
-        f"{files}:\n"
-        "do not edit this page by hand. After changing a field, regenerate it with\n"
-        f"`.venv/bin/rlhf config-reference --write {CONFIG_REFERENCE}` (`tests/test_config.py` fails while it\n"
-        "is out of date). Fields that need more than a line are explained in [settings.md](settings.md);\n"
-        "how to set them (a config file, the run form, an override) is in [running.md](running.md).\n\n"
-        "| field | default | meaning |\n|---|---|---|\n"
-        f"{table}\n"
-    )
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(show(cfg, args.stage, everything=not args.first))
+    return 0
 
 
 def _config_reference(args: argparse.Namespace) -> int:
@@ -223,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     reference.add_argument("--write", metavar="PATH",
                            help=f"write it to PATH instead of printing it ({CONFIG_REFERENCE} regenerates the page)")
     reference.set_defaults(run=_config_reference)
+
+    shown = commands.add_parser("config", help="a config's settings, the ones most people change first on top")
+    shown.add_argument("action", choices=["show"], help="show: print them with the config's values")
+    shown.add_argument("config", nargs="?", default="configs/demo.yaml", help="a pipeline config (YAML)")
+    shown.add_argument("--stage", default="ppo", choices=["sft", "reward", "ppo", "dpo"])
+    shown.add_argument("--first", action="store_true", help="only the settings most people change first")
+    shown.set_defaults(run=_config_show)
 
     planner = commands.add_parser("plan", help="each stage's memory per process, and whether it fits")
     planner.add_argument("config", help="a pipeline config (YAML)")

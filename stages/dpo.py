@@ -27,9 +27,9 @@ from rlhf.config import DPOConfig
 from stages.common.reporting import Reporting
 from stages.engines.vllm_server import sampler_for
 from stages.memory.phases import Counts
-from stages.memory.plan import with_micro_batches
+from stages.resolved import resolved
 from stages.rl.evaluation import HeldOut, evaluate, warn_over_kl_budget
-from stages.rl.ppo_models import Models, reuse_sampling_pass
+from stages.rl.ppo_models import Models
 from stages.rl.rollout import policy_sampler, single_turn
 from stages.runtime.holding import Holding, Sharded
 from stages.runtime.lora import copied, lora_config
@@ -41,6 +41,7 @@ from stages.runtime.models import (
     load_causal_lm,
     load_tokenizer,
     resolve_precision,
+    reuse_sampling_pass,
     saved_dtype_and_tags,
     stop_token_ids,
 )
@@ -154,8 +155,8 @@ def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path,
     Resumes from the newest trainer checkpoint an interrupted attempt left in `output_dir`.
     On several processes every one trains, evaluates and takes part in saving (a sharded model needs
     them all); only the main one writes and returns."""
-    cfg = with_micro_batches("dpo", cfg, Counts(dpo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,
-                             reporting=reporting)
+    cfg = resolved("dpo", cfg, Counts(dpo_eval_prompts=len(inputs.eval_prompts)), (inputs.sft_location, None),
+                   reporting)
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir, reporting))
     untrained = untrained_evaluation(trainer)

@@ -62,7 +62,7 @@ from stages.envs.loop import episode_source
 from stages.envs.served import served_environment
 from stages.math.ppo_math import KLController
 from stages.memory.phases import Counts
-from stages.memory.plan import with_micro_batches
+from stages.resolved import probed, resolved
 from stages.rewards.functions import load_reward_functions
 from stages.rewards.remote import remote_rewards
 from stages.rl.advantages import estimate, kl_weights
@@ -223,9 +223,10 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
                              "(PPOInputs.teacher_location: the flow resolves runs:/ and models:/ to one)")
     if not cfg.reward.uses_model:  # a reward of functions alone: no reward model is loaded, whatever was passed
         inputs = replace(inputs, reward_location=None)
-    cfg = with_micro_batches("ppo", cfg, Counts(ppo_eval_prompts=len(inputs.eval_prompts)), inputs.sft_location,
-                             inputs.reward_location, reporting)
+    cfg = resolved("ppo", cfg, Counts(ppo_eval_prompts=len(inputs.eval_prompts)),
+                   (inputs.sft_location, inputs.reward_location), reporting)  # every `auto`, here and only here
     learner = build_learner(cfg, inputs)
+    reporting.params(probed(cfg, learner.models))
     rollouts = build_rollouts(learner, inputs, output_dir)
     servers = [*rollouts.scoring.remotes, *served_environment(cfg.environment)]
     for warning in filter(None, (server.exposed_token() for server in servers)):

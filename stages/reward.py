@@ -34,7 +34,7 @@ from stages.common.tensors import is_end
 from stages.engines.sampler import HFSampler, Sampling
 from stages.engines.vllm_server import sampler_for
 from stages.memory.phases import Counts
-from stages.memory.plan import with_micro_batches
+from stages.resolved import resolved
 from stages.rewards.scoring import (
     NORMALIZATION_KEY,
     RewardScorer,
@@ -184,9 +184,8 @@ def train_reward(cfg: RewardConfig, inputs: RewardInputs, output_dir: Path,
     needs them all); only the main one writes and returns."""
     model_location, evaluation = inputs.model_location, inputs.evaluation
     prompts = inputs.normalization_prompts
-    cfg = with_micro_batches("reward", cfg,
-                             Counts(reward_normalization_prompts=None if prompts is None else len(prompts)),
-                             inputs.policy_location, model_location, reporting)
+    cfg = resolved("reward", cfg, Counts(reward_normalization_prompts=None if prompts is None else len(prompts)),
+                   (inputs.policy_location, model_location), reporting)
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
     tokenizer = trainer.processing_class
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir, reporting))

@@ -26,6 +26,8 @@ from schemas.adapters import is_transcript, last_user_message
 from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting
 from stages.engines.sampler import HFSampler, Sampling
+from stages.memory.phases import Counts
+from stages.resolved import resolved
 from stages.runtime.lora import lora_config
 from stages.runtime.models import encode_replies, load_causal_lm, load_tokenizer, saved_dtype_and_tags, stop_token_ids
 from stages.runtime.training import (
@@ -145,6 +147,7 @@ def train_sft(cfg: SFTConfig, inputs: SFTInputs, output_dir: Path,
     """Fine-tune the base causal LM (or, with `cfg.lora`, LoRA adapters on it, merged into the saved
     checkpoint) on validated (prompt, response) records. On several processes every one trains, samples
     and takes part in saving (a sharded model needs them all); only the main one writes and returns."""
+    cfg = resolved("sft", cfg, Counts(), (inputs.model_location, None), reporting)
     trainer = build_trainer(cfg, inputs, output_dir, reporting)
     tokenizer = trainer.processing_class
     train_output = trainer.train(resume_from_checkpoint=last_trainer_checkpoint(output_dir, reporting))

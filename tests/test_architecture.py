@@ -29,6 +29,7 @@ LAYERS = {
     "rlhf/config_reward_terms.py": ("rlhf.config_common",),
     "rlhf/config_ppo.py": ("rlhf.config_common", "rlhf.config_reward_terms"),
     "rlhf/config.py": ("rlhf.config_common", "rlhf.config_ppo", "rlhf.demo.locations"),
+    "rlhf/config_guide.py": ("rlhf.config",),
     "rlhf/demo/world.py": ("rlhf.demo.locations", "rlhf.demo.tools", "rlhf.evaluation"),
     "rlhf/stack.py": ("rlhf.config_common", "rlhf.numerics"),
     "rlhf/tracking.py": CONFIG,

@@ -11,6 +11,7 @@ import pytest
 
 from flows.cli import main as cli
 from rlhf.config import ConfigError, config_hash, flatten, load_config, with_overrides
+from rlhf.config_ppo import PPOConfig
 
 
 def test_demo_config_loads_and_overrides_apply():
@@ -85,6 +86,45 @@ def test_docs_config_reference_matches_the_code(tmp_path):
                       f"{CONFIG_REFERENCE}`\n" + "\n".join(diff[:40]))
     assert cli(["config-reference", "--write", str(tmp_path / "config.md")]) == 0
     assert (tmp_path / "config.md").read_text() == expected
+
+
+PPO_SETTINGS = 141
+"""The ppo section's settings (`rlhf.config_guide.leaves`): 149 on 2026-11-28, 141 after the merges of
+docs/config.md's "Merged settings". A smoke detector: a new capability merges what says the same first."""
+
+
+def test_the_ppo_section_does_not_grow_its_settings_back():
+    from rlhf.config_guide import leaves
+
+    found = leaves(PPOConfig)
+    assert found <= PPO_SETTINGS, (f"the ppo section holds {found} settings, over {PPO_SETTINGS}: merge what two "
+                                   "fields say twice (rlhf.config_common._Frozen.MERGED says where it went)")
+
+
+def test_config_show_puts_the_settings_most_people_change_first_on_top(capsys):
+    from rlhf.config_guide import FIRST
+
+    assert len(FIRST["ppo"]) == 20
+    assert cli(["config", "show", "configs/tools.yaml", "--first"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    shown = [line[2:].split()[0] for line in lines[2:]]
+    assert shown == list(FIRST["ppo"])
+    assert any(line.startswith("* advantage_estimator") and "'grpo'" in line for line in lines)  # differs: marked
+    assert cli(["config", "show", "configs/tools.yaml"]) == 0
+    everything = capsys.readouterr().out
+    assert "\nppo.kl:\n" in everything and "\nppo.environment:\n" in everything  # the rest, by section
+    assert "(lora unset)" in everything
+
+
+def test_a_merged_setting_is_refused_saying_where_it_went(tiny_config):
+    with pytest.raises(ValueError, match=r"clip_range_high was merged: clip_range: \[low, high\]"):
+        with_overrides(tiny_config.ppo, {"clip_range_high": 0.28})
+    with pytest.raises(ValueError, match=r"cpu_cores was merged: vllm.devices"):
+        with_overrides(tiny_config.ppo, {"vllm.cpu_cores": "1"})
+    from rlhf.config_guide import merged
+
+    found = dict(merged())
+    assert "ppo.reward.terms[].remote.on_failure" in found and "ppo.environment.turn_tokens" in found
 
 
 def test_prefect_yaml_defines_the_deployments_of_the_one_flow():

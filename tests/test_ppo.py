@@ -476,11 +476,18 @@ def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_
     assert models.tokenizer.batch_decode(batch.responses, skip_special_tokens=True) == batch.texts
 
 
-def test_auto_micro_batches_are_resolved_as_the_stage_starts_and_reported(tiny_config, trained, tmp_path):
-    """`train_ppo` resolves the `auto` sizes before anything else (here, on the tiny world: all at
-    once) and reports them as `auto.<field>` params; explicit sizes are not reported."""
+def test_every_auto_is_resolved_as_the_stage_starts_and_reported(tiny_config, trained, tmp_path):
+    """`train_ppo` resolves every `auto` before anything else (`stages.resolved`: here, on the tiny
+    world's CPU, all at once, fp32, the sampling pass reused, no warm-up for a critic from the reward
+    model, the token budget of two rows) and the models' own probes as they load, and reports each as
+    an `auto.<field>` param; explicit settings are not reported."""
     reported = {}
-    cfg = with_overrides(tiny_config.ppo, {"num_iterations": 1, "micro_batch_size": 2})
-    assert cfg.sampling.micro_batch_size == "auto"
+    cfg = with_overrides(tiny_config.ppo, {"num_iterations": 1, "micro_batch_size": 2, "micro_batch_tokens": "auto",
+                                           "padding_free": "auto"})
+    assert cfg.sampling.micro_batch_size == "auto" and cfg.precision == cfg.old_logprobs == "auto"
     run_ppo(cfg, trained, tmp_path, Reporting(params=reported.update))
-    assert reported == {"auto.sharded_sampling": "whole", "auto.sampling.micro_batch_size": None}
+    longest = cfg.max_prompt_length + cfg.sampling.response_length
+    assert reported == {"auto.sharded_sampling": "whole", "auto.sampling.micro_batch_size": None,
+                        "auto.precision": "fp32", "auto.old_logprobs": "sampling", "auto.micro_batch_tokens": 2 * longest,
+                        "auto.critic.freeze_policy_iterations": 0,
+                        "auto.padding_free": "auto (each pass packed where it saves a tenth)"}

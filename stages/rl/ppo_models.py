@@ -37,6 +37,8 @@ from stages.runtime.models import (
     load_causal_lm,
     load_tokenizer,
     resolve_precision,
+    reuse_sampling_pass,
+    rounds_to_16_bits,
     stop_token_ids,
 )
 from stages.runtime.packing import Passes, TokenCounts
@@ -266,22 +268,6 @@ class Models:
         """On resume: the scorer's map, and the critic's offset (its saved head is already scaled)."""
         self.scorer.gain, self.scorer.bias = gain, bias
         self.critic.restore_normalization(gain, bias)
-
-
-def rounds_to_16_bits(cfg: PPOConfig, precision: Precision) -> bool:
-    """Whether the policy's passes compute in 16 bits: under autocast, or as a LoRA policy whose own
-    weights are held in bf16 (`frozen_dtype`), whatever the precision."""
-    return precision.autocast_dtype is not None or (cfg.lora is not None and cfg.frozen_dtype != "float32")
-
-
-def reuse_sampling_pass(old_logprobs: str, sixteen_bits: bool) -> bool:
-    """Whether old log-probs (and shared-body values) come from the sampling pass (`old_logprobs`:
-    auto, sampling, recompute): in fp32 they equal a fresh forward up to float rounding; in 16 bits
-    the KV-cached steps drift further from the full-sequence pass the update uses (1e-2 on the demo
-    model), so `auto` takes a second forward."""
-    if old_logprobs == "auto":
-        return not sixteen_bits
-    return old_logprobs == "sampling"
 
 
 def build_policy(cfg: PPOConfig, sft_location: str, tokenizer) -> PreTrainedModel:

@@ -15,12 +15,11 @@ from stages.common.reporting import Reporting
 from stages.common.tensors import masked_mean
 from stages.envs.episode import episode_figures, transcript
 from stages.rl.batch import TrainingBatch
-from stages.rl.ppo_models import rounds_to_16_bits
 from stages.rl.ppo_state import LoopState
 from stages.rl.rollout import Rollouts
 from stages.rl.update import Learner
 from stages.runtime.collectives import gathered
-from stages.runtime.models import Precision, resolve_precision
+from stages.runtime.models import Precision, resolve_precision, rounds_to_16_bits
 
 
 def initial_ratio_threshold(cfg: PPOConfig, precision: Precision) -> float:

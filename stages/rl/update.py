@@ -129,9 +129,7 @@ def micro_batch_rows(learner: Learner, batch: TrainingBatch, rows: torch.Tensor)
     cfg = learner.cfg
     if cfg.micro_batch_tokens is None:
         return list(rows.split(cfg.micro_batch_size or len(rows)))
-    budget = cfg.micro_batch_tokens
-    if budget == "auto":  # the positions `micro_batch_size` rows of the longest allowed sequences would take
-        budget = (cfg.micro_batch_size or len(rows)) * (cfg.max_prompt_length + cfg.response_tokens)
+    budget = cfg.micro_batch_tokens  # `auto` resolved as the stage started (`stages.resolved`)
     prompt_lengths = batch.query_mask[rows].sum(dim=1).tolist()
     response_lengths = batch.mask[rows].sum(dim=1).long().tolist()
     needed = micro_batches_needed(prompt_lengths, response_lengths, budget, learner.models.packs)
