@@ -488,6 +488,6 @@ def test_every_auto_is_resolved_as_the_stage_starts_and_reported(tiny_config, tr
     run_ppo(cfg, trained, tmp_path, Reporting(params=reported.update))
     longest = cfg.max_prompt_length + cfg.sampling.response_length
     assert reported == {"auto.sharded_sampling": "whole", "auto.sampling.micro_batch_size": None,
-                        "auto.precision": "fp32", "auto.old_logprobs": "sampling", "auto.micro_batch_tokens": 2 * longest,
-                        "auto.critic.freeze_policy_iterations": 0,
+                        "auto.precision": "fp32", "auto.old_logprobs": "sampling",
+                        "auto.micro_batch_tokens": 2 * longest, "auto.critic.freeze_policy_iterations": 0,
                         "auto.padding_free": "auto (each pass packed where it saves a tenth)"}
