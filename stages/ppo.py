@@ -6,9 +6,9 @@ One iteration of `train_ppo` reads top to bottom (the steps are numbered in `_tr
                needs besides: old log-probs, values (GAE only), reference log-probs, under the
                models as they are now; then the scores: the reward model's (its normalisation
                fitted on the run's first round), Python reward functions', their weighted sum.
-               With a distillation teacher, its log-probs of the sampled tokens.
-               One round, DAPO's dynamic sampling, or sampled ahead on the vLLM server
-               (`rollout.max_staleness`): chosen once, before the loop (`stages.rl.ppo_sampling`)
+               With a distillation teacher, its marks on the sampled tokens. One round, or DAPO's
+               dynamic sampling's rounds; the episodes from the run's source, chosen once (one turn
+               per prompt, an environment's loop, or sampled ahead on the vLLM server)
   2 advantage  where the KL coefficient beta goes (`kl_weights`: the reward, or GRPO's loss term);
                the per-token KL to the reference; the estimator's advantages, from the table
                `stages.math.ppo_math.ESTIMATORS`:
@@ -35,11 +35,12 @@ gradients, so one iteration does the work of the single-process iteration with t
 `rollout_batch_size`. Whether the processes hold whole models (DDP) or shards of them (FSDP2) is
 `stages.runtime.holding`'s business: the loop below reads the same either way.
 
-Where each step lives: sampling `stages.rl.ppo_sampling` (the rollout's passes
-`stages.rl.ppo_rollout`, the scores `stages.rl.ppo_scores`), the batch type `stages.rl.batch`,
-advantages `stages.rl.advantages` (the equations `stages.math.ppo_math`), the update
-`stages.rl.update`, the models and the critic `stages.rl.ppo_models`, figures and warnings
-`stages.rl.ppo_report`, full-state checkpoints `stages.rl.ppo_state`."""
+Where each step lives, in the order to read them (docs/architecture.md): sampling and the passes
+`stages.rl.rollout`, the scores `stages.rl.scoring`, advantages `stages.rl.advantages` (the
+equations `stages.math.ppo_math`), the update `stages.rl.update`; beside them the batch types
+`stages.rl.batch`, the teacher `stages.rl.teacher`, the models and the critic `stages.rl.ppo_models`,
+figures and warnings `stages.rl.ppo_report`, evaluations `stages.rl.evaluation`, full-state
+checkpoints `stages.rl.ppo_state`; every `auto` resolved as the stage starts, `stages.resolved`."""
 
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ from stages.rl.ppo_report import iteration_figures, report_iteration
 from stages.rl.ppo_state import LoopState, complete_state, load_state, save_state_everywhere
 from stages.rl.rollout import Prompts, Rollouts, policy_sampler
 from stages.rl.scoring import Scoring
+from stages.rl.teacher import check_teacher_given
 from stages.rl.update import Learner, ppo_update
 from stages.runtime.collectives import mean_over_processes, over_processes
 from stages.runtime.holding import held_as, holding_for
@@ -218,9 +220,7 @@ def train_ppo(cfg: PPOConfig, inputs: PPOInputs, output_dir: Path,
     if cfg.reward.uses_model and inputs.reward_location is None:
         raise StageUserError("ppo: reward.terms has a reward-model term (a term without `function`), but no reward "
                              "checkpoint was given; run the reward stage, or make every term a function")
-    if cfg.teacher is not None and inputs.teacher_location is None:
-        raise StageUserError(f"ppo: teacher.model is {cfg.teacher.model!r}, but no teacher folder was given "
-                             "(PPOInputs.teacher_location: the flow resolves runs:/ and models:/ to one)")
+    check_teacher_given(cfg, inputs.teacher_location)
     if not cfg.reward.uses_model:  # a reward of functions alone: no reward model is loaded, whatever was passed
         inputs = replace(inputs, reward_location=None)
     cfg = resolved("ppo", cfg, Counts(ppo_eval_prompts=len(inputs.eval_prompts)),

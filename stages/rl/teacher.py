@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from rlhf.config_ppo import PPOConfig
 from rlhf.config_reward_terms import TeacherConfig
 from stages.common.batches import Sequences, response_columns
+from stages.common.errors import StageUserError
 from stages.common.reporting import timed
 from stages.common.tensors import binned, log_probs, masked_mean, picked, top_bins
 from stages.math.ppo_math import binned_kl, kl_estimate, teacher_rewards
@@ -158,3 +159,10 @@ def teacher_for(cfg: PPOConfig, location: str | None, tokenizer, holding: Holdin
                            trust_remote_code=cfg.trust_remote_code)
     disable_dropout(model)
     return Teacher(holding.frozen(model.eval().requires_grad_(False)), settings)
+
+
+def check_teacher_given(cfg: PPOConfig, location: str | None) -> None:
+    """Refuse, before any model loads, a config with a teacher whose folder the caller did not give."""
+    if cfg.teacher is not None and location is None:
+        raise StageUserError(f"ppo: teacher.model is {cfg.teacher.model!r}, but no teacher folder was given "
+                             "(PPOInputs.teacher_location: the flow resolves runs:/ and models:/ to one)")
