@@ -59,7 +59,11 @@ class Served(Protocol):
 
 
 @dataclass(kw_only=True)
-class _Episode:
+class _Held:
+    """An episode the server holds for a client: the environment's handle, the turns it answered and the
+    last answer (sent again to a turn asked again), when it was last used, and its lock. The trainer's
+    own record of the episode is `stages.envs.loop.Running`."""
+
     handle: Any
     turns: int = 0
     last: dict | None = None
@@ -76,7 +80,7 @@ class EpisodeServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], served: Served, token: str | None, idle_s: float):
         super().__init__(address, _Handler)
         self.served, self.token, self.idle_s = served, token, idle_s
-        self.episodes: dict[str, _Episode] = {}
+        self.episodes: dict[str, _Held] = {}
         self.lock = threading.Lock()
         self._closed = threading.Event()
         threading.Thread(target=self._sweeping, name="idle-sweep", daemon=True).start()
@@ -96,7 +100,7 @@ class EpisodeServer(ThreadingHTTPServer):
         handle, messages, tools = self.served.start(row)
         episode = uuid.uuid4().hex
         with self.lock:
-            self.episodes[episode] = _Episode(handle=handle)
+            self.episodes[episode] = _Held(handle=handle)
         return {"episode": episode, "messages": messages, "tools": tools}
 
     def step(self, body: dict) -> dict:
@@ -120,7 +124,7 @@ class EpisodeServer(ThreadingHTTPServer):
             self.served.end(episode.handle)
         return {}
 
-    def _episode(self, body: dict) -> _Episode:
+    def _episode(self, body: dict) -> _Held:
         with self.lock:
             episode = self.episodes.get(str(body.get("episode")))
         if episode is None:

@@ -133,8 +133,9 @@ class RolloutEnded(Exception):
 
 
 @dataclass(kw_only=True)
-class _Live:
-    """One episode: the harness's requests waiting to be answered, our answers, the rollout's task."""
+class _Relay:
+    """One episode relayed between verifiers' harness and our protocol: the harness's requests waiting to
+    be answered, our answers, the rollout's task (the trainer's record of it is `stages.envs.loop.Running`)."""
 
     requests: asyncio.Queue = field(default_factory=asyncio.Queue)
     replies: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -154,7 +155,7 @@ class VerifiersServed:
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="verifiers", daemon=True).start()
         base = {"taskset": {"id": module}, "agent": {"runtime": {"type": "subprocess"}, "harness": {"id": RELAY_ID}}}
-        self.live: dict[str, _Live] = {}
+        self.live: dict[str, _Relay] = {}
         self._call(self._open(merged(base, config)), START_TIMEOUT_S)
 
     def _call(self, coroutine, timeout: float | None = None):
@@ -199,7 +200,7 @@ class VerifiersServed:
     async def _start(self, row: dict) -> tuple[str, list[dict], list[dict] | None]:
         data = self.data_cls.model_validate(task_fields(row, self.data_cls))
         task = self.task_cls(data, self.env.config.taskset.task)
-        key, live = uuid.uuid4().hex, _Live()
+        key, live = uuid.uuid4().hex, _Relay()
         self.live[key] = live
         context = vf.ModelContext(model="policy", client=vf.EvalClientConfig(
             base_url=f"{self.endpoint}/episodes/{key}/v1", api_key_var="RLHF_VERIFIERS_BRIDGE_KEY"))
@@ -229,7 +230,7 @@ class VerifiersServed:
         new, live.seen = messages[len(live.seen) + 1:], messages  # after the context and the model's turn
         return [plain_message(m) for m in new], 0.0, False
 
-    async def _next(self, live: _Live) -> dict | None:
+    async def _next(self, live: _Relay) -> dict | None:
         """The harness's next request, or None once the rollout is over."""
         asked = asyncio.create_task(live.requests.get())
         await asyncio.wait({asked, live.run}, return_when=asyncio.FIRST_COMPLETED)
@@ -288,7 +289,7 @@ def plain_message(message: dict) -> dict:
     return out | ({"name": message["name"]} if message.get("name") else {})
 
 
-def ended(live: _Live) -> str:
+def ended(live: _Relay) -> str:
     """Why a rollout ended: its exception, or its trace's errors and stop condition."""
     if live.run is None or not live.run.done():
         return "still running"

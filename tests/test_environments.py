@@ -445,7 +445,7 @@ def test_the_escape_hatch_writes_whole_episodes_for_training_and_evaluation(chat
     engine = Scripted(chat_tokenizer, ["The cat is warm.", "The cat is warm."])
     [episode] = runner.episodes(engine, [ROW], 1.0)  # what the evaluation's SFT baseline runs
     assert episode.turns == 1 and episode.answer == "The cat is warm."
-    batch = runner.generation(engine, [ROW], Sampling(16, 1.0), torch.device("cpu"))  # what the rollout runs
+    batch = runner.generation(engine, [ROW], Sampling(16, 1.0), torch.device("cpu"), {})  # the rollout's call
     assert batch.trainable.sum() == len(engine.turns[0]) and batch.turn_rewards.sum() == 0.5
     with pytest.raises(StageUserError, match="must return a stages.envs.episode.Episode"):
         EpisodeRunner(settings=config, make=None, rollout=lambda row, engine, tokenizer: "text", chat=runner.chat,
