@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.config import with_overrides
 from rlhf.config_common import LoRAConfig
+from stages.common.batches import Sequences
 from stages.common.reporting import Reporting
 from stages.memory.shapes import model_shape
 from stages.rewards.scoring import RewardScorer, last_token_scores
@@ -37,8 +38,8 @@ def _inputs(models):
                         return_tensors="pt", padding=True, add_special_tokens=False)
     responses = tokenizer(["The cat is warm.</s>", "The river is calm and cold.</s>"], return_tensors="pt",
                           padding=True, padding_side="right", add_special_tokens=False)
-    return (None, queries["input_ids"], queries["attention_mask"], responses["input_ids"], responses["attention_mask"],
-            models.passes("test"))
+    return (None, Sequences(queries["input_ids"], queries["attention_mask"], responses["input_ids"],
+                            responses["attention_mask"]), models.passes("test"))
 
 
 def test_the_critic_trains_only_its_adapters_and_value_head_on_the_scorers_own_weights(tiny_config, trained):
