@@ -14,7 +14,7 @@ from typing import Any
 
 import mlflow
 
-from flows.lineage import Fingerprint
+from flows.records.lineage import Fingerprint
 from rlhf import tracking
 from rlhf.config import PipelineConfig
 from rlhf.config_common import DataSource, TrainingConfig
@@ -98,10 +98,10 @@ _VALIDATED: dict[str, ValidatedData] = {}
 the pre-flight check already passed with the same tokenizer costs nothing."""
 
 
-def validated(source: DataSource, kind: str, world: str | None, tokenizer, budget: LengthBudget,
-              duplicates: str, columns: tuple[str, ...] = ()) -> ValidatedData:
-    """`load_validated` of a configured source, answered from `_VALIDATED` (as a copy) when the
-    same file content, tokenizer content and rules were validated before in this process."""
+def validated(data: DataInput, world: str | None, tokenizer, budget: LengthBudget, duplicates: str) -> ValidatedData:
+    """`load_validated` of a configured source against its contract, answered from `_VALIDATED` (as a
+    copy) when the same file content, tokenizer content and rules were validated before in this process."""
+    source, kind, columns = data.source, data.kind, data.columns
     location = resolve_location(source.path, world)
 
     def validate() -> ValidatedData:
@@ -137,8 +137,8 @@ def input_problems(cfg: PipelineConfig, stages: list[str], world: str | None) ->
             try:
                 if measured_by not in tokenizers:
                     tokenizers[measured_by] = measured_by.load(world)
-                validated(data.source, data.kind, world, tokenizers[measured_by], length_budget(cfg, stage),
-                          getattr(cfg, stage).duplicates, data.columns)
+                validated(data, world, tokenizers[measured_by], length_budget(cfg, stage),
+                          getattr(cfg, stage).duplicates)
             except DataContractError as e:
                 reports.append(f"{stage} stage: {e.report()}")
             except ChatTemplateError as e:
@@ -198,9 +198,9 @@ def train_and_eval_data(cfg: PipelineConfig, stage: str, world: str | None,
     section: TrainingConfig = getattr(cfg, stage)
     inputs, budget = data_inputs(cfg, stage), length_budget(cfg, stage)
     kind = inputs["train"].kind
-    train = validated(inputs["train"].source, kind, world, tokenizer, budget, section.duplicates)
+    train = validated(inputs["train"], world, tokenizer, budget, section.duplicates)
     if "eval" in inputs:
-        evaluation = validated(inputs["eval"].source, kind, world, tokenizer, budget, section.duplicates)
+        evaluation = validated(inputs["eval"], world, tokenizer, budget, section.duplicates)
     else:
         held_out = train.frame.sample(frac=section.eval_fraction, random_state=section.seed)
         kept = train.frame.drop(index=held_out.index)
@@ -216,8 +216,7 @@ def logged_prompts(cfg: PipelineConfig, stage: str, role: str, name: str, world:
                    tokenizer) -> ValidatedData:
     """`stage`'s validated prompts in `role` (see `data_inputs`), logged to the active run as the dataset `name`."""
     prompts = data_inputs(cfg, stage)[role]
-    data = validated(prompts.source, prompts.kind, world, tokenizer, length_budget(cfg, stage),
-                     getattr(cfg, stage).duplicates, prompts.columns)
+    data = validated(prompts, world, tokenizer, length_budget(cfg, stage), getattr(cfg, stage).duplicates)
     tracking.log_data(data.frame, name, data.source, data.digest, name)
     return data
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.lineage import cache_key
+from flows.records.lineage import cache_key
 from rlhf import tracking
 from rlhf.config import load_config, with_overrides
 from rlhf.demo.world import build_world
@@ -156,7 +156,7 @@ def test_the_memory_plan_holds_the_teacher_and_its_logits(world):
 
 def test_the_run_form_and_the_runs_description_name_the_teacher():
     from flows.form import PPOForm
-    from flows.reports import reward_terms_note
+    from flows.records.reports import reward_terms_note
 
     form = PPOForm(advantage_estimator="distill", teacher_model="runs:/abc/checkpoint")
     assert form.overrides() == {"ppo.advantage_estimator": "distill", "ppo.teacher.model": "runs:/abc/checkpoint"}

@@ -96,7 +96,7 @@ def test_a_raising_function_is_reported_with_the_prompt_it_fails_on(tmp_path):
 
 
 def test_the_cache_key_of_ppo_follows_the_function_source_and_no_other_stage_does(world, tmp_path):
-    from flows.lineage import cache_key
+    from flows.records.lineage import cache_key
 
     source = _module(tmp_path, "rules_cache", "def f(prompts, responses):\n    return [0.0] * len(responses)\n")
     cfg = load_config("configs/tiny.yaml", {"ppo.reward": _terms(tmp_path, "rules_cache:f").model_dump()})
