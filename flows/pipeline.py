@@ -33,6 +33,7 @@ from flows.records.lineage import (
     RLHF_STAGES,
     ExperimentRuns,
     StageRecord,
+    Teacher,
     stage_keys,
     upstream_runs,
 )
@@ -156,7 +157,7 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
         sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
         reward_location = (str(tracking.download_checkpoint(ctx.upstream["reward"], run.scratch / "reward"))
                            if "reward" in ctx.upstream else None)
-        teacher = fetched_teacher(section, ctx.world, run.scratch / "teacher") if section.teacher else None
+        teacher = fetched_teacher(ctx.teacher, ctx.world, run.scratch / "teacher") if ctx.teacher else None
         if section.reward.functions:  # which functions, and which source of each, made this run's reward
             digests = source_digests(section.reward)
             mlflow.set_tag(tracking.TAG_REWARD_FUNCTIONS, ", ".join(
@@ -216,12 +217,12 @@ def check_inputs(cfg: PipelineConfig, stages: list[str], world: str | None) -> l
 
 
 @task
-def plan_memory(cfg: PipelineConfig, stages: list[str], world: str | None) -> Plan | None:
+def plan_memory(cfg: PipelineConfig, stages: list[str], world: str | None, teacher: Teacher | None) -> Plan | None:
     """The memory each stage needs per process on the device it will use, from the models' configs
     alone, before any stage trains (`rlhf plan` prints the same); None, with a warning, for a model
     the planner cannot read (no decoder-layer classes named, a config it cannot build)."""
     try:
-        return memory_plan(cfg, stages, world)
+        return memory_plan(cfg, stages, world, teacher)
     except (ValueError, OSError, TypeError, KeyError, AttributeError) as e:
         get_run_logger().warning("no memory plan: %s: %s; the stages run unplanned", type(e).__name__, e)
         return None
@@ -281,10 +282,14 @@ def rlhf(
     too_long = context_problems(cfg, ordered, world)
     if too_long:
         return refuse("invalid config:\n" + "\n".join(f"  {problem}" for problem in too_long))
+    try:  # once per pipeline run: the memory plan, the cache key and the stage's fetch all take this resolution
+        teacher = Teacher.of(cfg) if "ppo" in ordered else None
+    except tracking.TrackingError as e:
+        return refuse(f"ppo stage: teacher.model {e}")
     bad_inputs = check_inputs(cfg, ordered, world)
     if bad_inputs:
         return refuse("\n\n".join(bad_inputs))
-    memory = plan_memory(cfg, ordered, world)
+    memory = plan_memory(cfg, ordered, world, teacher)
     too_big, tight = memory_problems(memory) if memory is not None else ([], [])
     if too_big:
         return refuse("the memory plan (`rlhf plan`) predicts that these stages do not fit:\n"
@@ -293,7 +298,7 @@ def rlhf(
         logger.warning("memory plan: %s (on the CPU this is a warning, not a refusal)", problem)
     try:
         tracking.wait_for_server(log=logger.warning)
-        return _run_stages(cfg, ordered, Request(config_file, overrides, upstream, use_cache), world, memory)
+        return _run_stages(cfg, ordered, Request(config_file, overrides, upstream, use_cache), world, memory, teacher)
     except tracking.TrackingError as e:
         return refuse(str(e))
     except Exception as e:
@@ -304,7 +309,7 @@ def rlhf(
 
 
 def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request, world: str | None,
-                memory: Plan | None) -> list[StageRecord] | State:
+                memory: Plan | None, teacher: Teacher | None) -> list[StageRecord] | State:
     """The stages in pipeline order under one MLflow pipeline run: each starts from the records
     of the stages before it (or the given upstream runs) and is reused from cache or run as a task."""
     logger = get_run_logger()
@@ -321,14 +326,14 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request,
             raise StageRefused(str(e)) from e
         if resolved.chosen:
             logger.info("%s starts from %s", name, resolved.describe())
-        key, work = stage_keys(name, cfg, world, resolved.run_ids)
+        key, work = stage_keys(name, cfg, world, resolved.run_ids, teacher)
         cached = pipeline.reused(name, key, work) if request.use_cache else None
         if cached is not None:
             return cached
         ctx = StageContext(config=cfg, world=world, experiment_id=pipeline.experiment_id,
                            parent_run_id=pipeline.run_id, upstream=resolved.run_ids, cache_key=key, work_key=work,
                            label=pipeline.label, flow_run_url=pipeline.flow_run_url,
-                           memory=memory and stage_memory(memory, name),
+                           memory=memory and stage_memory(memory, name), teacher=teacher,
                            lineage=resolved.describe() + (reward_terms_note(cfg.ppo) if name == "ppo" else ""))
         state = stage_task(ctx, return_state=True)
         if not state.is_completed():

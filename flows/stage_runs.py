@@ -26,7 +26,7 @@ from prefect.states import Failed, State
 from pydantic import BaseModel
 
 from flows.records.journal import RunJournal, send_leftovers
-from flows.records.lineage import StageRecord, stack_tags
+from flows.records.lineage import StageRecord, Teacher, stack_tags
 from flows.records.reports import (
     STAGE_SECONDS,
     Progress,
@@ -96,6 +96,9 @@ class StageContext:
     lineage: str = ""
     """Which upstream runs the stage starts from and why (`flows.records.lineage.Upstream.describe`), for its
     description."""
+    teacher: Teacher | None = None
+    """PPO's distillation teacher as the flow resolved it, once for the pipeline run: what the stage's cache key
+    names and its task fetches."""
 
     def links(self) -> dict[str, str | None]:
         """Where a stage run's description points: its pipeline run, its upstream runs, the Prefect flow run."""

@@ -746,6 +746,56 @@ def test_sft_then_ppo_on_reward_functions_alone_needs_no_reward_stage_and_bad_fu
     assert not MlflowClient().search_runs([experiment().experiment_id], "tags.`rlhf.stage` = 'reward'")
 
 
+def test_a_registered_teacher_is_resolved_once_per_pipeline_run_and_an_alias_moved_after_changes_nothing(
+        tracking_store, world, monkeypatch):
+    """`ppo.teacher.model: models:/<name>@<alias>` is resolved once, before the pre-flight check: the
+    memory plan, the cache key and the fetch all take that resolution. Here the alias moves to another
+    version right after it; the PPO run is still keyed by, tagged with and trained on the first version."""
+    from flows.pipeline import rlhf
+    from flows.records.lineage import Teacher, cache_key
+    from rlhf.config import load_config
+    from rlhf.demo.world import build_world
+
+    client, name = MlflowClient(), "teachers-flow"
+    experiment = tracking.ensure_experiment("teachers-flow")
+    versions = {}
+    client.create_registered_model(name)
+    for number in (1, 2):
+        with mlflow.start_run(experiment_id=experiment) as run:
+            mlflow.log_artifacts(str(world / "model"), tracking.CHECKPOINT_PATH)
+        client.create_model_version(name, f"runs:/{run.info.run_id}/checkpoint", run.info.run_id)
+        versions[number] = run.info.run_id
+    client.set_registered_model_alias(name, "champion", "1")
+
+    resolved, fetched = [], []
+    real_source, real_download = tracking.model_source, tracking.download_model
+
+    def resolve_then_move_the_alias(location):
+        resolved.append(location)
+        source = real_source(location)
+        client.set_registered_model_alias(name, "champion", "2")  # as a registration elsewhere would
+        return source
+
+    monkeypatch.setattr(tracking, "model_source", resolve_then_move_the_alias)
+    monkeypatch.setattr(tracking, "download_model", lambda source, *a, **k: fetched.append(source.run_id)
+                        or real_download(source, *a, **k))
+    given = f"models:/{name}@champion"
+    own = {"experiment": "rlhf-teacher", "ppo.advantage_estimator": "distill", "ppo.teacher.model": given,
+           "ppo.num_iterations": 2, "ppo.evaluation.every": None, "registry.enabled": False}
+    sft, ppo = rlhf(stages=["sft", "ppo"], config_file="configs/tiny.yaml", overrides=own)
+
+    assert resolved == [given]  # once for the pipeline run
+    assert len(fetched) == 2 and set(fetched) == {versions[1]}  # the plan's config.json, then the stage's folder
+    tags = MlflowClient().get_run(ppo.run_id).data.tags
+    assert tags[tracking.TAG_TEACHER] == f"{given} (version 1, runs:/{versions[1]}/checkpoint)"
+    cfg = load_config("configs/tiny.yaml", own)
+    flow_world = str(build_world(tracking.state_dir() / "worlds", cfg.demo))
+    first = Teacher(given, tracking.ModelSource(versions[1], tracking.CHECKPOINT_PATH, f"{name}/1"))
+    moved = Teacher(given, tracking.ModelSource(versions[2], tracking.CHECKPOINT_PATH, f"{name}/2"))
+    assert tags[tracking.TAG_CACHE_KEY] == cache_key("ppo", cfg, flow_world, {"sft": sft.run_id}, first) != \
+        cache_key("ppo", cfg, flow_world, {"sft": sft.run_id}, moved)
+
+
 def test_ppo_scored_by_the_served_reward_run_records_the_server_and_a_server_away_is_refused(tracking_store):
     """`rlhf serve-reward` serves a pipeline's finished reward run; `stages: [sft, ppo]` with a remote
     term scores on it, and the PPO run's tag names the term, the URL and the reward run it serves. A
