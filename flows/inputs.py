@@ -14,7 +14,7 @@ from typing import Any
 
 import mlflow
 
-from flows.records.lineage import Fingerprint, Teacher
+from flows.records.lineage import Fingerprint, Teacher, resolved_teacher
 from rlhf import tracking
 from rlhf.config import PipelineConfig
 from rlhf.config_common import DataSource, TrainingConfig
@@ -254,9 +254,8 @@ def model_shapes_of(cfg: PipelineConfig, stages: list[str], world: str | None,
     PPO is not planned."""
     if cfg.ppo.teacher and "ppo" not in stages:
         cfg = cfg.model_copy(update={"ppo": cfg.ppo.model_copy(update={"teacher": None})})
-    elif cfg.ppo.teacher and (teacher is None or teacher.given != cfg.ppo.teacher.model):
-        raise ValueError(f"ppo.teacher.model {cfg.ppo.teacher.model}: the memory plan takes the teacher as the "
-                         f"pipeline run resolved it (Teacher.of(cfg)); got {teacher.given if teacher else 'none'}")
+    elif cfg.ppo.teacher:
+        resolved_teacher(cfg, teacher, "the memory plan")
     with tempfile.TemporaryDirectory() as scratch:
         def readable(location: str) -> str:
             if teacher is not None and teacher.source is not None and location == teacher.given:

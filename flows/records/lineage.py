@@ -110,6 +110,15 @@ class Teacher:
         return self.given if self.source is None else self.source.describe(self.given)
 
 
+def resolved_teacher(cfg: PipelineConfig, teacher: Teacher | None, reader: str) -> Teacher:
+    """`teacher` where it is the one `cfg` names, as the pipeline run resolved it (`Teacher.of`); else a
+    ValueError naming `reader` (the cache key, the memory plan), which never resolves it on its own."""
+    if teacher is None or teacher.given != cfg.ppo.teacher.model:
+        raise ValueError(f"ppo.teacher.model {cfg.ppo.teacher.model}: {reader} takes the teacher as the pipeline "
+                         f"run resolved it (Teacher.of(cfg)); got {teacher.given if teacher else 'none'}")
+    return teacher
+
+
 def cache_key(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str],
               teacher: Teacher | None = None) -> str:
     """What a stage's result depends on: its resolved config, the content of every input it reads
@@ -147,10 +156,7 @@ def _work(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str
     if stage == "ppo" and cfg.ppo.reward.functions:  # a reward function's source, wherever it lives
         parts["reward_functions"] = source_digests(cfg.ppo.reward)
     if stage == "ppo" and cfg.ppo.teacher:  # the run the pipeline run resolved it to, or the folder's content
-        if teacher is None or teacher.given != cfg.ppo.teacher.model:
-            raise ValueError(f"ppo.teacher.model {cfg.ppo.teacher.model}: the cache key takes the teacher as the "
-                             f"pipeline run resolved it (Teacher.of(cfg)); got {teacher.given if teacher else 'none'}")
-        parts["teacher"] = teacher.key(world)
+        parts["teacher"] = resolved_teacher(cfg, teacher, "the cache key").key(world)
     return parts
 
 
