@@ -111,10 +111,12 @@ def _config_reference(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from flows.inputs import memory_plan
+    from flows.inputs import data_counts, model_shapes_of
+    from flows.records.lineage import Teacher
+    from rlhf import tracking
     from rlhf.config import ConfigError, load_config
     from stages.memory.phases import Device, this_device
-    from stages.memory.plan import plan_json, plan_table
+    from stages.memory.plan import plan, plan_json, plan_table
     from stages.memory.shapes import GIB
 
     try:
@@ -124,14 +126,19 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     world = None
     if cfg.demo is not None:
-        from rlhf import tracking
         from rlhf.demo.world import build_world
 
         world = str(build_world(tracking.state_dir() / "worlds", cfg.demo))
     device = this_device()
     if args.device_memory is not None:
         device = Device("cuda" if args.device_kind == "gpu" else "cpu", args.device_memory * GIB)
-    result = memory_plan(cfg, args.stages, world, device, args.processes, args.processes_per_node)
+    try:
+        teacher = Teacher.of(cfg) if "ppo" in args.stages else None
+    except tracking.TrackingError as e:
+        print(f"teacher.model {e}", file=sys.stderr)
+        return 2
+    shapes = model_shapes_of(cfg, args.stages, world, teacher)
+    result = plan(cfg, args.stages, shapes, device, data_counts(cfg, world), args.processes, args.processes_per_node)
     print(json.dumps(plan_json(result), indent=2) if args.json else plan_table(result))
     return 0 if all(result.verdicts.values()) else 1
 

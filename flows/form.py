@@ -6,7 +6,8 @@ from `rlhf.config`, so they cannot drift apart), named as in the config (a field
 inside the stage's, `kl.target`, as `kl_target`). A field left empty keeps the config file's
 value; a filled one becomes the override `<stage>.<field>` (for data, `<stage>.<field>.path`).
 Anything else, and unsetting a field the file sets (`ppo.evaluation.every: null`), goes through
-the flow's `overrides` parameter.
+the flow's `overrides` parameter. `UpstreamRuns` is the form's section for a stage run alone: which
+upstream runs it starts from.
 """
 
 from __future__ import annotations
@@ -85,3 +86,20 @@ DPOForm = _form("DPOForm", "dpo", DPOConfig, ["train_data", "beta", "loss_type",
 def form_overrides(*forms: StageForm) -> dict[str, Any]:
     """Every filled field of the forms as a dotted override."""
     return {key: value for form in forms for key, value in form.overrides().items()}
+
+
+class UpstreamRuns(BaseModel):
+    """MLflow run ids of upstream stages for single-stage reruns. Empty fields are resolved along
+    lineage (`flows.records.lineage.upstream_runs`): the latest finished runs made with this config's
+    upstream sections, and for PPO a reward run with the SFT run it was trained from."""
+
+    sft_run_id: str | None = Field(None, description=(
+        "SFT run to start from. Empty: for reward and DPO, the latest finished SFT run made with this config's "
+        "sft section; for PPO, the SFT run its reward run was trained from."))
+    reward_run_id: str | None = Field(None, description=(
+        "Reward run PPO optimises against. Empty: the latest finished reward run made with this config's reward "
+        "section whose SFT run was made with its sft section, or, with an SFT run given, the latest trained from "
+        "that one. Given with an SFT run it was not trained from, the pair is refused (unless reward.model is set)."))
+    any_config: bool = Field(False, description=(
+        "Take the latest runs whatever config made them (PPO still gets a reward run and the SFT run it was "
+        "trained from). Off: only runs made with this config's sft and reward sections are candidates."))

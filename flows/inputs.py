@@ -14,18 +14,18 @@ from typing import Any
 
 import mlflow
 
-from flows.lineage import Fingerprint
+from flows.records.lineage import Fingerprint, Teacher, resolved_teacher
 from rlhf import tracking
 from rlhf.config import PipelineConfig
 from rlhf.config_common import DataSource, TrainingConfig
-from rlhf.config_ppo import PPOConfig
 from rlhf.demo.locations import DEMO_SCHEME, resolve_location
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.common.errors import ChatTemplateError
 from stages.envs.served import env_source, server_problems
-from stages.memory.phases import Counts, Device, this_device
+from stages.memory.phases import Counts, this_device
 from stages.memory.plan import Plan, model_shapes, plan
+from stages.memory.shapes import ModelShape
 from stages.rewards.functions import RewardFunctionError, load_reward_functions
 from stages.rewards.remote import RemoteRewardError, remote_rewards
 from stages.runtime.models import load_tokenizer, tokenizer_digest
@@ -98,10 +98,10 @@ _VALIDATED: dict[str, ValidatedData] = {}
 the pre-flight check already passed with the same tokenizer costs nothing."""
 
 
-def validated(source: DataSource, kind: str, world: str | None, tokenizer, budget: LengthBudget,
-              duplicates: str, columns: tuple[str, ...] = ()) -> ValidatedData:
-    """`load_validated` of a configured source, answered from `_VALIDATED` (as a copy) when the
-    same file content, tokenizer content and rules were validated before in this process."""
+def validated(data: DataInput, world: str | None, tokenizer, budget: LengthBudget, duplicates: str) -> ValidatedData:
+    """`load_validated` of a configured source against its contract, answered from `_VALIDATED` (as a
+    copy) when the same file content, tokenizer content and rules were validated before in this process."""
+    source, kind, columns = data.source, data.kind, data.columns
     location = resolve_location(source.path, world)
 
     def validate() -> ValidatedData:
@@ -137,8 +137,8 @@ def input_problems(cfg: PipelineConfig, stages: list[str], world: str | None) ->
             try:
                 if measured_by not in tokenizers:
                     tokenizers[measured_by] = measured_by.load(world)
-                validated(data.source, data.kind, world, tokenizers[measured_by], length_budget(cfg, stage),
-                          getattr(cfg, stage).duplicates, data.columns)
+                validated(data, world, tokenizers[measured_by], length_budget(cfg, stage),
+                          getattr(cfg, stage).duplicates)
             except DataContractError as e:
                 reports.append(f"{stage} stage: {e.report()}")
             except ChatTemplateError as e:
@@ -149,11 +149,6 @@ def input_problems(cfg: PipelineConfig, stages: list[str], world: str | None) ->
             load_reward_functions(cfg.ppo.reward)
         except RewardFunctionError as e:
             reports.append(f"ppo stage: {e}")
-        try:  # a teacher named through MLflow resolves now (an alias to its version)
-            if cfg.ppo.teacher:
-                tracking.model_source(cfg.ppo.teacher.model)
-        except tracking.TrackingError as e:
-            reports.append(f"ppo stage: teacher.model {e}")
         for client in remote_rewards(cfg.ppo.reward.remotes):  # a server down now is refused before anything trains
             try:
                 client.check()
@@ -198,9 +193,9 @@ def train_and_eval_data(cfg: PipelineConfig, stage: str, world: str | None,
     section: TrainingConfig = getattr(cfg, stage)
     inputs, budget = data_inputs(cfg, stage), length_budget(cfg, stage)
     kind = inputs["train"].kind
-    train = validated(inputs["train"].source, kind, world, tokenizer, budget, section.duplicates)
+    train = validated(inputs["train"], world, tokenizer, budget, section.duplicates)
     if "eval" in inputs:
-        evaluation = validated(inputs["eval"].source, kind, world, tokenizer, budget, section.duplicates)
+        evaluation = validated(inputs["eval"], world, tokenizer, budget, section.duplicates)
     else:
         held_out = train.frame.sample(frac=section.eval_fraction, random_state=section.seed)
         kept = train.frame.drop(index=held_out.index)
@@ -216,8 +211,7 @@ def logged_prompts(cfg: PipelineConfig, stage: str, role: str, name: str, world:
                    tokenizer) -> ValidatedData:
     """`stage`'s validated prompts in `role` (see `data_inputs`), logged to the active run as the dataset `name`."""
     prompts = data_inputs(cfg, stage)[role]
-    data = validated(prompts.source, prompts.kind, world, tokenizer, length_budget(cfg, stage),
-                     getattr(cfg, stage).duplicates, prompts.columns)
+    data = validated(prompts, world, tokenizer, length_budget(cfg, stage), getattr(cfg, stage).duplicates)
     tracking.log_data(data.frame, name, data.source, data.digest, name)
     return data
 
@@ -243,29 +237,38 @@ def data_counts(cfg: PipelineConfig, world: str | None) -> Counts:
                   reward_normalization_prompts=count(cfg.reward.normalization_prompts))
 
 
-def fetched_teacher(section: PPOConfig, world: str | None, scratch: Path) -> str:
-    """The PPO section's distillation teacher as a folder here (fetched through MLflow where a run or the
-    registry names it), the stage's run tagged with it (`rlhf.teacher`: as given, and what it resolved to)."""
-    given = section.teacher.model
-    source = tracking.model_source(given)
-    folder = resolve_location(given, world) if source is None else str(tracking.download_model(source, scratch))
-    mlflow.set_tag(tracking.TAG_TEACHER, tracking.redact(given if source is None else source.describe(given)))
+def fetched_teacher(teacher: Teacher, world: str | None, scratch: Path) -> str:
+    """PPO's distillation teacher as a folder here, fetched through MLflow from the run the pipeline run
+    resolved it to (`Teacher.source`), the stage's run tagged with it (`rlhf.teacher`: as given, and what
+    it resolved to)."""
+    folder = (resolve_location(teacher.given, world) if teacher.source is None
+              else str(tracking.download_model(teacher.source, scratch)))
+    mlflow.set_tag(tracking.TAG_TEACHER, tracking.redact(teacher.describe()))
     return folder
 
 
-def memory_plan(cfg: PipelineConfig, stages: list[str], world: str | None, device: Device | None = None,
-                processes: int | None = None, per_node: int | None = None) -> Plan:
-    """The memory plan of `stages` on `device` (default: the one the stages will use), nodes of
-    `per_node` processes, from the models' configs alone (`stages.memory.plan`; a model a run or the
-    registry names: its config fetched alone)."""
+def model_shapes_of(cfg: PipelineConfig, stages: list[str], world: str | None,
+                    teacher: Teacher | None) -> dict[str, ModelShape]:
+    """Each model's shape from its config alone (`stages.memory.plan.model_shapes`); PPO's teacher as
+    the pipeline run resolved it (a run's: its `config.json` fetched alone), and not read at all where
+    PPO is not planned."""
+    if cfg.ppo.teacher and "ppo" not in stages:
+        cfg = cfg.model_copy(update={"ppo": cfg.ppo.model_copy(update={"teacher": None})})
+    elif cfg.ppo.teacher:
+        resolved_teacher(cfg, teacher, "the memory plan")
     with tempfile.TemporaryDirectory() as scratch:
         def readable(location: str) -> str:
-            source = tracking.model_source(location)
-            return resolve_location(location, world) if source is None else str(
-                tracking.download_model(source, Path(scratch) / source.run_id, config_only=True))
+            if teacher is not None and teacher.source is not None and location == teacher.given:
+                return str(tracking.download_model(teacher.source, Path(scratch) / "teacher", config_only=True))
+            return resolve_location(location, world)
 
-        shapes = model_shapes(cfg, readable)
-    return plan(cfg, stages, shapes, device or this_device(), data_counts(cfg, world), processes, per_node)
+        return model_shapes(cfg, readable)
+
+
+def memory_plan(cfg: PipelineConfig, stages: list[str], world: str | None, teacher: Teacher | None) -> Plan:
+    """The memory plan of `stages` on the device they will use, from the models' configs alone
+    (`stages.memory.plan`); `rlhf plan` plans for other devices and process counts from the same parts."""
+    return plan(cfg, stages, model_shapes_of(cfg, stages, world, teacher), this_device(), data_counts(cfg, world))
 
 
 def memory_problems(result: Plan) -> tuple[list[str], list[str]]:

@@ -1,29 +1,23 @@
 """The `rlhf` Prefect flow: the pipeline sft -> reward -> ppo (or sft -> dpo), wiring stages to MLflow.
 
-No training math and no stage internals live here. Each task fetches what its stage needs
-(validated data from `flows.inputs`, upstream checkpoints through MLflow artifacts), calls the
-stage function, logs what it produced (`flows.reports`), and returns a small `StageRecord`
-(`flows.lineage`, which also keys the cache).
+No training math and no stage internals live here, and no bookkeeping: what the pipeline writes down
+and reads back (its MLflow run, cache keys and lineage, what is logged) is `flows.records`. Each task
+fetches what its stage needs (validated data from `flows.inputs`, upstream checkpoints through MLflow
+artifacts), calls the stage function, logs what it produced (`flows.records.reports`), and returns a
+small `StageRecord` (`flows.records.lineage`, which also keys the cache).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import mlflow
 import pandas as pd
-import yaml
-from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger, task
-from prefect.context import get_run_context
 from prefect.states import Failed, State
-from prefect.utilities.urls import url_for
-from pydantic import BaseModel, Field
 
-from flows.form import DPOForm, PPOForm, RewardForm, SFTForm, form_overrides
+from flows.form import DPOForm, PPOForm, RewardForm, SFTForm, UpstreamRuns, form_overrides
 from flows.inputs import (
     context_problems,
     fetched_teacher,
@@ -34,21 +28,20 @@ from flows.inputs import (
     memory_problems,
     train_and_eval_data,
 )
-from flows.lineage import (
+from flows.records.lineage import (
     AVAILABLE_STAGES,
     RLHF_STAGES,
     ExperimentRuns,
     StageRecord,
-    reused_record,
-    stack_changes,
+    Teacher,
     stage_keys,
     upstream_runs,
 )
-from flows.reports import (
+from flows.records.pipeline_run import PipelineRun, close_crashed_runs
+from flows.records.reports import (
     GoldJudgments,
     evaluation_report,
     log_overhead,
-    pipeline_note,
     pipeline_summary,
     ppo_report,
     reward_report,
@@ -63,30 +56,13 @@ from flows.stage_runs import (
     run_stage,
     stage_memory,
 )
-from rlhf import stack, tracking
-from rlhf.config import ConfigError, PipelineConfig, config_hash, flatten, load_config
+from rlhf import tracking
+from rlhf.config import ConfigError, PipelineConfig, load_config
 from rlhf.config_common import StageName
 from rlhf.demo.locations import DemoWorldConfig, resolve_location
 from rlhf.demo.world import build_world
 from stages.memory.plan import Plan
 from stages.runtime.models import load_tokenizer, set_determinism
-
-
-class UpstreamRuns(BaseModel):
-    """MLflow run ids of upstream stages for single-stage reruns. Empty fields are resolved along
-    lineage (`flows.lineage.upstream_runs`): the latest finished runs made with this config's
-    upstream sections, and for PPO a reward run with the SFT run it was trained from."""
-
-    sft_run_id: str | None = Field(None, description=(
-        "SFT run to start from. Empty: for reward and DPO, the latest finished SFT run made with this config's "
-        "sft section; for PPO, the SFT run its reward run was trained from."))
-    reward_run_id: str | None = Field(None, description=(
-        "Reward run PPO optimises against. Empty: the latest finished reward run made with this config's reward "
-        "section whose SFT run was made with its sft section, or, with an SFT run given, the latest trained from "
-        "that one. Given with an SFT run it was not trained from, the pair is refused (unless reward.model is set)."))
-    any_config: bool = Field(False, description=(
-        "Take the latest runs whatever config made them (PPO still gets a reward run and the SFT run it was "
-        "trained from). Off: only runs made with this config's sft and reward sections are candidates."))
 
 
 @dataclass(frozen=True)
@@ -181,7 +157,7 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
         sft_location = str(tracking.download_checkpoint(ctx.upstream["sft"], run.scratch / "sft"))
         reward_location = (str(tracking.download_checkpoint(ctx.upstream["reward"], run.scratch / "reward"))
                            if "reward" in ctx.upstream else None)
-        teacher = fetched_teacher(section, ctx.world, run.scratch / "teacher") if section.teacher else None
+        teacher = fetched_teacher(ctx.teacher, ctx.world, run.scratch / "teacher") if ctx.teacher else None
         if section.reward.functions:  # which functions, and which source of each, made this run's reward
             digests = source_digests(section.reward)
             mlflow.set_tag(tracking.TAG_REWARD_FUNCTIONS, ", ".join(
@@ -241,34 +217,18 @@ def check_inputs(cfg: PipelineConfig, stages: list[str], world: str | None) -> l
 
 
 @task
-def plan_memory(cfg: PipelineConfig, stages: list[str], world: str | None) -> Plan | None:
+def plan_memory(cfg: PipelineConfig, stages: list[str], world: str | None, teacher: Teacher | None) -> Plan | None:
     """The memory each stage needs per process on the device it will use, from the models' configs
     alone, before any stage trains (`rlhf plan` prints the same); None, with a warning, for a model
     the planner cannot read (no decoder-layer classes named, a config it cannot build)."""
     try:
-        return memory_plan(cfg, stages, world)
+        return memory_plan(cfg, stages, world, teacher)
     except (ValueError, OSError, TypeError, KeyError, AttributeError) as e:
         get_run_logger().warning("no memory plan: %s: %s; the stages run unplanned", type(e).__name__, e)
         return None
 
 
 # --- the flow -----------------------------------------------------------------------------------
-
-
-def close_crashed_runs(flow, flow_run, state) -> None:
-    """`on_crashed` hook, run by the worker when the flow run's process died (killed, out of
-    memory): its task runs still Running end Crashed, and its MLflow runs still RUNNING end
-    KILLED, so neither UI shows work that no process does. A rerun resumes the stage's work."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-    from prefect.states import Crashed
-
-    message = f"the flow run's process died ({state.message or 'crashed'})"
-    with get_client(sync_client=True) as client:
-        for task_run in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))):
-            if task_run.state is not None and not task_run.state.is_final():
-                client.set_task_run_state(task_run.id, Crashed(message=message), force=True)
-    tracking.kill_runs_of_flow_run(str(flow_run.id))
 
 
 # The defaults are the run form's, which Prefect shows as they are; the flow never mutates them (B006, B008).
@@ -322,10 +282,14 @@ def rlhf(
     too_long = context_problems(cfg, ordered, world)
     if too_long:
         return refuse("invalid config:\n" + "\n".join(f"  {problem}" for problem in too_long))
+    try:  # once per pipeline run: the memory plan, the cache key and the stage's fetch all take this resolution
+        teacher = Teacher.of(cfg) if "ppo" in ordered else None
+    except tracking.TrackingError as e:
+        return refuse(f"ppo stage: teacher.model {e}")
     bad_inputs = check_inputs(cfg, ordered, world)
     if bad_inputs:
         return refuse("\n\n".join(bad_inputs))
-    memory = plan_memory(cfg, ordered, world)
+    memory = plan_memory(cfg, ordered, world, teacher)
     too_big, tight = memory_problems(memory) if memory is not None else ([], [])
     if too_big:
         return refuse("the memory plan (`rlhf plan`) predicts that these stages do not fit:\n"
@@ -334,7 +298,7 @@ def rlhf(
         logger.warning("memory plan: %s (on the CPU this is a warning, not a refusal)", problem)
     try:
         tracking.wait_for_server(log=logger.warning)
-        return _run_stages(cfg, ordered, Request(config_file, overrides, upstream, use_cache), world, memory)
+        return _run_stages(cfg, ordered, Request(config_file, overrides, upstream, use_cache), world, memory, teacher)
     except tracking.TrackingError as e:
         return refuse(str(e))
     except Exception as e:
@@ -344,50 +308,13 @@ def rlhf(
                       f"({type(e).__name__}: {str(e)[:300]}); rerun when it is back: finished stages are reused")
 
 
-def warn_if_unlocked(logger) -> None:
-    """Say so when this environment is not its lock: its stage runs will not be reused by locked ones."""
-    if not stack.current().locked:
-        logger.warning("this environment is not %s (%s): its stage runs are tagged rlhf.stack.locked false and "
-                       "are never reused by runs from the locked environment; `make install` restores the lock",
-                       stack.environment_lock(), "; ".join(stack.current().differences[:8]) or "no lock file")
-
-
-def warn_if_stale(logger, stage: StageName, cfg: PipelineConfig, work: str) -> None:
-    """Say which packages moved when the same work finished under another stack (so it reruns)."""
-    stale = tracking.finished_runs(cfg.experiment, stage, {tracking.TAG_WORK_KEY: work}, 1)
-    if stale:
-        logger.warning("%s: stack changed since finished run %s (%s); running the stage again", stage,
-                       stale[0].info.run_id, stack_changes(stage, cfg, stale[0]))
-
-
-def warn_if_unregistered(logger, stage: StageName, cfg: PipelineConfig, cached) -> None:
-    """Say so when a reused PPO or DPO run registered no policy though the registry is on."""
-    if stage in ("ppo", "dpo") and cfg.registry.enabled and tracking.TAG_REGISTERED_MODEL not in cached.data.tags:
-        logger.warning("%s: the reused run %s registered no policy (it ran with registry.enabled false); "
-                       "rerun with use_cache false to register one", stage, cached.info.run_id)
-
-
 def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request, world: str | None,
-                memory: Plan | None) -> list[StageRecord] | State:
+                memory: Plan | None, teacher: Teacher | None) -> list[StageRecord] | State:
     """The stages in pipeline order under one MLflow pipeline run: each starts from the records
     of the stages before it (or the given upstream runs) and is reused from cache or run as a task."""
-    config_file, overrides, upstream = request.config_file, request.overrides, request.upstream
     logger = get_run_logger()
-    experiment_id = tracking.ensure_experiment(cfg.experiment)
-    version, commit = tracking.code_version()
-    flow_run = get_run_context().flow_run
-    links = {"Prefect flow run": url_for(flow_run)}
-    parent_run_id = tracking.start_pipeline_run(
-        experiment_id, f"{Path(config_file).stem} · {flow_run.name}", {
-            "rlhf.stages": ",".join(ordered), tracking.TAG_CONFIG_FILE: config_file,
-            tracking.TAG_OVERRIDES: json.dumps(overrides),
-            tracking.TAG_CONFIG_HASH: config_hash(cfg), tracking.TAG_CODE_VERSION: version,
-            tracking.TAG_GIT_COMMIT: commit, tracking.TAG_TREE: tracking.tree_state(commit),
-            tracking.TAG_PREFECT_FLOW_RUN: str(flow_run.id),
-            tracking.TAG_NOTE: pipeline_note(config_file, overrides, [], links)} | stack.current().tags(),
-        flatten(cfg), yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    logger.info("MLflow pipeline run %s", tracking.run_url(parent_run_id) or parent_run_id)
-    warn_if_unlocked(logger)
+    pipeline = PipelineRun.start(cfg, ordered, request.config_file, request.overrides)
+    upstream = request.upstream
     given = {"sft": upstream.sft_run_id, "reward": upstream.reward_run_id}
     runs = ExperimentRuns(cfg.experiment)
     records: dict[str, StageRecord] = {}
@@ -397,22 +324,17 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request,
             resolved = upstream_runs(name, records, given, cfg, runs, upstream.any_config)
         except LookupError as e:
             raise StageRefused(str(e)) from e
-        upstream_ids = resolved.run_ids
         if resolved.chosen:
             logger.info("%s starts from %s", name, resolved.describe())
-        key, work = stage_keys(name, cfg, world, upstream_ids)
-        cached = tracking.latest_finished_run(cfg.experiment, name, key) if request.use_cache else None
+        key, work = stage_keys(name, cfg, world, resolved.run_ids, teacher)
+        cached = pipeline.reused(name, key, work) if request.use_cache else None
         if cached is not None:
-            MlflowClient().set_tag(parent_run_id, tracking.TAG_REUSED + name, cached.info.run_id)
-            logger.info("%s: reusing finished run %s (same config, data, code and upstream runs)", name,
-                        cached.info.run_id)
-            warn_if_unregistered(logger, name, cfg, cached)
-            return reused_record(name, cached)
-        if request.use_cache:
-            warn_if_stale(logger, name, cfg, work)
-        ctx = StageContext(cfg, world, experiment_id, parent_run_id, upstream_ids, key, work, flow_run.name,
-                           links["Prefect flow run"], memory and stage_memory(memory, name),
-                           resolved.describe() + (reward_terms_note(cfg.ppo) if name == "ppo" else ""))
+            return cached
+        ctx = StageContext(config=cfg, world=world, experiment_id=pipeline.experiment_id,
+                           parent_run_id=pipeline.run_id, upstream=resolved.run_ids, cache_key=key, work_key=work,
+                           label=pipeline.label, flow_run_url=pipeline.flow_run_url,
+                           memory=memory and stage_memory(memory, name), teacher=teacher,
+                           lineage=resolved.describe() + (reward_terms_note(cfg.ppo) if name == "ppo" else ""))
         state = stage_task(ctx, return_state=True)
         if not state.is_completed():
             raise StageFailed(f"stage {name} failed: {state.message}")
@@ -432,7 +354,7 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request,
         if "dpo" in ordered:
             records["dpo"] = run_or_reuse("dpo", run_dpo)
         ok = True
-        log_overhead(parent_run_id, [r for r in records.values() if not r.reused])
+        log_overhead(pipeline.run_id, [r for r in records.values() if not r.reused])
         pipeline_summary(list(records.values()))
         return list(records.values())
     except StageRefused as e:
@@ -440,9 +362,4 @@ def _run_stages(cfg: PipelineConfig, ordered: list[StageName], request: Request,
     except StageFailed as e:
         return Failed(message=str(e))
     finally:
-        try:
-            tracking.set_note(parent_run_id, pipeline_note(config_file, overrides, list(records.values()), links))
-            tracking.end_run(parent_run_id, ok)
-        except Exception as e:  # the server is gone; the error that brought us here is the one to report
-            logger.warning("could not mark pipeline run %s %s: %s", parent_run_id, "FINISHED" if ok else "FAILED",
-                           type(e).__name__)
+        pipeline.close(list(records.values()), ok)

@@ -25,9 +25,9 @@ from prefect.context import get_run_context
 from prefect.states import Failed, State
 from pydantic import BaseModel
 
-from flows.journal import RunJournal, send_leftovers
-from flows.lineage import StageRecord, stack_tags
-from flows.reports import (
+from flows.records.journal import RunJournal, send_leftovers
+from flows.records.lineage import StageRecord, Teacher, stack_tags
+from flows.records.reports import (
     STAGE_SECONDS,
     Progress,
     lineage_note,
@@ -84,9 +84,9 @@ class StageContext:
     upstream: dict[str, str]
     """Run id of each upstream stage, by stage name."""
     cache_key: str
-    """Identity of the stage's work: see `flows.lineage.cache_key`."""
+    """Identity of the stage's work: see `flows.records.lineage.cache_key`."""
     work_key: str
-    """The same without the stack: see `flows.lineage.stage_keys`."""
+    """The same without the stack: see `flows.records.lineage.stage_keys`."""
     label: str
     """The Prefect flow run's name (`super-earwig`): every MLflow run of this pipeline run carries it."""
     flow_run_url: str | None
@@ -94,7 +94,11 @@ class StageContext:
     memory: StageMemory | None = None
     """What the memory plan predicted for this stage (logged on its run beside the measured peak)."""
     lineage: str = ""
-    """Which upstream runs the stage starts from and why (`flows.lineage.Upstream.describe`), for its description."""
+    """Which upstream runs the stage starts from and why (`flows.records.lineage.Upstream.describe`), for its
+    description."""
+    teacher: Teacher | None = None
+    """PPO's distillation teacher as the flow resolved it, once for the pipeline run: what the stage's cache key
+    names and its task fetches."""
 
     def links(self) -> dict[str, str | None]:
         """Where a stage run's description points: its pipeline run, its upstream runs, the Prefect flow run."""
@@ -108,12 +112,12 @@ class StageContext:
                           num_threads=self.config.num_threads)
 
 
-def finish(stage: StageName, run: StageRun, ctx: StageContext, data: ValidatedData, metrics: dict[str, float],
-           checkpoint: Path, samples: list[dict[str, str]]) -> StageRecord:
+def finish(run: StageRun, ctx: StageContext, data: ValidatedData, metrics: dict[str, float], checkpoint: Path,
+           samples: list[dict[str, str]]) -> StageRecord:
     """Log final metrics (at the last step or iteration) and the checkpoint inside the active run,
     describe the run (its note: headline figures, the upstream runs it started from and why, its
     warnings, its links), publish the Prefect summary. `samples`: what the user said last and the response."""
-    run_id, warnings, section = run.run_id, run.warnings, getattr(ctx.config, stage)
+    stage, run_id, warnings, section = run.stage, run.run_id, run.warnings, getattr(ctx.config, run.stage)
     last_step = int(metrics[f"train/{run.progress.unit}s"])
     # At the last training step, so these (and not a trainer's running average of the same name)
     # are what MLflow shows as each metric's latest value.
@@ -171,11 +175,12 @@ retry resumes from the stage's checkpoint."""
 class StageRun:
     """A stage's open MLflow run, as its task uses it."""
 
+    stage: StageName
     run_id: str
     scratch: Path
     """The work folder, keyed by the cache key: an interrupted attempt's checkpoints are found here again."""
     journal: RunJournal
-    """What the run logs while the stage trains, kept on disk and sent in order (`flows.journal`)."""
+    """What the run logs while the stage trains, kept on disk and sent in order (`flows.records.journal`)."""
     progress: Progress
     warnings: list[str]
 
@@ -281,7 +286,7 @@ def stage_run(stage: StageName, section: BaseModel, ctx: StageContext, unit: str
                     mlflow.log_metrics(ctx.memory.figures, step=0)
                     mlflow.log_text(ctx.memory.table, "memory_plan.md")
                 journal = RunJournal(run_id, workdir.path / "journal", ctx.config.outage_limit_s)
-                run = StageRun(run_id, workdir.path, journal, Progress(stage, unit), [])
+                run = StageRun(stage, run_id, workdir.path, journal, Progress(stage, unit), [])
                 try:
                     yield run
                 except BaseException:
@@ -338,7 +343,7 @@ def run_stage(stage: StageName, ctx: StageContext, unit: str,
             run.flush()  # through an outage up to the limit: what follows talks to the server directly
             mlflow.set_tags(result.tags)
             samples = job.report(result, metrics)
-            record = finish(stage, run, ctx, job.data, metrics, result.checkpoint, samples)
+            record = finish(run, ctx, job.data, metrics, result.checkpoint, samples)
             if job.registered_on is not None and ctx.config.registry.enabled:
                 register(ctx, stage, run.run_id, result.checkpoint, metrics, job.registered_on)
             return record

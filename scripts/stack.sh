@@ -17,7 +17,7 @@
 # which must be able to reach RLHF_PG_DATA (a folder under /tmp or /var/tmp, say, where $RLHF_HOME
 # is private). `env` names the database in use; a stack keeps the database it was made with.
 # What a stage logs while it trains waits on disk while the MLflow server is away, up to the config's
-# outage_limit_s (flows/journal.py); every other MLflow call from a flow run retries with exponential
+# outage_limit_s (flows/records/journal.py); every other MLflow call from a flow run retries with exponential
 # backoff (MLflow's own HTTP retry, MLFLOW_HTTP_REQUEST_MAX_RETRIES=5, BACKOFF_FACTOR=1: about 30 s);
 # a flow also waits for the server at start (1, 2, 4, 8 s) before it refuses to run. The worker
 # asks for new flow runs every second (Prefect's default, 10 s, is a quarter of a demo stage) and

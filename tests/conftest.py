@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny demo world built once per test session."""
+"""Shared fixtures: a tiny demo world built once per test session. The session fails when it leaves anything
+new in the working tree (`pytest_sessionfinish`)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,61 @@ files to its two workers in collection order, so these go first and the short fi
 def pytest_collection_modifyitems(items):
     slow = {name: rank for rank, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: slow.get(item.path.name, len(slow)))  # stable: the rest keep their order
+
+
+REPO = Path(__file__).resolve().parent.parent
+CACHES = {"__pycache__", ".pytest_cache"}
+"""Python's and pytest's own caches: any import or run writes them, and git ignores them."""
+ON_PURPOSE = {"RLHF_GOLDEN": ("refresh", "tests/golden/"), "RLHF_LOAD_TEST": ("1", "bench/results/")}
+"""What a session writes into the tree on purpose, by the variable that asks for it: `make golden` this CPU
+vendor's golden record, `make load-test` its figures."""
+TREE_BEFORE = pytest.StashKey[set[str]]()
+NEW_IN_TREE = pytest.StashKey[list[str]]()
+
+
+def _tree_status() -> set[str] | None:
+    """The working tree's `git status --porcelain`, one line per changed, untracked or ignored file (ignored too:
+    `mlruns/` is ignored so that it is never committed, and a test that writes there must still be caught),
+    less the caches; None outside a git checkout."""
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--ignored"], cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if status.returncode != 0:
+        return None
+    return {line for line in status.stdout.splitlines() if not CACHES & set(Path(line[3:]).parts)}
+
+
+def pytest_sessionstart(session):
+    """The working tree as the session found it: what was already there (a virtual environment's link, a
+    file being edited) is never the session's doing. Under pytest-xdist the controller alone looks."""
+    if not hasattr(session.config, "workerinput") and (status := _tree_status()) is not None:
+        session.config.stash[TREE_BEFORE] = status
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fails the session when it left anything new in the working tree (every worker has ended by now):
+    what a test or a run writes belongs in its temporary folder, never in the checkout."""
+    before = session.config.stash.get(TREE_BEFORE, None)
+    after = _tree_status() if before is not None else None
+    asked = tuple(folder for name, (value, folder) in ON_PURPOSE.items() if os.environ.get(name) == value)
+    if after is not None and (new := sorted(line for line in after - before if not line[3:].startswith(asked))):
+        session.config.stash[NEW_IN_TREE] = new
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    new = config.stash.get(NEW_IN_TREE, None)
+    if new:
+        terminalreporter.section("the tests left files in the working tree", sep="=", red=True)
+        terminalreporter.line(f"{len(new)} path(s) new to `git status --porcelain --ignored` since the session "
+                              "started; write them under the test's tmp_path instead:")
+        for line in new[:30]:
+            terminalreporter.line(f"  {line}")
+        if len(new) > 30:
+            terminalreporter.line(f"  ... and {len(new) - 30} more")
 
 
 @pytest.fixture(autouse=True)

@@ -45,6 +45,9 @@ LAYERS = {
                   "stages.rewards", "stages.rl", "rlhf.evaluation") + CONFIG,
     "stages": ("stages", "rlhf.evaluation") + CONFIG,  # the stage entry points, stages/*.py
     "servers": ("servers", "stages") + CONFIG,  # processes of their own, reached over HTTP: never `flows`
+    # What the flow writes down and reads back (the journal, lineage and cache keys, what is logged): below the
+    # flow's wiring, so the bookkeeping never reaches up into the flow, its tasks or the `rlhf` command.
+    "flows/records": ("flows.records", "rlhf", "schemas", "stages"),
     "flows": None,  # the top: the flow, its tasks and the `rlhf` command may import anything
 }
 NEVER_IN_STAGES = ("mlflow", "prefect")

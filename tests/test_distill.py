@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.lineage import cache_key
+from flows.records.lineage import cache_key
 from rlhf import tracking
 from rlhf.config import load_config, with_overrides
 from rlhf.demo.world import build_world
@@ -101,7 +101,11 @@ def _resolves_and_keys(world, tmp_path):
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    with mlflow.start_run() as run:
+    from flows.inputs import fetched_teacher, memory_plan
+    from flows.records.lineage import Teacher
+
+    experiment = tracking.ensure_experiment("teachers")  # its artifacts beside the database, in tmp_path
+    with mlflow.start_run(experiment_id=experiment) as run:
         mlflow.log_artifacts(str(world / "model"), tracking.CHECKPOINT_PATH)
     client = MlflowClient()
     client.create_registered_model("teachers")
@@ -117,25 +121,33 @@ def _resolves_and_keys(world, tmp_path):
     assert (fetched / "config.json").exists() and not (fetched / "model.safetensors").exists()
     with pytest.raises(tracking.TrackingError, match="models:/teachers@nobody: no such registered model version"):
         tracking.model_source("models:/teachers@nobody")
-    # Before any stage trains: the plan reads the teacher's config alone; a name the server lacks is refused.
-    from flows.inputs import input_problems, memory_plan
-
-    named = load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "distill",
-                                              "ppo.teacher.model": "models:/teachers@champion"})
-    assert "teacher" in [h.name for h in memory_plan(named, ["ppo"], str(world)).stages["ppo"].held]
-    missing = named.model_copy(update={"ppo": named.ppo.model_copy(update={"teacher": named.ppo.teacher.model_copy(
-        update={"model": "models:/teachers@nobody"})})})
-    assert any("teacher.model models:/teachers@nobody: no such registered model version" in problem
-               for problem in input_problems(missing, ["ppo"], str(world)))
-    # The cache key holds the run the alias names now: another version under the alias is another key.
+    # Before any stage trains the pipeline run resolves the teacher once; the plan reads its config alone.
     cfg = load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "distill",
                                             "ppo.teacher.model": "models:/teachers@champion"})
-    before = cache_key("ppo", cfg, str(world), {"sft": "s"})
-    with mlflow.start_run() as other:
+    teacher = Teacher.of(cfg)
+    assert teacher == Teacher("models:/teachers@champion", source)
+    assert "teacher" in [h.name for h in memory_plan(cfg, ["ppo"], str(world), teacher).stages["ppo"].held]
+    missing = load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "distill",
+                                                "ppo.teacher.model": "models:/teachers@nobody"})
+    with pytest.raises(tracking.TrackingError, match="models:/teachers@nobody: no such registered model version"):
+        Teacher.of(missing)
+    # The cache key and the fetch hold the run the alias named at the resolution, wherever the alias is now;
+    # the next pipeline run, resolving it again, gets another key.
+    before = cache_key("ppo", cfg, str(world), {"sft": "s"}, teacher)
+    with mlflow.start_run(experiment_id=experiment) as other:
         mlflow.log_artifacts(str(world / "model"), tracking.CHECKPOINT_PATH)
     moved = client.create_model_version("teachers", f"runs:/{other.info.run_id}/checkpoint", other.info.run_id)
     client.set_registered_model_alias("teachers", "champion", moved.version)
-    assert cache_key("ppo", cfg, str(world), {"sft": "s"}) != before
+    assert cache_key("ppo", cfg, str(world), {"sft": "s"}, teacher) == before
+    with mlflow.start_run(experiment_id=experiment) as stage:
+        folder = fetched_teacher(teacher, str(world), tmp_path / "teacher")
+    assert folder == str(tmp_path / "teacher" / "checkpoint")  # the whole folder of the first version's run
+    assert (tmp_path / "teacher" / "checkpoint" / "model.safetensors").exists()
+    assert client.get_run(stage.info.run_id).data.tags[tracking.TAG_TEACHER] == (
+        f"models:/teachers@champion (version 1, runs:/{run.info.run_id}/checkpoint)")
+    assert cache_key("ppo", cfg, str(world), {"sft": "s"}, Teacher.of(cfg)) != before
+    with pytest.raises(ValueError, match=r"the cache key takes the teacher as the pipeline run resolved it"):
+        cache_key("ppo", cfg, str(world), {"sft": "s"})
 
 
 def test_the_memory_plan_holds_the_teacher_and_its_logits(world):
@@ -156,7 +168,7 @@ def test_the_memory_plan_holds_the_teacher_and_its_logits(world):
 
 def test_the_run_form_and_the_runs_description_name_the_teacher():
     from flows.form import PPOForm
-    from flows.reports import reward_terms_note
+    from flows.records.reports import reward_terms_note
 
     form = PPOForm(advantage_estimator="distill", teacher_model="runs:/abc/checkpoint")
     assert form.overrides() == {"ppo.advantage_estimator": "distill", "ppo.teacher.model": "runs:/abc/checkpoint"}

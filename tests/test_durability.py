@@ -124,7 +124,7 @@ def _table(run_id: str, artifact_file: str) -> list:
 
 
 def test_a_torn_or_corrupt_journal_mends_itself_on_open(tracking_store, tmp_path, caplog):
-    from flows.journal import RunJournal, send_leftovers
+    from flows.records.journal import RunJournal, send_leftovers
 
     run_id, folder = _new_run(), tmp_path / "journal"
     folder.mkdir()
@@ -133,7 +133,7 @@ def test_a_torn_or_corrupt_journal_mends_itself_on_open(tracking_store, tmp_path
     # line 2 corrupted on disk, and a last line cut short by a kill mid-write
     (folder / f"{run_id}.jsonl").write_text(lines[0] + "\n" + "{\"kind\": \"met\x00\n" + lines[2] + "\n"
                                             + lines[1][:20])
-    with caplog.at_level(logging.WARNING, logger="flows.journal"):
+    with caplog.at_level(logging.WARNING, logger="flows.records.journal"):
         journal = RunJournal(run_id, folder, outage_limit_s=600)
         journal.log({"loss": 0.25}, 4)
         journal.close()
@@ -151,7 +151,7 @@ def test_a_torn_or_corrupt_journal_mends_itself_on_open(tracking_store, tmp_path
 
 def test_a_replayed_journal_adds_no_table_rows_or_metric_points(tracking_store, tmp_path):
     """Delivery is at least once: a kill between a send and its count sends the entry again."""
-    from flows.journal import RunJournal, send_leftovers
+    from flows.records.journal import RunJournal, send_leftovers
 
     run_id, folder = _new_run(), tmp_path / "journal"
     journal = RunJournal(run_id, folder, outage_limit_s=600)
@@ -184,7 +184,7 @@ def test_a_replayed_journal_adds_no_table_rows_or_metric_points(tracking_store, 
 FILLING = """
 import json, os, resource, signal, sys
 from pathlib import Path
-from flows.journal import RunJournal, mend
+from flows.records.journal import RunJournal, mend
 limit = int(sys.argv[2])
 if limit:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, write() fails with EFBIG instead

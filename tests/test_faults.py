@@ -117,7 +117,7 @@ def _stage_runs(stack, flow_run_id: str, stage: str) -> list:
 
 
 def test_mlflow_away_for_a_minute_mid_ppo_costs_the_run_nothing(stack):
-    from flows.journal import TAG_GAPS
+    from flows.records.journal import TAG_GAPS
 
     overrides = {"ppo.num_iterations": 60, "ppo.checkpoint_every": 2, "ppo.seed": 21}
     state, message, flow_run_id = _ppo_run_away(stack, "mlflow", overrides)

@@ -151,7 +151,8 @@ def test_reward_run_carries_lineage_to_the_sft_run_of_the_same_pipeline(finished
 
 
 def test_reward_alone_reruns_against_the_latest_or_a_given_sft_run(finished):
-    from flows.pipeline import UpstreamRuns, rlhf
+    from flows.form import UpstreamRuns
+    from flows.pipeline import rlhf
 
     sft = finished[0]
     (latest,) = rlhf(stages=["reward"], config_file="configs/tiny.yaml", use_cache=False)
@@ -297,7 +298,8 @@ def test_stages_alone_start_from_coherent_runs_of_their_own_config_among_other_m
     rlhf/dpo on the tiny config start from the tiny config's runs (PPO: a reward run and the SFT
     run it was trained from) and finish; a named pair that does not belong together is refused
     before anything is downloaded, naming both runs."""
-    from flows.pipeline import UpstreamRuns, rlhf
+    from flows.form import UpstreamRuns
+    from flows.pipeline import rlhf
     from tests.model_families import CHATML_TEMPLATE, build_family
 
     own = {"experiment": "rlhf-lineage", "registry.enabled": False}
@@ -391,8 +393,8 @@ def test_a_changed_package_reruns_every_stage_saying_which_and_restoring_it_reus
     import dataclasses
     import logging
 
-    from flows.lineage import stack_changes
     from flows.pipeline import rlhf
+    from flows.records.lineage import stack_changes
     from rlhf import stack
 
     own = {"experiment": "rlhf-stack"}
@@ -441,7 +443,7 @@ def _tiny():
 
 
 def test_cache_key_follows_data_content_not_just_its_name(tmp_path, tiny_config, world):
-    from flows.lineage import cache_key
+    from flows.records.lineage import cache_key
 
     data = tmp_path / "sft.jsonl"
     data.write_text('{"prompt": "a", "response": "b"}\n')
@@ -550,15 +552,16 @@ def test_validation_is_reused_for_the_same_content_and_tokenizer_only(tmp_path, 
     monkeypatch.setattr(inputs, "load_validated", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     data = tmp_path / "sft.jsonl"
     data.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n')
-    source, budget = DataSource(path=str(data)), LengthBudget(64, 128)
-    first = inputs.validated(source, "sft", str(world), tokenizer, budget, "error")
+    source = inputs.DataInput(DataSource(path=str(data)), "sft", inputs.TokenizerSource("demo:model", False, None))
+    budget = LengthBudget(64, 128)
+    first = inputs.validated(source, str(world), tokenizer, budget, "error")
     first.frame.loc[:, "response"] = "changed by a caller"
     # another tokenizer object with the same content (as a checkpoint's copy of the base tokenizer)
-    again = inputs.validated(source, "sft", str(world), load_tokenizer(str(world / "model")), budget, "error")
+    again = inputs.validated(source, str(world), load_tokenizer(str(world / "model")), budget, "error")
     assert len(calls) == 1 and list(again.frame["response"]) == ["b", "d"]  # reused, and a caller's edit did not leak
-    inputs.validated(source, "sft", str(world), tokenizer, LengthBudget(64, 96), "error")
+    inputs.validated(source, str(world), tokenizer, LengthBudget(64, 96), "error")
     data.write_text('{"prompt": "a", "response": "e"}\n')
-    changed = inputs.validated(source, "sft", str(world), tokenizer, budget, "error")
+    changed = inputs.validated(source, str(world), tokenizer, budget, "error")
     assert len(calls) == 3 and list(changed.frame["response"]) == ["e"]  # other rules, other content: validated anew
 
 
@@ -567,7 +570,7 @@ def test_the_journal_keeps_order_and_a_refused_batch_fails_the_stage(tracking_st
 
     from mlflow.exceptions import MlflowException
 
-    from flows.journal import RunJournal
+    from flows.records.journal import RunJournal
 
     experiment_id = tracking.ensure_experiment("writer")
     run_id = MlflowClient().create_run(experiment_id).info.run_id
@@ -598,21 +601,21 @@ def test_a_server_away_for_a_while_costs_the_journal_nothing_and_is_recorded_as_
                                                                                    monkeypatch):
     """The sender's side of an outage, with the server's answers stood in for: the real server killed and
     restarted under a running pipeline is `tests/test_faults.py`'s."""
-    import flows.journal
-    from flows.journal import TAG_GAPS, RunJournal, send_leftovers
+    import flows.records.journal
+    from flows.records.journal import TAG_GAPS, RunJournal, send_leftovers
     from flows.stage_runs import is_outage
 
     experiment_id = tracking.ensure_experiment("writer")
     run_id = MlflowClient().create_run(experiment_id).info.run_id
     away = {"now": True}
-    real_send = flows.journal.send_entry
+    real_send = flows.records.journal.send_entry
 
     def send(client, run, entry):
         if away["now"]:
             raise ConnectionError("connection refused")
         real_send(client, run, entry)
 
-    monkeypatch.setattr(flows.journal, "send_entry", send)
+    monkeypatch.setattr(flows.records.journal, "send_entry", send)
     monkeypatch.setattr(tracking, "server_answers", lambda timeout=5.0: not away["now"])
     journal = RunJournal(run_id, tmp_path / "journal", outage_limit_s=600)
     for step in range(1, 11):
@@ -741,6 +744,56 @@ def test_sft_then_ppo_on_reward_functions_alone_needs_no_reward_stage_and_bad_fu
             "eval/gold_win_rate"} <= set(run.data.metrics)
     assert not any(key.startswith("normalization/") for key in run.data.metrics)
     assert not MlflowClient().search_runs([experiment().experiment_id], "tags.`rlhf.stage` = 'reward'")
+
+
+def test_a_registered_teacher_is_resolved_once_per_pipeline_run_and_an_alias_moved_after_changes_nothing(
+        tracking_store, world, monkeypatch):
+    """`ppo.teacher.model: models:/<name>@<alias>` is resolved once, before the pre-flight check: the
+    memory plan, the cache key and the fetch all take that resolution. Here the alias moves to another
+    version right after it; the PPO run is still keyed by, tagged with and trained on the first version."""
+    from flows.pipeline import rlhf
+    from flows.records.lineage import Teacher, cache_key
+    from rlhf.config import load_config
+    from rlhf.demo.world import build_world
+
+    client, name = MlflowClient(), "teachers-flow"
+    experiment = tracking.ensure_experiment("teachers-flow")
+    versions = {}
+    client.create_registered_model(name)
+    for number in (1, 2):
+        with mlflow.start_run(experiment_id=experiment) as run:
+            mlflow.log_artifacts(str(world / "model"), tracking.CHECKPOINT_PATH)
+        client.create_model_version(name, f"runs:/{run.info.run_id}/checkpoint", run.info.run_id)
+        versions[number] = run.info.run_id
+    client.set_registered_model_alias(name, "champion", "1")
+
+    resolved, fetched = [], []
+    real_source, real_download = tracking.model_source, tracking.download_model
+
+    def resolve_then_move_the_alias(location):
+        resolved.append(location)
+        source = real_source(location)
+        client.set_registered_model_alias(name, "champion", "2")  # as a registration elsewhere would
+        return source
+
+    monkeypatch.setattr(tracking, "model_source", resolve_then_move_the_alias)
+    monkeypatch.setattr(tracking, "download_model", lambda source, *a, **k: fetched.append(source.run_id)
+                        or real_download(source, *a, **k))
+    given = f"models:/{name}@champion"
+    own = {"experiment": "rlhf-teacher", "ppo.advantage_estimator": "distill", "ppo.teacher.model": given,
+           "ppo.num_iterations": 2, "ppo.evaluation.every": None, "registry.enabled": False}
+    sft, ppo = rlhf(stages=["sft", "ppo"], config_file="configs/tiny.yaml", overrides=own)
+
+    assert resolved == [given]  # once for the pipeline run
+    assert len(fetched) == 2 and set(fetched) == {versions[1]}  # the plan's config.json, then the stage's folder
+    tags = MlflowClient().get_run(ppo.run_id).data.tags
+    assert tags[tracking.TAG_TEACHER] == f"{given} (version 1, runs:/{versions[1]}/checkpoint)"
+    cfg = load_config("configs/tiny.yaml", own)
+    flow_world = str(build_world(tracking.state_dir() / "worlds", cfg.demo))
+    first = Teacher(given, tracking.ModelSource(versions[1], tracking.CHECKPOINT_PATH, f"{name}/1"))
+    moved = Teacher(given, tracking.ModelSource(versions[2], tracking.CHECKPOINT_PATH, f"{name}/2"))
+    assert tags[tracking.TAG_CACHE_KEY] == cache_key("ppo", cfg, flow_world, {"sft": sft.run_id}, first) != \
+        cache_key("ppo", cfg, flow_world, {"sft": sft.run_id}, moved)
 
 
 def test_ppo_scored_by_the_served_reward_run_records_the_server_and_a_server_away_is_refused(tracking_store):

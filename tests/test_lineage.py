@@ -1,4 +1,4 @@
-"""Which upstream runs a stage run alone starts from (`flows.lineage.upstream_runs`), on an
+"""Which upstream runs a stage run alone starts from (`flows.records.lineage.upstream_runs`), on an
 experiment of runs held in a list: two pipelines of different models, two configs of the same
 model, reruns, named runs and named pairs that do not belong together."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flows.lineage import StageRecord, upstream_runs
+from flows.records.lineage import StageRecord, upstream_runs
 from rlhf import tracking
 from rlhf.config import config_hash, load_config
 

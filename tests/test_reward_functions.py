@@ -96,7 +96,7 @@ def test_a_raising_function_is_reported_with_the_prompt_it_fails_on(tmp_path):
 
 
 def test_the_cache_key_of_ppo_follows_the_function_source_and_no_other_stage_does(world, tmp_path):
-    from flows.lineage import cache_key
+    from flows.records.lineage import cache_key
 
     source = _module(tmp_path, "rules_cache", "def f(prompts, responses):\n    return [0.0] * len(responses)\n")
     cfg = load_config("configs/tiny.yaml", {"ppo.reward": _terms(tmp_path, "rules_cache:f").model_dump()})
@@ -283,15 +283,15 @@ def test_the_policy_critic_starts_from_the_sft_body_with_a_fresh_head(tiny_confi
 def test_the_memory_plan_of_ppo_without_a_reward_model_holds_none(tiny_config, world):
     from flows.inputs import memory_plan
 
-    with_model = memory_plan(tiny_config, ["ppo"], str(world)).stages["ppo"]
+    with_model = memory_plan(tiny_config, ["ppo"], str(world), None).stages["ppo"]
     alone = memory_plan(load_config("configs/tiny.yaml", {"ppo.reward": FUNCTIONS_ALONE,
                                                           "ppo.advantage_estimator": "grpo"}), ["ppo"],
-                        str(world)).stages["ppo"]
+                        str(world), None).stages["ppo"]
     assert "reward model" in [h.name for h in with_model.held] and "critic" in [h.name for h in with_model.held]
     assert [h.name for h in alone.held] == ["policy", "reference"]
     assert "scoring" not in alone.phases["rollout_forwards"]
     policy_critic = memory_plan(load_config("configs/tiny.yaml", {"ppo.reward": FUNCTIONS_ALONE}), ["ppo"],
-                                str(world)).stages["ppo"]
+                                str(world), None).stages["ppo"]
     assert [h.name for h in policy_critic.held] == ["policy", "reference", "critic"]
 
 

@@ -18,7 +18,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.context import get_run_context
 
-from flows.lineage import StageRecord
+from flows.records.lineage import StageRecord
 from rlhf import tracking
 from rlhf.config_ppo import PPOConfig
 from rlhf.demo.world import gold_accuracy, judge_evaluation, last_user_turns, mean_gold_reward

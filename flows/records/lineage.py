@@ -1,5 +1,6 @@
-"""Lineage: what a stage run depends on (its cache key), which upstream runs it starts from, and
-the small record a stage hands to the next. No training, no validation here.
+"""Lineage: what a stage run depends on (its cache key), which upstream runs it starts from, PPO's
+teacher as the pipeline run resolved it, and the small record a stage hands to the next. No training,
+no validation here.
 
 Which upstream runs a stage starts from (`upstream_runs`) is decided along lineage, not stage by
 stage: PPO's SFT run is the one its reward run was trained from, and a stage run alone starts
@@ -78,19 +79,61 @@ class Fingerprint:
         return self.digest if self.digest is not None else f"name:{self.location}"
 
 
-def cache_key(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str]) -> str:
-    """What a stage's result depends on: its resolved config, the content of every input it reads,
-    the code version, the upstream runs it starts from, the pipeline's determinism settings, and the
-    stack it computes with (`rlhf.stack`: the compute packages' versions, whether the environment
-    is its lock)."""
-    return stage_keys(stage, cfg, world, upstream)[0]
+@dataclass(frozen=True)
+class Teacher:
+    """PPO's distillation teacher (`ppo.teacher.model`) as a pipeline run resolved it: once, before the
+    memory plan, the cache key and the stage's fetch read it, so an alias moved on the registry meanwhile
+    changes none of them; the next pipeline run resolves it again."""
+
+    given: str
+    """`ppo.teacher.model` as the config names it."""
+    source: tracking.ModelSource | None
+    """The run folder an MLflow URI names (an alias: its version's run, as of the resolution); None for a
+    folder or a hub id, read as given."""
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig) -> Teacher | None:
+        """The config's teacher resolved (`tracking.model_source`); None where it names none. Raises
+        `TrackingError` for a name the tracking server lacks."""
+        if not cfg.ppo.teacher:
+            return None
+        return cls(cfg.ppo.teacher.model, tracking.model_source(cfg.ppo.teacher.model))
+
+    def key(self, world: str | None) -> str:
+        """What a cache key holds of it: the run folder resolved, or the folder's content."""
+        if self.source is not None:
+            return f"runs:/{self.source.run_id}/{self.source.path}"
+        return Fingerprint.of(resolve_location(self.given, world)).key()
+
+    def describe(self) -> str:
+        """As a stage run's tag names it: as given, and what it resolved to."""
+        return self.given if self.source is None else self.source.describe(self.given)
 
 
-def stage_keys(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str]) -> tuple[str, str]:
+def resolved_teacher(cfg: PipelineConfig, teacher: Teacher | None, reader: str) -> Teacher:
+    """`teacher` where it is the one `cfg` names, as the pipeline run resolved it (`Teacher.of`); else a
+    ValueError naming `reader` (the cache key, the memory plan), which never resolves it on its own."""
+    if teacher is None or teacher.given != cfg.ppo.teacher.model:
+        raise ValueError(f"ppo.teacher.model {cfg.ppo.teacher.model}: {reader} takes the teacher as the pipeline "
+                         f"run resolved it (Teacher.of(cfg)); got {teacher.given if teacher else 'none'}")
+    return teacher
+
+
+def cache_key(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str],
+              teacher: Teacher | None = None) -> str:
+    """What a stage's result depends on: its resolved config, the content of every input it reads
+    (PPO's teacher as `teacher` resolved it), the code version, the upstream runs it starts from, the
+    pipeline's determinism settings, and the stack it computes with (`rlhf.stack`: the compute packages'
+    versions, whether the environment is its lock)."""
+    return stage_keys(stage, cfg, world, upstream, teacher)[0]
+
+
+def stage_keys(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str],
+               teacher: Teacher | None = None) -> tuple[str, str]:
     """(`cache_key`, work key): the work key is the cache key without the stack, the same work under
     any stack. A finished run with this work key but another cache key is one a stack change made
     stale (`stack_changes` says what moved). The inputs are read and digested once for both."""
-    work = _work(stage, cfg, world, upstream)
+    work = _work(stage, cfg, world, upstream, teacher)
     with_stack = work | {"stack": stack.current().key(stage_vllm(stage, cfg))}
     return _digest(with_stack), _digest(work)
 
@@ -99,7 +142,8 @@ def _digest(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def _work(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str]) -> dict:
+def _work(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str, str],
+          teacher: Teacher | None) -> dict:
     section = getattr(cfg, stage)
     inputs = {}
     for name, value in section:
@@ -111,10 +155,8 @@ def _work(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str
              "upstream": upstream, "determinism": [cfg.deterministic, cfg.num_threads]}
     if stage == "ppo" and cfg.ppo.reward.functions:  # a reward function's source, wherever it lives
         parts["reward_functions"] = source_digests(cfg.ppo.reward)
-    if stage == "ppo" and cfg.ppo.teacher:  # the run (an alias resolved to its version's) or the folder's content
-        source, given = tracking.model_source(cfg.ppo.teacher.model), cfg.ppo.teacher.model
-        parts["teacher"] = f"runs:/{source.run_id}/{source.path}" if source else Fingerprint.of(
-            resolve_location(given, world)).key()
+    if stage == "ppo" and cfg.ppo.teacher:  # the run the pipeline run resolved it to, or the folder's content
+        parts["teacher"] = resolved_teacher(cfg, teacher, "the cache key").key(world)
     return parts
 
 
