@@ -146,7 +146,7 @@ def input_problems(cfg: PipelineConfig, stages: list[str], world: str | None) ->
                 reports.append(f"{stage} stage: {e}")
     if "ppo" in stages:
         try:  # imported and their signatures checked now, not after the stages before PPO have run
-            load_reward_functions(cfg.ppo.reward)
+            load_reward_functions(cfg.ppo)
         except RewardFunctionError as e:
             reports.append(f"ppo stage: {e}")
         for client in remote_rewards(cfg.ppo.reward.remotes):  # a server down now is refused before anything trains

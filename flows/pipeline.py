@@ -159,7 +159,7 @@ def run_ppo(ctx: StageContext) -> StageRecord | State:
                            if "reward" in ctx.upstream else None)
         teacher = fetched_teacher(ctx.teacher, ctx.world, run.scratch / "teacher") if ctx.teacher else None
         if section.reward.functions:  # which functions, and which source of each, made this run's reward
-            digests = source_digests(section.reward)
+            digests = source_digests(section)
             mlflow.set_tag(tracking.TAG_REWARD_FUNCTIONS, ", ".join(
                 f"{t.name}={t.function} (weight {t.weight:g}, source {digests[t.name][:12]})"
                 for t in section.reward.functions))

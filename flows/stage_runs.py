@@ -376,7 +376,7 @@ def register(ctx: StageContext, method: StageName, run_id: str, checkpoint: Path
             name: getattr(section, name) for name in ("missing_eos_score", "precision", "frozen_dtype")}
     if figure == "eval/win_rate_reward":  # judged by the reward functions: their weights and their source
         judged_on |= {"reward_terms": [t.model_dump() for t in section.reward.terms],
-                      "reward_functions": source_digests(section.reward)}
+                      "reward_functions": source_digests(section)}
     evaluation_key = hashlib.sha256(json.dumps(judged_on, sort_keys=True).encode()).hexdigest()
     tags = {"rlhf.method": method_name(ctx.config, method), tracking.TAG_PIPELINE: ctx.parent_run_id,
             tracking.TAG_CONFIG_HASH: config_hash(section),

@@ -135,6 +135,7 @@ class EnvironmentConfig(_Frozen):
     MERGED: ClassVar[dict[str, str]] = {
         "turn_tokens": "sampling.response_length is each turn's budget in an episode (environment.episode_tokens "
                        "the whole episode's)",
+        "paths": "ppo.paths: the folders in front of the import path for every module:function the stage names",
     }
     TOOL_PARSERS: ClassVar = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony", "deepseek", "glm",
                               "pythonic")
@@ -146,8 +147,6 @@ class EnvironmentConfig(_Frozen):
     """`module:function` `(row, engine, tokenizer) -> Episode`: a whole episode by hand, for what the loop cannot do."""
     server: EnvironmentServerConfig | None = None
     """An environment served over HTTP (`rlhf serve-env`, verifiers, OpenEnv); its rewards are turn rewards."""
-    paths: list[str] = []
-    """Folders put in front of the import path to find those functions (absolute, or relative to the run's folder)."""
     max_turns: PositiveInt = 4
     """Assistant turns an episode may take; one that wants more ends `truncated`."""
     episode_tokens: PositiveInt = 96
@@ -191,6 +190,8 @@ class PPOConfig(TrainedStage, SampledStage):
     RLOO, REINFORCE++)."""
 
     # --- algorithm ---
+    paths: list[str] = []
+    """Folders put in front of the import path for the stage's `module:function`s (reward terms, environments)."""
     prompts: DataSource = DataSource(path="demo:prompts")
     """Prompts for rollouts, cycled in a seeded shuffled order."""
     reward: RewardTermsConfig = RewardTermsConfig()

@@ -44,10 +44,11 @@ class OverlongConfig(_Frozen):
 class RewardTermsConfig(_Frozen):
     """What the RL stage's score is: the weighted sum of its terms."""
 
+    MERGED: ClassVar[dict[str, str]] = {
+        "paths": "ppo.paths: the folders in front of the import path for every module:function the stage names",
+    }
     terms: list[RewardTerm] = [RewardTerm(name="reward_model")]
     """The terms; at most one is the reward model (no `function` or `remote`); empty: the teacher's term alone."""
-    paths: list[str] = []
-    """Folders put in front of the import path to find `function` terms (absolute, or relative to the run's folder)."""
     columns: list[str] = []
     """Extra columns of the `prompts` records (e.g. `answer`) that every record must have and the functions receive."""
     sees_reasoning: bool = False

@@ -220,12 +220,13 @@ class OursServed:
 
     def __init__(self, tools: str | None, factory: str | None, paths: list[str], settings: dict):
         from rlhf.config_ppo import EnvironmentConfig
+        from stages.common.user_code import on_import_path
         from stages.envs.environment import environment_factory
         from stages.envs.loop import checked_step  # imported now, not in the first request's time
         from stages.envs.parsers import AssistantTurn, ToolCall
 
-        config = EnvironmentConfig(tools=tools, factory=factory, paths=paths, **settings)
-        self.make, _ = environment_factory(config)
+        on_import_path(paths)
+        self.make, _ = environment_factory(EnvironmentConfig(tools=tools, factory=factory, **settings))
         self.name = tools or factory or ""
         self.checked_step, self.turn, self.call = checked_step, AssistantTurn, ToolCall
 

@@ -56,6 +56,7 @@ from transformers import get_scheduler
 from rlhf.config_ppo import PPOConfig
 from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting, timed
+from stages.common.user_code import on_import_path
 from stages.engines.vllm_server import sampler_for
 from stages.envs.ahead import SampledAhead, Schedule
 from stages.envs.episode import EpisodeSource
@@ -138,11 +139,12 @@ def build_rollouts(learner: Learner, inputs: PPOInputs, output_dir: Path) -> Rol
     episode source (one turn per prompt, the `environment`'s loop, or single turns sampled ahead on the
     vLLM server with `rollout.max_staleness`), the prompts' order, and the reward's terms."""
     cfg, models = learner.cfg, learner.models
+    on_import_path(cfg.paths)  # the stage's `module:function`s: reward terms, environments, tool parsers
     sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log", cfg.launch.engine == "ray")
     source: EpisodeSource = episode_source(cfg.environment, models.tokenizer, inputs.sft_location, models.stop_ids,
                                            cfg.sampling.response_length, cfg.reward.sees_reasoning)
     scoring = Scoring(cfg=cfg, accelerator=learner.accelerator, models=models,
-                      functions=load_reward_functions(cfg.reward), remotes=remote_rewards(cfg.reward.remotes),
+                      functions=load_reward_functions(cfg), remotes=remote_rewards(cfg.reward.remotes),
                       prompts_as_sampled=source.prompt_is_row)
     rollouts = Rollouts(cfg=cfg, accelerator=learner.accelerator, models=models, sampler=sampler, source=source,
                         scoring=scoring, prompts=Prompts.of(inputs.prompts, cfg))

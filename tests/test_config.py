@@ -88,8 +88,8 @@ def test_docs_config_reference_matches_the_code(tmp_path):
     assert (tmp_path / "config.md").read_text() == expected
 
 
-PPO_SETTINGS = 141
-"""The ppo section's settings (`rlhf.config_guide.leaves`): 149 on 2026-11-28, 141 after the merges of
+PPO_SETTINGS = 140
+"""The ppo section's settings (`rlhf.config_guide.leaves`): 149 on 2026-11-28, 140 after the merges of
 docs/config.md's "Merged settings". A smoke detector: a new capability merges what says the same first."""
 
 

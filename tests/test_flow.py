@@ -712,7 +712,8 @@ def test_sft_then_ppo_on_reward_functions_alone_needs_no_reward_stage_and_bad_fu
         "    return names_the_subject(prompts, responses)\n")
     own = {"experiment": "rlhf-functions", "ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 4,
            "registry.model_name": "functions-policy",
-           "ppo.reward": {"terms": [{"name": "subject", "function": "flow_rules:on_subject"}], "paths": [str(rules)]}}
+           "ppo.reward": {"terms": [{"name": "subject", "function": "flow_rules:on_subject"}]},
+           "ppo.paths": [str(rules)]}
     experiment = lambda: MlflowClient().get_experiment_by_name("rlhf-functions")  # noqa: E731
 
     missing = own | {"ppo.reward": own["ppo.reward"] | {"terms": [{"name": "subject", "function": "flow_rules:gone"}]}}

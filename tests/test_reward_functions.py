@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rlhf.config import load_config, with_overrides
-from rlhf.config_reward_terms import RewardTermsConfig
+from rlhf.config_ppo import PPOConfig
 from stages.rewards.functions import RewardFunctionError, load_reward_functions, reward_values, source_digests
 from tests.helpers import ppo_inputs, run_ppo
 
@@ -36,9 +36,10 @@ def _module(folder: Path, name: str, body: str) -> Path:
     return path
 
 
-def _terms(folder: Path, function: str, **extra) -> RewardTermsConfig:
-    return RewardTermsConfig(terms=[{"name": "reward_model"}, {"name": "rule", "function": function, "weight": 0.5}],
-                             paths=[str(folder)], **extra)
+def _terms(folder: Path, function: str, **extra) -> PPOConfig:
+    """A ppo section whose reward is the reward model and `function`, found in `folder` (`ppo.paths`)."""
+    terms = {"terms": [{"name": "reward_model"}, {"name": "rule", "function": function, "weight": 0.5}], **extra}
+    return PPOConfig(reward=terms, paths=[str(folder)])
 
 
 def test_functions_are_imported_from_the_named_folder_and_called_with_the_declared_columns(tmp_path):
@@ -99,11 +100,12 @@ def test_the_cache_key_of_ppo_follows_the_function_source_and_no_other_stage_doe
     from flows.records.lineage import cache_key
 
     source = _module(tmp_path, "rules_cache", "def f(prompts, responses):\n    return [0.0] * len(responses)\n")
-    cfg = load_config("configs/tiny.yaml", {"ppo.reward": _terms(tmp_path, "rules_cache:f").model_dump()})
+    section = _terms(tmp_path, "rules_cache:f")
+    cfg = load_config("configs/tiny.yaml", {"ppo.reward": section.reward.model_dump(), "ppo.paths": section.paths})
     before = {stage: cache_key(stage, cfg, str(world), {}) for stage in ("sft", "ppo")}
-    digest = source_digests(cfg.ppo.reward)
+    digest = source_digests(cfg.ppo)
     source.write_text("def f(prompts, responses):\n    return [1.0] * len(responses)\n")
-    assert source_digests(cfg.ppo.reward) != digest
+    assert source_digests(cfg.ppo) != digest
     after = {stage: cache_key(stage, cfg, str(world), {}) for stage in ("sft", "ppo")}
     assert after["sft"] == before["sft"] and after["ppo"] != before["ppo"]
 
@@ -122,9 +124,9 @@ def test_declared_prompt_columns_are_required_and_kept(world, tokenizer, tmp_pat
 
 
 def _ppo(tiny_config, folder: Path, function: str, **changes):
-    terms = {"terms": [{"name": "reward_model"}, {"name": "rule", "function": function, "weight": 0.5}],
-             "paths": [str(folder)]}
-    return with_overrides(tiny_config.ppo, {"reward": terms, "num_iterations": 2, "evaluation.every": None} | changes)
+    terms = {"terms": [{"name": "reward_model"}, {"name": "rule", "function": function, "weight": 0.5}]}
+    return with_overrides(tiny_config.ppo, {"reward": terms, "paths": [str(folder)], "num_iterations": 2,
+                                            "evaluation.every": None} | changes)
 
 
 def test_ppo_scores_with_the_weighted_sum_and_logs_each_term(tiny_config, trained, tmp_path):
@@ -174,7 +176,8 @@ def test_a_raising_function_stops_ppo_naming_the_prompt_and_the_rerun_resumes(ti
 def test_the_pre_flight_check_refuses_a_function_that_cannot_be_imported(world, tmp_path):
     from flows.inputs import input_problems
 
-    cfg = load_config("configs/tiny.yaml", {"ppo.reward": _terms(tmp_path, "rules_nowhere:f").model_dump()})
+    section = _terms(tmp_path, "rules_nowhere:f")
+    cfg = load_config("configs/tiny.yaml", {"ppo.reward": section.reward.model_dump(), "ppo.paths": section.paths})
     problems = input_problems(cfg, ["ppo"], str(world))
     assert any(p.startswith("ppo stage: reward term 'rule' (rules_nowhere:f): cannot import") for p in problems)
 

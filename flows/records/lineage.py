@@ -154,7 +154,7 @@ def _work(stage: str, cfg: PipelineConfig, world: str | None, upstream: dict[str
     parts = {"stage": stage, "config": config_hash(section), "inputs": inputs, "code": tracking.code_version(),
              "upstream": upstream, "determinism": [cfg.deterministic, cfg.num_threads]}
     if stage == "ppo" and cfg.ppo.reward.functions:  # a reward function's source, wherever it lives
-        parts["reward_functions"] = source_digests(cfg.ppo.reward)
+        parts["reward_functions"] = source_digests(cfg.ppo)
     if stage == "ppo" and cfg.ppo.teacher:  # the run the pipeline run resolved it to, or the folder's content
         parts["teacher"] = resolved_teacher(cfg, teacher, "the cache key").key(world)
     return parts

@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol
 
 from rlhf.config_ppo import EnvironmentConfig
 from stages.common.errors import StageUserError
-from stages.common.user_code import imported_function, on_import_path
+from stages.common.user_code import imported_function
 from stages.envs.parsers import AssistantTurn, ToolCall
 
 
@@ -150,12 +150,12 @@ EnvironmentFactory = Callable[[dict], Environment]
 def environment_factory(settings: EnvironmentConfig) -> tuple[EnvironmentFactory | None, Callable | None]:
     """What the config names: a factory of environments in this process (`tools`, wrapped in
     `ToolEnvironment`, or `factory`), or a whole-episode rollout function (`rollout`), imported from
-    `settings.paths` first. (A `server`'s episodes: `stages.envs.loop.served_episodes`.)"""
-    on_import_path(settings.paths)
+    the import path (`ppo.paths` in front: `stages.ppo.build_rollouts`; a server's `--path`). (A
+    `server`'s episodes: `stages.envs.loop.served_episodes`.)"""
 
     def named(field: str) -> Callable:
         return imported_function(getattr(settings, field), f"environment.{field}", EnvironmentSetupError,
-                                 "environment.paths")
+                                 "ppo.paths")
 
     if settings.rollout is not None:
         return None, named("rollout")

@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf.config_reward_terms import RewardTerm, RewardTermsConfig
+from rlhf.config_ppo import PPOConfig
+from rlhf.config_reward_terms import RewardTerm
 from stages.common.errors import StageUserError
 from stages.common.user_code import imported_function, on_import_path
 
@@ -49,16 +50,17 @@ class RewardFunction:
         return f"reward term {self.term.name!r} ({self.term.function})"
 
 
-def load_reward_functions(cfg: RewardTermsConfig) -> list[RewardFunction]:
-    """Every function term of `cfg`, imported (from the project, or `cfg.paths` first) and checked
-    to take `(prompts, responses, **columns)`."""
-    on_import_path(cfg.paths)
-    return [_load(term, tuple(cfg.columns)) for term in cfg.functions]
+def load_reward_functions(section: PPOConfig) -> list[RewardFunction]:
+    """Every function term of `section.reward`, imported (from the project, or `section.paths` first) and
+    checked to take `(prompts, responses, **columns)`."""
+    on_import_path(section.paths)
+    terms = section.reward
+    return [_load(term, tuple(terms.columns)) for term in terms.functions]
 
 
 def _load(term: RewardTerm, columns: tuple[str, ...]) -> RewardFunction:
     described = f"reward term {term.name!r} ({term.function})"
-    call = imported_function(term.function, described, RewardFunctionError, "reward.paths")
+    call = imported_function(term.function, described, RewardFunctionError, "ppo.paths")
     try:
         inspect.signature(call).bind([], [], **{column: [] for column in columns})
     except TypeError as e:
@@ -70,11 +72,11 @@ def _load(term: RewardTerm, columns: tuple[str, ...]) -> RewardFunction:
     return RewardFunction(term, call, columns)
 
 
-def source_digests(cfg: RewardTermsConfig) -> dict[str, str]:
+def source_digests(section: PPOConfig) -> dict[str, str]:
     """Each function term's name -> digest of the source file that defines it: part of the RL
     stage's cache key, so editing a reward function reruns the stage and nothing before it."""
     digests = {}
-    for function in load_reward_functions(cfg):
+    for function in load_reward_functions(section):
         try:
             source = inspect.getsourcefile(function.call)
         except TypeError:
