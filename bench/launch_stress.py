@@ -75,7 +75,7 @@ def _outcome(call: Callable[[list[str]], object], folder: Path) -> str:
 
 def jobs(root: Path) -> dict[str, Job]:
     from rlhf.config import with_overrides
-    from rlhf.config_common import LaunchConfig
+    from rlhf.sections.base import LaunchConfig
     from stages.common.reporting import Reporting
     from stages.dpo import DPOInputs, train_dpo
     from stages.launch.call import call_stage

@@ -42,7 +42,7 @@ def _cluster(home: Path, port: int) -> tuple[dict, float]:
 def main() -> None:
     from bench.launch_stress import _upstream
     from rlhf.config import with_overrides
-    from rlhf.config_common import LaunchConfig
+    from rlhf.sections.base import LaunchConfig
     from stages.common.reporting import Reporting
     from stages.dpo import DPOInputs, train_dpo
     from stages.launch.call import call_stage

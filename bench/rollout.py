@@ -48,7 +48,7 @@ def sampling_rows(model: str, name: str, prompts: list[str], new_tokens: int, re
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlhf.config_common import VLLMConfig
+    from rlhf.sections.base import VLLMConfig
     from stages.common.tensors import response_mask
     from stages.engines.sampler import HFSampler, Sampling
     from stages.engines.vllm_server import VLLMSampler

@@ -17,8 +17,8 @@ from typing import Annotated, Any, ClassVar, Optional, get_args
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from rlhf.config import DPOConfig, RewardConfig, SFTConfig
-from rlhf.config_common import DataSource
-from rlhf.config_ppo import PPOConfig
+from rlhf.sections.base import DataSource
+from rlhf.sections.ppo import PPOConfig
 
 
 class StageForm(BaseModel):

@@ -17,8 +17,8 @@ import mlflow
 from flows.records.lineage import Fingerprint, Teacher, resolved_teacher
 from rlhf import tracking
 from rlhf.config import PipelineConfig
-from rlhf.config_common import DataSource, TrainingConfig
 from rlhf.demo.locations import DEMO_SCHEME, resolve_location
+from rlhf.sections.base import DataSource, TrainingConfig
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.common.errors import ChatTemplateError

@@ -58,9 +58,9 @@ from flows.stage_runs import (
 )
 from rlhf import tracking
 from rlhf.config import ConfigError, PipelineConfig, load_config
-from rlhf.config_common import StageName
 from rlhf.demo.locations import DemoWorldConfig, resolve_location
 from rlhf.demo.world import build_world
+from rlhf.sections.base import StageName
 from stages.memory.plan import Plan
 from stages.runtime.models import load_tokenizer, set_determinism
 

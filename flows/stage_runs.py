@@ -36,7 +36,7 @@ from flows.records.reports import (
 )
 from rlhf import stack, tracking
 from rlhf.config import PipelineConfig, config_hash, flatten, param_value
-from rlhf.config_common import StageName
+from rlhf.sections.base import StageName
 from schemas.errors import DataContractError
 from schemas.validate import ValidatedData
 from stages.common.errors import RewardGateError, StageUserError

@@ -22,7 +22,8 @@ from pydantic import (
     model_validator,
 )
 
-from rlhf.config_common import (
+from rlhf.demo.locations import DEMO_SCHEME, DemoWorldConfig
+from rlhf.sections.base import (
     REPO_ROOT,
     VLLM_CPU_HEAD_SIZES,
     DataSource,
@@ -32,8 +33,7 @@ from rlhf.config_common import (
     TrainingConfig,
     _Frozen,
 )
-from rlhf.config_ppo import PPOConfig
-from rlhf.demo.locations import DEMO_SCHEME, DemoWorldConfig
+from rlhf.sections.ppo import PPOConfig
 
 
 class SFTConfig(TrainingConfig):

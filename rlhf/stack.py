@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 import rlhf.numerics as numerics
-from rlhf.config_common import REPO_ROOT
+from rlhf.sections.base import REPO_ROOT
 
 LOCK = REPO_ROOT / "locks" / "project.txt"
 """The project environment's lock (`make lock` writes it, `make install` installs exactly it)."""

@@ -28,7 +28,7 @@ import requests
 from mlflow.entities import Param, RunStatus
 from mlflow.tracking import MlflowClient
 
-from rlhf.config_common import REPO_ROOT
+from rlhf.sections.base import REPO_ROOT
 
 TAG_STAGE = "rlhf.stage"
 TAG_PIPELINE = "rlhf.pipeline_run_id"

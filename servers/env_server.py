@@ -219,7 +219,7 @@ class OursServed:
     serves = "ours"
 
     def __init__(self, tools: str | None, factory: str | None, paths: list[str], settings: dict):
-        from rlhf.config_ppo import EnvironmentConfig
+        from rlhf.sections.environment import EnvironmentConfig
         from stages.common.user_code import on_import_path
         from stages.envs.environment import environment_factory
         from stages.envs.loop import checked_step  # imported now, not in the first request's time

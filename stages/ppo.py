@@ -53,7 +53,7 @@ import torch
 from accelerate import Accelerator
 from transformers import get_scheduler
 
-from rlhf.config_ppo import PPOConfig
+from rlhf.sections.ppo import PPOConfig
 from stages.common.errors import StageUserError
 from stages.common.reporting import Reporting, timed
 from stages.common.user_code import on_import_path

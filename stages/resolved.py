@@ -9,7 +9,7 @@ keeps `auto`):
     critic.freeze_policy_iterations  a tenth of the run for a value head that starts untrained (ppo)
 
 Resolved as the config is read, so the run's params hold them already: PPO's `samples_per_prompt`,
-`critic` and `kl.init_coef` (`rlhf.config_ppo`). Two are decided by the loaded models themselves and
+`critic` and `kl.init_coef` (`rlhf.sections.ppo`). Two are decided by the loaded models themselves and
 are reported the same way as they load (`stages.ppo.build_learner`): whether every model takes packed
 passes (`padding_free: auto` stays the per-pass choice among those that do) and whether compiling pays
 (`compile`)."""
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf.config import with_overrides
-from rlhf.config_common import StageName
+from rlhf.sections.base import StageName
 from stages.common.reporting import Reporting
 from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches

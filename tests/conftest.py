@@ -158,7 +158,7 @@ def ray_cluster(tmp_path_factory):
     """A two-node Ray cluster on this machine (`scripts/ray_cluster.sh`: two raylets of one CPU each) on
     a free port, its address; its token in this process's environment (the Ray drivers the tests
     start inherit it) while the module's tests run; stopped after them."""
-    from rlhf.config_common import REPO_ROOT
+    from rlhf.sections.base import REPO_ROOT
     from tests.helpers import RayCluster, free_port
 
     home = tmp_path_factory.mktemp("ray-home")

@@ -252,7 +252,7 @@ class RayCluster(str):
         """`scripts/ray_cluster.sh up`: a lost worker node joins again."""
         import subprocess
 
-        from rlhf.config_common import REPO_ROOT
+        from rlhf.sections.base import REPO_ROOT
 
         up = subprocess.run([str(REPO_ROOT / "scripts" / "ray_cluster.sh"), "up"], env=self.env, capture_output=True,
                             text=True, timeout=300)
@@ -261,7 +261,7 @@ class RayCluster(str):
 
 def ray_launch(address: str, **settings):
     """A two-process Ray launch, FSDP2, on the cluster at `address`."""
-    from rlhf.config_common import LaunchConfig
+    from rlhf.sections.base import LaunchConfig
 
     return LaunchConfig(engine="ray", num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml",
                         ray_address=address, **settings)
@@ -408,7 +408,7 @@ def ppo_gradient_setup(tiny_config, trained, critic="reward", lora=False, **over
     """A rollout of 8 of the tiny trained models' prompts, its GAE advantages (whitened) and returns, and the
     policy (and critic adapters) moved a step away from it: what the gradient tests accumulate."""
     from rlhf.config import with_overrides
-    from rlhf.config_common import LoRAConfig
+    from rlhf.sections.base import LoRAConfig
     from stages.common.tensors import masked_whiten
     from stages.math.ppo_math import gae, kl_estimate, token_rewards
     from stages.rl.ppo_models import load_models
@@ -574,8 +574,8 @@ class ServedFaults:
     steps = 0
 
     def __init__(self, row: dict):
-        from rlhf.config_ppo import EnvironmentConfig
         from rlhf.demo.tools import tools
+        from rlhf.sections.environment import EnvironmentConfig
         from stages.envs.environment import ToolEnvironment
 
         self.fault = row.get("fault")

@@ -13,7 +13,7 @@ OURS = ("schemas", "rlhf", "stages", "servers", "flows", "bench", "tests")
 LAYERED = ("schemas", "rlhf", "stages", "servers", "flows")
 """The product's folders: every module in them is in the import graph the tests below check."""
 
-CONFIG = ("rlhf.config", "rlhf.config_common", "rlhf.config_reward_terms", "rlhf.config_ppo", "schemas")
+CONFIG = ("rlhf.config", "rlhf.sections", "schemas")
 """What every layer of `stages/` may import: the config, and the data contracts (which import neither)."""
 LAYERS = {
     # folder or module: the project modules (prefixes) it may import. Each row imports only rows above it
@@ -25,13 +25,14 @@ LAYERS = {
     "rlhf/plots.py": (),
     "rlhf/demo/rewards.py": (),
     "rlhf/demo/tools.py": (),
-    "rlhf/config_common.py": ("rlhf.demo.locations",),
-    "rlhf/config_reward_terms.py": ("rlhf.config_common",),
-    "rlhf/config_ppo.py": ("rlhf.config_common", "rlhf.config_reward_terms"),
-    "rlhf/config.py": ("rlhf.config_common", "rlhf.config_ppo", "rlhf.demo.locations"),
+    "rlhf/sections/base.py": ("rlhf.demo.locations",),
+    "rlhf/sections/reward_terms.py": ("rlhf.sections.base",),
+    "rlhf/sections/environment.py": ("rlhf.sections.base",),
+    "rlhf/sections/ppo.py": ("rlhf.sections.base", "rlhf.sections.reward_terms", "rlhf.sections.environment"),
+    "rlhf/config.py": ("rlhf.sections.base", "rlhf.sections.ppo", "rlhf.demo.locations"),
     "rlhf/config_guide.py": ("rlhf.config",),
     "rlhf/demo/world.py": ("rlhf.demo.locations", "rlhf.demo.tools", "rlhf.evaluation"),
-    "rlhf/stack.py": ("rlhf.config_common", "rlhf.numerics"),
+    "rlhf/stack.py": ("rlhf.sections.base", "rlhf.numerics"),
     "rlhf/tracking.py": CONFIG,
     "stages/common": ("stages.common",) + CONFIG,
     "stages/math": ("stages.common",),

@@ -17,7 +17,7 @@ from importlib.resources import files
 import pytest
 import torch
 
-from rlhf.config_ppo import EnvironmentConfig
+from rlhf.sections.environment import EnvironmentConfig
 from stages.common.errors import StageUserError
 from stages.engines.sampler import Generation
 from stages.envs.loop import episode_runner

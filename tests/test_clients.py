@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from rlhf.config_common import ServerClientConfig
+from rlhf.sections.base import ServerClientConfig
 from stages.common import clients
 from stages.common.clients import RequestFailed, TryFailed, http_failures, retried, retried_async
 

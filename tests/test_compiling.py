@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf.config_ppo import PPOConfig
+from rlhf.sections.ppo import PPOConfig
 from stages.common.batches import Sequences
 from stages.common.tensors import logprobs_of, response_mask
 from stages.rl.ppo_models import compiler_for

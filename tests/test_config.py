@@ -11,7 +11,7 @@ import pytest
 
 from flows.cli import main as cli
 from rlhf.config import ConfigError, config_hash, flatten, load_config, with_overrides
-from rlhf.config_ppo import PPOConfig
+from rlhf.sections.ppo import PPOConfig
 
 
 def test_demo_config_loads_and_overrides_apply():
@@ -98,7 +98,7 @@ def test_the_ppo_section_does_not_grow_its_settings_back():
 
     found = leaves(PPOConfig)
     assert found <= PPO_SETTINGS, (f"the ppo section holds {found} settings, over {PPO_SETTINGS}: merge what two "
-                                   "fields say twice (rlhf.config_common._Frozen.MERGED says where it went)")
+                                   "fields say twice (rlhf.sections.base._Frozen.MERGED says where it went)")
 
 
 def test_config_show_puts_the_settings_most_people_change_first_on_top(capsys):

@@ -19,7 +19,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import with_overrides
-from rlhf.config_common import LaunchConfig
+from rlhf.sections.base import LaunchConfig
 from stages.common.reporting import Reporting
 from stages.launch.call import call_stage
 from stages.ppo import train_ppo

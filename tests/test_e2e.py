@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config_common import VLLMConfig, vllm_python
+from rlhf.sections.base import VLLMConfig, vllm_python
 from tests.helpers import BAD, BAD_CASES, vllm_servers
 from tests.stack import deployment_run, mlflow_client, running_stack, submit_and_wait
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlhf.config_ppo import EnvironmentServerConfig
+from rlhf.sections.environment import EnvironmentServerConfig
 from stages.envs.environment import Step
 from stages.envs.openenv_client import OpenEnvEpisode
 from stages.envs.parsers import AssistantTurn, ToolCall

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from rlhf.config import with_overrides
-from rlhf.config_ppo import EnvironmentConfig, EnvironmentServerConfig
+from rlhf.sections.environment import EnvironmentConfig, EnvironmentServerConfig
 from servers.env_server import EpisodeServer, OursServed
 from stages.envs.loop import episode_runner
 from stages.envs.parsers import AssistantTurn, ToolCall
@@ -231,7 +231,7 @@ def test_the_tool_world_written_for_verifiers_is_the_in_process_world_and_trains
 def test_an_environments_own_prompts_are_the_stages_validated_by_our_contract(tools_trained, tmp_path):
     """`prompts: {path: "env:"}`: the verifiers environment's tasks, fetched into a file and validated
     as any prompt file (its `liked` column kept); unset without a server, it is refused."""
-    from rlhf.config_common import DataSource
+    from rlhf.sections.base import DataSource
     from schemas.validate import load_validated
     from stages.envs.served import env_source
     from stages.runtime.models import load_tokenizer

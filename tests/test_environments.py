@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlhf.config import with_overrides
-from rlhf.config_ppo import EnvironmentConfig
+from rlhf.sections.environment import EnvironmentConfig
 from stages.common.errors import StageUserError
 from stages.engines.sampler import Sampling
 from stages.envs.environment import ToolEnvironment

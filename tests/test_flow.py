@@ -543,7 +543,7 @@ def test_every_stage_on_two_processes_logs_to_its_run_like_one_process(finished)
 
 def test_validation_is_reused_for_the_same_content_and_tokenizer_only(tmp_path, world, tokenizer, monkeypatch):
     from flows import inputs
-    from rlhf.config_common import DataSource
+    from rlhf.sections.base import DataSource
     from schemas.validate import LengthBudget
     from stages.runtime.models import load_tokenizer
 
@@ -867,8 +867,8 @@ def test_rlhf_full_with_llm_judges_on_vllms_cpu_server_scores_training_and_evalu
 
     from flows.pipeline import rlhf
     from rlhf.config import load_config
-    from rlhf.config_common import VLLMConfig, vllm_python
     from rlhf.demo.world import build_world
+    from rlhf.sections.base import VLLMConfig, vllm_python
     from tests.helpers import free_port, wait_until_healthy
 
     python = vllm_python(VLLMConfig())

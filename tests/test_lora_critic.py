@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import with_overrides
-from rlhf.config_common import LoRAConfig
+from rlhf.sections.base import LoRAConfig
 from stages.common.batches import Sequences
 from stages.common.reporting import Reporting
 from stages.memory.shapes import model_shape

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
-from rlhf.config_common import LaunchConfig, LoRAConfig
+from rlhf.sections.base import LaunchConfig, LoRAConfig
 from stages import dpo, reward, sft
 from stages.common.reporting import Reporting
 from stages.launch.call import call_stage

@@ -13,7 +13,7 @@ from bench.memory import state_bytes
 from bench.published import PUBLISHED, PUBLISHED_PARAMETERS, write_config
 from flows.cli import main as cli
 from rlhf.config import PipelineConfig, load_config, with_overrides
-from rlhf.config_common import LoRAConfig, PolicyLoRAConfig
+from rlhf.sections.base import LoRAConfig, PolicyLoRAConfig
 from stages.memory.phases import Counts, Device
 from stages.memory.plan import AUTO_MARGIN, plan, plan_stage, ranks_per_node, resolve_micro_batches, resolved_values
 from stages.memory.shapes import GIB, model_shape, reward_shape

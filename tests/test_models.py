@@ -168,7 +168,7 @@ def test_streamed_hand_off_is_the_merged_model(tmp_path, family, targets, task):
     """`holding.save_streamed` (the sharded stages' hand-off, here on one process): several files and an
     index above the size limit, LoRA adapters merged and a trained score head in place, a plain folder
     `from_pretrained` reads back equal to `merge_and_unload` of the same model."""
-    from rlhf.config_common import LoRAConfig
+    from rlhf.sections.base import LoRAConfig
     from stages.rewards.scoring import load_reward_model
     from stages.runtime.holding import save_streamed
     from stages.runtime.lora import merged, with_lora
@@ -207,7 +207,7 @@ def test_a_tied_output_head_with_adapters_is_handed_off_untied(tmp_path, streame
     no longer the embeddings: both hand-offs (streamed, and `merged` + `save_checkpoint`) write it as
     its own tensor, untied, and leave the embeddings as they were. Written once as the embeddings,
     the head's adapters were lost (logits 5.0 off on a tiny tied Llama)."""
-    from rlhf.config_common import LoRAConfig
+    from rlhf.sections.base import LoRAConfig
     from stages.runtime.holding import save_streamed
     from stages.runtime.lora import merged, with_lora
     from stages.runtime.models import load_causal_lm, load_tokenizer, save_checkpoint
@@ -274,7 +274,7 @@ def test_the_reading_process_of_a_sharded_load_makes_what_one_process_loads(tmp_
     process makes them: the same values, the same random numbers drawn."""
     from peft.tuners.lora import LoraLayer
 
-    from rlhf.config_common import LoRAConfig
+    from rlhf.sections.base import LoRAConfig
     from stages.runtime import lora, models
 
     torch.manual_seed(0)

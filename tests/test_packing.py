@@ -143,7 +143,7 @@ def test_padding_free_and_token_budgets_do_not_change_the_gradient(tiny_config, 
     from accelerate import Accelerator
 
     from rlhf.config import with_overrides
-    from rlhf.config_ppo import PPOConfig
+    from rlhf.sections.ppo import PPOConfig
     from stages.rl.ppo_models import ActorCritic
     from tests.helpers import ppo_gradient_setup, ppo_gradients
 

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import with_overrides
-from rlhf.config_common import LoRAConfig
-from rlhf.config_ppo import PPOConfig
+from rlhf.sections.base import LoRAConfig
+from rlhf.sections.ppo import PPOConfig
 from stages.common.batches import Sequences
 from stages.common.errors import NonFiniteLossError
 from stages.common.reporting import Reporting

@@ -56,7 +56,7 @@ def test_no_loss_aggregation_or_ratio_level_depends_on_the_micro_batch_size(tiny
     from accelerate import Accelerator
 
     from rlhf.config import with_overrides
-    from rlhf.config_ppo import PPOConfig
+    from rlhf.sections.ppo import PPOConfig
     from stages.rl.ppo_models import ActorCritic
     from tests.helpers import ppo_gradient_setup, ppo_gradients
 
@@ -181,7 +181,7 @@ def _worker(folder: Path, engine: str) -> None:
     from accelerate import Accelerator, PartialState
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from rlhf.config_ppo import PPOConfig
+    from rlhf.sections.ppo import PPOConfig
     from stages.common.batches import rows_of
     from stages.rl.ppo_models import ActorCritic, load_models
     from stages.runtime.holding import Replicated, Sharded

@@ -12,7 +12,7 @@ import typing
 import pytest
 import torch
 
-from rlhf.config_ppo import KLConfig, PPOConfig
+from rlhf.sections.ppo import KLConfig, PPOConfig
 from stages.common.batches import concat, rows_of
 from stages.common.tensors import masked_whiten
 from stages.envs.episode import Episode

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from rlhf.config import with_overrides
-from rlhf.config_common import LaunchConfig
+from rlhf.sections.base import LaunchConfig
 from stages.common.reporting import Reporting
 from stages.launch.call import call_stage
 from stages.launch.job import LaunchError

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 
 from rlhf.config import config_hash, with_overrides
-from rlhf.config_reward_terms import RewardTerm, RewardTermsConfig
+from rlhf.sections.reward_terms import RewardTerm, RewardTermsConfig
 from stages.rewards.remote import RemoteReward, RemoteRewardError, remote_values
 from tests.helpers import free_port, run_ppo, serve_process, served_in_thread, stop_process
 

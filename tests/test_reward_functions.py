@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rlhf.config import load_config, with_overrides
-from rlhf.config_ppo import PPOConfig
+from rlhf.sections.ppo import PPOConfig
 from stages.rewards.functions import RewardFunctionError, load_reward_functions, reward_values, source_digests
 from tests.helpers import ppo_inputs, run_ppo
 
@@ -186,7 +186,7 @@ def test_the_pre_flight_check_refuses_a_function_that_cannot_be_imported(world, 
 def test_on_two_processes_the_function_runs_on_the_main_process_for_every_response(tiny_config, trained, tmp_path):
     """Every process's responses are scored by one call on the first process; each process trains on
     its own rows' values (the logged figures are the whole batch's)."""
-    from rlhf.config_common import LaunchConfig
+    from rlhf.sections.base import LaunchConfig
     from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
     from stages.ppo import train_ppo
@@ -303,7 +303,7 @@ def test_sharded_ppo_without_a_reward_model_trains_its_policy_critic_and_evaluat
         tiny_config, trained, tmp_path):
     """FSDP2 over two processes, GAE with the critic started from the policy: nothing of the sharded
     path needs a reward model."""
-    from rlhf.config_common import LaunchConfig
+    from rlhf.sections.base import LaunchConfig
     from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
     from stages.ppo import train_ppo

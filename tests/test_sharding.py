@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.config import with_overrides
-from rlhf.config_common import LaunchConfig
+from rlhf.sections.base import LaunchConfig
 from stages.common.reporting import MEASURED, Reporting
 from stages.dpo import DPOInputs, train_dpo
 from stages.launch.call import call_stage

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import load_config, with_overrides
-from rlhf.config_common import REPO_ROOT, VLLMConfig, vllm_python
+from rlhf.sections.base import REPO_ROOT, VLLMConfig, vllm_python
 from tests.helpers import AUTO_RESOLVED, killed_and_resumed, ppo_inputs, processes, ray_launch, run_ppo, vllm_servers
 
 pytestmark = pytest.mark.multiprocess  # a vLLM server is a process of its own

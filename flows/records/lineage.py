@@ -19,8 +19,8 @@ from pydantic import BaseModel
 
 from rlhf import stack, tracking
 from rlhf.config import PipelineConfig, config_hash
-from rlhf.config_common import DataSource, StageName, vllm_python
 from rlhf.demo.locations import resolve_location
+from rlhf.sections.base import DataSource, StageName, vllm_python
 from stages.rewards.functions import source_digests
 from stages.runtime.models import folder_digest
 

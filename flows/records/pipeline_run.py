@@ -21,7 +21,7 @@ from flows.records.lineage import StageRecord, reused_record, stack_changes
 from flows.records.reports import pipeline_note
 from rlhf import stack, tracking
 from rlhf.config import PipelineConfig, config_hash, flatten
-from rlhf.config_common import StageName
+from rlhf.sections.base import StageName
 
 
 @dataclass(frozen=True)

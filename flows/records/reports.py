@@ -20,8 +20,8 @@ from prefect.context import get_run_context
 
 from flows.records.lineage import StageRecord
 from rlhf import tracking
-from rlhf.config_ppo import PPOConfig
 from rlhf.demo.world import gold_accuracy, judge_evaluation, last_user_turns, mean_gold_reward
+from rlhf.sections.ppo import PPOConfig
 from schemas.adapters import last_user_message
 
 STAGE_SECONDS = "time/stage_seconds"

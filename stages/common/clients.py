@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from rlhf.config_common import ServerClientConfig
+from rlhf.sections.base import ServerClientConfig
 from stages.common.hosts import LOOPBACK
 
 T = TypeVar("T")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlhf.config_common import VLLMConfig, vllm_python
+from rlhf.sections.base import VLLMConfig, vllm_python
 from stages.common.errors import StageUserError
 from stages.common.processes import die_with_parent
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from rlhf.config_common import VLLMConfig, vllm_python
+from rlhf.sections.base import VLLMConfig, vllm_python
 from stages.engines.vllm_process import LocalServed, VLLMServerError
 
 ACTOR_CONCURRENCY = 16

@@ -43,7 +43,7 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.config_common import VLLM_CPU_HEAD_SIZES, SampledStage, VLLMConfig
+from rlhf.sections.base import VLLM_CPU_HEAD_SIZES, SampledStage, VLLMConfig
 from stages.common.errors import StageUserError
 from stages.common.tensors import truncate_after_eos
 from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling

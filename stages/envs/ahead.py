@@ -45,7 +45,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from rlhf.config_common import SamplingConfig
+from rlhf.sections.base import SamplingConfig
 from stages.common.reporting import timed
 from stages.engines.sampler import Generation, Sampling
 from stages.engines.vllm_server import VLLMSampler

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
-from rlhf.config_ppo import EnvironmentConfig
+from rlhf.sections.environment import EnvironmentConfig
 from stages.common.errors import StageUserError
 from stages.common.user_code import imported_function
 from stages.envs.parsers import AssistantTurn, ToolCall

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlhf.config_ppo import EnvironmentConfig, EnvironmentServerConfig
+from rlhf.sections.environment import EnvironmentConfig, EnvironmentServerConfig
 from stages.common.errors import StageUserError
 from stages.common.reporting import timed
 from stages.common.tensors import response_mask

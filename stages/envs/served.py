@@ -38,8 +38,8 @@ from typing import Protocol, TypeVar
 
 import httpx
 
-from rlhf.config_common import DataSource
-from rlhf.config_ppo import EnvironmentServerConfig
+from rlhf.sections.base import DataSource
+from rlhf.sections.environment import EnvironmentServerConfig
 from stages.common.clients import RequestFailed, TryFailed, bearer, exposed_token, http_failures, retried
 from stages.common.errors import StageUserError
 from stages.envs.environment import Step

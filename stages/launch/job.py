@@ -266,7 +266,7 @@ def accelerate_environment(launch) -> dict[str, str]:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    from rlhf.config_common import accelerate_config_path
+    from rlhf.sections.base import accelerate_config_path
 
     args = launch_command_parser().parse_args(["--config_file", str(accelerate_config_path(launch.accelerate_config)),
                                                "--num_processes", str(launch.num_processes), "stage"])

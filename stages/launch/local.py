@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlhf.config_common import accelerate_config_path
+from rlhf.sections.base import accelerate_config_path
 from stages.common.reporting import Reporting
 from stages.launch.job import (
     ERROR,

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rlhf.config import DPOConfig, RewardConfig, SFTConfig
-from rlhf.config_common import LaunchConfig, LoRAConfig, StageName, TrainedStage
-from rlhf.config_ppo import PPOConfig
+from rlhf.sections.base import LaunchConfig, LoRAConfig, StageName, TrainedStage
+from rlhf.sections.ppo import PPOConfig
 from stages.memory.shapes import (
     ADAM_BYTES,
     GIB,

@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass, field
 
 from rlhf.config import PipelineConfig
-from rlhf.config_common import LaunchConfig, LoRAConfig, PolicyLoRAConfig, StageName, TrainedStage
+from rlhf.sections.base import LaunchConfig, LoRAConfig, PolicyLoRAConfig, StageName, TrainedStage
 from stages.memory.phases import (
     Counts,
     Device,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 
-from rlhf.config_common import LoRAConfig
+from rlhf.sections.base import LoRAConfig
 
 GIB = 1024 ** 3
 ADAM_BYTES = 8

@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf.config_ppo import PPOConfig
-from rlhf.config_reward_terms import RewardTerm
+from rlhf.sections.ppo import PPOConfig
+from rlhf.sections.reward_terms import RewardTerm
 from stages.common.errors import StageUserError
 from stages.common.user_code import imported_function, on_import_path
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from rlhf.config_common import RemoteRewardConfig
-from rlhf.config_reward_terms import RewardTerm
+from rlhf.sections.base import RemoteRewardConfig
+from rlhf.sections.reward_terms import RewardTerm
 from stages.common.clients import (
     RequestFailed,
     TryFailed,

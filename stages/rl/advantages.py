@@ -10,7 +10,7 @@ import dataclasses
 import torch
 from accelerate import Accelerator
 
-from rlhf.config_ppo import PPOConfig
+from rlhf.sections.ppo import PPOConfig
 from stages.math.ppo_math import (
     EstimatorInputs,
     engine_importance_weights,

@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from rlhf.config_common import EvaluationConfig, SamplingConfig
 from rlhf.evaluation import win_rate
+from rlhf.sections.base import EvaluationConfig, SamplingConfig
 from stages.common.reporting import Reporting
 from stages.engines.sampler import Sampler
 from stages.envs.episode import Episode, EpisodeSource, episode_figures, transcript

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from rlhf.config_common import LoRAConfig
-from rlhf.config_ppo import CriticConfig, PPOConfig
+from rlhf.sections.base import LoRAConfig
+from rlhf.sections.ppo import CriticConfig, PPOConfig
 from stages.common.batches import Sequences
 from stages.math.ppo_math import clipped_value_loss, explained_variance
 from stages.rewards.scoring import RewardScorer, load_reward_model, shares_tokenizer

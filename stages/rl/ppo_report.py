@@ -9,7 +9,7 @@ import time
 
 import pandas as pd
 
-from rlhf.config_ppo import PPOConfig
+from rlhf.sections.ppo import PPOConfig
 from schemas.adapters import last_user_message
 from stages.common.reporting import Reporting
 from stages.common.tensors import masked_mean

@@ -40,8 +40,8 @@ from stages.runtime.forward import forward_response
 if TYPE_CHECKING:
     import pandas as pd
 
-    from rlhf.config_common import SamplingConfig
-    from rlhf.config_ppo import PPOConfig
+    from rlhf.sections.base import SamplingConfig
+    from rlhf.sections.ppo import PPOConfig
 
 
 @dataclass(kw_only=True)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 import torch
 from accelerate import Accelerator
 
-from rlhf.config_ppo import PPOConfig
-from rlhf.config_reward_terms import OVERLONG_TERM
+from rlhf.sections.ppo import PPOConfig
+from rlhf.sections.reward_terms import OVERLONG_TERM
 from stages.common.reporting import timed
 from stages.envs.episode import Episode
 from stages.math.ppo_math import apply_eos_penalty, overlong_penalty, weighted_reward

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from rlhf.config_ppo import PPOConfig
-from rlhf.config_reward_terms import TeacherConfig
+from rlhf.sections.ppo import PPOConfig
+from rlhf.sections.reward_terms import TeacherConfig
 from stages.common.batches import Sequences, response_columns
 from stages.common.errors import StageUserError
 from stages.common.reporting import timed

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
-from rlhf.config_ppo import PPOConfig
+from rlhf.sections.ppo import PPOConfig
 from stages.common.errors import NonFiniteLossError
 from stages.common.tensors import entropy_of, log_probs, masked_mean, picked
 from stages.math.ppo_math import PolicyClip, Totals, aggregate, clipped_policy_loss, kl_estimate, loss_denominator

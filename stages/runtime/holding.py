@@ -40,7 +40,7 @@ import torch
 from accelerate import Accelerator, PartialState
 
 if TYPE_CHECKING:
-    from rlhf.config_common import LaunchConfig
+    from rlhf.sections.base import LaunchConfig
 
 from stages.runtime.collectives import check_weights_agree
 from stages.runtime.lora import merged, untied_head

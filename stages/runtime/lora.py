@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # the modelling half of transformers takes seconds to import
     from peft import LoraConfig
     from transformers import PreTrainedModel
 
-    from rlhf.config_common import LoRAConfig
+    from rlhf.sections.base import LoRAConfig
 
 
 def lora_config(settings: LoRAConfig, task_type: LoRATask, model: torch.nn.Module) -> LoraConfig:

@@ -25,7 +25,7 @@ from stages.common.errors import ChatTemplateError
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from rlhf.config_common import StageSettings
+    from rlhf.sections.base import StageSettings
 
 
 def load_tokenizer(location: str, *, padding_side: str = "left", trust_remote_code: bool = False,

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from rlhf.config_common import LaunchConfig, TrainingConfig
+from rlhf.sections.base import LaunchConfig, TrainingConfig
 from stages.common.reporting import Reporting
 from stages.runtime.holding import Holding, Sharded, held_as, holding_for
 from stages.runtime.lora import restore_adapters

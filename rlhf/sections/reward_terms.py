@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
-from rlhf.config_common import RemoteRewardConfig, _Frozen
+from rlhf.sections.base import RemoteRewardConfig, _Frozen
 
 
 class RewardTerm(_Frozen):

@@ -1,7 +1,7 @@
 """What every stage's config section is built from: data sources, where its processes run (`LaunchConfig`),
 LoRA, the vLLM server, sampling and evaluation settings, and the shared bases of the sections
 (`StageSettings`, `TrainedStage`, `TrainingConfig`, `SampledStage`). `rlhf.config` assembles the
-pipeline's config from these and `rlhf.config_ppo`.
+pipeline's config from these and `rlhf.sections.ppo`.
 
 Every field has a one-line docstring; the configuration reference is generated from them (`rlhf
 config-reference`), and docs/settings.md explains them at length. Unknown keys are errors."""
