@@ -92,12 +92,12 @@ def build_llama(world: Path, folder: Path, shape: dict) -> str:
 def planned(cfg, stage: str, section, checkpoint: str, eval_prompts: int) -> dict:
     """`rlhf plan`'s figures for `section` on this device: its peak (less the runtime allowance, which
     torch's allocator does not see), the phase, and the model-and-optimizer state."""
-    from stages.memory.phases import Counts, this_device
+    from stages.memory.phases import Counts, Target, this_device
     from stages.memory.plan import plan
     from stages.memory.shapes import GIB, RUNTIME_GIB, model_shape
 
     result = plan(cfg.model_copy(update={stage: section}), [stage], {"policy": model_shape(checkpoint)},
-                  this_device(), Counts(eval_prompts, eval_prompts, eval_prompts)).stages[stage]
+                  Target(this_device(), Counts(eval_prompts, eval_prompts, eval_prompts))).stages[stage]
     return {"planned_peak_gib": result.peak / GIB - RUNTIME_GIB, "planned_phase": result.peak_phase,
             "planned_state_gib": result.state_bytes() / GIB}
 

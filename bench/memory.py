@@ -107,7 +107,7 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
     from schemas.validate import LengthBudget, load_validated
     from stages.common.reporting import Reporting
     from stages.launch.call import call_stage
-    from stages.memory.phases import Counts, Device
+    from stages.memory.phases import Counts, Device, Target
     from stages.memory.plan import FSDP_CONFIG, plan
     from stages.memory.shapes import GIB, RUNTIME_GIB, model_shape
     from stages.ppo import PPOInputs, train_ppo
@@ -146,8 +146,8 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
                                              prompts=data("prompts", "prompt"),
                                              eval_prompts=data("prompts_eval", "prompt"))
     eval_prompts = len(data("prompts_eval", "prompt"))
-    planned = plan(cfg, [stage], {"policy": model_shape(checkpoint)}, Device("cpu", psutil.virtual_memory().total),
-                   Counts(eval_prompts, eval_prompts, eval_prompts)).stages[stage]
+    machine = Target(Device("cpu", psutil.virtual_memory().total), Counts(eval_prompts, eval_prompts, eval_prompts))
+    planned = plan(cfg, [stage], {"policy": model_shape(checkpoint)}, machine).stages[stage]
 
     held: dict = {}
     _record_state(held)

@@ -24,7 +24,7 @@ from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.common.errors import ChatTemplateError
 from stages.envs.served import env_source, server_problems
-from stages.memory.phases import Counts, Device, this_device
+from stages.memory.phases import Counts, Device, Target, this_device
 from stages.memory.plan import Plan, model_shapes, plan
 from stages.rewards.functions import RewardFunctionError, load_reward_functions
 from stages.rewards.remote import RemoteRewardError, remote_rewards
@@ -265,7 +265,7 @@ def memory_plan(cfg: PipelineConfig, stages: list[str], world: str | None, devic
                 tracking.download_model(source, Path(scratch) / source.run_id, config_only=True))
 
         shapes = model_shapes(cfg, readable)
-    return plan(cfg, stages, shapes, device or this_device(), data_counts(cfg, world), processes, per_node)
+    return plan(cfg, stages, shapes, Target(device or this_device(), data_counts(cfg, world), processes), per_node)
 
 
 def memory_problems(result: Plan) -> tuple[list[str], list[str]]:

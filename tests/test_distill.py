@@ -139,14 +139,14 @@ def _resolves_and_keys(world, tmp_path):
 
 
 def test_the_memory_plan_holds_the_teacher_and_its_logits(world):
-    from stages.memory.phases import Device
+    from stages.memory.phases import Device, Target
     from stages.memory.plan import plan_stage
     from stages.memory.shapes import model_shape
 
     cfg = load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "distill", "ppo.teacher.model": "demo:model",
                                             "ppo.sampling.micro_batch_size": None, "ppo.micro_batch_size": None})
     policy = model_shape(str(world / "model"))
-    plan = plan_stage(cfg, "ppo", {"policy": policy, "teacher": policy}, Device(kind="cpu", memory=64 * 2**30))
+    plan = plan_stage(cfg, "ppo", {"policy": policy, "teacher": policy}, Target(Device(kind="cpu", memory=64 * 2**30)))
     held = {h.name: h for h in plan.held}
     assert list(held) == ["policy", "reference", "teacher"]  # no reward model, no critic
     assert held["teacher"].weights == held["reference"].weights > 0  # frozen alike, in frozen_dtype
