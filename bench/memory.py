@@ -106,7 +106,7 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
     from rlhf.config import load_config, with_overrides
     from schemas.validate import LengthBudget, load_validated
     from stages.common.reporting import Reporting
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.memory.phases import Counts, Device, Target
     from stages.memory.plan import FSDP_CONFIG, plan
     from stages.memory.shapes import GIB, RUNTIME_GIB, model_shape
@@ -152,7 +152,7 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
     held: dict = {}
     _record_state(held)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    result = call_stage(train, section, inputs, work, Reporting(), deterministic=True, num_threads=None)
+    result = call_stage(train, section, inputs, work, Reporting(), Determinism())
     before = result.metrics["memory/start_rss_gib"] * GIB
     measured = result.metrics["memory/peak_rss_gib"] * GIB - before
     predicted = planned.peak - RUNTIME_GIB * GIB

@@ -12,7 +12,7 @@ from rlhf import tracking
 from rlhf.config import load_config, with_overrides
 from rlhf.demo.world import build_world
 from stages.common.reporting import Reporting
-from stages.launch.call import call_stage
+from stages.launch.call import Determinism, call_stage
 from stages.ppo import train_ppo
 from tests.helpers import ppo_inputs
 
@@ -73,7 +73,7 @@ def test_a_teacher_beside_the_reward_model_grades_every_token_of_gae(tiny_config
                          ids=["ddp", "fsdp2"])
 def test_distillation_on_two_processes(tiny_config, trained, world, tmp_path, launch):
     cfg, inputs = _distilled(tiny_config, trained, world, tmp_path, launch=launch, rollout_batch_size=16)
-    result = call_stage(train_ppo, cfg, inputs, tmp_path / "run", Reporting(), deterministic=True, num_threads=2)
+    result = call_stage(train_ppo, cfg, inputs, tmp_path / "run", Reporting(), Determinism(num_threads=2))
     _moved_towards_the_teacher(result)
 
 

@@ -263,7 +263,7 @@ def test_a_stage_run_in_process_leaves_none_of_its_tensors_behind(tiny_config, w
     import gc
 
     from stages.common.reporting import Reporting
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.sft import train_sft
     from tests.helpers import sft_inputs
 
@@ -272,7 +272,7 @@ def test_a_stage_run_in_process_leaves_none_of_its_tensors_behind(tiny_config, w
     before = _tensor_storages()
     gc.disable()  # only call_stage may collect
     try:
-        call_stage(train_sft, section, inputs, tmp_path, Reporting(), deterministic=True, num_threads=None)
+        call_stage(train_sft, section, inputs, tmp_path, Reporting(), Determinism())
         left = {ptr: size for ptr, size in _tensor_storages().items() if ptr not in before}
     finally:
         gc.enable()
