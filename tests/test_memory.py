@@ -222,12 +222,12 @@ def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tm
     for run, changes in enumerate(({"critic.kind": "reward"}, {"lora": LoRAConfig(), "critic.kind": "shared"})):
         held: dict[str, int] = {}
 
-        def update(trainer, episodes, held=held):  # this run's `held`, bound now
-            figures = real_update(trainer, episodes)
+        def update(learner, batch, iteration, held=held):  # this run's `held`, bound now
+            figures = real_update(learner, batch, iteration)
             if not held:
-                models = trainer.models
-                held["bytes"] = state_bytes([models.policy, models.critic, models.reference, models.scorer.model],
-                                            trainer.optimizer, models.trainable())
+                models = learner.models
+                held["bytes"] = state_bytes([*models.trained_modules(), models.reference, models.scorer.model],
+                                            learner.optimizer, models.trainable())
             return figures
 
         monkeypatch.setattr(stages.ppo, "ppo_update", update)
