@@ -92,12 +92,12 @@ def build_llama(world: Path, folder: Path, shape: dict) -> str:
 def planned(cfg, stage: str, section, checkpoint: str, eval_prompts: int) -> dict:
     """`rlhf plan`'s figures for `section` on this device: its peak (less the runtime allowance, which
     torch's allocator does not see), the phase, and the model-and-optimizer state."""
-    from stages.memory.phases import Counts, this_device
+    from stages.memory.phases import Counts, Target, this_device
     from stages.memory.plan import plan
     from stages.memory.shapes import GIB, RUNTIME_GIB, model_shape
 
     result = plan(cfg.model_copy(update={stage: section}), [stage], {"policy": model_shape(checkpoint)},
-                  this_device(), Counts(eval_prompts, eval_prompts, eval_prompts)).stages[stage]
+                  Target(this_device(), Counts(eval_prompts, eval_prompts, eval_prompts))).stages[stage]
     return {"planned_peak_gib": result.peak / GIB - RUNTIME_GIB, "planned_phase": result.peak_phase,
             "planned_state_gib": result.state_bytes() / GIB}
 
@@ -232,7 +232,7 @@ def chain(world_name: str, cfg, base: str, world: Path, work: Path, changes: dic
     from rlhf.config import with_overrides
     from schemas.validate import LengthBudget, load_validated
     from stages.common.reporting import Reporting
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.ppo import PPOInputs, train_ppo
     from stages.reward import RewardInputs, train_reward
     from stages.runtime.models import load_tokenizer
@@ -251,8 +251,8 @@ def chain(world_name: str, cfg, base: str, world: Path, work: Path, changes: dic
 
     def run(stage: str, train, section, inputs, start: str, folder: Path, reporting=None):
         figures = planned(cfg, stage, section, start, len(eval_prompts))
-        return call_stage(train, section, inputs, folder, reporting or Reporting(), deterministic=False,
-                          num_threads=None), figures
+        return call_stage(train, section, inputs, folder, reporting or Reporting(),
+                          Determinism(deterministic=False)), figures
 
     row, trained = stage_row(world_name, "sft", "full", lambda: run(
         "sft", train_sft, sft, SFTInputs(base, data("sft", "sft"), data("sft_eval", "sft")), base, work / "sft"))

@@ -78,7 +78,7 @@ def jobs(root: Path) -> dict[str, Job]:
     from rlhf.sections.base import LaunchConfig
     from stages.common.reporting import Reporting
     from stages.dpo import DPOInputs, train_dpo
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.launch.job import LaunchError
     from stages.ppo import PPOInputs, train_ppo
     from stages.reward import RewardInputs, train_reward
@@ -99,7 +99,7 @@ def jobs(root: Path) -> dict[str, Job]:
         def run(folder: Path) -> str:
             def call(warnings):
                 reporting = Reporting(warning=warnings.append)
-                return call_stage(train, section, inputs, folder, reporting, deterministic=True, num_threads=2)
+                return call_stage(train, section, inputs, folder, reporting, Determinism(num_threads=2))
             return _outcome(call, folder)
         return run
 
@@ -110,7 +110,7 @@ def jobs(root: Path) -> dict[str, Job]:
         section = ppo(fsdp, num_iterations=4, checkpoint_every=2)
         try:
             call_stage(ppo_killed_after_first_checkpoint, section, KilledAfterFirstCheckpoint(ppo_inputs), folder,
-                       Reporting(), deterministic=True, num_threads=2)
+                       Reporting(), Determinism(num_threads=2))
             return "failed in the work: the killed leg was not killed"
         except LaunchError as e:
             if json.loads((folder / "state" / "loop.json").read_text())["iteration"] != 2:

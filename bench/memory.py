@@ -106,8 +106,8 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
     from rlhf.config import load_config, with_overrides
     from schemas.validate import LengthBudget, load_validated
     from stages.common.reporting import Reporting
-    from stages.launch.call import call_stage
-    from stages.memory.phases import Counts, Device
+    from stages.launch.call import Determinism, call_stage
+    from stages.memory.phases import Counts, Device, Target
     from stages.memory.plan import FSDP_CONFIG, plan
     from stages.memory.shapes import GIB, RUNTIME_GIB, model_shape
     from stages.ppo import PPOInputs, train_ppo
@@ -146,13 +146,13 @@ def run_one(size: str, stage: str, lora: bool, checkpoint: str, world: Path, wor
                                              prompts=data("prompts", "prompt"),
                                              eval_prompts=data("prompts_eval", "prompt"))
     eval_prompts = len(data("prompts_eval", "prompt"))
-    planned = plan(cfg, [stage], {"policy": model_shape(checkpoint)}, Device("cpu", psutil.virtual_memory().total),
-                   Counts(eval_prompts, eval_prompts, eval_prompts)).stages[stage]
+    machine = Target(Device("cpu", psutil.virtual_memory().total), Counts(eval_prompts, eval_prompts, eval_prompts))
+    planned = plan(cfg, [stage], {"policy": model_shape(checkpoint)}, machine).stages[stage]
 
     held: dict = {}
     _record_state(held)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    result = call_stage(train, section, inputs, work, Reporting(), deterministic=True, num_threads=None)
+    result = call_stage(train, section, inputs, work, Reporting(), Determinism())
     before = result.metrics["memory/start_rss_gib"] * GIB
     measured = result.metrics["memory/peak_rss_gib"] * GIB - before
     predicted = planned.peak - RUNTIME_GIB * GIB

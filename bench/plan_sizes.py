@@ -45,7 +45,7 @@ METHODS: dict[str, tuple[str, dict]] = {
 def fewest_gpus(model: str, stage: str, settings: dict, folder: Path) -> tuple[int | None, str, float]:
     """The fewest GPUs (FSDP2 above one) on which `stage` fits; its peak phase and GiB per GPU there."""
     from rlhf.config import load_config
-    from stages.memory.phases import Counts, Device
+    from stages.memory.phases import Counts, Device, Target
     from stages.memory.plan import plan
     from stages.memory.shapes import GIB, model_shape
 
@@ -61,7 +61,7 @@ def fewest_gpus(model: str, stage: str, settings: dict, folder: Path) -> tuple[i
     shapes = {"policy": model_shape(location)}
     for n in COUNTS:
         # Sharded PPO samples from the whole policy gathered, or, where that copy does not fit, layer by layer (`auto`).
-        planned = plan(cfg, [stage], shapes, Device("cuda", GPU_BYTES), Counts(64, 64, 64), processes=n)
+        planned = plan(cfg, [stage], shapes, Target(Device("cuda", GPU_BYTES), Counts(64, 64, 64), processes=n))
         if planned.verdicts[stage]:
             per_layer = planned.micro_batches.get(stage, {}).get("sharded_sampling") == "per_layer" and n > 1
             stage_plan = planned.stages[stage]

@@ -45,7 +45,7 @@ def main() -> None:
     from rlhf.sections.base import LaunchConfig
     from stages.common.reporting import Reporting
     from stages.dpo import DPOInputs, train_dpo
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.ppo import PPOInputs, train_ppo
     from stages.reward import RewardInputs, train_reward
     from stages.sft import SFTInputs, train_sft
@@ -88,7 +88,7 @@ def main() -> None:
                     folder = root / f"{stage}-{engine}-{repeat}"
                     started = time.perf_counter()
                     result = call_stage(train, section.model_copy(update={"launch": engines[engine]}), inputs, folder,
-                                        Reporting(), deterministic=True, num_threads=2)
+                                        Reporting(), Determinism(num_threads=2))
                     seconds[stage][engine].append(time.perf_counter() - started)
                     if engine == "ray":
                         launch_seconds[stage].append(result.metrics["time/launch_seconds"])

@@ -154,7 +154,7 @@ def run_engine(name: str, checkpoint: str, world: Path, work: Path) -> dict:
     from rlhf.config import load_config, with_overrides
     from schemas.validate import LengthBudget, load_validated
     from stages.common.reporting import Reporting
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.ppo import PPOInputs
     from stages.runtime.models import load_tokenizer
 
@@ -168,7 +168,7 @@ def run_engine(name: str, checkpoint: str, world: Path, work: Path) -> dict:
     figures_dir.mkdir(parents=True)
     inputs = Measured(PPOInputs(sft_location=checkpoint, reward_location=checkpoint,
                                 prompts=prompts, eval_prompts=eval_prompts), figures_dir)
-    result = call_stage(measured_ppo, cfg, inputs, work / "stage", Reporting(), deterministic=False, num_threads=None)
+    result = call_stage(measured_ppo, cfg, inputs, work / "stage", Reporting(), Determinism(deterministic=False))
     ranks = [json.loads(p.read_text()) | json.loads((figures_dir / f"peak-{p.name}").read_text())
              for p in sorted(figures_dir.glob("rank-*.json"))]
     later = result.history[1:] or result.history

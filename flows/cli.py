@@ -115,7 +115,7 @@ def _plan(args: argparse.Namespace) -> int:
     from flows.records.lineage import Teacher
     from rlhf import tracking
     from rlhf.config import ConfigError, load_config
-    from stages.memory.phases import Device, this_device
+    from stages.memory.phases import Device, Target, this_device
     from stages.memory.plan import plan, plan_json, plan_table
     from stages.memory.shapes import GIB
 
@@ -138,7 +138,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"teacher.model {e}", file=sys.stderr)
         return 2
     shapes = model_shapes_of(cfg, args.stages, world, teacher)
-    result = plan(cfg, args.stages, shapes, device, data_counts(cfg, world), args.processes, args.processes_per_node)
+    result = plan(cfg, args.stages, shapes, Target(device, data_counts(cfg, world), args.processes),
+                  args.processes_per_node)
     print(json.dumps(plan_json(result), indent=2) if args.json else plan_table(result))
     return 0 if all(result.verdicts.values()) else 1
 

@@ -23,7 +23,7 @@ from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.common.errors import ChatTemplateError
 from stages.envs.served import env_source, server_problems
-from stages.memory.phases import Counts, this_device
+from stages.memory.phases import Counts, Target, this_device
 from stages.memory.plan import Plan, model_shapes, plan
 from stages.memory.shapes import ModelShape
 from stages.rewards.functions import RewardFunctionError, load_reward_functions
@@ -268,7 +268,8 @@ def model_shapes_of(cfg: PipelineConfig, stages: list[str], world: str | None,
 def memory_plan(cfg: PipelineConfig, stages: list[str], world: str | None, teacher: Teacher | None) -> Plan:
     """The memory plan of `stages` on the device they will use, from the models' configs alone
     (`stages.memory.plan`); `rlhf plan` plans for other devices and process counts from the same parts."""
-    return plan(cfg, stages, model_shapes_of(cfg, stages, world, teacher), this_device(), data_counts(cfg, world))
+    shapes = model_shapes_of(cfg, stages, world, teacher)
+    return plan(cfg, stages, shapes, Target(this_device(), data_counts(cfg, world)))
 
 
 def memory_problems(result: Plan) -> tuple[list[str], list[str]]:

@@ -41,7 +41,7 @@ from schemas.errors import DataContractError
 from schemas.validate import ValidatedData
 from stages.common.errors import RewardGateError, StageUserError
 from stages.common.reporting import Reporting
-from stages.launch.call import call_stage
+from stages.launch.call import Determinism, call_stage
 from stages.launch.job import LaunchError
 from stages.memory.plan import Plan, plan_table
 from stages.memory.shapes import GIB
@@ -108,8 +108,8 @@ class StageContext:
 
     def call(self, train, section, inputs, scratch: Path, reporting: Reporting):
         """The stage function on the processes its config asks for, as this process set itself up."""
-        return call_stage(train, section, inputs, scratch, reporting, deterministic=self.config.deterministic,
-                          num_threads=self.config.num_threads)
+        return call_stage(train, section, inputs, scratch, reporting,
+                          Determinism(self.config.deterministic, self.config.num_threads))
 
 
 def finish(run: StageRun, ctx: StageContext, data: ValidatedData, metrics: dict[str, float], checkpoint: Path,

@@ -12,7 +12,7 @@ from rlhf import tracking
 from rlhf.config import load_config, with_overrides
 from rlhf.demo.world import build_world
 from stages.common.reporting import Reporting
-from stages.launch.call import call_stage
+from stages.launch.call import Determinism, call_stage
 from stages.ppo import train_ppo
 from tests.helpers import ppo_inputs
 
@@ -73,7 +73,7 @@ def test_a_teacher_beside_the_reward_model_grades_every_token_of_gae(tiny_config
                          ids=["ddp", "fsdp2"])
 def test_distillation_on_two_processes(tiny_config, trained, world, tmp_path, launch):
     cfg, inputs = _distilled(tiny_config, trained, world, tmp_path, launch=launch, rollout_batch_size=16)
-    result = call_stage(train_ppo, cfg, inputs, tmp_path / "run", Reporting(), deterministic=True, num_threads=2)
+    result = call_stage(train_ppo, cfg, inputs, tmp_path / "run", Reporting(), Determinism(num_threads=2))
     _moved_towards_the_teacher(result)
 
 
@@ -151,14 +151,14 @@ def _resolves_and_keys(world, tmp_path):
 
 
 def test_the_memory_plan_holds_the_teacher_and_its_logits(world):
-    from stages.memory.phases import Device
+    from stages.memory.phases import Device, Target
     from stages.memory.plan import plan_stage
     from stages.memory.shapes import model_shape
 
     cfg = load_config("configs/tiny.yaml", {"ppo.advantage_estimator": "distill", "ppo.teacher.model": "demo:model",
                                             "ppo.sampling.micro_batch_size": None, "ppo.micro_batch_size": None})
     policy = model_shape(str(world / "model"))
-    plan = plan_stage(cfg, "ppo", {"policy": policy, "teacher": policy}, Device(kind="cpu", memory=64 * 2**30))
+    plan = plan_stage(cfg, "ppo", {"policy": policy, "teacher": policy}, Target(Device(kind="cpu", memory=64 * 2**30)))
     held = {h.name: h for h in plan.held}
     assert list(held) == ["policy", "reference", "teacher"]  # no reward model, no critic
     assert held["teacher"].weights == held["reference"].weights > 0  # frozen alike, in frozen_dtype

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from rlhf.config import with_overrides
 from rlhf.sections.base import LaunchConfig
 from stages.common.reporting import Reporting
-from stages.launch.call import call_stage
+from stages.launch.call import Determinism, call_stage
 from stages.ppo import train_ppo
 from stages.reward import train_reward
 from stages.sft import train_sft
@@ -35,7 +35,7 @@ TWO = LaunchConfig(num_processes=2)
 def _run(train, section, inputs, folder):
     logged = []
     reporting = Reporting(metrics=lambda metrics, step: logged.append((step, metrics)))
-    result = call_stage(train, section, inputs, folder, reporting, deterministic=True, num_threads=2)
+    result = call_stage(train, section, inputs, folder, reporting, Determinism(num_threads=2))
     return result, logged
 
 
@@ -75,7 +75,7 @@ def test_ppo_on_two_processes_samples_apart_and_lands_where_one_does(tiny_config
     samples, rollouts = [], []
     reporting = Reporting(samples=lambda table, i: samples.append((i, len(table))),
                           rollouts=lambda table, i: rollouts.append((i, len(table))))
-    two = call_stage(train_ppo, two_cfg, inputs, tmp_path / "two", reporting, deterministic=True, num_threads=2)
+    two = call_stage(train_ppo, two_cfg, inputs, tmp_path / "two", reporting, Determinism(num_threads=2))
     assert two.metrics["train/iterations"] == one.metrics["train/iterations"] == 6
     assert [h["iteration"] for h in two.history] == [h["iteration"] for h in one.history]
     assert samples == [(2, 8), (4, 8), (6, 8)]  # rank 0's own table, at the configured iterations
@@ -96,7 +96,7 @@ def test_a_crashed_process_fails_the_stage_with_its_log(world, tiny_config, toke
     cfg = tiny_config.sft.model_copy(update={"launch": TWO})
     with pytest.raises(LaunchError, match="accelerate launch.*exited with code") as raised:
         call_stage(train_sft, cfg, sft_inputs(world, tokenizer, str(tmp_path / "no-such-model")), tmp_path, Reporting(),
-                   deterministic=True, num_threads=2)
+                   Determinism(num_threads=2))
     # the cause, not only the launcher's report
     assert re.search(r"; rank 0: OSError: .*no-such-model", str(raised.value))
 
@@ -105,8 +105,8 @@ def test_the_other_processes_wait_for_the_main_one_to_finish_alone(tiny_config, 
     from tests.stand_in_stages import Pause, pause_on_the_main_process
 
     cfg = tiny_config.sft.model_copy(update={"launch": TWO})
-    result = call_stage(pause_on_the_main_process, cfg, Pause(8.0), tmp_path / "run", Reporting(), deterministic=True,
-                        num_threads=2)
+    result = call_stage(pause_on_the_main_process, cfg, Pause(8.0), tmp_path / "run", Reporting(),
+                        Determinism(num_threads=2))
     assert result == {"paused": 8.0}
     left = float((tmp_path / "run" / "rank-1-left").read_text())
     assert left >= (tmp_path / "run" / "launch" / "result.pkl").stat().st_mtime  # rank 1 left after rank 0's result
@@ -119,8 +119,8 @@ def test_a_main_process_slower_than_the_process_group_timeout_fails_the_stage(ti
     # 15 s leaves room for the processes' start to differ at the first rendezvous on a loaded machine.
     cfg = tiny_config.sft.model_copy(update={"launch": TWO.model_copy(update={"timeout_seconds": 15})})
     with pytest.raises(LaunchError, match="exited with code") as raised:
-        call_stage(pause_on_the_main_process, cfg, Pause(60.0), tmp_path / "run", Reporting(), deterministic=True,
-                   num_threads=2)
+        call_stage(pause_on_the_main_process, cfg, Pause(60.0), tmp_path / "run", Reporting(),
+                   Determinism(num_threads=2))
     assert re.search(r"rank 1: RuntimeError: .*Timed out waiting 15000ms", str(raised.value))  # at the final wait
 
 
@@ -130,7 +130,7 @@ def test_a_rank_that_aborts_after_every_rank_recorded_its_work_done_leaves_the_r
 
     warnings = []
     result = call_stage(abort_on_a_rank, tiny_config.sft.model_copy(update={"launch": TWO}), Abort(1, after_done=True),
-                        tmp_path / "run", Reporting(warning=warnings.append), deterministic=True, num_threads=2)
+                        tmp_path / "run", Reporting(warning=warnings.append), Determinism(num_threads=2))
     assert result == {"aborted": 1}
     assert len(warnings) == 1
     # The launcher may stop rank 0 (SIGTERM) while it still runs its own exit handlers: the result stands all the same.
@@ -145,7 +145,7 @@ def test_a_rank_that_aborts_in_its_work_fails_the_stage_naming_it(tiny_config, t
 
     with pytest.raises(LaunchError) as raised:
         call_stage(abort_on_a_rank, tiny_config.sft.model_copy(update={"launch": TWO}), Abort(1, after_done=False),
-                   tmp_path / "run", Reporting(), deterministic=True, num_threads=2)
+                   tmp_path / "run", Reporting(), Determinism(num_threads=2))
     # Rank 0 may see its peer gone at the final barrier (a RuntimeError), or be stopped before it records "done".
     assert re.search(r"exited with code 1; (rank 0: .*; )?rank 1: killed by Signal 6 \(SIGABRT\); "
                      r"ranks that had not recorded their work done: (0, )?1;", str(raised.value)), str(raised.value)
@@ -162,7 +162,7 @@ def test_a_caller_that_stops_stops_every_process_of_the_launch(tiny_config, tmp_
 
     with pytest.raises(RuntimeError, match="the caller stops at: paused"):
         call_stage(report_then_pause, tiny_config.sft.model_copy(update={"launch": TWO}), Pause(600.0),
-                   tmp_path / "run", Reporting(warning=stop), deterministic=True, num_threads=2)
+                   tmp_path / "run", Reporting(warning=stop), Determinism(num_threads=2))
     ranks = [psutil.Process(int(f.read_text())) for f in sorted((tmp_path / "run").glob("pid-*"))]
     assert len(ranks) == 2
     _, alive = psutil.wait_procs(ranks, timeout=30)

@@ -246,11 +246,10 @@ def test_a_journal_on_a_small_tmpfs_that_fills_keeps_every_whole_entry(tmp_path)
 PARENT = """
 import pickle, sys
 from stages.common.reporting import Reporting
-from stages.launch.call import call_stage
+from stages.launch.call import Determinism, call_stage
 from stages.ppo import train_ppo
 cfg, inputs = pickle.loads(open(sys.argv[1], "rb").read())
-call_stage(train_ppo, cfg, inputs, __import__("pathlib").Path(sys.argv[2]), Reporting(), deterministic=True,
-           num_threads=2)
+call_stage(train_ppo, cfg, inputs, __import__("pathlib").Path(sys.argv[2]), Reporting(), Determinism(num_threads=2))
 """
 
 
@@ -276,14 +275,14 @@ def test_ranks_die_with_a_sigkilled_caller_and_the_rerun_resumes_to_the_uninterr
 
     from rlhf.config import with_overrides
     from stages.common.reporting import Reporting
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.ppo import train_ppo
     from stages.runtime.models import folder_digest
 
     cfg = with_overrides(tiny_config.ppo, {"launch": {"num_processes": 2}, "num_iterations": 12,
                                            "checkpoint_every": 2, "evaluation.every": None})
     inputs = ppo_inputs(trained)
-    whole = call_stage(train_ppo, cfg, inputs, tmp_path / "whole", Reporting(), deterministic=True, num_threads=2)
+    whole = call_stage(train_ppo, cfg, inputs, tmp_path / "whole", Reporting(), Determinism(num_threads=2))
 
     (tmp_path / "call.pkl").write_bytes(pickle.dumps((cfg, inputs)))
     killed = tmp_path / "killed"
@@ -302,5 +301,5 @@ def test_ranks_die_with_a_sigkilled_caller_and_the_rerun_resumes_to_the_uninterr
         time.sleep(0.1)
     assert not _job_processes(killed), "the launcher or its ranks outlived their caller"
     assert not (killed / "launch" / "result.pkl").exists()  # killed mid-run, not after it
-    resumed = call_stage(train_ppo, cfg, inputs, killed, Reporting(), deterministic=True, num_threads=2)
+    resumed = call_stage(train_ppo, cfg, inputs, killed, Reporting(), Determinism(num_threads=2))
     assert folder_digest(resumed.checkpoint) == folder_digest(whole.checkpoint)

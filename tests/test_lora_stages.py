@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rlhf.sections.base import LaunchConfig, LoRAConfig
 from stages import dpo, reward, sft
 from stages.common.reporting import Reporting
-from stages.launch.call import call_stage
+from stages.launch.call import Determinism, call_stage
 from stages.runtime.models import load_tokenizer
 from tests.helpers import close, dataset
 
@@ -226,7 +226,7 @@ def test_lora_sharded_matches_one_process(stage, tiny_config, inputs, world, tmp
     two_cfg = one_cfg.model_copy(update={"batch_size": 8, "launch": LaunchConfig(
         num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml")})
     run = lambda cfg, folder: call_stage(train, cfg, inputs[stage], folder, Reporting(),  # noqa: E731
-                                         deterministic=True, num_threads=2)
+                                         Determinism(num_threads=2))
     one, two = run(one_cfg, tmp_path / "one"), run(two_cfg, tmp_path / "two")
     assert (one.tags["rlhf.held_as"], two.tags["rlhf.held_as"]) == ("one process", "fsdp2 x 2")
     for key in ("train/loss", "eval/loss", "eval/loss_untrained"):

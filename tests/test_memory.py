@@ -14,7 +14,7 @@ from bench.published import PUBLISHED, PUBLISHED_PARAMETERS, write_config
 from flows.cli import main as cli
 from rlhf.config import PipelineConfig, load_config, with_overrides
 from rlhf.sections.base import LoRAConfig, PolicyLoRAConfig
-from stages.memory.phases import Counts, Device
+from stages.memory.phases import Counts, Device, Target
 from stages.memory.plan import AUTO_MARGIN, plan, plan_stage, ranks_per_node, resolve_micro_batches, resolved_values
 from stages.memory.shapes import GIB, model_shape, reward_shape
 from tests.helpers import ppo_inputs
@@ -113,7 +113,8 @@ def test_every_stage_of_an_8b_pipeline_fits_eight_gpus_sharded_with_micro_batche
     assert (cfg.ppo.micro_batch_size == cfg.ppo.sampling.micro_batch_size
             == cfg.reward.normalization_micro_batch_size == "auto")
     gpu = Device("cuda", 80e9)
-    result = plan(cfg, ["sft", "reward", "ppo", "dpo"], shapes, gpu, Counts(64, 64, 64))
+    eight_gpus = Target(gpu, Counts(64, 64, 64))
+    result = plan(cfg, ["sft", "reward", "ppo", "dpo"], shapes, eight_gpus)
     assert all(result.verdicts.values()), {s: p.peak / GIB for s, p in result.stages.items()}
     chosen = result.micro_batches
     assert set(chosen) == {"reward", "ppo", "dpo"} and chosen["ppo"]["sharded_sampling"] == "whole"
@@ -125,8 +126,8 @@ def test_every_stage_of_an_8b_pipeline_fits_eight_gpus_sharded_with_micro_batche
     doubled = with_overrides(cfg.ppo, {"sampling.micro_batch_size": 2 * chosen["ppo"]["sampling.micro_batch_size"],
                                        "micro_batch_size": chosen["ppo"]["micro_batch_size"],
                                        "sharded_sampling": "whole"})
-    assert plan_stage(cfg, "ppo", shapes, gpu, Counts(64, 64, 64), section=doubled).peak > AUTO_MARGIN * gpu.memory
-    one_gpu = plan(cfg, ["sft"], shapes, gpu, Counts(64, 64, 64), processes=1)
+    assert plan_stage(cfg, "ppo", shapes, eight_gpus, section=doubled).peak > AUTO_MARGIN * gpu.memory
+    one_gpu = plan(cfg, ["sft"], shapes, Target(gpu, Counts(64, 64, 64), processes=1))
     assert not one_gpu.verdicts["sft"]  # 16 bytes per parameter: 128 GB before activations
 
 
@@ -152,7 +153,7 @@ def test_70b_fits_8_gpus_with_lora_and_32_with_full_fine_tuning_offloaded(tmp_pa
     """Llama-3-70B, no micro-batch size set: LoRA everywhere and the `reward-lora` critic (frozen
     weights bf16) over 8 GPUs of 80 GB; full fine-tuning over 32, whose PPO and DPO fit only with the
     shards in host memory (configs/accelerate/fsdp-offload.yaml), which the plan then counts there."""
-    gpu, counts, stages = Device("cuda", 80e9), Counts(64, 64, 64), ["sft", "reward", "ppo", "dpo"]
+    gpus, stages = Target(Device("cuda", 80e9), Counts(64, 64, 64)), ["sft", "reward", "ppo", "dpo"]
 
     def launch(n, engine="fsdp"):
         return {"launch": {"num_processes": n, "accelerate_config": f"configs/accelerate/{engine}.yaml"},
@@ -162,29 +163,28 @@ def test_70b_fits_8_gpus_with_lora_and_32_with_full_fine_tuning_offloaded(tmp_pa
                                 ppo={"critic": {"kind": "reward-lora"}, "frozen_dtype": "bfloat16"},
                                 dpo={"frozen_dtype": "bfloat16"})
     shapes = {"policy": model_shape(lora.sft.model)}
-    result = plan(lora, stages, shapes, gpu, counts)
+    result = plan(lora, stages, shapes, gpus)
     assert all(result.verdicts.values()), {s: p.peak / GIB for s, p in result.stages.items()}
 
     full = _llama3_70b_pipeline(tmp_path / "full", launch(32), ppo={"frozen_dtype": "bfloat16"})
-    result = plan(full, stages, shapes, gpu, counts)
+    result = plan(full, stages, shapes, gpus)
     assert result.verdicts["sft"] and result.verdicts["reward"]
     assert not result.verdicts["ppo"] and not result.verdicts["dpo"]  # the shards, gradients and AdamW alone: 69.6 GiB
     offloaded = _llama3_70b_pipeline(tmp_path / "offloaded", launch(32, "fsdp-offload"),
                                      ppo={"frozen_dtype": "bfloat16"})
-    result = plan(offloaded, stages, shapes, gpu, counts)
+    result = plan(offloaded, stages, shapes, gpus)
     assert all(result.verdicts.values()), {s: p.peak / GIB for s, p in result.stages.items()}
     assert result.nodes == {stage: [8, 8, 8, 8] for stage in stages}  # four nodes of 8 GPUs
     ppo = result.stages["ppo"]
     assert all(h.weights == h.optimizer == 0 and h.host > 0 for h in ppo.held)
     assert "gradients" not in ppo.phases["update"]
     # Offloading only the frozen models: the reference and reward model move to host memory, nothing else.
-    frozen_only = plan_stage(full, "ppo", shapes, gpu, counts,
-                             section=with_overrides(full.ppo, {"offload_frozen": True}))
+    frozen_only = plan_stage(full, "ppo", shapes, gpus, section=with_overrides(full.ppo, {"offload_frozen": True}))
     moved = {h.name for h in frozen_only.held if h.host > 0}
     assert moved == {"reference", "reward model"}
-    assert frozen_only.peak < plan_stage(full, "ppo", shapes, gpu, counts).peak
+    assert frozen_only.peak < plan_stage(full, "ppo", shapes, gpus).peak
     # On the CPU the host memory is the device's: nothing moves.
-    cpu = plan_stage(offloaded, "ppo", shapes, Device("cpu", 4e12), counts)
+    cpu = plan_stage(offloaded, "ppo", shapes, Target(Device("cpu", 4e12), gpus.counts))
     assert all(h.host == 0 for h in cpu.held)
 
 
@@ -193,10 +193,10 @@ def test_a_gang_packs_onto_nodes_and_a_cpu_nodes_memory_holds_only_its_own_proce
     assert ranks_per_node(16, 8, beside_rank0=2) == [6, 8, 2]  # vLLM's 2 tensor-parallel GPUs beside rank 0
     assert ranks_per_node(3, None) == [3]  # one machine
     shapes = {"policy": model_shape(str(world / "model"))}
-    peak = plan_stage(tiny_config, "ppo", shapes, Device("cpu", 16 * GIB), processes=2).peak
-    machine = Device("cpu", 1.5 * peak)  # room for one process's peak, not two
-    assert not plan(tiny_config, ["ppo"], shapes, machine, processes=2).verdicts["ppo"]
-    spread = plan(tiny_config, ["ppo"], shapes, machine, processes=2, per_node=1)
+    peak = plan_stage(tiny_config, "ppo", shapes, Target(Device("cpu", 16 * GIB), processes=2)).peak
+    machine = Target(Device("cpu", 1.5 * peak), processes=2)  # room for one process's peak, not two
+    assert not plan(tiny_config, ["ppo"], shapes, machine).verdicts["ppo"]
+    spread = plan(tiny_config, ["ppo"], shapes, machine, per_node=1)
     assert spread.nodes == {"ppo": [1, 1]} and spread.verdicts["ppo"]
 
 
@@ -206,7 +206,7 @@ def test_auto_micro_batches_are_all_at_once_where_everything_fits(tiny_config, w
     shapes = {"policy": model_shape(str(world / "model"))}
     for stage in ("reward", "ppo", "dpo"):
         section = getattr(tiny_config, stage)
-        resolved = resolve_micro_batches(stage, section, shapes, Device("cpu", 16 * GIB), Counts(16, 16, 16))
+        resolved = resolve_micro_batches(stage, section, shapes, Target(Device("cpu", 16 * GIB), Counts(16, 16, 16)))
         chosen = resolved_values(stage, section, resolved)
         assert chosen.pop("sharded_sampling", "whole") == "whole" and set(chosen.values()) == {None}, stage
 
@@ -222,12 +222,12 @@ def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tm
     for run, changes in enumerate(({"critic.kind": "reward"}, {"lora": LoRAConfig(), "critic.kind": "shared"})):
         held: dict[str, int] = {}
 
-        def update(trainer, episodes, held=held):  # this run's `held`, bound now
-            figures = real_update(trainer, episodes)
+        def update(learner, batch, iteration, held=held):  # this run's `held`, bound now
+            figures = real_update(learner, batch, iteration)
             if not held:
-                models = trainer.models
-                held["bytes"] = state_bytes([models.policy, models.critic, models.reference, models.scorer.model],
-                                            trainer.optimizer, models.trainable())
+                models = learner.models
+                held["bytes"] = state_bytes([*models.trained_modules(), models.reference, models.scorer.model],
+                                            learner.optimizer, models.trainable())
             return figures
 
         monkeypatch.setattr(stages.ppo, "ppo_update", update)
@@ -235,7 +235,7 @@ def test_the_plan_counts_the_state_a_tiny_ppo_run_holds(tiny_config, trained, tm
         train_ppo(cfg, ppo_inputs(trained),
                   tmp_path / str(run))
         pipeline = tiny_config.model_copy(update={"ppo": cfg})
-        predicted = plan(pipeline, ["ppo"], shapes, Device("cpu", 24 * GIB), Counts(8, 8, 8)).stages["ppo"]
+        predicted = plan(pipeline, ["ppo"], shapes, Target(Device("cpu", 24 * GIB), Counts(8, 8, 8))).stages["ppo"]
         assert predicted.state_bytes() == pytest.approx(held["bytes"], rel=0.25), changes
 
 
@@ -263,7 +263,7 @@ def test_a_stage_run_in_process_leaves_none_of_its_tensors_behind(tiny_config, w
     import gc
 
     from stages.common.reporting import Reporting
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.sft import train_sft
     from tests.helpers import sft_inputs
 
@@ -272,7 +272,7 @@ def test_a_stage_run_in_process_leaves_none_of_its_tensors_behind(tiny_config, w
     before = _tensor_storages()
     gc.disable()  # only call_stage may collect
     try:
-        call_stage(train_sft, section, inputs, tmp_path, Reporting(), deterministic=True, num_threads=None)
+        call_stage(train_sft, section, inputs, tmp_path, Reporting(), Determinism())
         left = {ptr: size for ptr, size in _tensor_storages().items() if ptr not in before}
     finally:
         gc.enable()

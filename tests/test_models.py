@@ -170,7 +170,7 @@ def test_streamed_hand_off_is_the_merged_model(tmp_path, family, targets, task):
     `from_pretrained` reads back equal to `merge_and_unload` of the same model."""
     from rlhf.sections.base import LoRAConfig
     from stages.rewards.scoring import load_reward_model
-    from stages.runtime.holding import save_streamed
+    from stages.runtime.holding import SaveFormat, save_streamed
     from stages.runtime.lora import merged, with_lora
     from stages.runtime.models import load_causal_lm, load_tokenizer
     from tests.model_families import build_family
@@ -185,7 +185,8 @@ def test_streamed_hand_off_is_the_merged_model(tmp_path, family, targets, task):
             if "lora_B" in name or "modules_to_save" in name:
                 p.add_(torch.randn_like(p))  # adapters that change the weights, a head unlike the original
     total = sum(p.numel() for p in merged(copy.deepcopy(model)).parameters())
-    save_streamed(model, tokenizer, tmp_path / "streamed", torch.float32, main=True, shard_bytes=4 * total // 3)
+    save_streamed(model, tokenizer, tmp_path / "streamed", SaveFormat(torch.float32, shard_bytes=4 * total // 3),
+                  main=True)
     assert len(list((tmp_path / "streamed").glob("model-*-of-*.safetensors"))) >= 2
     assert (tmp_path / "streamed" / "model.safetensors.index.json").is_file()
 
@@ -195,7 +196,7 @@ def test_streamed_hand_off_is_the_merged_model(tmp_path, family, targets, task):
     assert set(read.state_dict()) == set(expected)
     for name, tensor in read.state_dict().items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
-    save_streamed(model, tokenizer, tmp_path / "bf16", torch.bfloat16, main=True)  # one file, 16 bits
+    save_streamed(model, tokenizer, tmp_path / "bf16", SaveFormat(torch.bfloat16), main=True)  # one file, 16 bits
     with safe_open(tmp_path / "bf16" / "model.safetensors", "pt") as f:
         for name in f.keys():
             assert torch.equal(f.get_tensor(name), expected[name].to(torch.bfloat16)), name
@@ -208,7 +209,7 @@ def test_a_tied_output_head_with_adapters_is_handed_off_untied(tmp_path, streame
     its own tensor, untied, and leave the embeddings as they were. Written once as the embeddings,
     the head's adapters were lost (logits 5.0 off on a tiny tied Llama)."""
     from rlhf.sections.base import LoRAConfig
-    from stages.runtime.holding import save_streamed
+    from stages.runtime.holding import SaveFormat, save_streamed
     from stages.runtime.lora import merged, with_lora
     from stages.runtime.models import load_causal_lm, load_tokenizer, save_checkpoint
     from tests.model_families import build_family
@@ -227,7 +228,7 @@ def test_a_tied_output_head_with_adapters_is_handed_off_untied(tmp_path, streame
     with torch.no_grad():
         want = model(input_ids=ids).logits
     if streamed:
-        save_streamed(model, tokenizer, tmp_path / "out", torch.float32, main=True)
+        save_streamed(model, tokenizer, tmp_path / "out", SaveFormat(torch.float32), main=True)
     else:
         save_checkpoint(merged(model), tokenizer, tmp_path / "out", torch.float32)
     read = AutoModelForCausalLM.from_pretrained(tmp_path / "out", use_safetensors=True).eval()

@@ -106,7 +106,7 @@ def test_losses_over_a_given_token_count_add_up_across_micro_batches():
     logprobs = torch.zeros(2, 3)
     whole = clipped_policy_loss(logprobs, logprobs, advantages, mask, PolicyClip(low=0.2)).loss  # -(1+2+3+10)/4 = -4
     parts = [clipped_policy_loss(logprobs[i:i + 1], logprobs[i:i + 1], advantages[i:i + 1], mask[i:i + 1],
-                                 PolicyClip(low=0.2), totals=Totals(4.0, 4.0)).loss for i in range(2)]
+                                 PolicyClip(low=0.2, totals=Totals(4.0, 4.0))).loss for i in range(2)]
     assert whole.item() == pytest.approx(-4.0) and sum(parts).item() == pytest.approx(-4.0)
     value_parts = [clipped_value_loss(torch.zeros(1, 3), torch.zeros(1, 3), advantages[i:i + 1], mask[i:i + 1], 0.2,
                                       num_tokens=4.0)[0] for i in range(2)]

@@ -15,7 +15,7 @@ import pytest
 from rlhf.config import with_overrides
 from rlhf.sections.base import LaunchConfig
 from stages.common.reporting import Reporting
-from stages.launch.call import call_stage
+from stages.launch.call import Determinism, call_stage
 from stages.launch.job import LaunchError
 from stages.ppo import train_ppo
 from stages.runtime.models import folder_digest
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.multiprocess  # a Ray cluster, its driver and the ranks
 
 
 def _run(train, section, inputs, folder):
-    return call_stage(train, section, inputs, folder, Reporting(), deterministic=True, num_threads=1)
+    return call_stage(train, section, inputs, folder, Reporting(), Determinism(num_threads=1))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_sharded_ppo_on_two_ray_nodes_ends_where_the_local_launch_does(ray_clust
     cfg = with_overrides(cfg, {"launch": ray_launch(ray_cluster, ray_placement="SPREAD")})
     reported = []
     result = call_stage(train_ppo, cfg, inputs, tmp_path, Reporting(metrics=lambda m, step: reported.append(step)),
-                        deterministic=True, num_threads=1)
+                        Determinism(num_threads=1))
     assert folder_digest(result.checkpoint) == digest
     nodes = json.loads(result.tags["rlhf.launch.nodes"])
     assert [n["rank"] for n in nodes] == [0, 1]

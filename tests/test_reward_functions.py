@@ -188,7 +188,7 @@ def test_on_two_processes_the_function_runs_on_the_main_process_for_every_respon
     its own rows' values (the logged figures are the whole batch's)."""
     from rlhf.sections.base import LaunchConfig
     from stages.common.reporting import Reporting
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.ppo import train_ppo
 
     rules = tmp_path / "rules"
@@ -203,7 +203,7 @@ def test_on_two_processes_the_function_runs_on_the_main_process_for_every_respon
         """)
     cfg = _ppo(tiny_config, rules, "rules_where:f", launch=LaunchConfig(num_processes=2))
     inputs = ppo_inputs(trained)
-    result = call_stage(train_ppo, cfg, inputs, tmp_path / "run", Reporting(), deterministic=True, num_threads=2)
+    result = call_stage(train_ppo, cfg, inputs, tmp_path / "run", Reporting(), Determinism(num_threads=2))
     calls = [line.split() for line in (rules / "rules_where.calls").read_text().splitlines()]
     # each iteration's rollouts, then the final evaluation's policy and SFT responses (every held-out prompt once)
     assert len(calls) == cfg.num_iterations + 2 and len({pid for pid, _ in calls}) == 1
@@ -305,14 +305,14 @@ def test_sharded_ppo_without_a_reward_model_trains_its_policy_critic_and_evaluat
     path needs a reward model."""
     from rlhf.sections.base import LaunchConfig
     from stages.common.reporting import Reporting
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.ppo import train_ppo
 
     fsdp = LaunchConfig(num_processes=2, accelerate_config="configs/accelerate/fsdp.yaml")
     cfg = with_overrides(tiny_config.ppo, {"reward": FUNCTIONS_ALONE, "launch": fsdp, "num_iterations": 2})
     assert cfg.critic.kind == "policy"
     result = call_stage(train_ppo, cfg, ppo_inputs(trained, reward=False),
-                        tmp_path / "run", Reporting(), deterministic=True, num_threads=1)
+                        tmp_path / "run", Reporting(), Determinism(num_threads=1))
     assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
     assert all("train/explained_variance" in row and "rollout/reward/subject" in row for row in result.history)
     assert {"eval/reward/subject", "eval/win_rate_reward"} <= set(result.metrics)

@@ -20,7 +20,7 @@ from rlhf.config import with_overrides
 from rlhf.sections.base import LaunchConfig
 from stages.common.reporting import MEASURED, Reporting
 from stages.dpo import DPOInputs, train_dpo
-from stages.launch.call import call_stage
+from stages.launch.call import Determinism, call_stage
 from stages.ppo import train_ppo
 from stages.reward import train_reward
 from stages.sft import train_sft
@@ -32,7 +32,7 @@ FSDP = LaunchConfig(num_processes=2, accelerate_config="configs/accelerate/fsdp.
 
 
 def _run(train, section, inputs, folder):
-    return call_stage(train, section, inputs, folder, Reporting(), deterministic=True, num_threads=2)
+    return call_stage(train, section, inputs, folder, Reporting(), Determinism(num_threads=2))
 
 
 def _agree(one: dict, two: dict, keys) -> None:

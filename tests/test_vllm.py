@@ -151,21 +151,21 @@ def test_a_sharded_policy_is_streamed_to_the_server_and_sampled_by_bothprocesses
     """Two FSDP2 processes: the first starts the server, both write their shards of the policy into
     the served folder (`save_streamed`) and both send their own prompts."""
     from stages.common.reporting import Reporting
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.ppo import train_ppo
 
     cfg, trained = servable
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"launch": {"num_processes": 2,
                                                               "accelerate_config": "configs/accelerate/fsdp.yaml"}})
     inputs = ppo_inputs(trained)
-    result = call_stage(train_ppo, ppo, inputs, tmp_path / "out", Reporting(), deterministic=True, num_threads=1)
+    result = call_stage(train_ppo, ppo, inputs, tmp_path / "out", Reporting(), Determinism(num_threads=1))
     assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
     assert all(row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history)
     assert result.history[-1]["rollout/kl"] != 0
     # and GRPO sampling ahead: each process keeps its own rollouts in flight, the sync waits for both
     ahead = with_overrides(ppo, {"advantage_estimator": "grpo", "samples_per_prompt": 4,
                                  "rollout": {"max_staleness": 1}})
-    result = call_stage(train_ppo, ahead, inputs, tmp_path / "ahead", Reporting(), deterministic=True, num_threads=1)
+    result = call_stage(train_ppo, ahead, inputs, tmp_path / "ahead", Reporting(), Determinism(num_threads=1))
     assert [row["rollout/staleness"] for row in result.history] == [0.0, 1.0, 1.0]
     assert all(row["train/initial_ratio_deviation"] < 1e-4 for row in result.history)
 
@@ -402,7 +402,7 @@ def test_on_a_ray_gang_the_server_is_an_actor_on_rank_0s_node_and_nothing_of_it_
     import json
 
     from stages.common.reporting import Reporting
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.ppo import train_ppo
 
     cfg, trained = servable
@@ -410,7 +410,7 @@ def test_on_a_ray_gang_the_server_is_an_actor_on_rank_0s_node_and_nothing_of_it_
     inputs = ppo_inputs(trained)
     with _watched(mine) as seen:
         result = call_stage(train_ppo, _ray_vllm(cfg, ray_cluster), inputs, tmp_path / "out", Reporting(),
-                            deterministic=True, num_threads=1)
+                            Determinism(num_threads=1))
     assert len({n["node"] for n in json.loads(result.tags["rlhf.launch.nodes"])}) == 2
     assert all(row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history)
     assert result.history[-1]["rollout/kl"] != 0  # the policy moved, and the server sampled the moved policy
@@ -422,7 +422,7 @@ def test_on_a_ray_gang_the_server_is_an_actor_on_rank_0s_node_and_nothing_of_it_
 
 def test_on_a_ray_gang_a_killed_rank_0_takes_its_server_and_served_folder_with_it(servable, ray_cluster, tmp_path):
     from stages.common.reporting import Reporting
-    from stages.launch.call import call_stage
+    from stages.launch.call import Determinism, call_stage
     from stages.launch.job import LaunchError
     from tests.stand_in_stages import RankKilledOnce, ppo_with_a_rank_killed_once
 
@@ -432,7 +432,7 @@ def test_on_a_ray_gang_a_killed_rank_0_takes_its_server_and_served_folder_with_i
     mine = ray_cluster.environment
     with _watched(mine) as seen, pytest.raises(LaunchError, match=r"rank 0 \(node [0-9a-f]{12}, [0-9.]+, pid \d+\)"):
         call_stage(ppo_with_a_rank_killed_once, _ray_vllm(cfg, ray_cluster), killed, tmp_path / "out", Reporting(),
-                   deterministic=True, num_threads=1)
+                   Determinism(num_threads=1))
     assert killed.marker.exists()
     deadline = time.monotonic() + 60
 

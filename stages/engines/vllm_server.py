@@ -48,7 +48,7 @@ from stages.common.errors import StageUserError
 from stages.common.tensors import truncate_after_eos
 from stages.engines.sampler import Generation, HFSampler, Sampler, Sampling
 from stages.engines.vllm_process import LocalServed
-from stages.runtime.holding import save_streamed
+from stages.runtime.holding import SaveFormat, save_streamed
 from stages.runtime.models import left_padded, left_padded_ids
 
 
@@ -78,7 +78,7 @@ def write_served(policy: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, fo
                  main: bool) -> None:
     """The policy as the plain model it stands for into `folder`, its output head untied from the
     input embeddings, as its own tensor (collective: every process calls it)."""
-    save_streamed(policy, tokenizer, folder, dtype, main, untie=True)
+    save_streamed(policy, tokenizer, folder, SaveFormat(dtype, untie=True), main)
 
 
 def groups_of(rows: list[list[int]]) -> list[tuple[list[int], int]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import rlhf.numerics as numerics
@@ -22,10 +23,20 @@ from stages.launch.job import Stage, StageCall
 from stages.memory.measured import measured_peak, release_unreachable, with_figures
 
 
-def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Reporting, *, deterministic: bool,
-               num_threads: int | None):
+@dataclass(frozen=True)
+class Determinism:
+    """How a stage's processes compute: the conditions under which the same config, seed and data repeat."""
+
+    deterministic: bool = True
+    """Deterministic torch kernels."""
+    num_threads: int | None = None
+    """CPU threads for torch, shared by a launch's processes (None: the machine's cores)."""
+
+
+def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Reporting, determinism: Determinism):
     """`train(section, inputs, output_dir, reporting)` on `section.launch.num_processes` processes;
-    its result. A `StageUserError` raised on rank 0 is raised here as it was."""
+    its result. Launched processes compute as `determinism` says (one in this process, as this process
+    was set up). A `StageUserError` raised on rank 0 is raised here as it was."""
     launch = section.launch
     if slow := _slow_numerics(section):
         reporting.warning(slow)
@@ -37,9 +48,9 @@ def call_stage(train: Stage, section, inputs, output_dir: Path, reporting: Repor
         finally:
             release_unreachable()  # nor is this stage's, for whatever runs next
         return with_figures(result, peak)
-    threads = max(1, (num_threads or os.cpu_count() or 1) // launch.num_processes)
-    call = StageCall(train=train, section=section, inputs=inputs, output_dir=output_dir, deterministic=deterministic,
-                     num_threads=threads, attempt=uuid.uuid4().hex)
+    threads = max(1, (determinism.num_threads or os.cpu_count() or 1) // launch.num_processes)
+    call = StageCall(train=train, section=section, inputs=inputs, output_dir=output_dir,
+                     deterministic=determinism.deterministic, num_threads=threads, attempt=uuid.uuid4().hex)
     if launch.engine == "ray":
         from stages.launch import ray_gang
 

@@ -400,6 +400,8 @@ class PolicyClip:
     """`aggregate`'s mode."""
     length: float | None = None
     """`seq-mean-token-sum-norm`'s constant length."""
+    totals: Totals | None = None
+    """The whole minibatch's counts its terms and figures divide by; None: this batch's."""
 
 
 @dataclass(frozen=True)
@@ -426,15 +428,14 @@ class PolicyLoss:
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        mask: torch.Tensor, clip: PolicyClip, weights: torch.Tensor | None = None,
-                        totals: Totals | None = None) -> PolicyLoss:
+                        mask: torch.Tensor, clip: PolicyClip, weights: torch.Tensor | None = None) -> PolicyLoss:
     """L_clip = agg[w * min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)], rho = `policy_ratio`.
 
     Where A > 0 and rho > 1 + eps_high, or A < 0 and rho < 1 - eps_low, the min picks the
     constant clipped term and the token contributes no gradient. eps_high above eps_low is DAPO's
     clip-higher (more room for unlikely tokens to rise). `weights` w (constants; 1 when None) are
     `engine_importance_weights` when another engine sampled the tokens. agg: `aggregate` over
-    `totals.denominator`; the figures are token means over `totals.tokens` (this batch's when unset).
+    `clip.totals.denominator`; the figures are token means over `clip.totals.tokens` (this batch's when unset).
     # (B, T) x 4 -> PolicyLoss"""
     high = clip.low if clip.high is None else clip.high
     ratio = policy_ratio(logprobs, old_logprobs, mask, clip.level)
@@ -442,8 +443,8 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip.low, 1.0 + high)
     per_token = torch.max(unclipped, clipped)
     loss = aggregate(per_token if weights is None else per_token * weights, mask, clip.aggregation,
-                     None if totals is None else totals.denominator, clip.length)
-    num_tokens = None if totals is None else totals.tokens
+                     None if clip.totals is None else clip.totals.denominator, clip.length)
+    num_tokens = None if clip.totals is None else clip.totals.tokens
     return PolicyLoss(
         loss=loss,
         clip_fraction=masked_mean((clipped > unclipped).float(), mask, num_tokens=num_tokens),

@@ -1,5 +1,6 @@
 """What each stage holds on each process, phase by phase, and so its peak: `plan_trainer_stage`
-(SFT, reward, DPO through TRL's trainers) and `plan_ppo`, for a `Device`.
+(SFT, reward, DPO through TRL's trainers) and `plan_ppo`, for a `Target` (a `Device`, the data's
+`Counts`, the process count).
 
 Each phase adds to what the models already hold (`Held`):
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rlhf.config import DPOConfig, RewardConfig, SFTConfig
-from rlhf.sections.base import LaunchConfig, LoRAConfig, StageName, TrainedStage
+from rlhf.sections.base import LoRAConfig, StageName, TrainedStage
 from rlhf.sections.ppo import PPOConfig
 from stages.memory.shapes import (
     ADAM_BYTES,
@@ -82,6 +83,35 @@ def _autocast(section: TrainedStage, device: Device) -> str | None:
     if precision == "auto":
         precision = "bf16-mixed" if device.kind == "cuda" else "fp32"
     return {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[precision]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a stage's processes hold and compute its models."""
+
+    processes: int
+    """How many processes run the stage."""
+    sharded: bool
+    """FSDP2: each model divided between the processes (else whole on each: DDP, or one process)."""
+    autocast: str | None
+    """The dtype the stage computes in under autocast (None: float32)."""
+
+    @classmethod
+    def of(cls, section: TrainedStage, target: Target) -> Layout:
+        """`section`'s launch on `target`, whose process count overrides the launch's."""
+        n = target.processes or section.launch.num_processes
+        sharded = section.launch.accelerate_settings().get("distributed_type") == "FSDP" and n > 1
+        return cls(n, sharded, _autocast(section, target.device))
+
+    @property
+    def sharding(self) -> int:
+        """Processes each model is divided between (1: whole on each)."""
+        return self.processes if self.sharded else 1
+
+    @property
+    def compute(self) -> int:
+        """Bytes of a value the stage computes (2 under autocast)."""
+        return 2 if self.autocast else 4
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -158,13 +188,14 @@ def _frozen(name: str, shape: ModelShape, dtype: str, sharding: int) -> Held:
                 how=f"frozen {dtype}")
 
 
-def _trained(name: str, shape: ModelShape, lora: LoRAConfig | None, frozen_dtype: str, sharding: int,
-             compute_bytes: int, head_trains: bool = False) -> Held:
-    """A trained model as one of `sharding` processes holds it: whole in float32, or with `lora` its
+def _trained(name: str, shape: ModelShape, lora: LoRAConfig | None, frozen_dtype: str, layout: Layout,
+             head_trains: bool = False) -> Held:
+    """A trained model as one of `layout.sharding` processes holds it: whole in float32, or with `lora` its
     adapters (and with `head_trains` a score head) in float32 on weights held in `frozen_dtype`."""
+    sharding = layout.sharding
     if lora is None:
         trained_params, how = shape.parameters, "trained float32"
-        weights, gathered_dtype = 4 * shape.parameters, compute_bytes
+        weights, gathered_dtype = 4 * shape.parameters, layout.compute
     else:
         trained_params = shape.lora_parameters(lora, classifier=head_trains) + (shape.hidden if head_trains else 0)
         how = f"LoRA r={lora.r} on {frozen_dtype} weights"
@@ -176,12 +207,6 @@ def _trained(name: str, shape: ModelShape, lora: LoRAConfig | None, frozen_dtype
                 optimizer=ADAM_BYTES * trained_params / sharding, gathered=gathered, how=how)
 
 
-def _engine(launch: LaunchConfig, processes: int | None) -> tuple[int, bool]:
-    """(processes, sharded) for the stage's launch, with `processes` overriding its count."""
-    n = processes or launch.num_processes
-    return n, launch.accelerate_settings().get("distributed_type") == "FSDP" and n > 1
-
-
 def _offloaded(held: Held) -> Held:
     """`held` with its shards in host memory (FSDP2's `CPUOffloadPolicy`): each unit is copied to the
     device when gathered (counted with the gathered layers), gradients go back to the host as they are
@@ -190,18 +215,17 @@ def _offloaded(held: Held) -> Held:
                    how=f"{held.how}, offloaded")
 
 
-def _training_extras(trained: Iterable[Held], processes: int, sharded: bool, autocast: str | None,
-                     largest_layer: float) -> dict[str, float]:
+def _training_extras(trained: Iterable[Held], layout: Layout, largest_layer: float) -> dict[str, float]:
     """What training adds to the resident models besides activations: gradients; under DDP its
     buckets (one more copy of the gradients); without sharding, autocast's cached bf16 copies of
     the trained weights; sharded, the layers gathered for forward and backward."""
     trained = list(trained)
     extras = {"gradients": sum(h.gradients for h in trained)}
-    if processes > 1 and not sharded:
+    if layout.processes > 1 and not layout.sharded:
         extras["ddp_buckets"] = extras["gradients"]
-    if autocast and not sharded:
+    if layout.autocast and not layout.sharded:
         extras["autocast_weight_copies"] = sum(2 * h.trained for h in trained)
-    if sharded:
+    if layout.sharded:
         extras["gathered_layers"] = 2 * largest_layer  # the layer computing and the next one, prefetched
     return extras
 
@@ -233,6 +257,18 @@ class Counts:
     reward_normalization_prompts: int | None = None
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a plan is for: the device each process runs on, the data's counts, and how many processes."""
+
+    device: Device
+    """The memory each process has (`this_device`, or the one `rlhf plan` is told of)."""
+    counts: Counts = Counts()
+    """The prompt sets some phases sample all at once."""
+    processes: int | None = None
+    """The stage's processes; None: its `launch.num_processes`."""
+
+
 def _count(known: int | None, fallback: int, what: str, notes: list[str]) -> int:
     if known is None:
         notes.append(f"{what}: not counted (data not read); planned as {fallback}")
@@ -241,24 +277,22 @@ def _count(known: int | None, fallback: int, what: str, notes: list[str]) -> int
 
 
 def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPOConfig, policy: ModelShape,
-                       model: ModelShape, device: Device, counts: Counts, processes: int | None = None) -> StagePlan:
+                       model: ModelShape, target: Target) -> StagePlan:
     """SFT, reward or DPO: a TRL trainer on `batch_size` examples of `max_length` tokens per process
     (pairs: chosen and rejected in one batch), then the main process's samples or evaluation."""
-    n, sharded = _engine(section.launch, processes)
-    autocast = _autocast(section, device)
-    compute = 2 if autocast else 4
-    sharding = n if sharded else 1
+    layout, device = Layout.of(section, target), target.device
+    sharded, sharding, autocast, compute = layout.sharded, layout.sharding, layout.autocast, layout.compute
     notes: list[str] = []
     frozen = section.frozen_dtype if stage == "dpo" else "float32"  # under LoRA adapters
-    trained = _trained("reward model" if stage == "reward" else "policy", model, section.lora, frozen, sharding,
-                       compute, head_trains=stage == "reward")
+    trained = _trained("reward model" if stage == "reward" else "policy", model, section.lora, frozen, layout,
+                       head_trains=stage == "reward")
     held = [trained]
     if stage == "dpo" and section.lora is None:  # the reference: a frozen copy (LoRA: the adapters disabled)
         held.append(_frozen("reference", model, "float32", sharding))
     sequences = section.batch_size * (2 if stage in ("reward", "dpo") else 1)
     logits_positions = 0 if stage == "reward" else section.max_length
     largest_layer = model.layer_parameters * compute
-    training = _training_extras([trained], n, sharded, autocast, largest_layer) | {
+    training = _training_extras([trained], layout, largest_layer) | {
         "activations": training_activations(model, sequences, section.max_length, logits_positions, autocast,
                                             section.gradient_checkpointing)}
     if stage == "dpo" and section.lora is None:
@@ -271,7 +305,7 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
     if stage == "sft":
         phases["hand-off"] = streamed | {"samples": kv_cache(model, section.num_samples, section.max_length, autocast)}
     elif stage == "reward":
-        prompts = _count(counts.reward_normalization_prompts, 64, "reward.normalization_prompts", notes)
+        prompts = _count(target.counts.reward_normalization_prompts, 64, "reward.normalization_prompts", notes)
         sequences = prompts * section.normalization_samples
         sequences = min(sequences, section.normalization_micro_batch_size or sequences)
         phases["hand-off"] = streamed | {
@@ -279,7 +313,7 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
             "normalization_samples": kv_cache(policy, sequences, section.max_length, None),
             "normalization_forward": forward_without_gradients(policy, 1, section.max_length, 1, None)}
     else:
-        prompts = _count(counts.dpo_eval_prompts, 64, "dpo.evaluation.prompts", notes)
+        prompts = _count(target.counts.dpo_eval_prompts, 64, "dpo.evaluation.prompts", notes)
         evaluated = prompts * section.evaluation.samples_per_prompt
         sequences = min(evaluated, section.sampling.micro_batch_size or evaluated)
         length = section.max_prompt_length + section.sampling.response_length
@@ -303,47 +337,63 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
     if sharded:
         phases["loading"] = loading(sum(h.weights for h in held) + received, model, device.kind)
         alone = frozenset({"loading"})
-    return StagePlan(stage=stage, processes=n, sharded=sharded, held=held, phases=phases, notes=notes, alone=alone)
+    return StagePlan(stage=stage, processes=layout.processes, sharded=sharded, held=held, phases=phases, notes=notes,
+                     alone=alone)
 
 
-def _ppo_models(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, teacher: ModelShape | None,
-                sharding: int, compute: int) -> tuple[list[Held], list[str]]:
+@dataclass(frozen=True)
+class PPOShapes:
+    """The models a PPO run holds, by their shapes."""
+
+    policy: ModelShape
+    """The policy's: its reference's too, and a `policy` critic's body."""
+    reward: ModelShape | None
+    """The reward model's where the reward uses one (and a `reward` critic's body); None: no reward model."""
+    frozen: dict[str, ModelShape] = field(default_factory=dict)
+    """By name, the frozen models besides the reference whose logits each rollout takes: the distillation `teacher`."""
+
+    @classmethod
+    def of(cls, section: PPOConfig, shapes: dict[str, ModelShape]) -> PPOShapes:
+        """The models `section` holds, from `shapes` by name; one not in `shapes` (unread) as large as the policy."""
+        policy = shapes["policy"]
+        reward = reward_shape(shapes.get("reward", policy)) if section.reward.uses_model else None
+        frozen = {"teacher": shapes.get("teacher", policy)} if section.teacher else {}
+        return cls(policy, reward, frozen)
+
+
+def _ppo_models(section: PPOConfig, models: PPOShapes, layout: Layout) -> tuple[list[Held], list[str]]:
     """The models a PPO run holds, the policy first, and notes on them."""
     notes: list[str] = []
-    frozen = section.frozen_dtype
-    held = [_trained("policy", policy, section.lora, frozen, sharding, compute)]
+    policy, reward, frozen, sharding = models.policy, models.reward, section.frozen_dtype, layout.sharding
+    held = [_trained("policy", policy, section.lora, frozen, layout)]
     if section.lora is None:
         held.append(_frozen("reference", policy, frozen, sharding))
     critic_kind = section.critic.kind if section.uses_critic else None
     if critic_kind == "reward-lora":
-        held.append(_trained("reward model + critic", reward, section.critic.lora, frozen, sharding, compute,
-                             head_trains=True))
+        held.append(_trained("reward model + critic", reward, section.critic.lora, frozen, layout, head_trains=True))
     elif reward is not None:
         held.append(_frozen("reward model", reward, frozen, sharding))
     else:
-        notes.append("no reward model: the reward is Python functions alone" if teacher is None
-                     else "no reward model: the teacher's term is the reward")
-    if teacher is not None:  # frozen like the reference, offloaded with it
-        held.append(_frozen("teacher", teacher, frozen, sharding))
+        notes.append("no reward model: the reward is its other terms alone (functions, remote ones, a teacher's)")
+    # Frozen like the reference, offloaded with it.
+    held += [_frozen(name, shape, frozen, sharding) for name, shape in models.frozen.items()]
     if critic_kind in ("reward", "policy"):
         held.append(_trained("critic", reward_shape(policy) if critic_kind == "policy" else reward, None, frozen,
-                             sharding, compute))
+                             layout))
     elif critic_kind in ("shared", "detached"):
         notes.append("critic: a value head on the policy's body (hidden + 1 parameters)")
     return held, notes
 
 
-def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, device: Device, counts: Counts,
-             processes: int | None = None, teacher: ModelShape | None = None) -> StagePlan:
+def plan_ppo(section: PPOConfig, models: PPOShapes, target: Target) -> StagePlan:
     """PPO as `stages.ppo.train_ppo` holds and runs it: policy (with LoRA: its frozen weights are the
-    reference), reference, reward model (None: a reward of functions alone), critic, distillation
-    teacher; sampling, the rollout's forwards, the update's micro-batches, the evaluations."""
-    n, sharded = _engine(section.launch, processes)
-    autocast = _autocast(section, device)
-    compute = 2 if autocast else 4
-    sharding = n if sharded else 1
-    held, notes = _ppo_models(section, policy, reward, teacher, sharding, compute)
-    pol = held[0]
+    reference), reference, reward model (None: a reward of functions alone), critic, the frozen models
+    whose logits the rollout takes (a distillation teacher); sampling, the rollout's forwards, the
+    update's micro-batches, the evaluations."""
+    layout, device = Layout.of(section, target), target.device
+    n, sharded, autocast, compute = layout.processes, layout.sharded, layout.autocast, layout.compute
+    held, notes = _ppo_models(section, models, layout)
+    policy, reward, pol = models.policy, models.reward, held[0]
     critic_kind = section.critic.kind if section.uses_critic else None
     critic_model = reward_shape(policy) if critic_kind == "policy" else reward
 
@@ -352,7 +402,7 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, 
     micro = section.micro_batch_size or section.rollout_batch_size // (section.num_minibatches * n)
     trained = [h for h in held if h.trained]
     largest_layer = max(policy.layer_parameters, (reward or policy).layer_parameters) * compute
-    update = _training_extras(trained, n, sharded, autocast, largest_layer) | {
+    update = _training_extras(trained, layout, largest_layer) | {
         "policy_activations": training_activations(policy, micro, length, section.response_tokens + 1,
                                                    autocast, section.gradient_checkpointing)}
     if critic_kind in ("reward", "reward-lora", "policy"):
@@ -360,7 +410,7 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, 
                                                             section.gradient_checkpointing)
     gathered_policy = {"gathered_policy": policy.parameters * compute} if sharded and \
         section.sharded_sampling == "whole" else {}
-    eval_prompts = _count(counts.ppo_eval_prompts, section.rollout_batch_size // section.samples_per_prompt,
+    eval_prompts = _count(target.counts.ppo_eval_prompts, section.rollout_batch_size // section.samples_per_prompt,
                           "ppo.evaluation.prompts", notes)
     evaluated = eval_prompts * section.evaluation.samples_per_prompt  # every process evaluates every held-out prompt
     at_once = section.sampling.micro_batch_size or max(local, evaluated)
@@ -369,8 +419,8 @@ def plan_ppo(section: PPOConfig, policy: ModelShape, reward: ModelShape | None, 
     forwards = {"logits": forward_without_gradients(policy, rolled, length, section.response_tokens + 1, autocast)}
     if reward is not None:
         forwards["scoring"] = forward_without_gradients(reward, scored, length, 0, autocast)
-    if teacher is not None:  # its logits beside the policy's, which the rollout still holds
-        forwards["teacher_logits"] = forward_without_gradients(teacher, rolled, length, section.response_tokens + 1,
+    for name, shape in models.frozen.items():  # their logits beside the policy's, which the rollout still holds
+        forwards[f"{name}_logits"] = forward_without_gradients(shape, rolled, length, section.response_tokens + 1,
                                                                autocast)
     phases = {
         "sampling": gathered_policy | {"kv_cache": kv_cache(policy, rolled, length, autocast)},

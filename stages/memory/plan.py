@@ -12,14 +12,16 @@ has how it compares with measurement."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rlhf.config import PipelineConfig
 from rlhf.sections.base import LaunchConfig, LoRAConfig, PolicyLoRAConfig, StageName, TrainedStage
 from stages.memory.phases import (
     Counts,
     Device,
+    PPOShapes,
     StagePlan,
+    Target,
     plan_ppo,
     plan_trainer_stage,
     this_device,
@@ -30,20 +32,18 @@ FSDP_CONFIG = "configs/accelerate/fsdp.yaml"
 
 
 
-def plan_stage(cfg: PipelineConfig, stage: StageName, shapes: dict[str, ModelShape], device: Device,
-               counts: Counts = Counts(), processes: int | None = None, section=None) -> StagePlan:
-    """`stage`'s plan with `section` (default: the config's) and the models in `shapes`
-    (`policy`, and `reward` where the reward model is its own)."""
+def plan_stage(cfg: PipelineConfig, stage: StageName, shapes: dict[str, ModelShape], target: Target,
+               section=None) -> StagePlan:
+    """`stage`'s plan for `target` with `section` (default: the config's) and the models in `shapes`
+    (`policy`, `reward` where the reward model is its own, PPO's `teacher`)."""
     section = section or getattr(cfg, stage)
-    if auto_fields(stage, section, counts, processes):
-        section = resolve_micro_batches(stage, section, shapes, device, counts, processes)
-    policy = shapes["policy"]
+    if auto_fields(stage, section, target.counts, target.processes):
+        section = resolve_micro_batches(stage, section, shapes, target)
     if stage == "ppo":
-        reward = reward_shape(shapes.get("reward", policy)) if section.reward.uses_model else None
-        teacher = shapes.get("teacher", policy) if section.teacher else None  # unread: as large as the policy
-        return plan_ppo(section, policy, reward, device, counts, processes, teacher)
+        return plan_ppo(section, PPOShapes.of(section, shapes), target)
+    policy = shapes["policy"]
     model = reward_shape(shapes.get("reward", policy)) if stage == "reward" else policy
-    return plan_trainer_stage(stage, section, policy, model, device, counts, processes)
+    return plan_trainer_stage(stage, section, policy, model, target)
 
 
 # --- micro-batches chosen for the device ------------------------------------------------------------------------
@@ -86,22 +86,21 @@ def auto_fields(stage: StageName, section, counts: Counts, processes: int | None
     return fields
 
 
-def resolve_micro_batches(stage: StageName, section, shapes: dict[str, ModelShape], device: Device, counts: Counts,
-                          processes: int | None = None):
+def resolve_micro_batches(stage: StageName, section, shapes: dict[str, ModelShape], target: Target):
     """`section` with every `auto` micro-batch size resolved: each the largest of its candidates
-    (`auto_fields`) whose plan fits `device` with `AUTO_MARGIN`, the others at their smallest while
-    it is chosen, in `auto_fields`' order; the smallest where none fits (the plan then says so).
+    (`auto_fields`) whose plan fits the target's device with `AUTO_MARGIN`, the others at their smallest
+    while it is chosen, in `auto_fields`' order; the smallest where none fits (the plan then says so).
     Explicit sizes are kept as they are."""
     from rlhf.config import with_overrides
 
-    fields = auto_fields(stage, section, counts, processes)
+    fields = auto_fields(stage, section, target.counts, target.processes)
     if not fields:
         return section
     section = with_overrides(section, {name: candidates[-1] for name, candidates in fields})
     for name, candidates in fields:
         for value in candidates[:-1]:
             trial = with_overrides(section, {name: value})
-            if device.fits(plan_stage(None, stage, shapes, device, counts, processes, trial), AUTO_MARGIN):
+            if target.device.fits(plan_stage(None, stage, shapes, target, trial), AUTO_MARGIN):
                 section = trial
                 break
     return section
@@ -124,7 +123,7 @@ def with_micro_batches(stage: StageName, section, counts: Counts, policy_locatio
     shapes = {"policy": model_shape(policy_location, section.trust_remote_code)}
     if reward_location is not None:
         shapes["reward"] = model_shape(reward_location, section.trust_remote_code)
-    resolved = resolve_micro_batches(stage, section, shapes, this_device(), counts)
+    resolved = resolve_micro_batches(stage, section, shapes, Target(this_device(), counts))
     if reporting is not None:
         reporting.params({f"auto.{name}": value for name, value in resolved_values(stage, section, resolved).items()})
     return resolved
@@ -175,20 +174,22 @@ def sharding_over(n: int) -> tuple[str, dict]:
             {"launch": LaunchConfig(num_processes=n, accelerate_config=FSDP_CONFIG)})
 
 
-def what_fits(section: TrainedStage, stage: StageName, shapes: dict[str, ModelShape], device: Device,
-              counts: Counts, max_processes: int = 64, most: int = 5) -> list[str]:
-    """Ways to bring the stage under `device`'s memory, cheapest first: the fewest knobs (sharding
-    counts as one, at the fewest processes that fit), and at each count the knobs in `knobs`' order;
-    at most `most` ways, from the smallest count that has any and the next."""
+def what_fits(section: TrainedStage, stage: StageName, shapes: dict[str, ModelShape], target: Target,
+              max_processes: int = 64, most: int = 5) -> list[str]:
+    """Ways to bring the stage under the target's device memory, cheapest first: the fewest knobs
+    (sharding counts as one, at the fewest processes that fit), and at each count the knobs in
+    `knobs`' order; at most `most` ways, from the smallest count that has any and the next. Each way
+    is planned at its section's own process count (the target's is not kept: sharding sets it)."""
     import itertools
 
     options = knobs(stage, section)
     shardings = [sharding_over(n) for n in (2, 4, 8, 16, 32, 64) if n <= max_processes]
+    target = replace(target, processes=None)
 
     def fits(chosen) -> bool:
         updates = {k: v for _, fields in chosen for k, v in fields.items()}
         changed = section.model_copy(update=updates)
-        return device.fits(plan_stage(None, stage, shapes, device, counts, section=changed))
+        return target.device.fits(plan_stage(None, stage, shapes, target, section=changed))
 
     found: list[tuple[frozenset[str], int, str]] = []  # (knobs, processes, the way as written)
 
@@ -280,19 +281,18 @@ def model_shapes(cfg: PipelineConfig, resolve=lambda location: location) -> dict
     return shapes
 
 
-def plan(cfg: PipelineConfig, stages: list[str], shapes: dict[str, ModelShape], device: Device,
-         counts: Counts = Counts(), processes: int | None = None, per_node: int | None = None) -> Plan:
-    """Every stage's plan on `device` (nodes of `per_node` processes; default: `NODE_GPUS` on a GPU,
+def plan(cfg: PipelineConfig, stages: list[str], shapes: dict[str, ModelShape], target: Target,
+         per_node: int | None = None) -> Plan:
+    """Every stage's plan for `target` (nodes of `per_node` processes; default: `NODE_GPUS` on a GPU,
     one machine on the CPU), whether it fits, and for those that do not, what would."""
+    device = target.device
     per_node = per_node or (NODE_GPUS if device.kind == "cuda" else None)
-    sections = {stage: resolve_micro_batches(stage, getattr(cfg, stage), shapes, device, counts, processes)
-                for stage in stages}
-    plans = {stage: plan_stage(cfg, stage, shapes, device, counts, processes, sections[stage]) for stage in stages}
+    sections = {stage: resolve_micro_batches(stage, getattr(cfg, stage), shapes, target) for stage in stages}
+    plans = {stage: plan_stage(cfg, stage, shapes, target, sections[stage]) for stage in stages}
     nodes = {stage: ranks_per_node(p.processes, per_node, vllm_gpus(sections[stage], device))
              for stage, p in plans.items()}
     verdicts = {stage: device.fits(p, on_node=max(nodes[stage])) for stage, p in plans.items()}
-    fixes = {stage: what_fits(sections[stage], stage, shapes, device, counts)
-             for stage, ok in verdicts.items() if not ok}
+    fixes = {stage: what_fits(sections[stage], stage, shapes, target) for stage, ok in verdicts.items() if not ok}
     chosen = {stage: resolved_values(stage, getattr(cfg, stage), sections[stage]) for stage in stages}
     return Plan(device=device, stages=plans, verdicts=verdicts, fixes=fixes,
                 micro_batches={stage: values for stage, values in chosen.items() if values}, nodes=nodes)

@@ -101,6 +101,20 @@ class _Pace:
         await asyncio.sleep(start - now)
 
 
+@dataclass
+class _Batch:
+    """What one batch's requests share: the connection, the server's limits, and the outcome they fill."""
+
+    client: httpx.AsyncClient
+    """The connection to the server, with its timeout and headers."""
+    limit: asyncio.Semaphore
+    """`max_concurrent`: requests in flight at once."""
+    pace: _Pace | None
+    """`max_rpm`'s spacing of request starts; None: unpaced."""
+    outcome: RemoteOutcome
+    """The batch's scores, failures and retries."""
+
+
 class RemoteReward:
     """A remote term's client: `score(prompts, responses, complete, batch)` -> `RemoteOutcome`."""
 
@@ -194,17 +208,18 @@ class RemoteReward:
             await self._resolve_model()
         groups = [list(range(i, min(i + size, len(responses)))) for i in range(0, len(responses), size)]
         outcome = RemoteOutcome(values=[None] * len(responses))
-        limit = asyncio.Semaphore(cfg.max_concurrent)
-        pace = _Pace(60.0 / cfg.max_rpm) if cfg.max_rpm else None
         timeout = httpx.Timeout(cfg.timeout_s)
         async with httpx.AsyncClient(timeout=timeout, headers=self.headers()) as client:
+            batch = _Batch(client, asyncio.Semaphore(cfg.max_concurrent),
+                           _Pace(60.0 / cfg.max_rpm) if cfg.max_rpm else None, outcome)
+
             async def one(rows: list[int]) -> None:
                 reference = references[rows[0]] if references is not None else None
                 policy_first = reference is not None and _policy_first(responses[rows[0]], reference)
                 body = self._body([prompts[i] for i in rows], [responses[i] for i in rows],
                                   [complete[i] for i in rows], reference, policy_first)
                 try:
-                    values = await self._send(client, body, len(rows), limit, pace, outcome, policy_first)
+                    values = await self._send(batch, body, len(rows), policy_first)
                 except _Failed as e:
                     outcome.failures.update({i: e.reason for i in rows})
                     return
@@ -237,22 +252,22 @@ class RemoteReward:
         return {"model": self._model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": JUDGE_MAX_TOKENS, "temperature": 0.0, **self.cfg.extra_body}
 
-    async def _send(self, client: httpx.AsyncClient, body: dict, rows: int, limit: asyncio.Semaphore,
-                    pace: _Pace | None, outcome: RemoteOutcome, policy_first: bool) -> list[float | None]:
-        """One request's values, retried as the module says (each retry counted in `outcome`); `_Failed` once
-        it gives up."""
+    async def _send(self, batch: _Batch, body: dict, rows: int, policy_first: bool) -> list[float | None]:
+        """One request's values (`rows` of them; `policy_first`: as `_values` reads them), within the
+        batch's limits, retried as the module says (each retry counted in `batch.outcome`); `_Failed`
+        once it gives up."""
         async def attempt() -> list[float | None]:
-            if pace is not None:
-                await pace.wait()
-            async with limit:
+            if batch.pace is not None:
+                await batch.pace.wait()
+            async with batch.limit:
                 with http_failures(f"no answer within {self.cfg.timeout_s:g} s (remote.timeout_s)"):
-                    answer = await client.post(self.endpoint, json=body)
+                    answer = await batch.client.post(self.endpoint, json=body)
                 if answer.status_code != 200:
                     raise TryFailed(f"HTTP {answer.status_code}: {answer.text[:200]!r}", answer)
                 return self._values(answer, rows, policy_first)
 
         def counted() -> None:
-            outcome.retries += 1
+            batch.outcome.retries += 1
 
         try:
             return await retried_async(attempt, self.cfg, on_retry=counted)

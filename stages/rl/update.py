@@ -150,9 +150,8 @@ def _micro_batch_step(learner: Learner, micro: TrainingBatch, totals: Totals, it
     logps = log_probs(logits, cfg.sampling.temperature)  # (b, T, V): the policy loss's and the teacher loss's
     logprobs = picked(logps, micro.responses)
     clip = PolicyClip(low=cfg.clip_low, high=cfg.clip_high, level=cfg.ratio_level, aggregation=cfg.loss_aggregation,
-                      length=cfg.aggregation_length)
-    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, counted, clip, micro.engine_weights,
-                                 totals)
+                      length=cfg.aggregation_length, totals=totals)
+    policy = clipped_policy_loss(logprobs, micro.logprobs, micro.advantages, counted, clip, micro.engine_weights)
     # Without an entropy bonus the entropy is a statistic only: no graph through the softmax.
     entropy = masked_mean(entropy_of(logits if cfg.entropy_coef else logits.detach(), cfg.sampling.temperature),
                           counted, num_tokens=num_tokens)

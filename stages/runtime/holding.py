@@ -234,7 +234,7 @@ class Sharded:
 
     def save_plain(self, model: torch.nn.Module, tokenizer, folder: Path, dtype: torch.dtype) -> None:
         """`save_streamed`: gathered and written a tensor at a time, never whole anywhere (collective)."""
-        save_streamed(model, tokenizer, folder, dtype, self.accelerator.is_main_process)
+        save_streamed(model, tokenizer, folder, SaveFormat(dtype), self.accelerator.is_main_process)
 
     def save(self, folder: Path, modules: dict[str, torch.nn.Module], optimizer) -> None:
         """Each process writes its shards of every module and of the optimizer state
@@ -343,6 +343,18 @@ SHARD_BYTES = 5 * 1024 ** 3
 50 GB). Memory does not depend on it: tensors are written as they are gathered."""
 
 
+@dataclass(frozen=True)
+class SaveFormat:
+    """How `save_streamed` writes a model's tensors."""
+
+    dtype: torch.dtype
+    """What its floating-point tensors are written in."""
+    shard_bytes: int = SHARD_BYTES
+    """The largest file written: above it, several files and an index."""
+    untie: bool = False
+    """Write a tied output head as its own tensor all the same (`untied_head`)."""
+
+
 def plain_tensors(module: torch.nn.Module, untie: bool = False) -> list[tuple[str, torch.Size, torch.dtype,
                                                                               Callable[[], torch.Tensor]]]:
     """(name, shape, dtype, gather) for every parameter and persistent buffer of `module` (tied ones once),
@@ -390,27 +402,26 @@ def plain_tensors(module: torch.nn.Module, untie: bool = False) -> list[tuple[st
     return entries
 
 
-def save_streamed(module: torch.nn.Module, tokenizer, folder: Path, dtype: torch.dtype, main: bool,
-                  shard_bytes: int = SHARD_BYTES, untie: bool = False) -> Path:
+def save_streamed(module: torch.nn.Module, tokenizer, folder: Path, form: SaveFormat, main: bool) -> Path:
     """`module` (a transformers model, sharded or not, maybe with LoRA adapters) saved as the plain
-    model it stands for, its floating-point tensors in `dtype`: safetensors files of at most
-    `shard_bytes` and, above one, an index, as `save_pretrained` writes them; its config, generation
-    config and `tokenizer` beside (collective; rank 0 writes). Each file's header is written first,
-    from the shapes, then each tensor's bytes as it is gathered: no process holds more than one
+    model it stands for, its floating-point tensors in `form.dtype`: safetensors files of at most
+    `form.shard_bytes` and, above one, an index, as `save_pretrained` writes them; its config, generation
+    config and `tokenizer` beside (collective; `main`, rank 0, writes). Each file's header is written
+    first, from the shapes, then each tensor's bytes as it is gathered: no process holds more than one
     tensor of the model at a time. A tied output head is written untied (its own tensor, the config
-    saying `tie_word_embeddings: false`) where `untied_head(module, untie)` says so."""
+    saying `tie_word_embeddings: false`) where `untied_head(module, form.untie)` says so."""
     from accelerate.utils import is_peft_model
     from torch.distributed.fsdp import FSDPModule
 
     from stages.runtime.models import finish_checkpoint
 
-    entries = [(name, shape, dtype if kind.is_floating_point else kind, gather)
-               for name, shape, kind, gather in plain_tensors(module, untie)]
+    entries = [(name, shape, form.dtype if kind.is_floating_point else kind, gather)
+               for name, shape, kind, gather in plain_tensors(module, form.untie)]
     files: list[list[tuple]] = [[]]
     size = 0
     for entry in entries:
         nbytes = entry[1].numel() * entry[2].itemsize
-        if files[-1] and size + nbytes > shard_bytes:
+        if files[-1] and size + nbytes > form.shard_bytes:
             files.append([])
             size = 0
         files[-1].append(entry)
@@ -422,7 +433,7 @@ def save_streamed(module: torch.nn.Module, tokenizer, folder: Path, dtype: torch
         folder.mkdir(parents=True, exist_ok=True)
         plain.config.architectures = [next(c.__name__ for c in type(plain).__mro__ if not issubclass(c, FSDPModule))]
         plain.config.save_pretrained(folder)
-        if untied_head(module, untie) is not None:  # the model in memory stays tied
+        if untied_head(module, form.untie) is not None:  # the model in memory stays tied
             config = json.loads((folder / "config.json").read_text())
             (folder / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}, indent=2) + "\n")
         if getattr(plain, "generation_config", None) is not None:
@@ -440,7 +451,7 @@ def save_streamed(module: torch.nn.Module, tokenizer, folder: Path, dtype: torch
         total = sum(shape.numel() * kind.itemsize for _, shape, kind, _ in entries)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return finish_checkpoint(folder, tokenizer, dtype) if main else folder
+    return finish_checkpoint(folder, tokenizer, form.dtype) if main else folder
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
