@@ -56,7 +56,8 @@ NEW_IN_TREE = pytest.StashKey[list[str]]()
 def _tree_status() -> set[str] | None:
     """The working tree's `git status --porcelain`, one line per changed, untracked or ignored file (ignored too:
     `mlruns/` is ignored so that it is never committed, and a test that writes there must still be caught),
-    less the caches; None outside a git checkout."""
+    less the caches and the virtual environments (Prefect's server unpacks its UI into its own package on a
+    first start); None outside a git checkout."""
     try:
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--ignored"], cwd=REPO,
                                 capture_output=True, text=True, timeout=120)
@@ -64,7 +65,8 @@ def _tree_status() -> set[str] | None:
         return None
     if status.returncode != 0:
         return None
-    return {line for line in status.stdout.splitlines() if not CACHES & set(Path(line[3:]).parts)}
+    return {line for line in status.stdout.splitlines()
+            if not CACHES & set(Path(line[3:]).parts) and not (REPO / Path(line[3:]).parts[0] / "pyvenv.cfg").exists()}
 
 
 def pytest_sessionstart(session):

@@ -269,3 +269,12 @@ def test_a_critic_section_applies_with_gae_only():
     assert with_overrides(load_config("configs/tiny.yaml").ppo, {"advantage_estimator": "rloo",
                                                                  "samples_per_prompt": 2}).critic is None
 
+
+
+def test_the_repository_root_is_the_checkout_wherever_the_config_modules_sit():
+    """Relative config paths, the stack's state and the vLLM environment are found from REPO_ROOT: a module
+    moved one folder deeper must not move the root with it."""
+    from rlhf.sections.base import REPO_ROOT
+
+    assert REPO_ROOT == Path(__file__).resolve().parent.parent
+    assert (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "scripts" / "ray_cluster.sh").is_file()

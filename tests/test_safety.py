@@ -14,8 +14,8 @@ from tests.helpers import ppo_inputs
 from tests.stack import STACK
 
 
-def test_the_stack_binds_to_localhost_unless_told_otherwise():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLHF_HOST")}
+def test_the_stack_binds_to_localhost_unless_told_otherwise(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLHF_HOST")} | {"RLHF_HOME": str(tmp_path)}
     exported = subprocess.run([str(STACK), "env"], env=env, capture_output=True, text=True, check=True).stdout
     assert 'PREFECT_API_URL="http://127.0.0.1:' in exported and 'MLFLOW_TRACKING_URI="http://127.0.0.1:' in exported
     script = STACK.read_text()

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 StageName = Literal["sft", "reward", "ppo", "dpo"]
