@@ -88,9 +88,10 @@ def test_docs_config_reference_matches_the_code(tmp_path):
     assert (tmp_path / "config.md").read_text() == expected
 
 
-PPO_SETTINGS = 140
+PPO_SETTINGS = 141
 """The ppo section's settings (`rlhf.config_guide.leaves`): 149 on 2026-11-28, 140 after the merges of
-docs/config.md's "Merged settings". A smoke detector: a new capability merges what says the same first."""
+docs/config.md's "Merged settings", 141 with `rollout.correction` (kind, level, bounds), which took the
+place of `vllm.importance_sampling` and its cap. A smoke detector: a new capability merges what says the same first."""
 
 
 def test_the_ppo_section_does_not_grow_its_settings_back():
@@ -208,7 +209,7 @@ _AHEAD = {"ppo.rollout_engine": "vllm", "ppo.vllm.python": sys.executable, "demo
 
 @pytest.mark.parametrize("overrides, message", [
     ({"ppo.rollout_engine": "hf"}, "the trained model samples itself, in the trainer's own processes"),
-    ({"ppo.vllm.importance_sampling": None}, "without them the update is biased"),
+    ({"ppo.rollout.correction": {"kind": "none"}}, "without them the update is biased"),
     ({"ppo.advantage_estimator": "grpo", "ppo.dynamic_sampling": {"max_rounds": 2}},
      "dynamic_sampling decides how many prompts an iteration takes from its scores"),
 ])

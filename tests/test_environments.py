@@ -295,7 +295,7 @@ def test_what_episodes_cannot_do_is_refused_with_the_reason(tools_trained):
     # Any existing Python stands for the vLLM environment: the refusal is the config's, before any server starts.
     with pytest.raises(ValueError, match="sampling ahead"):
         _tool_cfg(cfg, rollout_engine="vllm", rollout={"max_staleness": 1},
-                  vllm={"importance_sampling": "token", "python": sys.executable})
+                  vllm={"python": sys.executable})
     with pytest.raises(ValueError, match="exactly one of tools, factory, rollout and server"):
         _tool_cfg(cfg, environment={"factory": "a:b"})
     with pytest.raises(ValueError, match="not 'module:function'"):

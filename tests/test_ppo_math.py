@@ -22,6 +22,7 @@ from stages.common.tensors import (
 )
 from stages.math.ppo_math import (
     AGGREGATIONS,
+    Correction,
     KLController,
     PolicyClip,
     Totals,
@@ -31,13 +32,13 @@ from stages.math.ppo_math import (
     clipped_policy_loss,
     clipped_value_loss,
     discounted_returns,
-    engine_importance_weights,
     explained_variance,
     gae,
     group_baselined,
     grpo_advantages,
     kl_estimate,
     loss_denominator,
+    mismatch_weights,
     overlong_penalty,
     policy_ratio,
     rloo_advantages,
@@ -205,23 +206,74 @@ def test_overlong_penalty_falls_linearly_over_the_buffer():
     assert overlong_penalty(lengths, 10, 4).tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0])
 
 
-def test_engine_importance_weights_per_token_and_per_sequence_truncated_at_the_cap():
+def test_truncated_weights_per_token_and_per_sequence_stop_at_the_bounds():
     # Trainer log-probs against an engine's on two tokens and a padding slot:
-    # token 1: -1.0 - (-1.5) = +0.5 -> e^0.5 = 1.6487, capped at 1.5; token 2: -2.0 - (-1.0) = -1 -> e^-1 = 0.3679.
+    # token 1: -1.0 - (-1.5) = +0.5 -> e^0.5 = 1.6487, truncated at 1.5; token 2: -2.0 - (-1.0) = -1 -> e^-1 = 0.3679.
     logprobs = torch.tensor([[-1.0, -2.0, -0.3]])
     engine = torch.tensor([[-1.5, -1.0, -9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    token = engine_importance_weights(logprobs, engine, mask, "token", cap=1.5)
+    token = mismatch_weights(logprobs, engine, mask, Correction("tis", "token", 0.0, 1.5))
     assert token.tolist()[0] == pytest.approx([1.5, math.exp(-1.0), 0.0])
+    # TRL's `token_truncate` clamps from below too: with C_min 0.5, token 2's 0.3679 becomes 0.5
+    floor = mismatch_weights(logprobs, engine, mask, Correction("tis", "token", 0.5, 1.5))
+    assert floor.tolist()[0] == pytest.approx([1.5, 0.5, 0.0])
     # sequence: one weight e^(0.5 - 1) = e^-0.5 = 0.6065 on each real token (the padding's -0.3 + 9 is left out)
-    sequence = engine_importance_weights(logprobs, engine, mask, "sequence", cap=1.5)
+    sequence = mismatch_weights(logprobs, engine, mask, Correction("tis", "sequence", 0.0, 1.5))
     assert sequence.tolist()[0] == pytest.approx([math.exp(-0.5), math.exp(-0.5), 0.0])
-    # a sequence-level product far above the cap is capped without overflowing
-    assert engine_importance_weights(torch.full((1, 200), 0.0), torch.full((1, 200), -5.0), torch.ones(1, 200),
-                                     "sequence", cap=2.0).max().item() == pytest.approx(2.0)
+    # a sequence-level product far above the bound is truncated without overflowing
+    far = mismatch_weights(torch.full((1, 200), 0.0), torch.full((1, 200), -5.0), torch.ones(1, 200),
+                           Correction("tis", "sequence", 0.0, 2.0))
+    assert far.max().item() == pytest.approx(2.0)
     # the same policy on both sides: every weight is 1, and the weighted loss is the unweighted one
-    same = engine_importance_weights(logprobs, logprobs, mask, "token", cap=2.0)
+    same = mismatch_weights(logprobs, logprobs, mask, Correction("tis", "token", 0.0, 2.0))
     assert same.tolist()[0] == [1.0, 1.0, 0.0]
+    assert mismatch_weights(logprobs, engine, mask, Correction("none", "token", 0.0, math.inf)).tolist()[0] == [1] * 3
+
+
+def test_masked_weights_drop_what_lies_outside_the_bounds_per_token_and_per_sequence():
+    """MIS as TRL's `token_mask` / `sequence_mask` and verl's rejection sampling write it: w = rho inside
+    [low, high], 0 outside. Three tokens, rho = 0.25, 1.5, 3 (log-probs differ by log rho):
+      token, [0, 2]:  0.25, 1.5, 0        (3 > 2: masked, where truncation would have given 2)
+      token, [0.5, 2]: 0, 1.5, 0          (0.25 < 0.5 too)
+      sequence, [0, 2]: rho = 0.25 * 1.5 * 3 = 1.125 on each token, inside: kept whole
+      sequence, [0, 1]: 1.125 > 1, the whole sequence masked."""
+    rho = torch.tensor([[0.25, 1.5, 3.0], [1.0, 1.0, 1.0]])
+    engine = torch.full((2, 3), -2.0)
+    logprobs = engine + rho.log()
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    token = mismatch_weights(logprobs, engine, mask, Correction("mis", "token", 0.0, 2.0))
+    assert torch.allclose(token, torch.tensor([[0.25, 1.5, 0.0], [1.0, 1.0, 0.0]]))
+    two_sided = mismatch_weights(logprobs, engine, mask, Correction("mis", "token", 0.5, 2.0))
+    assert torch.allclose(two_sided, torch.tensor([[0.0, 1.5, 0.0], [1.0, 1.0, 0.0]]))
+    sequence = mismatch_weights(logprobs, engine, mask, Correction("mis", "sequence", 0.0, 2.0))
+    assert torch.allclose(sequence, torch.tensor([[1.125] * 3, [1.0, 1.0, 0.0]]))
+    tight = mismatch_weights(logprobs, engine, mask, Correction("mis", "sequence", 0.0, 1.0))
+    assert torch.allclose(tight, torch.tensor([[0.0] * 3, [1.0, 1.0, 0.0]]))
+    # a masked token adds nothing to the loss and takes no gradient: A = 1 on every token, ratio 1
+    current = logprobs.clone().requires_grad_(True)
+    loss = clipped_policy_loss(current, logprobs, torch.ones(2, 3), mask, PolicyClip(low=0.2), token)
+    loss.loss.backward()
+    assert current.grad[0, 2].item() == 0.0 and current.grad[0, 1].item() != 0.0
+
+
+def test_icepop_keeps_tokens_whose_ratio_lies_in_half_to_five_and_masks_the_rest():
+    """IcePop's M(k) = k if k in [alpha, beta] else 0 with alpha 0.5, beta 5 (the kind's bounds):
+    rho = 0.4, 0.5, 4.0, 6.0 -> 0, 0.5, 4.0, 0. A sequence-level IcePop is refused by the config."""
+    from rlhf.sections.ppo import CorrectionConfig
+
+    settings = CorrectionConfig(kind="icepop")
+    assert settings.resolved_bounds == (0.5, 5.0)
+    rho = torch.tensor([[0.4, 0.5, 4.0, 6.0]])
+    engine = torch.full((1, 4), -3.0)
+    weights = mismatch_weights(engine + rho.log(), engine, torch.ones(1, 4), Correction("icepop", "token",
+                                                                                         *settings.resolved_bounds))
+    assert weights.tolist()[0] == pytest.approx([0.0, 0.5, 4.0, 0.0])
+    with pytest.raises(ValueError, match="icepop masks single tokens"):
+        CorrectionConfig(kind="icepop", level="sequence")
+    with pytest.raises(ValueError, match="must lie below"):
+        CorrectionConfig(kind="mis", bounds=[2.0, 2.0])
+    assert CorrectionConfig().resolved_bounds == (0.0, 2.0)
+    assert CorrectionConfig(kind="mis", bounds=[0.5, 3.0]).resolved_bounds == (0.5, 3.0)
 
 
 def test_a_rollout_sampled_one_update_ago_is_clipped_near_the_updates_start_and_weighted_to_its_sampler():
@@ -238,7 +290,7 @@ def test_a_rollout_sampled_one_update_ago_is_clipped_near_the_updates_start_and_
     proximal = torch.tensor([[0.4, 0.3]]).log()
     current = torch.tensor([[0.6, 0.3]]).log()
     advantages, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
-    weights = engine_importance_weights(proximal, behaviour, mask, "token", cap=2.0)
+    weights = mismatch_weights(proximal, behaviour, mask, Correction("tis", "token", 0.0, 2.0))
     assert weights.tolist()[0] == pytest.approx([0.8, 2.0])
     loss = clipped_policy_loss(current, proximal, advantages, mask, PolicyClip(low=0.2), weights)
     assert loss.loss.item() == pytest.approx(0.52)

@@ -209,6 +209,8 @@ class VLLMConfig(_Frozen):
     MERGED: ClassVar[dict[str, str]] = {
         "cuda_visible_devices": 'vllm.devices: the GPUs the server sees (its CUDA_VISIBLE_DEVICES), e.g. "7"',
         "cpu_cores": 'vllm.devices: on a CPU, the cores the server computes on, e.g. "8-15"',
+        "importance_sampling": "ppo.rollout.correction: {kind: tis | mis | icepop | none, level: token | sequence}",
+        "importance_sampling_cap": "ppo.rollout.correction.bounds: [low, high] of the ratio (tis truncates at high)",
     }
 
     python: str = ".vllm-venv/bin/python"
@@ -225,10 +227,6 @@ class VLLMConfig(_Frozen):
     """Longest prompt plus response the server accepts; unset: the model's `max_position_embeddings`."""
     startup_timeout: PositiveFloat = 600.0
     """Seconds to wait for the server to answer `/health` before the stage fails."""
-    importance_sampling: Literal["token", "sequence"] | None = "token"
-    """Correction of the engine mismatch: truncated weights pi_train / pi_vllm per token or per sequence; null: none."""
-    importance_sampling_cap: PositiveFloat = 2.0
-    """Upper bound of the importance weights (truncated importance sampling)."""
 
 
 def vllm_python(settings: VLLMConfig) -> Path:

@@ -5,6 +5,7 @@ config-reference`); docs/settings.md explains each at length."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
@@ -105,11 +106,49 @@ class DynamicSamplingConfig(_Frozen):
     """Sampling rounds an iteration may take, its first included; then dropped groups fill the batch, with a warning."""
 
 
+class CorrectionConfig(_Frozen):
+    """How the update weights tokens that another policy sampled than the one it recomputes them under:
+    the vLLM server's numerics differ from the trainer's, and sampled ahead they come from an older
+    version. The ratio rho = pi_train / pi_sampled is taken per token, or per sequence (the product
+    over its tokens), and bounded (docs/settings.md, "rollout.correction")."""
+
+    kind: Literal["tis", "mis", "icepop", "none"] = "tis"
+    """`tis`: rho truncated to [low, high]; `mis`: rho, 0 outside [low, high]; `icepop`: `mis` per token; `none`: 1."""
+    level: Literal["token", "sequence"] = "token"
+    """One ratio per token, or one per sequence (the product of its tokens' ratios) on each of its tokens."""
+    bounds: tuple[NonNegativeFloat, PositiveFloat] | None = None
+    """[low, high] of rho; unset: the kind's (tis and mis [0, 2], icepop [0.5, 5])."""
+
+    DEFAULT_BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {
+        "tis": (0.0, 2.0), "mis": (0.0, 2.0), "icepop": (0.5, 5.0), "none": (0.0, math.inf)}
+    """Each kind's bounds: truncation at 2 as before (TRL caps at 3), and IcePop's published [0.5, 5]
+    (Ling team, 2025)."""
+
+    @model_validator(mode="after")
+    def _icepop_is_per_token(self) -> CorrectionConfig:
+        """IcePop masks tokens; a sequence-level mask is `mis` with `level: sequence`. Bounds are ordered."""
+        if self.kind == "icepop" and self.level == "sequence":
+            raise ValueError("rollout.correction.kind icepop masks single tokens: use level token, or kind mis "
+                             "with level sequence to mask whole sequences")
+        low, high = self.resolved_bounds
+        if low >= high:
+            raise ValueError(f"rollout.correction.bounds: low ({low}) must lie below high ({high})")
+        return self
+
+    @property
+    def resolved_bounds(self) -> tuple[float, float]:
+        """(low, high): the ones given, else the kind's."""
+        return self.DEFAULT_BOUNDS[self.kind] if self.bounds is None else self.bounds
+
+
 class RolloutConfig(_Frozen):
-    """When rollouts are sampled relative to the updates that train on them."""
+    """When rollouts are sampled relative to the updates that train on them, and how the update corrects
+    for tokens another policy sampled."""
 
     max_staleness: int = Field(0, ge=0)
     """Updates a rollout may lag behind the policy it trains (0: synchronous); above 0 needs `rollout_engine: vllm`."""
+    correction: CorrectionConfig = CorrectionConfig()
+    """The importance weights for tokens the vLLM server sampled: truncated (`tis`) or masked (`mis`, `icepop`)."""
 
 
 class PPOConfig(TrainedStage, SampledStage):
@@ -374,10 +413,10 @@ class PPOConfig(TrainedStage, SampledStage):
             raise ValueError(f"{staleness} samples on the vLLM server while the trainer updates; with rollout_engine "
                              f"{self.rollout_engine!r} the trained model samples itself, in the trainer's own "
                              "processes, so there is nothing to overlap: set rollout_engine: vllm, or max_staleness 0")
-        if self.vllm.importance_sampling is None:
+        if self.rollout.correction.kind == "none":
             raise ValueError(f"{staleness} trains on rollouts an older policy sampled, which only "
-                             "vllm.importance_sampling's weights (pi_trainer / pi_vllm) correct; without them the "
-                             "update is biased: set vllm.importance_sampling to token or sequence, or max_staleness 0")
+                             "rollout.correction's weights (pi_trainer / pi_vllm) correct; without them the "
+                             "update is biased: set rollout.correction.kind to tis, mis or icepop, or max_staleness 0")
         if self.dynamic_sampling is not None:
             raise ValueError(f"{staleness} samples the next iteration's prompts before this one is scored, but "
                              "dynamic_sampling decides how many prompts an iteration takes from its scores: unset "

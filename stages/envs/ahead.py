@@ -15,9 +15,9 @@ as `rollout/staleness`.
 Which policy the old log-probs are computed under: v_{k-1}, the weights the update starts from.
 The trainer recomputes them in its forward passes after taking the rollout (a vLLM rollout never
 reuses the sampling pass), so the clipped ratio pi_theta / pi_{v_{k-1}} keeps each update near
-where it starts, as in synchronous PPO, and the truncated importance weights of
-`vllm.importance_sampling`, min(pi_{v_{k-1}} / pi_vllm, cap), correct for the tokens having been
-drawn by the older v_{k-1-s} on the server (and for the engine's own numerics): decoupled PPO's
+where it starts, as in synchronous PPO, and the importance weights of `rollout.correction` (by
+default truncated, min(pi_{v_{k-1}} / pi_vllm, 2)) correct for the tokens having been drawn by the
+older v_{k-1-s} on the server (and for the engine's own numerics): decoupled PPO's
 proximal and behaviour policies (Hilton et al. 2022; AReaL).
 
 The server reloads weights only with nothing in flight: the trainer `settle`s (waits for every

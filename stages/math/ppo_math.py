@@ -434,7 +434,7 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     Where A > 0 and rho > 1 + eps_high, or A < 0 and rho < 1 - eps_low, the min picks the
     constant clipped term and the token contributes no gradient. eps_high above eps_low is DAPO's
     clip-higher (more room for unlikely tokens to rise). `weights` w (constants; 1 when None) are
-    `engine_importance_weights` when another engine sampled the tokens. agg: `aggregate` over
+    `mismatch_weights` when another policy sampled the tokens. agg: `aggregate` over
     `clip.totals.denominator`; the figures are token means over `clip.totals.tokens` (this batch's when unset).
     # (B, T) x 4 -> PolicyLoss"""
     high = clip.low if clip.high is None else clip.high
@@ -453,17 +453,54 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     )
 
 
-def engine_importance_weights(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
-                              level: str, cap: float) -> torch.Tensor:
-    """Truncated importance weights for tokens an inference engine sampled: w = min(pi_train / pi_engine, cap),
-    per token (`token`) or per sequence (`sequence`: the product over its tokens, on each of them);
-    0 on padding. They correct the policy gradient for the engine computing a slightly different
-    policy than the trainer (TRL's `vllm_importance_sampling_correction`, verl's rollout correction).
-    # (B, T) x 3 -> (B, T)"""
-    log_ratio = (logprobs - engine_logprobs) * mask
+@dataclass(frozen=True)
+class Correction:
+    """The correction for tokens another policy sampled (`rollout.correction`): its kind (tis | mis |
+    icepop | none), its level (token | sequence) and the bounds of the ratio."""
+
+    kind: str
+    level: str
+    low: float
+    high: float
+
+
+def sampler_log_ratio(logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor,
+                      level: str) -> torch.Tensor:
+    """log rho = log pi_train - log pi_sampled per token (`token`), or per sequence (`sequence`: the sum over
+    its tokens, the log of their product, on each of them); 0 on padding. # (B, T) x 3 -> (B, T)"""
+    log_ratio = (logprobs - sampled_logprobs) * mask
     if level == "sequence":
         log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio)
-    return torch.exp(log_ratio.clamp(max=math.log(cap))) * mask
+    return log_ratio
+
+
+def mismatch_weights(logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mask: torch.Tensor,
+                     correction: Correction) -> torch.Tensor:
+    """Importance weights for tokens another policy sampled than the trainer's (an inference engine's
+    numerics, an older version), with rho = pi_train / pi_sampled (`sampler_log_ratio`):
+
+        tis     w = clip(rho, low, high)              truncated IS
+        mis     w = rho * 1[low <= rho <= high]        masked IS: outside the bounds, no gradient at all
+        icepop  w = rho * 1[low <= rho <= high]        per token, with IcePop's bounds [0.5, 5]
+        none    w = 1
+
+    As the peers write them: TRL's `vllm_importance_sampling_mode` `*_truncate` clamps to [C_min, C_max]
+    and `*_mask` sets the ratio to 0 outside them (trl/trainer/grpo_trainer.py, `_generate_and_score_completions`);
+    verl's rollout correction truncates its IS weights and its rejection sampling masks what lies outside
+    [lower, upper] (verl/trainer/ppo/rollout_corr_helper.py); IcePop (Ling team 2025, the correction
+    Ring-1T trained with) is the token-level mask M(k) = k if k in [alpha, beta] else 0, alpha 0.5, beta 5.
+    The ratio is bounded in log space, so a sequence's product never overflows. 0 on padding.
+    # (B, T) x 3 -> (B, T)"""
+    if correction.kind == "none":
+        return torch.ones_like(mask)
+    log_ratio = sampler_log_ratio(logprobs, sampled_logprobs, mask, correction.level)
+    low = math.log(correction.low) if correction.low > 0 else None
+    high = math.log(correction.high)
+    weights = torch.exp(log_ratio.clamp(min=low, max=high))  # tis's truncation; the mask below for the rest
+    if correction.kind in ("mis", "icepop"):
+        inside = (log_ratio <= high) if low is None else (log_ratio >= low) & (log_ratio <= high)
+        weights = weights * inside
+    return weights * mask
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

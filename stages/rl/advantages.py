@@ -12,11 +12,12 @@ from accelerate import Accelerator
 
 from rlhf.sections.ppo import PPOConfig
 from stages.math.ppo_math import (
+    Correction,
     EstimatorInputs,
-    engine_importance_weights,
     estimator_named,
     failed_at_group_mean,
     kl_estimate,
+    mismatch_weights,
 )
 from stages.rewards.scoring import Scores
 from stages.rl.batch import KLWeights, Rollout, TrainingBatch
@@ -82,13 +83,18 @@ def advantages_and_returns(accelerator: Accelerator, cfg: PPOConfig, inputs: Est
     return advantages, returns
 
 
+def correction_of(cfg: PPOConfig) -> Correction:
+    """`rollout.correction` with its bounds resolved (the kind's where none are given)."""
+    settings = cfg.rollout.correction
+    return Correction(settings.kind, settings.level, *settings.resolved_bounds)
+
+
 def engine_weights(rollout: Rollout, cfg: PPOConfig) -> torch.Tensor:
-    """Truncated importance weights pi_train / pi_engine for tokens the vLLM server sampled
-    (`vllm.importance_sampling`); 1 where the trainer sampled or the correction is off. # (B, T)"""
-    if cfg.rollout_engine != "vllm" or cfg.vllm.importance_sampling is None:
+    """The importance weights for tokens the vLLM server sampled (`rollout.correction`: truncated or
+    masked pi_train / pi_vllm); 1 where the trainer sampled. # (B, T)"""
+    if cfg.rollout_engine != "vllm":
         return torch.ones_like(rollout.trainable)
-    return engine_importance_weights(rollout.logprobs, rollout.engine_logprobs, rollout.trainable,
-                                     cfg.vllm.importance_sampling, cfg.vllm.importance_sampling_cap)
+    return mismatch_weights(rollout.logprobs, rollout.engine_logprobs, rollout.trainable, correction_of(cfg))
 
 
 def counted(rollout: Rollout, cfg: PPOConfig) -> torch.Tensor:

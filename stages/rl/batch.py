@@ -94,8 +94,8 @@ class TrainingBatch(Rollout):
     advantages: torch.Tensor = response_columns()  # (B, T)
     returns: torch.Tensor = response_columns()  # (B, T) the critic's targets (its values, 0, without a critic)
     engine_weights: torch.Tensor = response_columns()
-    """(B, T) truncated importance weights for the engine mismatch (`vllm.importance_sampling`); 1 where the
-    trainer sampled or the correction is off."""
+    """(B, T) importance weights for the engine mismatch (`rollout.correction`: truncated or masked); 1 where
+    the trainer sampled or the correction is off."""
     counted: torch.Tensor = response_columns()  # (B, T) the tokens the loss terms count (module docstring)
     kl_weights: KLWeights
     """Where beta went: the KL's weight in the reward and in the loss (the batch's as a whole, no axis)."""

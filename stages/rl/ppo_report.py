@@ -8,12 +8,15 @@ import json
 import time
 
 import pandas as pd
+import torch
 
 from rlhf.sections.ppo import PPOConfig
 from schemas.adapters import last_user_message
 from stages.common.reporting import Reporting
 from stages.common.tensors import masked_mean
 from stages.envs.episode import episode_figures, transcript
+from stages.math.ppo_math import Correction, sampler_log_ratio
+from stages.rl.advantages import correction_of
 from stages.rl.batch import TrainingBatch
 from stages.rl.ppo_state import LoopState
 from stages.rl.rollout import Rollouts
@@ -108,17 +111,33 @@ def iteration_figures(learner: Learner, rollouts: Rollouts, batch: TrainingBatch
         gap = (batch.logprobs - batch.engine_logprobs).abs() * batch.trainable  # (B, T)
         figures |= {"rollout/vllm_logprob_gap": masked_mean(gap, batch.trainable).item(),
                     "rollout/vllm_logprob_gap_max": gap.max().item()}
-        if cfg.vllm.importance_sampling is not None:
-            weights = batch.engine_weights[batch.trainable.bool()]  # (tokens,)
-            capped = weights >= cfg.vllm.importance_sampling_cap - 1e-6
-            figures |= {"rollout/engine_importance_weight": weights.mean().item(),
-                        "rollout/engine_importance_weight_std": weights.std().item() if len(weights) > 1 else 0.0,
-                        "rollout/engine_importance_weight_capped": capped.float().mean().item()}
+        figures |= mismatch_figures(batch, correction_of(cfg))
     if rollouts.source.multi_turn:
         figures |= episode_figures(batch.episodes, "rollout")
     elapsed = time.perf_counter() - started
     return figures | {"time/iteration": elapsed,
                       "time/tokens_per_second": batch.mask.sum().item() * accelerator.num_processes / elapsed}
+
+
+def mismatch_figures(batch: TrainingBatch, correction: Correction) -> dict[str, float]:
+    """How far the vLLM server's tokens are from the trainer's policy, and what `rollout.correction` did
+    with them: the ratio's 5/50/95th percentiles, the weights' mean and spread, the share of tokens the
+    bounds truncated (`tis`) and the share they masked (`mis`, `icepop`)."""
+    if correction.kind == "none" or not batch.trainable.any():
+        return {}
+    trainable = batch.trainable.bool()  # (B, T)
+    log_ratio = sampler_log_ratio(batch.logprobs, batch.engine_logprobs, batch.trainable, correction.level)
+    ratio = log_ratio[trainable].exp()  # (tokens,)
+    weights = batch.engine_weights[trainable]  # (tokens,)
+    low, high = correction.low, correction.high
+    outside = ((ratio < low) | (ratio > high)).float()
+    masking = correction.kind in ("mis", "icepop")
+    p05, p50, p95 = torch.quantile(ratio.float(), torch.tensor([0.05, 0.5, 0.95])).tolist()
+    return {"rollout/engine_importance_weight": weights.mean().item(),
+            "rollout/engine_importance_weight_std": weights.std().item() if len(weights) > 1 else 0.0,
+            "rollout/engine_importance_weight_capped": 0.0 if masking else outside.mean().item(),
+            "rollout/engine_masked_share": outside.mean().item() if masking else 0.0,
+            "rollout/engine_ratio_p05": p05, "rollout/engine_ratio_p50": p50, "rollout/engine_ratio_p95": p95}
 
 
 def report_iteration(reporting: Reporting, rollouts: Rollouts, loop: LoopState, batch: TrainingBatch,
