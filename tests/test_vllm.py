@@ -219,6 +219,22 @@ def test_sampling_ahead_trains_on_rollouts_one_update_old_weighted_to_the_server
     assert len(started) == 1 and _stopped(started[0])
 
 
+def test_masked_correction_drops_the_tokens_the_lag_moved_outside_its_bounds(servable, tmp_path, started):
+    """`rollout.correction.kind: mis` on rollouts one update old: at iteration 0 the server sampled with
+    the weights the trainer has (ratio 1, nothing masked); afterwards the lag moves some tokens' ratio
+    outside [0.98, 1.02] and those, and only those, are masked, none truncated."""
+    cfg, trained = servable
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"advantage_estimator": "reinforce++", "rollout": {
+        "max_staleness": 1, "correction": {"kind": "mis", "bounds": [0.98, 1.02]}}})
+    history = run_ppo(ppo, trained, tmp_path / "out").history
+    assert history[0]["rollout/engine_masked_share"] == 0.0
+    assert all(0 < row["rollout/engine_masked_share"] < 1 for row in history[1:])
+    assert all(row["rollout/engine_importance_weight_capped"] == 0.0 for row in history)
+    assert all(row["rollout/engine_ratio_p05"] <= row["rollout/engine_ratio_p50"] <= row["rollout/engine_ratio_p95"]
+               for row in history)
+    assert len(started) == 1 and _stopped(started[0])
+
+
 def test_a_failure_while_the_server_samples_ahead_leaves_no_server_and_no_sampling_thread(servable, tmp_path, started,
                                                                                            monkeypatch):
     import threading
