@@ -22,7 +22,7 @@ from rlhf.sections.base import DataSource, TrainingConfig
 from schemas.errors import DataContractError
 from schemas.validate import LengthBudget, ValidatedData, data_digest, load_validated
 from stages.common.errors import ChatTemplateError
-from stages.envs.served import env_source, server_problems
+from stages.envs.remote.served import env_source, server_problems
 from stages.memory.phases import Counts, Target, this_device
 from stages.memory.plan import Plan, model_shapes, plan
 from stages.memory.shapes import ModelShape

@@ -1,4 +1,4 @@
-"""`rlhf serve-env`: an environment served over HTTP on our protocol (`stages.envs.served` is its client).
+"""`rlhf serve-env`: an environment served over HTTP on our protocol (`stages.envs.remote.served` is its client).
 
     rlhf serve-env --kind ours --tools rlhf.demo.tools:tools          our tool-calling environment
     rlhf serve-env --kind ours --factory my_env:make                   any `Environment` factory

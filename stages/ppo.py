@@ -61,7 +61,7 @@ from stages.engines.vllm_server import sampler_for
 from stages.envs.ahead import SampledAhead, Schedule
 from stages.envs.episode import EpisodeSource
 from stages.envs.loop import episode_source
-from stages.envs.served import served_environment
+from stages.envs.remote.served import served_environment
 from stages.math.ppo_math import KLController
 from stages.memory.phases import Counts
 from stages.resolved import probed, resolved

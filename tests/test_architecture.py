@@ -42,6 +42,7 @@ LAYERS = {
     "stages/engines": ("stages.common", "stages.runtime", "stages.engines") + CONFIG,
     "stages/rewards": ("stages.common", "stages.runtime", "stages.memory", "stages.rewards") + CONFIG,
     "stages/envs": ("stages.common", "stages.runtime", "stages.engines", "stages.envs") + CONFIG,
+    "stages/envs/remote": ("stages.common", "stages.envs") + CONFIG,  # environments reached over the network
     "stages/rl": ("stages.common", "stages.math", "stages.runtime", "stages.memory", "stages.engines", "stages.envs",
                   "stages.rewards", "stages.rl", "rlhf.evaluation") + CONFIG,
     "stages": ("stages", "rlhf.evaluation") + CONFIG,  # the stage entry points, stages/*.py

@@ -1,4 +1,4 @@
-"""`environment.server.kind: openenv` (`stages.envs.openenv_client`) against a real OpenEnv server: the
+"""`environment.server.kind: openenv` (`stages.envs.remote.openenv_client`) against a real OpenEnv server: the
 example environment (`examples/openenv_lookup`) served by openenv-core 0.3.0 in its own environment
 (`make env-openenv`). One episode through `OpenEnvEpisode`, eight at once, a malformed call, a server
 that is not there, one killed mid-episode, one at capacity; and, on a scripted websocket server of this
@@ -21,9 +21,9 @@ import pytest
 
 from rlhf.sections.environment import EnvironmentServerConfig
 from stages.envs.environment import Step
-from stages.envs.openenv_client import OpenEnvEpisode
 from stages.envs.parsers import AssistantTurn, ToolCall
-from stages.envs.served import EnvironmentServer, EnvironmentServerError, EpisodeRequestFailed
+from stages.envs.remote.openenv_client import OpenEnvEpisode
+from stages.envs.remote.served import EnvironmentServer, EnvironmentServerError, EpisodeRequestFailed
 from tests.helpers import free_port, stop_process, wait_until_healthy
 
 REPO = Path(__file__).resolve().parent.parent

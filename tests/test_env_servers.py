@@ -19,7 +19,7 @@ from rlhf.sections.environment import EnvironmentConfig, EnvironmentServerConfig
 from servers.env_server import EpisodeServer, OursServed
 from stages.envs.loop import episode_runner
 from stages.envs.parsers import AssistantTurn, ToolCall
-from stages.envs.served import (
+from stages.envs.remote.served import (
     EnvironmentServer,
     EpisodeRequestFailed,
     ServedEpisode,
@@ -233,7 +233,7 @@ def test_an_environments_own_prompts_are_the_stages_validated_by_our_contract(to
     as any prompt file (its `liked` column kept); unset without a server, it is refused."""
     from rlhf.sections.base import DataSource
     from schemas.validate import load_validated
-    from stages.envs.served import env_source
+    from stages.envs.remote.served import env_source
     from stages.runtime.models import load_tokenizer
 
     cfg, trained = tools_trained

@@ -1,7 +1,7 @@
 """What every client of a server shares: when a request is tried again and after how long (`retried`, and
 `retried_async` for an event loop's client), and the bearer token it sends. Used by the remote reward
-terms' client (`stages.rewards.remote`) and the environment servers' (`stages.envs.served`,
-`stages.envs.openenv_client`); the settings are a `ServerClientConfig`'s.
+terms' client (`stages.rewards.remote`) and the environment servers' (`stages.envs.remote.served`,
+`stages.envs.remote.openenv_client`); the settings are a `ServerClientConfig`'s.
 
 The rules: a try that cannot connect, or is answered HTTP 408, 429 or 5xx (`RETRIED_STATUSES`), is tried
 again, up to `max_retries` more times, after exponential backoff from `backoff_s` with full jitter (an

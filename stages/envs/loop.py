@@ -37,7 +37,7 @@ from stages.envs.parsers import (
     tool_parser,
     without_special_tokens,
 )
-from stages.envs.served import EnvironmentServer, ServedEpisode
+from stages.envs.remote.served import EnvironmentServer, ServedEpisode
 
 
 class TemplateNotAppendOnly(StageUserError):
@@ -397,7 +397,7 @@ def served_episodes(cfg: EnvironmentServerConfig) -> EnvironmentFactory:
     server = EnvironmentServer(cfg)
     if cfg.kind != "openenv":
         return lambda row: ServedEpisode(server)
-    from stages.envs.openenv_client import OpenEnvEpisode  # websockets: imported where an OpenEnv server is used
+    from stages.envs.remote.openenv_client import OpenEnvEpisode  # websockets: imported where an OpenEnv server is used
 
     return lambda row: OpenEnvEpisode(server)
 

@@ -11,7 +11,7 @@ Two protocols:
       POST /step  {"episode": id, "turn": n, "assistant": {text, content, reasoning, calls}}
                                   {"messages": [...] | null, "reward": float, "done": bool}
       POST /close {"episode": id}
-    openenv: an OpenEnv server's websocket sessions (`stages.envs.openenv_client`).
+    openenv: an OpenEnv server's websocket sessions (`stages.envs.remote.openenv_client`).
 
 Failure rules, as remote rewards' (`stages.rewards.remote`; `stages.common.clients`): a request that
 cannot connect or gets HTTP 408, 429 or 5xx is retried up to `max_retries` times after exponential

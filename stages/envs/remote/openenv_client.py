@@ -50,7 +50,7 @@ from websockets.sync.client import ClientConnection, connect
 from stages.common.clients import RequestFailed, TryFailed
 from stages.envs.environment import Step
 from stages.envs.parsers import AssistantTurn, ToolCall
-from stages.envs.served import EnvironmentServer, EpisodeRequestFailed, checked_messages, jsonable
+from stages.envs.remote.served import EnvironmentServer, EpisodeRequestFailed, checked_messages, jsonable
 
 CLOSE_WAIT_S = 2.0
 """Seconds `close` waits for the server to close the socket, and the closing handshake at most."""
