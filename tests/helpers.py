@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -166,6 +167,29 @@ def scripted_tools(row: dict) -> list:
         Args:
             subject: the thing the user asked about.
         """
+        return TOOL_ANSWER
+
+    return [f]
+
+
+GATE = threading.Event()
+"""`gated_tools`' gate (tests/test_continuous_episodes.py opens it once every fast episode has answered)."""
+WAIT_S = {"s": 30.0}
+"""How long the slow tool waits for the gate before it answers `late` (a test may shorten it)."""
+
+
+def gated_tools(row: dict) -> list:
+    """`environment.tools`: one tool, `f`; in the slow episode it answers only once the gate opens."""
+    slow = "slow" in row["messages"][0]["content"]
+
+    def f(subject: str = "") -> str:
+        """Which adjectives this user likes.
+
+        Args:
+            subject: the thing the user asked about.
+        """
+        if slow:
+            return "in time" if GATE.wait(timeout=WAIT_S["s"]) else "late"
         return TOOL_ANSWER
 
     return [f]

@@ -60,6 +60,12 @@ class EnvironmentConfig(_Frozen):
     """Characters of a tool's answer kept; the rest is cut, and the answer says so."""
     max_failed_share: float = Field(0.5, ge=0.0, le=1.0)
     """Share of an iteration's episodes that may fail; past it the run stops, naming the first failures' reasons."""
+    schedule: Literal["rounds", "continuous"] = "rounds"
+    """`rounds`: every episode's next turn sampled together, then every environment answers; `continuous`:
+    each episode's turn sampled as soon as its environment answered, so a slow tool holds only its own."""
+    concurrent_episodes: PositiveInt | None = None
+    """Episodes whose environment (reset, step) runs at once, each on a thread; unset: a server's
+    `max_concurrent`, else 1 (in-process environments one after another)."""
 
     @model_validator(mode="after")
     def _one_environment(self) -> EnvironmentConfig:
@@ -77,6 +83,8 @@ class EnvironmentConfig(_Frozen):
         return self
 
     @property
-    def concurrent_episodes(self) -> int:
-        """Episodes whose reset or step run at once: a server's `max_concurrent`; in-process ones one by one."""
+    def environments_at_once(self) -> int:
+        """`concurrent_episodes`, or its default: a server's `max_concurrent`, else 1."""
+        if self.concurrent_episodes is not None:
+            return self.concurrent_episodes
         return self.server.max_concurrent if self.server is not None else 1

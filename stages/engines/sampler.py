@@ -42,6 +42,9 @@ class Sampling:
     """Keep each token's log-prob, the entropy and (where the engine can) the hidden state. HF draws
     these responses with its own decode loop, and the others with transformers' `generate`: the two
     consume the random stream differently, so a caller keeps the one its recorded figures came from."""
+    seeds: tuple[int, ...] | None = None
+    """One seed per prompt: each response is drawn from its own random stream, so its tokens do not
+    depend on which prompts share its batch (continuous episodes); None: the caller's stream, as drawn."""
 
 
 @dataclass(kw_only=True)
@@ -61,6 +64,10 @@ class Generation:
 
 class Sampler(Protocol):
     """An engine that answers prompts from the policy's current weights."""
+
+    concurrent: bool
+    """Whether calls from several threads are answered together (a server batches them); False: each call
+    is one batch, on the caller's thread, and the caller batches."""
 
     def generate(self, prompts: list[str], sampling: Sampling) -> Generation:
         """Responses to rendered `prompts`, one per prompt (repeat a prompt for several)."""
@@ -87,13 +94,26 @@ def _in_rows(x: torch.Tensor, live: torch.Tensor, rows: int, fill: float = 0) ->
     return torch.full((rows, *x.shape[1:]), fill, dtype=x.dtype, device=x.device).index_copy(0, live, x)
 
 
-def draw(probs: torch.Tensor) -> torch.Tensor:
+def draw(probs: torch.Tensor, streams: list[torch.Generator] | None = None) -> torch.Tensor:
     """One token per row from categorical `probs` by inverse-CDF sampling: one uniform number per
-    row, where torch.multinomial draws one per vocabulary entry. # (B, V) -> (B, 1)"""
+    row (from the row's own stream where `streams` are given, else the caller's), where
+    torch.multinomial draws one per vocabulary entry. # (B, V) -> (B, 1)"""
     cdf = probs.cumsum(dim=-1)  # (B, V)
-    # scaled: cdf[-1] may round below 1
-    u = torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    if streams is None:
+        u = torch.rand(len(probs), 1, device=probs.device, dtype=cdf.dtype)
+    else:
+        u = torch.cat([torch.rand(1, 1, generator=g, device=g.device, dtype=cdf.dtype) for g in streams])
+        u = u.to(probs.device)
+    u = u * cdf[:, -1:]  # scaled: cdf[-1] may round below 1
     return torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1)
+
+
+def row_streams(seeds: tuple[int, ...] | None, device: torch.device) -> list[torch.Generator] | None:
+    """A random stream per row, seeded so (`Sampling.seeds`); None without seeds."""
+    if seeds is None:
+        return None
+    device = device if device.type == "cuda" else torch.device("cpu")
+    return [torch.Generator(device).manual_seed(seed) for seed in seeds]
 
 
 @dataclass(kw_only=True)
@@ -116,6 +136,8 @@ class HFSampler:
     """On: decode steps on a static KV cache, through the compiled model (`ppo.compile`), every row
     to the longest response (`compact` is the eager loop's); greedy, the same tokens as the eager loop."""
 
+    concurrent = False
+
     def sync(self, policy: torch.nn.Module) -> None:
         return None
 
@@ -129,7 +151,7 @@ class HFSampler:
         return self._generate(left_padded_ids(prompts, self.tokenizer.pad_token_id, self.model.device), sampling)
 
     def _generate(self, batch: dict[str, torch.Tensor], sampling: Sampling) -> Generation:
-        if sampling.logprobs:
+        if sampling.logprobs or sampling.seeds is not None:  # per-row streams: our loop's
             return self._decode(batch, sampling)
         return self._transformers_generate(batch, sampling)
 
@@ -148,6 +170,7 @@ class HFSampler:
         live = torch.arange(len(queries), device=model.device)  # (L,) the rows still in the batch
         tokens, logprobs, entropy, hidden = [], [], [], []
         finished = torch.zeros(len(queries), dtype=torch.bool, device=model.device)
+        streams = row_streams(sampling.seeds, model.device)  # (L,) or None: the caller's stream
         computed = 0
         with self.precision.autocast(model.device), self.holding.sampling(model):
             for _ in range(sampling.max_new_tokens):
@@ -155,7 +178,7 @@ class HFSampler:
                 out = steps.forward(step_ids, positions)
                 logits = out.logits[:, -1:].float()  # (L, 1, V)
                 token = (logits[:, -1].argmax(-1, keepdim=True) if sampling.temperature is None
-                         else draw(torch.softmax(logits[:, -1] / sampling.temperature, dim=-1)))  # (L, 1)
+                         else draw(torch.softmax(logits[:, -1] / sampling.temperature, dim=-1), streams))  # (L, 1)
                 tokens.append(_in_rows(token, live, len(queries), self.tokenizer.pad_token_id))
                 logprobs.append(_in_rows(logprobs_of(logits, token, sampling.temperature or 1.0), live, len(queries)))
                 entropy.append(_in_rows(entropy_of(logits, sampling.temperature or 1.0), live, len(queries)))
@@ -170,6 +193,7 @@ class HFSampler:
                     keep = (~ended).nonzero().squeeze(1)  # never empty: a sharded peer may go on
                     steps.keep(keep)
                     live, step_ids, positions = live[keep], step_ids[keep], positions[keep]
+                    streams = None if streams is None else [streams[i] for i in keep.tolist()]
         responses = truncate_after_eos(torch.cat(tokens, dim=1), self.stop_ids, self.tokenizer.pad_token_id)
         return Generation(queries=queries, query_mask=query_mask, responses=responses,
                           logprobs=torch.cat(logprobs, dim=1), entropy=torch.cat(entropy, dim=1),

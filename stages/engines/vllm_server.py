@@ -123,6 +123,7 @@ class VLLMSampler:
     served: Any
     """On the first process, what `close` stops (`LocalServed`, or `vllm_ray.RayServed`); None on the others."""
     device: torch.device
+    concurrent = True
 
     @classmethod
     def start(cls, hf: HFSampler, settings: VLLMConfig, seed: int, log: Path, on_ray: bool = False) -> VLLMSampler:
@@ -185,12 +186,16 @@ class VLLMSampler:
         """The requests for a left-padded batch of prompt ids: the server takes token ids, never text."""
         queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
         rows = [row[mask.bool()].tolist() for row, mask in zip(queries, query_mask, strict=True)]
-        first_seed = int(torch.randint(0, 2**31 - 1 - len(rows), (1,)))
+        if sampling.seeds is None:  # drawn here; a group of equal prompts is one request for n samples
+            first_seed = int(torch.randint(0, 2**31 - 1 - len(rows), (1,)))
+            groups = [(prompt, count, first_seed + index) for index, (prompt, count) in enumerate(groups_of(rows))]
+        else:  # one request per prompt, with its own seed
+            groups = [(prompt, 1, seed) for prompt, seed in zip(rows, sampling.seeds, strict=True)]
         bodies = [{"token_ids": prompt, "sampling_params": {
             "n": count, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature or 0.0,
-            "top_p": 1.0, "top_k": 0, "seed": first_seed + index, "logprobs": 0,
+            "top_p": 1.0, "top_k": 0, "seed": seed, "logprobs": 0,
             "stop_token_ids": self.stop_ids, "ignore_eos": False, "detokenize": False}}
-            for index, (prompt, count) in enumerate(groups_of(rows))]
+            for prompt, count, seed in groups]
         return Requests(queries, query_mask, bodies)
 
     def answer(self, batches: list[Requests]) -> list[Generation]:

@@ -1,7 +1,10 @@
 """The multi-turn loop: a batch of episodes sampled turn by turn, token in and token out.
 
-Each turn samples every live episode's next assistant turn at once (`Sampler.generate_ids`, on the
-context's token ids as they are: the model's sampled ids are never decoded and re-encoded). Each turn
+`environment.schedule` says when a turn is sampled. In `rounds`, every live episode's next assistant
+turn at once, then every environment answers; `continuous`, each episode's as soon as its environment
+answered, the environments on threads of their own, so a slow tool holds only its episode. Either
+way a turn is sampled on the context's token ids as they are (`Sampler.generate_ids`: the model's
+sampled ids are never decoded and re-encoded). Each turn
 is parsed in the model family's convention (`stages.envs.parsers`: reasoning, answer, tool calls) and
 the environment answers; its messages enter the context as a fixed-base delta (`ChatDelta.observation`):
 a fixed short conversation rendered with them, less the same without them. The model's sampled turns
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +168,8 @@ class Running:
     context: list[int]
     ended: bool = False
     """Whether the episode has its status: it answered, ran out of room, or failed."""
+    seed: int | None = None
+    """Continuous episodes: turn t is drawn from its own stream, seeded `seed + t`; None: the round's stream."""
 
     @property
     def after_prompt(self) -> int:
@@ -222,31 +227,14 @@ class EpisodeRunner(EpisodeSource):
         return episode_batch(episodes, self.chat.tokenizer.pad_token_id, device)
 
     def episodes(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Episode]:
-        """The episodes of `rows`: by the user's rollout function, or the loop."""
+        """The episodes of `rows`: by the user's rollout function, or the loop (`environment.schedule`)."""
         if self.rollout is not None:
             return [checked_episode(self.rollout(row, sampler, self.chat.tokenizer), row) for row in rows]
         return self.run(sampler, rows, temperature)
 
     def run(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Episode]:
-        """The episodes of `rows`, all turns of a round sampled at once, each call asking for no more
-        tokens than the turn and the roomiest episode's budget allow."""
-        live = self._concurrently(self._start, rows)
-        for _ in range(self.settings.max_turns):
-            active = [running for running in live if not running.ended]
-            if not active:
-                break
-            room = max(self.settings.episode_tokens - e.after_prompt for e in active)
-            sampled = sampler.generate_ids([e.context for e in active],
-                                           Sampling(min(self.turn_tokens, room), temperature))
-            real = response_mask(sampled.responses, self.stop_ids).bool().tolist()  # (b, T)
-            engine = [None] * len(active) if sampled.engine_logprobs is None else sampled.engine_logprobs.tolist()
-            turns = [self._parsed(episode, ids[:sum(mask)], None if logprobs is None else logprobs[:sum(mask)])
-                     for episode, ids, mask, logprobs in zip(active, sampled.responses.tolist(), real, engine,
-                                                             strict=True)]
-            answers = self._concurrently(lambda turn: turn and self._stepped(*turn[:2]), turns)
-            for episode, turn, answer in zip(active, turns, answers, strict=True):
-                if turn is not None:
-                    self._answered(episode, *turn[1:], answer)
+        """The loop's episodes of `rows`, in `rounds` or `continuous`ly; each let go of its environment."""
+        live = (self.rounds if self.settings.schedule == "rounds" else self.continuous)(sampler, rows, temperature)
         for running in live:  # a server's episode is let go (an in-process environment may hold resources too)
             if hasattr(running.environment, "close"):
                 running.environment.close()
@@ -255,30 +243,107 @@ class EpisodeRunner(EpisodeSource):
                 running.end("truncated")
         return [running.episode for running in live]
 
+    def rounds(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Running]:
+        """The episodes of `rows`, all turns of a round sampled at once, each call asking for no more
+        tokens than the turn and the roomiest episode's budget allow; then every environment answers."""
+        live = self._started(self._concurrently(self._reset, rows))
+        for _ in range(self.settings.max_turns):
+            active = [running for running in live if not running.ended]
+            if not active:
+                break
+            turns = [self._parsed(*turn) for turn in self._sampled(sampler, active, temperature)]
+            answers = self._concurrently(lambda turn: turn and self._stepped(*turn[:2]), turns)
+            for episode, turn, answer in zip(active, turns, answers, strict=True):
+                if turn is not None:
+                    self._answered(episode, *turn[1:], answer)
+        return live
+
+    def continuous(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Running]:
+        """The episodes of `rows`, each taking its next turn as soon as its environment answered: the
+        environments run on `concurrent_episodes` threads, never this one. On a server (`concurrent`)
+        each turn is a request of its own; otherwise every episode ready when a decode call starts
+        joins it, and the others join the next. Each turn is drawn from the episode's own stream (seeded
+        from this thread's stream here), so its tokens do not depend on which episodes share its batch.
+        Parsing and rendering stay on this thread: the tokenizer is never shared between threads."""
+        seeds = torch.randint(0, 2**31 - 1 - self.settings.max_turns, (len(rows),)).tolist()
+        workers = self.settings.environments_at_once
+        with ThreadPoolExecutor(workers, "episode") as environments, \
+                ThreadPoolExecutor(len(rows) if sampler.concurrent else 1, "turn") as requests:
+            live = self._started(list(environments.map(self._reset, rows)))
+            for running, seed in zip(live, seeds, strict=True):
+                running.seed = seed
+            order = {id(running): index for index, running in enumerate(live)}  # what ends together: in row order
+            ready, pending = [running for running in live if not running.ended], {}
+            while ready or pending:
+                if sampler.concurrent:  # the server batches the requests in flight
+                    pending |= {requests.submit(self._sampled, sampler, [running], temperature): [running]
+                                for running in ready}
+                elif ready:  # this thread samples every ready episode at once
+                    self._take(self._sampled(sampler, ready, temperature), pending, environments)
+                ready = []
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in sorted(done, key=lambda f: order[id(pending[f][0])]):
+                    waited = pending.pop(future)
+                    if isinstance(waited, list):  # a server's turn
+                        self._take(future.result(), pending, environments)
+                        continue
+                    running = waited[0]
+                    self._answered(*waited, future.result())
+                    if not running.ended and running.episode.turns < self.settings.max_turns:
+                        ready.append(running)
+        return live
+
+    def _take(self, sampled: list[tuple], pending: dict, environments: ThreadPoolExecutor) -> None:
+        """Sampled turns parsed; each that the environment must answer is sent to it."""
+        for turn in (self._parsed(*one) for one in sampled):
+            if turn is not None:
+                pending[environments.submit(self._stepped, *turn[:2])] = turn
+
+    def _sampled(self, sampler: Sampler, active: list[Running], temperature: float | None
+                 ) -> list[tuple[Running, list[int], list[float] | None]]:
+        """The next turn of each of `active` (one `generate_ids` call, no more tokens than the turn and
+        the roomiest episode's budget allow): its ids to the end token, and the engine's log-probs."""
+        room = max(self.settings.episode_tokens - e.after_prompt for e in active)
+        seeds = None if active[0].seed is None else tuple(e.seed + e.episode.turns for e in active)
+        sampled = sampler.generate_ids([e.context for e in active],
+                                       Sampling(min(self.turn_tokens, room), temperature, seeds=seeds))
+        real = response_mask(sampled.responses, self.stop_ids).bool().tolist()  # (b, T)
+        engine = [None] * len(active) if sampled.engine_logprobs is None else sampled.engine_logprobs.tolist()
+        return [(episode, ids[:sum(mask)], None if logprobs is None else logprobs[:sum(mask)])
+                for episode, ids, mask, logprobs in zip(active, sampled.responses.tolist(), real, engine, strict=True)]
+
     def _concurrently(self, work: Callable, items: list) -> list:
         """`work` of each item, in order: at most `concurrent_episodes` at once (an environment server's
         requests wait side by side), one after another for in-process environments."""
-        if self.settings.concurrent_episodes == 1 or len(items) < 2:
+        workers = self.settings.environments_at_once
+        if workers == 1 or len(items) < 2:
             return [work(item) for item in items]
-        with ThreadPoolExecutor(min(self.settings.concurrent_episodes, len(items)), "episode") as pool:
+        with ThreadPoolExecutor(min(workers, len(items)), "episode") as pool:
             return list(pool.map(work, items))
 
-    def _start(self, row: dict) -> Running:
-        """An episode's start: its environment reset, the conversation rendered. An environment that
-        cannot start fails its episode (on the record's own messages), not the run."""
-        environment, error = None, None
+    def _reset(self, row: dict) -> tuple[Environment | None, list[dict], str | None]:
+        """An episode's environment, made and reset: its opening messages, or (on the record's own
+        messages) why it could not start."""
+        environment = None
         try:
             environment = self.make(row)
-            messages = list(environment.reset(row))
+            return environment, list(environment.reset(row)), None
         except Exception as e:  # noqa: BLE001 - the user's environment failed: the episode fails, the run goes on
-            messages, error = list(row["messages"]), f"{type(e).__name__}: {e}"
-        tools = environment.schemas() if hasattr(environment, "schemas") else None
-        prompt = self.chat.ids(self.chat.render(messages, tools))
-        running = Running(episode=Episode(segments=[Segment(prompt, trainable=False)], messages=messages),
-                          environment=environment, tools=tools, context=list(prompt))
-        if error is not None:
-            running.end("failed", error)
-        return running
+            return environment, list(row["messages"]), f"{type(e).__name__}: {e}"
+
+    def _started(self, resets: list[tuple]) -> list[Running]:
+        """Each episode's start, its conversation rendered; one whose environment could not start fails
+        (not the run)."""
+        live = []
+        for environment, messages, error in resets:
+            tools = environment.schemas() if hasattr(environment, "schemas") else None
+            prompt = self.chat.ids(self.chat.render(messages, tools))
+            running = Running(episode=Episode(segments=[Segment(prompt, trainable=False)], messages=messages),
+                              environment=environment, tools=tools, context=list(prompt))
+            if error is not None:
+                running.end("failed", error)
+            live.append(running)
+        return live
 
     def _parsed(self, running: Running, ids: list[int], logprobs: list[float] | None
                 ) -> tuple[Running, AssistantTurn, list[int], list[float] | None] | None:
