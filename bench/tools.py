@@ -73,7 +73,8 @@ def run(ppo_cfg, sft: Path, frames: dict, out: Path) -> dict:
                                           prompts=frames["prompts"], eval_prompts=frames["prompts_eval"]), out)
     return {"table": result.evaluation, "metrics": result.metrics,
             "train_seconds": float(sum(row["time/iteration"] for row in result.history)),
-            "final_rollout": {k: v for k, v in result.history[-1].items() if k.startswith("rollout/")}}
+            "final_rollout": {k: v for k, v in result.history[-1].items() if k.startswith("rollout/")},
+            "history": result.history}
 
 
 SERVED_PORT = 8490

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -221,20 +222,25 @@ class EpisodeRunner(EpisodeSource):
         """Every row's episode, as the rollout's batch (each turn at most `turn_tokens`, whatever
         `sampling.max_new_tokens` says: an episode's budget is `environment.episode_tokens`)."""
         with timed(timings, "generate"):
-            episodes = self.episodes(sampler, rows, sampling.temperature)
+            episodes = self.episodes(sampler, rows, sampling.temperature, timings)
         for episode, row in zip(episodes, rows, strict=True):
             episode.columns = {name: value for name, value in row.items() if name not in ("prompt", "messages")}
         return episode_batch(episodes, self.chat.tokenizer.pad_token_id, device)
 
-    def episodes(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Episode]:
+    def episodes(self, sampler: Sampler, rows: list[dict], temperature: float | None,
+                 timings: dict[str, float] | None = None) -> list[Episode]:
         """The episodes of `rows`: by the user's rollout function, or the loop (`environment.schedule`)."""
         if self.rollout is not None:
             return [checked_episode(self.rollout(row, sampler, self.chat.tokenizer), row) for row in rows]
-        return self.run(sampler, rows, temperature)
+        return self.run(sampler, rows, temperature, timings)
 
-    def run(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Episode]:
-        """The loop's episodes of `rows`, in `rounds` or `continuous`ly; each let go of its environment."""
-        live = (self.rounds if self.settings.schedule == "rounds" else self.continuous)(sampler, rows, temperature)
+    def run(self, sampler: Sampler, rows: list[dict], temperature: float | None,
+            timings: dict[str, float] | None = None) -> list[Episode]:
+        """The loop's episodes of `rows`, in `rounds` or `continuous`ly; each let go of its environment.
+        `timings` gains `episode_wait`: the seconds this thread waited on what others compute (the
+        environments, and a server's turns), not sampling itself."""
+        run = self.rounds if self.settings.schedule == "rounds" else self.continuous
+        live = run(sampler, rows, temperature, {} if timings is None else timings)
         for running in live:  # a server's episode is let go (an in-process environment may hold resources too)
             if hasattr(running.environment, "close"):
                 running.environment.close()
@@ -243,22 +249,29 @@ class EpisodeRunner(EpisodeSource):
                 running.end("truncated")
         return [running.episode for running in live]
 
-    def rounds(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Running]:
+    def rounds(self, sampler: Sampler, rows: list[dict], temperature: float | None,
+               timings: dict[str, float]) -> list[Running]:
         """The episodes of `rows`, all turns of a round sampled at once, each call asking for no more
         tokens than the turn and the roomiest episode's budget allow; then every environment answers."""
-        live = self._started(self._concurrently(self._reset, rows))
+        with timed(timings, "episode_wait"):
+            resets = self._concurrently(self._reset, rows)
+        live = self._started(resets)
         for _ in range(self.settings.max_turns):
             active = [running for running in live if not running.ended]
             if not active:
                 break
-            turns = [self._parsed(*turn) for turn in self._sampled(sampler, active, temperature)]
-            answers = self._concurrently(lambda turn: turn and self._stepped(*turn[:2]), turns)
+            with timed(timings, "episode_wait") if sampler.concurrent else nullcontext():
+                sampled = self._sampled(sampler, active, temperature)
+            turns = [self._parsed(*turn) for turn in sampled]
+            with timed(timings, "episode_wait"):
+                answers = self._concurrently(lambda turn: turn and self._stepped(*turn[:2]), turns)
             for episode, turn, answer in zip(active, turns, answers, strict=True):
                 if turn is not None:
                     self._answered(episode, *turn[1:], answer)
         return live
 
-    def continuous(self, sampler: Sampler, rows: list[dict], temperature: float | None) -> list[Running]:
+    def continuous(self, sampler: Sampler, rows: list[dict], temperature: float | None,
+                   timings: dict[str, float]) -> list[Running]:
         """The episodes of `rows`, each taking its next turn as soon as its environment answered: the
         environments run on `concurrent_episodes` threads, never this one. On a server (`concurrent`)
         each turn is a request of its own; otherwise every episode ready when a decode call starts
@@ -269,7 +282,9 @@ class EpisodeRunner(EpisodeSource):
         workers = self.settings.environments_at_once
         with ThreadPoolExecutor(workers, "episode") as environments, \
                 ThreadPoolExecutor(len(rows) if sampler.concurrent else 1, "turn") as requests:
-            live = self._started(list(environments.map(self._reset, rows)))
+            with timed(timings, "episode_wait"):
+                resets = list(environments.map(self._reset, rows))
+            live = self._started(resets)
             for running, seed in zip(live, seeds, strict=True):
                 running.seed = seed
             order = {id(running): index for index, running in enumerate(live)}  # what ends together: in row order
@@ -281,7 +296,8 @@ class EpisodeRunner(EpisodeSource):
                 elif ready:  # this thread samples every ready episode at once
                     self._take(self._sampled(sampler, ready, temperature), pending, environments)
                 ready = []
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                with timed(timings, "episode_wait"):
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in sorted(done, key=lambda f: order[id(pending[f][0])]):
                     waited = pending.pop(future)
                     if isinstance(waited, list):  # a server's turn
