@@ -666,6 +666,11 @@ TOOL_TEMPLATE = (
 class Scripted:
     """An engine that answers every turn with fixed text, encoded once: the same ids whatever the context."""
 
+    concurrent = False
+
+    def most(self, value: int) -> int:
+        return value
+
     def __init__(self, tokenizer, turns: list[str], end: bool = True):
         self.tokenizer, self.calls, self.prompts = tokenizer, 0, []
         self.turns = [tokenizer(t, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if end else [])

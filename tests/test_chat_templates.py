@@ -73,8 +73,13 @@ def _tokenizer(families, name: str):
 class Scripted:
     """An engine that answers each turn with fixed ids, whatever the context (recording the contexts)."""
 
+    concurrent = False
+
     def __init__(self, turns: list[list[int]], pad_id: int):
         self.turns, self.pad_id, self.prompts = turns, pad_id, []
+
+    def most(self, value: int) -> int:
+        return value
 
     def generate_ids(self, prompts, sampling) -> Generation:
         self.prompts.append([list(p) for p in prompts])

@@ -92,7 +92,8 @@ PPO_SETTINGS = 143
 """The ppo section's settings (`rlhf.config_guide.leaves`): 149 on 2026-11-28, 140 after the merges of
 docs/config.md's "Merged settings", 141 with `rollout.correction` (kind, level, bounds), which took the
 place of `vllm.importance_sampling` and its cap, 143 with `environment.schedule` and
-`environment.concurrent_episodes` (which was a server's `max_concurrent` alone). A smoke detector: a new capability merges what says the same first."""
+`environment.concurrent_episodes` (which was a server's `max_concurrent` alone). A smoke detector: a
+new capability merges what says the same first."""
 
 
 def test_the_ppo_section_does_not_grow_its_settings_back():

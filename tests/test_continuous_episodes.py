@@ -1,7 +1,8 @@
-"""Continuous episodes (`environment.schedule: continuous`, `stages.envs.loop`): each episode takes its
-next turn as soon as its environment answered, so a slow tool holds only its own episode; where
-nothing is slow the episodes are the rounds' own; and a turn drawn from its episode's own stream does
-not depend on which episodes share its batch."""
+"""When episodes take their turns (`environment.schedule`, `stages.envs.loop`). Continuously, each
+episode takes its next turn as soon as its environment answered, so a slow tool holds only its own
+episode; where nothing is slow the episodes are the rounds' own; and a turn drawn from its episode's
+own stream does not depend on which episodes share its batch. In rounds on a sharded policy, a
+process whose episodes ended steps on a placeholder while another's sample."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class ByEpisode:
         self.calls: list[list[tuple[str, int]]] = []
         self.done: set[str] = set()
         self.lock = threading.Lock()
+
+    def most(self, value: int) -> int:
+        return value
 
     def generate_ids(self, prompts: list[list[int]], sampling) -> Generation:
         rows, called = [], []
@@ -154,3 +158,24 @@ def test_ppo_trains_in_continuous_episodes_on_the_tool_world(tools_trained, tmp_
     last = first.history[-1]
     assert last["rollout/turns"] >= 1 and "eval/tool_call_rate" in first.metrics
     assert [row["rollout/tool_calls"] for row in first.history] == [row["rollout/tool_calls"] for row in again.history]
+
+
+def test_in_rounds_a_process_whose_episodes_ended_steps_on_a_placeholder_while_another_samples(chat_tokenizer):
+    """A sharded policy samples collectively (`Sampler.most`, an all-reduce there): here the other
+    process still has episodes for two more rounds after this one's answered at once. This process
+    takes those two rounds' decode calls on a placeholder row, under the others' budget, and its own
+    episode is what it would have been alone."""
+    GATE.set()
+    scripts = {"kind": ["It is kind."]}
+
+    class Sharded(ByEpisode):
+        other = [90, 60, 30]  # the other process's roomiest episode, round by round
+
+        def most(self, value: int) -> int:
+            return max(value, self.other.pop(0) if self.other else 0)
+
+    alone = _run(chat_tokenizer, ByEpisode(chat_tokenizer, scripts, False), scripts, schedule="rounds")
+    engine = Sharded(chat_tokenizer, scripts, False)
+    together = _run(chat_tokenizer, engine, scripts, schedule="rounds")
+    assert [len(call) for call in engine.calls] == [1, 1, 1]
+    assert together[0].segments == alone[0].segments and together[0].status == "ok"

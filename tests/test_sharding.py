@@ -245,3 +245,22 @@ def test_no_process_holds_a_whole_model_while_loading(world, tiny_config, tokeni
     assert sum(reads["sizes"]) >= model_bytes  # every weight came from the checkpoint, read by the first process
     assert reads["peak_alive"] <= 2 * max(reads["sizes"]) < model_bytes, (reads["peak_alive"], model_bytes)
     assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
+
+
+def test_episodes_in_rounds_on_a_sharded_policy(tools_trained, tmp_path):
+    """The tool world's episodes on FSDP2 x 2 with transformers' loop: every decode step is collective,
+    so the processes agree on each round's budget and one whose episodes ended steps on a placeholder
+    until the other's have (the SFT baseline's evaluation episodes too); the run ends, its figures of
+    turns and tool calls finite. Continuous episodes stay refused there."""
+    from tests.helpers import AUTO_RESOLVED
+
+    cfg, trained = tools_trained
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {"launch": FSDP, "advantage_estimator": "grpo",
+                                                   "samples_per_prompt": 2})
+    result = _run(train_ppo, ppo, ppo_inputs(trained, reward=False), tmp_path / "fsdp")
+    assert result.tags["rlhf.held_as"] == "fsdp2 x 2"
+    assert result.metrics["train/iterations"] == ppo.num_iterations
+    assert all(math.isfinite(row[key]) for row in result.history for key in ("rollout/turns", "rollout/tool_calls"))
+    assert {"eval/tool_call_rate", "eval/tool_call_rate_sft"} <= set(result.metrics)
+    with pytest.raises(ValueError, match="schedule continuous"):
+        with_overrides(ppo, {"environment": {"schedule": "continuous"}})

@@ -425,8 +425,9 @@ class PPOConfig(TrainedStage, SampledStage):
 
     @model_validator(mode="after")
     def _environment_runs_here(self) -> PPOConfig:
-        """Episodes step their environment on the process that samples them: not ahead, not sharded;
-        `env:` prompts come from an environment server."""
+        """Episodes step their environment on the process that samples them: not ahead, and sharded only
+        in rounds (every process takes each round's decode steps); `env:` prompts come from an
+        environment server."""
         fetched = [name for name, source in (("prompts", self.prompts), ("evaluation.prompts", self.evaluation.prompts))
                    if source.path.startswith("env:")]
         if fetched and (self.environment is None or self.environment.server is None):
@@ -439,10 +440,10 @@ class PPOConfig(TrainedStage, SampledStage):
         if self.rollout.max_staleness:
             raise ValueError("environment: episodes step their environment between turns, which sampling ahead "
                              "(rollout.max_staleness above 0) does not run: set max_staleness 0")
-        if self.launch.sharded:
-            raise ValueError("environment: a sharded policy samples collectively, step by step (the SFT baseline's "
-                             "episodes too, on any rollout_engine), while each process's episodes end after different "
-                             "numbers of turns: launch with DDP (no accelerate FSDP config)")
+        if self.launch.sharded and self.environment.schedule == "continuous":
+            raise ValueError("environment.schedule continuous: a sharded policy samples collectively, every process "
+                             "the same decode steps (the SFT baseline's episodes too, on any rollout_engine), which "
+                             "episodes taking turns on their own cannot keep: use schedule rounds, or launch with DDP")
         return self
 
     @property

@@ -82,6 +82,11 @@ class Sampler(Protocol):
         """Take the policy's current weights (every process calls it after each update)."""
         ...
 
+    def most(self, value: int) -> int:
+        """The largest `value` of the processes that sample together (a sharded policy's, collectively);
+        this process's own where each samples alone."""
+        ...
+
     def close(self) -> None:
         """Release what the engine holds apart from the trainer (a server); the stage calls it however it ends."""
         ...
@@ -140,6 +145,9 @@ class HFSampler:
 
     def sync(self, policy: torch.nn.Module) -> None:
         return None
+
+    def most(self, value: int) -> int:
+        return self.holding.most(value)
 
     def close(self) -> None:
         return None

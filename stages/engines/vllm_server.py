@@ -170,6 +170,9 @@ class VLLMSampler:
             self.served.stop()
             self.served = None
 
+    def most(self, value: int) -> int:
+        return value  # each process's requests are its own: the server batches them
+
     def generate(self, prompts: list[str], sampling: Sampling) -> Generation:
         return self.answer([self.requests(prompts, sampling)])[0]
 

@@ -258,10 +258,14 @@ class EpisodeRunner(EpisodeSource):
         live = self._started(resets)
         for _ in range(self.settings.max_turns):
             active = [running for running in live if not running.ended]
-            if not active:
+            room = sampler.most(max((self.settings.episode_tokens - e.after_prompt for e in active), default=0))
+            if not room:  # no process has an episode left
                 break
+            if not active:  # a sharded policy samples collectively: step on a placeholder until the others end
+                sampler.generate_ids([live[0].context], Sampling(min(self.turn_tokens, room), temperature))
+                continue
             with timed(timings, "episode_wait") if sampler.concurrent else nullcontext():
-                sampled = self._sampled(sampler, active, temperature)
+                sampled = self._sampled(sampler, active, temperature, room)
             turns = [self._parsed(*turn) for turn in sampled]
             with timed(timings, "episode_wait"):
                 answers = self._concurrently(lambda turn: turn and self._stepped(*turn[:2]), turns)
@@ -315,11 +319,12 @@ class EpisodeRunner(EpisodeSource):
             if turn is not None:
                 pending[environments.submit(self._stepped, *turn[:2])] = turn
 
-    def _sampled(self, sampler: Sampler, active: list[Running], temperature: float | None
+    def _sampled(self, sampler: Sampler, active: list[Running], temperature: float | None, room: int | None = None
                  ) -> list[tuple[Running, list[int], list[float] | None]]:
         """The next turn of each of `active` (one `generate_ids` call, no more tokens than the turn and
-        the roomiest episode's budget allow): its ids to the end token, and the engine's log-probs."""
-        room = max(self.settings.episode_tokens - e.after_prompt for e in active)
+        the roomiest episode's budget allow, or `room`, the roomiest of every process's): its ids to the
+        end token, and the engine's log-probs."""
+        room = room or max(self.settings.episode_tokens - e.after_prompt for e in active)
         seeds = None if active[0].seed is None else tuple(e.seed + e.episode.turns for e in active)
         sampled = sampler.generate_ids([e.context for e in active],
                                        Sampling(min(self.turn_tokens, room), temperature, seeds=seeds))

@@ -91,6 +91,9 @@ class Replicated:
     def all_finished(self, finished: torch.Tensor) -> bool:
         return bool(finished.all())
 
+    def most(self, value: int) -> int:
+        return value
+
     def check_weights_agree(self, module: torch.nn.Module) -> None:
         check_weights_agree(self.accelerator, module)
 
@@ -228,6 +231,13 @@ class Sharded:
         done = finished.all().to(torch.int32).reshape(1)
         torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
         return bool(done.item())
+
+    def most(self, value: int) -> int:
+        """The largest of every process's `value` (collective): what they must agree on before a
+        sampling call they all take part in (a round's token budget; 0: no process has an episode left)."""
+        most = torch.tensor([value], dtype=torch.int64, device=device())
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        return int(most.item())
 
     def check_weights_agree(self, module: torch.nn.Module) -> None:
         """One copy of each parameter, split between the processes: nothing can disagree."""
