@@ -278,10 +278,12 @@ class EpisodeRunner(EpisodeSource):
                    timings: dict[str, float]) -> list[Running]:
         """The episodes of `rows`, each taking its next turn as soon as its environment answered: the
         environments run on `concurrent_episodes` threads, never this one. On a server (`concurrent`)
-        each turn is a request of its own; otherwise every episode ready when a decode call starts
-        joins it, and the others join the next. Each turn is drawn from the episode's own stream (seeded
-        from this thread's stream here), so its tokens do not depend on which episodes share its batch.
-        Parsing and rendering stay on this thread: the tokenizer is never shared between threads."""
+        each turn is a request of its own; otherwise a decode call starts once the episodes ready for
+        it are at least as many as those still with their environment (so a straggler holds no one,
+        and a wave of answers takes a few calls, not one each), and takes every ready episode. Each
+        turn is drawn from the episode's own stream (seeded from this thread's stream here), so its
+        tokens do not depend on which episodes share its batch. Parsing and rendering stay on this
+        thread: the tokenizer is never shared between threads."""
         seeds = torch.randint(0, 2**31 - 1 - self.settings.max_turns, (len(rows),)).tolist()
         workers = self.settings.environments_at_once
         with ThreadPoolExecutor(workers, "episode") as environments, \
@@ -297,9 +299,12 @@ class EpisodeRunner(EpisodeSource):
                 if sampler.concurrent:  # the server batches the requests in flight
                     pending |= {requests.submit(self._sampled, sampler, [running], temperature): [running]
                                 for running in ready}
-                elif ready:  # this thread samples every ready episode at once
+                    ready = []
+                elif ready and len(ready) >= len(pending):  # a decode call costs about the same for one
                     self._take(self._sampled(sampler, ready, temperature), pending, environments)
-                ready = []
+                    ready = []  # row as for many: wait until the ready are as many as those still out
+                if not pending:
+                    continue
                 with timed(timings, "episode_wait"):
                     done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in sorted(done, key=lambda f: order[id(pending[f][0])]):
