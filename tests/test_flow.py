@@ -915,7 +915,9 @@ def test_rlhf_full_with_llm_judges_on_vllms_cpu_server_scores_training_and_evalu
     # The evaluation: the number judge on both policies' responses, the choice judge's win rate over SFT.
     assert 0.0 <= metrics["eval/reward/graded"] <= 10.0 and 0.0 <= metrics["eval/reward/graded_sft"] <= 10.0
     assert 0.0 <= metrics["eval/reward/versus"] <= 1.0 and "eval/reward/versus_sft" not in metrics
-    assert f"graded=judge {url} (weight 1, number, template " in tag and ", model judge)" in tag
-    assert f"versus=judge {url} (weight 1, choice, template " in tag
-    assert f"servers `graded` (judge, number at {url}, weight 1), `versus` (judge, choice at {url}, weight 1) " \
+    # A number judge is kind `judge`, a choice between two responses kind `compare` (they were one
+    # kind with `parse: number | choice`, merged in issue 88).
+    assert f"graded=judge {url} (weight 1, template " in tag and ", model judge)" in tag
+    assert f"versus=compare {url} (weight 1, template " in tag
+    assert f"servers `graded` (judge at {url}, weight 1), `versus` (compare at {url}, weight 1) " \
            "beside the reward model (weight 0.1)" in ppo.data.tags["mlflow.note.content"]
