@@ -25,6 +25,7 @@ LAYERS = {
     "rlhf/plots.py": (),
     "rlhf/demo/rewards.py": (),
     "rlhf/demo/tools.py": (),
+    "rlhf/demo/latency.py": ("rlhf.demo.tools",),  # the tool with an API's latency (configs/tools-latency.yaml)
     "rlhf/sections/base.py": ("rlhf.demo.locations",),
     "rlhf/sections/reward_terms.py": ("rlhf.sections.base",),
     "rlhf/sections/environment.py": ("rlhf.sections.base",),
