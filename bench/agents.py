@@ -1,21 +1,26 @@
 """Agents at scale: when episodes take their turns, on a tool world whose tool is as slow as an API.
 
-    python -m bench.agents                                  (seeds 0-2, rounds and continuous)
-    python -m bench.agents --seeds 0 --iterations 5 --settings rounds continuous
+    python -m bench.agents                                  (seeds 0-2, every setting)
+    python -m bench.agents --seeds 0 --iterations 5 --settings hf-rounds vllm-ahead-1
 
-On the latency world (`configs/tools-latency.yaml`: the demo's tool world, its tool answering after a
-seeded 0.1-2 s, `environment.concurrent_episodes: 16`), SFT is trained once (bench.tools' upstream),
-then for every seed one GRPO run per setting from that checkpoint, with the same prompts, reward and
-work per iteration:
+On the latency world (`configs/tools-latency.yaml`: the demo's tool world with 2 heads of 32, its
+tool answering after a seeded 0.1-2 s, `environment.concurrent_episodes: 16`), SFT is trained once
+(bench.tools' upstream), then for every seed one GRPO run per setting from that checkpoint, with the
+same prompts, reward and work per iteration:
 
-- `rounds`: every episode's next turn sampled together, then every tool answers (`schedule: rounds`);
-- `continuous`: each episode's next turn as soon as its tool answered (`schedule: continuous`).
+- `hf-rounds`, `vllm-rounds`: every episode's next turn sampled together, then every tool answers
+  (`schedule: rounds`), on transformers' loop or the vLLM server: the synchronous baseline;
+- `hf-continuous`, `vllm-continuous`: each episode's next turn as soon as its tool answered;
+- `vllm-ahead-1`, `vllm-ahead-2`: continuous, and sampled ahead (`rollout.max_staleness` 1, 2);
+- `vllm-partial`: continuous, ahead by 1, episodes continued across a sync (`rollout.partial`).
 
 Per run: seconds per iteration (mean `time/iteration`), the share of the trainer's time it sat waiting
-on tools (`time/episode_wait` over `time/iteration`), the gold win rate against the SFT policy's
-answers (the `rounds` run's SFT answers for every setting of a seed, common random numbers), the
-tool-call rate after training, and the staleness (0 here: both settings are synchronous). Writes
-`bench/results/agents-<date>.json` and prints a table. A benchmark, not a test: nothing here asserts.
+for episodes (`time/episode_wait`, `time/rollout_wait` and `time/sampling_wait` over
+`time/iteration`), the gold win rate against the SFT policy's answers (the first setting's SFT
+answers for every setting of a seed, common random numbers), the tool-call rate after training, the
+mean and largest staleness, the share of episodes whose turns span versions and the share of tokens
+the correction masked. Writes `bench/results/agents-<date>.json` and prints a table. A benchmark, not
+a test: nothing here asserts.
 """
 
 from __future__ import annotations
@@ -32,9 +37,19 @@ import numpy as np
 from bench.tools import _spread, judged, run, upstream
 
 REPO = Path(__file__).resolve().parent.parent
-SETTINGS = {"rounds": {"environment": {"schedule": "rounds"}},
-            "continuous": {"environment": {"schedule": "continuous"}}}
+VLLM = {"rollout_engine": "vllm"}
+SETTINGS = {"hf-rounds": {"environment": {"schedule": "rounds"}},
+            "hf-continuous": {"environment": {"schedule": "continuous"}},
+            "vllm-rounds": VLLM | {"environment": {"schedule": "rounds"}},
+            "vllm-continuous": VLLM | {"environment": {"schedule": "continuous"}},
+            "vllm-ahead-1": VLLM | {"environment": {"schedule": "continuous"}, "rollout": {"max_staleness": 1}},
+            "vllm-ahead-2": VLLM | {"environment": {"schedule": "continuous"}, "rollout": {"max_staleness": 2}},
+            "vllm-partial": VLLM | {"environment": {"schedule": "continuous"},
+                                    "rollout": {"max_staleness": 1, "partial": True}}}
 """Each setting's changes to the config's ppo section."""
+WAITS = ("time/episode_wait", "time/rollout_wait", "time/sampling_wait")
+"""What the trainer's thread spends waiting for episodes: on tools and turns, for a rollout sampled
+ahead, for the rollouts in flight before a sync."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,12 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         for setting, result in results.items():
             history = result["history"]
             seconds = np.array([row["time/iteration"] for row in history])
-            waited = np.array([row.get("time/episode_wait", 0.0) for row in history])
+            waited = np.array([sum(row.get(name, 0.0) for name in WAITS) for row in history])
             rows.append({"seed": seed, "setting": setting, **judged(result["table"], sft_answers),
                          "seconds_per_iteration": float(seconds.mean()),
                          "trainer_wait_share": float(waited.sum() / seconds.sum()),
                          "tool_call_rate": result["metrics"].get("eval/tool_call_rate"),
-                         "staleness": float(np.mean([row.get("rollout/staleness", 0.0) for row in history]))})
+                         "staleness": float(np.mean([row.get("rollout/staleness_mean", 0.0) for row in history])),
+                         "staleness_max": float(max(row.get("rollout/staleness", 0.0) for row in history)),
+                         "mixed_version_share": float(np.mean([row.get("rollout/mixed_version_share", 0.0)
+                                                               for row in history])),
+                         "masked_share": float(np.mean([row.get("rollout/engine_masked_share", 0.0)
+                                                        for row in history]))})
             print(json.dumps(rows[-1]), flush=True)
     summary = summarise(rows)
     print(summary)
@@ -79,17 +99,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarise(rows: list[dict]) -> str:
-    """Mean [min, max] over seeds per setting, and each setting's speed-up over `rounds` seed by seed."""
-    lines = ["| setting | s / iteration | speed-up over rounds | trainer waiting | gold win rate vs SFT | "
-             "tool-call rate | staleness |", "|---|---|---|---|---|---|---|"]
-    rounds = {r["seed"]: r["seconds_per_iteration"] for r in rows if r["setting"] == "rounds"}
+    """Mean [min, max] over seeds per setting, and each setting's speed-up over `hf-rounds` seed by seed."""
+    lines = ["| setting | s / iteration | speed-up over hf-rounds | trainer waiting | gold win rate vs SFT | "
+             "tool-call rate | staleness (mean; max) | mixed versions | masked |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    rounds = {r["seed"]: r["seconds_per_iteration"] for r in rows if r["setting"] == "hf-rounds"}
     for setting in dict.fromkeys(r["setting"] for r in rows):
         mine = [r for r in rows if r["setting"] == setting]
         speedups = [rounds[r["seed"]] / r["seconds_per_iteration"] for r in mine if r["seed"] in rounds]
         speedup = f"{np.mean(speedups):.2f} [{min(speedups):.2f}, {max(speedups):.2f}]" if speedups else "-"
         lines.append(f"| {setting} | {_spread(mine, 'seconds_per_iteration', 2)} | {speedup} | "
                      f"{_spread(mine, 'trainer_wait_share', 2)} | {_spread(mine, 'gold_win_rate')} | "
-                     f"{_spread(mine, 'tool_call_rate', 2)} | {_spread(mine, 'staleness', 1)} |")
+                     f"{_spread(mine, 'tool_call_rate', 2)} | {_spread(mine, 'staleness', 2)}; "
+                     f"{max(r['staleness_max'] for r in mine):.0f} | {_spread(mine, 'mixed_version_share', 2)} | "
+                     f"{_spread(mine, 'masked_share', 3)} |")
     return "\n".join(lines)
 
 

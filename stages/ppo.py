@@ -136,8 +136,8 @@ def build_learner(cfg: PPOConfig, inputs: PPOInputs) -> Learner:
 
 def build_rollouts(learner: Learner, inputs: PPOInputs, output_dir: Path) -> Rollouts:
     """Where the run's episodes come from and what scores them: the sampler (`rollout_engine`), the
-    episode source (one turn per prompt, the `environment`'s loop, or single turns sampled ahead on the
-    vLLM server with `rollout.max_staleness`), the prompts' order, and the reward's terms."""
+    episode source (one turn per prompt or the `environment`'s loop, sampled ahead on the vLLM server
+    with `rollout.max_staleness`), the prompts' order, and the reward's terms."""
     cfg, models = learner.cfg, learner.models
     on_import_path(cfg.paths)  # the stage's `module:function`s: reward terms, environments, tool parsers
     sampler = sampler_for(cfg, policy_sampler(models), cfg.seed, output_dir / "vllm.log", cfg.launch.engine == "ray")
@@ -148,9 +148,9 @@ def build_rollouts(learner: Learner, inputs: PPOInputs, output_dir: Path) -> Rol
                       prompts_as_sampled=source.prompt_is_row)
     rollouts = Rollouts(cfg=cfg, accelerator=learner.accelerator, models=models, sampler=sampler, source=source,
                         scoring=scoring, prompts=Prompts.of(inputs.prompts, cfg))
-    if cfg.rollout.max_staleness:  # the single turns sampled ahead, read as the source reads them
+    if cfg.rollout.max_staleness:  # the source's episodes sampled ahead, read as the source reads them
         rollouts.source = SampledAhead(sampler, source, cfg.sampling, cfg.rollout.max_staleness,
-                                       Schedule(rollouts.texts_of, cfg.num_iterations))
+                                       Schedule(rollouts.rows_of, cfg.num_iterations), cfg.rollout.partial)
     return rollouts
 
 
@@ -168,7 +168,7 @@ def start_or_resume(learner: Learner, rollouts: Rollouts, state_dir: Path, repor
     loop = load_state(found, models, learner.optimizer, learner.scheduler, learner.scaler, accelerator.process_index)
     if loop.normalization is not None:
         models.restore_normalization(loop.normalization.gain, loop.normalization.bias)
-    rollouts.sampler.sync(models.policy)
+    rollouts.sampler.sync(models.policy, loop.iteration)
     rollouts.source.resume(found, accelerator.process_index, accelerator.device, version=loop.iteration)
     reporting.warning(f"resumed from the full-state checkpoint after iteration {loop.iteration}")
     for past in loop.history:

@@ -195,6 +195,34 @@ def gated_tools(row: dict) -> list:
     return [f]
 
 
+SYNCED = threading.Event()
+"""Set by tests/test_vllm.py's partial-rollout test once the server took the first update's weights."""
+SYNC_GATED_CALLS = {"n": 0}
+"""How many of `SyncGated`'s answers waited for `SYNCED`."""
+
+
+class SyncGated:
+    """`environment.factory`: an environment that answers the model's first turn with "Go on." and
+    ends after its second; in an episode whose record is marked `ahead_of_sync` (the rollout sampled
+    ahead while the first update trains), its answer comes only once `SYNCED` is set, so the
+    episode's second turn is sampled by the new weights."""
+
+    def __init__(self, row: dict):
+        self.gated, self.turns = bool(row.get("ahead_of_sync")), 0
+
+    def reset(self, row: dict) -> list[dict]:
+        return list(row["messages"])
+
+    def step(self, turn) -> tuple:
+        self.turns += 1
+        if self.turns > 1:
+            return None, 0.0, True
+        if self.gated:
+            SYNC_GATED_CALLS["n"] += 1
+            SYNCED.wait(timeout=120)
+        return [{"role": "user", "content": "Go on."}], 0.0, False
+
+
 def one_turn_episode(row: dict, engine, tokenizer):
     """`environment.rollout` for the tests: a whole episode by hand, one sampled turn after the prompt."""
     from stages.engines.sampler import Sampling
@@ -204,7 +232,7 @@ def one_turn_episode(row: dict, engine, tokenizer):
                        add_special_tokens=False)["input_ids"]
     sampled = engine.generate_ids([prompt], Sampling(8)).responses[0].tolist()
     answer = [i for i in sampled if i != tokenizer.pad_token_id]
-    return Episode(segments=[Segment(prompt, False), Segment(answer, True, reward=0.5)],
+    return Episode(segments=[Segment(ids=prompt, trainable=False), Segment(ids=answer, trainable=True, reward=0.5)],
                    answer=tokenizer.decode(answer, skip_special_tokens=True))
 
 

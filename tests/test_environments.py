@@ -145,9 +145,9 @@ def test_an_episode_ends_truncated_or_failed(chat_tokenizer):
 def test_a_batch_of_episodes_marks_the_models_tokens_and_turn_rewards():
     """Queries left-padded, everything after the prompt right-padded; trainable on the model's
     tokens of episodes that did not fail; each turn's reward on its last token."""
-    ok = Episode(segments=[Segment([1, 2], False), Segment([5, 6, 7], True, reward=-1.0), Segment([8], False),
-                           Segment([9, 3], True, reward=0.5)])
-    failed = Episode(segments=[Segment([1], False), Segment([5, 3], True)], status="failed")
+    ok = Episode(segments=[Segment(ids=[1, 2], trainable=False), Segment(ids=[5, 6, 7], trainable=True, reward=-1.0),
+                           Segment(ids=[8], trainable=False), Segment(ids=[9, 3], trainable=True, reward=0.5)])
+    failed = Episode(segments=[Segment(ids=[1], trainable=False), Segment(ids=[5, 3], trainable=True)], status="failed")
     batch = episode_batch([ok, failed], pad_id=0, device=torch.device("cpu"))
     assert batch.queries.tolist() == [[1, 2], [0, 1]] and batch.query_mask.tolist() == [[1, 1], [0, 1]]
     assert batch.responses.tolist() == [[5, 6, 7, 8, 9, 3], [5, 3, 0, 0, 0, 0]]
@@ -293,8 +293,13 @@ def test_a_killed_run_in_episodes_resumes_to_the_same_end(tools_trained, tmp_pat
 def test_what_episodes_cannot_do_is_refused_with_the_reason(tools_trained):
     cfg, _ = tools_trained
     # Any existing Python stands for the vLLM environment: the refusal is the config's, before any server starts.
-    with pytest.raises(ValueError, match="sampling ahead"):
-        _tool_cfg(cfg, rollout_engine="vllm", rollout={"max_staleness": 1},
+    ahead = _tool_cfg(cfg, rollout_engine="vllm", rollout={"max_staleness": 1, "partial": True},
+                      vllm={"python": sys.executable})  # episodes are sampled ahead, and continued across syncs
+    assert ahead.rollout.partial
+    with pytest.raises(ValueError, match="rollout.partial .* rollout.max_staleness 0"):
+        _tool_cfg(cfg, rollout={"partial": True})
+    with pytest.raises(ValueError, match="a single turn is one request"):
+        _tool_cfg(cfg, environment=None, rollout_engine="vllm", rollout={"max_staleness": 1, "partial": True},
                   vllm={"python": sys.executable})
     with pytest.raises(ValueError, match="exactly one of tools, factory, rollout and server"):
         _tool_cfg(cfg, environment={"factory": "a:b"})
@@ -544,3 +549,29 @@ def test_a_turns_calls_run_at_once_and_a_hung_tool_times_out(chat_tokenizer):
     assert any(t.name == "tool-hang" and t.is_alive() and t.daemon for t in threading.enumerate())
     release.set()
 
+
+
+def test_a_compare_judge_weighs_each_episodes_answer_against_the_sft_policys_episode(tools_trained, tmp_path):
+    """A `compare` judge on episodes: each group's SFT episode is run on the same prompt (the frozen
+    reference, through the same environment), and the judge is shown the policy's final answer beside
+    the SFT policy's, in a drawn order."""
+    from stages.common.reporting import Reporting
+    from tests.helpers import run_ppo, served_in_thread
+    from tests.test_remote_reward import judge_app
+
+    cfg, trained = tools_trained
+    app, asked = judge_app("B, clearly")
+    tables = {}
+    with served_in_thread(app) as base:
+        ppo = _tool_cfg(cfg, num_iterations=2, reward={
+            "terms": [{"name": "liked", "function": "rlhf.demo.rewards:uses_liked_adjectives"},
+                      {"name": "choice", "remote": {"url": base + "/v1", "kind": "compare"}}],
+            "columns": ["liked"]})
+        run_ppo(ppo, trained, tmp_path / "out", Reporting(rollouts=lambda t, i: tables.update({i: t})))
+    episodes = ppo.rollout_batch_size * ppo.num_iterations
+    assert len(asked) > episodes  # every episode compared once, and the evaluation's policy episodes
+    for request in asked:
+        text = request["messages"][0]["content"]
+        assert "Response A: " in text and "Response B: " in text
+    for table in tables.values():  # the judge always answers B: a win where the policy's answer was shown second
+        assert set(table["reward/choice"]) <= {0.0, 1.0} and "episode" in table

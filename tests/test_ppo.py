@@ -426,7 +426,8 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
     mask = torch.tensor([[1.0, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
     per_token = torch.arange(12.0).view(3, 4)
     rows = zip(queries, query_mask, responses, mask, "abc", strict=True)
-    episodes = [Episode(segments=[Segment(q[m.bool()].tolist(), False), Segment(r[k.bool()].tolist(), True)],
+    episodes = [Episode(segments=[Segment(ids=q[m.bool()].tolist(), trainable=False),
+                                  Segment(ids=r[k.bool()].tolist(), trainable=True)],
                         answer=text) for q, m, r, k, text in rows]
     batch = TrainingBatch(queries=queries, query_mask=query_mask, responses=responses, mask=mask, logprobs=per_token,
                           ref_logprobs=per_token, values=per_token, entropy=per_token, engine_logprobs=per_token,

@@ -42,8 +42,10 @@ class TokensOnly:
     def generate(self, prompts: list[str], sampling: Sampling) -> Generation:
         return replace(self.inner.generate(prompts, sampling), logprobs=None, entropy=None, hidden=None)
 
-    def sync(self, policy: torch.nn.Module) -> None:
-        self.inner.sync(policy)
+    version = 0
+
+    def sync(self, policy: torch.nn.Module, version: int) -> None:
+        self.inner.sync(policy, version)
 
 
 def test_a_rollout_recomputes_what_its_sampler_cannot_give(tiny_config, trained):

@@ -115,19 +115,83 @@ def test_grpo_on_a_vllm_server_samples_what_the_trainer_computes_and_stops_it_af
     assert _stopped(started[0])
 
 
-def test_episodes_sample_their_turns_on_the_vllm_server_from_token_ids(tmp_path_factory, tmp_path, started):
-    """Multi-turn episodes on the tool world: every turn sampled on the server from the context's token
-    ids; what it samples is what the trainer computes on the model's own tokens; the server stopped after."""
+@pytest.fixture(scope="module")
+def tool_world(tmp_path_factory):
+    """The tiny tool world with 2 attention heads of 32, and its SFT checkpoint."""
     from tests.helpers import tools_upstream
 
-    cfg, trained = tools_upstream(tmp_path_factory.mktemp("tools"), **{"demo.num_heads": 2,
-                                                                         "ppo.rollout_engine": "vllm"})
+    return tools_upstream(tmp_path_factory.mktemp("tools"), **{"demo.num_heads": 2, "ppo.rollout_engine": "vllm"})
+
+
+def test_episodes_sample_their_turns_on_the_vllm_server_from_token_ids(tool_world, tmp_path, started):
+    """Multi-turn episodes on the tool world: every turn sampled on the server from the context's token
+    ids; what it samples is what the trainer computes on the model's own tokens; the server stopped after."""
+    cfg, trained = tool_world
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED)
     result = run_ppo(ppo, trained, tmp_path / "out")
     assert len(started) == 1 and _stopped(started[0])
     assert all(row["rollout/vllm_logprob_gap_max"] < 1e-4 for row in result.history)
     assert all(row["rollout/turns"] >= 1 for row in result.history) and "eval/tool_call_rate" in result.metrics
     assert result.history[-1]["rollout/kl"] != 0
+
+
+def test_episodes_sampled_ahead_keep_their_bound_and_a_resumed_run_loses_and_repeats_none(tool_world, tmp_path):
+    """`rollout.max_staleness: 2` with episodes: whole episodes, tool calls included, are sampled on
+    the server's thread while the trainer updates; each is at most 2 updates old, and the full-state
+    checkpoint keeps the episodes in flight, so a run killed after it ends where an uninterrupted one
+    does (each episode's turns are seeded from the trainer's stream, and the server is synced to the
+    same weights)."""
+    cfg, trained = tool_world
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {
+        "num_iterations": 6, "checkpoint_every": 3, "rollout": {"max_staleness": 2},
+        "environment": {"schedule": "continuous", "concurrent_episodes": 8}})
+    reference, resumed = killed_and_resumed(ppo, trained, tmp_path)
+    # rollouts 1-3 are submitted at iteration 1 and sampled by v0; rollout k > 3 at iteration k - 2 by v_{k-3}
+    assert [row["rollout/staleness"] for row in resumed.history] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert all(row["rollout/staleness_mean"] == row["rollout/staleness"] for row in resumed.history)
+    assert all(row["rollout/mixed_version_share"] == 0 for row in resumed.history)  # whole episodes: one version
+    assert all(row["rollout/turns"] >= 1 for row in resumed.history)
+    assert (tmp_path / "interrupted" / "state" / "sampled_ahead_rank0.safetensors").exists()
+    assert [row["rollout/score"] for row in resumed.history] == [row["rollout/score"] for row in reference.history]
+    assert [row["rollout/tool_calls"] for row in resumed.history] == [row["rollout/tool_calls"]
+                                                                      for row in reference.history]
+    a = (tmp_path / "whole" / "checkpoint" / "model.safetensors").read_bytes()
+    b = (tmp_path / "interrupted" / "checkpoint" / "model.safetensors").read_bytes()
+    assert a == b
+
+
+def test_partial_rollouts_continue_episodes_across_a_sync_under_the_new_weights(tool_world, tmp_path, monkeypatch):
+    """`rollout.partial`: the sync after the first update does not wait for the episodes sampled ahead;
+    their environment's answers are held until the server has the new weights (`SyncGated`), so their
+    next turns are sampled by v1 while their first were by v0. Each trainable segment keeps its
+    version: the iteration's share of episodes spanning two versions is above 0, the first
+    iteration's is 0, and the staleness bound holds."""
+    from stages.engines.vllm_server import VLLMSampler
+    from stages.rl.rollout import Rollouts
+    from tests import helpers
+
+    cfg, trained = tool_world
+    real_rows, real_sync = Rollouts.rows_of, VLLMSampler.sync
+    monkeypatch.setattr(Rollouts, "rows_of", lambda self, k: [{**row, "ahead_of_sync": k == 2}
+                                                               for row in real_rows(self, k)])
+
+    def sync(sampler, policy, version):
+        real_sync(sampler, policy, version)
+        helpers.SYNCED.set()
+
+    monkeypatch.setattr(VLLMSampler, "sync", sync)
+    helpers.SYNCED.clear()
+    helpers.SYNC_GATED_CALLS["n"] = 0
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {
+        "num_iterations": 3, "rollout": {"max_staleness": 1, "partial": True},
+        "environment": {"tools": None, "factory": "tests.helpers:SyncGated", "schedule": "continuous",
+                        "concurrent_episodes": 16}})
+    history = run_ppo(ppo, trained, tmp_path / "out").history
+    assert helpers.SYNC_GATED_CALLS["n"] > 0
+    assert [row["rollout/staleness"] <= 1 for row in history] == [True] * 3
+    assert history[0]["rollout/mixed_version_share"] == 0
+    assert history[1]["rollout/mixed_version_share"] > 0  # the gated episodes: a turn by v0, the next by v1
+    assert 0 < history[1]["rollout/staleness_mean"] <= 1
 
 
 def test_dynamic_sampling_and_the_policy_loss_options_sample_on_the_vllm_server(servable, tmp_path, started):

@@ -147,6 +147,8 @@ class RolloutConfig(_Frozen):
 
     max_staleness: int = Field(0, ge=0)
     """Updates a rollout may lag behind the policy it trains (0: synchronous); above 0 needs `rollout_engine: vllm`."""
+    partial: bool = False
+    """Episodes sampled ahead go on across a weight sync, their next turns by the new weights (needs an environment)."""
     correction: CorrectionConfig = CorrectionConfig()
     """The importance weights for tokens the vLLM server sampled: truncated (`tis`) or masked (`mis`, `icepop`)."""
 
@@ -424,22 +426,28 @@ class PPOConfig(TrainedStage, SampledStage):
         return self
 
     @model_validator(mode="after")
+    def _can_continue_across_syncs(self) -> PPOConfig:
+        """`rollout.partial` continues episodes sampled ahead between their turns."""
+        if not self.rollout.partial:
+            return self
+        if not self.rollout.max_staleness:
+            raise ValueError("rollout.partial continues the episodes sampled ahead across a weight sync; with "
+                             "rollout.max_staleness 0 none is in flight at a sync: set max_staleness 1 or more")
+        if self.environment is None:
+            raise ValueError("rollout.partial continues episodes between their turns, and a single turn is one "
+                             "request the sync waits for anyway: set an environment, or partial false")
+        return self
+
+    @model_validator(mode="after")
     def _environment_runs_here(self) -> PPOConfig:
-        """Episodes step their environment on the process that samples them: not ahead, and sharded only
-        in rounds (every process takes each round's decode steps); `env:` prompts come from an
-        environment server."""
+        """Episodes step their environment on the process that samples them, sharded only in rounds
+        (every process takes each round's decode steps); `env:` prompts come from an environment server."""
         fetched = [name for name, source in (("prompts", self.prompts), ("evaluation.prompts", self.evaluation.prompts))
                    if source.path.startswith("env:")]
         if fetched and (self.environment is None or self.environment.server is None):
             raise ValueError(f"{fetched[0]}: `env:` is an environment server's dataset: set environment.server")
         if self.environment is None:
             return self
-        if self.reward.pairwise:
-            raise ValueError(f"reward.terms[{self.reward.pairwise[0].name}]: a `compare` judge compares a response "
-                             "with the SFT policy's; an episode has none to compare with: use kind: judge")
-        if self.rollout.max_staleness:
-            raise ValueError("environment: episodes step their environment between turns, which sampling ahead "
-                             "(rollout.max_staleness above 0) does not run: set max_staleness 0")
         if self.launch.sharded and self.environment.schedule == "continuous":
             raise ValueError("environment.schedule continuous: a sharded policy samples collectively, every process "
                              "the same decode steps (the SFT baseline's episodes too, on any rollout_engine), which "

@@ -5,8 +5,8 @@ token's log-prob, the entropy and the final hidden state that predicted it) and 
 policy's current weights (`sync`). What an engine cannot give is None, and the caller recomputes
 it with a forward pass. `stages.engines.vllm_server.VLLMSampler` samples on a vLLM server: token ids and
 vLLM's own log-probs (`engine_logprobs`), which the rollout compares with its recomputed ones.
-`HFSampler` is transformers' model itself: it samples the live policy, so `sync` has nothing to
-do, and it owns what is HF-specific (the KV-cached decode loop, a sharded
+`HFSampler` is transformers' model itself: it samples the live policy, so `sync` only counts the
+version, and it owns what is HF-specific (the KV-cached decode loop, a sharded
 model's gathering for it and the "every process finished?" check).
 
 PPO's rollout (`stages.rl.ppo_rollout`) samples through it, for training and for every evaluation
@@ -60,6 +60,8 @@ class Generation:
     engine_logprobs: torch.Tensor | None = None  # an inference engine's own log pi(token), beside the trainer's
     computed_tokens: int | None = None
     """Positions the engine's passes computed (prompts and decode steps), where it counts them."""
+    version: int = 0
+    """The policy version that drew them: updates its weights had had (the sampler's last `sync`)."""
 
 
 class Sampler(Protocol):
@@ -68,6 +70,8 @@ class Sampler(Protocol):
     concurrent: bool
     """Whether calls from several threads are answered together (a server batches them); False: each call
     is one batch, on the caller's thread, and the caller batches."""
+    version: int
+    """The policy version it samples: updates its weights have had (the last `sync`'s)."""
 
     def generate(self, prompts: list[str], sampling: Sampling) -> Generation:
         """Responses to rendered `prompts`, one per prompt (repeat a prompt for several)."""
@@ -78,8 +82,8 @@ class Sampler(Protocol):
         context so far: `stages.envs`)."""
         ...
 
-    def sync(self, policy: torch.nn.Module) -> None:
-        """Take the policy's current weights (every process calls it after each update)."""
+    def sync(self, policy: torch.nn.Module, version: int) -> None:
+        """Take the policy's current weights, `version` updates in (every process calls it after each update)."""
         ...
 
     def most(self, value: int) -> int:
@@ -123,7 +127,7 @@ def row_streams(seeds: tuple[int, ...] | None, device: torch.device) -> list[tor
 
 @dataclass(kw_only=True)
 class HFSampler:
-    """A transformers model sampling itself: it holds the live weights, so `sync` is a no-op."""
+    """A transformers model sampling itself: it holds the live weights, so `sync` only counts the version."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -141,10 +145,11 @@ class HFSampler:
     """On: decode steps on a static KV cache, through the compiled model (`ppo.compile`), every row
     to the longest response (`compact` is the eager loop's); greedy, the same tokens as the eager loop."""
 
+    version: int = 0
     concurrent = False
 
-    def sync(self, policy: torch.nn.Module) -> None:
-        return None
+    def sync(self, policy: torch.nn.Module, version: int) -> None:
+        self.version = version  # the weights it samples are the live policy's already
 
     def most(self, value: int) -> int:
         return self.holding.most(value)
@@ -205,7 +210,7 @@ class HFSampler:
         responses = truncate_after_eos(torch.cat(tokens, dim=1), self.stop_ids, self.tokenizer.pad_token_id)
         return Generation(queries=queries, query_mask=query_mask, responses=responses,
                           logprobs=torch.cat(logprobs, dim=1), entropy=torch.cat(entropy, dim=1),
-                          hidden=torch.cat(hidden, dim=1), computed_tokens=computed)
+                          hidden=torch.cat(hidden, dim=1), computed_tokens=computed, version=self.version)
 
     @torch.inference_mode()
     def _transformers_generate(self, batch: dict[str, torch.Tensor], sampling: Sampling) -> Generation:
@@ -221,7 +226,8 @@ class HFSampler:
         model.train(was_training)
         new_tokens = out[:, batch["input_ids"].shape[1]:]  # (B, T)
         return Generation(queries=batch["input_ids"], query_mask=batch["attention_mask"],
-                          responses=truncate_after_eos(new_tokens, self.stop_ids, self.tokenizer.pad_token_id))
+                          responses=truncate_after_eos(new_tokens, self.stop_ids, self.tokenizer.pad_token_id),
+                          version=self.version)
 
 
 @dataclass(kw_only=True)

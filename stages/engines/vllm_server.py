@@ -22,6 +22,11 @@ first update (measured: log-prob gap 0.86 after a reload, against 5e-7 untied). 
 weight transfer needs vLLM importable in the trainer's process, which the conflicting pins rule
 out; the folder is the path on a GPU too.
 
+A reload never meets a request in flight: `sync` closes a gate (`Gate`) that every request passes,
+waits until this process's requests in flight are answered and the other processes have done the
+same, and reopens it after the reload; so every response is drawn by one version, whichever thread
+sent it (episodes continued across an update by `rollout.partial` wait there, turn by turn).
+
 The first process starts and stops the server; every process sends its own prompts to it. The
 server is stopped when the stage ends, fails or is cancelled (`VLLMSampler.close`), and dies with
 the process that started it (`PR_SET_PDEATHSIG`) when that one is killed; so does a small janitor
@@ -34,7 +39,10 @@ requests reach it through that actor, so the server still listens on its node's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +111,39 @@ class Requests:
     """One `/inference/v1/generate` body per run of equal prompts (`groups_of`)."""
 
 
+class Gate:
+    """What requests pass while the server's weights hold still: any number at once, from any thread;
+    `closed` waits until none is in flight and holds new ones back until it ends."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._in_flight, self._closed = 0, False
+
+    @contextmanager
+    def request(self) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._closed)
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._in_flight -= 1
+                self._changed.notify_all()
+
+    @contextmanager
+    def closed(self) -> Iterator[None]:
+        with self._changed:
+            self._closed = True
+            self._changed.wait_for(lambda: self._in_flight == 0)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._closed = False
+                self._changed.notify_all()
+
+
 @dataclass(kw_only=True)
 class VLLMSampler:
     """Samples from a vLLM server that holds the policy's weights as of the last `sync`.
@@ -123,6 +164,9 @@ class VLLMSampler:
     served: Any
     """On the first process, what `close` stops (`LocalServed`, or `vllm_ray.RayServed`); None on the others."""
     device: torch.device
+    version: int = 0
+    gate: Gate = field(default_factory=Gate)
+    """Requests pass it; a sync closes it while the server reloads."""
     concurrent = True
 
     @classmethod
@@ -156,13 +200,17 @@ class VLLMSampler:
         return cls(tokenizer=tokenizer, stop_ids=hf.stop_ids, state=state, folder=folder, dtype=dtype,
                    endpoint=endpoint, served=served, device=policy.device)
 
-    def sync(self, policy: torch.nn.Module) -> None:
-        """The policy's current weights into the served folder and the server (every process calls it)."""
+    def sync(self, policy: torch.nn.Module, version: int) -> None:
+        """The policy's current weights into the served folder and the server, once no process has a
+        request in flight; requests sent meanwhile wait for the reload (every process calls it)."""
         main = self.state.is_main_process
-        write_served(policy, self.tokenizer, self.folder, self.dtype, main)
-        if main:
-            self.endpoint.reload()
-        self.state.wait_for_everyone()
+        with self.gate.closed():
+            self.state.wait_for_everyone()  # every process's requests in flight answered
+            write_served(policy, self.tokenizer, self.folder, self.dtype, main)
+            if main:
+                self.endpoint.reload()
+            self.state.wait_for_everyone()
+            self.version = version
 
     def close(self) -> None:
         """Stop the server and remove the served folder (idempotent)."""
@@ -202,15 +250,18 @@ class VLLMSampler:
         return Requests(queries, query_mask, bodies)
 
     def answer(self, batches: list[Requests]) -> list[Generation]:
-        """Each batch's responses: every request sent at once (the server batches them), from any thread."""
-        answers = self.endpoint.generate([body for batch in batches for body in batch.bodies])
+        """Each batch's responses: every request sent at once (the server batches them), from any thread,
+        by the version the server holds while they are answered."""
+        with self.gate.request():
+            version = self.version
+            answers = self.endpoint.generate([body for batch in batches for body in batch.bodies])
         generations, start = [], 0
         for batch in batches:
             mine, start = answers[start:start + len(batch.bodies)], start + len(batch.bodies)
-            generations.append(self._generation(batch, mine))
+            generations.append(self._generation(batch, mine, version))
         return generations
 
-    def _generation(self, batch: Requests, answers: list[dict]) -> Generation:
+    def _generation(self, batch: Requests, answers: list[dict], version: int) -> Generation:
         choices = [choice for answer in answers for choice in sorted(answer["choices"], key=lambda c: c["index"])]
         tokens = [choice["token_ids"] for choice in choices]
         logprobs = [[entry["logprob"] for entry in choice["logprobs"]["content"]] for choice in choices]
@@ -221,4 +272,4 @@ class VLLMSampler:
         responses = truncate_after_eos(responses, self.stop_ids, pad)
         on = self.device
         return Generation(queries=batch.queries.to(on), query_mask=batch.query_mask.to(on), responses=responses.to(on),
-                          engine_logprobs=engine_logprobs.to(on))
+                          engine_logprobs=engine_logprobs.to(on), version=version)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -30,7 +32,7 @@ from stages.envs.parsers import AssistantTurn, ToolParser, split_turn, without_s
 Status = Literal["ok", "truncated", "failed"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Segment:
     """A run of an episode's token ids, the model's own (`trainable`) or not."""
 
@@ -41,6 +43,9 @@ class Segment:
     logprobs: list[float] | None = None
     """A trainable segment's log-probs by the engine that sampled it, where that engine is not the trainer
     (vLLM): the rollout weighs the mismatch as for single responses (`engine_logprobs`)."""
+    version: int = 0
+    """The policy version that sampled a trainable segment (updates its weights had had): its episode's
+    staleness when sampled ahead, and more than one per episode where `rollout.partial` continued it."""
 
 
 @dataclass(kw_only=True)
@@ -64,8 +69,8 @@ class Episode:
     columns: dict = field(default_factory=dict)
     """The prompt record's declared columns (`reward.columns`): the reward functions' inputs, and the tables'."""
     reference: str | None = None
-    """The SFT policy's answer to the same prompt, which a `choice` judge compares this one with; set
-    only where such a judge scores (single turns)."""
+    """The SFT policy's answer to the same prompt (its episode's last turn), which a `compare` judge
+    compares this one with; set only where such a judge scores."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -126,9 +131,10 @@ def in_chunks(items: list, size: int | None) -> list[list]:
 
 class EpisodeSource:
     """Where a rollout's episodes come from: one turn per prompt (`SingleTurn`), an environment's loop
-    (`stages.envs.loop.EpisodeRunner`), or single turns sampled ahead on a vLLM server
-    (`stages.envs.ahead.SampledAhead`). The hooks after `generation` are for work a source holds in
-    flight between iterations: only a source that samples ahead has any; here they do nothing."""
+    (`stages.envs.loop.EpisodeRunner`), or either of them sampled ahead on a vLLM server
+    (`stages.envs.ahead.SampledAhead`, through their `ahead` and `received`). The hooks after `now`
+    are for work a source holds in flight between iterations: only a source that samples ahead has
+    any; here they do nothing."""
 
     multi_turn: bool = False
     """Whether episodes have turns and tools worth reporting (transcripts, tool-call figures); reporting only."""
@@ -154,6 +160,18 @@ class EpisodeSource:
         batch; the sampling timed into `timings` (`generate`)."""
         raise NotImplementedError
 
+    def ahead(self, sampler: Sampler, rows: list[dict], sampling: Sampling, chunk: int | None
+              ) -> Callable[[], deque]:
+        """`rows`' episodes as work another thread runs while the trainer updates (`stages.envs.ahead`):
+        what draws from the random stream is drawn here, on the caller's thread, so the episodes repeat
+        with the run's seed whichever thread samples them; the work's answer is what `received` reads.
+        Only a source whose sampler is a server (vLLM) is sampled ahead."""
+        raise NotImplementedError(f"{type(self).__name__} is not sampled ahead")
+
+    def received(self, sampled: deque, rows: list[dict], device: torch.device) -> EpisodeGeneration:
+        """The batch of the next `rows` from the front of what `ahead`'s work answered."""
+        raise NotImplementedError(f"{type(self).__name__} is not sampled ahead")
+
     def now(self) -> EpisodeSource:
         """The source that samples on the sampler as it is, now: itself, or the single turn a source
         that samples ahead reads its episodes with (the evaluations' and the SFT references')."""
@@ -161,9 +179,6 @@ class EpisodeSource:
 
     def settle(self, timings: dict[str, float]) -> None:
         """Wait until nothing is in flight, so the sampler may take new weights."""
-
-    def synced(self, version: int) -> None:
-        """The sampler now holds the policy after `version` updates."""
 
     def save(self, folder: Path, rank: int) -> None:
         """What this process holds in flight, into a full-state checkpoint's `folder`."""
@@ -197,6 +212,19 @@ class SingleTurn(EpisodeSource):
             generated = sampler.generate([row["prompt"] for row in rows], sampling)
         return self.batch(generated, rows)
 
+    def ahead(self, sampler: Sampler, rows: list[dict], sampling: Sampling, chunk: int | None
+              ) -> Callable[[], deque]:
+        """The server's requests made here (tokenised, seeded), `chunk` rows each; the work sends them
+        all at once and answers a `Generation` per chunk."""
+        requests = [sampler.requests([row["prompt"] for row in part], sampling) for part in in_chunks(rows, chunk)]
+        return lambda: deque(sampler.answer(requests))
+
+    def received(self, sampled: deque, rows: list[dict], device: torch.device) -> EpisodeGeneration:
+        generation = sampled.popleft()
+        if len(generation.responses) != len(rows):
+            raise RuntimeError(f"sampled ahead {len(generation.responses)} responses, but {len(rows)} rows asked")
+        return self.batch(generation, rows)
+
     def batch(self, generation: Generation, rows: list[dict]) -> EpisodeGeneration:
         """Sampled single responses (cut at the first end token) as episodes of one trainable turn, the
         sampling pass's figures (log-probs, entropy, hidden states, computed tokens) kept."""
@@ -212,7 +240,8 @@ class SingleTurn(EpisodeSource):
             read = self._read(turn, end, text)
             reasoning = len(self.tokenizer(read.reasoning, add_special_tokens=False)["input_ids"]) \
                 if read.reasoning else 0
-            episodes.append(Episode(segments=[Segment(prompt, trainable=False), Segment(turn, trainable=True)],
+            episodes.append(Episode(segments=[Segment(ids=prompt, trainable=False),
+                                              Segment(ids=turn, trainable=True, version=generation.version)],
                                     status="ok" if end else "truncated", answer=read.content,
                                     messages=[*row["messages"], read.message()], reasoning_tokens=reasoning,
                                     columns={k: v for k, v in row.items() if k not in ("prompt", "messages")}))

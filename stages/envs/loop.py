@@ -16,6 +16,7 @@ refused at the probe (`probe_template`), before any episode runs, naming what ch
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import nullcontext
@@ -171,6 +172,8 @@ class Running:
     """Whether the episode has its status: it answered, ran out of room, or failed."""
     seed: int | None = None
     """Continuous episodes: turn t is drawn from its own stream, seeded `seed + t`; None: the round's stream."""
+    version: int = 0
+    """The policy version that sampled its latest turn."""
 
     @property
     def after_prompt(self) -> int:
@@ -223,24 +226,45 @@ class EpisodeRunner(EpisodeSource):
         `sampling.max_new_tokens` says: an episode's budget is `environment.episode_tokens`)."""
         with timed(timings, "generate"):
             episodes = self.episodes(sampler, rows, sampling.temperature, timings)
-        for episode, row in zip(episodes, rows, strict=True):
-            episode.columns = {name: value for name, value in row.items() if name not in ("prompt", "messages")}
         return episode_batch(episodes, self.chat.tokenizer.pad_token_id, device)
 
+    def ahead(self, sampler: Sampler, rows: list[dict], sampling: Sampling, chunk: int | None
+              ) -> Callable[[], deque]:
+        """The episodes' seeds drawn here; the work runs every row's episode at once (the schedule's
+        concurrency spans the whole rollout, not a chunk) and answers them in row order. It parses and
+        renders on its own thread: call it on a copy of the runner, whose tokenizer is its own."""
+        seeds = self.seeds(len(rows))
+        return lambda: deque(self.episodes(sampler, rows, sampling.temperature, seeds=seeds))
+
+    def received(self, sampled: deque, rows: list[dict], device: torch.device) -> EpisodeGeneration:
+        episodes = [sampled.popleft() for _ in rows]
+        return episode_batch(episodes, self.chat.tokenizer.pad_token_id, device)
+
+    def seeds(self, episodes: int) -> list[int]:
+        """A seed per episode from this thread's random stream: turn t of an episode is drawn from `seed + t`."""
+        return torch.randint(0, 2**31 - 1 - self.settings.max_turns, (episodes,)).tolist()
+
     def episodes(self, sampler: Sampler, rows: list[dict], temperature: float | None,
-                 timings: dict[str, float] | None = None) -> list[Episode]:
-        """The episodes of `rows`: by the user's rollout function, or the loop (`environment.schedule`)."""
+                 timings: dict[str, float] | None = None, seeds: list[int] | None = None) -> list[Episode]:
+        """The episodes of `rows`, by the user's rollout function or the loop (`environment.schedule`;
+        `seeds`, each episode's, where the caller drew them), each with its row's declared columns."""
         if self.rollout is not None:
-            return [checked_episode(self.rollout(row, sampler, self.chat.tokenizer), row) for row in rows]
-        return self.run(sampler, rows, temperature, timings)
+            episodes = [checked_episode(self.rollout(row, sampler, self.chat.tokenizer), row) for row in rows]
+        else:
+            episodes = self.run(sampler, rows, temperature, timings, seeds)
+        for episode, row in zip(episodes, rows, strict=True):
+            episode.columns = {name: value for name, value in row.items() if name not in ("prompt", "messages")}
+        return episodes
 
     def run(self, sampler: Sampler, rows: list[dict], temperature: float | None,
-            timings: dict[str, float] | None = None) -> list[Episode]:
+            timings: dict[str, float] | None = None, seeds: list[int] | None = None) -> list[Episode]:
         """The loop's episodes of `rows`, in `rounds` or `continuous`ly; each let go of its environment.
         `timings` gains `episode_wait`: the seconds this thread waited on what others compute (the
-        environments, and a server's turns), not sampling itself."""
+        environments, and a server's turns), not sampling itself. With `seeds`, each episode's turns
+        are drawn from its own streams in either schedule; without, `continuous` draws the seeds here
+        and `rounds` samples each round from this thread's stream."""
         run = self.rounds if self.settings.schedule == "rounds" else self.continuous
-        live = run(sampler, rows, temperature, {} if timings is None else timings)
+        live = run(sampler, rows, temperature, {} if timings is None else timings, seeds)
         for running in live:  # a server's episode is let go (an in-process environment may hold resources too)
             if hasattr(running.environment, "close"):
                 running.environment.close()
@@ -250,12 +274,12 @@ class EpisodeRunner(EpisodeSource):
         return [running.episode for running in live]
 
     def rounds(self, sampler: Sampler, rows: list[dict], temperature: float | None,
-               timings: dict[str, float]) -> list[Running]:
+               timings: dict[str, float], seeds: list[int] | None) -> list[Running]:
         """The episodes of `rows`, all turns of a round sampled at once, each call asking for no more
         tokens than the turn and the roomiest episode's budget allow; then every environment answers."""
         with timed(timings, "episode_wait"):
             resets = self._concurrently(self._reset, rows)
-        live = self._started(resets)
+        live = self._started(resets, seeds)
         for _ in range(self.settings.max_turns):
             active = [running for running in live if not running.ended]
             room = sampler.most(max((self.settings.episode_tokens - e.after_prompt for e in active), default=0))
@@ -275,7 +299,7 @@ class EpisodeRunner(EpisodeSource):
         return live
 
     def continuous(self, sampler: Sampler, rows: list[dict], temperature: float | None,
-                   timings: dict[str, float]) -> list[Running]:
+                   timings: dict[str, float], seeds: list[int] | None) -> list[Running]:
         """The episodes of `rows`, each taking its next turn as soon as its environment answered: the
         environments run on `concurrent_episodes` threads, never this one. On a server (`concurrent`)
         each turn is a request of its own; otherwise a decode call starts once the episodes ready for
@@ -284,15 +308,13 @@ class EpisodeRunner(EpisodeSource):
         turn is drawn from the episode's own stream (seeded from this thread's stream here), so its
         tokens do not depend on which episodes share its batch. Parsing and rendering stay on this
         thread: the tokenizer is never shared between threads."""
-        seeds = torch.randint(0, 2**31 - 1 - self.settings.max_turns, (len(rows),)).tolist()
+        seeds = self.seeds(len(rows)) if seeds is None else seeds
         workers = self.settings.environments_at_once
         with ThreadPoolExecutor(workers, "episode") as environments, \
                 ThreadPoolExecutor(len(rows) if sampler.concurrent else 1, "turn") as requests:
             with timed(timings, "episode_wait"):
                 resets = list(environments.map(self._reset, rows))
-            live = self._started(resets)
-            for running, seed in zip(live, seeds, strict=True):
-                running.seed = seed
+            live = self._started(resets, seeds)
             order = {id(running): index for index, running in enumerate(live)}  # what ends together: in row order
             ready, pending = [running for running in live if not running.ended], {}
             while ready or pending:
@@ -333,6 +355,8 @@ class EpisodeRunner(EpisodeSource):
         seeds = None if active[0].seed is None else tuple(e.seed + e.episode.turns for e in active)
         sampled = sampler.generate_ids([e.context for e in active],
                                        Sampling(min(self.turn_tokens, room), temperature, seeds=seeds))
+        for running in active:
+            running.version = sampled.version
         real = response_mask(sampled.responses, self.stop_ids).bool().tolist()  # (b, T)
         engine = [None] * len(active) if sampled.engine_logprobs is None else sampled.engine_logprobs.tolist()
         return [(episode, ids[:sum(mask)], None if logprobs is None else logprobs[:sum(mask)])
@@ -357,15 +381,16 @@ class EpisodeRunner(EpisodeSource):
         except Exception as e:  # noqa: BLE001 - the user's environment failed: the episode fails, the run goes on
             return environment, list(row["messages"]), f"{type(e).__name__}: {e}"
 
-    def _started(self, resets: list[tuple]) -> list[Running]:
-        """Each episode's start, its conversation rendered; one whose environment could not start fails
-        (not the run)."""
+    def _started(self, resets: list[tuple], seeds: list[int] | None) -> list[Running]:
+        """Each episode's start, its conversation rendered, its seed given; one whose environment could
+        not start fails (not the run)."""
         live = []
-        for environment, messages, error in resets:
+        for index, (environment, messages, error) in enumerate(resets):
             tools = environment.schemas() if hasattr(environment, "schemas") else None
             prompt = self.chat.ids(self.chat.render(messages, tools))
-            running = Running(episode=Episode(segments=[Segment(prompt, trainable=False)], messages=messages),
-                              environment=environment, tools=tools, context=list(prompt))
+            running = Running(episode=Episode(segments=[Segment(ids=prompt, trainable=False)], messages=messages),
+                              environment=environment, tools=tools, context=list(prompt),
+                              seed=None if seeds is None else seeds[index])
             if error is not None:
                 running.end("failed", error)
             live.append(running)
@@ -387,7 +412,7 @@ class EpisodeRunner(EpisodeSource):
         episode.tool_calls += len(turn.calls)
         episode.reasoning_tokens += len(self.chat.ids(turn.reasoning)) if turn.reasoning else 0
         if not ended:  # out of tokens mid-turn: nothing the environment could answer
-            running.add(Segment(ids, trainable=True, logprobs=logprobs))
+            running.add(Segment(ids=ids, trainable=True, logprobs=logprobs, version=running.version))
             running.end("truncated")
             return None
         return running, turn, ids, logprobs
@@ -411,13 +436,13 @@ class EpisodeRunner(EpisodeSource):
         except Exception as e:  # noqa: BLE001 - the environment (or its messages' rendering) failed: so does the episode
             step, delta = Step(None), []
             running.end("failed", f"{type(e).__name__}: {e}")
-        running.add(Segment(ids, trainable=True, reward=step.reward, logprobs=logprobs))
+        running.add(Segment(ids=ids, trainable=True, reward=step.reward, logprobs=logprobs, version=running.version))
         if running.ended:
             return
         if step.done or not step.messages:
             running.end("ok")
             return
-        running.add(Segment(delta[:max(self.settings.episode_tokens - running.after_prompt, 0)], trainable=False))
+        running.add(Segment(ids=delta[:max(self.settings.episode_tokens - running.after_prompt, 0)], trainable=False))
         if running.after_prompt >= self.settings.episode_tokens:
             running.end("truncated")
 

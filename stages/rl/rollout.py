@@ -117,10 +117,10 @@ class Rollouts:
         picks = prompt_batch(cfg.seed, len(prompts.texts), cursor, prompts.per_iteration)
         return [i for i in picks[accelerator.process_index * local:][:local] for _ in range(cfg.samples_per_prompt)]
 
-    def texts_of(self, iteration: int) -> list[str]:
-        """This process's rendered prompts of `iteration` (from 1) where every iteration takes one round
+    def rows_of(self, iteration: int) -> list[dict]:
+        """This process's prompt records of `iteration` (from 1) where every iteration takes one round
         (no dynamic sampling): what a source that samples ahead asks for before the iteration runs."""
-        return [self.prompts.texts[i] for i in self.round_picks((iteration - 1) * self.prompts.per_iteration)]
+        return self.prompts.records(self.round_picks((iteration - 1) * self.prompts.per_iteration))
 
     def with_sft_references(self, rollout_: Rollout, rows: list[dict], cursor: int,
                             timings: dict[str, float]) -> Rollout:
@@ -143,8 +143,7 @@ class Rollouts:
         what the source sampled ahead is settled first, and then sampled by this version)."""
         self.source.settle(timings)
         with timed(timings, "weight_sync"):
-            self.sampler.sync(self.models.policy)
-        self.source.synced(iteration)
+            self.sampler.sync(self.models.policy, iteration)
 
     def close(self) -> None:
         """What the source holds in flight dropped, and a vLLM server stopped: however the stage ends."""
