@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -179,3 +180,59 @@ def test_in_rounds_a_process_whose_episodes_ended_steps_on_a_placeholder_while_a
     together = _run(chat_tokenizer, engine, scripts, schedule="rounds")
     assert [len(call) for call in engine.calls] == [1, 1, 1]
     assert together[0].segments == alone[0].segments and together[0].status == "ok"
+
+
+def test_each_turn_keeps_its_version_and_an_episodes_staleness_is_its_oldest_turns():
+    """Hand-worked: episodes trained from v3. A single turn by v2: staleness 1. An episode continued
+    across two syncs (turns by v1, v2, v3): staleness 2, of mixed versions; its context segment's
+    version (0, never sampled) counts for nothing. The iteration: largest 2, mean (1 + 2 + 0) / 3 = 1,
+    mixed share 1/3."""
+    from stages.envs.ahead import staleness_figures
+    from stages.envs.episode import Episode, Segment
+
+    def turn(version: int) -> Segment:
+        return Segment(ids=[5, 3], trainable=True, version=version)
+
+    prompt, context = Segment(ids=[1, 2], trainable=False), Segment(ids=[7], trainable=False)
+    single = Episode(segments=[prompt, turn(2)])
+    continued = Episode(segments=[prompt, turn(1), context, turn(2), context, turn(3)])
+    fresh = Episode(segments=[prompt, turn(3)])
+    assert staleness_figures([single, continued, fresh], trained=3) == {
+        "rollout/staleness": 2.0, "rollout/staleness_mean": 1.0, "rollout/mixed_version_share": 1 / 3}
+
+
+def test_the_servers_gate_holds_a_reload_until_the_requests_in_flight_are_answered_and_new_ones_after_it():
+    """`VLLMSampler`'s gate: a sync (`closed`) waits for the request in flight; a request sent while
+    it is closed waits until it reopens, so no response is drawn across a reload."""
+    from stages.engines.vllm_server import Gate
+
+    gate, events = Gate(), []
+    in_flight, answer = threading.Event(), threading.Event()
+
+    def request(name: str, hold: threading.Event | None = None) -> None:
+        with gate.request():
+            events.append(f"{name} sent")
+            in_flight.set()
+            if hold is not None:
+                hold.wait(5)
+            events.append(f"{name} answered")
+
+    def sync() -> None:
+        with gate.closed():
+            events.append("reload")
+            late.start()
+            time.sleep(0.2)  # the late request is held back meanwhile
+            events.append("reloaded")
+
+    first = threading.Thread(target=request, args=("first", answer))
+    late = threading.Thread(target=request, args=("late",))
+    first.start()
+    in_flight.wait(5)
+    syncing = threading.Thread(target=sync)
+    syncing.start()
+    time.sleep(0.2)
+    assert events == ["first sent"]  # the sync waits for the request in flight
+    answer.set()
+    for thread in (first, syncing, late):
+        thread.join(5)
+    assert events == ["first sent", "first answered", "reload", "reloaded", "late sent", "late answered"]

@@ -111,16 +111,8 @@ class SampledAhead(EpisodeSource):
 
     @property
     def figures(self) -> dict[str, float]:
-        """The staleness of the iteration's episodes taken so far: the largest, the mean, and the share
-        whose turns more than one version sampled (partial rollouts)."""
-        if not self._episodes:
-            return {}
-        trained = self.taken - 1  # the version the update starts from
-        versions = [[s.version for s in e.segments if s.trainable] or [trained] for e in self._episodes]
-        staleness = [trained - min(v) for v in versions]
-        return {"rollout/staleness": float(max(staleness)),
-                "rollout/staleness_mean": sum(staleness) / len(staleness),
-                "rollout/mixed_version_share": sum(len(set(v)) > 1 for v in versions) / len(versions)}
+        """The staleness of the iteration's episodes taken so far (`staleness_figures`)."""
+        return staleness_figures(self._episodes, self.taken - 1) if self._episodes else {}
 
     def now(self) -> EpisodeSource:
         return self.source.now()
@@ -213,6 +205,17 @@ class SampledAhead(EpisodeSource):
             done: Future[Answered] = Future()
             done.set_result(Answered(sampled, entry["seconds"]))
             self.pending.append(Ahead(k, done))
+
+
+def staleness_figures(episodes: list[Episode], trained: int) -> dict[str, float]:
+    """Episodes trained from version `trained`: the largest and the mean staleness (`trained` less the
+    oldest version among an episode's trainable segments), and the share whose trainable segments
+    more than one version sampled (continued across a sync: `rollout.partial`)."""
+    versions = [[s.version for s in e.segments if s.trainable] or [trained] for e in episodes]
+    staleness = [trained - min(v) for v in versions]
+    return {"rollout/staleness": float(max(staleness)),
+            "rollout/staleness_mean": sum(staleness) / len(staleness),
+            "rollout/mixed_version_share": sum(len(set(v)) > 1 for v in versions) / len(versions)}
 
 
 def _timed(work: Callable[[], deque]) -> Answered:
