@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from fastapi import FastAPI, Request
 
 DATA = Path(__file__).parent / "data"
 """Hand-written data files: `good/` that each contract accepts, `bad/` that each refuses."""
@@ -488,6 +489,23 @@ def ppo_gradient_setup(tiny_config, trained, critic="reward", lora=False, **over
         for parameter in getattr(models.critic, "adapters", torch.nn.Module()).parameters():
             parameter.add_(0.02 * torch.randn_like(parameter))
     return cfg, models, batch, masked_whiten(advantages, batch.mask), returns
+
+
+def judge_app(answer: str = "I'd say 7 out of 10.") -> tuple[FastAPI, list[dict]]:
+    """An OpenAI-compatible judge that answers every chat request with `answer`, and the requests it was asked."""
+    asked: list[dict] = []
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "tiny-judge", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def complete(request: Request) -> dict:
+        asked.append(await request.json())
+        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]}
+
+    return app, asked
 
 
 @contextmanager

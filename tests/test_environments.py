@@ -556,8 +556,7 @@ def test_a_compare_judge_weighs_each_episodes_answer_against_the_sft_policys_epi
     reference, through the same environment), and the judge is shown the policy's final answer beside
     the SFT policy's, in a drawn order."""
     from stages.common.reporting import Reporting
-    from tests.helpers import run_ppo, served_in_thread
-    from tests.test_remote_reward import judge_app
+    from tests.helpers import judge_app, run_ppo, served_in_thread
 
     cfg, trained = tools_trained
     app, asked = judge_app("B, clearly")

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from rlhf.config import config_hash, with_overrides
 from rlhf.sections.reward_terms import RewardTerm, RewardTermsConfig
 from stages.rewards.remote import RemoteReward, RemoteRewardError, remote_values
-from tests.helpers import free_port, run_ppo, serve_process, served_in_thread, stop_process
+from tests.helpers import free_port, judge_app, run_ppo, serve_process, served_in_thread, stop_process
 
 
 @dataclass
@@ -73,22 +73,6 @@ def scoring_app(how: Misbehaviour) -> FastAPI:
             how.in_flight -= 1
 
     return app
-
-
-def judge_app(answer: str = "I'd say 7 out of 10.") -> tuple[FastAPI, list[dict]]:
-    asked: list[dict] = []
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": "tiny-judge", "object": "model"}]}
-
-    @app.post("/v1/chat/completions")
-    async def complete(request: Request) -> dict:
-        asked.append(await request.json())
-        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}}]}
-
-    return app, asked
 
 
 def client(url: str, **remote) -> RemoteReward:
