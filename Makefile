@@ -67,7 +67,7 @@ bench-distill: install  ## on-policy distillation: a half-size student of the de
 bench-tools: install  ## multi-turn episodes on the demo's tool world against the same policy trained single-turn, GRPO and PPO, 3 seeds
 	$(PY) -m bench.tools --config $${BENCH_CONFIG:-configs/tools.yaml}
 
-bench-agents: install  ## episodes in rounds against continuous on the tool world with a slow tool (configs/tools-latency.yaml), 3 seeds
+bench-agents: install  ## episodes in rounds, continuous, sampled ahead (1, 2) and partial, on transformers and vLLM, on the tool world with a slow tool (configs/tools-latency.yaml), 3 seeds
 	$(PY) -m bench.agents --config $${BENCH_CONFIG:-configs/tools-latency.yaml}
 
 bench-scale: install  ## PPO on 1 process, 2 DDP and 2 FSDP2 processes: memory each process holds, s/iteration, sampling tokens/s
