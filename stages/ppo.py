@@ -150,7 +150,7 @@ def build_rollouts(learner: Learner, inputs: PPOInputs, output_dir: Path) -> Rol
                         scoring=scoring, prompts=Prompts.of(inputs.prompts, cfg))
     if cfg.rollout.max_staleness:  # the source's episodes sampled ahead, read as the source reads them
         rollouts.source = SampledAhead(sampler, source, cfg.sampling, cfg.rollout.max_staleness,
-                                       Schedule(rollouts.rows_of, cfg.num_iterations), cfg.rollout.partial)
+                                       Schedule(rollouts.records_of, cfg.num_iterations), cfg.rollout.partial)
     return rollouts
 
 

@@ -171,9 +171,9 @@ def test_partial_rollouts_continue_episodes_across_a_sync_under_the_new_weights(
     from tests import helpers
 
     cfg, trained = tool_world
-    real_rows, real_sync = Rollouts.rows_of, VLLMSampler.sync
-    monkeypatch.setattr(Rollouts, "rows_of", lambda self, k: [{**row, "ahead_of_sync": k == 2}
-                                                               for row in real_rows(self, k)])
+    real_records, real_sync = Rollouts.records_of, VLLMSampler.sync
+    monkeypatch.setattr(Rollouts, "records_of", lambda self, k: [{**row, "ahead_of_sync": k == 2}
+                                                                  for row in real_records(self, k)])
 
     def sync(sampler, policy, version):
         real_sync(sampler, policy, version)

@@ -117,7 +117,7 @@ class Rollouts:
         picks = prompt_batch(cfg.seed, len(prompts.texts), cursor, prompts.per_iteration)
         return [i for i in picks[accelerator.process_index * local:][:local] for _ in range(cfg.samples_per_prompt)]
 
-    def rows_of(self, iteration: int) -> list[dict]:
+    def records_of(self, iteration: int) -> list[dict]:
         """This process's prompt records of `iteration` (from 1) where every iteration takes one round
         (no dynamic sampling): what a source that samples ahead asks for before the iteration runs."""
         return self.prompts.records(self.round_picks((iteration - 1) * self.prompts.per_iteration))
