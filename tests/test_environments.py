@@ -298,6 +298,9 @@ def test_what_episodes_cannot_do_is_refused_with_the_reason(tools_trained):
     assert ahead.rollout.partial
     with pytest.raises(ValueError, match="rollout.partial .* rollout.max_staleness 0"):
         _tool_cfg(cfg, rollout={"partial": True})
+    with pytest.raises(ValueError, match="a rollout function's sampling would draw from the trainer's"):
+        _tool_cfg(cfg, rollout_engine="vllm", rollout={"max_staleness": 1}, vllm={"python": sys.executable},
+                  environment={"tools": None, "rollout": "tests.helpers:one_turn_episode"})
     with pytest.raises(ValueError, match="a single turn is one request"):
         _tool_cfg(cfg, environment=None, rollout_engine="vllm", rollout={"max_staleness": 1, "partial": True},
                   vllm={"python": sys.executable})

@@ -448,6 +448,11 @@ class PPOConfig(TrainedStage, SampledStage):
             raise ValueError(f"{fetched[0]}: `env:` is an environment server's dataset: set environment.server")
         if self.environment is None:
             return self
+        if self.rollout.max_staleness and self.environment.rollout is not None:
+            raise ValueError("environment.rollout with rollout.max_staleness above 0: episodes sampled ahead run on a "
+                             "thread of their own, and a rollout function's sampling would draw from the trainer's "
+                             "random stream there, so no run would repeat: use tools, a factory or a server, or "
+                             "max_staleness 0")
         if self.launch.sharded and self.environment.schedule == "continuous":
             raise ValueError("environment.schedule continuous: a sharded policy samples collectively, every process "
                              "the same decode steps (the SFT baseline's episodes too, on any rollout_engine), which "

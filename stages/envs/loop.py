@@ -171,7 +171,8 @@ class Running:
     ended: bool = False
     """Whether the episode has its status: it answered, ran out of room, or failed."""
     seed: int | None = None
-    """Continuous episodes: turn t is drawn from its own stream, seeded `seed + t`; None: the round's stream."""
+    """Continuous episodes, or sampled ahead: turn t is drawn from its own stream, seeded `seed + t`; None:
+    the round's stream."""
     version: int = 0
     """The policy version that sampled its latest turn."""
 
