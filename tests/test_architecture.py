@@ -37,6 +37,7 @@ LAYERS = {
     "rlhf/tracking.py": CONFIG,
     "stages/common": ("stages.common",) + CONFIG,
     "stages/math": ("stages.common",),
+    "stages/sandbox": ("stages.sandbox",),  # untrusted code's confinement: the standard library, landlock, pyseccomp
     "stages/runtime": ("stages.common", "stages.runtime") + CONFIG,
     "stages/memory": ("stages.common", "stages.runtime", "stages.memory") + CONFIG,
     "stages/launch": ("stages.common", "stages.runtime", "stages.memory", "stages.launch", "rlhf.numerics") + CONFIG,
