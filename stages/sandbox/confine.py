@@ -1,6 +1,6 @@
 """The sandbox's child: confines its own process, then runs the untrusted code in it (docs/sandbox.md).
 
-    python -I stages/sandbox/confine.py SPEC_JSON REPORT_FD
+    python -I -S stages/sandbox/confine.py SPEC_JSON REPORT_FD
 
 Started by `stages.sandbox.local` in a new session (its process group is what the wall clock kills), in a
 fresh working directory, with a clean environment. In order, each step a kept Linux mechanism:
@@ -22,35 +22,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import importlib
 import json
 import os
 import resource
 import socket
 import sys
-
-# Imported before the process gives up root: as `nobody`, the interpreter's own library may be unreadable.
-try:
-    from landlock.plumbing import (
-        PR_SET_NO_NEW_PRIVS,
-        FSAccess,
-        PathBeneathAttr,
-        RulesetAttr,
-        get_add_rule,
-        get_create_ruleset,
-        get_prctl,
-        get_restrict_self,
-        landlock_abi_version,
-    )
-except Exception as error:  # noqa: BLE001  (said in the report, not fatal unless required)
-    LANDLOCK_ERROR = f"{type(error).__name__}: {error}"
-else:
-    LANDLOCK_ERROR = None
-try:
-    import pyseccomp as sc
-except Exception as error:  # noqa: BLE001  (no libseccomp on this machine)
-    SECCOMP_ERROR = f"{type(error).__name__}: {error}"
-else:
-    SECCOMP_ERROR = None
 
 CLONE_NEWNET = 0x40000000
 NOBODY = 65534
@@ -113,42 +90,47 @@ def interpreter(preferred: str) -> str | None:
     return None
 
 
-def landlock(workdir: str, python: str | None, applied: list[str], missing: dict[str, str]) -> None:
-    if LANDLOCK_ERROR is not None:
-        missing["landlock"] = LANDLOCK_ERROR
-        return
+def imported(name: str):
+    """The module `name`, or why not (said in the report; fatal only where required)."""
     try:
-        abi = landlock_abi_version()
+        return importlib.import_module(name), None
+    except Exception as error:  # noqa: BLE001  (no libseccomp on this machine, say)
+        return None, f"{type(error).__name__}: {error}"
+
+
+def landlock(plumbing, workdir: str, python: str | None, applied: list[str], missing: dict[str, str]) -> None:
+    try:
+        abi = plumbing.landlock_abi_version()
     except Exception as error:  # noqa: BLE001  (no Landlock in this kernel, or it is disabled)
         missing["landlock"] = f"{type(error).__name__}: {error}"
         return
+    access = plumbing.FSAccess
 
-    class Ruleset(RulesetAttr):  # the package's attribute with the fields of ABI 4 (net) and 6 (scopes)
+    class Ruleset(plumbing.RulesetAttr):  # the package's attribute with the fields of ABI 4 (net) and 6 (scopes)
         _fields_ = [("handled_access_net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
 
     net = NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0
     scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0
-    attr = Ruleset(FSAccess.all(), net, scoped)
-    ruleset = get_create_ruleset()(ctypes.byref(attr), ctypes.sizeof(attr) if abi >= 4 else ctypes.sizeof(RulesetAttr),
-                                   0)
-    read = FSAccess.EXECUTE | FSAccess.READ_FILE | FSAccess.READ_DIR
+    attr = Ruleset(access.all(), net, scoped)
+    size = ctypes.sizeof(attr) if abi >= 4 else ctypes.sizeof(plumbing.RulesetAttr)
+    ruleset = plumbing.get_create_ruleset()(ctypes.byref(attr), size, 0)
+    read = access.EXECUTE | access.READ_FILE | access.READ_DIR
     readable = list(SYSTEM_FOLDERS)
     if python is not None:  # the interpreter's own prefix, wherever it is installed
-        real = os.path.realpath(python)
-        readable.append(os.path.dirname(os.path.dirname(real)))
-    for path, access in [(p, read) for p in readable] + [(f, FSAccess.READ_FILE | FSAccess.WRITE_FILE)
-                                                         for f in SYSTEM_FILES] + [(workdir, FSAccess.all())]:
+        readable.append(os.path.dirname(os.path.dirname(os.path.realpath(python))))
+    rules = [(p, read) for p in readable] + [(f, access.READ_FILE | access.WRITE_FILE) for f in SYSTEM_FILES]
+    for path, allowed in rules + [(workdir, access.all())]:
         if not os.path.exists(path):
             continue
         if not os.path.isdir(path):
-            access &= FSAccess.all_file()
+            allowed &= access.all_file()
         fd = os.open(path, os.O_PATH)
         try:
-            get_add_rule()(ruleset, 1, ctypes.byref(PathBeneathAttr(access, fd)), 0)
+            plumbing.get_add_rule()(ruleset, 1, ctypes.byref(plumbing.PathBeneathAttr(allowed, fd)), 0)
         finally:
             os.close(fd)
-    get_prctl()(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    get_restrict_self()(ruleset, 0)
+    plumbing.get_prctl()(plumbing.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    plumbing.get_restrict_self()(ruleset, 0)
     os.close(ruleset)
     applied.append("landlock")
     applied.extend((["landlock_tcp"] if net else []) + (["landlock_signal_scope"] if scoped else []))
@@ -158,10 +140,7 @@ def landlock(workdir: str, python: str | None, applied: list[str], missing: dict
         missing["landlock_signal_scope"] = f"Landlock ABI {abi} < 6"
 
 
-def seccomp(trainer: int, applied: list[str], missing: dict[str, str]) -> None:
-    if SECCOMP_ERROR is not None:
-        missing["seccomp"] = SECCOMP_ERROR
-        return
+def seccomp(sc, trainer: int, applied: list[str]) -> None:
     rules = sc.SyscallFilter(defaction=sc.ALLOW)
     denied = sc.ERRNO(errno.EPERM)
     rules.add_rule(denied, "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
@@ -183,6 +162,16 @@ def main() -> None:
     spec, report = json.loads(sys.argv[1]), int(sys.argv[2])
     applied: list[str] = []
     missing: dict[str, str] = {}
+    # No `site` (-S: an environment's .pth files and editable finders cost ~0.1 s a start): the two packages
+    # come from their folders, named in the spec, and are imported before the process gives up root (as
+    # `nobody`, the interpreter's own library may be unreadable).
+    sys.path[:0] = spec["packages"]
+    plumbing, error = imported("landlock.plumbing")
+    if error:
+        missing["landlock"] = error
+    sc, error = (None, None) if spec["network"] else imported("pyseccomp")
+    if error:
+        missing["seccomp"] = error
     workdir = os.getcwd()
     root = os.geteuid() == 0
     if spec["network"]:
@@ -196,9 +185,10 @@ def main() -> None:
     else:
         missing["unprivileged_user"] = "not started as root: the code runs as the trainer's user"
     python = interpreter(spec["python"]) if spec["kind"] == "python" else None
-    landlock(workdir, python, applied, missing)
-    if not spec["network"]:
-        seccomp(spec["trainer"], applied, missing)
+    if plumbing is not None:
+        landlock(plumbing, workdir, python, applied, missing)
+    if sc is not None:
+        seccomp(sc, spec["trainer"], applied)
     refused = sorted(set(spec["require"]) & set(missing))
     os.write(report, json.dumps({"applied": applied, "missing": missing, "refused": refused,
                                  "python": python}).encode())

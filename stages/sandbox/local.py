@@ -3,6 +3,7 @@ output, the wall clock, and the whole process group killed at the end, however t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -19,6 +20,9 @@ CONFINE = Path(__file__).with_name("confine.py")
 MECHANISMS = ("network_namespace", "rlimits", "unprivileged_user", "landlock", "landlock_tcp",
               "landlock_signal_scope", "seccomp")
 """What `Limits.require` may name: each step of `confine.py`."""
+PACKAGES = sorted({str(Path(importlib.util.find_spec("landlock").origin).parent.parent),
+                   str(Path(importlib.util.find_spec("pyseccomp").origin).parent)})
+"""Where `landlock` and `pyseccomp` are installed: the confining child starts without `site`, imports from here."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +74,8 @@ class SandboxResult:
     """The mechanisms this machine lacks, and why."""
     refused: tuple[str, ...] = ()
     """Required mechanisms that were missing: the code did not run."""
+    python: str | None = None
+    """The interpreter that ran Python code (the trainer's, else the system's: what `nobody` may run)."""
     seconds: float = 0.0
 
     @property
@@ -120,10 +126,10 @@ def run(kind: str, code: str, limits: Limits, stdin: str = "") -> SandboxResult:
         spec = {"kind": kind, "cpu_seconds": limits.cpu_seconds, "memory_mb": limits.memory_mb,
                 "processes": limits.processes, "open_files": limits.open_files, "file_size_mb": limits.file_size_mb,
                 "network": limits.network, "require": list(limits.require), "python": limits.python,
-                "trainer": os.getpid()}
+                "trainer": os.getpid(), "packages": PACKAGES}
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir,
                "PYTHONDONTWRITEBYTECODE": "1"}
-        child = subprocess.Popen([sys.executable, "-I", str(CONFINE), json.dumps(spec), str(report_write)],
+        child = subprocess.Popen([sys.executable, "-I", "-S", str(CONFINE), json.dumps(spec), str(report_write)],
                                  cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True, pass_fds=(report_write,))
         os.close(report_write)
@@ -161,7 +167,7 @@ def run(kind: str, code: str, limits: Limits, stdin: str = "") -> SandboxResult:
         stdout=readers[0].kept.decode(errors="replace"), stderr=readers[1].kept.decode(errors="replace"),
         timed_out=timed_out, output_truncated=any(r.truncated for r in readers),
         applied=tuple(report.get("applied", ())), missing=dict(report.get("missing", {})), refused=refused,
-        seconds=time.perf_counter() - started)
+        python=report.get("python"), seconds=time.perf_counter() - started)
 
 
 def _kill_group(group: int, patience: float = 2.0) -> None:
