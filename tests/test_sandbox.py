@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -192,3 +194,23 @@ def test_the_tool_answers_with_how_the_code_ended():
     (tool,) = python_tools({})
     assert tool("print(6 * 7)") == "exit 0\nstdout:\n42\n\nstderr:\n"
     assert tool("open('/etc/shadow')").startswith("exit 1\n")
+
+
+def test_the_server_goes_with_its_trainer():
+    """The confining server lives as long as the process that started it: a trainer that ends (or dies)
+    leaves nothing behind."""
+    script = ("from stages.sandbox.code import run_python\nfrom stages.sandbox.local import SERVER\n"
+              "assert run_python('pass').ok\nprint(SERVER.process.pid)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True)
+    server = int(done.stdout.split()[-1])
+    deadline = time.time() + 10
+    while time.time() < deadline and _running(server):
+        time.sleep(0.05)
+    assert not _running(server)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

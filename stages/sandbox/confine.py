@@ -1,9 +1,12 @@
-"""The sandbox's child: confines its own process, then runs the untrusted code in it (docs/sandbox.md).
+"""The sandbox's server: forks a confined process per run and runs the untrusted code in it (docs/sandbox.md).
 
-    python -I -S stages/sandbox/confine.py SPEC_JSON REPORT_FD
+    python -I -S stages/sandbox/confine.py SOCKET_FD PACKAGES_JSON
 
-Started by `stages.sandbox.local` in a new session (its process group is what the wall clock kills), in a
-fresh working directory, with a clean environment. In order, each step a kept Linux mechanism:
+Started once per trainer process by `stages.sandbox.local`, it imports `landlock` and `pyseccomp` once and
+serves runs over a private socket: each request is a run's spec and its four pipes (stdin, stdout, stderr,
+report). Per run it forks a monitor, which forks the run's process in a new session (its process group is
+what the trainer's wall clock kills), in the run's fresh working directory, and waits for it. That process
+confines itself, each step a kept Linux mechanism:
 
 1. a network namespace of its own (`unshare(CLONE_NEWNET)`: only a loopback, down), where the process may;
 2. rlimits: CPU seconds, address space, processes, open files, file size, no core dumps;
@@ -13,9 +16,11 @@ fresh working directory, with a clean environment. In order, each step a kept Li
 5. seccomp: no sockets but Unix ones, no new session or process group (the kill reaches every child), no
    ptrace, namespaces, mounts, modules, BPF, io_uring, keys or reboot.
 
-It reports on REPORT_FD (JSON: the mechanisms applied, those missing and why), closes it, then runs the
-code: Python in an interpreter started afresh (`execv`, isolated mode), or a shell command. Imports only
-the standard library, `landlock` and `pyseccomp`: nothing of the project is importable from the code.
+On the report pipe, one JSON line each: the monitor's `{"pid"}`, the process's `{"applied", "missing",
+"refused", "python"}` (before the code runs), the monitor's `{"status"}` (the raw wait status). Then the
+code runs: Python in an interpreter started afresh (`execve`, isolated mode, a clean environment), or a
+shell script. Imports only the standard library, `landlock` and `pyseccomp`: nothing of the project is
+importable from the code. When the trainer closes the socket (or dies), the server exits.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import importlib
 import json
 import os
 import resource
+import signal
 import socket
 import sys
 
@@ -158,40 +164,28 @@ def seccomp(sc, trainer: int, applied: list[str]) -> None:
     applied.append("seccomp")
 
 
-def main() -> None:
-    spec, report = json.loads(sys.argv[1]), int(sys.argv[2])
+def confine(spec: dict, plumbing, sc, report: int) -> None:
+    """The run's own process, forked by its monitor: each step in turn, the report, then the code. Never returns."""
     applied: list[str] = []
-    missing: dict[str, str] = {}
-    # No `site` (-S: an environment's .pth files and editable finders cost ~0.1 s a start): the two packages
-    # come from their folders, named in the spec, and are imported before the process gives up root (as
-    # `nobody`, the interpreter's own library may be unreadable).
-    sys.path[:0] = spec["packages"]
-    plumbing, error = imported("landlock.plumbing")
-    if error:
-        missing["landlock"] = error
-    sc, error = (None, None) if spec["network"] else imported("pyseccomp")
-    if error:
-        missing["seccomp"] = error
-    workdir = os.getcwd()
+    missing: dict[str, str] = dict(spec["unavailable"])
     root = os.geteuid() == 0
     if spec["network"]:
-        missing["network_namespace"] = "network allowed (sandbox.network: true)"
+        missing["network_namespace"] = "network allowed (Limits.network)"
     else:
         network_namespace(applied, missing)
     # As root the code runs as nobody, whose processes are few; else as this user, beside what it runs already.
     limits(spec, spec["processes"] + (0 if root else tasks_of(os.getuid())), applied)
     if root:
-        unprivileged(workdir, applied)
+        unprivileged(spec["workdir"], applied)
     else:
         missing["unprivileged_user"] = "not started as root: the code runs as the trainer's user"
     python = interpreter(spec["python"]) if spec["kind"] == "python" else None
     if plumbing is not None:
-        landlock(plumbing, workdir, python, applied, missing)
-    if sc is not None:
+        landlock(plumbing, spec["workdir"], python, applied, missing)
+    if sc is not None and not spec["network"]:
         seccomp(sc, spec["trainer"], applied)
     refused = sorted(set(spec["require"]) & set(missing))
-    os.write(report, json.dumps({"applied": applied, "missing": missing, "refused": refused,
-                                 "python": python}).encode())
+    _say(report, {"applied": applied, "missing": missing, "refused": refused, "python": python})
     os.close(report)
     if refused:
         os._exit(125)
@@ -199,9 +193,63 @@ def main() -> None:
         if python is None:
             os.write(2, b"sandbox: no Python the sandbox's user may run\n")
             os._exit(126)
-        os.execv(python, [python, "-I", "main.py"])
-    os.execv("/bin/sh", ["/bin/sh", "main.sh"])
+        os.execve(python, [python, "-I", "main.py"], spec["env"])
+    os.execve("/bin/sh", ["/bin/sh", "main.sh"], spec["env"])
+
+
+def monitor(spec: dict, fds: list[int], plumbing, sc) -> None:
+    """One run, forked by the server: forks the confined process in a session of its own, says its pid,
+    waits for it and says how it ended (the raw wait status). Never returns."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server ignores it (auto-reaping); this one waits
+    stdin, stdout, stderr, report = fds
+    child = os.fork()
+    if child == 0:
+        try:
+            os.setsid()
+            os.chdir(spec["workdir"])
+            for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+                os.dup2(fd, target)
+            os.closerange(3, report)
+            os.closerange(report + 1, 65536)
+            confine(spec, plumbing, sc, report)
+        except BaseException as error:  # noqa: BLE001  (a step that failed: said on stderr, the run fails)
+            os.write(2, f"sandbox: {type(error).__name__}: {error}\n".encode())
+        os._exit(127)
+    for fd in (stdin, stdout, stderr):
+        os.close(fd)
+    _say(report, {"pid": child})
+    _, status = os.waitpid(child, 0)
+    _say(report, {"status": status})
+    os._exit(0)
+
+
+def _say(fd: int, message: dict) -> None:
+    """One line of JSON on the report pipe (under PIPE_BUF: written whole, never interleaved)."""
+    os.write(fd, (json.dumps(message) + "\n").encode())
+
+
+def serve(connection: socket.socket) -> None:
+    """Fork a monitor per request (a spec and its four pipes) until the trainer closes the connection.
+    `landlock` and `pyseccomp` are imported once here, before any run gives up root (as `nobody` the
+    interpreter's own library may be unreadable): a run costs a fork, not an interpreter's start."""
+    plumbing, landlock_error = imported("landlock.plumbing")
+    sc, seccomp_error = imported("pyseccomp")
+    unavailable = {name: error for name, error in (("landlock", landlock_error), ("seccomp", seccomp_error)) if error}
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
+    while True:
+        message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 4)
+        if not message:
+            return  # the trainer is gone
+        spec = json.loads(message) | {"unavailable": unavailable}
+        if os.fork() == 0:
+            connection.close()
+            monitor(spec, fds, plumbing, sc)
+        for fd in fds:
+            os.close(fd)
 
 
 if __name__ == "__main__":
-    main()
+    # No `site` (-I -S: an environment's .pth files and editable finders cost ~0.1 s a start): the two
+    # packages come from their folders, which the trainer names.
+    sys.path[:0] = json.loads(sys.argv[2])
+    serve(socket.socket(fileno=int(sys.argv[1])))

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -98,76 +99,122 @@ class SandboxResult:
         return f"{ended}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
 
 
+class _Server:
+    """This process's confining server (`confine.py`): started at the first run, again if it died or the
+    process forked since. Runs are sent to it as a spec and four pipes over a private socket."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.process: subprocess.Popen | None = None
+        self.connection: socket.socket | None = None
+        self.owner = -1
+
+    def send(self, spec: dict, fds: list[int]) -> None:
+        with self.lock:
+            if self.owner != os.getpid() or self.process.poll() is not None:
+                self._start()
+            socket.send_fds(self.connection, [json.dumps(spec).encode()], fds)
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(CONFINE), str(theirs.fileno()), json.dumps(PACKAGES)],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+        theirs.close()
+        self.connection, self.owner = ours, os.getpid()
+
+
+SERVER = _Server()
+
+
 class _Bounded(threading.Thread):
     """Reads a pipe to its end, keeping its first `limit` bytes; past them, calls `overflow` once."""
 
-    def __init__(self, pipe, limit: int, overflow):
+    def __init__(self, fd: int, limit: int, overflow):
         super().__init__(daemon=True)
-        self.pipe, self.limit, self.overflow = pipe, limit, overflow
+        self.fd, self.limit, self.overflow = fd, limit, overflow
         self.kept, self.truncated = bytearray(), False
 
     def run(self):
-        while chunk := self.pipe.read1(65536):
-            room = self.limit - len(self.kept)
-            self.kept += chunk[:max(room, 0)]
-            if len(chunk) > room and not self.truncated:
-                self.truncated = True
-                self.overflow()
+        try:
+            while chunk := os.read(self.fd, 65536):
+                room = self.limit - len(self.kept)
+                self.kept += chunk[:max(room, 0)]
+                if len(chunk) > room and not self.truncated:
+                    self.truncated = True
+                    self.overflow()
+        finally:
+            os.close(self.fd)
+
+
+class _Report(threading.Thread):
+    """Reads the run's report lines: its process's pid, the confinement, the wait status (`ended` set)."""
+
+    def __init__(self, fd: int):
+        super().__init__(daemon=True)
+        self.fd, self.fields, self.started, self.ended = fd, {}, threading.Event(), threading.Event()
+
+    def run(self):
+        with os.fdopen(self.fd, "rb") as lines:
+            for line in lines:
+                self.fields |= json.loads(line)
+                if "pid" in self.fields:
+                    self.started.set()
+                if "status" in self.fields:
+                    self.ended.set()
+        self.started.set()
+        self.ended.set()  # the pipe closed: ended, whatever was said
 
 
 def run(kind: str, code: str, limits: Limits, stdin: str = "") -> SandboxResult:
     """Run `code` (`python` or `shell`) confined; nothing of it outlives this call."""
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="rlhf-sandbox-")
-    report_read, report_write = os.pipe()
     try:
         Path(workdir, "main.py" if kind == "python" else "main.sh").write_text(code)
         os.chmod(workdir, 0o755)
-        spec = {"kind": kind, "cpu_seconds": limits.cpu_seconds, "memory_mb": limits.memory_mb,
+        spec = {"kind": kind, "workdir": workdir, "cpu_seconds": limits.cpu_seconds, "memory_mb": limits.memory_mb,
                 "processes": limits.processes, "open_files": limits.open_files, "file_size_mb": limits.file_size_mb,
                 "network": limits.network, "require": list(limits.require), "python": limits.python,
-                "trainer": os.getpid(), "packages": PACKAGES}
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir,
-               "PYTHONDONTWRITEBYTECODE": "1"}
-        child = subprocess.Popen([sys.executable, "-I", "-S", str(CONFINE), json.dumps(spec), str(report_write)],
-                                 cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, start_new_session=True, pass_fds=(report_write,))
-        os.close(report_write)
-        report_write = -1
+                "trainer": os.getpid(), "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir,
+                                                "TMPDIR": workdir, "PYTHONDONTWRITEBYTECODE": "1"}}
+        pipes = [os.pipe() for _ in range(4)]  # stdin, stdout, stderr, report: (read, write) each
+        theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
+        try:
+            SERVER.send(spec, theirs)
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        report = _Report(pipes[3][0])
 
         def kill():
-            _kill_group(child.pid, patience=0.0)
+            if report.started.is_set() and "pid" in report.fields:
+                _kill_group(report.fields["pid"], patience=0.0)
 
-        readers = [_Bounded(child.stdout, limits.output_bytes, kill), _Bounded(child.stderr, limits.output_bytes, kill)]
-        for reader in readers:
-            reader.start()
-        _feed(child, stdin)
-        timed_out = False
-        try:
-            child.wait(timeout=limits.wall_seconds)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        child.kill()
-        child.wait()
-        _kill_group(child.pid)  # the code's own children too: the session's group (setsid is denied to them)
-        for reader in readers:
-            reader.join(timeout=5)
-        with os.fdopen(report_read, "rb") as report_file:
-            report_read = -1
-            report = json.loads(report_file.read() or b"{}")
+        readers = [_Bounded(pipes[1][0], limits.output_bytes, kill), _Bounded(pipes[2][0], limits.output_bytes, kill)]
+        for thread in (report, *readers):
+            thread.start()
+        _feed(pipes[0][1], stdin)
+        timed_out = not report.ended.wait(timeout=limits.wall_seconds)
+        report.started.wait()
+        if "pid" not in report.fields:
+            raise RuntimeError(f"the sandbox's server ended before starting the run (exit {SERVER.process.poll()})")
+        _kill_group(report.fields["pid"])  # the code's own children too: its session's group (setsid is denied)
+        report.ended.wait()
+        for thread in (report, *readers):
+            thread.join(timeout=5)
     finally:
-        for fd in (report_read, report_write):
-            if fd >= 0:
-                os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
-    status = child.returncode
-    refused = tuple(report.get("refused", ()))
+    fields = report.fields
+    status = os.waitstatus_to_exitcode(fields["status"]) if "status" in fields else None
+    refused = tuple(fields.get("refused", ()))
     return SandboxResult(
-        exit_code=None if status < 0 or refused else status, signal=-status if status < 0 else None,
+        exit_code=None if status is None or status < 0 or refused else status,
+        signal=-status if status is not None and status < 0 else None,
         stdout=readers[0].kept.decode(errors="replace"), stderr=readers[1].kept.decode(errors="replace"),
         timed_out=timed_out, output_truncated=any(r.truncated for r in readers),
-        applied=tuple(report.get("applied", ())), missing=dict(report.get("missing", {})), refused=refused,
-        python=report.get("python"), seconds=time.perf_counter() - started)
+        applied=tuple(fields.get("applied", ())), missing=dict(fields.get("missing", {})), refused=refused,
+        python=fields.get("python"), seconds=time.perf_counter() - started)
 
 
 def _kill_group(group: int, patience: float = 2.0) -> None:
@@ -184,13 +231,13 @@ def _kill_group(group: int, patience: float = 2.0) -> None:
         time.sleep(0.01)
 
 
-def _feed(child: subprocess.Popen, stdin: str) -> None:
-    """Writes `stdin` to the child and closes it; a child that stops reading does not hold the caller."""
+def _feed(fd: int, stdin: str) -> None:
+    """Writes `stdin` to the run and closes it; a run that stops reading does not hold the caller."""
     def write():
         try:
-            child.stdin.write(stdin.encode())
-            child.stdin.close()
-        except (BrokenPipeError, OSError):
+            with os.fdopen(fd, "wb") as pipe:
+                pipe.write(stdin.encode())
+        except OSError:  # the run closed its stdin or ended first
             pass
 
     threading.Thread(target=write, daemon=True).start()
