@@ -5,6 +5,7 @@ batch the rollout builds from episodes, and the loss with tool tokens against th
 from __future__ import annotations
 
 import copy
+import json
 import sys
 
 import pytest
@@ -577,3 +578,21 @@ def test_a_compare_judge_weighs_each_episodes_answer_against_the_sft_policys_epi
         assert "Response A: " in text and "Response B: " in text
     for table in tables.values():  # the judge always answers B: a win where the policy's answer was shown second
         assert set(table["reward/choice"]) <= {0.0, 1.0} and "episode" in table
+
+
+@pytest.mark.multiprocess  # the sandbox's server is a process
+def test_the_policys_code_runs_in_the_sandbox_as_a_tool(chat_tokenizer, tmp_path):
+    """`stages.sandbox.code:python_tools` through the real loop: the call's code runs confined, and its
+    answer (how it ended, stdout, stderr) is the tool message; code that reaches for the trainer's files
+    gets a refusal back, not the file."""
+    secret = tmp_path / "credentials"
+    secret.write_text("token-123")
+    code = f"print(6 * 7)\nprint(open({str(secret)!r}).read())"
+    call = '<tool_call>{"name": "run_python_code", "arguments": {"code": ' + json.dumps(code) + '}}</tool_call>'
+    config = EnvironmentConfig(tools="stages.sandbox.code:python_tools", episode_tokens=2000, tool_timeout_s=30,
+                               max_tool_output_chars=2000)
+    runner = episode_runner(config, chat_tokenizer, "test-model", [chat_tokenizer.eos_token_id], 600)
+    [episode] = runner.run(Scripted(chat_tokenizer, [call, "It is 42."]), [ROW], 1.0)
+    assert episode.status == "ok" and episode.tool_calls == 1
+    answer = episode.messages[2]["content"]
+    assert answer.startswith("exit 1\nstdout:\n42\n") and "PermissionError" in answer and "token-123" not in answer
