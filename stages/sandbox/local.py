@@ -21,6 +21,8 @@ CONFINE = Path(__file__).with_name("confine.py")
 MECHANISMS = ("network_namespace", "rlimits", "unprivileged_user", "landlock", "landlock_tcp",
               "landlock_signal_scope", "seccomp")
 """What `Limits.require` may name: each step of `confine.py`."""
+START_TIMEOUT_S = 60.0
+"""Seconds the server may take to fork a run's process (it starts in well under one)."""
 PACKAGES = sorted({str(Path(importlib.util.find_spec("landlock").origin).parent.parent),
                    str(Path(importlib.util.find_spec("pyseccomp").origin).parent)})
 """Where `landlock` and `pyseccomp` are installed: the confining child starts without `site`, imports from here."""
@@ -113,7 +115,11 @@ class _Server:
         with self.lock:
             if self.owner != os.getpid() or self.process.poll() is not None:
                 self._start()
-            socket.send_fds(self.connection, [json.dumps(spec).encode()], fds)
+            try:
+                socket.send_fds(self.connection, [json.dumps(spec).encode()], fds)
+            except OSError:  # it died since the check: once more, on a new one
+                self._start()
+                socket.send_fds(self.connection, [json.dumps(spec).encode()], fds)
 
     def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -196,7 +202,7 @@ def run(kind: str, code: str, limits: Limits, stdin: str = "") -> SandboxResult:
             thread.start()
         _feed(pipes[0][1], stdin)
         timed_out = not report.ended.wait(timeout=limits.wall_seconds)
-        report.started.wait()
+        report.started.wait(timeout=START_TIMEOUT_S)
         if "pid" not in report.fields:
             raise RuntimeError(f"the sandbox's server ended before starting the run (exit {SERVER.process.poll()})")
         _kill_group(report.fields["pid"])  # the code's own children too: its session's group (setsid is denied)
