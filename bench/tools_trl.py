@@ -50,6 +50,9 @@ DIFFERENCES = [
 """What differs between the two runs, because TRL cannot say what our config says."""
 
 
+OWNER = {"ours": "ours'", "trl": "TRL's"}
+
+
 class Judge:
     """The one evaluation both policies get: in episodes, against the SFT policy's episodes on the held-out prompts."""
 
@@ -142,22 +145,23 @@ def time_to(points: list[dict], target: float) -> dict | None:
 
 
 def report(rows: list[dict]) -> str:
-    """Final figures (mean [min, max] over seeds) and time to TRL's mean final gold win rate, per side."""
-    target = float(np.mean([r["curve"][-1]["gold_win_rate"] for r in rows if r["side"] == "trl"]))
-    lines = [f"target: TRL's mean final gold win rate {target:.3f}", "",
-             "| side | gold win rate vs SFT (final) | gold reward | tool-call rate | KL | train s | s/it | "
-             "seconds to target, per seed |", "|---|---|---|---|---|---|---|---|"]
-    for side in ("ours", "trl"):
+    """Final figures (mean [min, max] over seeds), and the training time to each side's mean final gold win rate
+    (the first evaluation at or above it; `-`: not reached in the run), per side and seed."""
+    sides = [side for side in ("ours", "trl") if any(r["side"] == side for r in rows)]
+    targets = {side: float(np.mean([r["curve"][-1]["gold_win_rate"] for r in rows if r["side"] == side]))
+               for side in sides}
+    lines = ["| side | gold win rate vs SFT (final) | gold reward | tool-call rate | KL | train s | s/it | "
+             + " | ".join(f"s to {OWNER[side]} final {value:.3f}, per seed" for side, value in targets.items()) + " |",
+             "|---" * (7 + len(targets)) + "|"]
+    for side in sides:
         mine = [r for r in rows if r["side"] == side]
-        if not mine:
-            continue
         finals = [r["curve"][-1] for r in mine]
-        reached = [time_to(r["curve"], target) for r in mine]
+        reached = [", ".join("-" if hit is None else f"{hit['seconds']:.0f} (it {hit['iteration']})"
+                             for hit in (time_to(r["curve"], target) for r in mine)) for target in targets.values()]
         lines.append(
             f"| {side} | {_spread(finals, 'gold_win_rate')} | {_spread(finals, 'gold_reward', 2)} | "
             f"{_spread(finals, 'tool_call_rate', 2)} | {_spread(finals, 'kl', 1)} | {_spread(finals, 'seconds', 0)} | "
-            f"{np.mean([p['seconds'] / p['iteration'] for p in finals]):.2f} | "
-            + ", ".join("-" if r is None else f"{r['seconds']:.0f} (it {r['iteration']})" for r in reached) + " |")
+            f"{np.mean([p['seconds'] / p['iteration'] for p in finals]):.2f} | " + " | ".join(reached) + " |")
     return "\n".join(lines)
 
 
@@ -182,7 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
     parser.add_argument("--state", type=Path, default=REPO / ".rlhf" / "bench-tools")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--report", type=Path, default=None, help="a results file: print (and rewrite) its summary")
     args = parser.parse_args(argv)
+    if args.report:
+        results = json.loads(args.report.read_text())
+        results["summary"] = report(results["runs"])
+        args.report.write_text(json.dumps(results, indent=2))
+        print(results["summary"])
+        return 0
 
     started = time.time()
     cfg = load_config(args.config)
