@@ -89,10 +89,12 @@ def unprivileged(workdir: str, applied: list[str]) -> None:
 
 
 def interpreter(preferred: str) -> str | None:
-    """The first Python this process (as its user now) can run: the trainer's, else the system's."""
+    """The first Python this process (as its user now) can run: the trainer's, else the system's; the
+    installed binary itself, not a virtual environment's link to it (whose folder the code may not read)."""
     for candidate in (preferred, "/usr/local/bin/python3", "/usr/bin/python3"):
-        if candidate and os.access(candidate, os.X_OK) and os.access(os.path.realpath(candidate), os.R_OK):
-            return candidate
+        real = os.path.realpath(candidate) if candidate else ""
+        if real and os.access(real, os.X_OK) and os.access(real, os.R_OK):
+            return real
     return None
 
 
@@ -104,9 +106,16 @@ def imported(name: str):
         return None, f"{type(error).__name__}: {error}"
 
 
+def _clean(call, *arguments):
+    """`call` with errno cleared first: the `landlock` package's error checks read errno whatever the call
+    returned, so a stale one (an `unshare` refused before, say) would fail a call that succeeded."""
+    ctypes.set_errno(0)
+    return call(*arguments)
+
+
 def landlock(plumbing, workdir: str, python: str | None, applied: list[str], missing: dict[str, str]) -> None:
     try:
-        abi = plumbing.landlock_abi_version()
+        abi = _clean(plumbing.landlock_abi_version)
     except Exception as error:  # noqa: BLE001  (no Landlock in this kernel, or it is disabled)
         missing["landlock"] = f"{type(error).__name__}: {error}"
         return
@@ -119,7 +128,7 @@ def landlock(plumbing, workdir: str, python: str | None, applied: list[str], mis
     scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0
     attr = Ruleset(access.all(), net, scoped)
     size = ctypes.sizeof(attr) if abi >= 4 else ctypes.sizeof(plumbing.RulesetAttr)
-    ruleset = plumbing.get_create_ruleset()(ctypes.byref(attr), size, 0)
+    ruleset = _clean(plumbing.get_create_ruleset(), ctypes.byref(attr), size, 0)
     read = access.EXECUTE | access.READ_FILE | access.READ_DIR
     readable = list(SYSTEM_FOLDERS)
     if python is not None:  # the interpreter's own prefix, wherever it is installed
@@ -132,11 +141,11 @@ def landlock(plumbing, workdir: str, python: str | None, applied: list[str], mis
             allowed &= access.all_file()
         fd = os.open(path, os.O_PATH)
         try:
-            plumbing.get_add_rule()(ruleset, 1, ctypes.byref(plumbing.PathBeneathAttr(allowed, fd)), 0)
+            _clean(plumbing.get_add_rule(), ruleset, 1, ctypes.byref(plumbing.PathBeneathAttr(allowed, fd)), 0)
         finally:
             os.close(fd)
-    plumbing.get_prctl()(plumbing.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    plumbing.get_restrict_self()(ruleset, 0)
+    _clean(plumbing.get_prctl(), plumbing.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    _clean(plumbing.get_restrict_self(), ruleset, 0)
     os.close(ruleset)
     applied.append("landlock")
     applied.extend((["landlock_tcp"] if net else []) + (["landlock_signal_scope"] if scoped else []))
