@@ -214,3 +214,39 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _others_may_read(path: Path) -> bool:
+    """Whether a user other than the owner may reach `path` (every folder above it searchable, it readable)."""
+    import stat
+
+    return (all(p.stat().st_mode & stat.S_IXOTH for p in path.parents)
+            and path.stat().st_mode & stat.S_IROTH != 0)
+
+
+def test_a_trainer_that_is_not_root_still_gets_landlock_and_seccomp():
+    """As another user (no namespace, no change of user), the files, the network and the signals stay closed."""
+    import shutil
+
+    from stages.sandbox.local import PACKAGES
+
+    system = Path("/usr/bin/python3")
+    paths = [REPO / "stages" / "sandbox" / "code.py", *(Path(p) / "pyseccomp.py" for p in PACKAGES[:1])]
+    if os.geteuid() != 0 or not shutil.which("setpriv") or not system.exists() or not all(
+            _others_may_read(p) for p in paths):
+        pytest.skip("needs root (to become nobody), setpriv, the system's python3 and a checkout nobody may read")
+    reads = f"open({str(REPO / 'README.md')!r}).read()"
+    script = (f"import sys, json\nsys.path[:0] = {[str(REPO), *PACKAGES]!r}\n"
+              "from stages.sandbox.code import run_python\n"
+              f"r = run_python({reads!r})\n"
+              "k = run_python('import os; os.kill(os.getppid(), 9)')\n"
+              "print(json.dumps([r.exit_code, r.stderr, list(r.applied), k.exit_code, k.stderr]))")
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(system), "-c", script],
+                          capture_output=True, text=True, cwd="/tmp", timeout=120)
+    assert done.returncode == 0, done.stderr
+    import json
+
+    read, read_stderr, applied, kill, kill_stderr = json.loads(done.stdout.splitlines()[-1])
+    assert {"rlimits", "landlock", "landlock_signal_scope", "seccomp"} <= set(applied)
+    assert "unprivileged_user" not in applied and read == 1 and "PermissionError" in read_stderr
+    assert kill == 1 and "PermissionError" in kill_stderr
