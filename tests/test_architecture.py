@@ -25,6 +25,7 @@ LAYERS = {
     "rlhf/plots.py": (),
     "rlhf/demo/rewards.py": (),
     "rlhf/demo/tools.py": (),
+    "rlhf/demo/code.py": (),  # the code world's records and gold (rlhf/demo/world.py builds it)
     "rlhf/demo/latency.py": ("rlhf.demo.tools",),  # the tool with an API's latency (configs/tools-latency.yaml)
     "rlhf/sections/base.py": ("rlhf.demo.locations",),
     "rlhf/sections/reward_terms.py": ("rlhf.sections.base",),
@@ -32,7 +33,7 @@ LAYERS = {
     "rlhf/sections/ppo.py": ("rlhf.sections.base", "rlhf.sections.reward_terms", "rlhf.sections.environment"),
     "rlhf/config.py": ("rlhf.sections.base", "rlhf.sections.ppo", "rlhf.demo.locations"),
     "rlhf/config_guide.py": ("rlhf.config",),
-    "rlhf/demo/world.py": ("rlhf.demo.locations", "rlhf.demo.tools", "rlhf.evaluation"),
+    "rlhf/demo/world.py": ("rlhf.demo.locations", "rlhf.demo.tools", "rlhf.demo.code", "rlhf.evaluation"),
     "rlhf/stack.py": ("rlhf.sections.base", "rlhf.numerics"),
     "rlhf/tracking.py": CONFIG,
     "stages/common": ("stages.common",) + CONFIG,

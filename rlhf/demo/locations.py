@@ -18,8 +18,8 @@ class DemoWorldConfig(BaseModel):
 
     seed: int = 0
     """Seeds every random choice: data, tokenizer corpus order and model initialisation."""
-    task: Literal["describe", "tools"] = "describe"
-    """`describe` a subject; `tools`: describe it with the adjectives a `preferences` tool says its user likes."""
+    task: Literal["describe", "tools", "code"] = "describe"
+    """`describe` a subject; `tools`: with the adjectives a `preferences` tool tells; `code`: write f(x) (tested)."""
     n_sft: int = 2000
     """SFT demonstrations for training."""
     n_sft_eval: int = 200
@@ -38,6 +38,8 @@ class DemoWorldConfig(BaseModel):
     """Share of demonstrations that (wrongly) talk about another subject."""
     tool_call_rate: float = 0.5
     """`task: tools`: share of demonstrations that call the tool before answering (the others guess)."""
+    correct_rate: float = 0.5
+    """`task: code`: share of demonstrations whose function is the one asked for (the others are off by one part)."""
     vocab_size: int = 512
     """Byte-level BPE vocabulary size."""
     hidden_size: int = 64
@@ -54,7 +56,7 @@ class DemoWorldConfig(BaseModel):
     def fingerprint(self) -> str:
         """Digest of the config and of the world builder's source (and its tool's): a new world whenever
         either changes."""
-        source = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("world.py", "tools.py"))
+        source = b"".join(Path(__file__).with_name(name).read_bytes() for name in ("world.py", "tools.py", "code.py"))
         payload = json.dumps(self.model_dump(), sort_keys=True).encode() + source
         return hashlib.sha256(payload).hexdigest()[:16]
 

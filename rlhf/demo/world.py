@@ -18,6 +18,10 @@ the liked ones and penalises any other, so an answer that never sees the tool's 
 guess (3 of 30). Its demonstrations are chat transcripts (`messages`: user, assistant, tool roles)
 of which `tool_call_rate` call the tool before answering with liked adjectives; its preference pairs
 and prompts are the describe world's (the prompts with `liked` added).
+
+The code world (`demo.task: code`, rlhf/demo/code.py) asks for a one-line function f(x); each prompt
+record carries its `tests` (asserts a reward function runs in the sandbox), and its gold,
+`gold_code_score`, reads the answer and checks it on inputs the tests do not show.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import random
 import re
 from pathlib import Path
 
+from rlhf.demo.code import code_records, gold_code_score
 from rlhf.demo.locations import DemoWorldConfig
 from rlhf.demo.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_NAME, call_text, liked_text
 from rlhf.evaluation import win_rate
@@ -168,6 +173,8 @@ def _unique(rng: random.Random, n: int, make, key) -> list[dict]:
 
 def build_records(cfg: DemoWorldConfig) -> dict[str, list[dict]]:
     """All demo data sets, split so that no held-out record also appears in training."""
+    if cfg.task == "code":
+        return code_records(cfg, _unique)
     return _tools_records(cfg) if cfg.task == "tools" else _describe_records(cfg)
 
 
@@ -332,8 +339,11 @@ def last_user_turns(prompt_messages: list[str]) -> list[str]:
             for messages in prompt_messages]
 
 
-def _golds(prompts: list[str], responses: list[str], liked: list[str] | None) -> list[float]:
-    """Each response's gold: `gold_score`, or with users' `liked` adjectives the tools world's `gold_tool_score`."""
+def _golds(prompts: list[str], responses: list[str], liked: list[str] | None, code: bool = False) -> list[float]:
+    """Each response's gold: `gold_score`, or with users' `liked` adjectives the tools world's `gold_tool_score`,
+    or in the code world (`code`) `gold_code_score`."""
+    if code:
+        return [gold_code_score(p, r) for p, r in zip(prompts, responses, strict=True)]
     if liked is None:
         return [gold_score(p, r) for p, r in zip(prompts, responses, strict=True)]
     return [gold_tool_score(p, k, r) for p, k, r in zip(prompts, liked, responses, strict=True)]
@@ -361,12 +371,12 @@ def gold_accuracy(prompts: list[str], chosen: list[str], rejected: list[str],
 
 
 def gold_comparison(prompts: list[str], responses: list[str], baseline: list[str],
-                    liked: list[str] | None = None) -> dict[str, float]:
+                    liked: list[str] | None = None, code: bool = False) -> dict[str, float]:
     """Gold reward of `responses` and of `baseline`, and the share of prompts where the response
     beats the baseline under the gold function (ties count half), with its standard error over prompts;
-    with `liked`, the tools world's gold (`gold_tool_score`)."""
-    ours = _golds(prompts, responses, liked)
-    theirs = _golds(prompts, baseline, liked)
+    with `liked`, the tools world's gold (`gold_tool_score`); with `code`, the code world's."""
+    ours = _golds(prompts, responses, liked, code)
+    theirs = _golds(prompts, baseline, liked, code)
     wins, wins_se = win_rate(ours, theirs, prompts)
     n = max(len(ours), 1)
     return {"eval/gold_reward": sum(ours) / n, "eval/gold_reward_sft": sum(theirs) / n, "eval/gold_win_rate": wins,
@@ -377,7 +387,8 @@ def judge_evaluation(table) -> dict[str, float]:
     """`gold_comparison` of a policy's held-out evaluation table (the stages' `evaluate`: columns
     `prompt_messages`, `policy_response`, `sft_response`): the policy against the SFT responses. A table
     with a `liked` column (the tools world's prompts) is judged by the tools world's gold: the responses
-    are then the final answers, without the tool calls and results before them."""
+    are then the final answers, without the tool calls and results before them. One with a `tests` column
+    (the code world's prompts) by the code world's."""
     liked = list(table["liked"]) if "liked" in table else None
     return gold_comparison(last_user_turns(table["prompt_messages"]), list(table["policy_response"]),
-                           list(table["sft_response"]), liked)
+                           list(table["sft_response"]), liked, code="tests" in table)
