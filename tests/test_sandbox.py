@@ -250,3 +250,13 @@ def test_a_trainer_that_is_not_root_still_gets_landlock_and_seccomp():
     assert {"rlimits", "landlock", "landlock_signal_scope", "seccomp"} <= set(applied)
     assert "unprivileged_user" not in applied and read == 1 and "PermissionError" in read_stderr
     assert kill == 1 and "PermissionError" in kill_stderr
+
+
+def test_a_server_that_died_is_started_again():
+    from stages.sandbox.local import SERVER
+
+    assert run_python("pass", QUICK).ok
+    SERVER.process.kill()
+    SERVER.process.wait()
+    result = run_python("print('again')", QUICK)
+    assert result.ok and result.stdout == "again\n" and SERVER.process.poll() is None

@@ -1,5 +1,6 @@
-"""The local sandbox's parent side: a fresh working directory, the confined child (`confine.py`), bounded
-output, the wall clock, and the whole process group killed at the end, however the code ended."""
+"""The local sandbox's trainer side: a fresh working directory, the run handed to this process's confining
+server (`confine.py`), bounded output, the wall clock, and the run's whole process group killed at the end,
+however the code ended."""
 
 from __future__ import annotations
 
@@ -122,6 +123,8 @@ class _Server:
                 socket.send_fds(self.connection, [json.dumps(spec).encode()], fds)
 
     def _start(self) -> None:
+        if self.connection is not None and self.owner == os.getpid():
+            self.connection.close()  # a dead server's end (a forked parent's stays the parent's)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.process = subprocess.Popen(
             [sys.executable, "-I", "-S", str(CONFINE), str(theirs.fileno()), json.dumps(PACKAGES)],
