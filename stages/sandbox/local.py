@@ -80,6 +80,8 @@ class SandboxResult:
     """Required mechanisms that were missing: the code did not run."""
     python: str | None = None
     """The interpreter that ran Python code (the trainer's, else the system's: what `nobody` may run)."""
+    group: int | None = None
+    """The run's process group (its first process's pid), every process of which was killed at the end."""
     seconds: float = 0.0
 
     @property
@@ -223,7 +225,7 @@ def run(kind: str, code: str, limits: Limits, stdin: str = "") -> SandboxResult:
         stdout=readers[0].kept.decode(errors="replace"), stderr=readers[1].kept.decode(errors="replace"),
         timed_out=timed_out, output_truncated=any(r.truncated for r in readers),
         applied=tuple(fields.get("applied", ())), missing=dict(fields.get("missing", {})), refused=refused,
-        python=fields.get("python"), seconds=time.perf_counter() - started)
+        python=fields.get("python"), group=fields.get("pid"), seconds=time.perf_counter() - started)
 
 
 def _kill_group(group: int, patience: float = 2.0) -> None:
