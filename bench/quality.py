@@ -108,23 +108,27 @@ def scaled_reward_model(reward_folder: Path, state: Path) -> Path:
 
 class Judge:
     """The one evaluation TRL's policies get, ours's in the run: `stages.rl.evaluation.evaluate` against the SFT
-    responses to the held-out prompts (common random numbers), sampled once here."""
+    responses to the held-out prompts (common random numbers), sampled once here: one turn each, or the
+    config's episodes where it names an environment (bench/tools_trl.py). `reward_folder` None: no reward model."""
 
-    def __init__(self, sft_folder: Path, reward_folder: Path, eval_prompts, ppo_cfg):
+    def __init__(self, sft_folder: Path, reward_folder: Path | None, eval_prompts, ppo_cfg):
 
+        from stages.envs.loop import episode_source
         from stages.memory.phases import Counts
         from stages.memory.plan import with_micro_batches
         from stages.rl.evaluation import HeldOut
         from stages.rl.ppo_models import load_models
-        from stages.rl.rollout import single_turn
 
+        reward = reward_folder and str(reward_folder)
         # The sampling sizes left `auto` resolved as the stage resolves them (the config's own are not sizes yet).
         ppo_cfg = with_micro_batches("ppo", ppo_cfg, Counts(ppo_eval_prompts=len(eval_prompts)), str(sft_folder),
-                                     str(reward_folder))
+                                     reward)
         self.cfg = ppo_cfg
-        self.models = load_models(ppo_cfg, str(sft_folder), str(reward_folder))
-        self.held_out = HeldOut.sample(self.models, eval_prompts, ppo_cfg.evaluation, ppo_cfg.sampling,
-                                       single_turn(self.models))
+        self.models = load_models(ppo_cfg, str(sft_folder), reward)
+        source = episode_source(ppo_cfg.environment, self.models.tokenizer, str(sft_folder), self.models.stop_ids,
+                                ppo_cfg.sampling.response_length)
+        self.held_out = HeldOut.sample(self.models, eval_prompts, ppo_cfg.evaluation, ppo_cfg.sampling, source,
+                                       tuple(ppo_cfg.reward.columns))
 
     def __call__(self, policy_folder: Path):
         """The evaluation table of the policy saved in `policy_folder`."""

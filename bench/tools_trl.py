@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.quality import Judge
 from bench.tools import judged, upstream
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,39 +52,6 @@ DIFFERENCES = [
 
 
 OWNER = {"ours": "ours'", "trl": "TRL's"}
-
-
-class Judge:
-    """The one evaluation both policies get: in episodes, against the SFT policy's episodes on the held-out prompts."""
-
-    def __init__(self, sft: Path, eval_prompts, ppo_cfg):
-        from stages.envs.loop import episode_source
-        from stages.memory.phases import Counts
-        from stages.memory.plan import with_micro_batches
-        from stages.rl.evaluation import HeldOut
-        from stages.rl.ppo_models import load_models
-
-        self.cfg = with_micro_batches("ppo", ppo_cfg, Counts(ppo_eval_prompts=len(eval_prompts)), str(sft), None)
-        self.models = load_models(self.cfg, str(sft), None)
-        source = episode_source(self.cfg.environment, self.models.tokenizer, str(sft), self.models.stop_ids,
-                                self.cfg.sampling.response_length)
-        self.held_out = HeldOut.sample(self.models, eval_prompts, self.cfg.evaluation, self.cfg.sampling, source,
-                                       tuple(self.cfg.reward.columns))
-
-    def __call__(self, policy_folder: Path):
-        """The evaluation table of the policy saved in `policy_folder`."""
-        from safetensors.torch import load_file
-
-        from stages.rl.evaluation import evaluate
-        from stages.rl.rollout import policy_sampler
-
-        weights = load_file(str(policy_folder / "model.safetensors"))
-        missing, unexpected = self.models.policy.load_state_dict({k: v.float() for k, v in weights.items()},
-                                                                 strict=False)
-        if unexpected or set(missing) - {"lm_head.weight"}:  # only a tied head may be absent from the file
-            raise ValueError(f"{policy_folder} does not fit the SFT model: missing {missing}, unexpected {unexpected}")
-        return evaluate(self.models, policy_sampler(self.models), self.held_out, self.cfg.evaluation,
-                        self.cfg.sampling)[1]
 
 
 def run_ours(ppo_cfg, sft: Path, frames: dict, out: Path) -> dict:
@@ -202,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     base = with_overrides(cfg.ppo, {"advantage_estimator": "grpo", "samples_per_prompt": GROUP_SIZE,
                                     "evaluation": {"every": args.eval_every}}
                           | ({"num_iterations": args.iterations} if args.iterations else {}))
-    judge = Judge(sft, frames["prompts_eval"], base)
+    judge = Judge(sft, None, frames["prompts_eval"], base)
     sft_answers = judge.held_out.sft_texts
     rows = []
     for seed in args.seeds:
