@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from rlhf.config import load_config, with_overrides
 from rlhf.sections.base import REPO_ROOT, VLLMConfig, vllm_python
@@ -138,9 +139,12 @@ def test_episodes_sample_their_turns_on_the_vllm_server_from_token_ids(tool_worl
 def test_episodes_sampled_ahead_keep_their_bound_and_a_resumed_run_loses_and_repeats_none(tool_world, tmp_path):
     """`rollout.max_staleness: 2` with episodes: whole episodes, tool calls included, are sampled on
     the server's thread while the trainer updates; each is at most 2 updates old, and the full-state
-    checkpoint keeps the episodes in flight, so a run killed after it ends where an uninterrupted one
-    does (each episode's turns are seeded from the trainer's stream, and the server is synced to the
-    same weights)."""
+    checkpoint keeps the episodes in flight, so a run killed after it samples the same tokens as an
+    uninterrupted one (each episode's turns are seeded from the trainer's stream, and the server is
+    synced to the same weights) and ends at its weights. Not to the bit: 8 episodes in flight, the
+    server batches their turns as they arrive, and vLLM's log-probs of a token (which the importance
+    weights take) differ in their last bits with what shares its batch (seen in CI: a few weights
+    one float32 step apart)."""
     cfg, trained = tool_world
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {
         "num_iterations": 6, "checkpoint_every": 3, "rollout": {"max_staleness": 2},
@@ -155,9 +159,11 @@ def test_episodes_sampled_ahead_keep_their_bound_and_a_resumed_run_loses_and_rep
     assert [row["rollout/score"] for row in resumed.history] == [row["rollout/score"] for row in reference.history]
     assert [row["rollout/tool_calls"] for row in resumed.history] == [row["rollout/tool_calls"]
                                                                       for row in reference.history]
-    a = (tmp_path / "whole" / "checkpoint" / "model.safetensors").read_bytes()
-    b = (tmp_path / "interrupted" / "checkpoint" / "model.safetensors").read_bytes()
-    assert a == b
+    whole = load_file(tmp_path / "whole" / "checkpoint" / "model.safetensors")
+    interrupted = load_file(tmp_path / "interrupted" / "checkpoint" / "model.safetensors")
+    assert whole.keys() == interrupted.keys()
+    gap = max((whole[k] - interrupted[k]).abs().max().item() for k in whole)
+    assert gap < 1e-5, gap  # measured here: 6e-8, one float32 step of a weight near 1
 
 
 def test_partial_rollouts_continue_episodes_across_a_sync_under_the_new_weights(tool_world, tmp_path, monkeypatch):
