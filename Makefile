@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: lock lint bench-env vllm-env golden load-test demo test test-fast bench bench-packing bench-quality bench-methods bench-distill bench-tools bench-tools-trl bench-sandbox bench-agents bench-scale bench-ray bench-memory bench-rollout gpu-wheels plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env env-verifiers env-openenv
+.PHONY: lock lint bench-env vllm-env golden load-test demo test test-fast bench bench-packing bench-quality bench-methods bench-distill bench-tools bench-tools-trl bench-sandbox bench-code bench-agents bench-scale bench-ray bench-memory bench-rollout gpu-wheels plan-sizes stress-launch up down ray-up ray-down demo-ray demo-ray-vllm status install clean-state screenshots vllm-env env-verifiers env-openenv
 
 # Every environment is installed exactly from its lock (locks/, scripts/locks.sh): a package that
 # differs from the lock is named and put back, one the lock does not name is removed. Syncing an
@@ -72,6 +72,9 @@ bench-tools-trl: install bench-env  ## our GRPO in episodes against TRL 1.12's G
 
 bench-sandbox: install  ## the sandbox's cost: a confined run against a bare subprocess.run of the same code
 	$(PY) -m bench.sandbox
+
+bench-code: install  ## GRPO on the demo's code world, its reward the record's tests run in the sandbox: gold win rate vs SFT, 3 seeds
+	$(PY) -m bench.code --config $${BENCH_CONFIG:-configs/code.yaml}
 
 bench-agents: install  ## episodes in rounds, continuous, sampled ahead (1, 2) and partial, on transformers and vLLM, on the tool world with a slow tool (configs/tools-latency.yaml), 3 seeds
 	$(PY) -m bench.agents --config $${BENCH_CONFIG:-configs/tools-latency.yaml}

@@ -14,6 +14,14 @@ from rlhf.config import ConfigError, config_hash, flatten, load_config, with_ove
 from rlhf.sections.ppo import PPOConfig
 
 
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(Path(__file__).resolve().parent.parent))
+                                         for p in (Path(__file__).resolve().parent.parent / "configs").glob("*.yaml")))
+def test_every_shipped_config_loads(path):
+    """What `--param config_file=configs/<name>.yaml` names: each one a valid config (its
+    functions are imported when its stage starts)."""
+    assert load_config(path).experiment
+
+
 def test_demo_config_loads_and_overrides_apply():
     cfg = load_config("configs/demo.yaml", {"sft.learning_rate": 1e-4, "sft.train_data.path": "data/x.jsonl"})
     assert cfg.sft.learning_rate == 1e-4 and cfg.sft.train_data.path == "data/x.jsonl"
