@@ -200,6 +200,9 @@ SYNCED = threading.Event()
 """Set by tests/test_vllm.py's partial-rollout test once the server took the first update's weights."""
 SYNC_GATED_CALLS = {"n": 0}
 """How many of `SyncGated`'s answers waited for `SYNCED`."""
+GATED = threading.Event()
+"""Set by `SyncGated` once a gated episode's first turn is back (sampled before the sync): the test's
+sync waits for it, so the new weights never arrive before any such turn was sampled."""
 
 
 class SyncGated:
@@ -220,6 +223,7 @@ class SyncGated:
             return None, 0.0, True
         if self.gated:
             SYNC_GATED_CALLS["n"] += 1
+            GATED.set()
             SYNCED.wait(timeout=120)
         return [{"role": "user", "content": "Go on."}], 0.0, False
 

@@ -182,11 +182,14 @@ def test_partial_rollouts_continue_episodes_across_a_sync_under_the_new_weights(
                                                                   for row in real_records(self, k)])
 
     def sync(sampler, policy, version):
-        real_sync(sampler, policy, version)
-        helpers.SYNCED.set()
+        if version >= 1:  # the first update's weights only once a turn of the rollout sampled ahead is back:
+            helpers.GATED.wait(timeout=120)  # a trainer quicker than the server's first turns (seen in CI)
+        real_sync(sampler, policy, version)  # would otherwise load v1 before any of them, and no episode
+        helpers.SYNCED.set()  # would span two versions
 
     monkeypatch.setattr(VLLMSampler, "sync", sync)
     helpers.SYNCED.clear()
+    helpers.GATED.clear()
     helpers.SYNC_GATED_CALLS["n"] = 0
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {
         "num_iterations": 3, "rollout": {"max_staleness": 1, "partial": True},
