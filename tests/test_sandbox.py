@@ -38,6 +38,19 @@ def test_code_runs_and_says_how_it_was_confined():
     assert result.text().startswith("exit 3\nstdout:\n45\n")
 
 
+def test_code_runs_under_the_stacks_umask():
+    """The stack runs with umask 077 (scripts/stack.sh): the code's file is still readable by the run's
+    user (nobody, under a root trainer). Seen in a deployment: every run failed, and every reward was 0."""
+    before = os.umask(0o077)
+    try:
+        result = run_python("print(6 * 7)", QUICK)
+        shell = run_shell("echo 42", QUICK)
+    finally:
+        os.umask(before)
+    assert (result.exit_code, result.stdout) == (0, "42\n"), result.stderr
+    assert (shell.exit_code, shell.stdout) == (0, "42\n"), shell.stderr
+
+
 @pytest.fixture
 def secrets(tmp_path, monkeypatch):
     """What the trainer holds: credentials under RLHF_HOME, an ssh key, a run's checkpoint, readable by it."""

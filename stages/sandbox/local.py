@@ -182,7 +182,9 @@ def run(kind: str, code: str, limits: Limits, stdin: str = "") -> SandboxResult:
     started = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="rlhf-sandbox-")
     try:
-        Path(workdir, "main.py" if kind == "python" else "main.sh").write_text(code)
+        main = Path(workdir, "main.py" if kind == "python" else "main.sh")
+        main.write_text(code)
+        os.chmod(main, 0o644)  # readable by the run's user (nobody) whatever the trainer's umask (the stack's: 077)
         os.chmod(workdir, 0o755)
         spec = {"kind": kind, "workdir": workdir, "cpu_seconds": limits.cpu_seconds, "memory_mb": limits.memory_mb,
                 "processes": limits.processes, "open_files": limits.open_files, "file_size_mb": limits.file_size_mb,
