@@ -26,16 +26,14 @@ from pathlib import Path
 from bench.tools import REPO, _spread, run, upstream
 
 
-def judged(table) -> dict:
-    """The final policy's held-out answers against SFT's, by the gold function, and how many pass their tests."""
+def judged(table, metrics: dict) -> dict:
+    """The final policy's held-out answers against SFT's, by the gold function, and how many pass their
+    tests (the run's own evaluation scored both with the reward: `eval/reward/tests`, `..._sft`)."""
     from rlhf.demo.world import judge_evaluation
-    from stages.sandbox.code import tests_pass
 
     figures = {key.removeprefix("eval/"): value for key, value in judge_evaluation(table).items()}
-    for who in ("policy", "sft"):
-        passed = tests_pass([], list(table[f"{who}_response"]), list(table["tests"]))
-        figures[f"{who}_tests_pass"] = sum(passed) / len(passed)
-    return figures | {"kl": float(table["kl"].mean())}
+    return figures | {"policy_tests_pass": metrics["eval/reward/tests"],
+                      "sft_tests_pass": metrics["eval/reward/tests_sft"], "kl": float(table["kl"].mean())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.iterations:
             changes["num_iterations"] = args.iterations
         result = run(with_overrides(cfg.ppo, changes), sft, frames, args.state / f"grpo-{seed}")
-        rows.append({"seed": seed, **judged(result["table"]), "train_seconds": result["train_seconds"],
-                     "final_rollout": result["final_rollout"]})
+        rows.append({"seed": seed, **judged(result["table"], result["metrics"]),
+                     "train_seconds": result["train_seconds"], "final_rollout": result["final_rollout"]})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "final_rollout"}), flush=True)
     summary = "\n".join([
         "| gold win rate vs SFT | gold reward (SFT's) | tests pass: SFT -> after | KL | train s |",
