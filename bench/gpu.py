@@ -1,5 +1,5 @@
 """The GPU's own limits, and how near a ~0.5B Llama's decode and training step come to them
-(issue 54). Runs on a CUDA machine with torch, transformers and peft alone (no project install):
+(issue 54, 87). Runs on a CUDA machine with torch, transformers and peft, the project on the path:
 
     python -m bench.gpu --out bench/results/gpu-<kind>-<date>.json [--parts ceilings decode train] [--tiny]
 
@@ -12,6 +12,10 @@ Measured, each the median of timed repeats after warm-up, with CUDA events:
   bandwidth bound: measured bandwidth / bytes each step reads (weights + KV cache at the mean
   context), times the batch; with the dynamic KV cache, and with a static one, which transformers'
   `generate` compiles on a GPU (`torch.compile`, mode reduce-overhead: each step a CUDA graph);
+- the PPO sampler's own decode loop (`stages.engines.sampler.HFSampler`, sampling at temperature 1 with
+  each token's log-prob, entropy and hidden state) at the same size: eager, and with `ppo.compile`'s
+  static cache whose steps replay as CUDA graphs; on bf16 weights, and on float32 weights under bf16
+  autocast (how PPO holds its policy);
 - training step: forward + backward + AdamW on float32 master weights under bf16 autocast, model
   FLOP utilisation = 6 x parameters x tokens / time / measured matmul FLOP/s;
 - LoRA's peak memory against full fine-tuning for the same step.
@@ -156,12 +160,7 @@ def decode(limits: dict, shape: dict = LLAMA_05B, batch: int = 64, prompt: int =
     first = time.perf_counter() - started
     seconds = timed(run, repeats=3, warmup=1)
     profiled = kernel_profile(run)
-    cfg = model.config
-    kv_per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-                    * 2)
-    mean_context = prompt + new / 2
-    step_bytes = params * 2 + batch * mean_context * kv_per_token  # weights once per step + every sequence's KV cache
-    bound_tokens_per_s = limits["copy_bandwidth_bytes_per_s"] / step_bytes * batch
+    bound_tokens_per_s = limits["copy_bandwidth_bytes_per_s"] / step_bytes(model, batch, prompt + new / 2) * batch
     tokens_per_s = batch * new / seconds
     model = None  # frees the weights (not `del`: run() above names it)
     empty_cache()
@@ -172,6 +171,54 @@ def decode(limits: dict, shape: dict = LLAMA_05B, batch: int = 64, prompt: int =
             "parameters": params, "seconds": seconds, "tokens_per_s": tokens_per_s,
             "bandwidth_bound_tokens_per_s": bound_tokens_per_s, "fraction_of_bound": tokens_per_s / bound_tokens_per_s,
             "profile": profiled}
+
+
+def step_bytes(model, batch: int, context: float) -> float:
+    """What one decode step must read at least: the weights once (bf16) and every row's KV cache (bf16)
+    at `context` positions."""
+    cfg = model.config
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    return sum(p.numel() for p in model.parameters()) * 2 + batch * context * kv_per_token
+
+
+def sampler_decode(limits: dict, shape: dict = LLAMA_05B, batch: int = 64, prompt: int = 64, new: int = 128,
+                   compiled: bool = False, weights=torch.bfloat16) -> dict:
+    """The PPO sampler's decode loop (`HFSampler._decode`): `batch` prompts x `new` tokens at temperature
+    1, each token's log-prob, entropy and hidden state kept, against the same bound as `decode`. No
+    token ends a response (no stop id), so every call decodes `new` steps. `compiled`: `ppo.compile`'s
+    static cache with the step replayed as a CUDA graph (on a GPU); `weights` float32 runs under bf16
+    autocast, as PPO holds its policy."""
+    from types import SimpleNamespace
+
+    from stages.engines.sampler import HFSampler, Sampling
+    from stages.runtime.compiling import Compiler
+    from stages.runtime.models import Precision
+
+    model = build(shape, weights).eval()
+    compiler = Compiler(enabled=compiled, static_shapes=compiled, cuda_graphs=compiled and DEVICE == "cuda")
+    sampler = HFSampler(model=model, tokenizer=SimpleNamespace(pad_token_id=0), stop_ids=[-1], compiler=compiler,
+                        precision=Precision("bf16-mixed", torch.bfloat16))
+    prompts = torch.randint(3, shape["vocab_size"], (batch, prompt)).tolist()
+
+    def run():
+        sampler.generate_ids(prompts, Sampling(new, temperature=1.0))
+
+    started = time.perf_counter()
+    run()  # the first call: compiles and captures
+    first = time.perf_counter() - started
+    seconds = timed(run, repeats=3, warmup=1)
+    profiled = kernel_profile(run)
+    bound = limits["copy_bandwidth_bytes_per_s"] / step_bytes(model, batch, prompt + new / 2) * batch
+    tokens_per_s = batch * new / seconds
+    model = sampler = None
+    empty_cache()
+    engine = ("PPO sampler, " + ("compiled, CUDA graphs" if compiled and DEVICE == "cuda" else
+                                 "compiled" if compiled else "eager")
+              + (", float32 weights under bf16 autocast" if weights == torch.float32 else ", bf16 weights"))
+    return {"engine": engine, "batch": batch, "prompt_tokens": prompt, "new_tokens": new,
+            "first_call_seconds": first, "seconds": seconds, "tokens_per_s": tokens_per_s,
+            "bandwidth_bound_tokens_per_s": bound, "fraction_of_bound": tokens_per_s / bound,
+            "step_ms": seconds / new * 1e3, "profile": profiled}
 
 
 def train_step(limits: dict, lora: bool, shape: dict = LLAMA_05B, batch: int = 16, length: int = 512,
@@ -234,13 +281,21 @@ def main() -> None:
     if "decode" in args.parts:
         small = dict(batch=4, prompt=8, new=8) if args.tiny else {}
         record["decode"] = []
-        for static, cudnn in ((False, True), (False, False), (True, True), (True, False)):
+        engines = {"PPO sampler, compiled (CUDA graphs), bf16 weights":
+                   lambda: sampler_decode(record["limits"], shape, compiled=True, **small),
+                   "PPO sampler, compiled (CUDA graphs), float32 weights under bf16 autocast":
+                   lambda: sampler_decode(record["limits"], shape, compiled=True, weights=torch.float32, **small),
+                   "PPO sampler, eager, bf16 weights": lambda: sampler_decode(record["limits"], shape, **small),
+                   "transformers generate (static cache)": lambda: decode(record["limits"], shape, static=True, **small),
+                   "transformers generate": lambda: decode(record["limits"], shape, **small)}
+        for name, measure in engines.items():
             try:
-                record["decode"].append(decode(record["limits"], shape, static=static, cudnn=cudnn, **small))
+                record["decode"].append(measure())
             except Exception as e:  # noqa: BLE001 - a failed engine is a result; the others still run
-                record["decode"].append({"engine": "transformers generate" + (" (static cache)" if static else "")
-                                         + ("" if cudnn else ", attention off cuDNN"),
-                                         "error": f"{type(e).__name__}: {e}"[:600]})
+                import traceback
+
+                record["decode"].append({"engine": name, "error": f"{type(e).__name__}: {e}"[:600],
+                                         "traceback": traceback.format_exc()[-2000:]})
                 empty_cache()
             print(json.dumps(record["decode"][-1]), flush=True)
             with open(args.out, "w") as f:  # kept if a later part runs past the caller's limit

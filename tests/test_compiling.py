@@ -148,3 +148,38 @@ def test_the_compiled_decode_loop_draws_the_eager_loops_greedy_tokens(compact):
     torch.testing.assert_close(compiled.hidden * mask.unsqueeze(-1), eager.hidden * mask.unsqueeze(-1), atol=1e-5,
                                rtol=1e-4)
     assert off == {} and set(on) == {"perf/recompiles", "time/compile"}  # the graph may be the other case's
+
+
+@pytest.mark.parametrize("temperature", [None, 1.0])
+def test_checking_for_the_end_every_few_steps_gives_the_same_responses_and_figures(monkeypatch, temperature):
+    """With CUDA graphs the decode loop asks "has every row ended?" only every `STOP_CHECK_EVERY`
+    steps (each ask waits for the device) and cuts the steps decoded past the last row's end: the
+    responses, log-probs, entropy and hidden states, shapes included, are those of asking every step.
+    Sampled at temperature 1 too: the steps decoded in vain draw after every row's last draw."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from stages.engines import sampler as sampling_module
+    from stages.engines.sampler import STOP_CHECK_EVERY, DecodeSteps, HFSampler, Sampling
+
+    policy = _tiny_policy().eval()
+    STOPS = [3, 17, 27, 40]  # noqa: N806 - every row of either case ends, the last at step 22
+    prompts = [[5, 9, 14, 3, 22], [7, 8], [30, 31, 32], [11]]
+
+    def generate():
+        sampler = HFSampler(model=policy, tokenizer=SimpleNamespace(pad_token_id=0), stop_ids=STOPS)
+        torch.manual_seed(0)
+        return sampler.generate_ids(prompts, Sampling(24, temperature=temperature))
+
+    every_step = generate()
+    start = DecodeSteps.start
+    monkeypatch.setattr(sampling_module.DecodeSteps, "start", classmethod(
+        lambda cls, *args: replace(start(*args), stop_every=STOP_CHECK_EVERY)))
+    every_few = generate()
+    from stages.common.tensors import is_end
+
+    assert is_end(every_step.responses, STOPS).any(dim=1).all() and every_step.responses.shape[1] % STOP_CHECK_EVERY != 0, \
+        "every row must end, off a multiple of the check: the test would not see steps cut"
+    for name in ("responses", "logprobs", "entropy", "hidden"):
+        assert torch.equal(getattr(every_few, name), getattr(every_step, name)), name
+    assert every_few.computed_tokens > every_step.computed_tokens  # the steps past the end were decoded

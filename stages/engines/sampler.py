@@ -29,6 +29,10 @@ from stages.runtime.models import Precision, left_padded, left_padded_ids, posit
 
 # --- the sampler --------------------------------------------------------------------------------
 
+STOP_CHECK_EVERY = 8
+"""Decode steps between "has every row ended?" checks when steps replay CUDA graphs: each check waits
+for the device, so the host cannot queue the next steps ahead; at most 7 steps are decoded in vain."""
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -147,6 +151,9 @@ class HFSampler:
 
     version: int = 0
     concurrent = False
+    _caches: dict[tuple[int, int], StaticCache] = field(default_factory=dict, repr=False)
+    """The compiled loop's static KV caches by (rows, width), kept across calls: a CUDA graph replays
+    into the addresses it was captured with, and a new cache each call would capture it again."""
 
     def sync(self, policy: torch.nn.Module, version: int) -> None:
         self.version = version  # the weights it samples are the live policy's already
@@ -178,7 +185,7 @@ class HFSampler:
         padding (tokens) and zeros (figures) where they were not computed."""
         model = self.model
         queries, query_mask = batch["input_ids"], batch["attention_mask"]  # (B, Tq)
-        steps = DecodeSteps.start(model, query_mask, sampling.max_new_tokens, self.compiler)
+        steps = DecodeSteps.start(model, query_mask, sampling.max_new_tokens, self.compiler, self._caches)
         positions, step_ids = position_ids_for(query_mask), queries  # (L, t): the live rows'
         live = torch.arange(len(queries), device=model.device)  # (L,) the rows still in the batch
         tokens, logprobs, entropy, hidden = [], [], [], []
@@ -186,31 +193,31 @@ class HFSampler:
         streams = row_streams(sampling.seeds, model.device)  # (L,) or None: the caller's stream
         computed = 0
         with self.precision.autocast(model.device), self.holding.sampling(model):
-            for _ in range(sampling.max_new_tokens):
+            for step in range(sampling.max_new_tokens):
                 computed += step_ids.numel()  # the prompts, then one position per live row
-                out = steps.forward(step_ids, positions)
-                logits = out.logits[:, -1:].float()  # (L, 1, V)
+                logits, last_hidden = steps.forward(step_ids, positions)  # (L, 1, V) float32, (L, 1, H)
                 token = (logits[:, -1].argmax(-1, keepdim=True) if sampling.temperature is None
                          else draw(torch.softmax(logits[:, -1] / sampling.temperature, dim=-1), streams))  # (L, 1)
                 tokens.append(_in_rows(token, live, len(queries), self.tokenizer.pad_token_id))
                 logprobs.append(_in_rows(logprobs_of(logits, token, sampling.temperature or 1.0), live, len(queries)))
                 entropy.append(_in_rows(entropy_of(logits, sampling.temperature or 1.0), live, len(queries)))
-                hidden.append(_in_rows(out.hidden_states[-1][:, -1:], live, len(queries)))
+                hidden.append(_in_rows(last_hidden, live, len(queries)))
                 ended = is_end(token.squeeze(1), self.stop_ids)  # (L,)
                 finished[live] |= ended
-                if self.holding.all_finished(finished):
+                if (step + 1) % steps.stop_every == 0 and self.holding.all_finished(finished):
                     break
                 step_ids, positions = token, positions[:, -1:] + 1
                 steps.advance(token)
-                if self.compact and ended.any() and not ended.all() and steps.drops_rows:
+                if self.compact and steps.drops_rows and ended.any() and not ended.all():
                     keep = (~ended).nonzero().squeeze(1)  # never empty: a sharded peer may go on
                     steps.keep(keep)
                     live, step_ids, positions = live[keep], step_ids[keep], positions[keep]
                     streams = None if streams is None else [streams[i] for i in keep.tolist()]
         responses = truncate_after_eos(torch.cat(tokens, dim=1), self.stop_ids, self.tokenizer.pad_token_id)
-        return Generation(queries=queries, query_mask=query_mask, responses=responses,
-                          logprobs=torch.cat(logprobs, dim=1), entropy=torch.cat(entropy, dim=1),
-                          hidden=torch.cat(hidden, dim=1), computed_tokens=computed, version=self.version)
+        width = steps.width_used(responses, self.stop_ids)  # the steps decoded past the last row's end, cut
+        return Generation(queries=queries, query_mask=query_mask, responses=responses[:, :width],
+                          logprobs=torch.cat(logprobs, dim=1)[:, :width], entropy=torch.cat(entropy, dim=1)[:, :width],
+                          hidden=torch.cat(hidden, dim=1)[:, :width], computed_tokens=computed, version=self.version)
 
     @torch.inference_mode()
     def _transformers_generate(self, batch: dict[str, torch.Tensor], sampling: Sampling) -> Generation:
@@ -244,37 +251,67 @@ class DecodeSteps:
     """What the steps after the prefill call: the model, or its compiled forward."""
     drops_rows: bool = True
     """Rows may leave the batch: not from a static cache, whose shape is the compiled graph's."""
+    graphs: bool = False
+    """`run` replays CUDA graphs, whose outputs the next replay overwrites: each step's are copied out."""
+    stop_every: int = 1
+    """Steps between checks that every row has ended, each a wait for the device: 1, except with CUDA
+    graphs (`STOP_CHECK_EVERY`), whose steps then queue ahead of the host; the steps decoded past the
+    last row's end are cut after the loop (`width_used`), so the outputs are the same either way."""
     written: int = 0
     """Positions of the cache filled so far."""
 
     @classmethod
     def start(cls, model: PreTrainedModel, query_mask: torch.Tensor, max_new_tokens: int,
-              compiler: Compiler) -> DecodeSteps:
+              compiler: Compiler, caches: dict[tuple[int, int], StaticCache]) -> DecodeSteps:
+        """The steps of one loop: eager, or compiled on a static cache from `caches` (made and kept
+        there on its shape's first loop, emptied for each later one)."""
         if not compiler.enabled:
             return cls(model=model, cache=DynamicCache(), mask=query_mask, run=model)
         # The static cache's tensors have fixed addresses, so its shape is part of the graph: widths
         # rounded to buckets, and the batch kept whole (a row that ends is computed on, as without `compact`).
         width = bucketed(query_mask.shape[1] + max_new_tokens)
         mask = torch.nn.functional.pad(query_mask, (0, width - query_mask.shape[1]), value=1)
-        return cls(model=model, cache=StaticCache(config=model.config, max_cache_len=width), mask=mask,
-                   run=compiler(model, "decode"), drops_rows=False)
+        cache = caches.get((len(query_mask), width))
+        if cache is None:
+            cache = caches[len(query_mask), width] = StaticCache(config=model.config, max_cache_len=width)
+        else:
+            cache.reset()
+        graphs = compiler.cuda_graphs and query_mask.device.type == "cuda"
+        return cls(model=model, cache=cache, mask=mask,
+                   run=compiler(model, "decode"), drops_rows=False, graphs=graphs,
+                   stop_every=STOP_CHECK_EVERY if graphs else 1)
 
     @property
     def static(self) -> bool:
         return isinstance(self.cache, StaticCache)
 
-    def forward(self, step_ids: torch.Tensor, positions: torch.Tensor):
-        """One step: the prompts' prefill (eager), then one token per live row. # (L, t) -> outputs"""
+    def forward(self, step_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step: the prompts' prefill (eager), then one token per live row; the last position's
+        logits in float32 and its final hidden state. # (L, t) -> (L, 1, V), (L, 1, H)"""
         width = step_ids.shape[1]
         extra = {}
         if self.static:  # where this step writes the cache
             extra["cache_position"] = torch.arange(self.written, self.written + width, device=step_ids.device)
         mask = self.mask[:, :self.written + width] if self.static and self.written == 0 else self.mask
+        replay = self.graphs and self.written > 0
+        if replay:
+            torch.compiler.cudagraph_mark_step_begin()  # a new step: the last one's outputs were copied out
         out = (self.model if self.written == 0 else self.run)(
             input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
             use_cache=True, output_hidden_states=True, logits_to_keep=1, **extra)
         self.written += width
-        return out
+        logits, hidden = out.logits[:, -1:].float(), out.hidden_states[-1][:, -1:]
+        return (logits.clone(), hidden.clone()) if replay else (logits, hidden)
+
+    def width_used(self, responses: torch.Tensor, stop_ids: list[int]) -> int:
+        """The responses' columns up to the last row's end token, where steps ran past it (`stop_every`);
+        every column otherwise. # (B, T) -> int"""
+        if self.stop_every == 1:
+            return responses.shape[1]
+        ends = is_end(responses, stop_ids)  # (B, T)
+        if not bool(ends.any(dim=1).all()):
+            return responses.shape[1]
+        return int(ends.float().argmax(dim=1).max()) + 1
 
     def advance(self, token: torch.Tensor) -> None:
         """The mask after a step: a growing cache's gains the token's column; a static one has it."""

@@ -360,7 +360,7 @@ def compiler_for(cfg: PPOConfig, policy: PreTrainedModel, passes: Passes) -> Com
     on = next(policy.parameters()).device
     static_shapes = on.type == "cuda"  # CUDA graphs and tuned kernels are per shape; a CPU's graphs take any length
     if cfg.compile is True:
-        return Compiler(enabled=True, static_shapes=static_shapes, reason="on")
+        return Compiler(enabled=True, static_shapes=static_shapes, cuda_graphs=static_shapes, reason="on")
     minibatch = cfg.rollout_batch_size // (cfg.num_minibatches * cfg.launch.num_processes)
     rows = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else minibatch
     width = cfg.max_prompt_length + cfg.response_tokens
@@ -381,7 +381,7 @@ def compiler_for(cfg: PPOConfig, policy: PreTrainedModel, passes: Passes) -> Com
         passes_in_run = cfg.num_iterations * cfg.num_ppo_epochs * cfg.num_minibatches * (minibatch // rows)
         enabled, reason = probe_compile(run_pass, policy, passes_in_run, LEAST_COMPILE_S,
                                         1e-4 if passes.precision.autocast_dtype is None else 3e-2, static_shapes)
-    return Compiler(enabled=enabled, static_shapes=static_shapes, reason=reason)
+    return Compiler(enabled=enabled, static_shapes=static_shapes, cuda_graphs=static_shapes, reason=reason)
 
 
 def critic_bodies(critic: Critic) -> list[tuple[PreTrainedModel, bool]]:

@@ -81,6 +81,9 @@ class Compiler:
     """Off: every pass runs the model as it is, at its own shapes (bit-identical to no compiler)."""
     static_shapes: bool = False
     """Graphs per bucketed shape (`bucketed`), not one with symbolic lengths and rows."""
+    cuda_graphs: bool = False
+    """The decode step's graph replayed as a CUDA graph (`mode="reduce-overhead"`): one launch a step
+    instead of every layer's kernels from Python. Needs static shapes and a CUDA device."""
     reason: str = ""
     """Why it is on or off (`auto`'s probe figures): the run's `rlhf.compile` tag."""
     _compiled: dict[int, Callable] = field(default_factory=dict)
@@ -97,7 +100,9 @@ class Compiler:
         if not self.enabled:
             return model
         if purpose not in self._compiled:
-            self._compiled[purpose] = torch.compile(ENTRIES[purpose], dynamic=not self.static_shapes)
+            graphs = self.cuda_graphs and purpose == "decode"
+            self._compiled[purpose] = torch.compile(ENTRIES[purpose], dynamic=not self.static_shapes,
+                                                    mode="reduce-overhead" if graphs else None)
         return functools.partial(self._compiled[purpose], model)
 
     def bucket(self, n: int) -> int:
