@@ -177,7 +177,8 @@ def step_bytes(model, batch: int, context: float) -> float:
     """What one decode step must read at least: the weights once (bf16) and every row's KV cache (bf16)
     at `context` positions."""
     cfg = model.config
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2  # keys and values, bf16
     return sum(p.numel() for p in model.parameters()) * 2 + batch * context * kv_per_token
 
 
@@ -268,6 +269,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--parts", nargs="+", default=["ceilings", "decode", "train"],
                         choices=["ceilings", "decode", "train"])
+    parser.add_argument("--engines", nargs="+", default=["graphs", "graphs-fp32", "eager"],
+                        choices=["graphs", "graphs-fp32", "eager", "generate-static", "generate"],
+                        help="decode engines: the PPO sampler compiled (CUDA graphs; on bf16 or float32 weights) or "
+                             "eager, transformers' generate with a static or dynamic cache")
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama, small buffers: shows that the code runs")
     args = parser.parse_args()
     import transformers
@@ -281,14 +286,14 @@ def main() -> None:
     if "decode" in args.parts:
         small = dict(batch=4, prompt=8, new=8) if args.tiny else {}
         record["decode"] = []
-        engines = {"PPO sampler, compiled (CUDA graphs), bf16 weights":
-                   lambda: sampler_decode(record["limits"], shape, compiled=True, **small),
-                   "PPO sampler, compiled (CUDA graphs), float32 weights under bf16 autocast":
-                   lambda: sampler_decode(record["limits"], shape, compiled=True, weights=torch.float32, **small),
-                   "PPO sampler, eager, bf16 weights": lambda: sampler_decode(record["limits"], shape, **small),
-                   "transformers generate (static cache)": lambda: decode(record["limits"], shape, static=True, **small),
-                   "transformers generate": lambda: decode(record["limits"], shape, **small)}
-        for name, measure in engines.items():
+        engines = {"graphs": lambda: sampler_decode(record["limits"], shape, compiled=True, **small),
+                   "graphs-fp32": lambda: sampler_decode(record["limits"], shape, compiled=True, weights=torch.float32,
+                                                         **small),
+                   "eager": lambda: sampler_decode(record["limits"], shape, **small),
+                   "generate-static": lambda: decode(record["limits"], shape, static=True, **small),
+                   "generate": lambda: decode(record["limits"], shape, **small)}
+        for name in args.engines:
+            measure = engines[name]
             try:
                 record["decode"].append(measure())
             except Exception as e:  # noqa: BLE001 - a failed engine is a result; the others still run

@@ -9,9 +9,14 @@ calls them, each measured against its memory plan.
    2 KV heads; the demo tokenizer's vocabulary), random weights: the three stages for a few steps each,
    PPO at a size where the update has work (`LARGE_PPO`). One PPO iteration is profiled (`torch.profiler`,
    the top kernels by GPU time).
-3. The PPO update's model FLOP utilisation on the 0.5B Llama, full and LoRA, with and without gradient
-   checkpointing: model FLOPs (6 x parameters x tokens trained, 4 x with LoRA's frozen weights) over the
-   update's seconds (`time/train`), against the bf16 matmul rate measured first (`bench.gpu.ceilings`).
+3. A Llama-3.2-3B-shaped model (`LLAMA_32_3B`: hidden 3072, 28 layers, 24 heads, 8 KV heads, MLP 8192;
+   the demo tokenizer's vocabulary, so 2.8B parameters rather than 3.2B), made on the device with random
+   weights and saved in bf16: SFT, reward and PPO with LoRA, PPO's critic on the reward model's own
+   weights (`critic.kind: reward-lora`), a few steps each (`LARGE_3B`).
+4. The PPO update's model FLOP utilisation on the 0.5B Llama, full and LoRA, with and without gradient
+   checkpointing, and with `ppo.compile` (the decode replayed as CUDA graphs): model FLOPs (6 x parameters
+   x tokens trained, 4 x with LoRA's frozen weights) over the update's seconds (`time/train`), against the
+   bf16 matmul rate measured first (`bench.gpu.ceilings`).
 
 Per stage: status, seconds, `time/*` per PPO phase, peak allocated GPU memory (`call_stage`'s
 `memory/peak_allocated_gib`) against the plan's peak less its runtime allowance (`rlhf plan`'s figure
@@ -44,17 +49,34 @@ LARGE_PPO = {"num_iterations": 3, "rollout_batch_size": 256, "sampling.response_
 """The 0.5B runs' settings on the demo config: a few steps each, PPO with 256 x (prompt + 128) tokens a rollout
 so that the update has work (random weights rarely end a response early), the shared value head so that the
 update's FLOPs are the policy's alone."""
+LLAMA_32_3B = dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                   intermediate_size=8192, rope_theta=500000.0)
+"""Llama-3.2-3B's body (its config on the hub); the vocabulary is the demo tokenizer's."""
+LARGE_3B = {"sft": {"max_steps": 6, "batch_size": 8, "eval_steps": 1000, "logging_steps": 2, "num_samples": 2,
+                    "lora": {"r": 16}},
+            "reward": {"max_steps": 6, "batch_size": 8, "eval_steps": 1000, "logging_steps": 2,
+                       "min_eval_accuracy": 0.0, "lora": {"r": 16}},
+            "ppo": {"num_iterations": 3, "rollout_batch_size": 64, "sampling.response_length": 64, "num_ppo_epochs": 1,
+                    "num_minibatches": 2, "lora": {"r": 16}, "critic.kind": "reward-lora", "evaluation.every": None,
+                    "evaluation.samples_per_prompt": 1, "checkpoint_every": 100, "missing_eos_score": None}}
+"""The 3B chain: LoRA r 16 on every stage, a few steps each; PPO 64 x (prompt + 64) tokens an iteration."""
 DRY = {"sft": {"max_steps": 4, "eval_steps": 1000, "num_samples": 1},
        "reward": {"max_steps": 4, "eval_steps": 1000, "min_eval_accuracy": 0.0},
        "ppo": {"num_iterations": 2, "rollout_batch_size": 8, "sampling.response_length": 8, "num_minibatches": 2,
                "critic.kind": "shared", "evaluation.every": None, "checkpoint_every": 100}}
 """The dry run's settings on the tiny config, for every world."""
-VARIANTS = {"full": {}, "lora": {"lora": {"r": 16}}, "full, checkpointing": {"gradient_checkpointing": True},
+DRY_3B = {stage: DRY[stage] | {"lora": {"r": 4}} for stage in DRY} | {
+    "ppo": DRY["ppo"] | {"lora": {"r": 4}, "critic.kind": "reward-lora"}}
+"""The dry run of the 3B chain: LoRA, and the critic on the reward model."""
+VARIANTS = {"full": {}, "full, compiled": {"compile": True}, "lora": {"lora": {"r": 16}},
             "lora, checkpointing": {"lora": {"r": 16}, "gradient_checkpointing": True},
-            "full, frozen bf16": {"frozen_dtype": "bfloat16"}, "full, attention off cuDNN": {}}
+            "full, checkpointing": {"gradient_checkpointing": True},
+            "full, frozen float32": {"frozen_dtype": "float32"}}
 """The update's runs, 2 iterations each (the second measured), from the random base model rather than the SFT
 checkpoint (whose responses end after a few tokens, as the demo's do) at a learning rate that keeps it
-random, so every response runs to about its 128 tokens and each update has the same work."""
+random, so every response runs to about its 128 tokens and each update has the same work. `full, compiled` is
+`ppo.compile: true` (the decode's steps replayed as CUDA graphs); `full, frozen float32` holds the reference and
+reward model as issue 60 did (`frozen_dtype: auto` is bf16 on a GPU now)."""
 VARIANT_PPO = {"num_iterations": 2, "learning_rate": 1e-6}
 PPO_PHASES = ("generate", "reference", "values", "score", "advantages", "train", "iteration")
 
@@ -74,8 +96,9 @@ class Results:
         self.path.write_text(json.dumps(self.record, indent=1, default=str) + "\n")
 
 
-def build_llama(world: Path, folder: Path, shape: dict) -> str:
-    """A randomly initialised Llama of `shape` with the demo tokenizer, saved as a Hugging Face folder."""
+def build_llama(world: Path, folder: Path, shape: dict, dtype: torch.dtype | None = None) -> str:
+    """A randomly initialised Llama of `shape` with the demo tokenizer, made on the GPU where there is one
+    and saved as a Hugging Face folder (in `dtype`, default float32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from stages.runtime.models import load_tokenizer, save_checkpoint
@@ -85,7 +108,12 @@ def build_llama(world: Path, folder: Path, shape: dict) -> str:
     config = LlamaConfig(**shape, vocab_size=len(tokenizer), max_position_embeddings=512, tie_word_embeddings=True,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id)
-    save_checkpoint(LlamaForCausalLM(config), tokenizer, folder)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config)
+    save_checkpoint(model, tokenizer, folder, dtype)
+    model = None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return str(folder)
 
 
@@ -224,7 +252,7 @@ def update_mfu(row: dict, parameters: int, prompt_tokens: float, matmul_flops: f
 
 
 def chain(world_name: str, cfg, base: str, world: Path, work: Path, changes: dict, results: Results,
-          profile: Profiled | None = None, with_ppo: bool = True) -> dict | None:
+          profile: Profiled | None = None, with_ppo: bool = True, variant: str = "full") -> dict | None:
     """SFT from `base`, reward from the SFT checkpoint, PPO from both, each through `call_stage` with
     `changes[stage]` on `cfg`'s section, each stage's row added to `results`. What the update's other
     variants need: `run_ppo(section, folder, reporting, policy)`, PPO's section, the prompts' mean length
@@ -254,13 +282,13 @@ def chain(world_name: str, cfg, base: str, world: Path, work: Path, changes: dic
         return call_stage(train, section, inputs, folder, reporting or Reporting(),
                           Determinism(deterministic=False)), figures
 
-    row, trained = stage_row(world_name, "sft", "full", lambda: run(
+    row, trained = stage_row(world_name, "sft", variant, lambda: run(
         "sft", train_sft, sft, SFTInputs(base, data("sft", "sft"), data("sft_eval", "sft")), base, work / "sft"))
     results.add("stages", row)
     if trained is None:
         return None
     sft_checkpoint = str(trained.checkpoint)
-    row, trained = stage_row(world_name, "reward", "full", lambda: run(
+    row, trained = stage_row(world_name, "reward", variant, lambda: run(
         "reward", train_reward, reward, RewardInputs(
             model_location=sft_checkpoint, policy_location=sft_checkpoint,
             train=data("preferences", "preference", reward), evaluation=data("preferences_eval", "preference", reward),
@@ -279,21 +307,23 @@ def chain(world_name: str, cfg, base: str, world: Path, work: Path, changes: dic
     done = {"run_ppo": run_ppo, "section": ppo, "prompt_tokens": prompt_tokens / len(prompts), "base": base}
     if not with_ppo:
         return done
-    row, _ = stage_row(world_name, "ppo", "full", lambda: run_ppo(
+    row, _ = stage_row(world_name, "ppo", variant, lambda: run_ppo(
         ppo, work / "ppo", Reporting(metrics=profile) if profile else None))
     row["section"] = ppo.model_dump(include={"rollout_batch_size", "num_ppo_epochs", "num_minibatches"})
     results.add("stages", row)
     return done
 
 
-def update_variants(done: dict, results: Results, parameters: int, matmul_flops: float, work: Path) -> None:
-    """The PPO update's MFU and each timed phase's peak memory, for each of `VARIANTS`."""
+def update_variants(done: dict, results: Results, parameters: int, matmul_flops: float, work: Path,
+                    variants: list[str]) -> None:
+    """The PPO update's MFU and each timed phase's peak memory, for each of `variants` (of `VARIANTS`)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from rlhf.config import with_overrides
 
     off_cudnn = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    for variant, changes in VARIANTS.items():
+    for variant in variants:
+        changes = VARIANTS[variant]
         section = with_overrides(done["section"], changes | VARIANT_PPO)
         phases = PhasePeaks()
 
@@ -335,13 +365,17 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--work", default="/tmp/rlhf-gpu-stages")
     parser.add_argument("--dry", action="store_true", help="the tiny config, on the CPU")
-    parser.add_argument("--parts", nargs="+", default=["demo", "llama", "update"], choices=["demo", "llama", "update"],
-                        help="demo: the demo world's chain; llama: the 0.36B chain with PPO profiled; update: the "
-                             "update's variants (from the 0.36B's SFT and reward checkpoints)")
+    parser.add_argument("--parts", nargs="+", default=["demo", "llama", "3b", "update"],
+                        choices=["demo", "llama", "3b", "update"],
+                        help="demo: the demo world's chain; llama: the 0.36B chain with PPO profiled; 3b: the "
+                             "3B-shaped LoRA chain; update: the update's variants (from the 0.36B's SFT and reward "
+                             "checkpoints)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="the update's variants to run, in this order")
     args = parser.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for runs in ("demo", "llama", "llama-base"):  # a finished run's full-state checkpoint would be resumed
+    for runs in ("demo", "llama", "llama-base", "3b", "3b-base"):  # a finished run's checkpoint would be resumed
         shutil.rmtree(work / runs, ignore_errors=True)
     import transformers
     import trl
@@ -354,6 +388,11 @@ def main() -> None:
     if "demo" in args.parts:  # the demo world's chain
         chain("demo", cfg, str(world / "model"), world, work / "demo",
               DRY if args.dry else {"ppo": {"num_iterations": DEMO_ITERATIONS}}, results)
+    if "3b" in args.parts:  # the 3B-shaped LoRA chain
+        base = build_llama(world, work / "3b-base", TINY_LLAMA if args.dry else LLAMA_32_3B, torch.bfloat16)
+        results.record["3b"] = {"shape": LLAMA_32_3B, "parameters": model_shape(base).parameters}
+        results.write()
+        chain("3b", cfg, base, world, work / "3b", DRY_3B if args.dry else LARGE_3B, results, variant="lora")
     if not {"llama", "update"} & set(args.parts):
         return
     shape = TINY_LLAMA if args.dry else {k: v for k, v in LLAMA_05B.items()
@@ -371,7 +410,7 @@ def main() -> None:
     if done and "update" in args.parts:
         results.record["bf16_matmul_flops"] = matmul_rate(args.dry)
         update_variants(done, results, model_shape(base).parameters, results.record["bf16_matmul_flops"],
-                        work / "llama")
+                        work / "llama", args.variants)
 
 
 if __name__ == "__main__":

@@ -95,8 +95,8 @@ class DPOConfig(TrainingConfig, SampledStage):
     """How the final evaluation samples: the same as PPO's to compare the two on one evaluation."""
     evaluation: EvaluationConfig = EvaluationConfig()
     """The final evaluation against the SFT policy (as PPO's)."""
-    frozen_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of frozen weights: the evaluation's reference and, with `lora`, the policy's own weights."""
+    frozen_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of frozen weights (the evaluation's reference, with `lora` the policy's own): auto is bf16 under bf16."""
 
 
 class RegistryConfig(_Frozen):

@@ -51,13 +51,15 @@ step() {  # step NAME SECONDS (SECONDS_DRY) COMMAND...: its output in $OUT/NAME.
     timeout --kill-after=10 "$seconds" "$@" 2>&1 | tee "$OUT/$name.log" | grep -vE "it/s\]|examples/s\]|Warning|warnings.warn|forward_call"
     echo "== $name: exit ${PIPESTATUS[0]}"
 }
-STEPS=${GPU_CHECK_STEPS:-stages pytest kernels}  # a later call may rerun some: GPU_CHECK_STEPS="stages kernels"
-read -ra PARTS <<< "${GPU_CHECK_PARTS:-demo llama update}"  # bench.gpu_stages --parts
-[[ " $STEPS " == *" stages "* ]] && step stages 280 240 "$PY" -m bench.gpu_stages --out "$OUT/stages.json" \
-    --parts "${PARTS[@]}" "${SMALL[@]}"
-[[ " $STEPS " == *" pytest "* ]] && step pytest 120 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
-[[ " $STEPS " == *" kernels "* ]] && step kernels 150 60 "$PY" -m bench.gpu --out "$OUT/kernels.json" \
-    --parts ceilings decode "${TINY[@]}"
+STEPS=${GPU_CHECK_STEPS:-kernels stages pytest}  # a later call may rerun some: GPU_CHECK_STEPS="stages"
+read -ra PARTS <<< "${GPU_CHECK_PARTS:-3b update}"  # bench.gpu_stages --parts (demo and llama: issue 60's)
+IFS=: read -ra VARIANTS <<< "${GPU_CHECK_VARIANTS:-full:full, compiled:lora}"  # bench.gpu_stages --variants
+read -ra ENGINES <<< "${GPU_CHECK_ENGINES:-graphs graphs-fp32 eager}"  # bench.gpu --engines
+[[ " $STEPS " == *" kernels "* ]] && step kernels 150 240 "$PY" -m bench.gpu --out "$OUT/kernels.json" \
+    --parts ceilings decode --engines "${ENGINES[@]}" "${TINY[@]}"
+[[ " $STEPS " == *" stages "* ]] && step stages 290 420 "$PY" -m bench.gpu_stages --out "$OUT/stages.json" \
+    --parts "${PARTS[@]}" --variants "${VARIANTS[@]}" "${SMALL[@]}"
+[[ " $STEPS " == *" pytest "* ]] && step pytest 80 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
 
 "$PY" - "$OUT" "$KIND" <<'PY'
 import json, re, sys, time

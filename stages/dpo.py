@@ -36,8 +36,8 @@ from stages.runtime.lora import copied, lora_config
 from stages.runtime.models import (
     device,
     disable_dropout,
-    dtype_named,
     encode_pairs,
+    frozen_dtype_of,
     load_causal_lm,
     load_tokenizer,
     resolve_precision,
@@ -106,7 +106,8 @@ def build_trainer(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path,
     disabled (no copy: `trainer.ref_model` is None)."""
     set_seed(cfg.seed)
     tokenizer = load_tokenizer(inputs.sft_location, trust_remote_code=cfg.trust_remote_code)
-    frozen = torch.float32 if cfg.lora is None else dtype_named(cfg.frozen_dtype)  # LoRA: only the adapters train
+    held = frozen_dtype_of(cfg.frozen_dtype, resolve_precision(cfg.precision))
+    frozen = torch.float32 if cfg.lora is None else held  # LoRA: only the adapters train
     model = load_causal_lm(inputs.sft_location, tokenizer, dtype=frozen, trust_remote_code=cfg.trust_remote_code)
     reference = None
     if cfg.lora is None:
@@ -138,7 +139,8 @@ def evaluation_models(policy: torch.nn.Module, holding: Holding, cfg: DPOConfig,
     """The trained policy beside a frozen SFT reference, held as `holding` holds the policy, for PPO's
     evaluation; no critic, no reward model."""
     tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
-    reference = load_causal_lm(sft_location, tokenizer, dtype=dtype_named(cfg.frozen_dtype),
+    frozen = frozen_dtype_of(cfg.frozen_dtype, resolve_precision(cfg.precision))
+    reference = load_causal_lm(sft_location, tokenizer, dtype=frozen,
                                trust_remote_code=cfg.trust_remote_code)
     disable_dropout(reference)
     disable_dropout(policy)

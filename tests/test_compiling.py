@@ -178,7 +178,8 @@ def test_checking_for_the_end_every_few_steps_gives_the_same_responses_and_figur
     every_few = generate()
     from stages.common.tensors import is_end
 
-    assert is_end(every_step.responses, STOPS).any(dim=1).all() and every_step.responses.shape[1] % STOP_CHECK_EVERY != 0, \
+    ends, width = is_end(every_step.responses, STOPS), every_step.responses.shape[1]
+    assert ends.any(dim=1).all() and width % STOP_CHECK_EVERY != 0, \
         "every row must end, off a multiple of the check: the test would not see steps cut"
     for name in ("responses", "logprobs", "entropy", "hidden"):
         assert torch.equal(getattr(every_few, name), getattr(every_step, name)), name

@@ -64,3 +64,31 @@ def test_a_run_killed_on_the_gpu_resumes_to_the_same_figures(tiny_config, traine
     # reduce in another order between runs, so figures agree closely rather than bit for bit
     for name in ("rollout/score", "train/policy_loss"):
         assert close(whole.history[-1][name], resumed.history[-1][name], rel=0.05), name
+
+
+def test_the_decode_loop_on_cuda_graphs_draws_the_eager_loops_greedy_tokens():
+    """`ppo.compile`'s decode on a GPU: the step replayed as a CUDA graph, the end checked every few
+    steps; greedy in float32, the eager loop's tokens and, to round-off, its log-probs; a second call
+    replays into the kept cache."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages.common.tensors import response_mask
+    from stages.engines.sampler import HFSampler, Sampling
+    from stages.runtime.compiling import Compiler
+
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=2,
+                                          max_position_embeddings=64)).cuda().eval()
+    prompts, stops = [[5, 9, 14, 3, 22], [7, 8], [30, 31, 32], [11]], [3, 17, 27, 40]
+    results = []
+    for compiler in (Compiler(enabled=False), Compiler(enabled=True, static_shapes=True, cuda_graphs=True)):
+        sampler = HFSampler(model=policy, tokenizer=SimpleNamespace(pad_token_id=0), stop_ids=stops, compiler=compiler)
+        results.append([sampler.generate_ids(prompts, Sampling(24, temperature=None)) for _ in range(2)])
+    (eager, _), (graphs, again) = results
+    assert torch.equal(graphs.responses, eager.responses) and torch.equal(again.responses, eager.responses)
+    mask = response_mask(eager.responses, stops)
+    torch.testing.assert_close(graphs.logprobs * mask, eager.logprobs * mask, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(again.logprobs * mask, eager.logprobs * mask, atol=1e-4, rtol=1e-3)

@@ -75,16 +75,19 @@ def test_the_wheels_carried_are_what_the_stages_need_beyond_the_image():
 
 @pytest.mark.multiprocess
 def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
-    env = os.environ | {"GPU_CHECK_DRY": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    env = os.environ | {"GPU_CHECK_DRY": "1", "OUT": str(tmp_path), "PYTHON": sys.executable,
+                        "GPU_CHECK_PARTS": "demo llama 3b update", "GPU_CHECK_VARIANTS": ":".join(VARIANTS),
+                        "GPU_CHECK_ENGINES": "graphs graphs-fp32 eager generate-static generate"}
     done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "== stages: exit 0" in done.stdout and "== kernels: exit 0" in done.stdout, done.stdout[-3000:]
     (results,) = tmp_path.glob("gpu-cpu-dry-*.json")
     record = json.loads(results.read_text())
     rows = record["stages"]["stages"]
     assert [(r["world"], r["stage"], r["status"]) for r in rows] == [
-        (world, stage, "ok") for world in ("demo", "llama") for stage in ("sft", "reward", "ppo")]
+        (world, stage, "ok") for world in ("demo", "3b", "llama") for stage in ("sft", "reward", "ppo")]
+    assert [r["variant"] for r in rows if r["world"] == "3b"] == ["lora"] * 3
     assert all(r["planned_peak_gib"] > 0 for r in rows)
     assert [r["variant"] for r in record["stages"]["update"]] == list(VARIANTS)
     # On the CPU the update trains in fp32 against a bf16 matmul rate, which portable numerics make slow
@@ -92,7 +95,7 @@ def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
     assert all(r["update_mfu"] > 0 for r in record["stages"]["update"])
     assert record["stages"]["profile"]["top"] and (tmp_path / "profile-ppo.txt").read_text()
     assert [d["engine"] for d in record["kernels"]["decode"]] == [
-        "transformers generate", "transformers generate, attention off cuDNN", "transformers generate (static cache)",
-        "transformers generate (static cache), attention off cuDNN"]
+        "PPO sampler, compiled, bf16 weights", "PPO sampler, compiled, float32 weights under bf16 autocast",
+        "PPO sampler, eager, bf16 weights", "transformers generate (static cache)", "transformers generate"]
     assert all(d["profile"]["top"] for d in record["kernels"]["decode"])
     assert "skipped" in record["pytest"]["summary"]  # no CUDA here: the GPU tests skip, and run nowhere else

@@ -239,8 +239,8 @@ class PPOConfig(TrainedStage, SampledStage):
     """torch.compile the passes over prompt + response (shapes bucketed); `auto`: where a probe at load says it pays."""
     old_logprobs: Literal["auto", "sampling", "recompute"] = "auto"
     """Where rollout log-probs and values come from: the sampling pass, a second forward, or auto (by precision)."""
-    frozen_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the frozen reference and reward models (with `lora`, of the policy's own weights too)."""
+    frozen_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the frozen reference and reward models (with `lora`, the policy's own): auto is bf16 under bf16."""
     offload_frozen: bool = False
     """With a sharded launch: hold the reference's and reward model's shards in host memory, copied in per layer."""
     sharded_sampling: Literal["whole", "per_layer", "auto"] = "auto"

@@ -95,13 +95,19 @@ class Layout:
     """FSDP2: each model divided between the processes (else whole on each: DDP, or one process)."""
     autocast: str | None
     """The dtype the stage computes in under autocast (None: float32)."""
+    frozen: str = "float32"
+    """The dtype its frozen weights are held in (`frozen_dtype`, `auto` resolved as the stage does)."""
 
     @classmethod
     def of(cls, section: TrainedStage, target: Target) -> Layout:
         """`section`'s launch on `target`, whose process count overrides the launch's."""
         n = target.processes or section.launch.num_processes
         sharded = section.launch.accelerate_settings().get("distributed_type") == "FSDP" and n > 1
-        return cls(n, sharded, _autocast(section, target.device))
+        autocast = _autocast(section, target.device)
+        frozen = getattr(section, "frozen_dtype", "float32")  # SFT and reward freeze nothing
+        if frozen == "auto":  # as `stages.runtime.models.frozen_dtype_of`
+            frozen = "bfloat16" if autocast == "bfloat16" else "float32"
+        return cls(n, sharded, autocast, frozen)
 
     @property
     def sharding(self) -> int:
@@ -283,7 +289,7 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
     layout, device = Layout.of(section, target), target.device
     sharded, sharding, autocast, compute = layout.sharded, layout.sharding, layout.autocast, layout.compute
     notes: list[str] = []
-    frozen = section.frozen_dtype if stage == "dpo" else "float32"  # under LoRA adapters
+    frozen = layout.frozen  # under LoRA adapters (DPO's; SFT and reward freeze nothing)
     trained = _trained("reward model" if stage == "reward" else "policy", model, section.lora, frozen, layout,
                        head_trains=stage == "reward")
     held = [trained]
@@ -317,7 +323,7 @@ def plan_trainer_stage(stage: StageName, section: SFTConfig | RewardConfig | DPO
         evaluated = prompts * section.evaluation.samples_per_prompt
         sequences = min(evaluated, section.sampling.micro_batch_size or evaluated)
         length = section.max_prompt_length + section.sampling.response_length
-        reference = model.parameters * _bytes_of(section.frozen_dtype)
+        reference = model.parameters * _bytes_of(layout.frozen)
         phases["hand-off"] = streamed | {
             "evaluation_reference": reference / sharding,
             "evaluation_samples": kv_cache(model, sequences, length, autocast),
@@ -364,7 +370,7 @@ class PPOShapes:
 def _ppo_models(section: PPOConfig, models: PPOShapes, layout: Layout) -> tuple[list[Held], list[str]]:
     """The models a PPO run holds, the policy first, and notes on them."""
     notes: list[str] = []
-    policy, reward, frozen, sharding = models.policy, models.reward, section.frozen_dtype, layout.sharding
+    policy, reward, frozen, sharding = models.policy, models.reward, layout.frozen, layout.sharding
     held = [_trained("policy", policy, section.lora, frozen, layout)]
     if section.lora is None:
         held.append(_frozen("reference", policy, frozen, sharding))

@@ -155,7 +155,7 @@ def knobs(stage: StageName, section: TrainedStage) -> list[tuple[str, dict]]:
     if stage == "dpo" and (section.sampling.micro_batch_size or 2) > 1:
         found.append(("dpo.sampling.micro_batch_size: 1",
                       {"sampling": section.sampling.model_copy(update={"micro_batch_size": 1})}))
-    if stage in ("ppo", "dpo") and section.frozen_dtype == "float32":
+    if stage in ("ppo", "dpo") and section.frozen_dtype != "bfloat16":  # auto is float32 unless the stage runs bf16
         found.append((f"{stage}.frozen_dtype: bfloat16", {"frozen_dtype": "bfloat16"}))
     if stage == "ppo" and not section.offload_frozen:  # acts only when sharded, on a GPU
         found.append(("ppo.offload_frozen: true", {"offload_frozen": True}))

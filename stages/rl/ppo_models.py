@@ -33,7 +33,7 @@ from stages.runtime.lora import copied, lora_config, restore_adapters, with_lora
 from stages.runtime.models import (
     Precision,
     disable_dropout,
-    dtype_named,
+    frozen_dtype_of,
     load_causal_lm,
     load_tokenizer,
     resolve_precision,
@@ -274,7 +274,7 @@ def build_policy(cfg: PPOConfig, sft_location: str, tokenizer) -> PreTrainedMode
     """The policy as PPO trains it, on the CPU: the SFT checkpoint in float32, dropout off; with
     `cfg.lora`, float32 LoRA adapters on its own weights, which are the reference and so are held
     in `cfg.frozen_dtype`."""
-    dtype = torch.float32 if cfg.lora is None else dtype_named(cfg.frozen_dtype)
+    dtype = torch.float32 if cfg.lora is None else frozen_dtype_of(cfg.frozen_dtype, resolve_precision(cfg.precision))
     policy = load_causal_lm(sft_location, tokenizer, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     disable_dropout(policy)
     # peft casts the adapters of bf16 weights to float32 (`autocast_adapter_dtype`).
@@ -314,7 +314,7 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
     `teacher_location` where `cfg.teacher` is set. `holding` (default: whole, on this process) places
     them: the frozen ones at once, the trained ones when `holding.trained` wraps them."""
     holding = holding or Replicated()
-    frozen = dtype_named(cfg.frozen_dtype)
+    frozen = frozen_dtype_of(cfg.frozen_dtype, resolve_precision(cfg.precision))
     tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
     policy = build_policy(cfg, sft_location, tokenizer)
     padding_free = packing_setting(cfg.padding_free, [(policy, False)])  # probed whole, before any sharding

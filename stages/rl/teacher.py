@@ -31,7 +31,7 @@ from stages.common.tensors import binned, log_probs, masked_mean, picked, top_bi
 from stages.math.ppo_math import binned_kl, kl_estimate, teacher_rewards
 from stages.runtime.forward import forward_response
 from stages.runtime.holding import Holding
-from stages.runtime.models import disable_dropout, dtype_named, load_causal_lm, load_tokenizer
+from stages.runtime.models import disable_dropout, frozen_dtype_of, load_causal_lm, load_tokenizer, resolve_precision
 from stages.runtime.packing import Passes
 
 
@@ -155,7 +155,8 @@ def teacher_for(cfg: PPOConfig, location: str | None, tokenizer, holding: Holdin
         raise ValueError(f"ppo.teacher: the teacher at {location} has another vocabulary ({len(own)} tokens against "
                          f"the policy's {len(policy_vocab)}; e.g. {differ}): its log-probs would grade other tokens "
                          "than the policy's; distil from a teacher of the policy's tokenizer")
-    model = load_causal_lm(location, tokenizer, dtype=dtype_named(cfg.frozen_dtype),
+    frozen = frozen_dtype_of(cfg.frozen_dtype, resolve_precision(cfg.precision))
+    model = load_causal_lm(location, tokenizer, dtype=frozen,
                            trust_remote_code=cfg.trust_remote_code)
     disable_dropout(model)
     return Teacher(holding.frozen(model.eval().requires_grad_(False)), settings)

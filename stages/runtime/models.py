@@ -366,10 +366,19 @@ def resolve_precision(setting: str) -> Precision:
     return Precision(setting, {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[setting])
 
 
+def frozen_dtype_of(setting: str, precision: Precision) -> torch.dtype:
+    """A stage's `frozen_dtype` as it holds its frozen weights: `auto` is bf16 where the stage computes in
+    bf16 (`precision: auto` on a GPU that has it), float32 where it computes in float32."""
+    if setting == "auto":
+        return torch.bfloat16 if precision.autocast_dtype == torch.bfloat16 else torch.float32
+    return dtype_named(setting)
+
+
 def rounds_to_16_bits(cfg, precision: Precision) -> bool:
     """Whether the policy's passes compute in 16 bits: under autocast, or as a LoRA policy whose own
     weights are held in bf16 (`frozen_dtype`), whatever the precision."""
-    return precision.autocast_dtype is not None or (cfg.lora is not None and cfg.frozen_dtype != "float32")
+    return precision.autocast_dtype is not None or (
+        cfg.lora is not None and frozen_dtype_of(cfg.frozen_dtype, precision) != torch.float32)
 
 
 def reuse_sampling_pass(old_logprobs: str, sixteen_bits: bool) -> bool:
