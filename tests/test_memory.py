@@ -277,3 +277,22 @@ def test_a_stage_run_in_process_leaves_none_of_its_tensors_behind(tiny_config, w
     finally:
         gc.enable()
     assert sum(left.values()) == 0, f"{len(left)} tensors, {sum(left.values())} bytes left behind"
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward"])
+def test_gradients_and_activations_that_never_coincide_are_not_added(tiny_config, world, stage):
+    """Without accumulation the trainer's gradients are gone (None) before each forward and backward
+    frees activations as it makes gradients: the training phase counts the larger of the two. With two
+    micro-batches accumulated the first's gradients sit beside the second's activations: both count."""
+    shapes, gpu = {"policy": model_shape(str(world / "model"))}, Target(Device("cuda", 80e9))
+    section = getattr(tiny_config, stage)
+    apart = plan_stage(tiny_config, stage, shapes, gpu,
+                       section=with_overrides(section, {"gradient_accumulation_steps": 1}))
+    together = plan_stage(tiny_config, stage, shapes, gpu,
+                          section=with_overrides(section, {"gradient_accumulation_steps": 2}))
+    gradients, activations = together.phases["training"]["gradients"], together.phases["training"]["activations"]
+    assert gradients > 0 and activations > 0
+    assert "gradients" not in apart.phases["training"]
+    assert apart.phases["training"]["activations"] == max(gradients, activations)
+    added = together.phase_total("training") - apart.phase_total("training")
+    assert added == pytest.approx(min(gradients, activations))
