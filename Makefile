@@ -65,7 +65,7 @@ bench-distill: install  ## on-policy distillation: a half-size student of the de
 	$(PY) -m bench.distill --config $${BENCH_CONFIG:-configs/demo.yaml}
 
 bench-tools: install  ## multi-turn episodes on the demo's tool world against the same policy trained single-turn, GRPO and PPO, 3 seeds
-	$(PY) -m bench.tools --config $${BENCH_CONFIG:-configs/tools.yaml}
+	$(PY) -m bench.tools --config $${BENCH_CONFIG:-configs/tools.yaml} $${BENCH_SETTINGS:+--settings $$BENCH_SETTINGS}
 
 bench-tools-trl: install bench-env  ## our GRPO in episodes against TRL 1.12's GRPOTrainer with tools on the tool world: gold win rate, time to TRL's, 3 seeds
 	$(PY) -m bench.tools_trl --config $${BENCH_CONFIG:-configs/tools.yaml} --reference $(BENCH_VENV)/bin/python

@@ -15,6 +15,9 @@ and work per iteration:
   (examples/verifiers/tools_world), served by `rlhf serve-env --kind verifiers` in its own process
   (`make env-verifiers`), its score the environment's (`reward.terms: []`): what `--settings` adds,
   `python -m bench.tools --estimators grpo --settings episodes served`.
+- `agent`: the same episodes run by an agent program, examples/agents/tools_agent.py (a plain openai-SDK
+  loop, `environment.agent`, as configs/tools-agent.yaml), scored by the same reward terms:
+  `python -m bench.tools --estimators grpo --settings episodes agent`.
 
 Each final policy is judged on the held-out prompts by the hidden gold function, on its final answers,
 against the SFT policy's answers in episodes (the tool run's evaluation baseline, common random
@@ -109,6 +112,14 @@ def served_config(episodes, server):
         "url": f"http://127.0.0.1:{SERVED_PORT}", "kind": "verifiers"}}, "reward": {"terms": []}})
 
 
+def agent_config(episodes):
+    """`episodes` run by the example agent program instead of the built-in tool loop, the same reward terms."""
+    from rlhf.config import with_overrides
+
+    return with_overrides(episodes, {"environment": {"tools": None, "agent": "tools_agent:run"},
+                                     "paths": [str(REPO / "examples" / "agents")]})
+
+
 def judged(table, sft_answers: list[str]) -> dict:
     """The table's final answers against the SFT policy's answers in episodes, by the gold function;
     in episodes, the gold reward of the answers that followed a tool call and of those that did not."""
@@ -137,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--estimators", nargs="+", default=["grpo", "gae"])
     parser.add_argument("--iterations", type=int, default=None, help="ppo.num_iterations (default: the config's)")
     parser.add_argument("--settings", nargs="+", default=["episodes", "single-turn"],
-                        choices=["episodes", "single-turn", "served"])
+                        choices=["episodes", "single-turn", "served", "agent"])
     parser.add_argument("--sft-seed", type=int, default=None,
                         help="sft.seed (default: the config's): another SFT checkpoint to start from")
     parser.add_argument("--state", type=Path, default=REPO / ".rlhf" / "bench-tools")
@@ -181,10 +192,10 @@ def runs(args, cfg, sft, frames, state, server) -> list[dict]:
                 changes["num_iterations"] = args.iterations
             episodes = with_overrides(cfg.ppo, changes | {"samples_per_prompt": "auto"})
             configs = {"episodes": episodes, "single-turn": with_overrides(episodes, {"environment": None}),
-                       "served": served_config(episodes, server)}
+                       "served": served_config(episodes, server), "agent": agent_config(episodes)}
             results = {setting: run(configs[setting], sft, frames, state / f"{estimator}-{seed}-{setting}")
                        for setting in args.settings}
-            tools = results.get("episodes") or results["served"]
+            tools = results.get("episodes") or results.get("agent") or results["served"]
             sft_answers = list(tools["table"]["sft_response"])
             for setting, result in results.items():
                 metrics = result["metrics"]
@@ -202,7 +213,7 @@ def summarise(rows: list[dict]) -> str:
     lines = ["| estimator | setting | gold win rate vs SFT | gold reward (SFT's) | tool calls: SFT -> after | "
              "KL | train s |", "|---|---|---|---|---|---|---|"]
     for estimator in dict.fromkeys(r["estimator"] for r in rows):
-        for setting in ("episodes", "served", "single-turn"):
+        for setting in ("episodes", "agent", "served", "single-turn"):
             mine = [r for r in rows if r["estimator"] == estimator and r["setting"] == setting]
             if not mine:
                 continue

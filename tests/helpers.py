@@ -173,6 +173,40 @@ def scripted_tools(row: dict) -> list:
     return [f]
 
 
+AGENT_TOOLS = [{"type": "function", "function": {"name": "f", "description": "Which adjectives this user likes.",
+                                                 "parameters": {"type": "object", "properties": {}}}}]
+"""The scripted agent's one tool, as an OpenAI SDK user declares it."""
+
+
+async def scripted_agent(row: dict, client):
+    """`environment.agent` for the scripted-engine tests: a plain openai-SDK loop over the tool `f`
+    (answering `TOOL_ANSWER`) until a turn calls nothing; a reward of 1, 0.5 on the first turn, and
+    the turns it saw as a column. A record's `behaviour` makes it misbehave: `raise`, `sleep` (past its
+    time), `silent` (ends without asking), `rewrite` (a fresh conversation for its second request)."""
+    import asyncio
+
+    from stages.envs.agent import AgentResult
+
+    behaviour = row.get("behaviour")
+    if behaviour == "silent":
+        return 0.0
+    messages, turns = list(row["messages"]), 0
+    while True:
+        completion = await client.chat.completions.create(model="policy", messages=messages, tools=AGENT_TOOLS)
+        message, turns = completion.choices[0].message, turns + 1
+        if behaviour == "raise":
+            raise RuntimeError("the agent's own bug")
+        if behaviour == "sleep":
+            await asyncio.sleep(60)
+        if not message.tool_calls:
+            return AgentResult(reward=1.0, turn_rewards=(0.5,), columns={"agent_turns": turns})
+        if behaviour == "rewrite":
+            messages = [{"role": "user", "content": "Summary: the user asked about a cat."}]
+            continue
+        messages.append(message.model_dump(exclude_none=True))
+        messages += [{"role": "tool", "tool_call_id": call.id, "content": TOOL_ANSWER} for call in message.tool_calls]
+
+
 GATE = threading.Event()
 """`gated_tools`' gate (tests/test_continuous_episodes.py opens it once every fast episode has answered)."""
 WAIT_S = {"s": 30.0}

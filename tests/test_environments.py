@@ -305,7 +305,7 @@ def test_what_episodes_cannot_do_is_refused_with_the_reason(tools_trained):
     with pytest.raises(ValueError, match="a single turn is one request"):
         _tool_cfg(cfg, environment=None, rollout_engine="vllm", rollout={"max_staleness": 1, "partial": True},
                   vllm={"python": sys.executable})
-    with pytest.raises(ValueError, match="exactly one of tools, factory, rollout and server"):
+    with pytest.raises(ValueError, match="exactly one of tools, factory, rollout, server and agent"):
         _tool_cfg(cfg, environment={"factory": "a:b"})
     with pytest.raises(ValueError, match="not 'module:function'"):
         EnvironmentConfig(tools="no-colon")

@@ -83,7 +83,7 @@ REFUSED = [
     ({"advantage_estimator": "gae", "samples_per_prompt": 1, "dynamic_sampling": {}}, "needs groups"),
     ({"group_normalization": "batch", "advantage_estimator": "reinforce++", "samples_per_prompt": 1},
      "group_normalization 'batch' cannot act"),
-    ({"loss_aggregation_length": 8}, "loss_aggregation_length is the constant"),
+    ({"loss_aggregation_length": 8}, "loss_aggregation_length was merged: loss_aggregation 'seq-mean-token-sum-norm'"),
     ({"clip_range": [0.2, 0.1]}, "the upper epsilon is below the lower one"),
     ({"clip_range_high": 0.28}, r"clip_range_high was merged: clip_range: \[low, high\]"),
     ({"reward": {"overlong": {"buffer": 64}}, "sampling": {"response_length": 64}}, "must be shorter"),

@@ -27,13 +27,16 @@ class EnvironmentServerConfig(ServerClientConfig):
 
 class EnvironmentConfig(_Frozen):
     """Multi-turn episodes: the policy acts over several turns against an environment, e.g. calling tools
-    (docs/environments.md). Exactly one of `tools`, `factory`, `rollout` and `server` says what the environment is."""
+    (docs/environments.md). Exactly one of `tools`, `factory`, `rollout`, `server` and `agent` says what it is."""
 
     MERGED: ClassVar[dict[str, str]] = {
         "turn_tokens": "sampling.response_length is each turn's budget in an episode (environment.episode_tokens "
                        "the whole episode's)",
         "paths": "ppo.paths: the folders in front of the import path for every module:function the stage names",
     }
+    AGENTS_AT_ONCE: ClassVar[int] = 16
+    """Agent episodes stepped at once by default: their programs wait on the policy and their own tools, not this
+    process's CPU (each episode's thread only waits for its program's next request)."""
     TOOL_PARSERS: ClassVar = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "harmony", "deepseek", "glm",
                               "pythonic")
     tools: str | None = None
@@ -44,6 +47,8 @@ class EnvironmentConfig(_Frozen):
     """`module:function` `(row, engine, tokenizer) -> Episode`: a whole episode by hand, for what the loop cannot do."""
     server: EnvironmentServerConfig | None = None
     """An environment served over HTTP (`rlhf serve-env`, verifiers, OpenEnv); its rewards are turn rewards."""
+    agent: str | None = None
+    """`module:function`, `async (row, client) -> reward | AgentResult`: an agent program that calls the policy."""
     max_turns: PositiveInt = 4
     """Assistant turns an episode may take; one that wants more ends `truncated`."""
     episode_tokens: PositiveInt = 96
@@ -55,7 +60,7 @@ class EnvironmentConfig(_Frozen):
     tool_parser: str = "auto"
     """How a turn's reasoning and tool calls are read: `auto`, a convention's name, or `module:function`."""
     tool_timeout_s: PositiveFloat = 30.0
-    """Seconds one tool call may run; past them the model is told it timed out (a turn's calls run concurrently)."""
+    """Seconds a tool call may run (the model is told it timed out), or an agent take to ask again (it fails)."""
     max_tool_output_chars: PositiveInt = 4096
     """Characters of a tool's answer kept; the rest is cut, and the answer says so."""
     max_failed_share: float = Field(0.5, ge=0.0, le=1.0)
@@ -69,10 +74,11 @@ class EnvironmentConfig(_Frozen):
 
     @model_validator(mode="after")
     def _one_environment(self) -> EnvironmentConfig:
-        """Exactly one of tools, factory, rollout and server, the first three `module:function`."""
-        given = {name: getattr(self, name) for name in ("tools", "factory", "rollout", "server") if getattr(self, name)}
+        """Exactly one of tools, factory, rollout, server and agent, all but the server `module:function`."""
+        given = {name: getattr(self, name) for name in ("tools", "factory", "rollout", "server", "agent")
+                 if getattr(self, name)}
         if len(given) != 1:
-            raise ValueError("environment: give exactly one of tools, factory, rollout and server "
+            raise ValueError("environment: give exactly one of tools, factory, rollout, server and agent "
                              f"(given: {', '.join(given) or 'none'})")
         for name, location in [*given.items(), ("tool_parser", self.tool_parser)]:
             if name == "server":
@@ -84,7 +90,10 @@ class EnvironmentConfig(_Frozen):
 
     @property
     def environments_at_once(self) -> int:
-        """`concurrent_episodes`, or its default: a server's `max_concurrent`, else 1."""
+        """`concurrent_episodes`, or its default: a server's `max_concurrent`, `AGENTS_AT_ONCE` for agent
+        programs, else 1."""
         if self.concurrent_episodes is not None:
             return self.concurrent_episodes
+        if self.agent is not None:
+            return self.AGENTS_AT_ONCE
         return self.server.max_concurrent if self.server is not None else 1

@@ -197,8 +197,6 @@ class PPOConfig(TrainedStage, SampledStage):
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                               "seq-mean-token-sum-norm"] = "token-mean"
     """How the policy loss averages a minibatch: every token alike, or by response (token mean, sum, sum / constant)."""
-    loss_aggregation_length: PositiveInt | None = None
-    """With `seq-mean-token-sum-norm`: the length each token sum is divided by; unset: sampling.response_length."""
     mask_truncated_responses: bool = False
     """Leave responses cut off without an end token out of every loss term (DAPO's overlong filtering)."""
     entropy_coef: float = Field(0.0, ge=0)
@@ -255,6 +253,8 @@ class PPOConfig(TrainedStage, SampledStage):
         "group_std_normalize": "group_normalization: std (true) or mean (false: Dr. GRPO)",
         "group_batch_normalize": "group_normalization: batch (or std+batch, keeping the group's std)",
         "sample_every": "the samples table is logged with each evaluation (evaluation.every) and at the end",
+        "loss_aggregation_length": "loss_aggregation 'seq-mean-token-sum-norm' divides each token sum by "
+                                   "sampling.response_length (Dr. GRPO's constant: the generation budget)",
     }
     DERIVED: ClassVar[dict[str, str]] = {"advantage_estimator": "critic", "reward": "critic"}
     """`auto` fields resolved from another, which `with_overrides` resolves again when that one changes."""
@@ -373,13 +373,10 @@ class PPOConfig(TrainedStage, SampledStage):
 
     @model_validator(mode="after")
     def _clip_and_loss_settings_act(self) -> PPOConfig:
-        """Clip-higher raises the upper bound; a loss aggregation length needs the aggregation it is the constant of."""
+        """Clip-higher raises the upper bound."""
         if self.clip_high < self.clip_low:
             raise ValueError(f"clip_range [{self.clip_low}, {self.clip_high}]: the upper epsilon is below the lower "
                              "one: clip-higher raises the upper bound; give one number for a symmetric clip")
-        if self.loss_aggregation_length is not None and self.loss_aggregation != "seq-mean-token-sum-norm":
-            raise ValueError("loss_aggregation_length is the constant of loss_aggregation 'seq-mean-token-sum-norm' "
-                             f"(Dr. GRPO); with {self.loss_aggregation!r} it cannot act: unset it")
         return self
 
     @model_validator(mode="after")
@@ -496,8 +493,8 @@ class PPOConfig(TrainedStage, SampledStage):
 
     @property
     def aggregation_length(self) -> int:
-        """Dr. GRPO's constant length (`seq-mean-token-sum-norm`)."""
-        return self.loss_aggregation_length or self.sampling.response_length
+        """Dr. GRPO's constant length (`seq-mean-token-sum-norm`): the generation budget, `sampling.response_length`."""
+        return self.sampling.response_length
 
     @property
     def freeze_policy_iterations(self) -> int:

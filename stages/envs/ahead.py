@@ -161,8 +161,10 @@ class SampledAhead(EpisodeSource):
                 ahead.future.result()
 
     def close(self) -> None:
-        """Drop what is not yet sent; what is in flight ends with the server (stopped after this)."""
+        """Drop what is not yet sent; what is in flight ends with the server (stopped after this); the
+        episodes' own source closed."""
         self._thread.shutdown(wait=False, cancel_futures=True)
+        self.source.close()
 
     # --- full-state checkpoints ------------------------------------------------------------------
 

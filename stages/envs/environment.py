@@ -55,8 +55,9 @@ class Environment(Protocol):
         ...
 
     # Optional: `schemas()`, the tools' JSON schemas for the chat template, `close()`, called once
-    # the episode is over (a server's episode is let go), and `retries`, its requests to a server tried
-    # again (`rollout/environment_retries`).
+    # the episode is over (a server's episode is let go), `retries`, its requests to a server tried
+    # again (`rollout/environment_retries`), and what an agent program gave at its end: `turn_rewards`,
+    # added to the turns in order, and `columns`, beside the record's.
 
 
 class TooManyMalformedCalls(Exception):
@@ -151,7 +152,7 @@ def environment_factory(settings: EnvironmentConfig) -> tuple[EnvironmentFactory
     """What the config names: a factory of environments in this process (`tools`, wrapped in
     `ToolEnvironment`, or `factory`), or a whole-episode rollout function (`rollout`), imported from
     the import path (`ppo.paths` in front: `stages.ppo.build_rollouts`; a server's `--path`). (A
-    `server`'s episodes: `stages.envs.loop.served_episodes`.)"""
+    `server`'s episodes: `stages.envs.loop.served_episodes`; an `agent`'s: `stages.envs.loop.agent_episodes`.)"""
 
     def named(field: str) -> Callable:
         return imported_function(getattr(settings, field), f"environment.{field}", EnvironmentSetupError,

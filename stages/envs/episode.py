@@ -76,6 +76,12 @@ class Episode:
     def prompt_ids(self) -> list[int]:
         return self.segments[0].ids
 
+    def add_turn_rewards(self, rewards: tuple[float, ...] | list[float]) -> None:
+        """`rewards` added to the model's turns in order (the first ones, where fewer)."""
+        turns = iter(at for at, segment in enumerate(self.segments) if segment.trainable)
+        for at, reward in zip(turns, rewards, strict=False):
+            self.segments[at] = dataclasses.replace(self.segments[at], reward=self.segments[at].reward + reward)
+
     @property
     def turns(self) -> int:
         """The model's turns."""

@@ -221,6 +221,11 @@ class EpisodeRunner(EpisodeSource):
         """Which tool-call convention the loop read turns in (none where the user's rollout writes episodes)."""
         return {} if self.rollout is not None else {"rlhf.tool_parser": self.parser_name}
 
+    def close(self) -> None:
+        """What the environments share let go (an agent endpoint stopped), however the stage ends."""
+        if hasattr(self.make, "close"):
+            self.make.close()
+
     def generation(self, sampler: Sampler, rows: list[dict], sampling: Sampling, device: torch.device,
                    timings: dict[str, float]) -> EpisodeGeneration:
         """Every row's episode, as the rollout's batch (each turn at most `turn_tokens`, whatever
@@ -253,8 +258,9 @@ class EpisodeRunner(EpisodeSource):
             episodes = [checked_episode(self.rollout(row, sampler, self.chat.tokenizer), row) for row in rows]
         else:
             episodes = self.run(sampler, rows, temperature, timings, seeds)
-        for episode, row in zip(episodes, rows, strict=True):
-            episode.columns = {name: value for name, value in row.items() if name not in ("prompt", "messages")}
+        for episode, row in zip(episodes, rows, strict=True):  # what the environment gave beside the record's own
+            episode.columns = {name: value for name, value in row.items() if name not in ("prompt", "messages")} \
+                | episode.columns
         return episodes
 
     def run(self, sampler: Sampler, rows: list[dict], temperature: float | None,
@@ -270,6 +276,8 @@ class EpisodeRunner(EpisodeSource):
             if hasattr(running.environment, "close"):
                 running.environment.close()
             running.episode.retries = getattr(running.environment, "retries", 0)
+            running.episode.add_turn_rewards(getattr(running.environment, "turn_rewards", ()))
+            running.episode.columns = dict(getattr(running.environment, "columns", {}))
             if not running.ended:  # out of turns
                 running.end("truncated")
         return [running.episode for running in live]
@@ -519,11 +527,24 @@ def served_episodes(cfg: EnvironmentServerConfig) -> EnvironmentFactory:
     return lambda row: OpenEnvEpisode(server)
 
 
+def agent_episodes(settings: EnvironmentConfig) -> EnvironmentFactory:
+    """A factory of episodes of the agent program `settings.agent` names, all on one endpoint (`stages.envs.agent`)."""
+    from stages.envs.agent import AgentEpisodes  # aiohttp and openai: imported where an agent is used
+
+    program = imported_function(settings.agent, "environment.agent", EnvironmentSetupError, "ppo.paths")
+    return AgentEpisodes(program, settings.tool_timeout_s)
+
+
 def episode_runner(settings: EnvironmentConfig, tokenizer: PreTrainedTokenizerBase, model: str,
                    stop_ids: list[int], response_length: int, sees_reasoning: bool = False) -> EpisodeRunner:
     """The runner of `settings`, its environment imported, its tool parser chosen and its template
     probed (`probe_template`) before any episode runs."""
-    make, rollout = (served_episodes(settings.server), None) if settings.server else environment_factory(settings)
+    if settings.server is not None:
+        make, rollout = served_episodes(settings.server), None
+    elif settings.agent is not None:
+        make, rollout = agent_episodes(settings), None
+    else:
+        make, rollout = environment_factory(settings)
     chat = ChatDelta(tokenizer, model, tuple(tokenizer.decode([i], skip_special_tokens=False) for i in stop_ids))
     parse, parser_name = tool_parser(settings.tool_parser, tokenizer, model, lambda location: imported_function(
         location, "environment.tool_parser", EnvironmentSetupError, "ppo.paths"))

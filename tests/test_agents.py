@@ -1,0 +1,83 @@
+"""Agent programs as environments (`environment.agent`, `stages.envs.agent`): an unmodified openai-SDK
+loop trains through the policy's endpoint, token in and token out; its reward, turn rewards and columns
+land on the episode; a program that raises, takes too long, never asks or rewrites its history
+fails its episode, not the run; and the endpoint serves only the run's token and live episodes, on
+loopback."""
+
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+
+from rlhf.sections.environment import EnvironmentConfig
+from stages.envs.agent import AgentEndpoint
+from stages.envs.loop import episode_runner
+from tests.helpers import TOOL_ANSWER, TOOL_TEMPLATE, Scripted
+
+CALL = '<tool_call>{"name":"f"}</tool_call>'
+ROW = {"messages": [{"role": "user", "content": "Describe the cat."}]}
+
+
+@pytest.fixture()
+def chat_tokenizer(tokenizer):
+    """The tool template, with the request's tools' names in front of the conversation."""
+    mine = copy.deepcopy(tokenizer)
+    tools = "{% for tool in tools or [] %}<|system|>{{ tool['function']['name'] }}{% endfor %}"
+    mine.chat_template = tools + TOOL_TEMPLATE
+    return mine
+
+
+def _run(tokenizer, script: list[str], rows: list[dict], **settings):
+    config = EnvironmentConfig(agent="tests.helpers:scripted_agent", **({"episode_tokens": 200} | settings))
+    runner = episode_runner(config, tokenizer, "test-model", [tokenizer.eos_token_id], 48)
+    engine = Scripted(tokenizer, script)
+    try:
+        return runner.run(engine, rows, 1.0), engine
+    finally:
+        runner.close()
+
+
+def test_an_openai_sdk_agent_trains_through_the_endpoint_token_in_token_out(chat_tokenizer):
+    """The agent's first request is the prompt (its tools in the template), the policy's call comes back
+    in OpenAI's form, the tool's answer it appends is the next context, and its reward lands on the last
+    turn, its turn reward on the first, its column beside the record's."""
+    [episode], engine = _run(chat_tokenizer, [CALL, "The cat is warm and calm."], [ROW])
+    assert episode.status == "ok", episode.error
+    assert episode.turns == 2 and episode.tool_calls == 1
+    assert [s.reward for s in episode.segments if s.trainable] == [0.5, 1.0]
+    assert [s.ids for s in episode.segments if s.trainable] == engine.turns  # the sampled ids, never re-encoded
+    assert [m["role"] for m in episode.messages] == ["user", "assistant", "tool", "assistant"]
+    assert episode.messages[2] == {"role": "tool", "content": TOOL_ANSWER, "name": "f"}  # named by its call's id
+    context = chat_tokenizer.decode([i for s in episode.segments[1:] if not s.trainable for i in s.ids])
+    assert TOOL_ANSWER in context and TOOL_ANSWER not in chat_tokenizer.decode(engine.turns[0])
+    assert chat_tokenizer.decode(episode.prompt_ids).startswith("<|system|>f<s>")  # the request's tools, rendered
+    assert episode.answer == "The cat is warm and calm."
+
+
+def test_a_failing_agent_fails_its_episode_and_the_others_go_on(chat_tokenizer):
+    """The program that sleeps after the policy's turn is failed once `tool_timeout_s` passes without its
+    next request; the others' steps run meanwhile (agent episodes step 16 at once)."""
+    rows = [ROW] + [{**ROW, "behaviour": b} for b in ("raise", "silent", "sleep", "rewrite")]
+    script = [CALL, "The cat is warm.", "The cat is calm."]
+    episodes, _ = _run(chat_tokenizer, script, rows, tool_timeout_s=2.0, max_turns=3)
+    assert [e.status for e in episodes] == ["ok", "failed", "failed", "failed", "failed"], [e.error for e in episodes]
+    errors = [e.error for e in episodes[1:]]
+    assert "raised RuntimeError: the agent's own bug" in errors[0]
+    assert "ended before asking the policy anything" in errors[1]
+    assert "neither asked the policy again nor returned within environment.tool_timeout_s (2 s)" in errors[2]
+    assert "rewrote its history" in errors[3]
+
+
+def test_the_endpoint_serves_only_the_runs_token_and_live_episodes_on_loopback():
+    endpoint = AgentEndpoint()
+    try:
+        assert endpoint.url.startswith("http://127.0.0.1:")
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+        path = f"{endpoint.url}/episodes/unknown/v1/chat/completions"
+        assert httpx.post(path, json=body).status_code == 401
+        assert httpx.post(path, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.post(path, json=body, headers={"Authorization": f"Bearer {endpoint.token}"}).status_code == 404
+    finally:
+        endpoint.close()
