@@ -17,7 +17,9 @@ and work per iteration:
   `python -m bench.tools --estimators grpo --settings episodes served`.
 - `agent`: the same episodes run by an agent program, examples/agents/tools_agent.py (a plain openai-SDK
   loop, `environment.agent`, as configs/tools-agent.yaml), scored by the same reward terms:
-  `python -m bench.tools --estimators grpo --settings episodes agent`.
+  `python -m bench.tools --estimators grpo --settings episodes agent`;
+- `sdk-agent`: the same, the agent written with the OpenAI Agents SDK (examples/agents/sdk_agent.py, as
+  configs/tools-agent-sdk.yaml).
 
 Each final policy is judged on the held-out prompts by the hidden gold function, on its final answers,
 against the SFT policy's answers in episodes (the tool run's evaluation baseline, common random
@@ -112,11 +114,12 @@ def served_config(episodes, server):
         "url": f"http://127.0.0.1:{SERVED_PORT}", "kind": "verifiers"}}, "reward": {"terms": []}})
 
 
-def agent_config(episodes):
-    """`episodes` run by the example agent program instead of the built-in tool loop, the same reward terms."""
+def agent_config(episodes, program: str):
+    """`episodes` run by an example agent program (examples/agents) instead of the built-in tool loop, the same
+    reward terms."""
     from rlhf.config import with_overrides
 
-    return with_overrides(episodes, {"environment": {"tools": None, "agent": "tools_agent:run"},
+    return with_overrides(episodes, {"environment": {"tools": None, "agent": program},
                                      "paths": [str(REPO / "examples" / "agents")]})
 
 
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--estimators", nargs="+", default=["grpo", "gae"])
     parser.add_argument("--iterations", type=int, default=None, help="ppo.num_iterations (default: the config's)")
     parser.add_argument("--settings", nargs="+", default=["episodes", "single-turn"],
-                        choices=["episodes", "single-turn", "served", "agent"])
+                        choices=["episodes", "single-turn", "served", "agent", "sdk-agent"])
     parser.add_argument("--sft-seed", type=int, default=None,
                         help="sft.seed (default: the config's): another SFT checkpoint to start from")
     parser.add_argument("--state", type=Path, default=REPO / ".rlhf" / "bench-tools")
@@ -192,10 +195,11 @@ def runs(args, cfg, sft, frames, state, server) -> list[dict]:
                 changes["num_iterations"] = args.iterations
             episodes = with_overrides(cfg.ppo, changes | {"samples_per_prompt": "auto"})
             configs = {"episodes": episodes, "single-turn": with_overrides(episodes, {"environment": None}),
-                       "served": served_config(episodes, server), "agent": agent_config(episodes)}
+                       "served": served_config(episodes, server), "agent": agent_config(episodes, "tools_agent:run"),
+                       "sdk-agent": agent_config(episodes, "sdk_agent:run")}
             results = {setting: run(configs[setting], sft, frames, state / f"{estimator}-{seed}-{setting}")
                        for setting in args.settings}
-            tools = results.get("episodes") or results.get("agent") or results["served"]
+            tools = next(results[s] for s in ("episodes", "agent", "sdk-agent", "served") if s in results)
             sft_answers = list(tools["table"]["sft_response"])
             for setting, result in results.items():
                 metrics = result["metrics"]
@@ -213,7 +217,7 @@ def summarise(rows: list[dict]) -> str:
     lines = ["| estimator | setting | gold win rate vs SFT | gold reward (SFT's) | tool calls: SFT -> after | "
              "KL | train s |", "|---|---|---|---|---|---|---|"]
     for estimator in dict.fromkeys(r["estimator"] for r in rows):
-        for setting in ("episodes", "agent", "served", "single-turn"):
+        for setting in ("episodes", "agent", "sdk-agent", "served", "single-turn"):
             mine = [r for r in rows if r["estimator"] == estimator and r["setting"] == setting]
             if not mine:
                 continue

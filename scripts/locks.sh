@@ -38,7 +38,7 @@ compile() {  # every lock from its inputs; the command that made each is in its 
     local common=(--generate-hashes --python-version 3.11 --python-platform x86_64-manylinux_2_28 "${FIND_LINKS[@]}"
                   --no-header --quiet)
     # The project with its test and ray extras. setuptools is locked too: it builds the editable install.
-    "$UV" pip compile pyproject.toml --extra test --extra ray -c constraints.txt "${common[@]}" -o locks/project.txt
+    "$UV" pip compile pyproject.toml --extra test --extra ray --extra agents -c constraints.txt "${common[@]}" -o locks/project.txt
     # The benchmark's reference (TRL 1.12, the last release with PPO), on the project's torch.
     "$UV" pip compile bench/requirements-trl.txt -c constraints.txt "${common[@]}" -o locks/bench-trl.txt
     # vLLM's CPU build. torchvision, torchaudio and torchcodec builds fail to load against the CPU

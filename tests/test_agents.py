@@ -81,3 +81,26 @@ def test_the_endpoint_serves_only_the_runs_token_and_live_episodes_on_loopback()
         assert httpx.post(path, json=body, headers={"Authorization": f"Bearer {endpoint.token}"}).status_code == 404
     finally:
         endpoint.close()
+
+
+@pytest.mark.parametrize("program", ["tools_agent:run", "sdk_agent:run"])
+def test_ppo_trains_the_worked_agents_on_the_tool_world(tools_trained, tmp_path, program):
+    """The stage on the tiny tool world with each worked agent of examples/agents as its environment (a
+    plain openai-SDK loop, and the OpenAI Agents SDK's `Runner`): episodes call the tool through the
+    program, the reward terms score its final answers, and the endpoint is gone once the stage ends."""
+    import threading
+
+    from rlhf.config import with_overrides
+    from rlhf.sections.base import REPO_ROOT
+    from tests.helpers import AUTO_RESOLVED, run_ppo
+
+    cfg, trained = tools_trained
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {
+        "paths": [str(REPO_ROOT / "examples" / "agents")], "samples_per_prompt": 2,
+        "environment": {"tools": None, "agent": program}})
+    result = run_ppo(ppo, trained, tmp_path)
+    last = result.history[-1]
+    assert last["rollout/failed_share"] == 0 and last["rollout/turns"] >= 1
+    assert max(row["rollout/tool_calls"] for row in result.history) > 0
+    assert "eval/tool_call_rate" in result.metrics
+    assert not [t for t in threading.enumerate() if t.name == "agent-endpoint"]

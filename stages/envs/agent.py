@@ -107,7 +107,8 @@ class AgentEndpoint:
         self.token = secrets.token_urlsafe(32)
         self.live: dict[str, Relay] = {}
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="agent-endpoint", daemon=True).start()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="agent-endpoint", daemon=True)
+        self._thread.start()
         self.url = self.call(self._serve(), START_TIMEOUT_S)
 
     def call(self, coroutine, timeout: float | None = None):
@@ -142,6 +143,7 @@ class AgentEndpoint:
             self.call(stop(), START_TIMEOUT_S)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(START_TIMEOUT_S)
 
     async def _completion(self, request):
         """A program asks the policy: the request waits in its episode's relay until the loop's turn answers it."""
