@@ -66,6 +66,7 @@ NOT_ON_THE_DEVICE = {
     "mlflow": "rlhf/tracking.py: the flow's side, not a stage's",
     "ray": "launch.engine ray only; the GPU check runs each stage in one process",
     "websockets": "stages/envs/remote/openenv_client.py: OpenEnv environment servers only (imported where one is used)",
+    "openai": "stages/envs/agent.py: `environment.agent` only (imported where an agent program is used)",
 }
 """Modules `stages/`, `rlhf/` or `schemas/` import that the GPU check does not use, and why."""
 
