@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase, StaticCache
 
-from stages.common.tensors import entropy_of, is_end, logprobs_of, truncate_after_eos
+from stages.common.tensors import entropy_of, is_end, logprobs_of, response_mask, truncate_after_eos
 from stages.runtime.compiling import Compiler, bucketed
 from stages.runtime.holding import Holding, Replicated
 from stages.runtime.models import Precision, left_padded, left_padded_ids, position_ids_for
@@ -308,10 +308,7 @@ class DecodeSteps:
         every column otherwise. # (B, T) -> int"""
         if self.stop_every == 1:
             return responses.shape[1]
-        ends = is_end(responses, stop_ids)  # (B, T)
-        if not bool(ends.any(dim=1).all()):
-            return responses.shape[1]
-        return int(ends.float().argmax(dim=1).max()) + 1
+        return int(response_mask(responses, stop_ids).sum(dim=1).max())  # a row without an end: every column
 
     def advance(self, token: torch.Tensor) -> None:
         """The mask after a step: a growing cache's gains the token's column; a static one has it."""

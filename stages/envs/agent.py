@@ -43,7 +43,7 @@ from aiohttp import web
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 from stages.envs.environment import Step
-from stages.envs.parsers import AssistantTurn, ToolCall
+from stages.envs.parsers import AssistantTurn
 
 START_TIMEOUT_S = 30.0
 """Seconds the endpoint may take to start listening."""
@@ -272,12 +272,10 @@ class AgentEpisode:
 def openai_message(turn: AssistantTurn, at: int) -> dict:
     """The policy's turn as an OpenAI assistant message: its answer, reasoning (`reasoning_content`) and
     well-formed calls (arguments as JSON text, ids of this turn's own)."""
+    message = turn.message()  # the chat message the transcript records; OpenAI's calls carry ids and JSON text
     calls = [{"id": f"call_{at}_{index}", "type": "function",
-              "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
-             for index, call in enumerate(c for c in turn.calls if isinstance(c, ToolCall))]
-    message = {"role": "assistant", "content": turn.content}
-    if turn.reasoning is not None:
-        message["reasoning_content"] = turn.reasoning
+              "function": {"name": call["function"]["name"], "arguments": json.dumps(call["function"]["arguments"])}}
+             for index, call in enumerate(message.pop("tool_calls", []))]
     return message | ({"tool_calls": calls} if calls else {})
 
 
