@@ -182,7 +182,7 @@ async def scripted_agent(row: dict, client):
     """`environment.agent` for the scripted-engine tests: a plain openai-SDK loop over the tool `f`
     (answering `TOOL_ANSWER`) until a turn calls nothing; a reward of 1, 0.5 on the first turn, and
     the turns it saw as a column. A record's `behaviour` makes it misbehave: `raise`, `sleep` (past its
-    time), `silent` (ends without asking), `rewrite` (a fresh conversation for its second request)."""
+    time), `silent` (ends without asking), `rewrite` (a fresh conversation, a summary, for its second request)."""
     import asyncio
 
     from stages.envs.agent import AgentResult
@@ -205,6 +205,17 @@ async def scripted_agent(row: dict, client):
             continue
         messages.append(message.model_dump(exclude_none=True))
         messages += [{"role": "tool", "tool_call_id": call.id, "content": TOOL_ANSWER} for call in message.tool_calls]
+
+
+async def refining_agent(row: dict, client) -> float:
+    """`environment.agent` for the PPO test of rewritten histories: a draft, then a fresh context (the
+    question and the draft, to improve) for the final answer: every episode that drafts in full has a
+    second chain, whatever the policy writes."""
+    draft = await client.chat.completions.create(model="policy", messages=row["messages"])
+    question, text = row["messages"][-1]["content"], draft.choices[0].message.content
+    fresh = [*row["messages"][:-1], {"role": "user", "content": f"{question}\nImprove this draft: {text}"}]
+    await client.chat.completions.create(model="policy", messages=fresh)
+    return 0.0  # the reward is the config's terms on the final answer
 
 
 GATE = threading.Event()

@@ -1,8 +1,8 @@
 """Agent programs as environments (`environment.agent`, `stages.envs.agent`): an unmodified openai-SDK
 loop trains through the policy's endpoint, token in and token out; its reward, turn rewards and columns
-land on the episode; a program that raises, takes too long, never asks or rewrites its history
-fails its episode, not the run; and the endpoint serves only the run's token and live episodes, on
-loopback."""
+land on the episode; a program that rewrites its history goes on in a second chain of its episode; a
+program that raises, takes too long or never asks fails its episode, not the run; and the endpoint
+serves only the run's token and live episodes, on loopback."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import copy
 
 import httpx
 import pytest
+import torch
 
 from rlhf.sections.environment import EnvironmentConfig
 from stages.envs.agent import AgentEndpoint
+from stages.envs.episode import transcript
 from stages.envs.loop import episode_runner
 from tests.helpers import TOOL_ANSWER, TOOL_TEMPLATE, Scripted
 
@@ -59,15 +61,37 @@ def test_an_openai_sdk_agent_trains_through_the_endpoint_token_in_token_out(chat
 def test_a_failing_agent_fails_its_episode_and_the_others_go_on(chat_tokenizer):
     """The program that sleeps after the policy's turn is failed once `tool_timeout_s` passes without its
     next request; the others' steps run meanwhile (agent episodes step 16 at once)."""
-    rows = [ROW] + [{**ROW, "behaviour": b} for b in ("raise", "silent", "sleep", "rewrite")]
+    rows = [ROW] + [{**ROW, "behaviour": b} for b in ("raise", "silent", "sleep")]
     script = [CALL, "The cat is warm.", "The cat is calm."]
     episodes, _ = _run(chat_tokenizer, script, rows, tool_timeout_s=2.0, max_turns=3)
-    assert [e.status for e in episodes] == ["ok", "failed", "failed", "failed", "failed"], [e.error for e in episodes]
+    assert [e.status for e in episodes] == ["ok", "failed", "failed", "failed"], [e.error for e in episodes]
     errors = [e.error for e in episodes[1:]]
     assert "raised RuntimeError: the agent's own bug" in errors[0]
     assert "ended before asking the policy anything" in errors[1]
     assert "neither asked the policy again nor returned within environment.tool_timeout_s (2 s)" in errors[2]
-    assert "rewrote its history" in errors[3]
+
+
+def test_an_agent_that_rewrites_its_history_goes_on_in_a_second_chain(chat_tokenizer):
+    """The program's second request is a fresh conversation (a summary): the episode goes on in a new
+    chain, that context rendered whole and the policy's next turn sampled on it alone; the batch marks
+    where the chain starts, the figures count it, and the rewards land as for any episode."""
+    from stages.envs.episode import episode_batch, episode_figures
+
+    [episode], engine = _run(chat_tokenizer, [CALL, "The cat is warm."], [{**ROW, "behaviour": "rewrite"}])
+    assert episode.status == "ok", episode.error
+    assert [(s.trainable, s.starts_chain) for s in episode.segments] == [
+        (False, False), (True, False), (False, True), (True, False)]
+    chain = episode.segments[2].ids
+    assert engine.prompts[1] == [chain]  # the second turn saw the new context alone
+    text = chat_tokenizer.decode(chain)
+    assert text.startswith("<|system|>f") and "Summary: the user asked about a cat." in text
+    assert "Describe the cat." not in text
+    assert [s.reward for s in episode.segments if s.trainable] == [0.5, 1.0]
+    batch = episode_batch([episode], chat_tokenizer.pad_token_id, torch.device("cpu"))
+    assert batch.restarts.nonzero().tolist() == [[0, len(episode.segments[1].ids)]]
+    assert batch.trainable[0].sum() == sum(len(s.ids) for s in episode.segments if s.trainable)
+    assert episode_figures([episode], "rollout")["rollout/rewritten_contexts"] == 1.0
+    assert "[context] (the history rewritten: 1 messages from here on)" in transcript(episode)
 
 
 def test_the_endpoint_serves_only_the_runs_token_and_live_episodes_on_loopback():
@@ -83,11 +107,15 @@ def test_the_endpoint_serves_only_the_runs_token_and_live_episodes_on_loopback()
         endpoint.close()
 
 
-@pytest.mark.parametrize("program", ["tools_agent:run", "sdk_agent:run"])
+@pytest.mark.parametrize("program", ["tools_agent:run", "sdk_agent:run", "compacting_agent:run",
+                                     "tests.helpers:refining_agent"])
 def test_ppo_trains_the_worked_agents_on_the_tool_world(tools_trained, tmp_path, program):
     """The stage on the tiny tool world with each worked agent of examples/agents as its environment (a
-    plain openai-SDK loop, and the OpenAI Agents SDK's `Runner`): episodes call the tool through the
-    program, the reward terms score its final answers, and the endpoint is gone once the stage ends."""
+    plain openai-SDK loop, the OpenAI Agents SDK's `Runner`, and a loop that compacts its context after
+    each tool round), and a program that answers again on a fresh context: episodes call the tool
+    through the program, the reward terms score its final answers, the fresh contexts train as second
+    chains (the tiny policy's calls are rarely well-formed, so the compacting agent seldom compacts
+    here), and the endpoint is gone once the stage ends."""
     import threading
 
     from rlhf.config import with_overrides
@@ -97,10 +125,16 @@ def test_ppo_trains_the_worked_agents_on_the_tool_world(tools_trained, tmp_path,
     cfg, trained = tools_trained
     ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {
         "paths": [str(REPO_ROOT / "examples" / "agents")], "samples_per_prompt": 2,
-        "environment": {"tools": None, "agent": program}})
+        "environment": {"tools": None, "agent": program, "episode_tokens": 160},
+        "sampling.response_length": 48})  # room for a whole call and a turn after it, so contexts get compacted
     result = run_ppo(ppo, trained, tmp_path)
     last = result.history[-1]
     assert last["rollout/failed_share"] == 0 and last["rollout/turns"] >= 1
-    assert max(row["rollout/tool_calls"] for row in result.history) > 0
+    rewritten = max(row["rollout/rewritten_contexts"] for row in result.history)
+    if program == "tests.helpers:refining_agent":
+        assert rewritten > 0 and max(row["rollout/turns"] for row in result.history) > 1
+    else:
+        assert max(row["rollout/tool_calls"] for row in result.history) > 0
+        assert rewritten == 0 or program == "compacting_agent:run"
     assert "eval/tool_call_rate" in result.metrics
     assert not [t for t in threading.enumerate() if t.name == "agent-endpoint"]

@@ -63,6 +63,44 @@ def test_short_sequences_share_a_row_and_their_positions_restart():
     assert packed.real_tokens == 8 and packed.computed_tokens == 8
 
 
+def test_a_later_chain_restarts_its_positions_and_packs_even_when_padded_was_asked():
+    """Row 1's response holds a second chain from its second token (a rewritten history): positions count
+    from there again, and a batch with chains is packed whatever `padding_free` says."""
+    from stages.runtime.models import resolve_precision
+    from stages.runtime.packing import Passes
+
+    restarts = torch.zeros(3, 3)
+    restarts[1, 1] = 1.0  # row 1: prompt [21], then [22] | a new chain [23, 24]
+    packed = pack(Sequences(*_three_rows(), restarts), pad_id=0)
+    assert packed.ids.tolist() == [[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]]
+    assert packed.positions.tolist() == [[0, 1, 2, 3], [0, 1, 0, 1], [0, 1, 2, 3]]
+    padded = Passes(precision=resolve_precision("fp32"), padding_free=False)
+    assert padded.layout(Sequences(*_three_rows(), restarts)) is not None
+    assert padded.layout(Sequences(*_three_rows(), torch.zeros(3, 3))) is None
+
+
+def test_a_later_chain_attends_to_itself_only(trained):
+    """The policy's logits over a row of two chains are, on the second chain, those of that chain run
+    alone as prompt + response: it sees nothing of the first chain."""
+    from stages.runtime.forward import forward_response
+    from stages.runtime.models import load_causal_lm, load_tokenizer, resolve_precision
+    from stages.runtime.packing import Passes
+
+    policy = load_causal_lm(trained["sft"], load_tokenizer(trained["sft"])).eval()
+    first, second = [5, 6, 7, 8, 9], [10, 11, 12, 13]  # chain 1's turn and glue; chain 2's context, then its turn
+    row = Sequences(torch.tensor([[3, 4]]), torch.tensor([[1, 1]]), torch.tensor([first + second]),
+                    torch.ones(1, 9), torch.tensor([[0.0] * 5 + [1.0, 0.0, 0.0, 0.0]]))
+    alone = Sequences(torch.tensor([[10, 11]]), torch.tensor([[1, 1]]), torch.tensor([[12, 13]]), torch.ones(1, 2))
+    passes = Passes(precision=resolve_precision("fp32"))
+    with torch.no_grad():
+        chained, _ = forward_response(policy, row, passes)  # (1, 9, V)
+        own, _ = forward_response(policy, alone, passes)  # (1, 2, V)
+        unchained, _ = forward_response(policy, row._replace(restarts=None), passes)
+    torch.testing.assert_close(chained[:, -2:], own, atol=1e-5, rtol=1e-5)  # tokens 12, 13 as predicted alone
+    assert not torch.allclose(unchained[:, -2:], own, atol=1e-3)  # without the restart they saw the first chain
+    torch.testing.assert_close(chained[:, :5], unchained[:, :5], atol=1e-5, rtol=1e-5)  # the first chain unchanged
+
+
 def test_first_fit_decreasing_by_hand():
     assert first_fit_decreasing([3, 2, 4], 4) == [[2], [0], [1]]  # 3 + 2 > 4: the 2 opens a third row
     assert first_fit_decreasing([3, 1, 2, 2], 4) == [[0, 1], [2, 3]]

@@ -56,6 +56,10 @@ class Sequences(NamedTuple):
     query_mask: torch.Tensor  # (B, Tq) 1 on real prompt tokens
     responses: torch.Tensor  # (B, T) right-padded ids after the prompt
     mask: torch.Tensor  # (B, T) 1.0 on every real token after the prompt: what the passes attend to
+    restarts: torch.Tensor | None = None
+    """(B, T) 1.0 on the first token of an episode's later chain (a rewritten history,
+    `stages.envs.episode`): its tokens attend to their own chain only, positions counted from it. The
+    passes then run packed (`stages.runtime.packing.pack`). None, or all 0: every row one sequence."""
 
 
 def _axis(f: dataclasses.Field) -> str | None:

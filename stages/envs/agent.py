@@ -13,9 +13,10 @@ agent episode is an `Environment`:
 Token in, token out. The trainer keeps the ids it sampled for every turn, never the text the program
 sends back. A request whose messages extend the last one's (that request's messages, then the assistant
 turn, then new messages) appends the new messages to the episode, rendered by the chat template as a
-delta after the turn (a fixed base). A request that rewrites its history (a summarising agent, a
-sub-agent's fresh context) fails its episode for now, saying so: training it needs an episode of several
-chains, which the batch does not hold yet.
+delta after the turn (a fixed base). A request that does not (a summarising agent, a sub-agent's fresh
+context) starts a new chain of the same episode (`Step.restart`): its messages are rendered whole, the
+next turns are sampled on that context alone, and the chain trains on its episode's row attending to
+itself only (`stages.envs.episode`), with the episode's one reward and advantage.
 
 The endpoint (`AgentEndpoint`) is one per run: an aiohttp server on 127.0.0.1 at a free port, on its own
 event loop, which also runs the programs. Every request must carry the run's token (a fresh random one)
@@ -66,7 +67,7 @@ AgentFunction = Callable[[dict, Any], Awaitable["float | AgentResult"]]
 
 
 class AgentFailed(Exception):
-    """The agent program raised, timed out, ended before asking the policy anything, or rewrote its history."""
+    """The agent program raised, timed out, ended before asking the policy anything, or asked with nothing new."""
 
 
 @dataclass(kw_only=True)
@@ -240,15 +241,15 @@ class AgentEpisode:
             result = self._result()
             self.turn_rewards, self.columns = result.turn_rewards, result.columns
             return Step(None, float(result.reward), True)
-        messages = request["messages"]
-        if not extends(messages, self.seen):
-            raise AgentFailed(f"the agent rewrote its history at turn {self.turns + 1} (its request does not extend "
-                              "the last one's messages and the policy's turn): an episode of several chains is not "
-                              "trained yet")
-        new = messages[len(self.seen) + 1:]
+        messages, seen = request["messages"], self.seen
+        self.seen = messages
+        if not extends(messages, seen):  # a summary, a sub-agent's fresh context: a new chain of the episode
+            names = self.names | {call["id"]: call["function"]["name"] for m in messages if m.get("role") == "assistant"
+                                  for call in m.get("tool_calls") or [] if "id" in call}
+            return Step([chat_message(m, names) for m in messages], 0.0, False, restart=True)
+        new = messages[len(seen) + 1:]
         if not new:
             raise AgentFailed("the agent asked again with nothing after the policy's turn")
-        self.seen = messages
         return Step([chat_message(m, self.names) for m in new], 0.0, False)
 
     def _result(self) -> AgentResult:

@@ -41,6 +41,9 @@ class Step(NamedTuple):
     """This turn's reward: it lands on the turn's last token."""
     done: bool = False
     """The episode is over."""
+    restart: bool = False
+    """`messages` are the whole next context, not an addition: the history rewritten (a summary, a
+    sub-agent's fresh context). The episode goes on in a new chain whose turns see that context alone."""
 
 
 class Environment(Protocol):

@@ -8,6 +8,13 @@ ids it sampled, never re-tokenised) alternate with what the environment said bac
 tool results, other roles and the chat template's glue). Each trainable segment has its turn's
 reward; the episode has a status: `ok` (it ended), `truncated` (a turn or the episode ran out of
 tokens, or of turns) or `failed` (the environment raised, or too many malformed calls).
+
+A chain is a run of segments the model saw as one context: an episode is one chain, unless its
+environment rewrote the history (an agent program that summarises, or hands a sub-agent a fresh
+context: `Step.restart`). Then a segment that `starts_chain` holds the new context, rendered whole,
+and the turns after it were sampled on it alone. The batch keeps the chains of an episode on its one
+row, each attending to itself only (`EpisodeGeneration.restarts`, packed passes), so the episode's
+reward, group and advantage stay one.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ class Segment:
     version: int = 0
     """The policy version that sampled a trainable segment (updates its weights had had): its episode's
     staleness when sampled ahead, and more than one per episode where `rollout.partial` continued it."""
+    starts_chain: bool = False
+    """A context the environment rewrote, rendered whole (not trainable): the turns after it saw it alone."""
 
 
 @dataclass(kw_only=True)
@@ -87,6 +96,11 @@ class Episode:
         """The model's turns."""
         return sum(s.trainable for s in self.segments)
 
+    @property
+    def rewritten_contexts(self) -> int:
+        """The chains after the first: the times its environment rewrote the history."""
+        return sum(s.starts_chain for s in self.segments)
+
 
 @dataclass(kw_only=True)
 class EpisodeGeneration(Generation):
@@ -97,6 +111,7 @@ class EpisodeGeneration(Generation):
     mask: torch.Tensor  # (B, T) 1.0 on every real token after the prompt: what the forward passes attend to
     trainable: torch.Tensor  # (B, T) 1.0 on the model's own tokens of an episode that did not fail
     turn_rewards: torch.Tensor  # (B, T) each turn's reward on its last token, 0 elsewhere
+    restarts: torch.Tensor  # (B, T) 1.0 on the first token of an episode's later chain (`Sequences.restarts`)
     episodes: list[Episode]
 
 
@@ -110,12 +125,14 @@ def episode_batch(episodes: list[Episode], pad_id: int, device: torch.device) ->
     responses = torch.tensor([r + [pad_id] * (steps - len(r)) for r in rests])  # (B, T)
     mask = torch.zeros(len(episodes), steps)
     trainable, turn_rewards = torch.zeros(len(episodes), steps), torch.zeros(len(episodes), steps)
-    engine = torch.zeros(len(episodes), steps)
+    engine, restarts = torch.zeros(len(episodes), steps), torch.zeros(len(episodes), steps)
     for row, episode in enumerate(episodes):
         start = 0
         for segment in episode.segments[1:]:
             end = start + len(segment.ids)
             mask[row, start:end] = 1.0
+            if segment.starts_chain and end > start:
+                restarts[row, start] = 1.0
             if segment.trainable and episode.status != "failed" and end > start:
                 trainable[row, start:end] = 1.0
                 turn_rewards[row, end - 1] += segment.reward
@@ -125,7 +142,7 @@ def episode_batch(episodes: list[Episode], pad_id: int, device: torch.device) ->
     sampled_elsewhere = any(s.logprobs is not None for e in episodes for s in e.segments)
     return EpisodeGeneration(queries=queries.to(device), query_mask=query_mask.to(device),
                              responses=responses.to(device), mask=mask.to(device), trainable=trainable.to(device),
-                             turn_rewards=turn_rewards.to(device), episodes=episodes,
+                             turn_rewards=turn_rewards.to(device), restarts=restarts.to(device), episodes=episodes,
                              engine_logprobs=engine.to(device) if sampled_elsewhere else None)
 
 
@@ -253,6 +270,7 @@ class SingleTurn(EpisodeSource):
                                     columns={k: v for k, v in row.items() if k not in ("prompt", "messages")}))
         sampled = {f.name: getattr(generation, f.name) for f in dataclasses.fields(Generation)}
         return EpisodeGeneration(**sampled, mask=mask, trainable=mask, turn_rewards=torch.zeros_like(mask),
+                                 restarts=torch.zeros_like(mask),
                                  episodes=episodes)
 
     def _read(self, ids: list[int], ended: bool, decoded: str) -> AssistantTurn:
@@ -301,7 +319,8 @@ def episode_figures(episodes: list[Episode], prefix: str) -> dict[str, float]:
     called a tool, failed or were truncated, the tokens per episode in no loss term (`masked_tokens`:
     tool results and the template's glue, and all of a failed episode's), and the environment's
     rewards per episode (`environment_reward`: its turns' summed; an environment server's whole score)
-    and its requests tried again per episode (`environment_retries`: a server's hiccups, 0 in process)."""
+    and its requests tried again per episode (`environment_retries`: a server's hiccups, 0 in process);
+    and the contexts its environment rewrote per episode (`rewritten_contexts`: its later chains)."""
     n = max(len(episodes), 1)
 
     def masked(e: Episode) -> int:
@@ -315,4 +334,5 @@ def episode_figures(episodes: list[Episode], prefix: str) -> dict[str, float]:
             f"{prefix}/truncated_share": sum(e.status == "truncated" for e in episodes) / n,
             f"{prefix}/masked_tokens": sum(masked(e) for e in episodes) / n,
             f"{prefix}/environment_reward": sum(s.reward for e in episodes for s in e.segments) / n,
-            f"{prefix}/environment_retries": sum(e.retries for e in episodes) / n}
+            f"{prefix}/environment_retries": sum(e.retries for e in episodes) / n,
+            f"{prefix}/rewritten_contexts": sum(e.rewritten_contexts for e in episodes) / n}

@@ -175,14 +175,19 @@ class Running:
     the round's stream."""
     version: int = 0
     """The policy version that sampled its latest turn."""
+    answers_in_context: int = 0
+    """Whether the chain's rewritten context already holds a tool's answer (the next observation is then a
+    later round's, `ChatDelta.observation`)."""
 
     @property
     def after_prompt(self) -> int:
-        return len(self.context) - len(self.episode.prompt_ids)
+        """Tokens after the prompt, every chain's: what the episode's budget counts (the batch row's width)."""
+        return sum(len(segment.ids) for segment in self.episode.segments[1:])
 
     def add(self, segment: Segment) -> None:
+        """`segment` appended; the next turn's context is the chain's, from its start (`starts_chain`)."""
         self.episode.segments.append(segment)
-        self.context = self.context + segment.ids
+        self.context = list(segment.ids) if segment.starts_chain else self.context + segment.ids
 
     def end(self, status: str, error: str | None = None) -> None:
         self.episode.status, self.ended = status, True
@@ -441,7 +446,9 @@ class EpisodeRunner(EpisodeSource):
             if isinstance(answer, Exception):
                 raise answer
             step = answer
-            delta = [] if step.done or not step.messages else self._observed(running, ids[-1], step.messages)
+            delta = [] if step.done or not step.messages else \
+                self._rewritten(running, step.messages) if step.restart else \
+                self._observed(running, ids[-1], step.messages)
         except Exception as e:  # noqa: BLE001 - the environment (or its messages' rendering) failed: so does the episode
             step, delta = Step(None), []
             running.end("failed", f"{type(e).__name__}: {e}")
@@ -451,7 +458,8 @@ class EpisodeRunner(EpisodeSource):
         if step.done or not step.messages:
             running.end("ok")
             return
-        running.add(Segment(ids=delta[:max(self.settings.episode_tokens - running.after_prompt, 0)], trainable=False))
+        running.add(Segment(ids=delta[:max(self.settings.episode_tokens - running.after_prompt, 0)], trainable=False,
+                            starts_chain=step.restart))
         if running.after_prompt >= self.settings.episode_tokens:
             running.end("truncated")
 
@@ -460,19 +468,31 @@ class EpisodeRunner(EpisodeSource):
         that ended with `stop_id` (its closing glue, the messages, the next turn's opening)."""
         running.episode.messages = running.episode.messages + list(messages)
         stop = self.chat.tokenizer.decode([stop_id], skip_special_tokens=False)
-        # the first observation, or a later one
-        rounds = min(sum(not s.trainable for s in running.episode.segments[1:]), 1)
+        segments = running.episode.segments
+        chain = max((at for at, s in enumerate(segments) if s.starts_chain), default=0)
+        # the first observation of the chain (its context holding no answer yet), or a later one
+        rounds = min(sum(not s.trainable for s in segments[chain + 1:]) + running.answers_in_context, 1)
         return self.chat.ids(self.chat.observation(list(messages), running.tools, stop, rounds))
+
+    def _rewritten(self, running: Running, messages: list[dict]) -> list[int]:
+        """A new chain's context, the environment's rewritten history, rendered whole with the turn opened
+        (as the prompt is): the next turns are sampled on these ids alone, and kept as sampled."""
+        running.episode.messages = running.episode.messages + [
+            {"role": "context", "content": f"(the history rewritten: {len(messages)} messages from here on)"},
+            *messages]
+        running.answers_in_context = int(any(m.get("role") == "tool" for m in messages))
+        return self.chat.ids(self.chat.render(list(messages), running.tools))
 
 
 def checked_step(answer: object) -> Step:
-    """An environment's `step` answer as a `Step`: a (messages, reward, done) tuple, messages a list or None."""
-    if not isinstance(answer, tuple) or not 1 <= len(answer) <= 3:
+    """An environment's `step` answer as a `Step`: a (messages, reward, done[, restart]) tuple, messages a
+    list or None."""
+    if not isinstance(answer, tuple) or not 1 <= len(answer) <= len(Step._fields):
         raise TypeError(f"step must return (messages, reward, done), got {type(answer).__name__}")
     step = Step(*answer)
     if step.messages is not None and not isinstance(step.messages, list):
         raise TypeError(f"step's messages must be a list of chat messages or None, got {type(step.messages).__name__}")
-    return Step(step.messages, float(step.reward), bool(step.done))
+    return Step(step.messages, float(step.reward), bool(step.done), bool(step.restart))
 
 
 def checked_episode(episode: object, row: dict) -> Episode:

@@ -46,6 +46,8 @@ class Rollout:
     response's every real token; an episode's turns, not its tool results or glue, none of a failed one's)."""
     turn_rewards: torch.Tensor = response_columns()
     """(B, T) each turn's reward (`step`'s) on its turn's last token; 0 everywhere for a single response."""
+    restarts: torch.Tensor = response_columns()
+    """(B, T) 1.0 on the first token of an episode's later chain (a rewritten history): `Sequences.restarts`."""
     logprobs: torch.Tensor = response_columns()  # (B, T) the old policy's, masked
     ref_logprobs: torch.Tensor = response_columns()  # (B, T) the reference's, masked
     values: torch.Tensor = response_columns()  # (B, T) the critic's, masked (0 without one: `NoCritic`)
@@ -65,7 +67,7 @@ class Rollout:
 
     @property
     def sequences(self) -> Sequences:
-        return Sequences(self.queries, self.query_mask, self.responses, self.mask)
+        return Sequences(self.queries, self.query_mask, self.responses, self.mask, self.restarts)
 
     @property
     def texts(self) -> list[str]:

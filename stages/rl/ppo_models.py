@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from rlhf.sections.base import LoRAConfig
 from rlhf.sections.ppo import CriticConfig, PPOConfig
 from stages.common.batches import Sequences
+from stages.common.errors import StageUserError
 from stages.math.ppo_math import clipped_value_loss, explained_variance
 from stages.rewards.scoring import RewardScorer, load_reward_model, shares_tokenizer
 from stages.rl.teacher import NoTeacher, Teacher, teacher_for
@@ -318,6 +319,7 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
     tokenizer = load_tokenizer(sft_location, padding_side="left", trust_remote_code=cfg.trust_remote_code)
     policy = build_policy(cfg, sft_location, tokenizer)
     padding_free = packing_setting(cfg.padding_free, [(policy, False)])  # probed whole, before any sharding
+    keeps_chains_apart(cfg, [(policy, False)])
     reference = None
     if cfg.lora is None:
         reference = holding.frozen(copied(policy).to(frozen).eval().requires_grad_(False))
@@ -332,6 +334,7 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
         scorer.model.requires_grad_(False)
     critic = build_critic(cfg, policy, tokenizer, scorer, reward_location, sft_location)
     padding_free = packing_setting(padding_free, critic_bodies(critic))
+    keeps_chains_apart(cfg, critic_bodies(critic))
     if scorer is not None:  # packed where its body takes it; the policy's ids read as sampled where they mean the same
         scorer.padding_free = packing_setting(padding_free, [(scorer.model.base_model, True)])
         scorer.policy_tokens = shares_tokenizer(scorer.tokenizer, tokenizer)
@@ -408,6 +411,19 @@ def packing_setting(setting: bool | str, models: list[tuple[PreTrainedModel, boo
     return setting
 
 
+def keeps_chains_apart(cfg: PPOConfig, models: list[tuple[PreTrainedModel, bool]]) -> None:
+    """Refuse an agent program (`environment.agent`) on a model whose attention does not keep packed
+    sequences apart (`padding_free_refusal`): a rewritten history trains as a later chain of its
+    episode's row, kept apart only by restarting positions (`Sequences.restarts`)."""
+    if cfg.environment is None or cfg.environment.agent is None:
+        return
+    for model, base in models:
+        reason = padding_free_refusal(model, base)
+        if reason is not None:
+            raise StageUserError(f"environment.agent: {reason}. An agent's rewritten history trains as a chain of "
+                                 "its episode kept apart by restarting positions, which this model cannot do")
+
+
 @contextmanager
 def reference_policy(models: Models) -> Iterator[PreTrainedModel]:
     """The frozen reference: its own copy, or the LoRA policy with adapters disabled."""
@@ -437,6 +453,7 @@ class ActorCritic(torch.nn.Module):
         self.policy, self.critic = models.policy, models.critic
         self.models = models
 
-    def forward(self, queries, query_mask, responses, mask, freeze_policy=False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The four tensors of `Sequences` one by one: what DDP and FSDP2 hand a module's forward."""
-        return policy_and_values(self.models, Sequences(queries, query_mask, responses, mask), freeze_policy)
+    def forward(self, queries, query_mask, responses, mask, restarts, freeze_policy=False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors of `Sequences` one by one: what DDP and FSDP2 hand a module's forward."""
+        return policy_and_values(self.models, Sequences(queries, query_mask, responses, mask, restarts), freeze_policy)

@@ -223,7 +223,7 @@ def passes(models: Models, sampled: EpisodeGeneration, rows: list[dict], tempera
     `engine_logprobs`, which are kept beside) or `policy_forward` (the policy's log-probs, with the
     values), `reference`, and the teacher's marks (`teacher`). They run over all of an episode's
     tokens (tool results are context); their figures are kept on the model's own tokens (`trainable`)."""
-    sequences = Sequences(sampled.queries, sampled.query_mask, sampled.responses, sampled.mask)
+    sequences = Sequences(sampled.queries, sampled.query_mask, sampled.responses, sampled.mask, sampled.restarts)
     trainable = sampled.trainable
     if sampled.computed_tokens is not None:  # the decode loop's, where it counts them
         fed = sampled.query_mask.sum() + (sampled.mask.sum(dim=1) - 1).clamp(min=0).sum()  # a last token is never fed

@@ -44,7 +44,7 @@ def _padded(sequences: Sequences, passes: Passes) -> dict:
     (`passes.compiler.bucket`): the responses padded on the right to T', the prompts on the left to
     the bucketed whole width, and rows of one padding token added; nothing reads their outputs.
     # -> (B', Tq' + T') each"""
-    queries, query_mask, responses, mask = sequences
+    queries, query_mask, responses, mask = sequences.queries, sequences.query_mask, sequences.responses, sequences.mask
     (rows, width), steps, bucket = queries.shape, responses.shape[1], passes.compiler.bucket
     columns = bucket(steps)
     prompt_columns = bucket(width + columns) - columns

@@ -103,7 +103,7 @@ def pack(sequences: Sequences, pad_id: int, bucket: Callable[[int], int] | None 
     to its place. `bucket` (a compiled pass's, `stages.runtime.compiling.bucketed`) rounds the rows'
     length, their count and the kept columns up, the extra rows and columns padding whose outputs
     nothing reads. # (B, Tq), (B, Tq), (B, T), (B, T) -> Packed"""
-    queries, query_mask, responses, mask = sequences
+    queries, query_mask, responses, mask = sequences.queries, sequences.query_mask, sequences.responses, sequences.mask
     device, width = queries.device, queries.shape[1]
     bucket = bucket or (lambda n: n)
     prompt_lengths = query_mask.sum(dim=1).cpu()  # (B,)
@@ -129,7 +129,7 @@ def pack(sequences: Sequences, pad_id: int, bucket: Callable[[int], int] | None 
     ids[row[b], start[b] + position] = joined[b, column]
     # A row's unfilled tail counts on from 0: a sequence of its own, that no real token attends to.
     positions = torch.arange(capacity).repeat(len(bins), 1) - torch.tensor(used).unsqueeze(1)  # (R, C)
-    positions[row[b], start[b] + position] = position
+    positions[row[b], start[b] + position] = chain_positions(real, sequences.restarts, width)[b, column]
     # The output at column (start + prompt length + t - 1) predicts response token t.
     steps = torch.arange(responses.shape[1])  # (T,)
     columns = (start + prompt_lengths - 1).unsqueeze(1) + steps  # (B, T)
@@ -147,6 +147,18 @@ def pack(sequences: Sequences, pad_id: int, bucket: Callable[[int], int] | None 
     return Packed(ids=ids.to(device), positions=positions.to(device), kept=kept.to(device),
                   logit_index=logit_index.to(device), hidden_index=hidden_index.to(device),
                   real_tokens=int(lengths.sum()))
+
+
+def chain_positions(real: torch.Tensor, restarts: torch.Tensor | None, width: int) -> torch.Tensor:
+    """Each real token's position id: counted from its sequence's first token, or from the first token
+    of its chain where the response holds later chains (`Sequences.restarts`). A position that drops
+    back is where transformers starts a new block of the causal mask. # (B, Tq + T) -> (B, Tq + T)"""
+    offsets = real.long().cumsum(1) - 1  # (B, Tq + T) each real token's place in its sequence
+    if restarts is None:
+        return offsets
+    restart = torch.nn.functional.pad(restarts.cpu() > 0, (width, 0)) & real  # (B, Tq + T)
+    chain_start = torch.where(restart, offsets, 0).cummax(dim=1).values
+    return offsets - chain_start
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,12 +255,18 @@ class Passes:
     """Runs the models compiled, at bucketed shapes, or as they are (`ppo.compile`)."""
 
     def layout(self, sequences: Sequences) -> Packed | None:
-        """The packed layout of this batch, or None to run it padded; the pass counted either way."""
-        queries, query_mask, responses, mask = sequences
+        """The packed layout of this batch, or None to run it padded; the pass counted either way. A
+        batch with later chains (`Sequences.restarts`) is always packed: only restarting positions
+        keep a chain from attending to the one before it."""
+        queries, query_mask, responses, mask = sequences.queries, sequences.query_mask, sequences.responses, \
+            sequences.mask
         bucket = self.compiler.bucket  # a compiled pass's shapes (`stages.runtime.forward._padded`), else as they are
         padded = bucket(len(queries)) * bucket(queries.shape[1] + bucket(responses.shape[1]))
-        packed = None if self.padding_free is False else pack(sequences, self.pad_id, self.compiler.bucket)
-        if packed is not None and self.padding_free == "auto" and packed.computed_tokens > (1 - AUTO_SAVING) * padded:
+        chained = sequences.restarts is not None and bool(sequences.restarts.any())
+        packed = None if self.padding_free is False and not chained else \
+            pack(sequences, self.pad_id, self.compiler.bucket)
+        if packed is not None and self.padding_free == "auto" and not chained and \
+                packed.computed_tokens > (1 - AUTO_SAVING) * padded:
             packed = None
         if self.counts is not None:
             real = float(query_mask.sum() + mask.sum())
