@@ -51,8 +51,9 @@ class Served(Protocol):
     def start(self, row: dict) -> tuple[Any, list[dict], list[dict] | None]:
         """A new episode of `row`: its handle, the conversation the model answers first, the tools' schemas."""
 
-    def step(self, handle: Any, assistant: dict) -> tuple[list[dict] | None, float, bool]:
-        """The answer to the model's turn (`turn_body`'s fields): messages, reward, done."""
+    def step(self, handle: Any, assistant: dict) -> Any:
+        """The answer to the model's turn (`turn_body`'s fields): a `stages.envs.environment.Step` (messages,
+        reward, done, restart; imported only by what is served, so this module loads on the standard library)."""
 
     def end(self, handle: Any) -> None:
         """The episode is let go."""
@@ -113,8 +114,9 @@ class EpisodeServer(ThreadingHTTPServer):
                 return episode.last  # the client asks again for an answer it lost
             if turn != episode.turns:
                 raise ValueError(f"turn {turn} is not this episode's next ({episode.turns})")
-            messages, reward, done = self.served.step(episode.handle, assistant)
-            episode.last, episode.turns = {"messages": messages, "reward": reward, "done": done}, turn + 1
+            step = self.served.step(episode.handle, assistant)
+            episode.last, episode.turns = {"messages": step.messages, "reward": step.reward, "done": step.done,
+                                           "restart": step.restart}, turn + 1
             return episode.last
 
     def close_episode(self, body: dict) -> dict:
@@ -223,12 +225,12 @@ class OursServed:
         from stages.common.user_code import on_import_path
         from stages.envs.environment import environment_factory
         from stages.envs.loop import checked_step  # imported now, not in the first request's time
-        from stages.envs.parsers import AssistantTurn, ToolCall
+        from stages.envs.parsers import turn_of_body
 
         on_import_path(paths)
         self.make, _ = environment_factory(EnvironmentConfig(tools=tools, factory=factory, **settings))
         self.name = tools or factory or ""
-        self.checked_step, self.turn, self.call = checked_step, AssistantTurn, ToolCall
+        self.checked_step, self.turn_of_body = checked_step, turn_of_body
 
     def dataset(self, split: str) -> list[dict] | None:
         return None
@@ -239,13 +241,8 @@ class OursServed:
         tools = environment.schemas() if hasattr(environment, "schemas") else None
         return environment, messages, tools
 
-    def step(self, handle: Any, assistant: dict) -> tuple[list[dict] | None, float, bool]:
-        calls = [self.call(c["name"], c["arguments"]) if isinstance(c, dict) else str(c)
-                 for c in assistant.get("calls", [])]
-        turn = self.turn(text=assistant.get("text", ""), content=assistant.get("content", ""),
-                         reasoning=assistant.get("reasoning"), calls=calls)
-        step = self.checked_step(handle.step(turn))
-        return step.messages, step.reward, step.done
+    def step(self, handle: Any, assistant: dict) -> Any:
+        return self.checked_step(handle.step(self.turn_of_body(assistant)))
 
     def end(self, handle: Any) -> None:
         if hasattr(handle, "close"):

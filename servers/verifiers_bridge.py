@@ -2,10 +2,13 @@
 
 A verifiers environment runs a whole rollout itself: its harness calls the model through verifiers'
 interception server and runs the tools' calls (MCP servers), and its task scores the trace at the
-end (`@vf.reward` methods). To step one from outside, the bridge is the model endpoint: each
-chat-completion request that reaches it is an observation (what /reset or /step answers), and the
-model's turn that the next /step brings is the completion it returns. Each episode has its own
-endpoint path (`/episodes/<id>/v1`), so episodes run at once stay apart. The final score, the trace's
+end (`@vf.reward` methods). To step one from outside, the bridge is the model endpoint: each rollout
+is an agent program on `stages.envs.agent.AgentEndpoint`, the door the trainer opens for
+`environment.agent`, here in the verifiers environment's process. Each chat-completion request that
+reaches it is an observation (what /reset or /step answers), and the model's turn that the next /step
+brings is the completion it returns. Each episode has its own endpoint path (`/episodes/<id>/v1`) and
+every request the endpoint's token, so episodes run at once stay apart. A request that rewrites the
+history answers the step with `restart` (a new chain of the episode). The final score, the trace's
 weighted reward, is the last step's reward; a rollout that ends in an error fails its episode.
 
 The harness is `RelayHarness` by default (an in-process chat loop over the environment's MCP tools,
@@ -16,20 +19,18 @@ reads it. Runs only in the verifiers environment (`make env-verifiers`), started
 
 from __future__ import annotations
 
-import asyncio
 import json
+import os
 import sys
-import threading
-import time
-import uuid
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
-from typing import Any
 
 import verifiers.v1 as vf
-from aiohttp import web
 from openai import AsyncOpenAI
 from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
+
+from stages.envs.agent import AgentEndpoint, AgentEpisode, AgentFailed, text_of
+from stages.envs.environment import Step
+from stages.envs.parsers import turn_of_body
 
 __all__ = ["RelayHarness"]
 
@@ -38,6 +39,9 @@ RELAY_ID = "rlhf_relay"
 looked for under its own package), so this module is also `sys.modules["rlhf_relay"]`."""
 sys.modules.setdefault(RELAY_ID, sys.modules[__name__])
 START_TIMEOUT_S = 300.0
+"""Seconds a rollout may take to reach the model's first turn (its tool servers start) or the next one."""
+KEY_VARIABLE = "RLHF_VERIFIERS_BRIDGE_KEY"
+"""The environment variable the rollouts' model clients read the endpoint's token from."""
 
 
 def _one_default_ssl_context() -> None:
@@ -65,7 +69,6 @@ def _one_default_ssl_context() -> None:
 
 
 _one_default_ssl_context()
-"""Seconds a rollout may take to reach the model's first turn (its tool servers start) or the next one."""
 
 
 class RelayHarness(vf.Harness[vf.HarnessConfig]):
@@ -110,70 +113,35 @@ def conversation(data: vf.TaskData) -> list[dict]:
     return system + [{"role": "user", "content": data.prompt or ""}]
 
 
-def text_of(content: Any) -> str:
-    """A tool's answer as text: MCP content parts joined."""
-    if isinstance(content, list):
-        return "\n".join(part.get("text", "") if isinstance(part, dict) else str(part) for part in content)
-    return str(content)
-
-
-def assistant_message(assistant: dict, turn: int) -> dict:
-    """Our model's turn as an OpenAI chat message: its answer, reasoning and calls (arguments as JSON text)."""
-    calls = [{"id": f"call_{turn}_{at}", "type": "function",
-              "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
-             for at, call in enumerate(c for c in assistant.get("calls", []) if isinstance(c, dict))]
-    message = {"role": "assistant", "content": assistant.get("content") or ("" if calls else "")}
-    if assistant.get("reasoning"):
-        message["reasoning_content"] = assistant["reasoning"]
-    return message | ({"tool_calls": calls} if calls else {})
-
-
 class RolloutEnded(Exception):
-    """The rollout ended before the model's next turn, or in an error: the request fails (HTTP 422)."""
-
-
-@dataclass(kw_only=True)
-class _Relay:
-    """One episode relayed between verifiers' harness and our protocol: the harness's requests waiting to
-    be answered, our answers, the rollout's task (the trainer's record of it is `stages.envs.loop.Running`)."""
-
-    requests: asyncio.Queue = field(default_factory=asyncio.Queue)
-    replies: asyncio.Queue = field(default_factory=asyncio.Queue)
-    run: asyncio.Task | None = None
-    seen: list[dict] = field(default_factory=list)
-    """The conversation of the last request: what the next one's new messages follow."""
-    turns: int = 0
+    """The rollout ended in an error: its episode fails (the request answers HTTP 422)."""
 
 
 class VerifiersServed:
-    """A verifiers environment, its rollouts stepped by our protocol (`servers.env_server.Served`)."""
+    """A verifiers environment, its rollouts stepped by our protocol (`servers.env_server.Served`). Each
+    rollout is an agent program on an `AgentEndpoint` (`stages.envs.agent`, the trainer's own door for
+    `environment.agent`): the harness's requests reach the endpoint with its token, on the episode's path,
+    and an `AgentEpisode` turns them into our steps, a rewritten history included (`restart`)."""
 
     serves = "verifiers"
 
     def __init__(self, module: str, config: dict):
         self.name = module
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="verifiers", daemon=True).start()
+        # Each answer closes its connection: verifiers' interception keeps a client per rollout that it
+        # never closes, and kept-alive connections piled up (two sockets each, ~2 per episode, until the
+        # process ran out of descriptors after ~10,000 episodes).
+        self.endpoint = AgentEndpoint(keep_alive=False)
+        os.environ[KEY_VARIABLE] = self.endpoint.token  # what the rollouts' model clients read
         base = {"taskset": {"id": module}, "agent": {"runtime": {"type": "subprocess"}, "harness": {"id": RELAY_ID}}}
-        self.live: dict[str, _Relay] = {}
-        self._call(self._open(merged(base, config)), START_TIMEOUT_S)
-
-    def _call(self, coroutine, timeout: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+        self.endpoint.call(self._open(merged(base, config)), START_TIMEOUT_S)
 
     async def _open(self, config: dict) -> None:
+        """The environment loaded and serving, on the endpoint's loop, which runs the rollouts."""
         self.env = vf.load_environment(vf.resolve_env_config(config))
         self.task_cls = type(self.env.taskset).task_type()
         self.data_cls = self.task_cls.data_type()
         self._stack = AsyncExitStack()
         await self._stack.enter_async_context(self.env.serving())
-        app = web.Application(client_max_size=64 * 2**20)
-        app.router.add_post("/episodes/{episode}/v1/chat/completions", self._completion)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        self.endpoint = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
 
     def dataset(self, split: str) -> list[dict] | None:
         """The taskset's tasks as records (verifiers has no evaluation split: `eval` is None)."""
@@ -186,84 +154,39 @@ class VerifiersServed:
             rows.append({"messages": conversation(task.data), **fields})
         return rows
 
-    def start(self, row: dict) -> tuple[str, list[dict], list[dict] | None]:
-        return self._call(self._start(row), START_TIMEOUT_S)
+    def start(self, row: dict) -> tuple[AgentEpisode, list[dict], list[dict] | None]:
+        episode = AgentEpisode(self.endpoint, self._rollout, START_TIMEOUT_S)
+        try:
+            messages = episode.reset(row)
+        except AgentFailed as e:
+            episode.close()
+            raise RolloutEnded(f"the rollout ended before the model's first turn: {e}") from None
+        return episode, messages, episode.schemas()
 
-    def step(self, handle: str, assistant: dict) -> tuple[list[dict] | None, float, bool]:
-        return self._call(self._step(handle, assistant), START_TIMEOUT_S)
+    def step(self, episode: AgentEpisode, assistant: dict) -> Step:
+        try:
+            return episode.step(turn_of_body(assistant))
+        except AgentFailed as e:
+            raise RolloutEnded(str(e)) from None
 
-    def end(self, handle: str) -> None:
-        live = self.live.pop(handle, None)
-        if live is not None and live.run is not None and not live.run.done():
-            self.loop.call_soon_threadsafe(live.run.cancel)
+    def end(self, episode: AgentEpisode) -> None:
+        episode.close()
 
-    async def _start(self, row: dict) -> tuple[str, list[dict], list[dict] | None]:
+    async def _rollout(self, row: dict, client) -> float:
+        """One rollout of `row`'s task, its model the episode's path of the endpoint: the trace's reward."""
         data = self.data_cls.model_validate(task_fields(row, self.data_cls))
         task = self.task_cls(data, self.env.config.taskset.task)
-        key, live = uuid.uuid4().hex, _Relay()
-        self.live[key] = live
-        context = vf.ModelContext(model="policy", client=vf.EvalClientConfig(
-            base_url=f"{self.endpoint}/episodes/{key}/v1", api_key_var="RLHF_VERIFIERS_BRIDGE_KEY"))
-        live.run = asyncio.create_task(self.env.run_episode(task, context))
-        request = await self._next(live)
-        if request is None:
-            self.live.pop(key, None)
-            raise RolloutEnded(f"the rollout ended before the model's first turn: {ended(live)}")
-        live.seen = request["messages"]
-        return key, live.seen, request.get("tools") or None
-
-    async def _step(self, key: str, assistant: dict) -> tuple[list[dict] | None, float, bool]:
-        live = self.live.get(key)
-        if live is None:
-            raise KeyError(f"unknown episode {key!r}")
-        await live.replies.put(assistant_message(assistant, live.turns))
-        live.turns += 1
-        request = await self._next(live)
-        if request is None:
-            self.live.pop(key, None)
-            episode = live.run.result()
-            trace = episode.traces[0] if episode.traces else None
-            if trace is None or trace.errors or not episode.ok:
-                raise RolloutEnded(f"the rollout failed: {ended(live)}")
-            return None, float(trace.reward or 0.0), True
-        messages = request["messages"]
-        new, live.seen = messages[len(live.seen) + 1:], messages  # after the context and the model's turn
-        return [plain_message(m) for m in new], 0.0, False
-
-    async def _next(self, live: _Relay) -> dict | None:
-        """The harness's next request, or None once the rollout is over."""
-        asked = asyncio.create_task(live.requests.get())
-        await asyncio.wait({asked, live.run}, return_when=asyncio.FIRST_COMPLETED)
-        if asked.done():
-            return asked.result()
-        asked.cancel()
-        return None
-
-    async def _completion(self, request: web.Request) -> web.StreamResponse:
-        """The harness asks the model: the request is the observation; our turn, once it comes, the answer."""
-        live = self.live.get(request.match_info["episode"])
-        if live is None:
-            return web.json_response({"error": {"message": "unknown episode"}}, status=404)
-        body = await request.json()
-        await live.requests.put(body)
-        message = await live.replies.get()
-        reason = "tool_calls" if message.get("tool_calls") else "stop"
-        completion = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                      "model": body.get("model", "policy"),
-                      "choices": [{"index": 0, "message": message, "finish_reason": reason}],
-                      "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}
-        # Each answer closes its connection: verifiers' interception keeps a client per rollout that it
-        # never closes, and kept-alive connections to here piled up (two sockets each, ~2 per episode,
-        # until the process ran out of descriptors after ~10,000 episodes).
-        if not body.get("stream"):
-            return web.json_response(completion, headers={"Connection": "close"})
-        chunk = completion | {"object": "chat.completion.chunk",
-                              "choices": [{"index": 0, "delta": message, "finish_reason": reason}]}
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Connection": "close"})
-        await stream.prepare(request)
-        await stream.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
-        await stream.write_eof()
-        return stream
+        context = vf.ModelContext(model="policy", client=vf.EvalClientConfig(base_url=str(client.base_url).rstrip("/"),
+                                                                             api_key_var=KEY_VARIABLE))
+        episode = await self.env.run_episode(task, context)
+        trace = episode.traces[0] if episode.traces else None
+        if trace is None:
+            errors = [str(e) for e in getattr(episode, "errors", [])]
+            raise RolloutEnded(f"the rollout failed: no trace (errors: {errors})")
+        if trace.errors or not episode.ok:
+            errors = [e.message for e in trace.errors]
+            raise RolloutEnded(f"the rollout failed: stop {trace.stop_condition}, errors {errors}")
+        return float(trace.reward or 0.0)
 
 
 def merged(base: dict, extra: dict) -> dict:
@@ -281,24 +204,3 @@ def task_fields(row: dict, data_cls: type) -> dict:
     system = messages.pop(0)["content"] if messages and messages[0].get("role") == "system" else None
     fields = {k: v for k, v in row.items() if k in data_cls.model_fields and k not in ("prompt", "system_prompt")}
     return fields | {"prompt": messages} | ({"system_prompt": system} if system else {})
-
-
-def plain_message(message: dict) -> dict:
-    """A harness's message as our loop renders it: role, text content, and the tool's name."""
-    out = {"role": message.get("role", "user"), "content": text_of(message.get("content") or "")}
-    return out | ({"name": message["name"]} if message.get("name") else {})
-
-
-def ended(live: _Relay) -> str:
-    """Why a rollout ended: its exception, or its trace's errors and stop condition."""
-    if live.run is None or not live.run.done():
-        return "still running"
-    if live.run.cancelled():
-        return "cancelled"
-    if live.run.exception() is not None:
-        return f"{type(live.run.exception()).__name__}: {live.run.exception()}"
-    episode = live.run.result()
-    trace = episode.traces[0] if episode.traces else None
-    if trace is None:
-        return f"no trace (errors: {[str(e) for e in getattr(episode, 'errors', [])]})"
-    return f"stop {trace.stop_condition}, errors {[e.message for e in trace.errors]}"

@@ -687,7 +687,8 @@ class ServedFaults:
     server's fault tests: the demo world's tool for its records (with `liked`), `scripted_tools`' for
     others, and a record's `fault` column says what goes wrong:
     `slow` (every step waits `SLOW_STEP_S`), `malformed` (a step answers messages without a role) or
-    `counter` (a step's answer counts the steps this process took: not the same when replayed).
+    `counter` (a step's answer counts the steps this process took: not the same when replayed) or
+    `rewrite` (a call is answered with a rewritten history: `Step.restart`).
     `RLHF_TEST_DIE_AFTER_STEPS=N` ends the server's process in the middle of its N-th step."""
 
     steps = 0
@@ -719,6 +720,10 @@ class ServedFaults:
             return [{"content": "no role"}], 0.0, False
         if self.fault == "counter":
             return [{"role": "tool", "content": str(type(self).steps)}], 0.0, False
+        if self.fault == "rewrite" and turn.calls:
+            from stages.envs.environment import Step
+
+            return Step([{"role": "user", "content": "Summary: a cat. Answer now."}], 0.0, False, restart=True)
         return self.tools.step(turn)
 
 

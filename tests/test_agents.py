@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlhf.sections.environment import EnvironmentConfig
-from stages.envs.agent import AgentEndpoint
+from stages.envs.agent import AgentEndpoint, Relay
 from stages.envs.episode import transcript
 from stages.envs.loop import episode_runner
 from tests.helpers import TOOL_ANSWER, TOOL_TEMPLATE, Scripted
@@ -95,6 +95,8 @@ def test_an_agent_that_rewrites_its_history_goes_on_in_a_second_chain(chat_token
 
 
 def test_the_endpoint_serves_only_the_runs_token_and_live_episodes_on_loopback():
+    """401 without the run's token, 404 for an episode not live, 400 naming the reason for a body that is
+    not a JSON object of messages (never a 500)."""
     endpoint = AgentEndpoint()
     try:
         assert endpoint.url.startswith("http://127.0.0.1:")
@@ -102,7 +104,15 @@ def test_the_endpoint_serves_only_the_runs_token_and_live_episodes_on_loopback()
         path = f"{endpoint.url}/episodes/unknown/v1/chat/completions"
         assert httpx.post(path, json=body).status_code == 401
         assert httpx.post(path, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert httpx.post(path, json=body, headers={"Authorization": f"Bearer {endpoint.token}"}).status_code == 404
+        token = {"Authorization": f"Bearer {endpoint.token}"}
+        assert httpx.post(path, json=body, headers=token).status_code == 404
+        endpoint.live["live"] = Relay()
+        path = f"{endpoint.url}/episodes/live/v1/chat/completions"
+        for bad in (b"{not json", b"\xff\xfe", b"[1, 2]", b'{"messages": "hi"}', b'{"messages": [1]}',
+                    b'{"messages": [], "n": 2}'):
+            answer = httpx.post(path, content=bad, headers=token | {"Content-Type": "application/json"})
+            reason = answer.json()["error"]["message"]
+            assert answer.status_code == 400 and reason.startswith(("the body is not JSON", "a JSON object")), bad
     finally:
         endpoint.close()
 

@@ -86,7 +86,7 @@ def test_a_step_asked_again_is_answered_again_and_a_lost_episode_is_replayed():
         first = episode.step(call)
         again = client.request("POST", "/step", {"episode": episode.episode, "turn": 0,
                                                  "assistant": {"calls": [], "content": "other"}})
-        assert again == {"messages": first.messages, "reward": first.reward, "done": first.done}
+        assert again == {"messages": first.messages, "reward": first.reward, "done": first.done, "restart": False}
         assert episode.retries == 0
         server.episodes.clear()  # the server restarted
         assert episode.step(call) == first and len(episode.history) == 2
@@ -97,6 +97,21 @@ def test_a_step_asked_again_is_answered_again_and_a_lost_episode_is_replayed():
         server.episodes.clear()
         with pytest.raises(EpisodeRequestFailed, match="turn 0 was answered differently"):
             counting.step(call)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_served_environment_may_rewrite_the_history(chat_tokenizer):
+    """A step answered with `restart` crosses the protocol: the episode goes on in a second chain."""
+    server = EpisodeServer(("127.0.0.1", 0), OursServed(None, "tests.helpers:served_faults", [], {}), None, 600.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        settings = _served(f"http://127.0.0.1:{server.server_port}")
+        [episode] = _runner(chat_tokenizer, settings, 48).run(Scripted(chat_tokenizer, [CALL, "A cat."]),
+                                                              [{**ROW, "fault": "rewrite"}], 1.0)
+        assert episode.status == "ok" and episode.rewritten_contexts == 1, episode.error
+        assert "Summary: a cat." in chat_tokenizer.decode(episode.segments[2].ids)
     finally:
         server.shutdown()
         server.server_close()

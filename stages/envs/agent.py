@@ -116,9 +116,13 @@ class SharedConnections(DefaultAsyncHttpxClient):
 
 
 class AgentEndpoint:
-    """The policy's chat-completions endpoint for a run's agent programs, and the event loop they run on."""
+    """The policy's chat-completions endpoint for a run's agent programs, and the event loop they run on.
+    verifiers' bridge (`servers/verifiers_bridge.py`) serves its harness's requests on one too."""
 
-    def __init__(self):
+    def __init__(self, keep_alive: bool = True):
+        self.keep_alive = keep_alive
+        """False: each answer closes its connection, for clients that never close theirs (verifiers'
+        interception keeps one per rollout: kept-alive sockets piled up to the process's limit)."""
         self.token = secrets.token_urlsafe(32)
         self.live: dict[str, Relay] = {}
         self.loop = asyncio.new_event_loop()
@@ -162,7 +166,14 @@ class AgentEndpoint:
             self._thread.join(START_TIMEOUT_S)
 
     async def _completion(self, request):
-        """A program asks the policy: the request waits in its episode's relay until the loop's turn answers it."""
+        """A program asks the policy: the request waits in its episode's relay until the loop's turn answers it.
+        Every answer, refusals included, closes its connection where the endpoint does not keep them alive."""
+        response = await self._answer(request)
+        if not self.keep_alive:
+            response.force_close()
+        return response
+
+    async def _answer(self, request):
         header = request.headers.get("Authorization", "")
         if not hmac.compare_digest(header.encode(), f"Bearer {self.token}".encode()):
             return web.json_response({"error": {"message": "a bearer token is required"}}, status=401,
@@ -170,17 +181,22 @@ class AgentEndpoint:
         relay = self.live.get(request.match_info["episode"])
         if relay is None:
             return web.json_response({"error": {"message": "no such episode"}}, status=404)
-        body = await request.json()
-        if body.get("n", 1) != 1 or not isinstance(body.get("messages"), list):
-            return web.json_response({"error": {"message": "one choice (n: 1) for a list of messages"}}, status=400)
+        try:
+            body = await request.json()
+        except ValueError as e:  # not JSON, or not UTF-8
+            return web.json_response({"error": {"message": f"the body is not JSON: {e}"}}, status=400)
+        if not isinstance(body, dict) or body.get("n", 1) != 1 or not isinstance(body.get("messages"), list) \
+                or not all(isinstance(m, dict) for m in body["messages"]):
+            return web.json_response({"error": {"message": "a JSON object with a list of messages (objects), and one "
+                                                           "choice (n: 1)"}}, status=400)
         await relay.requests.put(body)
         message = await relay.replies.get()
         if message is None:
             return web.json_response({"error": {"message": "the episode is over"}}, status=410)
-        return await completion_response(request, body, message)
+        return await completion_response(request, body, message, self.keep_alive)
 
 
-async def completion_response(request, body: dict, message: dict):
+async def completion_response(request, body: dict, message: dict, keep_alive: bool):
     """`message` as an OpenAI chat completion (or its one-chunk stream, where the request streams)."""
     reason = "tool_calls" if message.get("tool_calls") else "stop"
     completion = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -192,6 +208,8 @@ async def completion_response(request, body: dict, message: dict):
     chunk = completion | {"object": "chat.completion.chunk",
                           "choices": [{"index": 0, "delta": message, "finish_reason": reason}]}
     stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    if not keep_alive:
+        stream.force_close()  # before the headers are sent
     await stream.prepare(request)
     await stream.write(f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
     await stream.write_eof()
@@ -293,11 +311,12 @@ def chat_message(message: dict, names: dict[str, str]) -> dict:
 
 
 def text_of(content: Any) -> str:
-    """A message's content as text: OpenAI's content parts (`{"type": "text", "text": ...}`) joined."""
+    """A message's content as text: OpenAI's content parts (`{"type": "text", "text": ...}`), or an MCP tool
+    answer's, one per line."""
     if content is None:
         return ""
     if isinstance(content, list):
-        return "".join(part.get("text", "") if isinstance(part, dict) else str(part) for part in content)
+        return "\n".join(part.get("text", "") if isinstance(part, dict) else str(part) for part in content)
     return str(content)
 
 

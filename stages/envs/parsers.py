@@ -72,6 +72,21 @@ class AssistantTurn:
         return message
 
 
+def turn_body(turn: AssistantTurn) -> dict:
+    """The model's turn as an environment server receives it (`stages.envs.remote.served`): its text,
+    answer, reasoning and calls (a malformed call as its reason's text), and the OpenAI-style message."""
+    calls = [dataclasses.asdict(call) if isinstance(call, ToolCall) else call for call in turn.calls]
+    return {"text": turn.text, "content": turn.content, "reasoning": turn.reasoning, "calls": calls,
+            "message": turn.message()}
+
+
+def turn_of_body(body: dict) -> AssistantTurn:
+    """A turn as `turn_body` sent it, on the server's side."""
+    calls = [ToolCall(c["name"], c["arguments"]) if isinstance(c, dict) else str(c) for c in body.get("calls", [])]
+    return AssistantTurn(text=body.get("text", ""), content=body.get("content", ""), reasoning=body.get("reasoning"),
+                         calls=calls)
+
+
 ToolParser = Callable[[str], AssistantTurn]
 """The assistant turn's text -> its structured message."""
 

@@ -9,7 +9,8 @@ Two protocols:
       GET  /dataset?split=train   {"rows": [{"messages": [...], <columns>...}]}   (404: it has none)
       POST /reset {"row": {...}}  {"episode": id, "messages": [...], "tools": [schemas] | null}
       POST /step  {"episode": id, "turn": n, "assistant": {text, content, reasoning, calls}}
-                                  {"messages": [...] | null, "reward": float, "done": bool}
+                                  {"messages": [...] | null, "reward": float, "done": bool, "restart": bool}
+                                  (`restart`, optional: the messages are a rewritten history, `Step.restart`)
       POST /close {"episode": id}
     openenv: an OpenEnv server's websocket sessions (`stages.envs.remote.openenv_client`).
 
@@ -32,7 +33,6 @@ import math
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -43,7 +43,7 @@ from rlhf.sections.environment import EnvironmentServerConfig
 from stages.common.clients import RequestFailed, TryFailed, bearer, exposed_token, http_failures, retried
 from stages.common.errors import StageUserError
 from stages.envs.environment import Step
-from stages.envs.parsers import AssistantTurn, ToolCall
+from stages.envs.parsers import AssistantTurn, turn_body
 
 PROTOCOL = "rlhf-env/1"
 T = TypeVar("T")
@@ -283,14 +283,6 @@ class ServedEpisode:
             self.episode = None
 
 
-def turn_body(turn: AssistantTurn) -> dict:
-    """The model's turn as the server receives it: its text, answer, reasoning and calls (a malformed
-    call as its reason's text), and the OpenAI-style message."""
-    calls = [asdict(call) if isinstance(call, ToolCall) else call for call in turn.calls]
-    return {"text": turn.text, "content": turn.content, "reasoning": turn.reasoning, "calls": calls,
-            "message": turn.message()}
-
-
 def checked_messages(messages: object, where: str, allow_none: bool = True) -> list[dict] | None:
     """A server's messages: a list of chat messages, each with a string `role` and a string (or absent)
     `content`; `EpisodeRequestFailed` naming what is wrong otherwise."""
@@ -307,13 +299,14 @@ def checked_messages(messages: object, where: str, allow_none: bool = True) -> l
 
 
 def checked_answer(answer: dict) -> Step:
-    """A step's answer as a `Step`: messages checked, a finite reward, a boolean `done`."""
-    reward, done = answer.get("reward", 0.0), answer.get("done", False)
+    """A step's answer as a `Step`: messages checked, a finite reward, booleans `done` and `restart`."""
+    reward, done, restart = answer.get("reward", 0.0), answer.get("done", False), answer.get("restart", False)
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise EpisodeRequestFailed(f"POST /step: the reward {reward!r} is not a finite number")
-    if not isinstance(done, bool):
-        raise EpisodeRequestFailed(f"POST /step: done must be true or false, got {done!r}")
-    return Step(checked_messages(answer.get("messages"), "POST /step"), float(reward), done)
+    for name, flag in (("done", done), ("restart", restart)):
+        if not isinstance(flag, bool):
+            raise EpisodeRequestFailed(f"POST /step: {name} must be true or false, got {flag!r}")
+    return Step(checked_messages(answer.get("messages"), "POST /step"), float(reward), done, restart)
 
 
 def _object(answer: httpx.Response, where: str) -> dict:
