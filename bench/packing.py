@@ -85,6 +85,7 @@ def synthetic_episodes(learner, prompt_lengths: list[int], response_lengths: lis
                          ref_logprobs=logprobs, values=values * mask, entropy=torch.zeros_like(mask),
                          engine_logprobs=logprobs, teacher=Marks(), has_eos=torch.ones(n, dtype=torch.bool),
                          episodes=[None] * n, messages=[[]] * n, trainable=mask, turn_rewards=torch.zeros_like(mask),
+                         restarts=torch.zeros_like(mask),
                          scores=scores, kl=torch.zeros_like(mask),
                          advantages=torch.randn(n, 1, generator=generator) * mask,
                          returns=torch.randn(n, steps, generator=generator) * mask,

@@ -433,6 +433,7 @@ def test_micro_batch_drops_only_columns_that_are_padding_in_every_row(tiny_confi
                           ref_logprobs=per_token, values=per_token, entropy=per_token, engine_logprobs=per_token,
                           teacher=Marks(), has_eos=torch.ones(3, dtype=torch.bool), messages=[[], [], []],
                           episodes=episodes, trainable=mask, turn_rewards=torch.zeros_like(mask),
+                          restarts=torch.zeros_like(mask),
                           scores=plain_scores(torch.zeros(3)), kl=per_token, advantages=per_token, returns=per_token,
                           engine_weights=torch.ones_like(mask), counted=mask, kl_weights=KLWeights(0.0, 0.0, 0.0))
     micro = micro_batch(batch, torch.tensor([1, 0]))

@@ -125,7 +125,8 @@ def _rollout(prompt_width: int, steps: int, first: int, teacher: Marks | None = 
                    ref_logprobs=counting(steps), values=counting(steps), entropy=counting(steps),
                    engine_logprobs=counting(steps), teacher=teacher or Marks(), has_eos=torch.tensor([True, False]),
                    messages=[[{"role": "user", "content": f"p{first}"}], [{"role": "user", "content": f"q{first}"}]],
-                   trainable=torch.ones(2, steps), turn_rewards=counting(steps), figures={"rollout/x": first},
+                   trainable=torch.ones(2, steps), turn_rewards=counting(steps), restarts=counting(steps),
+                   figures={"rollout/x": first},
                    episodes=[Episode(segments=[], answer=f"t{first}"), Episode(segments=[], answer=f"u{first}")])
 
 

@@ -415,7 +415,7 @@ def _rollout(rows: int, steps: int):
                    responses=torch.ones(rows, steps, dtype=torch.long), mask=torch.ones(rows, steps),
                    logprobs=zeros, ref_logprobs=zeros, values=zeros, entropy=zeros, engine_logprobs=zeros,
                    teacher=Marks(), has_eos=torch.ones(rows, dtype=torch.bool), messages=[[]] * rows,
-                   trainable=torch.ones(rows, steps), turn_rewards=zeros,
+                   trainable=torch.ones(rows, steps), turn_rewards=zeros, restarts=zeros,
                    episodes=[Episode(segments=[], answer="r") for _ in range(rows)])
 
 
