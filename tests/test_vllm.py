@@ -136,6 +136,25 @@ def test_episodes_sample_their_turns_on_the_vllm_server_from_token_ids(tool_worl
     assert result.history[-1]["rollout/kl"] != 0
 
 
+def test_an_agent_programs_chains_sample_on_the_server_ahead_and_train_on_what_it_sampled(tool_world, tmp_path,
+                                                                                          started):
+    """An agent program (`environment.agent`) served by the vLLM server, sampled one update ahead: each
+    episode drafts, then answers again on a fresh context (a rewritten history). Where the server's
+    weights were the trainer's (the first rollout, staleness 0), the trainer's passes over the second
+    chain, packed on the episode's row, give the log-probs the server gave when it sampled on that
+    context alone; later rollouts are one update old."""
+    cfg, trained = tool_world
+    ppo = with_overrides(cfg.ppo, AUTO_RESOLVED | {
+        "num_iterations": 3, "rollout": {"max_staleness": 1}, "sampling.response_length": 48,
+        "environment": {"tools": None, "agent": "tests.helpers:refining_agent", "episode_tokens": 160}})
+    result = run_ppo(ppo, trained, tmp_path / "out")
+    assert len(started) == 1 and _stopped(started[0])
+    assert all(row["rollout/failed_share"] == 0 for row in result.history)
+    assert all(row["rollout/rewritten_contexts"] > 0 for row in result.history)
+    assert [row["rollout/staleness"] for row in result.history] == [0.0, 1.0, 1.0]
+    assert result.history[0]["rollout/vllm_logprob_gap_max"] < 1e-4
+
+
 def test_episodes_sampled_ahead_keep_their_bound_and_a_resumed_run_loses_and_repeats_none(tool_world, tmp_path):
     """`rollout.max_staleness: 2` with episodes: whole episodes, tool calls included, are sampled on
     the server's thread while the trainer updates; each is at most 2 updates old, and the full-state

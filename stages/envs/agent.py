@@ -341,6 +341,10 @@ class AgentEpisodes:
         self.endpoint: AgentEndpoint | None = None
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo: dict) -> AgentEpisodes:
+        """Itself: the copy of the runner that samples ahead on its own thread shares the run's one endpoint."""
+        return self
+
     def __call__(self, row: dict) -> AgentEpisode:
         with self._lock:  # episodes start on several threads
             if self.endpoint is None:
