@@ -164,11 +164,66 @@ def without_special_tokens(tokenizer, text: str) -> str:
     return text
 
 
+class _Scan:
+    """Forward searches in one text, each marker's next place kept: a text of many openers and no closer
+    costs one pass per marker, not one per opener, so every parser here runs in time linear in the turn
+    (a backtracking regex such as `<a>(.*?)</a>` scans to the end once per `<a>`: quadratic)."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.seen: dict[str, tuple[int, int]] = {}
+        """marker -> (from where it was looked for, where it was found or -1)."""
+
+    def find(self, marker: str, at: int) -> int:
+        """The first `marker` at or after `at`, or -1."""
+        since, found = self.seen.get(marker, (len(self.text) + 1, -1))
+        if at < since or (found != -1 and found < at):
+            since, found = at, self.text.find(marker, at)
+            self.seen[marker] = (since, found)
+        return found
+
+    def head(self, opener: str, at: int) -> tuple[str, int] | None:
+        """The first `opener NAME>` at or after `at` whose NAME holds no `>` or newline: (NAME, the place
+        after its `>`); None where there is none."""
+        while (opened := self.find(opener, at)) != -1:
+            start = opened + len(opener)
+            closing, newline = self.find(">", start), self.find("\n", start)
+            if closing == -1:
+                return None
+            if newline == -1 or closing < newline:
+                return self.text[start:closing], closing + 1
+            at = newline  # every opener before that newline meets it before a `>` too
+        return None
+
+
 def _blocks(text: str, start: str, end: str) -> tuple[str, list[tuple[str, bool]]]:
-    """The text outside `start ... end` blocks, and each block's body with whether it was closed."""
-    pattern = re.compile(re.escape(start) + r"(.*?)(" + re.escape(end) + r"|$)", re.DOTALL)
-    found = [(body, bool(closed)) for body, closed in pattern.findall(text)]
-    return pattern.sub("", text).strip(), found
+    """The text outside `start ... end` blocks, and each block's body with whether it was closed (an
+    unclosed one runs to the end of the text)."""
+    scan, outside, found, at = _Scan(text), [], [], 0
+    while (opened := scan.find(start, at)) != -1:
+        outside.append(text[at:opened])
+        body = opened + len(start)
+        closed = scan.find(end, body)
+        if closed == -1:
+            found.append((text[body:], False))
+            at = len(text)
+            break
+        found.append((text[body:closed], True))
+        at = closed + len(end)
+    outside.append(text[at:])
+    return "".join(outside).strip(), found
+
+
+def _enclosed(text: str, opener: str, closer: str) -> list[str]:
+    """The bodies of `opener ... closer` pairs in order, each closed by the first `closer` after it."""
+    scan, found, at = _Scan(text), [], 0
+    while (opened := scan.find(opener, at)) != -1:
+        closed = scan.find(closer, opened + len(opener))
+        if closed == -1:
+            break
+        found.append(text[opened + len(opener):closed])
+        at = closed + len(closer)
+    return found
 
 
 def _tagged(start: str, end: str, body: Callable[[str], ToolCall | str]) -> ToolParser:
@@ -184,22 +239,42 @@ def _tagged(start: str, end: str, body: Callable[[str], ToolCall | str]) -> Tool
 
 
 def _coder_body(body: str) -> ToolCall | str:
-    """`<function=NAME><parameter=K>V</parameter>...</function>`."""
-    function = re.search(r"<function=([^>\n]*)>(.*?)(</function>|$)", body, re.DOTALL)
+    """`<function=NAME><parameter=K>V</parameter>...</function>` (a value's newlines next to its tags dropped)."""
+    scan = _Scan(body)
+    function = scan.head("<function=", 0)
     if function is None:
         return "the call must be <function=NAME><parameter=KEY>VALUE</parameter></function>"
-    parameters = re.findall(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", function.group(2), re.DOTALL)
-    return _call(function.group(1), {key.strip(): _value(value) for key, value in parameters})
+    name, at = function
+    end = scan.find("</function>", at)
+    inner = _Scan(body[at:] if end == -1 else body[at:end])
+    parameters, at = {}, 0
+    while (parameter := inner.head("<parameter=", at)) is not None:
+        key, start = parameter
+        start += inner.text.startswith("\n", start)
+        closed = inner.find("</parameter>", start)
+        if closed == -1:
+            break
+        value = inner.text[start:closed]
+        parameters[key.strip()] = _value(value[:-1] if value.endswith("\n") else value)
+        at = closed + len("</parameter>")
+    return _call(name, parameters)
 
 
 def _glm_body(body: str) -> ToolCall | str:
     """`NAME<arg_key>K</arg_key><arg_value>V</arg_value>...`."""
     name = body.split("<arg_key>", 1)[0]
-    keys = re.findall(r"<arg_key>(.*?)</arg_key>", body, re.DOTALL)
-    values = re.findall(r"<arg_value>(.*?)</arg_value>", body, re.DOTALL)
+    keys, values = _enclosed(body, "<arg_key>", "</arg_key>"), _enclosed(body, "<arg_value>", "</arg_value>")
     if len(keys) != len(values):
         return "every <arg_key> needs its <arg_value>"
     return _call(name, {k.strip(): _value(v) for k, v in zip(keys, values, strict=True)})
+
+
+def _unfenced(text: str) -> str:
+    """A code fence's body (```` ```json ... ``` ````, either fence optional), spaces around it dropped."""
+    body = text.strip()
+    if body.startswith("```"):
+        body = body[3:].removeprefix("json")
+    return body.removesuffix("```").strip()
 
 
 def _deepseek_body(body: str) -> ToolCall | str:
@@ -209,8 +284,7 @@ def _deepseek_body(body: str) -> ToolCall | str:
         return "the call must be NAME<｜tool▁sep｜>ARGUMENTS"
     if head.strip() == "function":  # V3: the name on the first line, the arguments in a json fence
         name, _, arguments = tail.partition("\n")
-        arguments = re.sub(r"^\s*```(json)?\s*|\s*```\s*$", "", arguments)
-        return _call(name, arguments)
+        return _call(name, _unfenced(arguments))
     return _call(head, tail)
 
 
@@ -288,17 +362,33 @@ def mistral(text: str) -> AssistantTurn:
     return AssistantTurn(text, content.strip(), reasoning, calls or [CALL_SHAPE])
 
 
-HARMONY_MESSAGE = re.compile(
-    r"(?:<\|start\|>assistant)?(?P<header>.*?)<\|message\|>(?P<body>.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|$)",
-    re.DOTALL)
+HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+"""What ends a harmony message's body (or the end of the text)."""
+
+
+def _harmony_messages(text: str) -> list[tuple[str, str]]:
+    """gpt-oss's messages as (header, body): a header (after an optional `<|start|>assistant`) up to
+    `<|message|>`, the body up to the message's end token or the end of the text."""
+    scan, messages, at = _Scan(text), [], 0
+    while (opened := scan.find("<|message|>", at)) != -1:
+        header = text[at:opened].removeprefix("<|start|>assistant")
+        start = opened + len("<|message|>")
+        ends = [(found, end) for end in HARMONY_ENDS if (found := scan.find(end, start)) != -1]
+        if not ends:
+            body = text[start:]
+            messages.append((header, body[:-1] if body.endswith("\n") else body))
+            break
+        found, end = min(ends)
+        messages.append((header, text[start:found]))
+        at = found + len(end)
+    return messages
 
 
 def harmony(text: str) -> AssistantTurn:
     """gpt-oss's channels: `analysis` is reasoning, `final` the answer, a `commentary` message
     addressed `to=functions.NAME` a call (its body the JSON arguments)."""
     reasoning, content, calls = [], [], []
-    for message in HARMONY_MESSAGE.finditer(text):
-        header, body = message.group("header"), message.group("body")
+    for header, body in _harmony_messages(text):
         recipient = re.search(r"to=functions\.([^\s<]+)", header)
         if recipient is not None:
             calls.append(_call(recipient.group(1), body))
