@@ -157,14 +157,27 @@ def test_a_server_slower_than_the_timeout_fails_after_its_tries():
     assert "no answer within 0.2 s" in outcome.failures[0] and "after 2 tries" in outcome.failures[0]
 
 
-@pytest.mark.parametrize("body", ["<html>busy</html>", '{"scores": [1.0]}', '{"scores": ["a"]}', '{"s": []}'])
+@pytest.mark.parametrize("body", ["<html>busy</html>", '{"scores": [1.0]}', '{"scores": ["a"]}', '{"s": []}',
+                                  '{"scores": [' + "1" * 5000 + "]}",  # past Python's 4,300 digits: ValueError
+                                  '{"scores": ' + "[" * 5000 + "]" * 5000 + "}",  # RecursionError
+                                  '{"scores": [NaN]}'])
 def test_a_malformed_body_fails_its_request_without_a_retry(body):
+    """Whatever a 200 answer holds, it fails its request (its rows unscored, for `on_failure`); the
+    client never raises on it."""
     how = Misbehaviour(body=body)
     with served_in_thread(scoring_app(how)) as base:
         outcome = score(client(base + "/score", batch_size=10))
     assert outcome.values == [None] * 10 and how.requests == 1 and outcome.retries == 0
     assert "not JSON" in outcome.failures[0] or "expected {'scores'" in outcome.failures[0] \
         or "not a finite number" in outcome.failures[0]
+
+
+@pytest.mark.parametrize("content", [5, ["a"], {"score": 7}])
+def test_a_judge_whose_content_is_not_text_fails_its_request(content):
+    app, _ = judge_app(content)
+    with served_in_thread(app) as base:
+        outcome = score(client(base + "/v1", kind="judge", extra_body={"model": "tiny-judge"}))
+    assert outcome.values == [None] * 10 and "content is not text" in outcome.failures[0]
 
 
 def test_stopping_at_the_first_failure_names_the_url_the_status_and_the_batch():

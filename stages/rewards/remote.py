@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import math
 import re
 import time
@@ -283,6 +282,8 @@ class RemoteReward:
                 text = body["choices"][0]["message"]["content"] or ""
             except (KeyError, IndexError, TypeError):
                 raise _Failed(f"not a chat completion: {answer.text[:200]!r}") from None
+            if not isinstance(text, str):
+                raise _Failed(f"the judge's content is not text: {answer.text[:200]!r}")
             if self.cfg.pairwise:
                 choice = _CHOICE.search(text)
                 if choice is None:
@@ -341,10 +342,13 @@ def _run(coroutine):
 
 
 def _json(answer: httpx.Response):
+    """The answer's JSON; `_Failed` for a body that is not JSON, or that Python will not read (an integer
+    of over 4,300 digits: ValueError; thousands of nested brackets: RecursionError)."""
     try:
         return answer.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise _Failed(f"HTTP {answer.status_code} with a body that is not JSON: {answer.text[:200]!r}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise _Failed(f"HTTP {answer.status_code} with a body that is not JSON ({type(e).__name__}): "
+                      f"{answer.text[:200]!r}") from None
 
 
 def _policy_first(response: str, reference: str) -> bool:
