@@ -266,6 +266,40 @@ def _job_processes(folder: Path) -> list:
 
 
 @pytest.mark.multiprocess
+def test_ranks_die_with_a_launcher_killed_while_they_import(tmp_path):
+    """The launcher SIGKILLed while its two ranks still import (torch, the stage: seconds): both end at
+    once, for each sets its death signal in its first lines, before those imports. (Set after them, a
+    rank lived on with no parent until it reached its work.)"""
+    import time
+
+    import psutil
+
+    from rlhf.sections.base import LaunchConfig
+    from stages.launch.local import launch_command
+
+    spec = tmp_path / "launch"
+    spec.mkdir()
+    launcher = subprocess.Popen(launch_command(spec, LaunchConfig(num_processes=2)), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
+                                start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(ranks := [p for p in _job_processes(tmp_path) if p.pid != launcher.pid]) < 2:
+        assert launcher.poll() is None and time.monotonic() < deadline, "the launcher started no two ranks"
+        time.sleep(0.01)
+    time.sleep(0.2)  # past a rank's first lines (~50 ms of interpreter and `stages`), inside its imports
+    launcher.kill()
+    launcher.wait()
+
+    def alive() -> list[int]:  # a zombie has ended: its new parent reaps it when it will
+        return [p.pid for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    gone_by = time.monotonic() + 0.5
+    while alive() and time.monotonic() < gone_by:
+        time.sleep(0.02)
+    assert not alive()
+
+
+@pytest.mark.multiprocess
 def test_ranks_die_with_a_sigkilled_caller_and_the_rerun_resumes_to_the_uninterrupted_weights(tiny_config, trained,
                                                                                               tmp_path):
     """The flow's process SIGKILLed (the OOM killer's way) mid-PPO on two processes: its ranks end within

@@ -30,6 +30,11 @@ job's failure, reported with the ranks that had not finished.
 
 from __future__ import annotations
 
+from stages.common.processes import die_with_parent  # standard library only: first, so a rank's next line runs early
+
+if __name__ == "__main__":  # a rank: the death signal before the imports below (torch, pandas: seconds), in which
+    die_with_parent()  # a launcher killed would leave this rank alive, its parent gone (issue 91)
+
 import atexit
 import os
 import pickle
@@ -48,7 +53,6 @@ from stages.launch.job import (
     LaunchError,
     StageCall,
     cpu_environment,
-    die_with_parent,
     event_writer,
     follow,
     hold_work_folder,
@@ -145,7 +149,8 @@ def done_marker(spec: Path, rank: int) -> Path:
 
 
 def main(spec: Path) -> None:
-    die_with_parent()  # the launcher above this rank dies with the caller; this rank with the launcher
+    """A rank's work (its death signal set first, at the top of this module: this rank dies with the
+    launcher above it, which dies with the caller)."""
     hold_work_folder(spec)
     call: StageCall = pickle.loads((spec / "call.pkl").read_bytes())
     state = start_rank(call)
