@@ -10,7 +10,6 @@ import fcntl
 import functools
 import hashlib
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -28,7 +27,7 @@ import requests
 from mlflow.entities import Param, RunStatus
 from mlflow.tracking import MlflowClient
 
-from rlhf.sections.base import REPO_ROOT
+from rlhf.sections.base import REPO_ROOT, state_dir
 
 TAG_STAGE = "rlhf.stage"
 TAG_PIPELINE = "rlhf.pipeline_run_id"
@@ -321,11 +320,6 @@ def run_url(run_id: str, tab: str = "") -> str | None:
     run = MlflowClient().get_run(run_id)
     path = f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}" + (f"/{tab}" if tab else "")
     return path + _MODEL_TRAINING_VIEW
-
-
-def state_dir() -> Path:
-    """The folder that holds all local state: `$RLHF_HOME`, by default `.rlhf/` in the repository."""
-    return Path(os.environ.get("RLHF_HOME", REPO_ROOT / ".rlhf"))
 
 
 @dataclass(frozen=True)

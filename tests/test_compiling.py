@@ -184,3 +184,26 @@ def test_checking_for_the_end_every_few_steps_gives_the_same_responses_and_figur
     for name in ("responses", "logprobs", "entropy", "hidden"):
         assert torch.equal(getattr(every_few, name), getattr(every_step, name)), name
     assert every_few.computed_tokens > every_step.computed_tokens  # the steps past the end were decoded
+
+
+@pytest.mark.multiprocess  # inductor compiles and loads a new kernel in processes of its own
+def test_compiled_kernels_are_kept_in_a_private_folder_under_rlhf_home(tmp_path, monkeypatch):
+    """Not inductor's default `/tmp/torchinductor_<user>`, which another local user could create first:
+    `RLHF_HOME/inductor`, mode 0700, where a compile writes its kernels; a folder the user set is kept."""
+    import os
+    import stat
+
+    from stages.runtime.compiling import private_kernel_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("RLHF_HOME", str(tmp_path / "home"))
+    private_kernel_cache()
+    folder = tmp_path / "home" / "inductor"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    torch._dynamo.reset()
+    assert torch.compile(lambda x: x * 3 + 1)(torch.arange(5.0)).tolist() == [1.0, 4.0, 7.0, 10.0, 13.0]
+    assert any(path.is_file() for path in folder.rglob("*"))  # the kernel compiled for it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    private_kernel_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

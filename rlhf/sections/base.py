@@ -8,6 +8,7 @@ config-reference`), and docs/settings.md explains them at length. Unknown keys a
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -23,6 +24,11 @@ from pydantic import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def state_dir() -> Path:
+    """The folder that holds all local state: `$RLHF_HOME`, by default `.rlhf/` in the repository."""
+    return Path(os.environ.get("RLHF_HOME", REPO_ROOT / ".rlhf"))
 
 
 StageName = Literal["sft", "reward", "ppo", "dpo"]

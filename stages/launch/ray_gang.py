@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import rlhf.numerics as numerics
+from rlhf.sections.base import state_dir
 from stages.common.reporting import Reporting
 from stages.launch.job import (
     ERROR,
@@ -189,8 +190,7 @@ def _connect(address: str) -> None:
 def _local_cluster() -> tuple[str, Path | None] | None:
     """The head of the cluster `make ray-up` started (scripts/ray_cluster.sh records its address and
     token in `$RLHF_HOME/ray`), else the one a plain `ray start` recorded (no token of ours), or None."""
-    home = Path(os.environ.get("RLHF_HOME", Path(__file__).resolve().parents[2] / ".rlhf"))
-    ours = home / "ray"
+    ours = state_dir() / "ray"
     for recorded, token in ((ours / "address", ours / "auth_token"), (Path("/tmp/ray/ray_current_cluster"), None)):
         if recorded.is_file() and (address := recorded.read_text().strip()):
             return address, token if token is not None and token.is_file() else None

@@ -19,11 +19,14 @@ the run's steps repay the compile, and the compiled pass matches the eager one.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from rlhf.sections.base import state_dir
 
 BUCKETS_PER_OCTAVE = 4
 """Sizes a compiled pass's dimensions are rounded to per power of two: padding of at most 25% (12%
@@ -100,6 +103,7 @@ class Compiler:
         if not self.enabled:
             return model
         if purpose not in self._compiled:
+            private_kernel_cache()
             graphs = self.cuda_graphs and purpose == "decode"
             self._compiled[purpose] = torch.compile(ENTRIES[purpose], dynamic=not self.static_shapes,
                                                     mode="reduce-overhead" if graphs else None)
@@ -146,6 +150,18 @@ class Probe:
     """Largest |compiled - eager| of the pass's outputs, relative to their largest magnitude."""
 
 
+def private_kernel_cache() -> None:
+    """Compiled kernels read and written under `RLHF_HOME/inductor` (0700), not inductor's default
+    `/tmp/torchinductor_<user>`, which any local user could create first and fill with kernels this
+    process would load; a `TORCHINDUCTOR_CACHE_DIR` set by the user is kept."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    folder = state_dir() / "inductor"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+
+
 def probe_compile(run_pass: Callable[[Callable], torch.Tensor], model: torch.nn.Module, passes_in_run: int,
                   least_compile_s: float, tolerance: float, static_shapes: bool) -> tuple[bool, str]:
     """Whether compiling `model` pays over a run of `passes_in_run` passes like `run_pass(callable)`
@@ -158,6 +174,7 @@ def probe_compile(run_pass: Callable[[Callable], torch.Tensor], model: torch.nn.
     if ceiling < least_compile_s:
         return False, (f"off (auto: eager pass {eager_s * 1e3:.1f} ms x {passes_in_run} passes; compiling could "
                        f"save at most {ceiling:.1f} s, a compile takes {least_compile_s:.0f} s or more)")
+    private_kernel_cache()
     compiled = torch.compile(model, dynamic=not static_shapes)
     started = time.perf_counter()
     outputs = run_pass(compiled)
