@@ -415,8 +415,9 @@ def register_policy(run_id: str, checkpoint: Path, model_name: str, alias: str, 
 
 
 _SECRETS = [
-    # user:password@, also after a path library collapsed the URI's "//"
-    (re.compile(r"(?P<keep>[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2}[^/\s:@]+:)[^@\s/]+@"), r"\g<keep>***@"),
+    # user:password@, also after a path library collapsed the URI's "//"; the password up to the host's `@`,
+    # the last before the path (a password may hold `@`)
+    (re.compile(r"(?P<keep>[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2}[^/\s:@]+:)[^\s/]*@"), r"\g<keep>***@"),
     # a token as the whole userinfo: https://token@host (not MLflow's `models:/<name>@<alias>`: a name, no secret)
     (re.compile(r"(?P<keep>\b(?!models:)[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2})[^/\s:@*]+@"), r"\g<keep>***@"),
     (re.compile(r"(?P<keep>(?:token|key|secret|password|passwd|sig|signature|credential)s?=)[^&\s\"']+", re.I),
@@ -429,7 +430,14 @@ _SECRETS = [
     (re.compile(r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{16,}"), "sk-***"),  # OpenAI-style and similar API keys
     (re.compile(r"\b(?:gh[pousr]|github_pat)_[A-Za-z0-9_]{20,}"), "gh_***"),  # GitHub tokens
     (re.compile(r"\bAKIA[0-9A-Z]{16}\b"), "AKIA***"),  # AWS access key ids
-    (re.compile(r"(?P<keep>\bBearer\s+)[A-Za-z0-9._~+/=-]{8,}", re.I), r"\g<keep>***"),
+    (re.compile(r"(?P<keep>\b(?:Bearer|Basic)\s+)[A-Za-z0-9._~+/=-]{8,}", re.I), r"\g<keep>***"),
+    # Prefect's `user:password` auth string (the stack's PREFECT_AUTH, PREFECT_API_AUTH_STRING): the user kept
+    (re.compile(r"(?P<keep>\b\w*AUTH(?:_STRING)?[\"']?\s*[=:]\s*[\"']?[^:\s\"']+:)[^\s\"']+", re.I), r"\g<keep>***"),
+    (re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"), "eyJ***"),  # JSON web tokens
+    (re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}"), "xox***"),  # Slack tokens
+    (re.compile(r"(?P<keep>hooks\.slack\.com/services/)[A-Za-z0-9/]+"), r"\g<keep>***"),  # Slack webhooks
+    (re.compile(r"\bAIza[0-9A-Za-z_-]{35}"), "AIza***"),  # Google API keys
+    (re.compile(r"\bya29\.[0-9A-Za-z_-]{20,}"), "ya29.***"),  # Google OAuth access tokens
 ]
 
 

@@ -505,6 +505,20 @@ def test_redaction_patterns():
     assert tracking.redact(yaml_text) == ("api_key: ***\napi_key_env: JUDGE_KEY\nturn_tokens: 24\nhf_token: '***'\n"
                                           "pad_token: <pad>\ntoken: null")
     assert tracking.redact('{"password": "hunter2", "tokens": 5}') == '{"password": "***", "tokens": 5}'
+    assert tracking.redact("postgresql+psycopg://rlhf:p@ss@w0rd@127.0.0.1:5433/mlflow") == \
+        "postgresql+psycopg://rlhf:***@127.0.0.1:5433/mlflow"  # a password holding `@`: none of it left
+    assert tracking.redact("http://alice:S3cretPass@10.0.0.5:8400/v1") == "http://alice:***@10.0.0.5:8400/v1"
+    assert tracking.redact("Authorization: Basic YWxpY2U6czNjcmV0") == "Authorization: Basic ***"
+    assert tracking.redact("PREFECT_API_AUTH_STRING=rlhf:Zq8xv2") == "PREFECT_API_AUTH_STRING=rlhf:***"
+    assert tracking.redact("PREFECT_AUTH='rlhf:Zq8xv2' make up") == "PREFECT_AUTH='rlhf:***' make up"
+    jwt = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U"
+    assert tracking.redact(f"token {jwt} sent") == "token eyJ*** sent"
+    assert tracking.redact("slack xoxb-123456789012-abcdefABCDEF") == "slack xox***"
+    assert tracking.redact("https://hooks.slack.com/services/T000/B000/XXXXXXXX") == \
+        "https://hooks.slack.com/services/***"
+    assert tracking.redact("maps AIzaSyA1234567890abcdefghijklmnopqrstuv") == "maps AIza***"
+    assert tracking.redact("teacher models:/rlhf-policy@champion, run at http://host/a@b") == \
+        "teacher models:/rlhf-policy@champion, run at http://host/a@b"  # an `@` in a path is not userinfo
 
 
 def test_summary_lists_ran_and_reused_stage_runs(finished, capsys):
