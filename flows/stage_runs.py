@@ -185,6 +185,8 @@ class StageRun:
     warnings: list[str]
 
     def warn(self, message: str) -> None:
+        """A stage's warning, redacted (a URL's password, a token), to the Prefect log and the run's warnings."""
+        message = tracking.redact(message)
         self.warnings.append(message)
         get_run_logger().warning(message)
 
