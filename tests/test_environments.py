@@ -515,6 +515,18 @@ def test_a_nested_or_huge_call_is_a_malformed_call_in_every_convention():
             turn.message()  # and it makes a chat message
 
 
+@pytest.mark.parametrize("arguments", ['{"x": NaN}', '{"x": -Infinity}', '{"x": "\\ud800"}'])
+def test_a_call_whose_arguments_are_not_strict_json_is_malformed(arguments):
+    """NaN, infinity and a lone surrogate parse as JSON in Python but cannot be sent as JSON or UTF-8:
+    the call is malformed (that turn answered with the reason), not the episode failed sending it."""
+    from stages.envs.parsers import PARSERS
+
+    [call] = hermes(f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>').calls
+    assert isinstance(call, str) and "not strict JSON" in call
+    [call] = PARSERS["pythonic"]("<|tool_call_start|>[f(x={1, 2})]<|tool_call_end|>").calls  # a set
+    assert isinstance(call, str) and "not strict JSON" in call
+
+
 def test_the_nested_call_through_the_loop_is_answered_as_malformed(chat_tokenizer):
     """The same call sampled by the policy: answered with the reason, the episode goes on."""
     engine = Scripted(chat_tokenizer, [NESTED, "The cat is warm."])

@@ -104,6 +104,11 @@ def _call(name: object, arguments: object) -> ToolCall | str:
         return CALL_SHAPE
     if not re.fullmatch(r"[\w.:/\-]{1,128}", name.strip()):
         return f"{name.strip()[:40]!r} is not a tool's name"
+    try:  # what a tool, a server or a transcript is sent: strict JSON, UTF-8
+        json.dumps(arguments, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (ValueError, TypeError, UnicodeEncodeError, RecursionError) as e:
+        return f"the call's arguments are not strict JSON (NaN or infinity, a lone surrogate, a Python value): " \
+               f"{type(e).__name__}"
     return ToolCall(name.strip(), arguments)
 
 
@@ -301,7 +306,7 @@ def _pythonic_body(body: str) -> ToolCall | str | list[ToolCall | str]:
             parsed.append("a call must be name(key=value, ...)")
             continue
         try:
-            parsed.append(ToolCall(call.func.id, {k.arg: ast.literal_eval(k.value) for k in call.keywords}))
+            parsed.append(_call(call.func.id, {k.arg: ast.literal_eval(k.value) for k in call.keywords}))
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError) as e:
             parsed.append(f"the call's arguments are not literals: {type(e).__name__}")
     return parsed
