@@ -414,17 +414,23 @@ def register_policy(run_id: str, checkpoint: Path, model_name: str, alias: str, 
     return Registration(version, moved, reason)
 
 
+_SCHEME = r"(?<![a-zA-Z0-9+.-])[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2}"
+"""A URI's scheme, starting where a run of scheme characters starts: tried at every letter of a long word,
+it would rescan the word from each (quadratic)."""
 _SECRETS = [
+    # Each pattern runs in time linear in the text: a start is only where its run of characters starts (a
+    # lookbehind), or a scan that may fail is bounded, so no failed attempt rescans what another scanned.
     # user:password@, also after a path library collapsed the URI's "//"; the password up to the host's `@`,
     # the last before the path (a password may hold `@`)
-    (re.compile(r"(?P<keep>[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2}[^/\s:@]+:)[^\s/]*@"), r"\g<keep>***@"),
+    (re.compile(rf"(?P<keep>{_SCHEME}[^/\s:@]{{1,256}}:)[^\s/]{{0,512}}@"), r"\g<keep>***@"),
     # a token as the whole userinfo: https://token@host (not MLflow's `models:/<name>@<alias>`: a name, no secret)
-    (re.compile(r"(?P<keep>\b(?!models:)[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2})[^/\s:@*]+@"), r"\g<keep>***@"),
+    (re.compile(rf"(?P<keep>(?!models:){_SCHEME})[^/\s:@*]{{1,512}}@"), r"\g<keep>***@"),
     (re.compile(r"(?P<keep>(?:token|key|secret|password|passwd|sig|signature|credential)s?=)[^&\s\"']+", re.I),
      r"\g<keep>***"),
     # YAML or JSON `api_key: value` (a name ending `_env` names a variable, not a secret; a tokenizer's
     # special tokens are no secret either)
-    (re.compile(r"(?P<keep>\b(?!(?:pad|eos|bos|unk|sep|cls|mask)_token\b)(?:[\w-]*[_-])?(?:api[_-]?key|token|secret|password|passwd)[\"']?\s*:\s*[\"']?)"
+    (re.compile(r"(?P<keep>(?<![\w-])(?!(?:pad|eos|bos|unk|sep|cls|mask)_token\b)(?:[\w-]{0,64}[_-])?"
+                r"(?:api[_-]?key|token|secret|password|passwd)[\"']?\s*:\s*[\"']?)"
                 r"(?![\"']?\s*(?:$|null\b|\*\*\*))[^\s\"',}]+", re.I | re.M), r"\g<keep>***"),
     (re.compile(r"\bhf_[A-Za-z0-9]{20,}\b"), "hf_***"),  # Hugging Face access tokens
     (re.compile(r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{16,}"), "sk-***"),  # OpenAI-style and similar API keys
@@ -432,8 +438,9 @@ _SECRETS = [
     (re.compile(r"\bAKIA[0-9A-Z]{16}\b"), "AKIA***"),  # AWS access key ids
     (re.compile(r"(?P<keep>\b(?:Bearer|Basic)\s+)[A-Za-z0-9._~+/=-]{8,}", re.I), r"\g<keep>***"),
     # Prefect's `user:password` auth string (the stack's PREFECT_AUTH, PREFECT_API_AUTH_STRING): the user kept
-    (re.compile(r"(?P<keep>\b\w*AUTH(?:_STRING)?[\"']?\s*[=:]\s*[\"']?[^:\s\"']+:)[^\s\"']+", re.I), r"\g<keep>***"),
-    (re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"), "eyJ***"),  # JSON web tokens
+    (re.compile(r"(?P<keep>(?<!\w)\w{0,64}AUTH(?:_STRING)?[\"']?\s*[=:]\s*[\"']?[^:\s\"']{1,128}:)[^\s\"']+", re.I),
+     r"\g<keep>***"),
+    (re.compile(r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"), "eyJ***"),  # JWTs
     (re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}"), "xox***"),  # Slack tokens
     (re.compile(r"(?P<keep>hooks\.slack\.com/services/)[A-Za-z0-9/]+"), r"\g<keep>***"),  # Slack webhooks
     (re.compile(r"\bAIza[0-9A-Za-z_-]{35}"), "AIza***"),  # Google API keys

@@ -521,6 +521,26 @@ def test_redaction_patterns():
         "teacher models:/rlhf-policy@champion, run at http://host/a@b"  # an `@` in a path is not userinfo
 
 
+def test_redaction_takes_linear_time_on_hostile_text():
+    """A warning may quote what it was given: 200,000 characters of runs that a pattern could start at
+    everywhere are redacted in under 0.5 s, and under 40x the time of 20,000 (linear is 10x). Before
+    the lookbehinds and bounds, `a-` repeated took 11.7 s at 20,000 characters."""
+    import time
+
+    units = ["a", "a-", "a.", "a:", "a://", "x@", "token", "token=", "a_token: ", "eyJ-", "AUTH=x", "Bearer ",
+             "http://a:", "hooks.slack.com/services/", "\ud800"]
+
+    def seconds(text: str) -> float:
+        started = time.perf_counter()
+        tracking.redact(text)
+        return time.perf_counter() - started
+
+    for unit in units:
+        short = min(seconds(unit * (20_000 // len(unit))) for _ in range(2))
+        long = seconds(unit * (200_000 // len(unit)))
+        assert long < 0.5 and long < 40 * short + 0.05, (unit, short, long)
+
+
 def test_summary_lists_ran_and_reused_stage_runs(finished, capsys):
     from flows.cli import main as cli
     from flows.pipeline import rlhf
