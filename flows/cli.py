@@ -176,12 +176,12 @@ def _serve_reward(args: argparse.Namespace) -> int:
 
 
 def _serve_limits(args: argparse.Namespace):
-    """The reward server's `Limits` from the command line, its token read from `--api-key-env`; a
-    warning where it listens beyond this machine without one."""
+    """The reward server's `Limits` from the command line, its token read from `--api-key-env`; refused
+    where it listens beyond this machine without one, unless `--insecure`."""
     from servers.auth import server_token
     from servers.reward_server import Limits
 
-    token = server_token(args.api_key_env, args.host, "use the model")
+    token = server_token(args.api_key_env, args.host, "use the model", args.insecure)
     given = {"max_body_bytes": args.max_body_mb and int(args.max_body_mb * 2**20), "max_rows": args.max_rows,
              "max_chars": args.max_chars, "max_queue": args.max_queue, "timeout_s": args.timeout_s}
     return Limits(api_key=token, **{name: value for name, value in given.items() if value is not None})
@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8300)
     serve.add_argument("--max-batch", type=int, default=64, help="responses scored in one pass at most")
     serve.add_argument("--api-key-env", help="an environment variable holding the bearer token clients must send")
+    serve.add_argument("--insecure", action="store_true", help="serve beyond this machine without a token")
     # Unset: servers.reward_server.Limits' defaults.
     serve.add_argument("--max-body-mb", type=float, help="a request body's size at most (413 past it)")
     serve.add_argument("--max-rows", type=int, help="responses in one request at most (413 past it)")

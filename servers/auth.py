@@ -18,18 +18,22 @@ CHALLENGE = {"WWW-Authenticate": "Bearer"}
 """A 401's header: the scheme the server wants."""
 
 
-def server_token(api_key_env: str | None, host: str, exposes: str) -> str | None:
+def server_token(api_key_env: str | None, host: str, exposes: str, insecure: bool = False) -> str | None:
     """The bearer token every request must carry: the value of the variable `api_key_env` (`SystemExit`
-    where it is unset), None without one; then a warning on stderr where the server listens on `host`,
-    beyond this machine (`exposes`: what anyone who reaches its port could do)."""
+    where it is unset), None without one. Without one, a server that listens on `host`, beyond this
+    machine, is refused (`SystemExit`, `exposes`: what anyone who reaches its port could do) unless
+    `insecure` (`--insecure`) says to serve anyway, then with a warning on stderr."""
     if api_key_env is not None:
         token = os.environ.get(api_key_env)
         if not token:
             raise SystemExit(f"--api-key-env {api_key_env}: the variable is not set")
         return token
     if host not in LOOPBACK:
-        print(f"WARNING: serving on {host} without a token: anyone who reaches this port can {exposes}; "
-              "set --api-key-env", file=sys.stderr, flush=True)
+        exposed = f"on {host} without a token: anyone who reaches this port can {exposes}"
+        if not insecure:
+            raise SystemExit(f"refusing to serve {exposed}; set --api-key-env VAR (a variable holding the token), "
+                             "or pass --insecure to serve anyway")
+        print(f"WARNING: serving {exposed}; set --api-key-env", file=sys.stderr, flush=True)
     return None
 
 

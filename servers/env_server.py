@@ -12,7 +12,10 @@ Episodes are kept by id; a step names its turn's number, so a step sent again (a
 a lost answer) gets the same answer, not a second step. An episode idle for `--idle-s` is let go.
 A step whose environment raises answers HTTP 422 with the reason (the client fails that episode);
 an unknown episode 404 (the client replays it: the server restarted). Binds 127.0.0.1 by default;
-`--api-key-env VAR` requires `Authorization: Bearer $VAR` on every request (`servers.auth`).
+`--api-key-env VAR` requires `Authorization: Bearer $VAR` on every request (`servers.auth`); beyond this
+machine without one it refuses to start unless `--insecure`. What clients may hold is bounded:
+connections, time and bodies by `servers.guarded` (each request logged in one line on stderr), episodes
+by `EpisodeCaps`; `GET /` gives the counters (episodes held, started, failed; requests refused by cause).
 """
 
 from __future__ import annotations
@@ -25,18 +28,17 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from servers.auth import CHALLENGE, UNAUTHORIZED, authorized, server_token
+from servers.guarded import Caps, GuardedHandler, GuardedServer, Refused
 
 PROTOCOL = "rlhf-env/1"
 REPO = Path(__file__).resolve().parents[1]
 VENVS = {"verifiers": REPO / ".env-verifiers"}
 """The virtual environment each kind's server runs from (`make env-verifiers`); `ours` runs in the project's."""
-MAX_BODY_BYTES = 8 * 2**20
 
 
 class Served(Protocol):
@@ -69,42 +71,69 @@ class _Held:
     turns: int = 0
     last: dict | None = None
     """The answer to turn `turns - 1`, sent again where that turn is asked again."""
+    client: str = ""
+    """The address of the client that started it (`EpisodeCaps.max_client_episodes`)."""
     touched: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class EpisodeServer(ThreadingHTTPServer):
-    """Our protocol over `Served`, each request on a thread of its own."""
+@dataclass(frozen=True, kw_only=True)
+class EpisodeCaps:
+    """How many episodes the server holds, for one client and in all; past either, `POST /reset` is refused
+    (429 for the client's cap, 503 for the server's) until some are closed or let go when idle."""
 
-    daemon_threads = True
+    max_episodes: int = 4096
+    """Episodes held at once, every client's."""
+    max_client_episodes: int = 1024
+    """Episodes held at once for one client address."""
 
-    def __init__(self, address: tuple[str, int], served: Served, token: str | None, idle_s: float):
-        super().__init__(address, _Handler)
-        self.served, self.token, self.idle_s = served, token, idle_s
+
+DEFAULT_CAPS, DEFAULT_EPISODE_CAPS = Caps(), EpisodeCaps()
+
+
+class EpisodeServer(GuardedServer):
+    """Our protocol over `Served`, each connection on a thread of its own, within `Caps` and `EpisodeCaps`."""
+
+    def __init__(self, address: tuple[str, int], served: Served, token: str | None, idle_s: float,
+                 caps: Caps = DEFAULT_CAPS, episode_caps: EpisodeCaps = DEFAULT_EPISODE_CAPS):
+        self.served, self.token, self.idle_s, self.episode_caps = served, token, idle_s, episode_caps
         self.episodes: dict[str, _Held] = {}
-        self.lock = threading.Lock()
-        self._closed = threading.Event()
-        threading.Thread(target=self._sweeping, name="idle-sweep", daemon=True).start()
-
-    def server_close(self) -> None:
-        self._closed.set()
-        super().server_close()
+        self._swept = time.monotonic()
+        super().__init__(address, _Handler, caps)
 
     def info(self) -> dict:
-        return {"protocol": PROTOCOL, "serves": self.served.serves, "name": self.served.name,
-                "episodes": len(self.episodes)}
+        """What is served, and its counters: episodes held, started and failed; requests, and refused by cause."""
+        with self.lock:
+            held = {"episodes": len(self.episodes), "started": self.counts["started"],
+                    "failed": self.counts["failed"]}
+        return {"protocol": PROTOCOL, "serves": self.served.serves, "name": self.served.name} | held \
+            | self.counters()
 
-    def reset(self, body: dict) -> dict:
+    def reset(self, body: dict, client: str) -> dict:
         row = body.get("row")
         if not isinstance(row, dict):
             raise ValueError("POST /reset takes {\"row\": {...}}")
+        self._room_for(client)
         handle, messages, tools = self.served.start(row)
         episode = uuid.uuid4().hex
         with self.lock:
-            self.episodes[episode] = _Held(handle=handle)
+            self.episodes[episode] = _Held(handle=handle, client=client)
+            self.counts["started"] += 1
         return {"episode": episode, "messages": messages, "tools": tools}
 
-    def step(self, body: dict) -> dict:
+    def _room_for(self, client: str) -> None:
+        caps = self.episode_caps
+        with self.lock:
+            held = len(self.episodes)
+            mine = sum(e.client == client for e in self.episodes.values()) if held >= caps.max_client_episodes else 0
+        if held >= caps.max_episodes:
+            raise Refused(503, "episodes", f"the server holds {held} episodes, its most (--max-episodes): close "
+                                           "some, or wait for idle ones to be let go")
+        if mine >= caps.max_client_episodes:
+            raise Refused(429, "client_episodes", f"{client} holds {mine} episodes, the most for one client "
+                                                  "(--max-client-episodes)")
+
+    def step(self, body: dict, client: str) -> dict:
         episode, turn, assistant = self._episode(body), body.get("turn"), body.get("assistant")
         if not isinstance(turn, int) or not isinstance(assistant, dict):
             raise ValueError("POST /step takes {\"episode\": id, \"turn\": n, \"assistant\": {...}}")
@@ -119,7 +148,7 @@ class EpisodeServer(ThreadingHTTPServer):
                                            "restart": step.restart}, turn + 1
             return episode.last
 
-    def close_episode(self, body: dict) -> dict:
+    def close_episode(self, body: dict, client: str) -> dict:
         with self.lock:
             episode = self.episodes.pop(str(body.get("episode")), None)
         if episode is not None:
@@ -134,10 +163,11 @@ class EpisodeServer(ThreadingHTTPServer):
                            "server restarted)")
         return episode
 
-    def _sweeping(self) -> None:
-        """`_sweep` every half `idle_s` (at most a minute) until the server closes: a cancelled run's
-        episodes, held mid-turn (a verifiers rollout waits on its model), are let go with no new request."""
-        while not self._closed.wait(min(60.0, self.idle_s / 2)):
+    def tick(self, now: float) -> None:
+        """`_sweep` every half `idle_s` (at most a minute): a cancelled run's episodes, held mid-turn (a
+        verifiers rollout waits on its model), are let go with no new request."""
+        if now - self._swept >= min(60.0, self.idle_s / 2):
+            self._swept = now
             self._sweep()
 
     def _sweep(self) -> None:
@@ -150,68 +180,58 @@ class EpisodeServer(ThreadingHTTPServer):
             self.served.end(episode.handle)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(GuardedHandler):
     server: EpisodeServer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
-        pass  # one line per request would drown the server's own output
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.arrived()
         if not self._authorized():
             return
         url = urlsplit(self.path)
         if url.path in ("/", "/health"):
-            return self._send(200, self.server.info())
+            return self.send_json(200, self.server.info())
         if url.path == "/dataset":
             split = parse_qs(url.query).get("split", ["train"])[0]
             try:
                 rows = self.server.served.dataset(split)
             except Exception as e:  # noqa: BLE001 - the served environment's own data could not be read
-                return self._send(422, {"error": f"{type(e).__name__}: {e}"})
+                return self.send_json(422, {"error": f"{type(e).__name__}: {e}"})
             if rows is None:
-                return self._send(404, {"error": f"{self.server.served.name} has no {split!r} dataset"})
-            return self._send(200, {"rows": rows})
-        self._send(404, {"error": f"no route GET {url.path}"})
+                return self.send_json(404, {"error": f"{self.server.served.name} has no {split!r} dataset"})
+            return self.send_json(200, {"rows": rows})
+        self.send_json(404, {"error": f"no route GET {url.path}"})
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        if not self._authorized():
-            return
         routes = {"/reset": self.server.reset, "/step": self.server.step, "/close": self.server.close_episode}
         route = routes.get(urlsplit(self.path).path)
-        length = int(self.headers.get("Content-Length") or 0)
-        if route is None or length > MAX_BODY_BYTES:
-            self.rfile.read(min(length, MAX_BODY_BYTES))
-            return self._send(404 if route is None else 413, {"error": f"no route POST {self.path}" if route is None
-                                                              else f"a body over {MAX_BODY_BYTES} bytes"})
+        if not self._authorized():
+            return
         try:
-            body = json.loads(self.rfile.read(length) or b"{}")
+            raw = self.body()
+            if route is None:
+                return self.send_json(404, {"error": f"no route POST {urlsplit(self.path).path}"})
+            body = json.loads(raw or b"{}")
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
-            answer = route(body)
+            answer = route(body, self.client_address[0])
+        except Refused as e:
+            return self.refuse(e)
         except KeyError as e:
-            return self._send(404, {"error": str(e.args[0])})
-        except (ValueError, TypeError) as e:
-            return self._send(400, {"error": f"{type(e).__name__}: {e}"})
+            return self.send_json(404, {"error": str(e.args[0])})
+        except (ValueError, TypeError, RecursionError) as e:
+            return self.send_json(400, {"error": f"{type(e).__name__}: {e}"})
         except Exception as e:  # noqa: BLE001 - the served environment raised: this episode's request fails
-            return self._send(422, {"error": f"{type(e).__name__}: {e}"})
-        self._send(200, answer)
+            self.server.count("failed")
+            return self.send_json(422, {"error": f"{type(e).__name__}: {e}"})
+        self.send_json(200, answer)
 
     def _authorized(self) -> bool:
         if authorized(self.server.token, self.headers.get("Authorization")):
             return True
-        self._send(401, {"error": UNAUTHORIZED}, CHALLENGE)
+        self.server.count("refused:unauthorized")
+        self.close_connection = True  # a POST's body is left unread
+        self.send_json(401, {"error": UNAUTHORIZED}, CHALLENGE | {"Connection": "close"})
         return False
-
-    def _send(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-        payload = json.dumps(body).encode()
-        self.send_response(status)
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
 
 
 class OursServed:
@@ -262,6 +282,15 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8400)
     parser.add_argument("--idle-s", type=float, default=600.0, help="seconds an untouched episode is kept")
     parser.add_argument("--api-key-env", help="a variable holding the bearer token every request must carry")
+    parser.add_argument("--insecure", action="store_true", help="serve beyond this machine without a token")
+    parser.add_argument("--timeout-s", type=float, default=Caps.timeout_s,
+                        help="seconds a request may take to arrive whole, and a connection may idle")
+    parser.add_argument("--max-connections", type=int, default=Caps.max_connections,
+                        help="connections (each a thread) at once; past it 503")
+    parser.add_argument("--max-episodes", type=int, default=EpisodeCaps.max_episodes,
+                        help="episodes held at once; past it a reset is answered 503")
+    parser.add_argument("--max-client-episodes", type=int, default=EpisodeCaps.max_client_episodes,
+                        help="episodes held at once for one client address; past it 429")
     return parser.parse_args(argv)
 
 
@@ -296,9 +325,11 @@ def launch(argv: list[str]) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     sys.path[:0] = [*(str(Path(p).resolve()) for p in args.path), os.getcwd()]  # what it serves: importable here
-    token = server_token(args.api_key_env, args.host, "run episodes")
+    token = server_token(args.api_key_env, args.host, "run episodes", args.insecure)
     served = served_of(args)
-    server = EpisodeServer((args.host, args.port), served, token, args.idle_s)
+    server = EpisodeServer((args.host, args.port), served, token, args.idle_s,
+                           Caps(timeout_s=args.timeout_s, max_connections=args.max_connections),
+                           EpisodeCaps(max_episodes=args.max_episodes, max_client_episodes=args.max_client_episodes))
     print(f"serving {served.serves} environment {served.name} on http://{args.host}:{server.server_port} "
           f"({PROTOCOL})", flush=True)
     try:

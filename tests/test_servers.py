@@ -1,7 +1,7 @@
 """Who may call our servers (`servers.auth`, the reward server's and the environment server's one rule):
 a request without the token is refused with 401, a token variable that is unset stops the server, a
-server listening beyond this machine without a token warns; and the environment server still imports
-nothing but the standard library (it runs from other virtual environments)."""
+server listening beyond this machine without a token refuses to start unless `--insecure`, then warns;
+and the environment server still imports nothing but the standard library (it runs from other virtual environments)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,11 @@ def test_a_request_is_served_only_with_the_servers_token():
     assert not authorized("s3cret", "Bearer s3cret ") and not authorized("s3cret", "Bearer s3crét")
 
 
-def test_a_server_beyond_this_machine_without_a_token_is_warned_of(monkeypatch, capsys):
-    assert server_token(None, "0.0.0.0", "run episodes") is None
+def test_a_server_beyond_this_machine_without_a_token_is_refused_unless_insecure(monkeypatch, capsys):
+    with pytest.raises(SystemExit, match="refusing to serve on 0.0.0.0 without a token: anyone who reaches this "
+                                         "port can run episodes; set --api-key-env VAR .*or pass --insecure"):
+        server_token(None, "0.0.0.0", "run episodes")
+    assert server_token(None, "0.0.0.0", "run episodes", insecure=True) is None
     assert capsys.readouterr().err == WARNING
     for host in sorted(LOOPBACK):
         assert server_token(None, host, "run episodes") is None
