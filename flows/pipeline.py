@@ -37,7 +37,7 @@ from flows.records.lineage import (
     stage_keys,
     upstream_runs,
 )
-from flows.records.pipeline_run import PipelineRun, close_crashed_runs
+from flows.records.pipeline_run import PipelineRun, close_crashed_runs, hide_secret_parameters
 from flows.records.reports import (
     GoldJudgments,
     evaluation_report,
@@ -259,6 +259,7 @@ def rlhf(
         upstream: Upstream runs for a stage run alone; empty: the latest finished runs made with this config's sft and reward sections that belong together (PPO: a reward run and the SFT run it was trained from); the flow's log and the stage run's description say which and why.
         use_cache: Reuse a finished run with the same config, data, code and upstream runs instead of running the stage again.
     """  # noqa: E501
+    hide_secret_parameters()
     logger = get_run_logger()
     missing = [s for s in stages if s not in AVAILABLE_STAGES]
     if missing:

@@ -170,7 +170,9 @@ postgres_up() {  # the cluster (made on first use), running, with both databases
   done
   export PGPASSWORD="$PG_PASSWORD"
   if [[ "${upgrade_trust:-}" == yes ]]; then
-    "$PG_BIN/psql" -h 127.0.0.1 -p "$PG_PORT" -U rlhf -d postgres -qc "ALTER ROLE rlhf PASSWORD '$PG_PASSWORD'"
+    # The statement on stdin: as `-c` it would put the password in psql's command line.
+    "$PG_BIN/psql" -h 127.0.0.1 -p "$PG_PORT" -U rlhf -d postgres -q -v ON_ERROR_STOP=1 \
+      <<<"ALTER ROLE rlhf PASSWORD '$PG_PASSWORD'"
     as_postgres sed -i -E 's/\btrust\b/scram-sha-256/' "$PG_DATA/pg_hba.conf"
     "$PG_BIN/psql" -h 127.0.0.1 -p "$PG_PORT" -U rlhf -d postgres -qtAc "SELECT pg_reload_conf()" >/dev/null
   fi
@@ -235,12 +237,15 @@ up() {
   mkdir -p "$PIDS" "$LOGS" "$PREFECT_HOME" "$RLHF_HOME/mlartifacts"
   echo "$RLHF_DB" >"$RLHF_HOME/database"
   [[ "$RLHF_DB" == postgresql ]] && postgres_up
-  start mlflow env MLFLOW_AUTH_CONFIG_PATH="$(mlflow_auth_config)" MLFLOW_FLASK_SERVER_SECRET_KEY="$MLFLOW_SECRET_KEY" \
-    mlflow server --host "$HOST" --port "$MLFLOW_PORT" --app-name basic-auth \
-    --backend-store-uri "$(database_url mlflow)" \
+  # Secrets reach the servers in their environment, never on a command line: /proc/<pid>/cmdline is
+  # readable by every local user for the server's life (`env NAME=secret cmd` too, until it execs).
+  # MLflow's --backend-store-uri reads MLFLOW_BACKEND_STORE_URI (PostgreSQL's URL holds the password);
+  # Prefect's server reads PREFECT_API_DATABASE_CONNECTION_URL, exported by `env` above.
+  MLFLOW_AUTH_CONFIG_PATH="$(mlflow_auth_config)" MLFLOW_FLASK_SERVER_SECRET_KEY="$MLFLOW_SECRET_KEY" \
+    MLFLOW_BACKEND_STORE_URI="$(database_url mlflow)" \
+    start mlflow mlflow server --host "$HOST" --port "$MLFLOW_PORT" --app-name basic-auth \
     --artifacts-destination "$RLHF_HOME/mlartifacts" --serve-artifacts --workers 1
-  start prefect env PREFECT_SERVER_API_AUTH_STRING="$PREFECT_AUTH" \
-    prefect server start --host "$HOST" --port "$PREFECT_PORT"
+  PREFECT_SERVER_API_AUTH_STRING="$PREFECT_AUTH" start prefect prefect server start --host "$HOST" --port "$PREFECT_PORT"
   wait_http "$PREFECT_UI_URL/api/health" 120 "Prefect server"
   wait_http "$MLFLOW_TRACKING_URI/health" 120 "MLflow server"
   prefect work-pool inspect "$POOL" >/dev/null 2>&1 || prefect work-pool create "$POOL" --type process >/dev/null

@@ -48,6 +48,33 @@ def start(env: dict[str, str]) -> None:
     assert up.returncode == 0, up.stdout + up.stderr
 
 
+def credentials(env: dict[str, str]) -> dict[str, str]:
+    """Each secret the stack generated, by name (`$RLHF_HOME/credentials`, `NAME="value"` lines): of
+    PREFECT_AUTH's `user:password`, the password."""
+    lines = (Path(env["RLHF_HOME"]) / "credentials").read_text().splitlines()
+    return {name: value.strip('"').rpartition(":")[2] for name, value in (line.split("=", 1) for line in lines)}
+
+
+def commands_holding(secrets: dict[str, str]) -> list[str]:
+    """`pid (program): NAME` for each process on this machine whose command line holds one of `secrets`:
+    /proc/<pid>/cmdline is readable by every local user. The secret itself is never named."""
+    held = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:  # the process ended while the scan ran
+            continue
+        held += [f"{cmdline.parent.name} ({Path(args[0]).name}): {name}"
+                 for name, secret in secrets.items() if any(secret in arg for arg in args)]
+    return held
+
+
+def logs_holding(env: dict[str, str], secrets: dict[str, str]) -> list[str]:
+    """`log: NAME` for each of the stack's logs ($RLHF_HOME/logs) that holds one of `secrets`."""
+    return [f"{log.name}: {name}" for log in sorted((Path(env["RLHF_HOME"]) / "logs").iterdir())
+            for name, secret in secrets.items() if secret in log.read_text(errors="replace")]
+
+
 def kill_service(env: dict[str, str], name: str) -> None:
     """SIGKILL one service of the stack (mlflow, prefect or worker) and its children, as a crash would."""
     pid_file = Path(env["RLHF_HOME"]) / "pids" / name

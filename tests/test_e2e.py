@@ -12,7 +12,15 @@ import pytest
 
 from rlhf.sections.base import VLLMConfig, vllm_python
 from tests.helpers import BAD, BAD_CASES, vllm_servers
-from tests.stack import deployment_run, mlflow_client, running_stack, submit_and_wait
+from tests.stack import (
+    commands_holding,
+    credentials,
+    deployment_run,
+    logs_holding,
+    mlflow_client,
+    running_stack,
+    submit_and_wait,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiprocess]
 
@@ -164,6 +172,17 @@ def test_the_servers_refuse_a_request_without_the_stacks_credentials(stack):
     assert stat.S_IMODE(home.stat().st_mode) == 0o700
     assert stat.S_IMODE((home / "credentials").stat().st_mode) == 0o600
     assert stat.S_IMODE((home / "mlflow-auth.ini").stat().st_mode) == 0o600
+
+
+def test_no_command_line_on_the_machine_nor_log_of_the_stack_holds_a_credential_of_it(stack):
+    """The servers get their secrets through the environment or 0600 files: a command line is readable
+    by every local user (tests/test_load.py checks the same of the stack on PostgreSQL)."""
+    secrets = credentials(stack)
+    assert set(secrets) == {"PREFECT_AUTH", "MLFLOW_PASSWORD", "MLFLOW_SECRET_KEY", "PG_PASSWORD"}
+    held = commands_holding(secrets)  # a name, so a failure shows no secret
+    assert not held
+    logged = logs_holding(stack, secrets)
+    assert not logged
 
 
 def test_full_deployment_with_every_stage_sharded_registers_a_loadable_policy(stack):

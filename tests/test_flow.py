@@ -491,6 +491,33 @@ def test_secrets_in_locations_never_reach_params_tags_or_messages(finished, tmp_
     assert run.data.params["train_data.path"] == str(tmp_path / "token=***")
 
 
+def test_secrets_in_overrides_never_reach_the_prefect_flow_runs_parameters_or_logs(tracking_store):
+    """Whoever submits a run sends its parameters to the Prefect API in clear; the flow replaces them with
+    their redacted values as it starts, so the UI's Parameters tab and the log show no password or token."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    from flows.pipeline import rlhf
+    from flows.records.pipeline_run import _redacted_json
+
+    secret = "https://alice:s3cret@data.example/sft.jsonl?token=abc123"
+    state = rlhf(stages=["sft"], config_file="configs/tiny.yaml", overrides={"sft.train_data.path": secret},
+                 return_state=True)
+    assert state.is_failed()  # nothing can be fetched here
+    APILogWorker.drain_all(timeout=5)
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(state.state_details.flow_run_id)
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))
+    assert logs  # the refusal, at least
+    seen = json.dumps(flow_run.parameters) + "\n".join(log.message for log in logs) + flow_run.state.message
+    assert "s3cret" not in seen and "abc123" not in seen
+    assert flow_run.parameters["overrides"] == {"sft.train_data.path":
+                                                "https://alice:***@data.example/sft.jsonl?token=***"}
+    assert flow_run.parameters["config_file"] == "configs/tiny.yaml"  # the rest as it was sent
+    assert _redacted_json({"judge.token": 5}) == '{"judge.token": ***}'  # no JSON left: the redacted text
+
+
 def test_redaction_patterns():
     assert tracking.redact("postgresql://bob:pa55@db:5432/x") == "postgresql://bob:***@db:5432/x"
     assert tracking.redact("model hf_abcdefghijklmnopqrstuvwx") == "model hf_***"

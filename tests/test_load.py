@@ -23,7 +23,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.stack import REPO, deployment_run, mlflow_client, running_stack, submit_and_wait
+from tests.stack import (
+    REPO,
+    commands_holding,
+    credentials,
+    deployment_run,
+    logs_holding,
+    mlflow_client,
+    running_stack,
+    submit_and_wait,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multiprocess]
 
@@ -71,6 +80,11 @@ def test_the_stack_on_postgresql_keeps_both_servers_runs_in_its_databases(tmp_pa
         assert "password authentication failed" in refused.value.stderr or "no password" in refused.value.stderr
         done = deployment_run(env, "rlhf/sft", config_file="configs/tiny.yaml", overrides={"experiment": "team"})
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        # the database's password reaches the servers in their environment: in no command line on the machine
+        # (`mlflow server --backend-store-uri postgresql+psycopg://rlhf:<password>@...` had it), nor in a log
+        secrets = credentials(env)
+        held, logged = commands_holding(secrets), logs_holding(env, secrets)  # names, so a failure shows no secret
+        assert not held and not logged
         client = mlflow_client(env)
         (run,) = client.search_runs([client.get_experiment_by_name("team").experiment_id],
                                     filter_string="tags.`rlhf.stage` = 'sft'")

@@ -1,6 +1,7 @@
 """A flow run's own MLflow run, the pipeline run its stage runs are children of: opened with what the
 flow run was asked for and what it computes with, asked for each stage whether a finished run can stand
-in for it, and closed with its description. Also the hook that closes what a crashed flow run left open.
+in for it, and closed with its description. Also the hook that closes what a crashed flow run left open, and
+the flow run's parameters on the Prefect API with their secrets hidden.
 
 The flow (`flows.pipeline`) says which stages run and in what order; this module keeps the record."""
 
@@ -14,6 +15,7 @@ from typing import Any
 import yaml
 from mlflow.tracking import MlflowClient
 from prefect import get_run_logger
+from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.utilities.urls import url_for
 
@@ -102,11 +104,35 @@ class PipelineRun:
                                      "FINISHED" if ok else "FAILED", type(e).__name__)
 
 
+def hide_secret_parameters() -> None:
+    """The flow run's parameters on the Prefect API (the UI's Parameters tab, `prefect flow-run inspect`) with
+    any secret redacted: an override may hold a URL's password or a token. Whoever submitted the run sent
+    them in clear, so they are replaced as the run starts; a retry from the UI then runs with `***` in their
+    place and fails where it needs the secret (a config names a secret's variable instead: `*_env`)."""
+    flow_run = get_run_context().flow_run
+    hidden = {name: _redacted_json(value) for name, value in flow_run.parameters.items()}
+    if hidden != flow_run.parameters:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.id, parameters=hidden)
+
+
+def _redacted_json(value: Any) -> Any:
+    """A parameter's value, redacted as JSON text so that a key naming a secret (`{"token": ...}`) hides its
+    value too; the redacted text itself where that left no JSON (`"token": 5` became `"token": ***`)."""
+    text = json.dumps(value, default=str)
+    hidden = tracking.redact(text)
+    if hidden == text:
+        return value
+    try:
+        return json.loads(hidden)
+    except ValueError:
+        return hidden
+
+
 def close_crashed_runs(flow, flow_run, state) -> None:
     """`on_crashed` hook, run by the worker when the flow run's process died (killed, out of
     memory): its task runs still Running end Crashed, and its MLflow runs still RUNNING end
     KILLED, so neither UI shows work that no process does. A rerun resumes the stage's work."""
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.states import Crashed
 
