@@ -18,7 +18,8 @@ or starve the others: a body past `max_body_bytes` or more than `max_rows` respo
 413, a text past `max_chars` or a message that is not `{role, content}` with 422 (naming the row),
 each before anything is queued; at most `max_queue` requests wait (then 503 with `Retry-After`); a
 request not answered within `timeout_s` gets 504 and is not scored once abandoned. A pass that fails
-is retried request by request, so a request that cannot be scored fails alone. An input longer than
+is retried request by request, so a request that cannot be scored fails alone (422, with the reason: a
+lone surrogate the tokenizer cannot encode, say). An input longer than
 the model's positions keeps its last ones (the response's end, where the score is read) and says so
 (`truncated`). With a token (`api_key`), every route but `/health` wants `Authorization: Bearer` (`servers.auth`).
 """
@@ -97,6 +98,19 @@ class ScoreRequest(BaseModel):
                     return HTTPException(422, f"row {row}: the {what} has {len(text)} characters, over the limit "
                                               f"of {limits.max_chars} (--max-chars)")
         return None
+
+
+class Refusal(BaseModel):
+    """A refused request's answer: FastAPI's list of what failed validation, or the reason in a sentence."""
+
+    detail: str | list[dict]
+
+
+REFUSALS = {status: {"model": Refusal, "description": what} for status, what in [
+    (401, "no bearer token, or not the server's"), (413, "a body or batch over the limits"),
+    (422, "a request not of the schema, over the limits, or that cannot be scored"),
+    (503, "the queue is full: try again"), (504, "not scored within the timeout")]}
+"""What `/score` may answer besides its scores, in its OpenAPI schema."""
 
 
 DRAIN_BYTES = 64 * 2**20
@@ -258,7 +272,7 @@ def reward_app(scorer: RewardScorer, served: dict[str, str | None], max_batch: i
                   description="Scores (prompt, response) pairs with a reward checkpoint.")
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
 
-    @app.post("/score", dependencies=[Depends(checked_token)])
+    @app.post("/score", dependencies=[Depends(checked_token)], responses=REFUSALS)
     async def score(request: ScoreRequest) -> dict[str, list]:
         if (refusal := request.over(limits)) is not None:
             raise refusal
@@ -269,6 +283,8 @@ def reward_app(scorer: RewardScorer, served: dict[str, str | None], max_batch: i
                                 headers={"Retry-After": "1"}) from None
         except TimeoutError:
             raise HTTPException(504, f"not scored within {limits.timeout_s:g} s (--timeout-s)") from None
+        except Exception as e:  # noqa: BLE001 - scored alone, this request failed: its input cannot be scored
+            raise HTTPException(422, f"this request cannot be scored: {type(e).__name__}: {e}") from None
         return {"scores": scores, "raw": raw, "truncated": truncated}
 
     @app.get("/score", dependencies=[Depends(checked_token)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ import pytest
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# hypothesis keeps its examples and constants in ./.hypothesis by default: the suite leaves no file in the tree.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "rlhf-tests-hypothesis"))
 # vLLM's CPU build compiles the served model with inductor at every server start (18 s of a 44-s start
 # here: its compile cache is keyed by the model's path, and each served folder is new). Its own CPU CI's
 # switch traces the model with dynamo and runs it without inductor. The tests check what is sampled.

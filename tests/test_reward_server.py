@@ -1,10 +1,12 @@
 """`rlhf serve-reward` under abuse (issue 77): a token, limits on what a request may hold, a bounded
 queue, a per-request timeout, and a failing request that fails alone. The real server on the session's
-reward checkpoint takes a flood; the queue and the timeout are shown on the app with a slow scorer."""
+reward checkpoint takes a flood, and requests schemathesis generates from its own OpenAPI schema; the
+queue and the timeout are shown on the app with a slow scorer."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import threading
 import time
@@ -12,7 +14,13 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import schemathesis
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from servers.auth import UNAUTHORIZED
 from servers.reward_server import Limits, reward_app
@@ -164,5 +172,32 @@ def test_a_full_queue_answers_503_a_slow_request_504_and_a_failing_one_fails_alo
     app = reward_app(scorer, {"checkpoint": "slow"}, limits=Limits(timeout_s=10))
     with served_in_thread(app) as base:
         answers = _post_all(base, [body, {"prompts": ["p"], "responses": ["boom"]}, body, body])
-    assert [a.status_code for a in answers] == [200, 500, 200, 200]
+    assert [a.status_code for a in answers] == [200, 422, 200, 200]
+    assert "this request cannot be scored: ValueError: this response cannot be scored" in answers[1].text
     assert [a.json()["scores"] for a in answers if a.status_code == 200] == [[3.0]] * 3
+
+
+def test_the_reward_servers_schema_fuzzed_gets_no_server_error_and_answers_as_its_schema_says(guarded):
+    """Every route of the real server (the session's reward checkpoint, its token) fed requests schemathesis
+    generates from the server's own OpenAPI schema, valid and not: never a 5xx, a 200's body is what the
+    schema describes, and the server runs on."""
+    base, process = guarded
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/score", "/health"}
+    fuzzed_with = set()
+    for operation, mode in itertools.product(operations, GenerationMode):  # valid requests, and invalid ones
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def fuzzed(case) -> None:
+            response = case.call(headers=AUTH, timeout=60)
+            case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
+            fuzzed_with.add((case.operation.path, case.method, case.meta.generation.mode if case.meta else None))
+
+        try:
+            fuzzed()
+        except Unsatisfiable:  # no invalid request exists for a route that takes nothing (GET /health)
+            assert mode is GenerationMode.NEGATIVE and operation.method.upper() == "GET"
+    assert {("/score", "POST", GenerationMode.POSITIVE), ("/score", "POST", GenerationMode.NEGATIVE)} <= fuzzed_with
+    assert process.poll() is None
