@@ -184,7 +184,7 @@ class RemoteReward:
         else:
             try:
                 run_id = httpx.get(cfg.url, headers=self.headers(), timeout=10.0).json().get("run_id")
-            except (httpx.HTTPError, ValueError, AttributeError):
+            except (httpx.HTTPError, ValueError, RecursionError, AttributeError):
                 run_id = None
             served = f", serving run {run_id}" if run_id else ""
         return f"{self.term.name}={cfg.kind} {cfg.url} (weight {self.term.weight:g}{served})"

@@ -114,7 +114,7 @@ class EnvironmentServer:
             return {"serves": "openenv"}
         try:
             info = answer.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON; or thousands of nested brackets
             info = None
         if not isinstance(info, dict) or info.get("protocol") != PROTOCOL:
             raise EnvironmentServerError(f"{self.describe()}: GET / is not an {PROTOCOL} server's answer: "
@@ -312,7 +312,7 @@ def checked_answer(answer: dict) -> Step:
 def _object(answer: httpx.Response, where: str) -> dict:
     try:
         body = answer.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON (or not UTF-8); or thousands of nested brackets
         body = None
     if not isinstance(body, dict):
         raise EpisodeRequestFailed(f"{where}: the answer is not a JSON object: {answer.text[:200]!r}")
