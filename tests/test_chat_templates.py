@@ -196,7 +196,7 @@ def test_auto_reads_a_tokenizers_response_template_and_survives_what_it_raises(f
         "fields": {"reasoning_content": {"open": "<think>", "close": "</think>"},
                    "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True},
                    "content": {}}}
-    parse, name = tool_parser("auto", tokenizer, "qwen3_5_think", import_function=None)
+    parse, name = tool_parser("auto", tokenizer, "qwen3_5_think", import_function=None, max_chars=10_000)
     assert name == "response_template"
     turn = parse(f'{REASONING}\n</think>\n\nLet me see.<tool_call>{{"name": "f", "arguments": {ARGS}}}</tool_call>')
     assert turn.reasoning.strip() == REASONING and turn.content.strip() == "Let me see."
@@ -204,3 +204,6 @@ def test_auto_reads_a_tokenizers_response_template_and_survives_what_it_raises(f
     nested = parse(f"{REASONING}\n</think>\n\n" + '<tool_call>{"name": "f", "arguments": {"x": ' + "[" * 3000
                    + "]" * 3000 + "}}</tool_call>")
     assert len(nested.calls) == 1 and "RecursionError" in nested.calls[0]
+    long = parse(f"{REASONING}\n</think>\n\n" + "x" * 10_000)  # over max_turn_chars: not parsed, one malformed call
+    assert long.calls == ["the turn could not be parsed: ValueError: the turn has 10031 characters, over "
+                          "environment.max_turn_chars (10000): not parsed"], long.calls

@@ -96,12 +96,14 @@ def test_docs_config_reference_matches_the_code(tmp_path):
     assert (tmp_path / "config.md").read_text() == expected
 
 
-PPO_SETTINGS = 144
+PPO_SETTINGS = 145
 """The ppo section's settings (`rlhf.config_guide.leaves`): 149 on 2026-11-28, 140 after the merges of
 docs/config.md's "Merged settings", 141 with `rollout.correction` (kind, level, bounds), which took the
 place of `vllm.importance_sampling` and its cap, 143 with `environment.schedule` and
 `environment.concurrent_episodes` (which was a server's `max_concurrent` alone), 144 with
-`rollout.partial` (episodes sampled ahead continued across a weight sync). A smoke detector: a
+`rollout.partial` (episodes sampled ahead continued across a weight sync), 145 with
+`environment.max_turn_chars` (issue 91: no setting bounded what a parser we did not write is given;
+`max_tool_output_chars` cuts a tool's answer, which is kept, not a turn, which is read). A smoke detector: a
 new capability merges what says the same first."""
 
 

@@ -59,6 +59,9 @@ class EnvironmentConfig(_Frozen):
     """Malformed calls an episode may make; one more and it fails (left out of the update, `rollout/failed_share`)."""
     tool_parser: str = "auto"
     """How a turn's reasoning and tool calls are read: `auto`, a convention's name, or `module:function`."""
+    max_turn_chars: PositiveInt = 500_000
+    """Characters of a turn parsed at most; a longer one is read as one malformed call, unparsed (a guard for
+    parsers we did not write: ours take linear time)."""
     tool_timeout_s: PositiveFloat = 30.0
     """Seconds a tool call may run (the model is told it timed out), or an agent take to ask again (it fails)."""
     max_tool_output_chars: PositiveInt = 4096

@@ -567,7 +567,7 @@ def episode_runner(settings: EnvironmentConfig, tokenizer: PreTrainedTokenizerBa
         make, rollout = environment_factory(settings)
     chat = ChatDelta(tokenizer, model, tuple(tokenizer.decode([i], skip_special_tokens=False) for i in stop_ids))
     parse, parser_name = tool_parser(settings.tool_parser, tokenizer, model, lambda location: imported_function(
-        location, "environment.tool_parser", EnvironmentSetupError, "ppo.paths"))
+        location, "environment.tool_parser", EnvironmentSetupError, "ppo.paths"), settings.max_turn_chars)
     if rollout is None:
         probe_template(chat)
     return EpisodeRunner(settings=settings, make=make, rollout=rollout, chat=chat, stop_ids=stop_ids,

@@ -465,6 +465,21 @@ def never_raising(parse: ToolParser) -> ToolParser:
     return parse_safely
 
 
+def bounded(parse: ToolParser, max_chars: int) -> ToolParser:
+    """`parse` on turns of at most `max_chars` characters (`environment.max_turn_chars`); a longer turn raises,
+    so that `never_raising` reads it as one malformed call with the reason, unparsed. Our parsers take linear
+    time (tests/test_parser_time.py); this bounds the ones we did not write: a `module:function` parser, or
+    transformers' parser of a tokenizer's response template."""
+
+    def parse_bounded(text: str) -> AssistantTurn:
+        if len(text) > max_chars:
+            raise ValueError(f"the turn has {len(text)} characters, over environment.max_turn_chars ({max_chars}): "
+                             "not parsed")
+        return parse(text)
+
+    return parse_bounded
+
+
 def response_template_parser(tokenizer) -> ToolParser:
     """transformers' `parse_response` on the tokenizer's own `response_template`, the turn read after
     the template's generation prompt (which may open the reasoning block itself)."""
@@ -481,23 +496,30 @@ def response_template_parser(tokenizer) -> ToolParser:
     return parse
 
 
-def tool_parser(name: str, tokenizer, model: str,
-                import_function: Callable[[str], Callable]) -> tuple[ToolParser, str]:
-    """The parser `environment.tool_parser` names and the convention's name (for the run's tags):
-    `auto` reads the tokenizer's response template, else the chat template's markers; a template that
-    renders no structured calls (the assistant's text as is) gets Hermes, the demo's convention."""
+def tool_parser(name: str, tokenizer, model: str, import_function: Callable[[str], Callable],
+                max_chars: int) -> tuple[ToolParser, str]:
+    """The parser `environment.tool_parser` names, on turns of at most `max_chars` characters (`bounded`), and
+    the convention's name (for the run's tags): `auto` reads the tokenizer's response template, else the chat
+    template's markers; a template that renders no structured calls (the assistant's text as is) gets Hermes,
+    the demo's convention."""
+    parse, name = _named_parser(name, tokenizer, model, import_function)
+    return never_raising(bounded(parse, max_chars)), name
+
+
+def _named_parser(name: str, tokenizer, model: str,
+                  import_function: Callable[[str], Callable]) -> tuple[ToolParser, str]:
     if name == "auto":
         if getattr(tokenizer, "response_template", None) is not None:
-            return never_raising(response_template_parser(tokenizer)), "response_template"
+            return response_template_parser(tokenizer), "response_template"
         template = tokenizer.chat_template or ""
         detected = detect_parser(template)
         if not any(marker in template for marker, _ in DETECTED) and "tool_calls" not in template:  # text as is
-            return never_raising(hermes), "hermes (auto: the chat template renders no structured calls)"
+            return hermes, "hermes (auto: the chat template renders no structured calls)"
         if detected is None:
             raise StageUserError(
                 f"environment.tool_parser: auto found no tool-call convention in the chat template of {model} "
                 f"(known: {', '.join(PARSERS)}); name one, or `module:function` for your own parser")
         name = detected
     if name in PARSERS:
-        return never_raising(PARSERS[name]), name
-    return never_raising(import_function(name)), name
+        return PARSERS[name], name
+    return import_function(name), name
