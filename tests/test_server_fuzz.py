@@ -2,7 +2,8 @@
 missing lengths, slow-loris, silent connections, garbage and huge headers. None of it crashes the server or
 grows it without bound: its threads stay under its connection cap plus a few, its memory under 64 MiB more
 than before, every abusive connection is closed within its timeout, and a well-behaved episode is served
-after it all. Each refusal is counted by its cause in `GET /` and each request logged in one line."""
+after it all. Each refusal is counted by its cause in `GET /` and each request logged in one line. The
+agent programs' endpoint (aiohttp, verifiers' bridge runs on one too) takes the same abuse."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from rlhf.sections.environment import EnvironmentServerConfig
 from servers.env_server import EpisodeCaps, EpisodeServer, OursServed
 from servers.guarded import Caps
+from stages.envs.agent import AgentEndpoint
 from stages.envs.parsers import AssistantTurn, ToolCall
 from stages.envs.remote.served import EnvironmentServer, ServedEpisode
 
@@ -188,3 +190,39 @@ def _works(server) -> bool:
     finally:
         episode.close()
         client.close()
+
+
+class QuickEndpoint(AgentEndpoint):
+    IDLE_S = 1.0
+
+
+def test_the_agent_endpoint_refuses_malformed_requests_and_closes_silent_connections():
+    """The policy's endpoint for agent programs (and verifiers' bridge): garbage, a negative length and a
+    huge header are 400, no token 401 before any body is read; 100 silent connections and a slow-loris are
+    closed once idle past `IDLE_S`, and the endpoint answers on."""
+    endpoint = QuickEndpoint(keep_alive=True)
+    try:
+        port = int(endpoint.url.rsplit(":", 1)[1])
+        route = "/episodes/none/v1/chat/completions"
+        target = type("Target", (), {"server_port": port})()
+        assert _status(_exchange(target, b"\x00\xffgarbage\r\n\r\n")) == 400
+        assert _status(_exchange(target, _post(route, "-1", b"{}"))) == 400
+        assert _status(_exchange(target, b"GET / HTTP/1.1\r\nX-Big: " + b"b" * 70_000 + b"\r\n\r\n")) == 400
+        with _connect(target) as lying:  # the token first: answered before the body it says is coming
+            lying.sendall(_post(route, "100", b"{}"))
+            assert _status(lying.recv(65536)) == 401
+        rss = _rss()
+        silent = [_connect(target) for _ in range(100)]
+        slow = _connect(target)
+        slow.sendall(b"POST " + route.encode() + b" HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        started = time.monotonic()
+        for connection in [*silent, slow]:
+            connection.settimeout(QuickEndpoint.IDLE_S + 5)
+            assert connection.recv(65536) in (b"",) or b"408" in connection.recv(65536)
+            connection.close()
+        assert time.monotonic() - started < QuickEndpoint.IDLE_S + 5 and _rss() - rss < RSS_GROWTH_BYTES
+        answer = httpx.post(endpoint.url + route, json={"messages": []},
+                            headers={"Authorization": f"Bearer {endpoint.token}"})
+        assert answer.status_code == 404  # served on: no such episode
+    finally:
+        endpoint.close()

@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
@@ -119,6 +119,11 @@ class AgentEndpoint:
     """The policy's chat-completions endpoint for a run's agent programs, and the event loop they run on.
     verifiers' bridge (`servers/verifiers_bridge.py`) serves its harness's requests on one too."""
 
+    IDLE_S: ClassVar[float] = 30.0
+    """Seconds a connection may sit without a request (silent from the start, headers left half-sent, or kept
+    alive) before the endpoint closes it: a client cannot hold sockets forever. httpx, which the OpenAI client
+    uses, lets its own idle connections go after 5 s, so no request races the close."""
+
     def __init__(self, keep_alive: bool = True):
         self.keep_alive = keep_alive
         """False: each answer closes its connection, for clients that never close theirs (verifiers'
@@ -138,7 +143,7 @@ class AgentEndpoint:
         self._http = SharedConnections()
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._completion)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.IDLE_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
