@@ -153,7 +153,7 @@ def _serve_reward(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rlhf import tracking
-    from servers.reward_server import reward_app
+    from servers.reward_server import RequestDeadline, reward_app
     from stages.rewards.scoring import RewardScorer
 
     run_id, checkpoint = args.run_id, args.checkpoint
@@ -171,7 +171,7 @@ def _serve_reward(args: argparse.Namespace) -> int:
         print(f"serving {checkpoint} (run {run_id or '-'}) on http://{args.host}:{args.port}/score", flush=True)
         app = reward_app(scorer, served, args.max_batch, limits)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=5,
-                    limit_concurrency=limits.max_queue + 64)
+                    limit_concurrency=limits.max_queue + 64, http=RequestDeadline)
     return 0
 
 

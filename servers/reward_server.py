@@ -22,6 +22,7 @@ is retried request by request, so a request that cannot be scored fails alone (4
 lone surrogate the tokenizer cannot encode, say). An input longer than
 the model's positions keeps its last ones (the response's end, where the score is read) and says so
 (`truncated`). With a token (`api_key`), every route but `/health` wants `Authorization: Bearer` (`servers.auth`).
+A connection must send a request's head within uvicorn's keep-alive timeout (`RequestDeadline`).
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import h11
 import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from servers.auth import CHALLENGE, UNAUTHORIZED, authorized
 from stages.rewards.scoring import RewardScorer
@@ -251,6 +254,30 @@ class Batcher:
         positions = getattr(self.scorer.model.config, "max_position_embeddings", None) or max(map(len, sequences))
         truncated = [len(ids) > positions for ids in sequences]
         return self.scorer.raw_scores([ids[-positions:] for ids in sequences]), truncated
+
+
+class RequestDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, with a deadline on each request's head: a connection that has not sent a
+    whole request line and headers within `timeout_keep_alive` seconds of connecting (or of its last answer) is
+    closed, however slowly its bytes trickle in. uvicorn arms that timer only after an answer, and any byte
+    disarms it, so silent and slow-loris connections were held forever, each counted against
+    `limit_concurrency` until the server answered everyone 503."""
+
+    def connection_made(self, transport) -> None:  # noqa: ANN001 - asyncio's transport
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        self.conn.receive_data(data)  # the timer runs on: `handle_events` disarms it once a request's head is whole
+        self.handle_events()
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.transport.is_closing():
+            try:
+                self.conn.send(h11.ConnectionClosed())
+            except h11.LocalProtocolError:  # a request half-sent: nothing to say to it
+                pass
+            self.transport.close()
 
 
 def reward_app(scorer: RewardScorer, served: dict[str, str | None], max_batch: int = 64,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import socket
 import threading
 import time
 from types import SimpleNamespace
@@ -201,3 +202,25 @@ def test_the_reward_servers_schema_fuzzed_gets_no_server_error_and_answers_as_it
             assert mode is GenerationMode.NEGATIVE and operation.method.upper() == "GET"
     assert {("/score", "POST", GenerationMode.POSITIVE), ("/score", "POST", GenerationMode.NEGATIVE)} <= fuzzed_with
     assert process.poll() is None
+
+
+def test_silent_and_slow_loris_connections_are_closed_and_the_server_answers_on(guarded):
+    """Connections that never send a whole request head (silent, or a byte at a time) are closed within the
+    keep-alive timeout (5 s), not held against the connection limit; the server answers a request after."""
+    base, process = guarded
+    port = int(base.rsplit(":", 1)[1])
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(80)]
+    slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+    started = time.monotonic()
+    head = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    for i in range(len(head)):  # a byte every 0.25 s: the head would take 16 s whole
+        try:
+            slow.sendall(head[i:i + 1])
+        except OSError:
+            break
+        time.sleep(0.25)
+    for connection in [*silent, slow]:
+        assert connection.recv(65536) == b""  # closed by the server
+        connection.close()
+    assert time.monotonic() - started < 12
+    assert httpx.get(base + "/health").status_code == 200 and process.poll() is None
