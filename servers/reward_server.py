@@ -28,6 +28,8 @@ A connection must send a request's head within uvicorn's keep-alive timeout (`Re
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -256,6 +258,48 @@ class Batcher:
         return self.scorer.raw_scores([ids[-positions:] for ids in sequences]), truncated
 
 
+REFUSED_AS = {401: "unauthorized", 404: "no_route", 405: "no_route", 413: "too_large", 422: "invalid",
+              503: "busy", 504: "timeout"}
+"""What a refusal's status is counted as, at `GET /score`."""
+
+
+@dataclass
+class RequestCounts:
+    """Requests answered (refusals included), and refused by cause (`REFUSED_AS`): shown at `GET /score`."""
+
+    answered: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+
+class RequestLog:
+    """ASGI middleware: each request logged in one line on stderr (method, path without its query, status,
+    milliseconds), and counted in `counts`."""
+
+    def __init__(self, app, counts: RequestCounts):
+        self.app, self.counts = app, counts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.monotonic(), 500
+
+        async def sent(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            self.counts.answered += 1
+            if status >= 400:
+                cause = REFUSED_AS.get(status, str(status))
+                self.counts.refused[cause] = self.counts.refused.get(cause, 0) + 1
+            print(f"{scope['method']} {scope['path'][:200]} {status} {(time.monotonic() - started) * 1000:.1f}ms",
+                  file=sys.stderr, flush=True)
+
+
 class RequestDeadline(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, with a deadline on each request's head: a connection that has not sent a
     whole request line and headers within `timeout_keep_alive` seconds of connecting (or of its last answer) is
@@ -297,7 +341,9 @@ def reward_app(scorer: RewardScorer, served: dict[str, str | None], max_batch: i
 
     app = FastAPI(title="rlhf reward model", lifespan=lifespan,
                   description="Scores (prompt, response) pairs with a reward checkpoint.")
+    counts = RequestCounts()
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(RequestLog, counts=counts)  # the outermost layer: it sees BodyLimit's refusals too
 
     @app.post("/score", dependencies=[Depends(checked_token)], responses=REFUSALS)
     async def score(request: ScoreRequest) -> dict[str, list]:
@@ -317,6 +363,7 @@ def reward_app(scorer: RewardScorer, served: dict[str, str | None], max_batch: i
     @app.get("/score", dependencies=[Depends(checked_token)])
     async def info() -> dict:
         return {**served, "normalization": {"gain": scorer.gain, "bias": scorer.bias}, "passes": batcher.passes,
+                "requests": {"answered": counts.answered, "refused": counts.refused},
                 "protocol": "POST {prompts, responses, complete?} -> {scores, raw, truncated}"}
 
     @app.get("/health")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import re
 import socket
 import threading
 import time
@@ -112,6 +113,9 @@ def test_the_reward_server_wants_its_token_and_survives_a_flood_of_bad_requests(
     assert "role" in malformed.text and "content" in malformed.text
     too_long = next(answer for kind, _, answer in answers if kind == 3)
     assert "row 0: the response has 2001 characters, over the limit of 2000" in too_long.text
+    counted = httpx.get(base + "/score", headers=AUTH).json()["requests"]  # every answer counted, by cause
+    assert counted["answered"] >= len(answers) and counted["refused"]["unauthorized"] >= 3
+    assert counted["refused"]["too_large"] >= 1 and counted["refused"]["invalid"] >= 2
     assert _peak_rss_mib(process.pid) - before < 200  # nothing past the limits was read into memory
     # an input longer than the model's positions is scored on its last ones, and says so
     long_text = {"prompts": ["p"], "responses": [" ".join(["warm"] * 390)]}
@@ -156,7 +160,7 @@ def _post_all(base: str, bodies: list[dict]) -> list[httpx.Response]:
     return answers
 
 
-def test_a_full_queue_answers_503_a_slow_request_504_and_a_failing_one_fails_alone():
+def test_a_full_queue_answers_503_a_slow_request_504_and_a_failing_one_fails_alone(capsys):
     scorer = SlowScorer(seconds=1.0)
     app = reward_app(scorer, {"checkpoint": "slow"}, max_batch=64, limits=Limits(max_queue=2, timeout_s=0.5))
     body = {"prompts": ["p"], "responses": ["abc"]}
@@ -175,6 +179,9 @@ def test_a_full_queue_answers_503_a_slow_request_504_and_a_failing_one_fails_alo
         answers = _post_all(base, [body, {"prompts": ["p"], "responses": ["boom"]}, body, body])
     assert [a.status_code for a in answers] == [200, 422, 200, 200]
     assert "this request cannot be scored: ValueError: this response cannot be scored" in answers[1].text
+    logged = capsys.readouterr().err.splitlines()  # each request in one line: method, path, status, milliseconds
+    assert sum(bool(re.fullmatch(r"POST /score 200 \d+\.\dms", line)) for line in logged) >= 3, logged[-10:]
+    assert any(re.fullmatch(r"POST /score 50[34] \d+\.\dms", line) for line in logged), logged[-10:]
     assert [a.json()["scores"] for a in answers if a.status_code == 200] == [[3.0]] * 3
 
 
