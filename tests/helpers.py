@@ -557,14 +557,33 @@ def judge_app(answer: str = "I'd say 7 out of 10.") -> tuple[FastAPI, list[dict]
     return app, asked
 
 
+def scoring_app() -> tuple[FastAPI, list[str | None]]:
+    """A scoring server as a `remote` term of kind `score` reads one (a score in [0, 1] from each response's
+    length), and the `Authorization` header of each batch it was sent."""
+    authorized: list[str | None] = []
+    app = FastAPI()
+
+    @app.get("/score")
+    async def ready() -> dict:
+        return {"ok": True}
+
+    @app.post("/score")
+    async def score(request: Request) -> dict:
+        authorized.append(request.headers.get("authorization"))
+        return {"scores": [len(response) % 5 / 4 for response in (await request.json())["responses"]]}
+
+    return app, authorized
+
+
 @contextmanager
-def served_in_thread(app) -> Iterator[str]:
-    """`app` (ASGI) served by uvicorn on a thread of this process, on a free port of 127.0.0.1: its base URL."""
+def served_in_thread(app, host: str = "127.0.0.1") -> Iterator[str]:
+    """`app` (ASGI) served by uvicorn on a thread of this process, on a free port of `host`: its base URL.
+    Another loopback address (127.0.0.2) is this machine to the socket but not to a client's `LOOPBACK`."""
     import threading
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -572,7 +591,7 @@ def served_in_thread(app) -> Iterator[str]:
         assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{server.config.port}"
+        yield f"http://{host}:{server.config.port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -518,6 +518,132 @@ def test_secrets_in_overrides_never_reach_the_prefect_flow_runs_parameters_or_lo
     assert _redacted_json({"judge.token": 5}) == '{"judge.token": ***}'  # no JSON left: the redacted text
 
 
+def _made_up_secrets() -> dict[str, str]:
+    """One made-up credential of each kind `tracking.redact` knows, by the name a failure reports (never the
+    value): random, so that finding one anywhere means it came from this test."""
+    import base64
+    import secrets
+    import string
+
+    def segment(claims: dict) -> str:
+        return base64.urlsafe_b64encode(json.dumps(claims).encode()).rstrip(b"=").decode()
+
+    upper = "".join(secrets.choice(string.ascii_uppercase + string.digits) for _ in range(16))
+    return {
+        "a URL password": secrets.token_hex(8),
+        "a URL password holding @": f"{secrets.token_hex(6)}@{secrets.token_hex(6)}",
+        "a token= query parameter": secrets.token_hex(8),
+        "an api_key= query parameter": secrets.token_hex(8),
+        "a bearer token": secrets.token_urlsafe(24),
+        "Basic auth credentials": base64.b64encode(f"alice:{secrets.token_hex(8)}".encode()).decode(),
+        "the Prefect auth string password": secrets.token_hex(8),
+        "a JWT": ".".join([segment({"alg": "HS256", "typ": "JWT"}), segment({"sub": secrets.token_hex(8)}),
+                           secrets.token_urlsafe(32)]),
+        "a Slack token": f"xoxb-{secrets.randbelow(10**12):012d}-{secrets.token_hex(12)}",
+        "a Google API key": "AIza" + secrets.token_urlsafe(27)[:35],
+        "a Google OAuth token": f"ya29.{secrets.token_urlsafe(24)}",
+        "a Slack webhook path": f"T{secrets.token_hex(5)}/B{secrets.token_hex(5)}/{secrets.token_hex(12)}",
+        "a Hugging Face token": f"hf_{secrets.token_hex(16)}",
+        "an OpenAI-style key": f"sk-proj-{secrets.token_urlsafe(24)}",
+        "a GitHub token": f"ghp_{secrets.token_hex(18)}",
+        "an AWS access key id": f"AKIA{upper}",
+        "a YAML password setting": secrets.token_hex(8),
+    }
+
+
+def _every_page(read) -> list:
+    """Every item of a Prefect API read, page by page: the API answers a page of 200 at most."""
+    items: list = []
+    while page := read(offset=len(items)):
+        items += page
+    return items
+
+
+def test_every_kind_of_secret_in_a_stages_config_and_warnings_is_found_in_no_record(
+        finished, tracking_store, tmp_path, monkeypatch):
+    """A PPO run whose config holds one secret of each kind `redact` knows, and whose warnings carry them:
+    none is found in its MLflow runs (params, tags, metric names, every artifact, `warnings.txt` among
+    them), in any file under the store and `RLHF_HOME`, or in the Prefect API's flow run (parameters,
+    state, logs, task runs, artifacts). The reward is scored by a server on 127.0.0.2: this machine, but
+    not a loopback name to the client, so the stage's own warning (a token over plain http) quotes the URLs."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    from flows.pipeline import rlhf
+    from stages.rewards.remote import RemoteReward
+    from tests.helpers import scoring_app, served_in_thread
+
+    secret = _made_up_secrets()
+    # Header- and key-shaped secrets pasted into a free text setting (inert under `engine: local`) and into
+    # the stage's warnings, as a warning quoting a server's answer would carry them.
+    by_shape = ("a JWT", "a Slack token", "a Google API key", "a Google OAuth token", "a Hugging Face token",
+                "an OpenAI-style key", "a GitHub token", "an AWS access key id")  # known by their shape alone
+    pasted = ", ".join([f"Authorization: Bearer {secret['a bearer token']}",
+                        f"Authorization: Basic {secret['Basic auth credentials']}",
+                        f"PREFECT_API_AUTH_STRING=rlhf:{secret['the Prefect auth string password']}",
+                        f"https://hooks.slack.com/services/{secret['a Slack webhook path']}",
+                        f"db_password: {secret['a YAML password setting']}"] + [secret[kind] for kind in by_shape])
+    exposed = RemoteReward.exposed_token
+    monkeypatch.setattr(RemoteReward, "exposed_token", lambda self: f"{exposed(self)}; it answered {pasted}")
+    monkeypatch.setenv("RLHF_SECRET_TEST_TOKEN", secret["a bearer token"])  # the terms' `api_key_env`
+
+    server, sent = scoring_app()
+    with served_in_thread(server, host="127.0.0.2") as base:
+        host = base.removeprefix("http://")
+        urls = {"first": f"http://alice:{secret['a URL password']}@{host}/score?token="
+                         f"{secret['a token= query parameter']}&api_key={secret['an api_key= query parameter']}",
+                "second": f"http://bob:{secret['a URL password holding @']}@{host}/score"}
+        own = {"ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 4, "ppo.num_iterations": 1,
+               "ppo.evaluation.every": None, "registry.enabled": False, "ppo.launch.ray_storage_path": pasted,
+               "ppo.reward": {"terms": [{"name": name, "remote": {"url": url, "api_key_env": "RLHF_SECRET_TEST_TOKEN"}}
+                                        for name, url in urls.items()]}}
+        state = rlhf(stages=["ppo"], config_file="configs/tiny.yaml", overrides=own, return_state=True)
+    assert state.is_completed(), tracking.redact(str(state.message))
+    assert len(sent) >= 4  # both terms scored a training batch and the evaluation's
+
+    places: dict[str, bytes] = {}  # where a secret could be found -> what is there
+    (ppo,) = state.result()
+    ppo_run = MlflowClient().get_run(ppo.run_id)
+    pipeline_run = MlflowClient().get_run(ppo_run.data.tags["mlflow.parentRunId"])
+    for name, run in (("PPO", ppo_run), ("pipeline", pipeline_run)):
+        places[f"the {name} run's params"] = json.dumps(run.data.params).encode()
+        places[f"the {name} run's tags"] = json.dumps(run.data.tags).encode()
+        places[f"the {name} run's metric names"] = json.dumps(sorted(run.data.metrics)).encode()
+        downloaded = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, dst_path=str(tmp_path / name)))
+        places |= {f"the {name} run's artifact {p.relative_to(downloaded)}": p.read_bytes()
+                   for p in downloaded.rglob("*") if p.is_file()}
+    # Where the secrets went, checked without showing what is there (it may hold them): booleans and names only.
+    warned_twice = places["the PPO run's artifact warnings.txt"].count(b"is sent over plain http to 127.0.0.2") == 2
+    assert warned_twice, "the PPO run's warnings.txt does not hold the two warnings that carry the secrets"
+    assert {"reward.terms", "launch.ray_storage_path"} <= set(ppo_run.data.params)
+    # the store (its database, artifacts) and RLHF_HOME (work folders, journals) as they lie on disk
+    places |= {f"the file {p.relative_to(tracking_store)}": p.read_bytes() for p in tracking_store.rglob("*")
+               if p.is_file()}
+
+    APILogWorker.drain_all(timeout=5)
+    this_flow_run = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(state.state_details.flow_run_id)
+        logs = _every_page(lambda offset: client.read_logs(
+            LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])), offset=offset))
+        task_runs = _every_page(lambda offset: client.read_task_runs(flow_run_filter=this_flow_run, offset=offset))
+        artifacts = _every_page(lambda offset: client.read_artifacts(flow_run_filter=this_flow_run, offset=offset))
+    logged = sum("is sent over plain http" in log.message for log in logs) == 2
+    assert logged, "the Prefect log does not hold the two warnings that carry the secrets"
+    places["the Prefect flow run's parameters"] = json.dumps(flow_run.parameters).encode()
+    places["the Prefect flow run's state"] = str(flow_run.state.message).encode()
+    places["the Prefect flow run's logs"] = "\n".join(log.message for log in logs).encode()
+    places["the Prefect task runs' states"] = "\n".join(str(t.state.message) for t in task_runs).encode()
+    places["the Prefect artifacts"] = "\n".join(json.dumps(a.data, default=str) for a in artifacts).encode()
+
+    # A password holding `@` is looked for in parts: a redaction that stops at the first `@` leaves the rest.
+    found = {place: [kind for kind, value in secret.items() if any(part.encode() in text for part in value.split("@"))]
+             for place, text in places.items()}
+    leaks = [f"{place}: {', '.join(kinds)}" for place, kinds in found.items() if kinds]
+    assert not leaks, "secrets found (their values not shown) in " + "; ".join(leaks)
+
+
 def test_redaction_patterns():
     assert tracking.redact("postgresql://bob:pa55@db:5432/x") == "postgresql://bob:***@db:5432/x"
     assert tracking.redact("model hf_abcdefghijklmnopqrstuvwx") == "model hf_***"
