@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import logging
 import math
 import re
 import shutil
@@ -453,6 +454,26 @@ def redact(text: str) -> str:
     for pattern, replacement in _SECRETS:
         text = pattern.sub(replacement, text)
     return text
+
+
+class RedactingFilter(logging.Filter):
+    """A logging filter that redacts each record (`redact`): its message with its `%s` arguments merged in, and
+    its traceback, so that a secret in an argument or an exception's text is caught too."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact(record.getMessage()), None
+        if record.exc_info:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+            record.exc_info = None
+        return True
+
+
+def redact_logs(*names: str) -> None:
+    """Every record logged to the loggers `names` redacted from now on (once each, however often it is asked)."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+            logger.addFilter(RedactingFilter())
 
 
 def redacted(values: dict[str, str]) -> dict[str, str]:

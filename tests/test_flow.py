@@ -674,6 +674,32 @@ def test_redaction_patterns():
         "teacher models:/rlhf-policy@champion, run at http://host/a@b"  # an `@` in a path is not userinfo
 
 
+def test_a_run_loggers_lines_are_redacted_arguments_and_tracebacks_included():
+    """`redact_logs` on the flow's and tasks' loggers: a secret in a `%s` argument or an exception's text is
+    redacted before any handler (Prefect's API log, the console) sees the record."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("prefect.flow_runs")
+    logger.addHandler(handler)
+    try:
+        tracking.redact_logs("prefect.flow_runs")
+        tracking.redact_logs("prefect.flow_runs")  # asked again: one filter
+        assert sum(isinstance(f, tracking.RedactingFilter) for f in logger.filters) == 1
+        logger.warning("upstream %s failed", "http://alice:S3cretPass@10.0.0.5:8400")
+        try:
+            raise RuntimeError("cannot reach postgresql://rlhf:hunter2@db/x")
+        except RuntimeError:
+            logger.exception("stage failed")
+    finally:
+        logger.removeHandler(handler)
+    assert records[0].getMessage() == "upstream http://alice:***@10.0.0.5:8400 failed"
+    assert "rlhf:***@db" in records[1].exc_text and "hunter2" not in records[1].exc_text
+    assert "hunter2" not in logging.Formatter().format(records[1])
+
+
 def test_redaction_takes_linear_time_on_hostile_text():
     """A warning may quote what it was given: 200,000 characters of runs that a pattern could start at
     everywhere are redacted in under 0.5 s, and under 40x the time of 20,000 (linear is 10x). Before

@@ -108,7 +108,9 @@ def hide_secret_parameters() -> None:
     """The flow run's parameters on the Prefect API (the UI's Parameters tab, `prefect flow-run inspect`) with
     any secret redacted: an override may hold a URL's password or a token. Whoever submitted the run sent
     them in clear, so they are replaced as the run starts; a retry from the UI then runs with `***` in their
-    place and fails where it needs the secret (a config names a secret's variable instead: `*_env`)."""
+    place and fails where it needs the secret (a config names a secret's variable instead: `*_env`). And every
+    line the flow and its tasks log from then on is redacted, arguments and tracebacks included."""
+    tracking.redact_logs("prefect.flow_runs", "prefect.task_runs")
     flow_run = get_run_context().flow_run
     hidden = {name: _redacted_json(value) for name, value in flow_run.parameters.items()}
     if hidden != flow_run.parameters:
