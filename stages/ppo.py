@@ -206,7 +206,7 @@ def save_policy(learner: Learner, sft_location: str, output_dir: Path) -> tuple[
     # LoRA merged in float32: into bf16-held weights (`frozen_dtype`) a bf16 merge would round small updates away.
     checkpoint = output_dir / "checkpoint"
     models.holding.save_plain(models.policy, models.tokenizer, checkpoint, saved)
-    return checkpoint, tags | held | compile_tags(cfg, models)
+    return checkpoint, tags | held | compile_tags(cfg, models) | models.old_logprobs.tags()
 
 
 def compile_tags(cfg: PPOConfig, models) -> dict[str, str]:

@@ -4,7 +4,6 @@ keeps `auto`):
 
     precision                        bf16-mixed on a CUDA GPU with bf16, else fp32 (every stage)
     sharded_sampling, micro-batches  the largest that fit the device (`stages.memory.plan`; ppo, reward, dpo)
-    old_logprobs (ppo)               `sampling` in fp32, `recompute` where the passes round to 16 bits
     micro_batch_tokens (ppo)         micro_batch_size (or the minibatch) x the longest sequence
     critic.freeze_policy_iterations  a tenth of the run for a value head that starts untrained (ppo)
 
@@ -12,7 +11,8 @@ Resolved as the config is read, so the run's params hold them already: PPO's `sa
 `critic` and `kl.init_coef` (`rlhf.sections.ppo`). Two are decided by the loaded models themselves and
 are reported the same way as they load (`stages.ppo.build_learner`): whether every model takes packed
 passes (`padding_free: auto` stays the per-pass choice among those that do) and whether compiling pays
-(`compile`)."""
+(`compile`). One is decided by the run's first batch: PPO's `old_logprobs` (`stages.rl.old_logprobs`,
+reported as the run's `rlhf.old_logprobs` tag)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from rlhf.sections.base import StageName
 from stages.common.reporting import Reporting
 from stages.memory.phases import Counts
 from stages.memory.plan import with_micro_batches
-from stages.runtime.models import resolve_precision, reuse_sampling_pass, rounds_to_16_bits
+from stages.runtime.models import resolve_precision
 
 
 def resolved(stage: StageName, section, counts: Counts, locations: tuple[str, str | None],
@@ -45,9 +45,6 @@ def resolved(stage: StageName, section, counts: Counts, locations: tuple[str, st
 def _ppo_autos(section) -> dict[str, Any]:
     """PPO's own `auto`s, on a section whose precision and micro-batch sizes are resolved."""
     changes: dict[str, Any] = {}
-    if section.old_logprobs == "auto":
-        reused = reuse_sampling_pass("auto", rounds_to_16_bits(section, resolve_precision(section.precision)))
-        changes["old_logprobs"] = "sampling" if reused else "recompute"
     if section.micro_batch_tokens == "auto":  # the positions `micro_batch_size` rows of the longest sequences take
         minibatch = section.rollout_batch_size // (section.num_minibatches * section.launch.num_processes)
         changes["micro_batch_tokens"] = (section.micro_batch_size or minibatch) * (

@@ -81,9 +81,13 @@ def test_family_runs_sft_reward_ppo(name, world, tiny_config, tmp_path):
 
     # bf16 in, float32 trained, bf16 out
     for result in (sft, reward, ppo):
-        assert result.tags == {"rlhf.trainable_dtype": "float32", "rlhf.autocast_dtype": "none",
-                               "rlhf.checkpoint_dtype": "bfloat16", "rlhf.held_as": "one process"}
+        assert {k: v for k, v in result.tags.items() if k != "rlhf.old_logprobs"} == {
+            "rlhf.trainable_dtype": "float32", "rlhf.autocast_dtype": "none", "rlhf.checkpoint_dtype": "bfloat16",
+            "rlhf.held_as": "one process"}
         assert json.loads((result.checkpoint / "config.json").read_text())["dtype"] == "bfloat16"
+    # fp32 passes: the first batch's sampled log-probs agreed with a forward, so the run took them
+    assert ppo.tags["rlhf.old_logprobs"].startswith("sampling (auto: the first batch's sampled log-probs were at"), \
+        ppo.tags
     # dropout off everywhere: the update starts from the policy the rollout sampled
     deviations = [row["train/initial_ratio_deviation"] for row in ppo.history]
     assert max(deviations) <= 1e-5, deviations

@@ -332,10 +332,14 @@ def test_bf16_autocast_on_the_cpu_keeps_float32_weights_and_a_bf16_reference(tin
     assert {p.dtype for p in models.trainable()} == {torch.float32}
     assert models.reference.dtype == torch.bfloat16 and models.scorer.model.dtype == torch.bfloat16
     result = run_ppo(cfg, trained, tmp_path)
+    old_logprobs = result.tags.pop("rlhf.old_logprobs")
     assert result.tags == {"rlhf.trainable_dtype": "float32", "rlhf.autocast_dtype": "bfloat16",
                            "rlhf.checkpoint_dtype": "float32", "rlhf.held_as": "one process"}
-    # old_logprobs: auto recomputes them under autocast; what is left is bf16 rounding (measured 0 with the
-    # reward-model critic, 4e-3 with the shared value head)
+    # old_logprobs: auto compared the first batch's sampled log-probs with the update's bf16 pass, found them
+    # past 1e-3 and recomputed them; what is left is bf16 rounding (measured 0 with the reward-model critic,
+    # 4e-3 with the shared value head)
+    assert old_logprobs.startswith("recompute (auto: the first batch's sampled log-probs were at most"), old_logprobs
+    assert "past the tolerance 0.001" in old_logprobs
     assert max(row["train/initial_ratio_deviation"] for row in result.history) <= 2e-2
     assert np.isfinite(result.history[-1]["train/policy_loss"])
 
@@ -480,9 +484,9 @@ def test_a_rollout_sampled_in_pieces_is_the_one_batch_a_full_pass_computes(tiny_
 
 def test_every_auto_is_resolved_as_the_stage_starts_and_reported(tiny_config, trained, tmp_path):
     """`train_ppo` resolves every `auto` before anything else (`stages.resolved`: here, on the tiny
-    world's CPU, all at once, fp32, the sampling pass reused, no warm-up for a critic from the reward
-    model, the token budget of two rows) and the models' own probes as they load, and reports each as
-    an `auto.<field>` param; explicit settings are not reported."""
+    world's CPU, all at once, fp32, no warm-up for a critic from the reward model, the token budget of
+    two rows) and the models' own probes as they load, and reports each as an `auto.<field>` param;
+    explicit settings are not reported. `old_logprobs` is the first batch's to decide (its tag)."""
     reported = {}
     cfg = with_overrides(tiny_config.ppo, {"num_iterations": 1, "micro_batch_size": 2, "micro_batch_tokens": "auto",
                                            "padding_free": "auto"})
@@ -490,6 +494,6 @@ def test_every_auto_is_resolved_as_the_stage_starts_and_reported(tiny_config, tr
     run_ppo(cfg, trained, tmp_path, Reporting(params=reported.update))
     longest = cfg.max_prompt_length + cfg.sampling.response_length
     assert reported == {"auto.sharded_sampling": "whole", "auto.sampling.micro_batch_size": None,
-                        "auto.precision": "fp32", "auto.old_logprobs": "sampling",
+                        "auto.precision": "fp32",
                         "auto.micro_batch_tokens": 2 * longest, "auto.critic.freeze_policy_iterations": 0,
                         "auto.padding_free": "auto (each pass packed where it saves a tenth)"}

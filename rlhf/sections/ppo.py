@@ -236,7 +236,7 @@ class PPOConfig(TrainedStage, SampledStage):
     compile: bool | Literal["auto"] = False
     """torch.compile the passes over prompt + response (shapes bucketed); `auto`: where a probe at load says it pays."""
     old_logprobs: Literal["auto", "sampling", "recompute"] = "auto"
-    """Where rollout log-probs and values come from: the sampling pass, a second forward, or auto (by precision)."""
+    """Where rollout log-probs and values come from: the sampling pass, a second forward, or auto (the first batch)."""
     frozen_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype of the frozen reference and reward models (with `lora`, the policy's own): auto is bf16 under bf16."""
     offload_frozen: bool = False

@@ -217,7 +217,7 @@ class EpisodeSource:
 class SingleTurn(EpisodeSource):
     """Single-turn rollout: each prompt's episode is one response, against an environment that says
     nothing back. The rendered prompt is sampled in one `generate` call, so the sampling pass's
-    log-probs and hidden states serve the update (`models.reuse_sampling_pass`). A thinking model's
+    log-probs and hidden states serve the update (`models.old_logprobs`). A thinking model's
     reasoning is read in its family's convention (`parse`: `stages.envs.parsers.reasoning_parser`) and
     kept out of the answer the reward terms score, unless `sees_reasoning`."""
 

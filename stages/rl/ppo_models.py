@@ -26,6 +26,7 @@ from stages.common.batches import Sequences
 from stages.common.errors import StageUserError
 from stages.math.ppo_math import clipped_value_loss, explained_variance
 from stages.rewards.scoring import RewardScorer, load_reward_model, shares_tokenizer
+from stages.rl.old_logprobs import OldLogprobs
 from stages.rl.teacher import NoTeacher, Teacher, teacher_for
 from stages.runtime.compiling import LEAST_COMPILE_S, Compiler, probe_compile
 from stages.runtime.forward import forward_response, last_hidden, padding_free_refusal
@@ -38,8 +39,6 @@ from stages.runtime.models import (
     load_causal_lm,
     load_tokenizer,
     resolve_precision,
-    reuse_sampling_pass,
-    rounds_to_16_bits,
     stop_token_ids,
 )
 from stages.runtime.packing import Passes, TokenCounts
@@ -229,9 +228,9 @@ class Models:
     """Token ids that end a response: the reply end, EOS, and any the generation config lists."""
     holding: Holding = field(default_factory=Replicated)
     """How the processes hold the models: whole on each (one process, DDP) or sharded (FSDP2)."""
-    reuse_sampling_pass: bool = True
-    """Old log-probs (and shared-body values) from the sampling pass, else from a second forward
-    (`reuse_sampling_pass`)."""
+    old_logprobs: OldLogprobs = field(default_factory=OldLogprobs)
+    """Whether old log-probs (and shared-body values) come from the sampling pass or a second forward
+    (`ppo.old_logprobs`; `auto` decided on the run's first batch)."""
     padding_free: bool | str = False
     """The passes over prompt + response packed (`ppo.padding_free`; False where the models cannot take it)."""
     counts: TokenCounts = field(default_factory=TokenCounts)
@@ -349,7 +348,7 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
     teacher = teacher_for(cfg, teacher_location, tokenizer, holding)
     return Models(policy=policy, critic=critic, reference=reference, scorer=scorer, teacher=teacher,
                   tokenizer=tokenizer, precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
-                  reuse_sampling_pass=reuse_sampling_pass(cfg.old_logprobs, rounds_to_16_bits(cfg, precision)),
+                  old_logprobs=OldLogprobs(cfg.old_logprobs),
                   padding_free=padding_free, counts=counts, compiler=compiler_for(cfg, policy, passes))
 
 

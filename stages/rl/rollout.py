@@ -34,7 +34,7 @@ from stages.rl.batch import Rollout
 from stages.rl.ppo_models import Models, policy_and_values, reference_policy
 from stages.rl.ppo_state import LoopState
 from stages.rl.scoring import Scoring
-from stages.runtime.collectives import sum_over_processes
+from stages.runtime.collectives import over_processes, sum_over_processes
 from stages.runtime.forward import forward_response
 
 if TYPE_CHECKING:
@@ -216,10 +216,18 @@ def _gave_what_the_update_needs(models: Models, sampled: EpisodeGeneration) -> b
     return sampled.logprobs is not None and (sampled.hidden is not None or not models.critic.reads_policy_hidden)
 
 
+def largest_deviation(accelerator: Accelerator | None, sampled: torch.Tensor, recomputed: torch.Tensor,
+                      trainable: torch.Tensor) -> float:
+    """The largest |sampled - recomputed| log-prob on the model's own tokens, over every process
+    (collective on several; None: this process alone). # (B, R) each -> float"""
+    worst = (sampled - recomputed).abs().masked_fill(trainable == 0, 0.0).max().item()
+    return worst if accelerator is None else over_processes(accelerator, {"deviation_max": worst})["deviation_max"]
+
+
 def passes(models: Models, sampled: EpisodeGeneration, rows: list[dict], temperature: float,
            timings: dict[str, float]) -> Rollout:
     """The passes after sampling, timed under `forward`: `values` (the critic on the sampling pass's
-    outputs, when `models.reuse_sampling_pass` and the sampler gave them: never an engine's own,
+    outputs, where `models.old_logprobs` takes the sampler's log-probs: never an engine's own,
     `engine_logprobs`, which are kept beside) or `policy_forward` (the policy's log-probs, with the
     values), `reference`, and the teacher's marks (`teacher`). They run over all of an episode's
     tokens (tool results are context); their figures are kept on the model's own tokens (`trainable`)."""
@@ -229,8 +237,14 @@ def passes(models: Models, sampled: EpisodeGeneration, rows: list[dict], tempera
         fed = sampled.query_mask.sum() + (sampled.mask.sum(dim=1) - 1).clamp(min=0).sum()  # a last token is never fed
         models.counts.add("generate", float(fed), sampled.computed_tokens)
 
+    def deviation() -> float:  # `auto`'s one comparison: the sampler's log-probs against the update's pass
+        with timed(timings, "policy_forward"):
+            logits, _ = policy_and_values(models, sequences, phase="policy_forward")
+        recomputed = logprobs_of(logits, sampled.responses, temperature)
+        return largest_deviation(models.holding.accelerator, sampled.logprobs, recomputed, trainable)
+
     with timed(timings, "forward"):
-        if models.reuse_sampling_pass and _gave_what_the_update_needs(models, sampled):
+        if models.old_logprobs.reuse(_gave_what_the_update_needs(models, sampled), deviation):
             logprobs, entropy = sampled.logprobs, sampled.entropy
             with timed(timings, "values"):
                 values = models.critic.values(sampled.hidden, sequences, models.passes("values"))

@@ -381,16 +381,6 @@ def rounds_to_16_bits(cfg, precision: Precision) -> bool:
         cfg.lora is not None and frozen_dtype_of(cfg.frozen_dtype, precision) != torch.float32)
 
 
-def reuse_sampling_pass(old_logprobs: str, sixteen_bits: bool) -> bool:
-    """Whether old log-probs (and shared-body values) come from the sampling pass (`old_logprobs`:
-    auto, sampling, recompute): in fp32 they equal a fresh forward up to float rounding; in 16 bits
-    the KV-cached steps drift further from the full-sequence pass the update uses (1e-2 on the demo
-    model), so `auto` takes a second forward."""
-    if old_logprobs == "auto":
-        return not sixteen_bits
-    return old_logprobs == "sampling"
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
