@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.flops import flop_report  # standard library at import: the reference side imports this module
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -208,19 +210,24 @@ def _linear_calls(modules) -> tuple[collections.Counter, list]:
 
 
 def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup: int, iterations: int,
-             threads: int) -> dict:
+             threads: int, count_flops: bool = False) -> dict:
     import pandas as pd
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     import stages.ppo
     import stages.rl.rollout
+    from bench.flops import PhaseFlops
     from rlhf.config import load_config
     from stages.common.reporting import Reporting
     from stages.ppo import PPOInputs, train_ppo
     from stages.runtime.models import set_determinism
 
     counted, once = {}, {}
+    cfg = load_config(config_file, overrides | {"ppo.num_iterations": warmup + iterations}).ppo
+    flops = PhaseFlops()  # the warm-up iteration's FLOPs by phase (not with compiled passes: the counter would trace)
+    if count_flops and warmup and cfg.compile is False:
+        count_phase_flops(flops)
     real_update, real_save = stages.ppo.ppo_update, stages.ppo.save_state
     real_evaluation, real_save_policy = stages.ppo.final_evaluation, stages.ppo.save_policy
 
@@ -230,6 +237,8 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
         if "train_flops" in counted:
             return real_update(trainer, *args, **kwargs)
         trained = trainer.models.trained_modules()
+        batch = args[0]
+        counted["lengths"] = (batch.query_mask.sum(1) + batch.mask.sum(1)).long().tolist()  # real tokens per sequence
         calls, handles = _linear_calls(trained)
         with FlopCounterMode(display=False) as counter:
             figures = real_update(trainer, *args, **kwargs)
@@ -261,12 +270,12 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
     stages.ppo.save_policy = timed_once("final evaluation and hand-off", real_save_policy)
 
     set_determinism(False, threads)
-    cfg = load_config(config_file, overrides | {"ppo.num_iterations": warmup + iterations}).ppo
     rows, marks = [], []
 
     def record(figures: dict[str, float], iteration: int) -> None:
         """Called once per iteration, as it logs: the seconds between two calls are a whole iteration."""
         marks.append(time.perf_counter())
+        flops.stop()  # the first iteration's end
         once["compile"] = once.get("compile", 0.0) + figures.get("time/compile", 0.0)
         if iteration > warmup:
             phases = {k.removeprefix("time/"): v for k, v in figures.items()
@@ -286,7 +295,35 @@ def run_ours(config_file: str, overrides: dict, assets: Path, work: Work, warmup
                                  prompts=prompts, eval_prompts=eval_prompts), Path(out),
                   Reporting(metrics=record))
     assert torch.get_num_threads() == threads
+    if flops.by_phase:
+        counted["flops"] = dict(flops.by_phase)
     return {"rows": rows, "peak_memory_mb": peak_memory_mb(), "once": once, **counted}
+
+
+def count_phase_flops(flops) -> None:
+    """`flops` counting from the first iteration's sampling, each operation under the phase our stage
+    times it in: every module's `timed` (stages.common.reporting) also opens `flops.phase`."""
+    from contextlib import contextmanager
+
+    import stages.common.reporting
+    import stages.rl.rollout
+
+    real_timed, real_sample = stages.common.reporting.timed, stages.rl.rollout.Rollouts.sample
+
+    @contextmanager
+    def timed(timings, phase):
+        with real_timed(timings, phase), flops.phase(phase):
+            yield
+
+    def sample(self, *args, **kwargs):
+        if not flops.by_phase and not flops.running:
+            flops.start()
+        return real_sample(self, *args, **kwargs)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "timed", None) is real_timed and module is not stages.common.reporting:
+            module.timed = timed
+    stages.rl.rollout.Rollouts.sample = sample
 
 
 # --- the orchestration ------------------------------------------------------------------------
@@ -333,6 +370,20 @@ def phase_table(results: dict) -> str:
         share = padding.get(key_ours) if key_ours else None
         lines.append(f"  {label:<36} " + " ".join(f"{'-' if c is None else f'{c:.3f}':>13}" for c in cells)
                      + ("" if share is None else f" {share:14.1%}"))
+    return "\n".join(lines)
+
+
+def flop_table(reports: dict) -> str:
+    """Each side's floating-point work of one iteration by phase (GFLOP, and passes: the phase's FLOPs over
+    one forward of its model per sequence), and the share of it that was necessary (`bench.flops`)."""
+    lines = []
+    for name, report in reports.items():
+        phases = ", ".join(f"{phase} {gflop:.2f}" + (f" ({report['passes'][phase]:.2f} passes)"
+                                                      if phase in report["passes"] else "")
+                           for phase, gflop in sorted(report["gflop"].items(), key=lambda item: -item[1]) if gflop)
+        lines.append(f"  {name}: {report['ran_gflop']:.1f} GFLOP per iteration, {report['necessary_share']:.1%} "
+                     f"necessary ({report['necessary_gflop']:.1f}: the update's and one forward of each model per "
+                     f"sequence); GFLOP by phase: {phases}")
     return "\n".join(lines)
 
 
@@ -463,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compiled", action="store_true", help="also ours with ppo.compile: true and TRL compiled "
                         "(accelerate's dynamo backend), alternating with the plain sides")
     parser.add_argument("--role", choices=["orchestrate", "ours"], default="orchestrate", help=argparse.SUPPRESS)
+    parser.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shape = ModelShape(**{name: getattr(args, name) for name in asdict(ModelShape())})
     import yaml
@@ -472,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.role == "ours":
         print("RESULT=" + json.dumps(run_ours(args.config, overrides, assets, work, args.warmup, args.iterations,
-                                              threads)))
+                                              threads, args.count_flops)))
         return 0
 
     print(f"PPO benchmark: {args.config}; model {asdict(shape)}; {work.episodes} episodes x {work.response_length} "
@@ -484,11 +536,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = {name: [] for name in commands}
     peaks = {name: 0.0 for name in commands}
     peak_flops = matmul_peak_flops(threads)
-    ours_extra, notes = {}, {}
-    for _ in range(args.rounds):
+    ours_extra, notes, counted = {}, {}, {}
+    for round_ in range(args.rounds):
         for name, command in commands.items():
-            result = _child(command)
+            # The warm-up iteration's FLOPs counted in the first round (counting slows it about 2.5x; untimed).
+            result = _child([*command, "--count-flops"] if round_ == 0 and name in ("ours", "trl") else command)
             rows[name] += result["rows"]
+            if "flops" in result:  # the warm-up iteration's, by phase: the same in every round
+                counted[name] = {"flops": result["flops"], "lengths": result["lengths"]}
             peaks[name] = max(peaks[name], result["peak_memory_mb"])
             notes[name] = {k: v for k, v in result.items() if k in ("compiled", "warmup_seconds")}
             if name == "ours":
@@ -520,6 +575,10 @@ def main(argv: list[str] | None = None) -> int:
           f"of the bound of reading the policy's weights ({limits['policy_mb']:.1f} MB) once per decode step of "
           f"{limits['sampling_batch']} sequences at the measured copy bandwidth ({limits['bandwidth_gbs']:.1f} GB/s): "
           f"{limits['sampling_bound_tokens_per_second']:.0f} tokens/s")
+    flop_reports = {name: flop_report(side, assets, "train" if name == "ours" else "update")
+                    for name, side in counted.items()}
+    if flop_reports:
+        print(flop_table(flop_reports))
     for name, note in notes.items():
         if note:
             print(f"  {name}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
@@ -534,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.history:
         entry = history_entry(args, results, limits, speedup, threads,
                               {name: round_spread(rows[name], args.rounds) for name in rows})
-        entry |= {"shape": asdict(shape), "speedups": speedups, "notes": notes}
+        entry |= {"shape": asdict(shape), "speedups": speedups, "notes": notes, "flops": flop_reports}
         print(compare_with_history(Path(args.history), entry))
         with Path(args.history).open("a") as history:
             history.write(json.dumps(entry) + "\n")

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+from bench.flops import PhaseFlops  # noqa: E402  (torch, imported late)
 from bench.ppo import Work, peak_memory_mb  # noqa: E402  (standard library only)
 
 
@@ -35,6 +36,7 @@ def main() -> int:
     parser.add_argument("--compile", choices=["no", "args", "accelerate"], default="no",
                         help="args: PPOConfig(torch_compile=True), as a user asks TRL to compile; accelerate: also "
                         "ACCELERATE_DYNAMO_BACKEND=inductor, what `accelerate launch --dynamo_backend inductor` sets")
+    parser.add_argument("--count-flops", action="store_true", help="count the warm-up step's FLOPs by phase")
     args = parser.parse_args()
     if args.compile == "accelerate":
         os.environ["ACCELERATE_DYNAMO_BACKEND"] = "inductor"
@@ -48,24 +50,32 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     phases = defaultdict(float)
+    flops = PhaseFlops(outside="update")  # the first (warm-up) step's FLOPs by phase; the update is what is left
+    lengths = []
 
     def timed(phase_of, function):
-        """`function`, its seconds added to the phase `phase_of(*args)` names (None: not counted)."""
+        """`function`, its seconds added to the phase `phase_of(*args)` names (None: not counted), its FLOPs too."""
         def wrapper(*call_args, **kwargs):
-            start = time.perf_counter()
+            phase, start = phase_of(*call_args), time.perf_counter()
             try:
-                return function(*call_args, **kwargs)
+                with flops.phase(phase or "update"):
+                    return function(*call_args, **kwargs)
             finally:
-                phase = phase_of(*call_args)
                 if phase:
                     phases[phase] += time.perf_counter() - start
         return wrapper
+
+    def score_lengths(model, query_responses, pad_token_id, *_):
+        """The first step's sequences' real tokens (what the reward model scores: prompt and response)."""
+        if model is reward_model and not lengths:
+            lengths.extend((query_responses != pad_token_id).sum(1).tolist())
+        return "score" if model is reward_model else "values"
 
     # The rollout's parts, as TRL's PPOTrainer.train calls them by module-level name; in the update the
     # same `forward` runs with gradients, and is left in the update's time.
     trl_ppo.batch_generation = timed(lambda *_: "generate", trl_ppo.batch_generation)
     trl_ppo.forward = timed(lambda *_: None if torch.is_grad_enabled() else "reference", trl_ppo.forward)
-    trl_ppo.get_reward = timed(lambda model, *_: "score" if model is reward_model else "values", trl_ppo.get_reward)
+    trl_ppo.get_reward = timed(score_lengths, trl_ppo.get_reward)
     trl_ppo.gc = SimpleNamespace(collect=timed(lambda *_: "gc", gc.collect))
     PPOTrainer.log = timed(lambda *_: "logging", PPOTrainer.log)
     tokenizer = AutoTokenizer.from_pretrained(assets / "policy", padding_side="left")
@@ -85,9 +95,12 @@ def main() -> int:
         def on_train_begin(self, *_, **__):
             self.marks.append(time.perf_counter())
             phases.clear()
+            if args.count_flops and args.warmup and args.compile == "no":  # compiled modules would be traced
+                flops.start()
 
         def on_step_end(self, *_, **__):
             self.marks.append(time.perf_counter())
+            flops.stop()
             self.phases.append(dict(phases))
             phases.clear()
 
@@ -119,8 +132,9 @@ def main() -> int:
     rows = [{"seconds": s, **p, "update": s - sum(p.values()), "generated_tokens": work.episodes * work.response_length}
             for s, p in zip(seconds, clock.phases[args.warmup:], strict=True)]
     warmup = [b - a for a, b in itertools.pairwise(clock.marks)][:args.warmup]
+    counted = {"flops": dict(flops.by_phase), "lengths": lengths} if flops.by_phase else {}
     print("RESULT=" + json.dumps({"rows": rows, "peak_memory_mb": peak_memory_mb(), "compiled": compiled,
-                                  "warmup_seconds": sum(warmup)}))
+                                  "warmup_seconds": sum(warmup), **counted}))
     return 0
 
 

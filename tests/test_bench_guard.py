@@ -51,3 +51,24 @@ def test_the_phase_table_puts_each_side_in_its_column():
     assert lines["generate"] == ["0.200", "0.250"] and lines["update"] == ["1.500", "1.600"]
     assert lines["garbage collection"] == ["-", "0.400"] and lines["other (figures, logging)"] == ["0.010", "-"]
     assert lines["whole iteration (median)"] == ["1.800", "2.300"] and "forward: reference" not in lines
+
+
+def test_phase_flops_go_to_the_innermost_phase_open_and_the_rest_outside():
+    """`bench.flops.PhaseFlops`: an 8x8 by 8x8 product is 2 * 8^3 = 1024 FLOPs, counted where it ran."""
+    import torch
+
+    from bench.flops import PhaseFlops
+
+    a = torch.ones(8, 8)
+    flops = PhaseFlops(outside="update")
+    a @ a  # before start: not counted
+    flops.start()
+    a @ a
+    with flops.phase("forward"):
+        a @ a
+        with flops.phase("reference"):
+            a @ a
+            a @ a
+    flops.stop()
+    a @ a  # after stop: not counted
+    assert dict(flops.by_phase) == {"update": 1024, "forward": 1024, "reference": 2048}
