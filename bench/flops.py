@@ -82,11 +82,19 @@ def forward_flops(folder: Path, lengths: Iterable[int], head: str) -> float:
     return total
 
 
+ONCE_PER_RUN = ("old_logprobs_check",)
+"""Phases a run takes once, on its first batch (the counted iteration): reported beside the iteration's
+work, not in it (`ppo.old_logprobs: auto`'s one comparison)."""
+
+
 def flop_report(side: dict, assets: Path, update_phase: str) -> dict:
     """One side's counted phases (`side["flops"]`, by its own phase names, the update's as `update_phase`)
     and sequence lengths as GFLOP per phase, the necessary GFLOP and the necessary share, and each
-    phase's passes: its FLOPs over one forward of the model it runs, per sequence."""
-    flops, lengths = side["flops"], side["lengths"]
+    phase's passes: its FLOPs over one forward of the model it runs, per sequence. `ONCE_PER_RUN`
+    phases are set apart."""
+    once = {phase: side["flops"][phase] for phase in ONCE_PER_RUN if phase in side["flops"]}
+    flops = {phase: value for phase, value in side["flops"].items() if phase not in once}
+    lengths = side["lengths"]
     one_policy = forward_flops(assets / "policy", lengths, "causal")
     one_reward = forward_flops(assets / "reward", lengths, "score")
     necessary = flops.get(update_phase, 0.0) + 2 * one_policy + 2 * one_reward
@@ -95,4 +103,5 @@ def flop_report(side: dict, assets: Path, update_phase: str) -> dict:
                  "values": one_reward, "score": one_reward, update_phase: one_policy + one_reward}
     return {"gflop": {phase: value / 1e9 for phase, value in flops.items()},
             "passes": {phase: flops[phase] / per_model[phase] for phase in per_model if flops.get(phase)},
-            "ran_gflop": ran / 1e9, "necessary_gflop": necessary / 1e9, "necessary_share": necessary / ran}
+            "ran_gflop": ran / 1e9, "necessary_gflop": necessary / 1e9, "necessary_share": necessary / ran,
+            "once_per_run_gflop": {phase: value / 1e9 for phase, value in once.items()}}

@@ -381,9 +381,10 @@ def flop_table(reports: dict) -> str:
         phases = ", ".join(f"{phase} {gflop:.2f}" + (f" ({report['passes'][phase]:.2f} passes)"
                                                       if phase in report["passes"] else "")
                            for phase, gflop in sorted(report["gflop"].items(), key=lambda item: -item[1]) if gflop)
+        once = "".join(f"; once per run: {phase} {gflop:.2f}" for phase, gflop in report["once_per_run_gflop"].items())
         lines.append(f"  {name}: {report['ran_gflop']:.1f} GFLOP per iteration, {report['necessary_share']:.1%} "
                      f"necessary ({report['necessary_gflop']:.1f}: the update's and one forward of each model per "
-                     f"sequence); GFLOP by phase: {phases}")
+                     f"sequence); GFLOP by phase: {phases}{once}")
     return "\n".join(lines)
 
 

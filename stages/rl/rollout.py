@@ -238,8 +238,8 @@ def passes(models: Models, sampled: EpisodeGeneration, rows: list[dict], tempera
         models.counts.add("generate", float(fed), sampled.computed_tokens)
 
     def deviation() -> float:  # `auto`'s one comparison: the sampler's log-probs against the update's pass
-        with timed(timings, "policy_forward"):
-            logits, _ = policy_and_values(models, sequences, phase="policy_forward")
+        with timed(timings, "old_logprobs_check"):
+            logits, _ = forward_response(models.policy, sequences, models.passes("old_logprobs_check"))
         recomputed = logprobs_of(logits, sampled.responses, temperature)
         return largest_deviation(models.holding.accelerator, sampled.logprobs, recomputed, trainable)
 
