@@ -8,6 +8,7 @@ differing only by how the KV-cached steps round against the full-sequence pass. 
     recompute  a second forward, always
     auto       the run's first micro-batch takes both and compares them on the model's own tokens;
                the sampler's for the rest of the run where they agree to `TOLERANCE`, else the forward's
+               (a resumed attempt compares again, on its own first batch)
 
 The verdict and the deviation it was drawn from are the run's `rlhf.old_logprobs` tag. A sampler that
 holds no log-probs of the trained model (a vLLM server: its own are the behaviour policy's, kept beside

@@ -238,8 +238,9 @@ def passes(models: Models, sampled: EpisodeGeneration, rows: list[dict], tempera
         models.counts.add("generate", float(fed), sampled.computed_tokens)
 
     def deviation() -> float:  # `auto`'s one comparison: the sampler's log-probs against the update's pass
+        # Uncounted: a resumed run checks again, and its figures are the uninterrupted run's (time/ aside).
         with timed(timings, "old_logprobs_check"):
-            logits, _ = forward_response(models.policy, sequences, models.passes("old_logprobs_check"))
+            logits, _ = forward_response(models.policy, sequences, replace(models.passes("check"), counts=None))
         recomputed = logprobs_of(logits, sampled.responses, temperature)
         return largest_deviation(models.holding.accelerator, sampled.logprobs, recomputed, trainable)
 
