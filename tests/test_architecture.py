@@ -263,9 +263,10 @@ READING_PATH = ("stages/ppo.py", "stages/rl/rollout.py", "stages/rl/scoring.py",
 """One PPO iteration, read in this order: the loop, where its episodes come from (sampled, passed), what
 scores them, the advantages, the update. docs/architecture.md names them in the same order."""
 NAMED_HELPERS = ("stages.rl.batch", "stages.rl.teacher", "stages.rl.ppo_models", "stages.rl.ppo_report",
-                 "stages.rl.evaluation", "stages.rl.ppo_state")
+                 "stages.rl.evaluation", "stages.rl.ppo_state", "stages.rl.old_logprobs")
 """What the five files call into of the RL stage besides each other, each named by docs/architecture.md
-(the batch types, the teacher, the models and critics, the figures, the evaluations, the checkpoints)."""
+(the batch types, the teacher, the models and critics, the figures, the evaluations, the checkpoints,
+where the old log-probs come from)."""
 
 
 def test_one_iteration_reads_in_the_five_files_docs_architecture_names():
