@@ -29,11 +29,10 @@ class OldLogprobs:
     """`ppo.old_logprobs` as a run takes it: `reuse` says, batch by batch, whether the sampler's log-probs
     stand as the old ones; under `auto` the first batch that offers them decides for the run."""
 
-    def __init__(self, setting: str = "sampling"):
-        self.setting = setting
+    def __init__(self, setting: str = "sampling", reason: str = "set in the config"):
         self.verdict: str | None = None if setting == "auto" else setting
         """`sampling` or `recompute`; None until `auto`'s first comparison."""
-        self.reason = "set in the config" if self.verdict else ""
+        self.reason = reason
 
     def reuse(self, offered: bool, deviation: Callable[[], float]) -> bool:
         """Whether this batch's old log-probs are the sampler's. `offered`: whether the sampler holds what
@@ -45,7 +44,7 @@ class OldLogprobs:
         if self.verdict is None:
             worst = deviation()
             self.verdict = "sampling" if worst <= TOLERANCE else "recompute"
-            self.reason = (f"the first batch's sampled log-probs were at most {worst:.1e} from a forward pass "
+            self.reason = (f"auto: the first batch's sampled log-probs were at most {worst:.1e} from a forward pass "
                            f"({'within' if worst <= TOLERANCE else 'past'} the tolerance {TOLERANCE:g})")
         return self.verdict == "sampling"
 
@@ -53,4 +52,13 @@ class OldLogprobs:
         """`rlhf.old_logprobs`: where the run's old log-probs came from, and why."""
         if self.verdict is None:  # `auto`, and no batch ever offered them
             return {"rlhf.old_logprobs": "recompute (auto: the sampler gave no log-probs of the trained model)"}
-        return {"rlhf.old_logprobs": f"{self.verdict} ({'auto: ' if self.setting == 'auto' else ''}{self.reason})"}
+        return {"rlhf.old_logprobs": f"{self.verdict} ({self.reason})"}
+
+
+def by_precision(sixteen_bits: bool) -> OldLogprobs:
+    """`auto` on a sharded launch, not compared: the sampler's in fp32, a second forward where the passes
+    round to 16 bits. The comparison's extra forward of the FSDP2-sharded policy, outside the update,
+    changed a resumed run's weights against the uninterrupted run's (tests/test_sharding.py; its cause
+    is not yet found), so a sharded run keeps the rule that preceded the comparison."""
+    return OldLogprobs("recompute" if sixteen_bits else "sampling",
+                       reason="auto on a sharded launch: by precision, not compared")
