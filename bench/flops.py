@@ -2,7 +2,7 @@
 
 What ran: torch's `FlopCounterMode` over one whole (warm-up, untimed) iteration, its count split by the
 phase each side already times (`PhaseFlops`). What was necessary: the update's products as they ran,
-plus one forward of each model per sequence over its real tokens (`necessary_flops`): the policy (its
+plus one forward of each model per sequence over its real tokens (`flop_report`): the policy (its
 sampling), the reference, the critic and the reward model, counted the same way on models built from
 the benchmark's configs. Their ratio is the share of the iteration's work that was necessary: what is
 left is padding, passes over the same tokens twice, and decode steps over rows that had ended.

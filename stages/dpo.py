@@ -29,7 +29,7 @@ from stages.engines.vllm_server import sampler_for
 from stages.memory.phases import Counts
 from stages.resolved import resolved
 from stages.rl.evaluation import HeldOut, evaluate, warn_over_kl_budget
-from stages.rl.old_logprobs import OldLogprobs
+from stages.rl.old_logprobs import by_precision
 from stages.rl.ppo_models import Models
 from stages.rl.rollout import policy_sampler, single_turn
 from stages.runtime.holding import Holding, Sharded
@@ -148,7 +148,7 @@ def evaluation_models(policy: torch.nn.Module, holding: Holding, cfg: DPOConfig,
     precision = resolve_precision(cfg.precision)
     return Models(policy=policy.to(device()), reference=reference, scorer=None, tokenizer=tokenizer,
                   precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
-                  old_logprobs=OldLogprobs("recompute" if precision.autocast_dtype is not None else "sampling"))
+                  old_logprobs=by_precision(precision.autocast_dtype is not None, "in DPO's evaluations"))
 
 
 def train_dpo(cfg: DPOConfig, inputs: DPOInputs, output_dir: Path,

@@ -55,10 +55,9 @@ class OldLogprobs:
         return {"rlhf.old_logprobs": f"{self.verdict} ({self.reason})"}
 
 
-def by_precision(sixteen_bits: bool) -> OldLogprobs:
-    """`auto` on a sharded launch, not compared: the sampler's in fp32, a second forward where the passes
-    round to 16 bits. The comparison's extra forward of the FSDP2-sharded policy, outside the update,
-    changed a resumed run's weights against the uninterrupted run's (tests/test_sharding.py; its cause
-    is not yet found), so a sharded run keeps the rule that preceded the comparison."""
-    return OldLogprobs("recompute" if sixteen_bits else "sampling",
-                       reason="auto on a sharded launch: by precision, not compared")
+def by_precision(sixteen_bits: bool, where: str) -> OldLogprobs:
+    """`auto` where it does not compare (`where` says where, in the tag): the sampler's in fp32, a second
+    forward where the passes round to 16 bits. PPO on a sharded launch: the comparison's extra forward of
+    the FSDP2-sharded policy, outside the update, changed a resumed run's weights against the
+    uninterrupted run's (tests/test_sharding.py; its cause is not yet found). DPO's evaluations."""
+    return OldLogprobs("recompute" if sixteen_bits else "sampling", reason=f"auto {where}: by precision, not compared")

@@ -357,7 +357,7 @@ def old_logprobs_for(cfg: PPOConfig, precision) -> OldLogprobs:
     """`ppo.old_logprobs` as the run takes it: `auto` compares on the first batch, except on a sharded
     launch, where it goes by precision (`by_precision`)."""
     if cfg.old_logprobs == "auto" and cfg.launch.sharded:
-        return by_precision(rounds_to_16_bits(cfg, precision))
+        return by_precision(rounds_to_16_bits(cfg, precision), "on a sharded launch")
     return OldLogprobs(cfg.old_logprobs)
 
 
