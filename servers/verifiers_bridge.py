@@ -6,8 +6,9 @@ end (`@vf.reward` methods). To step one from outside, the bridge is the model en
 is an agent program on `stages.envs.agent.AgentEndpoint`, the door the trainer opens for
 `environment.agent`, here in the verifiers environment's process. Each chat-completion request that
 reaches it is an observation (what /reset or /step answers), and the model's turn that the next /step
-brings is the completion it returns. Each episode has its own endpoint path (`/episodes/<id>/v1`) and
-every request the endpoint's token, so episodes run at once stay apart. A request that rewrites the
+brings is the completion it returns. Each episode's requests name it (its key as the rollout's model,
+which verifiers' interception imposes on every request) and carry the endpoint's token, so episodes run
+at once stay apart while sharing the interception's one connection pool. A request that rewrites the
 history answers the step with `restart` (a new chain of the episode). The final score, the trace's
 weighted reward, is the last step's reward; a rollout that ends in an error fails its episode.
 
@@ -19,6 +20,7 @@ reads it. Runs only in the verifiers environment (`make env-verifiers`), started
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -28,7 +30,7 @@ import verifiers.v1 as vf
 from openai import AsyncOpenAI
 from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
 
-from stages.envs.agent import AgentEndpoint, AgentEpisode, AgentFailed, text_of
+from stages.envs.agent import AgentEndpoint, AgentEpisode, AgentFailed, SharedConnections, text_of
 from stages.envs.environment import Step
 from stages.envs.parsers import turn_of_body
 
@@ -49,7 +51,6 @@ def _one_default_ssl_context() -> None:
     bundle shares one SSL context. A rollout builds three clients (the interception's to the model,
     the harness's, the MCP one), and each loads the CA bundle: 67% of the bridge's CPU in a
     64-episode profile (py-spy, 2026-11-28), though every one of them talks plain http to 127.0.0.1."""
-    import functools
     import importlib
 
     for name in ("httpx._transports.default", "httpx2._transports.default"):
@@ -84,7 +85,7 @@ class RelayHarness(vf.Harness[vf.HarnessConfig]):
         messages = conversation(data)
         async with AsyncExitStack() as stack:  # the model's client closed with the rollout: its sockets too
             client = await stack.enter_async_context(AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
-                                                                 timeout=None))
+                                                                 timeout=None, http_client=_connections()))
             tools, dispatch, servers = await connect_mcp({"mcpServers": {n: {"url": u} for n, u in mcp_urls.items()}},
                                                          stack)
             while True:
@@ -103,6 +104,14 @@ class RelayHarness(vf.Harness[vf.HarnessConfig]):
                     messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
                                      "content": text_of(answer)})
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
+
+
+@functools.cache
+def _connections() -> SharedConnections:
+    """The harness's one connection pool to the interception server, every rollout's (each its own client
+    and secret on it): a pool per rollout was a new connection per model call. Made on the endpoint's
+    loop, which runs every rollout."""
+    return SharedConnections()
 
 
 def conversation(data: vf.TaskData) -> list[dict]:
@@ -127,11 +136,13 @@ class VerifiersServed:
 
     def __init__(self, module: str, config: dict):
         self.name = module
-        # Each answer closes its connection: verifiers' interception keeps a client per rollout that it
-        # never closes, and kept-alive connections piled up (two sockets each, ~2 per episode, until the
-        # process ran out of descriptors after ~10,000 episodes).
-        self.endpoint = AgentEndpoint(keep_alive=False)
+        self.endpoint = AgentEndpoint()
         os.environ[KEY_VARIABLE] = self.endpoint.token  # what the rollouts' model clients read
+        # Every rollout's model is the endpoint's one base URL, its episode named as the model: verifiers'
+        # interception keeps one client (one kept-alive pool) per distinct endpoint config and never closes
+        # one, so a base URL per episode (its path) cost a client per rollout, a new connection per request,
+        # and sockets that piled up until the process ran out of descriptors.
+        self.model = vf.EvalClientConfig(base_url=self.endpoint.shared_url, api_key_var=KEY_VARIABLE)
         base = {"taskset": {"id": module}, "agent": {"runtime": {"type": "subprocess"}, "harness": {"id": RELAY_ID}}}
         self.endpoint.call(self._open(merged(base, config)), START_TIMEOUT_S)
 
@@ -176,8 +187,7 @@ class VerifiersServed:
         """One rollout of `row`'s task, its model the episode's path of the endpoint: the trace's reward."""
         data = self.data_cls.model_validate(task_fields(row, self.data_cls))
         task = self.task_cls(data, self.env.config.taskset.task)
-        context = vf.ModelContext(model="policy", client=vf.EvalClientConfig(base_url=str(client.base_url).rstrip("/"),
-                                                                             api_key_var=KEY_VARIABLE))
+        context = vf.ModelContext(model=AgentEndpoint.key_of(client), client=self.model)
         episode = await self.env.run_episode(task, context)
         trace = episode.traces[0] if episode.traces else None
         if trace is None:

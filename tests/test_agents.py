@@ -95,8 +95,8 @@ def test_an_agent_that_rewrites_its_history_goes_on_in_a_second_chain(chat_token
 
 
 def test_the_endpoint_serves_only_the_runs_token_and_live_episodes_on_loopback():
-    """401 without the run's token, 404 for an episode not live, 400 naming the reason for a body that is
-    not a JSON object of messages (never a 500)."""
+    """401 without the run's token, 404 for an episode not live (on its path, or named as the model on the
+    shared URL), 400 naming the reason for a body that is not a JSON object of messages (never a 500)."""
     endpoint = AgentEndpoint()
     try:
         assert endpoint.url.startswith("http://127.0.0.1:")
@@ -113,6 +113,11 @@ def test_the_endpoint_serves_only_the_runs_token_and_live_episodes_on_loopback()
             answer = httpx.post(path, content=bad, headers=token | {"Content-Type": "application/json"})
             reason = answer.json()["error"]["message"]
             assert answer.status_code == 400 and reason.startswith(("the body is not JSON", "a JSON object")), bad
+        shared = f"{endpoint.shared_url}/chat/completions"
+        assert httpx.post(shared, json=body | {"model": "live"}).status_code == 401
+        assert httpx.post(shared, json=body, headers=token).status_code == 404  # "policy" is no episode
+        endpoint.live["live"].replies.put_nowait(None)  # an episode already over: 410, so the model reached it
+        assert httpx.post(shared, json=body | {"model": "live"}, headers=token).status_code == 410
     finally:
         endpoint.close()
 

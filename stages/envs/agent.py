@@ -21,10 +21,11 @@ itself only (`stages.envs.episode`), with the episode's one reward and advantage
 The endpoint (`AgentEndpoint`) is one per run: an aiohttp server on 127.0.0.1 at a free port, on its own
 event loop, which also runs the programs. Every request must carry the run's token (a fresh random one)
 and name a live episode on its path (`/episodes/<id>/v1/chat/completions`), so an episode's program
-reaches only its own. The program's reward lands on the last turn; an `AgentResult` may add a reward per
-turn and columns for the reward terms. A program that raises, or takes longer than
-`environment.tool_timeout_s` to ask again (or to return) after the policy's turn, its tools' time, fails
-its episode, not the run.
+reaches only its own (or, on `/v1/chat/completions`, as its `model`: for a caller with one client per base
+URL, verifiers' interception in its bridge). The program's reward lands on the last turn; an
+`AgentResult` may add a reward per turn and columns for the reward terms. A program that raises, or
+takes longer than `environment.tool_timeout_s` to ask again (or to return) after the policy's turn, its
+tools' time, fails its episode, not the run.
 """
 
 from __future__ import annotations
@@ -143,11 +144,23 @@ class AgentEndpoint:
         self._http = SharedConnections()
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/episodes/{episode}/v1/chat/completions", self._completion)
+        app.router.add_post("/v1/chat/completions", self._completion)  # the episode named by the body's `model`
         self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=self.IDLE_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    @property
+    def shared_url(self) -> str:
+        """One base URL for every episode, each request naming its episode's key as its `model`: for a caller
+        that keeps one client per base URL (verifiers' interception), so its episodes share one connection pool."""
+        return f"{self.url}/v1"
+
+    @staticmethod
+    def key_of(client) -> str:
+        """The episode key of a client `client(key)` made (its path's)."""
+        return str(client.base_url).rstrip("/").split("/")[-2]
 
     def client(self, key: str):
         """An `openai.AsyncOpenAI` for episode `key`'s path, with the run's token, on the endpoint's one
@@ -183,9 +196,9 @@ class AgentEndpoint:
         if not hmac.compare_digest(header.encode(), f"Bearer {self.token}".encode()):
             return web.json_response({"error": {"message": "a bearer token is required"}}, status=401,
                                      headers={"WWW-Authenticate": "Bearer"})
-        relay = self.live.get(request.match_info["episode"])
-        if relay is None:
-            return web.json_response({"error": {"message": "no such episode"}}, status=404)
+        key = request.match_info.get("episode")
+        if key is not None and key not in self.live:
+            return _no_episode()
         try:
             body = await request.json()
         except ValueError as e:  # not JSON, or not UTF-8
@@ -194,11 +207,18 @@ class AgentEndpoint:
                 or not all(isinstance(m, dict) for m in body["messages"]):
             return web.json_response({"error": {"message": "a JSON object with a list of messages (objects), and one "
                                                            "choice (n: 1)"}}, status=400)
+        relay = self.live.get(key if key is not None else str(body.get("model")))
+        if relay is None:
+            return _no_episode()
         await relay.requests.put(body)
         message = await relay.replies.get()
         if message is None:
             return web.json_response({"error": {"message": "the episode is over"}}, status=410)
         return await completion_response(request, body, message, self.keep_alive)
+
+
+def _no_episode():
+    return web.json_response({"error": {"message": "no such episode"}}, status=404)
 
 
 async def completion_response(request, body: dict, message: dict, keep_alive: bool):
