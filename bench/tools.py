@@ -15,6 +15,9 @@ and work per iteration:
   (examples/verifiers/tools_world), served by `rlhf serve-env --kind verifiers` in its own process
   (`make env-verifiers`), its score the environment's (`reward.terms: []`): what `--settings` adds,
   `python -m bench.tools --estimators grpo --settings episodes served`.
+- `served-ours`: the same episodes against the built-in tools served by `rlhf serve-env --kind ours`, scored
+  by the same reward terms in the trainer: the protocol's own cost, beside the in-process run
+  (`--settings episodes served-ours served`: seconds per iteration of each, and the environment's wait).
 - `agent`: the same episodes run by an agent program, examples/agents/tools_agent.py (a plain openai-SDK
   loop, `environment.agent`, as configs/tools-agent.yaml), scored by the same reward terms:
   `python -m bench.tools --estimators grpo --settings episodes agent`;
@@ -25,7 +28,8 @@ Each final policy is judged on the held-out prompts by the hidden gold function,
 against the SFT policy's answers in episodes (the tool run's evaluation baseline, common random
 numbers, so every run of a seed meets the same SFT answers): gold reward, gold win rate with its
 standard error, the tool-call rate before (SFT) and after, the KL to SFT per sequence (the model's own
-tokens) and the training seconds (the sum of `time/iteration`). Writes
+tokens), the training seconds (the sum of `time/iteration`) and the median seconds per iteration and of
+them waiting on the environments (`time/episode_wait`). Writes
 `bench/results/tools-<date>.json` and prints a table. A benchmark, not a test: nothing here asserts.
 """
 
@@ -78,40 +82,46 @@ def run(ppo_cfg, sft: Path, frames: dict, out: Path) -> dict:
                                           prompts=frames["prompts"], eval_prompts=frames["prompts_eval"]), out)
     return {"table": result.evaluation, "metrics": result.metrics,
             "train_seconds": float(sum(row["time/iteration"] for row in result.history)),
+            "seconds_per_iteration": float(np.median([row["time/iteration"] for row in result.history])),
+            "episode_wait_per_iteration": float(np.median([row.get("time/episode_wait", 0.0)
+                                                           for row in result.history])),
             "final_rollout": {k: v for k, v in result.history[-1].items() if k.startswith("rollout/")},
             "history": result.history}
 
 
-SERVED_PORT = 8490
+SERVED = {"served": ("verifiers", 8490, ["--module", "tools_world", "--path", "examples/verifiers"]),
+          "served-ours": ("ours", 8491, ["--tools", "rlhf.demo.tools:tools"])}
+"""Each served setting's server: its kind, port and what it serves."""
 
 
-def serving():
-    """The tool world written for verifiers, served (`rlhf serve-env --kind verifiers`) once it answers."""
+def serving(setting: str):
+    """`setting`'s tool world served (`rlhf serve-env`), once it answers."""
     import subprocess
     import sys
 
     import httpx
 
-    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-env", "--kind", "verifiers", "--module",
-                                "tools_world", "--path", "examples/verifiers", "--port", str(SERVED_PORT)], cwd=REPO)
+    kind, port, served = SERVED[setting]
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-env", "--kind", kind, *served,
+                                "--port", str(port)], cwd=REPO, stderr=subprocess.DEVNULL)
     for _ in range(240):
         try:
-            httpx.get(f"http://127.0.0.1:{SERVED_PORT}/health", timeout=1.0)
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0)
             return process
         except httpx.HTTPError:
-            assert process.poll() is None, "the verifiers environment server exited while starting"
+            assert process.poll() is None, f"the {kind} environment server exited while starting"
             time.sleep(0.5)
-    raise RuntimeError("the verifiers environment server did not start within 2 minutes")
+    raise RuntimeError(f"the {kind} environment server did not start within 2 minutes")
 
 
-def served_config(episodes, server):
-    """`episodes` against the served world, scored by it: the environment's rules, no reward terms here."""
-    if server is None:
-        return None
+def served_config(episodes, setting: str):
+    """`episodes` against the served world: verifiers' scored by it (the environment's rules, no reward
+    terms here), ours by the same reward terms as in process."""
     from rlhf.config import with_overrides
 
-    return with_overrides(episodes, {"environment": {"tools": None, "server": {
-        "url": f"http://127.0.0.1:{SERVED_PORT}", "kind": "verifiers"}}, "reward": {"terms": []}})
+    kind, port, _ = SERVED[setting]
+    changes = {"environment": {"tools": None, "server": {"url": f"http://127.0.0.1:{port}", "kind": kind}}}
+    return with_overrides(episodes, changes | ({"reward": {"terms": []}} if kind == "verifiers" else {}))
 
 
 def agent_config(episodes, program: str):
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--estimators", nargs="+", default=["grpo", "gae"])
     parser.add_argument("--iterations", type=int, default=None, help="ppo.num_iterations (default: the config's)")
     parser.add_argument("--settings", nargs="+", default=["episodes", "single-turn"],
-                        choices=["episodes", "single-turn", "served", "agent", "sdk-agent"])
+                        choices=["episodes", "single-turn", "served", "served-ours", "agent", "sdk-agent"])
     parser.add_argument("--sft-seed", type=int, default=None,
                         help="sft.seed (default: the config's): another SFT checkpoint to start from")
     parser.add_argument("--state", type=Path, default=REPO / ".rlhf" / "bench-tools")
@@ -164,11 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg, state = with_overrides(cfg, {"sft": {"seed": args.sft_seed}}), state / f"sft-seed-{args.sft_seed}"
     started = time.time()
     sft, frames = upstream(cfg, state)
-    server = serving() if "served" in args.settings else None
+    servers = [serving(setting) for setting in SERVED if setting in args.settings]
     try:
-        rows = runs(args, cfg, sft, frames, state, server)
+        rows = runs(args, cfg, sft, frames, state)
     finally:
-        if server is not None:
+        for server in servers:
             server.terminate()
             server.wait()
     summary = summarise(rows)
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def runs(args, cfg, sft, frames, state, server) -> list[dict]:
+def runs(args, cfg, sft, frames, state) -> list[dict]:
     """Every seed's and estimator's runs in each setting, judged."""
     from rlhf.config import with_overrides
 
@@ -195,11 +205,13 @@ def runs(args, cfg, sft, frames, state, server) -> list[dict]:
                 changes["num_iterations"] = args.iterations
             episodes = with_overrides(cfg.ppo, changes | {"samples_per_prompt": "auto"})
             configs = {"episodes": episodes, "single-turn": with_overrides(episodes, {"environment": None}),
-                       "served": served_config(episodes, server), "agent": agent_config(episodes, "tools_agent:run"),
-                       "sdk-agent": agent_config(episodes, "sdk_agent:run")}
+                       "agent": agent_config(episodes, "tools_agent:run"),
+                       "sdk-agent": agent_config(episodes, "sdk_agent:run")} \
+                | {setting: served_config(episodes, setting) for setting in SERVED}
             results = {setting: run(configs[setting], sft, frames, state / f"{estimator}-{seed}-{setting}")
                        for setting in args.settings}
-            tools = next(results[s] for s in ("episodes", "agent", "sdk-agent", "served") if s in results)
+            tools = next(results[s] for s in ("episodes", "agent", "sdk-agent", "served", "served-ours")
+                         if s in results)
             sft_answers = list(tools["table"]["sft_response"])
             for setting, result in results.items():
                 metrics = result["metrics"]
@@ -207,7 +219,10 @@ def runs(args, cfg, sft, frames, state, server) -> list[dict]:
                              **judged(result["table"], sft_answers),
                              "tool_call_rate": metrics.get("eval/tool_call_rate"),
                              "tool_call_rate_sft": tools["metrics"]["eval/tool_call_rate_sft"],
-                             "train_seconds": result["train_seconds"], "final_rollout": result["final_rollout"]})
+                             "train_seconds": result["train_seconds"],
+                             "seconds_per_iteration": result["seconds_per_iteration"],
+                             "episode_wait_per_iteration": result["episode_wait_per_iteration"],
+                             "final_rollout": result["final_rollout"]})
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "final_rollout"}), flush=True)
     return rows
 
@@ -215,9 +230,9 @@ def runs(args, cfg, sft, frames, state, server) -> list[dict]:
 def summarise(rows: list[dict]) -> str:
     """Mean and spread (min-max over seeds) per estimator and setting."""
     lines = ["| estimator | setting | gold win rate vs SFT | gold reward (SFT's) | tool calls: SFT -> after | "
-             "KL | train s |", "|---|---|---|---|---|---|---|"]
+             "KL | train s | s per iteration (environment's wait) |", "|---|---|---|---|---|---|---|---|"]
     for estimator in dict.fromkeys(r["estimator"] for r in rows):
-        for setting in ("episodes", "agent", "sdk-agent", "served", "single-turn"):
+        for setting in ("episodes", "agent", "sdk-agent", "served-ours", "served", "single-turn"):
             mine = [r for r in rows if r["estimator"] == estimator and r["setting"] == setting]
             if not mine:
                 continue
@@ -226,7 +241,9 @@ def summarise(rows: list[dict]) -> str:
             lines.append(f"| {estimator} | {setting} | {_spread(mine, 'gold_win_rate')} | "
                          f"{_spread(mine, 'gold_reward', 2)} ({np.mean([r['gold_reward_sft'] for r in mine]):.2f}) | "
                          f"{np.mean([r['tool_call_rate_sft'] for r in mine]):.2f} -> {calls} | "
-                         f"{_spread(mine, 'kl', 1)} | {_spread(mine, 'train_seconds', 0)} |")
+                         f"{_spread(mine, 'kl', 1)} | {_spread(mine, 'train_seconds', 0)} | "
+                         f"{_spread(mine, 'seconds_per_iteration', 2)} "
+                         f"({np.mean([r['episode_wait_per_iteration'] for r in mine]):.2f}) |")
     return "\n".join(lines)
 
 

@@ -9,7 +9,9 @@
 It imports nothing but the standard library until it loads what it serves, so it runs in any
 environment: `--kind verifiers` re-executes it with `.env-verifiers/bin/python` (`make env-verifiers`).
 Episodes are kept by id; a step names its turn's number, so a step sent again (a client's retry after
-a lost answer) gets the same answer, not a second step. An episode idle for `--idle-s` is let go.
+a lost answer) gets the same answer, not a second step. A round's resets, steps or closes may come as
+one request (`POST /reset_many`, `/step_many`, `/close_many`): each item is answered as its own request
+would be, the items side by side on the server's threads. An episode idle for `--idle-s` is let go.
 A step whose environment raises answers HTTP 422 with the reason (the client fails that episode);
 an unknown episode 404 (the client replays it: the server restarted). Binds 127.0.0.1 by default;
 `--api-key-env VAR` requires `Authorization: Bearer $VAR` on every request (`servers.auth`); beyond this
@@ -27,6 +29,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -89,6 +93,8 @@ class EpisodeCaps:
 
 
 DEFAULT_CAPS, DEFAULT_EPISODE_CAPS = Caps(), EpisodeCaps()
+BATCH_TIMEOUT_S = 600.0
+"""Seconds a batch's items have by default (the body's `timeout_s`, the client's per-request timeout, says else)."""
 
 
 class EpisodeServer(GuardedServer):
@@ -100,14 +106,61 @@ class EpisodeServer(GuardedServer):
         self.episodes: dict[str, _Held] = {}
         self._swept = time.monotonic()
         super().__init__(address, _Handler, caps)
+        self.routes: dict[str, Callable[[dict, str], dict]] = {
+            "/reset": self.reset, "/step": self.step, "/close": self.close_episode,
+            "/reset_many": lambda body, client: self.batch(self.reset, body.get("rows"), "row",
+                                                           body.get("timeout_s", BATCH_TIMEOUT_S), client),
+            "/step_many": lambda body, client: self.batch(self.step, body.get("steps"), None,
+                                                          body.get("timeout_s", BATCH_TIMEOUT_S), client),
+            "/close_many": lambda body, client: self.batch(self.close_episode, body.get("episodes"), None,
+                                                           body.get("timeout_s", BATCH_TIMEOUT_S), client)}
+        self._items = ThreadPoolExecutor(caps.max_connections, "batch")
+        """A batch's items, side by side (a verifiers step holds its thread until the rollout asks again)."""
 
     def info(self) -> dict:
         """What is served, and its counters: episodes held, started and failed; requests, and refused by cause."""
         with self.lock:
             held = {"episodes": len(self.episodes), "started": self.counts["started"],
                     "failed": self.counts["failed"]}
-        return {"protocol": PROTOCOL, "serves": self.served.serves, "name": self.served.name} | held \
-            | self.counters()
+        return {"protocol": PROTOCOL, "serves": self.served.serves, "name": self.served.name, "batches": True} \
+            | held | self.counters()
+
+    def answer(self, route: Callable[[dict, str], dict], body: dict, client: str) -> tuple[int, dict]:
+        """`route`'s answer to `body` with its HTTP status: 200, or why it was refused or failed (429/503 past
+        the episode caps, 404 an unknown episode, 400 a malformed body, 422 the served environment raised)."""
+        try:
+            return 200, route(body, client)
+        except Refused as e:
+            self.count(f"refused:{e.cause}")
+            return e.status, {"error": str(e)}
+        except KeyError as e:
+            return 404, {"error": str(e.args[0])}
+        except (ValueError, TypeError, RecursionError) as e:
+            return 400, {"error": f"{type(e).__name__}: {e}"}
+        except Exception as e:  # noqa: BLE001 - the served environment raised: this episode's request fails
+            self.count("failed")
+            return 422, {"error": f"{type(e).__name__}: {e}"}
+
+    def batch(self, route: Callable[[dict, str], dict], items: object, field: str | None, timeout_s: object,
+              client: str) -> dict:
+        """Each item answered as its own request to `route` would be (`field`: the key its body puts it under),
+        side by side, by `timeout_s` (one not done by then: 504, and it goes on; a turn asked again gets its
+        answer): {"results": [{"status": 200, "answer": {...}} or {"status": n, "error": why}, ...]}."""
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            raise ValueError("a batch takes a list of objects (rows for /reset_many, steps for /step_many, episodes "
+                             "for /close_many)")
+        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+            raise ValueError(f"a batch's timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        asked = [self._items.submit(self.answer, route, {field: item} if field else item, client) for item in items]
+        wait(asked, timeout=timeout_s)
+        answers = [future.result() if future.done() else (504, {"error": f"not answered within {timeout_s:g} s"})
+                   for future in asked]
+        return {"results": [{"status": status, "answer": answer} if status == 200 else {"status": status, **answer}
+                            for status, answer in answers]}
+
+    def server_close(self) -> None:
+        self._items.shutdown(wait=False, cancel_futures=True)
+        super().server_close()
 
     def reset(self, body: dict, client: str) -> dict:
         row = body.get("row")
@@ -202,8 +255,7 @@ class _Handler(GuardedHandler):
         self.send_json(404, {"error": f"no route GET {url.path}"})
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        routes = {"/reset": self.server.reset, "/step": self.server.step, "/close": self.server.close_episode}
-        route = routes.get(urlsplit(self.path).path)
+        route = self.server.routes.get(urlsplit(self.path).path)
         if not self._authorized():
             return
         try:
@@ -213,17 +265,11 @@ class _Handler(GuardedHandler):
             body = json.loads(raw or b"{}")
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
-            answer = route(body, self.client_address[0])
         except Refused as e:
             return self.refuse(e)
-        except KeyError as e:
-            return self.send_json(404, {"error": str(e.args[0])})
-        except (ValueError, TypeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:
             return self.send_json(400, {"error": f"{type(e).__name__}: {e}"})
-        except Exception as e:  # noqa: BLE001 - the served environment raised: this episode's request fails
-            self.server.count("failed")
-            return self.send_json(422, {"error": f"{type(e).__name__}: {e}"})
-        self.send_json(200, answer)
+        self.send_json(*self.server.answer(route, body, self.client_address[0]))
 
     def _authorized(self) -> bool:
         if authorized(self.server.token, self.headers.get("Authorization")):
@@ -243,8 +289,8 @@ class OursServed:
     def __init__(self, tools: str | None, factory: str | None, paths: list[str], settings: dict):
         from rlhf.sections.environment import EnvironmentConfig
         from stages.common.user_code import on_import_path
+        from stages.envs.answering import checked_step  # imported now, not in the first request's time
         from stages.envs.environment import environment_factory
-        from stages.envs.loop import checked_step  # imported now, not in the first request's time
         from stages.envs.parsers import turn_of_body
 
         on_import_path(paths)

@@ -9,6 +9,7 @@ import copy
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -17,6 +18,7 @@ import pytest
 from rlhf.config import with_overrides
 from rlhf.sections.environment import EnvironmentConfig, EnvironmentServerConfig
 from servers.env_server import EpisodeServer, OursServed
+from stages.envs.answering import Batched, OneByOne
 from stages.envs.loop import episode_runner
 from stages.envs.parsers import AssistantTurn, ToolCall
 from stages.envs.remote.served import (
@@ -73,6 +75,39 @@ def test_an_episode_on_a_served_environment_is_the_in_process_one(chat_tokenizer
     assert httpx.get(faults_server).json()["episodes"] == 0  # closed once over
 
 
+def test_a_rounds_requests_go_as_one_batch_and_a_batch_answers_each_item_as_alone(chat_tokenizer):
+    """`rounds` on a server that takes batches: four episodes of two turns cost four requests (the resets,
+    each round's steps, the closes), not sixteen, and are the episodes of one request each; in a batch an
+    unknown episode is a 404 of its own, a turn out of order a 400, the others answered."""
+    server = EpisodeServer(("127.0.0.1", 0), OursServed(None, "tests.helpers:served_faults", [], {}), None, 600.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        batched = _runner(chat_tokenizer, _served(url))
+        assert isinstance(batched.answering, Batched)
+        script = [CALL, "The cat is warm."]
+        before = server.counters()["requests"]
+        a = batched.run(Scripted(chat_tokenizer, script), [ROW] * 4, 1.0)
+        assert server.counters()["requests"] - before == 4 and not server.episodes
+        b = replace(batched, answering=OneByOne(4)).run(Scripted(chat_tokenizer, script), [ROW] * 4, 1.0)
+        assert [e.status for e in a] == [e.status for e in b] == ["ok"] * 4
+        assert [[(s.ids, s.reward) for s in e.segments] for e in a] == [[(s.ids, s.reward) for s in e.segments]
+                                                                           for e in b]
+        client = EnvironmentServer(EnvironmentServerConfig(url=url))
+        [started] = client.batch("/reset_many", [ROW])
+        turn = {"content": "A cat.", "calls": []}
+        steps = [{"episode": "gone", "turn": 0, "assistant": turn}, {"episode": started["episode"], "turn": 5,
+                                                                    "assistant": turn},
+                 {"episode": started["episode"], "turn": 0, "assistant": turn}]
+        results = client.request("POST", "/step_many", {"steps": steps, "timeout_s": 10})["results"]
+        assert [r["status"] for r in results] == [404, 400, 200] and results[2]["answer"]["done"]
+        lost, refused, answer = client.batch("/step_many", steps)  # as the runner reads them
+        assert lost is None and isinstance(refused, EpisodeRequestFailed) and answer["done"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_step_asked_again_is_answered_again_and_a_lost_episode_is_replayed():
     """A step sent twice (a retry after a lost answer) is one step; a server that forgot the episode
     (restarted) gets it replayed and goes on; a replay answered differently fails the episode."""
@@ -119,7 +154,7 @@ def test_a_served_environment_may_rewrite_the_history(chat_tokenizer):
 
 def test_episodes_a_stopped_client_left_open_are_let_go_once_idle():
     """A cancelled run never closes its episodes: the server lets them go after `idle_s`, with no new request."""
-    server = EpisodeServer(("127.0.0.1", 0), OursServed(None, "tests.helpers:served_faults", [], {}), None, 0.4)
+    server = EpisodeServer(("127.0.0.1", 0), OursServed(None, "tests.helpers:served_faults", [], {}), None, 1.5)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_port}"

@@ -138,7 +138,8 @@ def test_an_episode_ends_truncated_or_failed(chat_tokenizer):
 
     runner = _runner(chat_tokenizer)
     runner = EpisodeRunner(settings=runner.settings, make=lambda row: Raising([], runner.settings), rollout=None,
-                           chat=runner.chat, stop_ids=runner.stop_ids, turn_tokens=runner.turn_tokens)
+                           chat=runner.chat, stop_ids=runner.stop_ids, turn_tokens=runner.turn_tokens,
+                           answering=runner.answering)
     [broken] = runner.run(Scripted(chat_tokenizer, [CALL]), [ROW], 1.0)
     assert broken.status == "failed" and "sandbox is down" in broken.error
 
@@ -428,7 +429,8 @@ def test_an_environment_that_cannot_start_or_answers_wrongly_fails_its_episode_n
 
     for environment, reason in ((Broken, "KeyError"), (Wrong, "must return (messages, reward, done)")):
         mine = EpisodeRunner(settings=runner.settings, make=lambda row, e=environment: e([], runner.settings),
-                             rollout=None, chat=runner.chat, stop_ids=runner.stop_ids, turn_tokens=runner.turn_tokens)
+                             rollout=None, chat=runner.chat, stop_ids=runner.stop_ids, turn_tokens=runner.turn_tokens,
+                             answering=runner.answering)
         [episode] = mine.run(Scripted(chat_tokenizer, [CALL]), [ROW], 1.0)
         assert episode.status == "failed" and reason in episode.error
 
@@ -458,7 +460,7 @@ def test_the_escape_hatch_writes_whole_episodes_for_training_and_evaluation(chat
     assert batch.trainable.sum() == len(engine.turns[0]) and batch.turn_rewards.sum() == 0.5
     with pytest.raises(StageUserError, match="must return a stages.envs.episode.Episode"):
         EpisodeRunner(settings=config, make=None, rollout=lambda row, engine, tokenizer: "text", chat=runner.chat,
-                      stop_ids=runner.stop_ids, turn_tokens=16).episodes(engine, [ROW], 1.0)
+                      stop_ids=runner.stop_ids, turn_tokens=16, answering=runner.answering).episodes(engine, [ROW], 1.0)
 
 
 def test_distillation_runs_in_episodes(tools_trained, tmp_path):

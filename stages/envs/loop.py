@@ -21,16 +21,18 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from rlhf.sections.environment import EnvironmentConfig, EnvironmentServerConfig
+from rlhf.sections.environment import EnvironmentConfig
 from stages.common.errors import StageUserError
 from stages.common.reporting import timed
 from stages.common.tensors import response_mask
 from stages.common.user_code import imported_function
 from stages.engines.sampler import Sampler, Sampling
+from stages.envs.answering import Answering, Batched, OneByOne, reset_one, step_one
 from stages.envs.environment import Environment, EnvironmentFactory, EnvironmentSetupError, Step, environment_factory
 from stages.envs.episode import Episode, EpisodeGeneration, EpisodeSource, Segment, SingleTurn, episode_batch
 from stages.envs.parsers import (
@@ -208,6 +210,8 @@ class EpisodeRunner(EpisodeSource):
     stop_ids: list[int]
     turn_tokens: int
     """New tokens per turn at most."""
+    answering: Answering
+    """How a round's environments answer (`stages.envs.answering`): one by one, or a server's in batches."""
     parse: ToolParser = never_raising(hermes)
     """A turn's text -> its reasoning, answer and calls (`environment.tool_parser`, never raising)."""
     parser_name: str = "hermes"
@@ -277,9 +281,8 @@ class EpisodeRunner(EpisodeSource):
         and `rounds` samples each round from this thread's stream."""
         run = self.rounds if self.settings.schedule == "rounds" else self.continuous
         live = run(sampler, rows, temperature, {} if timings is None else timings, seeds)
-        for running in live:  # a server's episode is let go (an in-process environment may hold resources too)
-            if hasattr(running.environment, "close"):
-                running.environment.close()
+        self.answering.close([running.environment for running in live])
+        for running in live:
             running.episode.retries = getattr(running.environment, "retries", 0)
             running.episode.add_turn_rewards(getattr(running.environment, "turn_rewards", ()))
             running.episode.columns = dict(getattr(running.environment, "columns", {}))
@@ -292,7 +295,7 @@ class EpisodeRunner(EpisodeSource):
         """The episodes of `rows`, all turns of a round sampled at once, each call asking for no more
         tokens than the turn and the roomiest episode's budget allow; then every environment answers."""
         with timed(timings, "episode_wait"):
-            resets = self._concurrently(self._reset, rows)
+            resets = self.answering.resets(self.make, rows)
         live = self._started(resets, seeds)
         for _ in range(self.settings.max_turns):
             active = [running for running in live if not running.ended]
@@ -306,7 +309,7 @@ class EpisodeRunner(EpisodeSource):
                 sampled = self._sampled(sampler, active, temperature, room)
             turns = [self._parsed(*turn) for turn in sampled]
             with timed(timings, "episode_wait"):
-                answers = self._concurrently(lambda turn: turn and self._stepped(*turn[:2]), turns)
+                answers = self.answering.steps([turn and (turn[0].environment, turn[1]) for turn in turns])
             for episode, turn, answer in zip(active, turns, answers, strict=True):
                 if turn is not None:
                     self._answered(episode, *turn[1:], answer)
@@ -327,7 +330,7 @@ class EpisodeRunner(EpisodeSource):
         with ThreadPoolExecutor(workers, "episode") as environments, \
                 ThreadPoolExecutor(len(rows) if sampler.concurrent else 1, "turn") as requests:
             with timed(timings, "episode_wait"):
-                resets = list(environments.map(self._reset, rows))
+                resets = list(environments.map(partial(reset_one, self.make), rows))
             live = self._started(resets, seeds)
             order = {id(running): index for index, running in enumerate(live)}  # what ends together: in row order
             ready, pending = [running for running in live if not running.ended], {}
@@ -358,7 +361,7 @@ class EpisodeRunner(EpisodeSource):
         """Sampled turns parsed; each that the environment must answer is sent to it."""
         for turn in (self._parsed(*one) for one in sampled):
             if turn is not None:
-                pending[environments.submit(self._stepped, *turn[:2])] = turn
+                pending[environments.submit(step_one, turn[0].environment, turn[1])] = turn
 
     def _sampled(self, sampler: Sampler, active: list[Running], temperature: float | None, room: int | None = None
                  ) -> list[tuple[Running, list[int], list[float] | None]]:
@@ -375,25 +378,6 @@ class EpisodeRunner(EpisodeSource):
         engine = [None] * len(active) if sampled.engine_logprobs is None else sampled.engine_logprobs.tolist()
         return [(episode, ids[:sum(mask)], None if logprobs is None else logprobs[:sum(mask)])
                 for episode, ids, mask, logprobs in zip(active, sampled.responses.tolist(), real, engine, strict=True)]
-
-    def _concurrently(self, work: Callable, items: list) -> list:
-        """`work` of each item, in order: at most `concurrent_episodes` at once (an environment server's
-        requests wait side by side), one after another for in-process environments."""
-        workers = self.settings.environments_at_once
-        if workers == 1 or len(items) < 2:
-            return [work(item) for item in items]
-        with ThreadPoolExecutor(min(workers, len(items)), "episode") as pool:
-            return list(pool.map(work, items))
-
-    def _reset(self, row: dict) -> tuple[Environment | None, list[dict], str | None]:
-        """An episode's environment, made and reset: its opening messages, or (on the record's own
-        messages) why it could not start."""
-        environment = None
-        try:
-            environment = self.make(row)
-            return environment, list(environment.reset(row)), None
-        except Exception as e:  # noqa: BLE001 - the user's environment failed: the episode fails, the run goes on
-            return environment, list(row["messages"]), f"{type(e).__name__}: {e}"
 
     def _started(self, resets: list[tuple], seeds: list[int] | None) -> list[Running]:
         """Each episode's start, its conversation rendered, its seed given; one whose environment could
@@ -414,7 +398,7 @@ class EpisodeRunner(EpisodeSource):
                 ) -> tuple[Running, AssistantTurn, list[int], list[float] | None] | None:
         """One sampled turn (and the engine's log-probs of it, where not the trainer's): kept as sampled
         (cut to the episode's budget) and parsed; None where it ran out of tokens mid-turn (the episode
-        is then `truncated`), else what the environment is asked (`_stepped`) and its answer applied to."""
+        is then `truncated`), else what the environment is asked (`step_one`) and its answer applied to."""
         room = self.settings.episode_tokens - running.after_prompt
         ended = bool(ids) and ids[-1] in self.stop_ids and len(ids) <= room
         ids, logprobs = ids[:room], None if logprobs is None else logprobs[:room]
@@ -430,14 +414,6 @@ class EpisodeRunner(EpisodeSource):
             running.end("truncated")
             return None
         return running, turn, ids, logprobs
-
-    @staticmethod
-    def _stepped(running: Running, turn: AssistantTurn) -> Step | Exception:
-        """The environment's answer to the turn, or what it raised (the episode fails, not the run)."""
-        try:
-            return checked_step(running.environment.step(turn))
-        except Exception as e:  # noqa: BLE001 - the user's environment or its server failed: so does the episode
-            return e
 
     def _answered(self, running: Running, turn: AssistantTurn, ids: list[int], logprobs: list[float] | None,
                   answer: Step | Exception) -> None:
@@ -484,17 +460,6 @@ class EpisodeRunner(EpisodeSource):
         return self.chat.ids(self.chat.render(list(messages), running.tools))
 
 
-def checked_step(answer: object) -> Step:
-    """An environment's `step` answer as a `Step`: a (messages, reward, done[, restart]) tuple, messages a
-    list or None."""
-    if not isinstance(answer, tuple) or not 1 <= len(answer) <= len(Step._fields):
-        raise TypeError(f"step must return (messages, reward, done), got {type(answer).__name__}")
-    step = Step(*answer)
-    if step.messages is not None and not isinstance(step.messages, list):
-        raise TypeError(f"step's messages must be a list of chat messages or None, got {type(step.messages).__name__}")
-    return Step(step.messages, float(step.reward), bool(step.done), bool(step.restart))
-
-
 def checked_episode(episode: object, row: dict) -> Episode:
     """A user's rollout function's answer, refused unless it is an `Episode` that starts with its prompt."""
     prompt = row["messages"][-1]["content"][:60] if row.get("messages") else ""
@@ -537,14 +502,16 @@ def episode_source(settings: EnvironmentConfig | None, tokenizer: PreTrainedToke
     return episode_runner(settings, tokenizer, model, stop_ids, response_length, sees_reasoning)
 
 
-def served_episodes(cfg: EnvironmentServerConfig) -> EnvironmentFactory:
-    """A factory of episodes on the server `cfg` names (one client for all): our protocol's, or OpenEnv's."""
-    server = EnvironmentServer(cfg)
-    if cfg.kind != "openenv":
-        return lambda row: ServedEpisode(server)
+def served_episodes(settings: EnvironmentConfig) -> tuple[EnvironmentFactory, Answering]:
+    """A factory of episodes on the server `settings.server` names (one client for all), our protocol's or
+    OpenEnv's, and how a round's requests go: in batches where the server takes them, else one by one."""
+    server = EnvironmentServer(settings.server)
+    if settings.server.kind != "openenv":
+        answering = Batched(server) if server.batches() else OneByOne(settings.environments_at_once)
+        return lambda row: ServedEpisode(server), answering
     from stages.envs.remote.openenv_client import OpenEnvEpisode  # websockets: imported where an OpenEnv server is used
 
-    return lambda row: OpenEnvEpisode(server)
+    return lambda row: OpenEnvEpisode(server), OneByOne(settings.environments_at_once)
 
 
 def agent_episodes(settings: EnvironmentConfig) -> EnvironmentFactory:
@@ -559,8 +526,9 @@ def episode_runner(settings: EnvironmentConfig, tokenizer: PreTrainedTokenizerBa
                    stop_ids: list[int], response_length: int, sees_reasoning: bool = False) -> EpisodeRunner:
     """The runner of `settings`, its environment imported, its tool parser chosen and its template
     probed (`probe_template`) before any episode runs."""
+    answering = OneByOne(settings.environments_at_once)
     if settings.server is not None:
-        make, rollout = served_episodes(settings.server), None
+        (make, answering), rollout = served_episodes(settings), None
     elif settings.agent is not None:
         make, rollout = agent_episodes(settings), None
     else:
@@ -571,5 +539,5 @@ def episode_runner(settings: EnvironmentConfig, tokenizer: PreTrainedTokenizerBa
     if rollout is None:
         probe_template(chat)
     return EpisodeRunner(settings=settings, make=make, rollout=rollout, chat=chat, stop_ids=stop_ids,
-                         turn_tokens=response_length, parse=parse, parser_name=parser_name,
+                         turn_tokens=response_length, answering=answering, parse=parse, parser_name=parser_name,
                          sees_reasoning=sees_reasoning)

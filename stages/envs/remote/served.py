@@ -12,6 +12,12 @@ Two protocols:
                                   {"messages": [...] | null, "reward": float, "done": bool, "restart": bool}
                                   (`restart`, optional: the messages are a rewritten history, `Step.restart`)
       POST /close {"episode": id}
+      POST /reset_many {"rows": [...]}, /step_many {"steps": [{"episode", "turn", "assistant"}, ...]},
+           /close_many {"episodes": [{"episode": id}, ...]}
+                                  {"results": [{"status": 200, "answer": {...}} | {"status": n, "error": ...}]}
+                                  a round's resets, steps or closes in one request, each item answered as its
+                                  own request would be (servers that say `"batches": true` at GET /), or 504
+                                  where it is not done within the body's `timeout_s`
     openenv: an OpenEnv server's websocket sessions (`stages.envs.remote.openenv_client`).
 
 Failure rules, as remote rewards' (`stages.rewards.remote`; `stages.common.clients`): a request that
@@ -22,7 +28,8 @@ what the protocol promises, fails the episode (`failed`: out of the update, coun
 `rollout/failed_share`), not the run. A server that restarted forgets its episodes: a step it answers
 404 is replayed on a new episode (the reset and every earlier turn, each answer checked against the
 one recorded), so a restart costs no episode of a deterministic environment. A server that does not
-answer at all is refused before any stage trains (`EnvironmentServer.check`).
+answer at all is refused before any stage trains (`EnvironmentServer.check`). In a batch, an item the
+server lost (404) or could not take now (408, 429, 5xx) is sent again alone, by the rules above.
 """
 
 from __future__ import annotations
@@ -40,12 +47,23 @@ import httpx
 
 from rlhf.sections.base import DataSource
 from rlhf.sections.environment import EnvironmentServerConfig
-from stages.common.clients import RequestFailed, TryFailed, bearer, exposed_token, http_failures, retried
+from stages.common.clients import (
+    RETRIED_STATUSES,
+    RequestFailed,
+    TryFailed,
+    bearer,
+    exposed_token,
+    http_failures,
+    retried,
+)
 from stages.common.errors import StageUserError
 from stages.envs.environment import Step
 from stages.envs.parsers import AssistantTurn, turn_body
 
 PROTOCOL = "rlhf-env/1"
+BATCH_GRACE_S = 5.0
+"""Seconds a batch request may take past `timeout_s`: the server answers each item by `timeout_s` (an item
+not done by then with 504), then the answer has to travel."""
 T = TypeVar("T")
 
 
@@ -136,13 +154,15 @@ class EnvironmentServer:
             raise EnvironmentServerError(f"{self.describe()}: GET /dataset answered no list of rows")
         return rows
 
-    def request(self, method: str, path: str, body: dict | None, episode: Retried | None = None) -> dict:
+    def request(self, method: str, path: str, body: dict | None, episode: Retried | None = None,
+                grace_s: float = 0.0) -> dict:
         """One request's JSON object, retried as the module says (each retry counted in `episode`'s
-        `retries`, where it is for one); `EpisodeLost` on a 404 of an episode's route,
-        `EpisodeRequestFailed` once it gives up or the answer is no JSON object."""
+        `retries`, where it is for one; `grace_s` seconds past `timeout_s` allowed, a batch's), `EpisodeLost`
+        on a 404 of an episode's route, `EpisodeRequestFailed` once it gives up or the answer is no JSON object."""
         def attempt() -> dict:
             with http_failures(f"no answer within {self.cfg.timeout_s:g} s (environment.server.timeout_s)"):
-                answer = self.client.request(method, self.url + path, json=body)
+                answer = self.client.request(method, self.url + path, json=body,
+                                             timeout=self.cfg.timeout_s + grace_s)
             if answer.status_code == 200:
                 return _object(answer, f"{method} {path}")
             reason = f"HTTP {answer.status_code}: {answer.text[:300]}"
@@ -154,6 +174,39 @@ class EnvironmentServer:
             return self.retried(attempt, episode)
         except RequestFailed as e:
             raise EpisodeRequestFailed(f"{method} {path}: {e}") from None
+
+    def batches(self) -> bool:
+        """Whether the server takes a round's resets and steps as one request (it says so at GET /); no answer: no."""
+        try:
+            return bool(self.check().get("batches"))
+        except EnvironmentServerError:
+            return False
+
+    def batch(self, path: str, items: list[dict]) -> list[dict | Exception | None]:
+        """`items` as one request to a batch route (`/reset_many`: rows; `/step_many`, `/close_many`: bodies),
+        retried as one request is: each item's answer; None for one to send again alone (the server lost its
+        episode, or could not take it now); `EpisodeRequestFailed` for one refused, or for every item where
+        the request itself failed (raised)."""
+        single = path.removesuffix("_many")
+        body = self.request("POST", path, {{"/reset": "rows", "/step": "steps"}.get(single, "episodes"): items,
+                                           "timeout_s": self.cfg.timeout_s}, grace_s=BATCH_GRACE_S)
+        results = body.get("results")
+        if not isinstance(results, list) or len(results) != len(items) or \
+                not all(isinstance(result, dict) for result in results):
+            raise EpisodeRequestFailed(f"POST {path}: not one result per item: {str(results)[:200]!r}")
+        out: list[dict | Exception | None] = []
+        for result in results:
+            status, answer = result.get("status"), result.get("answer")
+            if status == 200 and isinstance(answer, dict):
+                out.append(answer)
+            elif status == 504:  # the server's deadline for the item, `timeout_s`: a slow one is not asked again
+                out.append(EpisodeRequestFailed(f"POST {single}: no answer within {self.cfg.timeout_s:g} s "
+                                                "(environment.server.timeout_s)"))
+            elif status in RETRIED_STATUSES or (status == 404 and single == "/step"):
+                out.append(None)
+            else:
+                out.append(EpisodeRequestFailed(f"POST {single}: HTTP {status}: {str(result.get('error'))[:300]}"))
+        return out
 
     def retried(self, attempt: Callable[[], T], episode: Retried | None = None) -> T:
         """`attempt` tried by `stages.common.clients.retried` on this server's settings, a timeout not again (a
@@ -233,11 +286,18 @@ class ServedEpisode:
 
     def reset(self, row: dict) -> list[dict]:
         self.row = row
-        self.first = self._started()
+        return self.begun(row, self.server.request("POST", "/reset", {"row": jsonable(row)}, self))
+
+    def begun(self, row: dict, body: dict) -> list[dict]:
+        """The episode of `row` as the server's answer to its reset (`body`) began it: its opening messages."""
+        self.row = row
+        self.first = self._opened(body)
         return list(self.first)
 
     def _started(self) -> list[dict]:
-        body = self.server.request("POST", "/reset", {"row": jsonable(self.row)}, self)
+        return self._opened(self.server.request("POST", "/reset", {"row": jsonable(self.row)}, self))
+
+    def _opened(self, body: dict) -> list[dict]:
         self.episode = body.get("episode")
         if not isinstance(self.episode, str):
             raise EpisodeRequestFailed(f"POST /reset: no episode id in {str(body)[:200]!r}")
@@ -252,12 +312,20 @@ class ServedEpisode:
         return self.tools
 
     def step(self, turn: AssistantTurn) -> Step:
-        sent = {"turn": len(self.history), "assistant": turn_body(turn)}
+        sent = self.asked(turn)
         try:
             answer = self.server.request("POST", "/step", {"episode": self.episode, **sent}, self)
         except EpisodeLost as lost:
             self._replay(lost)
             answer = self.server.request("POST", "/step", {"episode": self.episode, **sent}, self)
+        return self.answered(sent, answer)
+
+    def asked(self, turn: AssistantTurn) -> dict:
+        """What `POST /step` sends for `turn` (beside the episode's id): its number and the model's turn."""
+        return {"turn": len(self.history), "assistant": turn_body(turn)}
+
+    def answered(self, sent: dict, answer: dict) -> Step:
+        """The server's answer to the turn `sent`, checked and recorded (for a replay)."""
         step = checked_answer(answer)
         self.history.append((sent, answer))
         return step
