@@ -108,14 +108,9 @@ class EpisodeServer(GuardedServer):
         super().__init__(address, _Handler, caps)
         self.routes: dict[str, Callable[[dict, str], dict]] = {
             "/reset": self.reset, "/step": self.step, "/close": self.close_episode,
-            "/reset_many": lambda body, client: self.batch(self.reset, body.get("rows"), "row",
-                                                           body.get("timeout_s", BATCH_TIMEOUT_S), client),
-            "/step_many": lambda body, client: self.batch(self.step, body.get("steps"), None,
-                                                          body.get("timeout_s", BATCH_TIMEOUT_S), client),
-            "/close_many": lambda body, client: self.batch(self.close_episode, body.get("episodes"), None,
-                                                           body.get("timeout_s", BATCH_TIMEOUT_S), client)}
-        self._items = ThreadPoolExecutor(caps.max_connections, "batch")
-        """A batch's items, side by side (a verifiers step holds its thread until the rollout asks again)."""
+            "/reset_many": lambda body, client: self.batch(self.reset, "rows", "row", body, client),
+            "/step_many": lambda body, client: self.batch(self.step, "steps", None, body, client),
+            "/close_many": lambda body, client: self.batch(self.close_episode, "episodes", None, body, client)}
 
     def info(self) -> dict:
         """What is served, and its counters: episodes held, started and failed; requests, and refused by cause."""
@@ -141,26 +136,27 @@ class EpisodeServer(GuardedServer):
             self.count("failed")
             return 422, {"error": f"{type(e).__name__}: {e}"}
 
-    def batch(self, route: Callable[[dict, str], dict], items: object, field: str | None, timeout_s: object,
-              client: str) -> dict:
-        """Each item answered as its own request to `route` would be (`field`: the key its body puts it under),
-        side by side, by `timeout_s` (one not done by then: 504, and it goes on; a turn asked again gets its
-        answer): {"results": [{"status": 200, "answer": {...}} or {"status": n, "error": why}, ...]}."""
+    def batch(self, route: Callable[[dict, str], dict], key: str, field: str | None, body: dict, client: str) -> dict:
+        """Each item of `body[key]` answered as its own request to `route` would be (`field`: the key its body
+        puts it under), `at_once` of them side by side on threads of their own (all, unsaid), each by the
+        body's `timeout_s` (one not done by then: 504, and it goes on; a turn asked again gets its answer):
+        {"results": [{"status": 200, "answer": {...}} or {"status": n, "error": why}, ...]}."""
+        items, timeout_s = body.get(key), body.get("timeout_s", BATCH_TIMEOUT_S)
         if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
-            raise ValueError("a batch takes a list of objects (rows for /reset_many, steps for /step_many, episodes "
-                             "for /close_many)")
+            raise ValueError(f"a batch takes a list of objects as {key!r}")
+        at_once = body.get("at_once", max(len(items), 1))
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
             raise ValueError(f"a batch's timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        asked = [self._items.submit(self.answer, route, {field: item} if field else item, client) for item in items]
+        if not isinstance(at_once, int) or isinstance(at_once, bool) or at_once < 1:
+            raise ValueError(f"a batch's at_once must be a positive integer, got {at_once!r}")
+        items_at_once = ThreadPoolExecutor(min(at_once, len(items), self.caps.max_connections) or 1, "batch")
+        asked = [items_at_once.submit(self.answer, route, {field: item} if field else item, client) for item in items]
         wait(asked, timeout=timeout_s)
+        items_at_once.shutdown(wait=False)  # an item past its time goes on, on its thread
         answers = [future.result() if future.done() else (504, {"error": f"not answered within {timeout_s:g} s"})
                    for future in asked]
         return {"results": [{"status": status, "answer": answer} if status == 200 else {"status": status, **answer}
                             for status, answer in answers]}
-
-    def server_close(self) -> None:
-        self._items.shutdown(wait=False, cancel_futures=True)
-        super().server_close()
 
     def reset(self, body: dict, client: str) -> dict:
         row = body.get("row")

@@ -94,14 +94,14 @@ def test_a_rounds_requests_go_as_one_batch_and_a_batch_answers_each_item_as_alon
         assert [[(s.ids, s.reward) for s in e.segments] for e in a] == [[(s.ids, s.reward) for s in e.segments]
                                                                            for e in b]
         client = EnvironmentServer(EnvironmentServerConfig(url=url))
-        [started] = client.batch("/reset_many", [ROW])
+        [started] = client.batch("/reset_many", [ROW], 1)
         turn = {"content": "A cat.", "calls": []}
         steps = [{"episode": "gone", "turn": 0, "assistant": turn}, {"episode": started["episode"], "turn": 5,
                                                                     "assistant": turn},
                  {"episode": started["episode"], "turn": 0, "assistant": turn}]
         results = client.request("POST", "/step_many", {"steps": steps, "timeout_s": 10})["results"]
         assert [r["status"] for r in results] == [404, 400, 200] and results[2]["answer"]["done"]
-        lost, refused, answer = client.batch("/step_many", steps)  # as the runner reads them
+        lost, refused, answer = client.batch("/step_many", steps, 2)  # as the runner reads them
         assert lost is None and isinstance(refused, EpisodeRequestFailed) and answer["done"]
     finally:
         server.shutdown()

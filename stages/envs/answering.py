@@ -100,6 +100,8 @@ class Batched:
     lost or could not take now is sent again alone (`ServedEpisode`'s rules: replayed, retried)."""
 
     server: EnvironmentServer
+    at_once: int
+    """Items the server answers at a time (`environment.concurrent_episodes`, or the server's `max_concurrent`)."""
 
     def __deepcopy__(self, memo: dict) -> Batched:
         """Itself: the copy of the runner that samples ahead shares the run's one client of the server."""
@@ -146,6 +148,6 @@ class Batched:
         if not items:
             return []
         try:
-            return self.server.batch(path, items)
+            return self.server.batch(path, items, self.at_once)
         except EpisodeRequestFailed as e:
             return [e] * len(items)

@@ -507,7 +507,8 @@ def served_episodes(settings: EnvironmentConfig) -> tuple[EnvironmentFactory, An
     OpenEnv's, and how a round's requests go: in batches where the server takes them, else one by one."""
     server = EnvironmentServer(settings.server)
     if settings.server.kind != "openenv":
-        answering = Batched(server) if server.batches() else OneByOne(settings.environments_at_once)
+        at_once = settings.environments_at_once
+        answering = Batched(server, at_once) if server.batches() else OneByOne(at_once)
         return lambda row: ServedEpisode(server), answering
     from stages.envs.remote.openenv_client import OpenEnvEpisode  # websockets: imported where an OpenEnv server is used
 

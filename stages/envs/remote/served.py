@@ -13,11 +13,11 @@ Two protocols:
                                   (`restart`, optional: the messages are a rewritten history, `Step.restart`)
       POST /close {"episode": id}
       POST /reset_many {"rows": [...]}, /step_many {"steps": [{"episode", "turn", "assistant"}, ...]},
-           /close_many {"episodes": [{"episode": id}, ...]}
+           /close_many {"episodes": [{"episode": id}, ...]}   (each with "timeout_s", "at_once")
                                   {"results": [{"status": 200, "answer": {...}} | {"status": n, "error": ...}]}
                                   a round's resets, steps or closes in one request, each item answered as its
-                                  own request would be (servers that say `"batches": true` at GET /), or 504
-                                  where it is not done within the body's `timeout_s`
+                                  own request would be (servers that say `"batches": true` at GET /), at most
+                                  `at_once` at a time, or 504 where not done within `timeout_s`
     openenv: an OpenEnv server's websocket sessions (`stages.envs.remote.openenv_client`).
 
 Failure rules, as remote rewards' (`stages.rewards.remote`; `stages.common.clients`): a request that
@@ -182,14 +182,14 @@ class EnvironmentServer:
         except EnvironmentServerError:
             return False
 
-    def batch(self, path: str, items: list[dict]) -> list[dict | Exception | None]:
+    def batch(self, path: str, items: list[dict], at_once: int) -> list[dict | Exception | None]:
         """`items` as one request to a batch route (`/reset_many`: rows; `/step_many`, `/close_many`: bodies),
         retried as one request is: each item's answer; None for one to send again alone (the server lost its
         episode, or could not take it now); `EpisodeRequestFailed` for one refused, or for every item where
-        the request itself failed (raised)."""
+        the request itself failed (raised). The server answers `at_once` items at a time."""
         single = path.removesuffix("_many")
         body = self.request("POST", path, {{"/reset": "rows", "/step": "steps"}.get(single, "episodes"): items,
-                                           "timeout_s": self.cfg.timeout_s}, grace_s=BATCH_GRACE_S)
+                                           "timeout_s": self.cfg.timeout_s, "at_once": at_once}, grace_s=BATCH_GRACE_S)
         results = body.get("results")
         if not isinstance(results, list) or len(results) != len(items) or \
                 not all(isinstance(result, dict) for result in results):
