@@ -20,7 +20,6 @@ reads it. Runs only in the verifiers environment (`make env-verifiers`), started
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -30,7 +29,7 @@ import verifiers.v1 as vf
 from openai import AsyncOpenAI
 from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp
 
-from stages.envs.agent import AgentEndpoint, AgentEpisode, AgentFailed, SharedConnections, text_of
+from stages.envs.agent import AgentEndpoint, AgentEpisode, AgentFailed, text_of
 from stages.envs.environment import Step
 from stages.envs.parsers import turn_of_body
 
@@ -51,6 +50,7 @@ def _one_default_ssl_context() -> None:
     bundle shares one SSL context. A rollout builds three clients (the interception's to the model,
     the harness's, the MCP one), and each loads the CA bundle: 67% of the bridge's CPU in a
     64-episode profile (py-spy, 2026-11-28), though every one of them talks plain http to 127.0.0.1."""
+    import functools
     import importlib
 
     for name in ("httpx._transports.default", "httpx2._transports.default"):
@@ -85,7 +85,7 @@ class RelayHarness(vf.Harness[vf.HarnessConfig]):
         messages = conversation(data)
         async with AsyncExitStack() as stack:  # the model's client closed with the rollout: its sockets too
             client = await stack.enter_async_context(AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
-                                                                 timeout=None, http_client=_connections()))
+                                                                 timeout=None))
             tools, dispatch, servers = await connect_mcp({"mcpServers": {n: {"url": u} for n, u in mcp_urls.items()}},
                                                          stack)
             while True:
@@ -104,14 +104,6 @@ class RelayHarness(vf.Harness[vf.HarnessConfig]):
                     messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
                                      "content": text_of(answer)})
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
-
-
-@functools.cache
-def _connections() -> SharedConnections:
-    """The harness's one connection pool to the interception server, every rollout's (each its own client
-    and secret on it): a pool per rollout was a new connection per model call. Made on the endpoint's
-    loop, which runs every rollout."""
-    return SharedConnections()
 
 
 def conversation(data: vf.TaskData) -> list[dict]:
