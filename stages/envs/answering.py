@@ -56,7 +56,6 @@ def checked_step(answer: object) -> Step:
     return Step(step.messages, float(step.reward), bool(step.done), bool(step.restart))
 
 
-
 class Answering(Protocol):
     """A round's resets and steps, in the episodes' order."""
 
@@ -121,8 +120,7 @@ class Batched:
         return started
 
     def steps(self, asked: list[Asked]) -> list[Step | Exception | None]:
-        turns = [(at, episode, turn, episode.asked(turn)) for at, (episode, turn) in
-                 ((at, one) for at, one in enumerate(asked) if one is not None)]
+        turns = [(at, one[0], one[1], one[0].asked(one[1])) for at, one in enumerate(asked) if one is not None]
         answers = self._asked("/step_many", [{"episode": episode.episode, **sent} for _, episode, _, sent in turns])
         out: list[Step | Exception | None] = [None] * len(asked)
         for (at, episode, turn, sent), answer in zip(turns, answers, strict=True):
