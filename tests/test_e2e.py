@@ -277,50 +277,26 @@ def test_full_deployment_with_lora_everywhere_hands_plain_checkpoints_downstream
     assert generate("Describe the cat.", max_new_tokens=4)[0]["generated_text"]
 
 
-def test_stages_alone_start_from_their_configs_coherent_runs_beside_another_models_pipeline(stack, tmp_path):
-    """A finished pipeline on the tiny demo config, then one of another model (GPT-2: another
-    tokenizer) in the same experiment: rlhf/ppo, rlhf/dpo and rlhf/reward on the tiny config, no
-    upstream given, finish from the tiny config's runs, PPO from the SFT run its reward run was
-    trained from; a named pair that does not belong together is refused before any stage run
-    (so before any download), naming both runs."""
-    from tests.model_families import CHATML_TEMPLATE, build_family
-
-    own = {"experiment": "rlhf-two-models", "registry.enabled": False}
-    gpt2 = {"sft.model": str(build_family("gpt2", tmp_path)), "sft.chat_template": CHATML_TEMPLATE,
-            "sft.max_length": 96, "reward.max_length": 96,
-            **{f"{stage}.max_prompt_length": 48 for stage in ("sft", "reward", "ppo")}}
-    for overrides in (own, {**own, **gpt2}):
-        done = deployment_run(stack, "rlhf/full", config_file="configs/tiny.yaml", overrides=overrides)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
+def test_a_named_pair_that_does_not_belong_together_fails_the_deployment_run_naming_both(stack):
+    """rlhf/ppo given, through the run form's upstream section, the tiny config's SFT run and the
+    sharded pipeline's reward run (trained from another SFT run): the deployment run fails before
+    any stage run, naming both runs. Which runs a stage starts from when none is named, among other
+    models' and configs' pipelines in one experiment, is tests/test_flow.py's (the same flow, in
+    process); the deployments rerunning alone are the tests above."""
     client = mlflow_client(stack)
-    experiment = client.get_experiment_by_name("rlhf-two-models").experiment_id
-
-    def runs(stage: str) -> list:
-        """The stage's runs, oldest first."""
-        return client.search_runs([experiment], filter_string=f"tags.`rlhf.stage` = '{stage}'",
-                                  order_by=["attributes.start_time ASC"])
-
-    (sft, other_sft), (reward, other_reward) = runs("sft"), runs("reward")
-    assert other_sft.data.tags["rlhf.config_hash"] != sft.data.tags["rlhf.config_hash"]  # another model
-    for deployment in ("rlhf/ppo", "rlhf/dpo", "rlhf/reward"):
-        done = deployment_run(stack, deployment, config_file="configs/tiny.yaml", overrides=own, use_cache=False)
-        assert done.returncode == 0, deployment + done.stdout[-3000:] + done.stderr[-3000:]
-        run = runs(deployment.removeprefix("rlhf/"))[-1]
-        assert run.info.status == "FINISHED", deployment
-        assert run.data.tags["rlhf.upstream.sft"] == sft.info.run_id, deployment
-        if deployment == "rlhf/ppo":
-            assert run.data.tags["rlhf.upstream.reward"] == reward.info.run_id
-            assert reward.data.tags["rlhf.upstream.sft"] == sft.info.run_id
-            assert (f"Started from reward run `{reward.info.run_name}` (latest with this config); "
-                    f"SFT run `{sft.info.run_name}` (its own upstream).") in run.data.tags["mlflow.note.content"]
-
-    ppo_runs = len(runs("ppo"))
-    mismatched = {"sft_run_id": sft.info.run_id, "reward_run_id": other_reward.info.run_id}
+    (sft,) = client.search_runs([client.get_experiment_by_name("rlhf").experiment_id],
+                                filter_string="tags.`rlhf.stage` = 'sft'")
+    (reward,) = client.search_runs([client.get_experiment_by_name("rlhf-fsdp").experiment_id],
+                                   filter_string="tags.`rlhf.stage` = 'reward'")
+    other_sft = client.get_run(reward.data.tags["rlhf.upstream.sft"])
+    stage_runs = len(client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                        filter_string="tags.`rlhf.stage` != ''"))
+    mismatched = {"sft_run_id": sft.info.run_id, "reward_run_id": reward.info.run_id}
     ((state, message, _),) = submit_and_wait(stack, [("rlhf/ppo", {"config_file": "configs/tiny.yaml",
-                                                                   "overrides": own, "upstream": mismatched})])
+                                                                   "upstream": mismatched})])
     assert state == "FAILED" and "Traceback" not in message
-    assert (f"reward run `{other_reward.info.run_name}` ({other_reward.info.run_id}) was trained from SFT run "
+    assert (f"reward run `{reward.info.run_name}` ({reward.info.run_id}) was trained from SFT run "
             f"`{other_sft.info.run_name}` ({other_sft.info.run_id}), not from SFT run `{sft.info.run_name}` "
             f"({sft.info.run_id}), given as upstream.sft_run_id") in message
-    assert len(runs("ppo")) == ppo_runs
+    assert len(client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                  filter_string="tags.`rlhf.stage` != ''")) == stage_runs
