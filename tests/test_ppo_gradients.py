@@ -7,8 +7,8 @@ so splitting the minibatch only changes how the sum is computed. Responses of di
 make the test bite: per-micro-batch means weighted by sequence counts gave a policy gradient
 0.34 (relative L2) away at `micro_batch_size=2`.
 
-Run as a script (`accelerate launch tests/test_ppo_gradients.py WORK ENGINE`), this file is also
-the two-process worker: each rank takes its half of the saved rollout.
+Run as a script (`accelerate launch tests/test_ppo_gradients.py ENGINE WORK...`), this file is also
+the two-process worker: each rank takes its half of each saved rollout.
 """
 
 from __future__ import annotations
@@ -137,42 +137,55 @@ def test_the_critics_gradient_does_not_shrink_the_policys_step(tiny_config, trai
     _assert_same(dict(heavy_models.policy.named_parameters()), dict(light_models.policy.named_parameters()))
 
 
+CASES = {
+    "ddp": [("reward", False, {}), ("reward-lora", False, {}),
+            ("reward", False, {"loss_aggregation": "seq-mean-token-mean", "ratio_level": "sequence"}),
+            # packed passes in micro-batches by tokens, as many on both ranks whatever their rows' lengths
+            ("reward", False, {"padding_free": True, "micro_batch_tokens": 40})],
+    "fsdp": [("reward", False, {}), ("shared", False, {}), ("reward", True, {}), ("reward-lora", True, {}),
+             ("reward", False, {"loss_aggregation": "seq-mean-token-sum-norm", "kl.loss_coef": 0.1}),
+             ("shared", False, {"padding_free": True, "micro_batch_tokens": 40})]}
+"""Per engine, the (critic, LoRA, loss settings) its two processes are checked on, in one launch: its
+process start costs more than the cases' work."""
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("engine, critic, lora, loss", [
-    ("ddp", "reward", False, {}), ("fsdp", "reward", False, {}), ("fsdp", "shared", False, {}),
-    ("fsdp", "reward", True, {}), ("ddp", "reward-lora", False, {}), ("fsdp", "reward-lora", True, {}),
-    ("ddp", "reward", False, {"loss_aggregation": "seq-mean-token-mean", "ratio_level": "sequence"}),
-    ("fsdp", "reward", False, {"loss_aggregation": "seq-mean-token-sum-norm", "kl.loss_coef": 0.1}),
-    # packed passes in micro-batches by tokens, as many on both ranks whatever their rows' lengths
-    ("ddp", "reward", False, {"padding_free": True, "micro_batch_tokens": 40}),
-    ("fsdp", "shared", False, {"padding_free": True, "micro_batch_tokens": 40})])
-def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(tiny_config, trained, tmp_path, engine,
-                                                                              critic, lora, loss):
+@pytest.mark.parametrize("engine", list(CASES))
+def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(tiny_config, trained, tmp_path, engine):
     from accelerate import Accelerator
 
     from rlhf.config import with_overrides
     from stages.rl.ppo_models import ActorCritic
     from tests.helpers import ppo_gradient_setup, ppo_gradients
 
-    cfg, models, batch, advantages, returns = ppo_gradient_setup(tiny_config, trained, critic, lora)
-    cfg = with_overrides(cfg, loss)
-    one = ppo_gradients(models, Accelerator(cpu=True), ActorCritic(models), batch, advantages, returns, cfg)
-    assert all(g.norm() > 0 for g in one.values())
-    torch.save({"cfg": cfg.model_dump(mode="json"), "sft": trained["sft"], "reward": trained["reward"],
-                "trained": ActorCritic(models).state_dict(), "batch": batch, "advantages": advantages,
-                "returns": returns}, tmp_path / "work.pt")
+    folders, expected = [], []
+    for number, (critic, lora, loss) in enumerate(CASES[engine]):
+        cfg, models, batch, advantages, returns = ppo_gradient_setup(tiny_config, trained, critic, lora)
+        cfg = with_overrides(cfg, loss)
+        one = ppo_gradients(models, Accelerator(cpu=True), ActorCritic(models), batch, advantages, returns, cfg)
+        assert all(g.norm() > 0 for g in one.values())
+        folders.append(tmp_path / f"case-{number}")
+        folders[-1].mkdir()
+        torch.save({"cfg": cfg.model_dump(mode="json"), "sft": trained["sft"], "reward": trained["reward"],
+                    "trained": ActorCritic(models).state_dict(), "batch": batch, "advantages": advantages,
+                    "returns": returns}, folders[-1] / "work.pt")
+        expected.append(one)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-               str(port), __file__, str(tmp_path), engine]
+               str(port), __file__, engine, *map(str, folders)]
     done = subprocess.run(command, cwd=REPO, env=dict(os.environ, ACCELERATE_USE_CPU="true"), capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    found = torch.load(tmp_path / "gradients.pt")
-    assert found.pop("sharded") == (engine == "fsdp")
-    _assert_same(found, one)
+    for folder, case, one in zip(folders, CASES[engine], expected, strict=True):
+        found = torch.load(folder / "gradients.pt")
+        assert found.pop("sharded") == (engine == "fsdp"), case
+        try:
+            _assert_same(found, one)
+        except AssertionError as e:
+            raise AssertionError(f"{engine}, critic {case[0]}, lora {case[1]}, {case[2]}: {e}") from e
 
 
 def _worker(folder: Path, engine: str) -> None:
@@ -213,5 +226,6 @@ if __name__ == "__main__":  # ends as a stage's rank does (`stages.launch.local.
 
     from stages.launch.local import leave_job
 
-    _worker(Path(sys.argv[1]), sys.argv[2])
+    for case in sys.argv[2:]:  # ENGINE FOLDER...: each case's folder in turn, on the same process group
+        _worker(Path(case), sys.argv[1])
     leave_job(PartialState())
