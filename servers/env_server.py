@@ -347,7 +347,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=Caps.timeout_s,
                         help="seconds a request may take to arrive whole, and a connection may idle")
     parser.add_argument("--max-connections", type=int, default=Caps.max_connections,
-                        help="connections (each a thread) at once, past it 503; also the batches' items' threads")
+                        help="connections (each a thread) at once, past it 503; also the threads all batches' items share")
     parser.add_argument("--max-episodes", type=int, default=EpisodeCaps.max_episodes,
                         help="episodes held at once; past it a reset is answered 503")
     parser.add_argument("--max-client-episodes", type=int, default=EpisodeCaps.max_client_episodes,
