@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -106,8 +106,6 @@ class EpisodeServer(GuardedServer):
         self.episodes: dict[str, _Held] = {}
         self._swept = time.monotonic()
         super().__init__(address, _Handler, caps)
-        self.batch_threads = ThreadPoolExecutor(caps.max_connections, "batch")
-        """Every batch's items run here: the server's threads for them are bounded as its connections are."""
         self.routes: dict[str, Callable[[dict, str], dict]] = {
             "/reset": self.reset, "/step": self.step, "/close": self.close_episode,
             "/reset_many": lambda body, client: self.batch(self.reset, "rows", "row", body, client),
@@ -140,10 +138,9 @@ class EpisodeServer(GuardedServer):
 
     def batch(self, route: Callable[[dict, str], dict], key: str, field: str | None, body: dict, client: str) -> dict:
         """Each item of `body[key]` answered as its own request to `route` would be (`field`: the key its body
-        puts it under), `at_once` of them side by side (all, unsaid) on the server's batch threads, each by the
-        body's `timeout_s`: {"results": [{"status": 200, "answer": {...}} or {"status": n, "error": why}, ...]}.
-        An item not done by then is answered 504: one under way goes on (a turn asked again gets its answer),
-        one not yet begun never begins."""
+        puts it under), `at_once` of them side by side on threads of their own (all, unsaid), each by the
+        body's `timeout_s` (one not done by then: 504, and it goes on; a turn asked again gets its answer):
+        {"results": [{"status": 200, "answer": {...}} or {"status": n, "error": why}, ...]}."""
         items, timeout_s = body.get(key), body.get("timeout_s", BATCH_TIMEOUT_S)
         if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
             raise ValueError(f"a batch takes a list of objects as {key!r}")
@@ -152,30 +149,14 @@ class EpisodeServer(GuardedServer):
             raise ValueError(f"a batch's timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if not isinstance(at_once, int) or isinstance(at_once, bool) or at_once < 1:
             raise ValueError(f"a batch's at_once must be a positive integer, got {at_once!r}")
-        deadline = time.monotonic() + timeout_s
-        asked = [(Future(), {field: item} if field else item) for item in items]
-        queue, taking = iter(asked), threading.Lock()
-
-        def lane() -> None:  # one of the batch's `at_once` lanes: its next item, until none is left
-            while True:
-                with taking:
-                    future, item = next(queue, (None, None))
-                if future is None:
-                    return
-                if time.monotonic() < deadline and future.set_running_or_notify_cancel():
-                    future.set_result(self.answer(route, item, client))
-
-        for _ in range(min(at_once, len(items))):
-            self.batch_threads.submit(lane)
-        wait([future for future, _ in asked], timeout=max(deadline - time.monotonic(), 0))
+        items_at_once = ThreadPoolExecutor(min(at_once, len(items), self.caps.max_connections) or 1, "batch")
+        asked = [items_at_once.submit(self.answer, route, {field: item} if field else item, client) for item in items]
+        wait(asked, timeout=timeout_s)
+        items_at_once.shutdown(wait=False)  # an item past its time goes on, on its thread
         answers = [future.result() if future.done() else (504, {"error": f"not answered within {timeout_s:g} s"})
-                   for future, _ in asked]
+                   for future in asked]
         return {"results": [{"status": status, "answer": answer} if status == 200 else {"status": status, **answer}
                             for status, answer in answers]}
-
-    def server_close(self) -> None:
-        self.batch_threads.shutdown(wait=False, cancel_futures=True)
-        super().server_close()
 
     def reset(self, body: dict, client: str) -> dict:
         row = body.get("row")
@@ -347,7 +328,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=Caps.timeout_s,
                         help="seconds a request may take to arrive whole, and a connection may idle")
     parser.add_argument("--max-connections", type=int, default=Caps.max_connections,
-                        help="connections (each a thread) at once, past it 503; also the threads all batches' items share")
+                        help="connections (each a thread) at once; past it 503")
     parser.add_argument("--max-episodes", type=int, default=EpisodeCaps.max_episodes,
                         help="episodes held at once; past it a reset is answered 503")
     parser.add_argument("--max-client-episodes", type=int, default=EpisodeCaps.max_client_episodes,

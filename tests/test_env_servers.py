@@ -11,7 +11,6 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -104,61 +103,6 @@ def test_a_rounds_requests_go_as_one_batch_and_a_batch_answers_each_item_as_alon
         assert [r["status"] for r in results] == [404, 400, 200] and results[2]["answer"]["done"]
         lost, refused, answer = client.batch("/step_many", steps, 2)  # as the runner reads them
         assert lost is None and isinstance(refused, EpisodeRequestFailed) and answer["done"]
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-class _Sleepy:
-    """A served environment whose every step takes `STEP_S`, counting the steps under way at once."""
-
-    serves, name, STEP_S = "ours", "sleepy", 0.4
-
-    def __init__(self):
-        self.lock, self.now, self.most, self.steps = threading.Lock(), 0, 0, 0
-
-    def dataset(self, split: str) -> None:
-        return None
-
-    def start(self, row: dict):
-        return None, [{"role": "user", "content": "Wait."}], None
-
-    def step(self, handle, assistant: dict):
-        with self.lock:
-            self.now, self.steps = self.now + 1, self.steps + 1
-            self.most = max(self.most, self.now)
-        time.sleep(self.STEP_S)
-        with self.lock:
-            self.now -= 1
-        return SimpleNamespace(messages=None, reward=1.0, done=True, restart=False)
-
-    def end(self, handle) -> None:
-        pass
-
-
-def test_batches_share_the_servers_threads_and_an_item_not_begun_in_time_never_begins():
-    """Every batch's items run on the server's own threads, as many as its connections (two here): two
-    batches at once never step more than two episodes side by side, whatever their `at_once`; the
-    second's items, queued behind the first's past their `timeout_s`, are 504 and never step."""
-    from servers.guarded import Caps
-
-    sleepy = _Sleepy()
-    server = EpisodeServer(("127.0.0.1", 0), sleepy, None, 600.0, Caps(max_connections=2))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = EnvironmentServer(EnvironmentServerConfig(url=f"http://127.0.0.1:{server.server_port}"))
-        episodes = [e["episode"] for e in client.batch("/reset_many", [ROW] * 6, 6)]
-        steps = [{"episode": e, "turn": 0, "assistant": {"content": "Done.", "calls": []}} for e in episodes]
-        first = threading.Thread(target=lambda: client.request("POST", "/step_many", {
-            "steps": steps[:4], "at_once": 4, "timeout_s": 30}))
-        first.start()
-        time.sleep(0.1)  # the first batch's items hold both threads now
-        late = client.request("POST", "/step_many", {"steps": steps[4:], "at_once": 2, "timeout_s": 0.2})["results"]
-        first.join()
-        assert [r["status"] for r in late] == [504, 504]
-        time.sleep(2 * _Sleepy.STEP_S)  # the late batch's lanes reach the threads now: they begin nothing
-        assert (sleepy.most, sleepy.steps) == (2, 4)
-        assert client.batch("/step_many", steps[4:], 2)[0]["done"]  # never stepped: turn 0 is still theirs
     finally:
         server.shutdown()
         server.server_close()
