@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,9 @@ def test_two_processes_give_the_one_process_gradient_at_the_same_global_batch(ti
     for folder, case, one in zip(folders, CASES[engine], expected, strict=True):
         found = torch.load(folder / "gradients.pt")
         assert found.pop("sharded") == (engine == "fsdp"), case
+        before, after = found.pop("head_rescaled", (None, None))  # a critic on the reward model's score head
+        if case[0].startswith("reward"):
+            assert torch.equal(after, 2 * before), f"{engine}, critic {case[0]}: head not rescaled in its shards"
         try:
             _assert_same(found, one)
         except AssertionError as e:
@@ -216,8 +220,30 @@ def _worker(folder: Path, engine: str) -> None:
     local = rows_of(work["batch"], rows.tolist())
     found = ppo_gradients(models, accelerator, actor_critic, local, work["advantages"][rows], work["returns"][rows],
                           cfg)
+    if hasattr(models.critic, "head"):
+        found["head_rescaled"] = _head_rescaled(models, local, lambda: ppo_gradients(
+            models, accelerator, actor_critic, local, work["advantages"][rows], work["returns"][rows], cfg))
     if state.is_main_process:
         torch.save(found | {"sharded": sharded}, folder / "gradients.pt")
+
+
+def _head_rescaled(models, batch, update: Callable[[], object]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's score head, whole, before a values pass outside the update (as the rollout's: FSDP2
+    leaves the root unit gathered after it), and after the first rollout's normalisation adopted at gain 2
+    and an update's forward and backward (after which FSDP2 holds the shards again)."""
+    from stages.common.batches import Sequences
+
+    def whole() -> torch.Tensor:
+        weight = models.critic.head.weight.detach()
+        return (weight.full_tensor() if hasattr(weight, "full_tensor") else weight).clone()
+
+    before = whole()
+    sequences = Sequences(batch.queries, batch.query_mask, batch.responses, batch.mask, batch.restarts)
+    with torch.no_grad():
+        values = models.critic.values(None, sequences, models.passes("values"))
+    models.adopt_normalization(2.0, 0.0, values)
+    update()
+    return before, whole()
 
 
 if __name__ == "__main__":  # ends as a stage's rank does (`stages.launch.local.leave_job`)

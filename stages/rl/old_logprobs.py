@@ -57,7 +57,5 @@ class OldLogprobs:
 
 def by_precision(sixteen_bits: bool, where: str) -> OldLogprobs:
     """`auto` where it does not compare (`where` says where, in the tag): the sampler's in fp32, a second
-    forward where the passes round to 16 bits. PPO on a sharded launch: the comparison's extra forward of
-    the FSDP2-sharded policy, outside the update, changed a resumed run's weights against the
-    uninterrupted run's (tests/test_sharding.py; its cause is not yet found). DPO's evaluations."""
+    forward where the passes round to 16 bits. DPO's evaluations, which train nothing to compare against."""
     return OldLogprobs("recompute" if sixteen_bits else "sampling", reason=f"auto {where}: by precision, not compared")

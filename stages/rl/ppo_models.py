@@ -26,7 +26,7 @@ from stages.common.batches import Sequences
 from stages.common.errors import StageUserError
 from stages.math.ppo_math import clipped_value_loss, explained_variance
 from stages.rewards.scoring import RewardScorer, load_reward_model, shares_tokenizer
-from stages.rl.old_logprobs import OldLogprobs, by_precision
+from stages.rl.old_logprobs import OldLogprobs
 from stages.rl.teacher import NoTeacher, Teacher, teacher_for
 from stages.runtime.compiling import LEAST_COMPILE_S, Compiler, probe_compile
 from stages.runtime.forward import forward_response, last_hidden, padding_free_refusal
@@ -39,7 +39,6 @@ from stages.runtime.models import (
     load_causal_lm,
     load_tokenizer,
     resolve_precision,
-    rounds_to_16_bits,
     stop_token_ids,
 )
 from stages.runtime.packing import Passes, TokenCounts
@@ -263,6 +262,7 @@ class Models:
         """The scorer, and the critic if it takes it, on the normalised scale; `values` mapped alike
         (only with a reward model: nothing else is normalised)."""
         self.scorer.gain, self.scorer.bias = gain, bias
+        self.holding.release(*self.trained_modules())  # a critic's head is scaled in place: in its shards
         return self.critic.adopt_normalization(gain, bias, values)
 
     def restore_normalization(self, gain: float, bias: float) -> None:
@@ -349,16 +349,10 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
     teacher = teacher_for(cfg, teacher_location, tokenizer, holding)
     return Models(policy=policy, critic=critic, reference=reference, scorer=scorer, teacher=teacher,
                   tokenizer=tokenizer, precision=precision, stop_ids=stop_token_ids(policy), holding=holding,
-                  old_logprobs=old_logprobs_for(cfg, precision),
+                  old_logprobs=OldLogprobs(cfg.old_logprobs),
                   padding_free=padding_free, counts=counts, compiler=compiler_for(cfg, policy, passes))
 
 
-def old_logprobs_for(cfg: PPOConfig, precision) -> OldLogprobs:
-    """`ppo.old_logprobs` as the run takes it: `auto` compares on the first batch, except on a sharded
-    launch, where it goes by precision (`by_precision`)."""
-    if cfg.old_logprobs == "auto" and cfg.launch.sharded:
-        return by_precision(rounds_to_16_bits(cfg, precision), "on a sharded launch")
-    return OldLogprobs(cfg.old_logprobs)
 
 
 def compiler_for(cfg: PPOConfig, policy: PreTrainedModel, passes: Passes) -> Compiler:

@@ -63,6 +63,7 @@ def ppo_update(learner: Learner, batch: TrainingBatch, iteration: int) -> dict[s
     the update computes the policy the rollout sampled from (dropout off, same precision)."""
     cfg, optimizer, scaler, holding = learner.cfg, learner.optimizer, learner.scaler, learner.models.holding
     learner.actor_critic.train(True)
+    holding.release(*learner.models.trained_modules())  # their parameters the shards, as the optimizer's are
     trained = learner.trained_parameters()
     policy_parameters = list(learner.models.policy.parameters())
     in_policy = {id(p) for p in policy_parameters}

@@ -84,6 +84,9 @@ class Replicated:
     def clip_grad_norm(self, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm).item()
 
+    def release(self, *modules: torch.nn.Module) -> None:
+        return None  # whole models: their parameters are always the ones the optimizer steps
+
     @contextmanager
     def sampling(self, policy: torch.nn.Module) -> Iterator[None]:
         yield
@@ -206,6 +209,16 @@ class Sharded:
     def clip_grad_norm(self, parameters: list[torch.nn.Parameter], max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)  # over every shard (a DTensor reduction)
         return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+
+    def release(self, *modules: torch.nn.Module) -> None:
+        """Put every gathered unit of `modules` back in its shards. FSDP2 keeps a root unit gathered after
+        a forward (for the backward it expects); after a pass outside the update (the rollout's, the
+        scorer's) the module's parameters are then the gathered copies, which the optimizer never steps
+        and whose gradients FSDP2 moves to the shards: listed for clipping they count none, and an
+        in-place change to them is lost at the next reshard. Before either, the units are released."""
+        for module in modules:
+            for unit in _units(module):
+                unit.reshard()
 
     @contextmanager
     def sampling(self, policy: torch.nn.Module) -> Iterator[None]:
