@@ -11,7 +11,9 @@ environment: `--kind verifiers` re-executes it with `.env-verifiers/bin/python` 
 Episodes are kept by id; a step names its turn's number, so a step sent again (a client's retry after
 a lost answer) gets the same answer, not a second step. A round's resets, steps or closes may come as
 one request (`POST /reset_many`, `/step_many`, `/close_many`): each item is answered as its own request
-would be, the items side by side on the server's threads. An episode idle for `--idle-s` is let go.
+would be, the items side by side on threads of the server's, `--max-connections` of them for every batch
+together (a batch that gets none within its `timeout_s` answers each item 503).
+An episode idle for `--idle-s` is let go.
 A step whose environment raises answers HTTP 422 with the reason (the client fails that episode);
 an unknown episode 404 (the client replays it: the server restarted). Binds 127.0.0.1 by default;
 `--api-key-env VAR` requires `Authorization: Bearer $VAR` on every request (`servers.auth`); beyond this
@@ -106,6 +108,8 @@ class EpisodeServer(GuardedServer):
         self.episodes: dict[str, _Held] = {}
         self._swept = time.monotonic()
         super().__init__(address, _Handler, caps)
+        self.batch_threads = threading.BoundedSemaphore(caps.max_connections)
+        """Threads for batches' items, every batch's together: as many as the connections the server takes."""
         self.routes: dict[str, Callable[[dict, str], dict]] = {
             "/reset": self.reset, "/step": self.step, "/close": self.close_episode,
             "/reset_many": lambda body, client: self.batch(self.reset, "rows", "row", body, client),
@@ -138,8 +142,9 @@ class EpisodeServer(GuardedServer):
 
     def batch(self, route: Callable[[dict, str], dict], key: str, field: str | None, body: dict, client: str) -> dict:
         """Each item of `body[key]` answered as its own request to `route` would be (`field`: the key its body
-        puts it under), `at_once` of them side by side on threads of their own (all, unsaid), each by the
-        body's `timeout_s` (one not done by then: 504, and it goes on; a turn asked again gets its answer):
+        puts it under), `at_once` of them side by side (all, unsaid) on the server's batch threads, each by the
+        body's `timeout_s` (one under way by then: 504, and it goes on, a turn asked again gets its answer; one
+        not begun: 504, and it never begins; no thread free by then: every item 503):
         {"results": [{"status": 200, "answer": {...}} or {"status": n, "error": why}, ...]}."""
         items, timeout_s = body.get(key), body.get("timeout_s", BATCH_TIMEOUT_S)
         if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
@@ -149,14 +154,51 @@ class EpisodeServer(GuardedServer):
             raise ValueError(f"a batch's timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if not isinstance(at_once, int) or isinstance(at_once, bool) or at_once < 1:
             raise ValueError(f"a batch's at_once must be a positive integer, got {at_once!r}")
-        items_at_once = ThreadPoolExecutor(min(at_once, len(items), self.caps.max_connections) or 1, "batch")
+        if not items:
+            return {"results": []}
+        lanes = self._lanes(min(at_once, len(items)), timeout_s)
+        if not lanes:
+            self.count("refused:batch_threads")
+            busy = {"error": f"all {self.caps.max_connections} of the server's batch threads stayed busy for "
+                             f"{timeout_s:g} s; send the items again"}
+            return {"results": [{"status": 503, **busy} for _ in items]}
+        items_at_once = ThreadPoolExecutor(lanes, "batch")
         asked = [items_at_once.submit(self.answer, route, {field: item} if field else item, client) for item in items]
+        self._free_when_done(asked, lanes)
         wait(asked, timeout=timeout_s)
-        items_at_once.shutdown(wait=False)  # an item past its time goes on, on its thread
-        answers = [future.result() if future.done() else (504, {"error": f"not answered within {timeout_s:g} s"})
-                   for future in asked]
+        # An item under way past its time goes on, on its thread (a turn asked again gets its answer); one not
+        # begun never begins.
+        items_at_once.shutdown(wait=False, cancel_futures=True)
+        late = (504, {"error": f"not answered within {timeout_s:g} s"})
+        answers = [future.result() if future.done() and not future.cancelled() else late for future in asked]
         return {"results": [{"status": status, "answer": answer} if status == 200 else {"status": status, **answer}
                             for status, answer in answers]}
+
+    def _lanes(self, wanted: int, timeout_s: float) -> int:
+        """Threads for one batch's items, taken from the server's `max_connections` of them (every batch's
+        together): one, waiting up to `timeout_s`, then as many more as are free, up to `wanted`; 0: none
+        came free in time."""
+        if not self.batch_threads.acquire(timeout=timeout_s):
+            return 0
+        taken = 1
+        while taken < wanted and self.batch_threads.acquire(blocking=False):
+            taken += 1
+        return taken
+
+    def _free_when_done(self, asked: list, lanes: int) -> None:
+        """Give a batch's threads back to the server once every item has ended: answered, failed, or cancelled."""
+        left, lock = [len(asked)], threading.Lock()
+
+        def ended(_future) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                for _ in range(lanes):
+                    self.batch_threads.release()
+
+        for future in asked:
+            future.add_done_callback(ended)
 
     def reset(self, body: dict, client: str) -> dict:
         row = body.get("row")
@@ -328,7 +370,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=Caps.timeout_s,
                         help="seconds a request may take to arrive whole, and a connection may idle")
     parser.add_argument("--max-connections", type=int, default=Caps.max_connections,
-                        help="connections (each a thread) at once; past it 503")
+                        help="connections (each a thread) at once, past it 503; as many threads for batches' items")
     parser.add_argument("--max-episodes", type=int, default=EpisodeCaps.max_episodes,
                         help="episodes held at once; past it a reset is answered 503")
     parser.add_argument("--max-client-episodes", type=int, default=EpisodeCaps.max_client_episodes,

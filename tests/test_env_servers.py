@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -103,6 +104,70 @@ def test_a_rounds_requests_go_as_one_batch_and_a_batch_answers_each_item_as_alon
         assert [r["status"] for r in results] == [404, 400, 200] and results[2]["answer"]["done"]
         lost, refused, answer = client.batch("/step_many", steps, 2)  # as the runner reads them
         assert lost is None and isinstance(refused, EpisodeRequestFailed) and answer["done"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Sleepy:
+    """A served environment whose every step takes `STEP_S`, counting the steps under way at once."""
+
+    serves, name, STEP_S = "ours", "sleepy", 0.4
+
+    def __init__(self):
+        self.lock, self.now, self.most, self.steps = threading.Lock(), 0, 0, 0
+
+    def dataset(self, split: str) -> None:
+        return None
+
+    def start(self, row: dict):
+        return None, [{"role": "user", "content": "Wait."}], None
+
+    def step(self, handle, assistant: dict):
+        with self.lock:
+            self.now, self.steps = self.now + 1, self.steps + 1
+            self.most = max(self.most, self.now)
+        time.sleep(self.STEP_S)
+        with self.lock:
+            self.now -= 1
+        return SimpleNamespace(messages=None, reward=1.0, done=True, restart=False)
+
+    def end(self, handle) -> None:
+        pass
+
+
+def test_every_batch_together_takes_the_servers_threads_and_a_batch_with_none_free_is_refused():
+    """Batches' items run on the server's batch threads, as many as its connections (two here) for every
+    batch together: two batches at once never step more than two episodes side by side, whatever their
+    `at_once`; the second, with no thread free within its `timeout_s`, answers each item 503 (counted),
+    steps nothing, and its items go through once sent again. An item not begun by its batch's time
+    never begins."""
+    from servers.guarded import Caps
+
+    sleepy = _Sleepy()
+    server = EpisodeServer(("127.0.0.1", 0), sleepy, None, 600.0, Caps(max_connections=2))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = EnvironmentServer(EnvironmentServerConfig(url=f"http://127.0.0.1:{server.server_port}"))
+        episodes = [e["episode"] for e in client.batch("/reset_many", [ROW] * 7, 7)]
+        steps = [{"episode": e, "turn": 0, "assistant": {"content": "Done.", "calls": []}} for e in episodes]
+        first = threading.Thread(target=lambda: client.request("POST", "/step_many", {
+            "steps": steps[:4], "at_once": 4, "timeout_s": 30}))
+        first.start()
+        time.sleep(0.1)  # the first batch's items hold both threads now
+        late = client.request("POST", "/step_many", {"steps": steps[4:6], "at_once": 2, "timeout_s": 0.2})
+        first.join()
+        assert [r["status"] for r in late["results"]] == [503, 503]
+        assert (sleepy.most, sleepy.steps) == (2, 4)
+        assert server.info()["refused"]["batch_threads"] == 1
+        # One thread, three items, half a step's time: the first is under way (504, and it goes on), the
+        # next two never begin.
+        short = client.request("POST", "/step_many", {"steps": steps[4:], "at_once": 1,
+                                                       "timeout_s": 0.5 * _Sleepy.STEP_S})["results"]
+        assert [r["status"] for r in short] == [504, 504, 504]
+        time.sleep(3 * _Sleepy.STEP_S)
+        assert sleepy.steps == 5
+        assert all(r["done"] for r in client.batch("/step_many", steps[5:], 2))  # turn 0 still theirs: never stepped
     finally:
         server.shutdown()
         server.server_close()
