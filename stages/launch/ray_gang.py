@@ -181,10 +181,22 @@ def _connect(address: str) -> None:
         raise LaunchError(f"no Ray cluster answers at {target} (launch.ray_address {address!r}) within "
                           f"{CONNECT_TIMEOUT:.0f} s: {e}") from None
     try:
+        _check_token(target)  # at once: `ray.init` retries an unauthenticated driver for a minute
         ray.init(address=target, logging_level="WARNING", log_to_driver=True)
-    except (ConnectionError, RuntimeError) as e:  # a token the cluster requires, a Ray version it refuses, ...
+    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:  # a token, a Ray version, ...
         raise LaunchError(f"could not join the Ray cluster at {target} (launch.ray_address {address!r}): "
                           f"{str(e).strip()[-1500:]}") from None
+
+
+def _check_token(target: str) -> None:
+    """Ask the head's GCS for the cluster's id with this process's auth settings: a cluster that requires a
+    token this driver lacks (or holds wrong) refuses in milliseconds, with Ray's reason (`AuthenticationError`).
+    Ray Client addresses (`ray://`) authenticate their own way and are left to `ray.init`."""
+    if target.startswith("ray://"):
+        return
+    from ray._raylet import GcsClient
+
+    GcsClient(address=target)
 
 
 def _local_cluster() -> tuple[str, Path | None] | None:
