@@ -353,8 +353,6 @@ def load_models(cfg: PPOConfig, sft_location: str, reward_location: str | None,
                   padding_free=padding_free, counts=counts, compiler=compiler_for(cfg, policy, passes))
 
 
-
-
 def compiler_for(cfg: PPOConfig, policy: PreTrainedModel, passes: Passes) -> Compiler:
     """`ppo.compile` as this run takes it: on, off, or (`auto`) what `probe_compile` finds for the
     policy's forward and backward at the update's micro-batch shape (random tokens), over the
