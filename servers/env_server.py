@@ -12,7 +12,7 @@ Episodes are kept by id; a step names its turn's number, so a step sent again (a
 a lost answer) gets the same answer, not a second step. A round's resets, steps or closes may come as
 one request (`POST /reset_many`, `/step_many`, `/close_many`): each item is answered as its own request
 would be, the items side by side on threads of the server's, `--max-connections` of them for every batch
-together (a batch that gets none within its `timeout_s` answers each item 503).
+together (a batch that gets none within its `timeout_s`, or an item not begun by then, is answered 503).
 An episode idle for `--idle-s` is let go.
 A step whose environment raises answers HTTP 422 with the reason (the client fails that episode);
 an unknown episode 404 (the client replays it: the server restarted). Binds 127.0.0.1 by default;
@@ -32,7 +32,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -143,8 +142,8 @@ class EpisodeServer(GuardedServer):
     def batch(self, route: Callable[[dict, str], dict], key: str, field: str | None, body: dict, client: str) -> dict:
         """Each item of `body[key]` answered as its own request to `route` would be (`field`: the key its body
         puts it under), `at_once` of them side by side (all, unsaid) on the server's batch threads, each by the
-        body's `timeout_s` (one under way by then: 504, and it goes on, a turn asked again gets its answer; one
-        not begun: 504, and it never begins; no thread free by then: every item 503):
+        body's `timeout_s`, counted from its arrival (one under way by then: 504, and it goes on, a turn asked
+        again gets its answer; one not begun: 503, and it never begins; no thread free by then: every item 503):
         {"results": [{"status": 200, "answer": {...}} or {"status": n, "error": why}, ...]}."""
         items, timeout_s = body.get(key), body.get("timeout_s", BATCH_TIMEOUT_S)
         if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
@@ -156,21 +155,15 @@ class EpisodeServer(GuardedServer):
             raise ValueError(f"a batch's at_once must be a positive integer, got {at_once!r}")
         if not items:
             return {"results": []}
+        deadline = time.monotonic() + timeout_s  # one for the whole batch: waiting for threads counts
         lanes = self._lanes(min(at_once, len(items)), timeout_s)
         if not lanes:
             self.count("refused:batch_threads")
             busy = {"error": f"all {self.caps.max_connections} of the server's batch threads stayed busy for "
                              f"{timeout_s:g} s; send the items again"}
             return {"results": [{"status": 503, **busy} for _ in items]}
-        items_at_once = ThreadPoolExecutor(lanes, "batch")
-        asked = [items_at_once.submit(self.answer, route, {field: item} if field else item, client) for item in items]
-        self._free_when_done(asked, lanes)
-        wait(asked, timeout=timeout_s)
-        # An item under way past its time goes on, on its thread (a turn asked again gets its answer); one not
-        # begun never begins.
-        items_at_once.shutdown(wait=False, cancel_futures=True)
-        late = (504, {"error": f"not answered within {timeout_s:g} s"})
-        answers = [future.result() if future.done() and not future.cancelled() else late for future in asked]
+        bodies = [{field: item} if field else item for item in items]
+        answers = _Batch(self, route, bodies, client, deadline).run(lanes, timeout_s)
         return {"results": [{"status": status, "answer": answer} if status == 200 else {"status": status, **answer}
                             for status, answer in answers]}
 
@@ -184,21 +177,6 @@ class EpisodeServer(GuardedServer):
         while taken < wanted and self.batch_threads.acquire(blocking=False):
             taken += 1
         return taken
-
-    def _free_when_done(self, asked: list, lanes: int) -> None:
-        """Give a batch's threads back to the server once every item has ended: answered, failed, or cancelled."""
-        left, lock = [len(asked)], threading.Lock()
-
-        def ended(_future) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                for _ in range(lanes):
-                    self.batch_threads.release()
-
-        for future in asked:
-            future.add_done_callback(ended)
 
     def reset(self, body: dict, client: str) -> dict:
         row = body.get("row")
@@ -269,6 +247,56 @@ class EpisodeServer(GuardedServer):
             gone = [self.episodes.pop(key) for key in idle]
         for episode in gone:
             self.served.end(episode.handle)
+
+
+class _Batch:
+    """One batch's items answered on threads of the server's (`EpisodeServer.batch_threads`): each thread
+    takes the next item not yet begun until none is left or the batch's deadline has passed, then gives
+    its thread back; so an item that hangs holds one thread, not its batch's."""
+
+    def __init__(self, server: EpisodeServer, route: Callable[[dict, str], dict], bodies: list[dict], client: str,
+                 deadline: float):
+        self.server, self.route, self.bodies, self.client, self.deadline = server, route, bodies, client, deadline
+        self.answers: list[tuple[int, dict] | None] = [None] * len(bodies)
+        self.begun = self.ended = 0
+        self.closed = False
+        """Set at the deadline: no item begins after it."""
+        self.changed = threading.Condition()
+
+    def run(self, lanes: int, timeout_s: float) -> list[tuple[int, dict]]:
+        """Every item's (status, answer): its own, 504 for one under way at the deadline (it goes on: a turn
+        asked again gets its answer), 503 for one not begun by then (it never begins; the client sends it
+        again alone)."""
+        started = 0
+        try:
+            for _ in range(lanes):
+                threading.Thread(target=self._lane, name="batch", daemon=True).start()
+                started += 1
+        finally:
+            for _ in range(lanes - started):  # threads that could not start give their place back
+                self.server.batch_threads.release()
+        with self.changed:
+            self.changed.wait_for(lambda: self.ended == len(self.bodies),
+                                  timeout=max(0.0, self.deadline - time.monotonic()))
+            self.closed, begun, answers = True, self.begun, list(self.answers)
+        late = (504, {"error": f"not answered within {timeout_s:g} s"})
+        unbegun = (503, {"error": f"not begun within {timeout_s:g} s; send it again"})
+        return [answer or (late if index < begun else unbegun) for index, answer in enumerate(answers)]
+
+    def _lane(self) -> None:
+        try:
+            while True:
+                with self.changed:
+                    if self.closed or self.begun == len(self.bodies) or time.monotonic() >= self.deadline:
+                        return
+                    index, self.begun = self.begun, self.begun + 1
+                answer = self.server.answer(self.route, self.bodies[index], self.client)
+                with self.changed:
+                    self.answers[index] = answer
+                    self.ended += 1
+                    self.changed.notify_all()
+        finally:
+            self.server.batch_threads.release()
 
 
 class _Handler(GuardedHandler):

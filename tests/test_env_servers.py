@@ -141,7 +141,7 @@ def test_every_batch_together_takes_the_servers_threads_and_a_batch_with_none_fr
     batch together: two batches at once never step more than two episodes side by side, whatever their
     `at_once`; the second, with no thread free within its `timeout_s`, answers each item 503 (counted),
     steps nothing, and its items go through once sent again. An item not begun by its batch's time
-    never begins."""
+    never begins (503)."""
     from servers.guarded import Caps
 
     sleepy = _Sleepy()
@@ -161,10 +161,10 @@ def test_every_batch_together_takes_the_servers_threads_and_a_batch_with_none_fr
         assert (sleepy.most, sleepy.steps) == (2, 4)
         assert server.info()["refused"]["batch_threads"] == 1
         # One thread, three items, half a step's time: the first is under way (504, and it goes on), the
-        # next two never begin.
+        # next two never begin (503: the client sends them again alone).
         short = client.request("POST", "/step_many", {"steps": steps[4:], "at_once": 1,
                                                        "timeout_s": 0.5 * _Sleepy.STEP_S})["results"]
-        assert [r["status"] for r in short] == [504, 504, 504]
+        assert [r["status"] for r in short] == [504, 503, 503]
         time.sleep(3 * _Sleepy.STEP_S)
         assert sleepy.steps == 5
         assert all(r["done"] for r in client.batch("/step_many", steps[5:], 2))  # turn 0 still theirs: never stepped

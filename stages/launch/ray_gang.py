@@ -183,14 +183,15 @@ def _connect(address: str) -> None:
     try:
         _check_token(target)  # at once: `ray.init` retries an unauthenticated driver for a minute
         ray.init(address=target, logging_level="WARNING", log_to_driver=True)
-    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:  # a token, a Ray version, ...
+    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as e:  # a token, a port not the GCS's, ...
         raise LaunchError(f"could not join the Ray cluster at {target} (launch.ray_address {address!r}): "
                           f"{str(e).strip()[-1500:]}") from None
 
 
 def _check_token(target: str) -> None:
     """Ask the head's GCS for the cluster's id with this process's auth settings: a cluster that requires a
-    token this driver lacks (or holds wrong) refuses in milliseconds, with Ray's reason (`AuthenticationError`).
+    token this driver lacks (or holds wrong) refuses in milliseconds, with Ray's reason (`AuthenticationError`;
+    a port that is not the GCS's: `RpcError`).
     Ray Client addresses (`ray://`) authenticate their own way and are left to `ray.init`."""
     if target.startswith("ray://"):
         return

@@ -12,6 +12,8 @@ same either way:
     accumulating(module, last) DDP skips the all-reduce before the last micro-batch; FSDP2
                                reduce-scatters every micro-batch (gradients stay sharded)
     clip_grad_norm(...)        the norm over the whole model, whichever process holds which part
+    release(*modules)          nothing, or every gathered unit back in its shards (FSDP2 keeps a root unit
+                               gathered after a forward: its parameters then copies, not what is stepped)
     sampling(policy)           `gather: whole`: the whole policy gathered once for the rollout;
                                `per_layer`: each layer gathered at every decode step
     all_finished(finished)     sharded processes take every decode step together
@@ -256,7 +258,9 @@ class Sharded:
         """One copy of each parameter, split between the processes: nothing can disagree."""
 
     def save_plain(self, model: torch.nn.Module, tokenizer, folder: Path, dtype: torch.dtype) -> None:
-        """`save_streamed`: gathered and written a tensor at a time, never whole anywhere (collective)."""
+        """`save_streamed`: gathered and written a tensor at a time, never whole anywhere (collective).
+        Released first: a root unit an evaluation's pass left gathered holds copies in the passes' dtype."""
+        self.release(model)
         save_streamed(model, tokenizer, folder, SaveFormat(dtype), self.accelerator.is_main_process)
 
     def save(self, folder: Path, modules: dict[str, torch.nn.Module], optimizer) -> None:
