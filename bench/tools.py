@@ -94,8 +94,8 @@ SERVED = {"served": ("verifiers", 8490, ["--module", "tools_world", "--path", "e
 """Each served setting's server: its kind, port and what it serves."""
 
 
-def serving(setting: str):
-    """`setting`'s tool world served (`rlhf serve-env`), once it answers."""
+def serving(setting: str, workers: int = 1):
+    """`setting`'s tool world served (`rlhf serve-env`, its episodes over `workers` processes), once it answers."""
     import subprocess
     import sys
 
@@ -103,7 +103,7 @@ def serving(setting: str):
 
     kind, port, served = SERVED[setting]
     process = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-env", "--kind", kind, *served,
-                                "--port", str(port)], cwd=REPO, stderr=subprocess.DEVNULL)
+                                "--port", str(port), "--workers", str(workers)], cwd=REPO, stderr=subprocess.DEVNULL)
     for _ in range(240):
         try:
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0)
@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=None, help="ppo.num_iterations (default: the config's)")
     parser.add_argument("--settings", nargs="+", default=["episodes", "single-turn"],
                         choices=["episodes", "single-turn", "served", "served-ours", "agent", "sdk-agent"])
+    parser.add_argument("--serve-workers", type=int, default=1,
+                        help="the served settings' `rlhf serve-env --workers`: processes spreading their episodes")
     parser.add_argument("--sft-seed", type=int, default=None,
                         help="sft.seed (default: the config's): another SFT checkpoint to start from")
     parser.add_argument("--state", type=Path, default=REPO / ".rlhf" / "bench-tools")
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, state = with_overrides(cfg, {"sft": {"seed": args.sft_seed}}), state / f"sft-seed-{args.sft_seed}"
     started = time.time()
     sft, frames = upstream(cfg, state)
-    servers = [serving(setting) for setting in SERVED if setting in args.settings]
+    servers = [serving(setting, args.serve_workers) for setting in SERVED if setting in args.settings]
     try:
         rows = runs(args, cfg, sft, frames, state)
     finally:
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summary)
     out = args.out or REPO / "bench" / "results" / f"tools-{datetime.date.today()}.json"
     out.write_text(json.dumps({"config": args.config, "sft_seed": cfg.sft.seed, "seeds": args.seeds,
-                               "settings": args.settings,
+                               "settings": args.settings, "serve_workers": args.serve_workers,
                                "iterations": args.iterations,
                                "machine": platform.processor() or platform.machine(),
                                "seconds": time.time() - started, "runs": rows, "summary": summary}, indent=2))

@@ -13,7 +13,8 @@ a lost answer) gets the same answer, not a second step. A round's resets, steps 
 one request (`POST /reset_many`, `/step_many`, `/close_many`): each item is answered as its own request
 would be, the items side by side on threads of the server's, `--max-connections` of them for every batch
 together (a batch that gets none within its `timeout_s`, or an item not begun by then, is answered 503).
-An episode idle for `--idle-s` is let go.
+An episode idle for `--idle-s` is let go. `--workers N` spreads the episodes over N processes, each
+loading what is served (`servers.spread`): a Python environment's work on N cores, not one.
 A step whose environment raises answers HTTP 422 with the reason (the client fails that episode);
 an unknown episode 404 (the client replays it: the server restarted). Binds 127.0.0.1 by default;
 `--api-key-env VAR` requires `Authorization: Bearer $VAR` on every request (`servers.auth`); beyond this
@@ -25,6 +26,7 @@ by `EpisodeCaps`; `GET /` gives the counters (episodes held, started, failed; re
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -39,6 +41,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from servers.auth import CHALLENGE, UNAUTHORIZED, authorized, server_token
 from servers.guarded import Caps, GuardedHandler, GuardedServer, Refused
+from servers.spread import Spread
 
 PROTOCOL = "rlhf-env/1"
 REPO = Path(__file__).resolve().parents[1]
@@ -390,6 +393,9 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", default="{}", help="verifiers: JSON merged into the environment's config")
     parser.add_argument("--settings", default="{}", help="ours: JSON of `ppo.environment` settings (max_turns...)")
     parser.add_argument("--path", action="append", default=[], help="a folder put in front of the import path")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes the episodes are spread over, each loading what is served (its own GIL "
+                             "and event loop); 1: served in this process")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8400)
     parser.add_argument("--idle-s", type=float, default=600.0, help="seconds an untouched episode is kept")
@@ -438,12 +444,15 @@ def launch(argv: list[str]) -> int:
 def serve(args: argparse.Namespace) -> int:
     sys.path[:0] = [*(str(Path(p).resolve()) for p in args.path), os.getcwd()]  # what it serves: importable here
     token = server_token(args.api_key_env, args.host, "run episodes", args.insecure)
-    served = served_of(args)
+    if args.workers < 1:
+        raise SystemExit(f"--workers takes a positive number of processes, got {args.workers}")
+    served = served_of(args) if args.workers == 1 else Spread(functools.partial(served_of, args), args.workers)
     server = EpisodeServer((args.host, args.port), served, token, args.idle_s,
                            Caps(timeout_s=args.timeout_s, max_connections=args.max_connections),
                            EpisodeCaps(max_episodes=args.max_episodes, max_client_episodes=args.max_client_episodes))
+    spread = f", episodes spread over {args.workers} processes" if args.workers > 1 else ""
     print(f"serving {served.serves} environment {served.name} on http://{args.host}:{server.server_port} "
-          f"({PROTOCOL})", flush=True)
+          f"({PROTOCOL}{spread})", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

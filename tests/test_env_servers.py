@@ -35,6 +35,11 @@ from tests.helpers import AUTO_RESOLVED, SLOW_STEP_S, TOOL_TEMPLATE, Scripted, s
 REPO = Path(__file__).resolve().parent.parent
 CALL = '<tool_call>{"name":"f"}</tool_call>'
 ROW = {"messages": [{"role": "user", "content": "Describe the cat."}]}
+CAT = {"messages": [{"role": "user", "content": "Describe my cat."}], "liked": "warm calm kind"}
+CAT_SCRIPT = ['<tool_call>{"name": "preferences", "arguments": {"subject": "cat"}}</tool_call>',
+              "The cat is warm and calm."]
+"""A demo-world episode and the model's turns in it: a call of the tool, then an answer both rules score (2.0)."""
+IN_PROCESS = EnvironmentConfig(tools="rlhf.demo.tools:tools", episode_tokens=300)
 pytestmark = pytest.mark.multiprocess
 VERIFIERS = REPO / ".env-verifiers" / ".installed"
 
@@ -168,6 +173,48 @@ def test_every_batch_together_takes_the_servers_threads_and_a_batch_with_none_fr
         time.sleep(3 * _Sleepy.STEP_S)
         assert sleepy.steps == 5
         assert all(r["done"] for r in client.batch("/step_many", steps[5:], 2))  # turn 0 still theirs: never stepped
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_episodes_spread_over_worker_processes_and_a_dead_worker_fails_only_its_own(monkeypatch):
+    """`--workers 2`: a new episode starts in the worker process holding the fewest and is answered
+    there (a `counter` episode counts the steps of its own process); a worker that dies mid-step fails
+    that step and its episodes' later calls (422, naming the worker), while the other worker's
+    episodes go on and new episodes start there. Closing an episode of the dead worker is no error."""
+    import functools
+
+    from servers.spread import Spread
+
+    monkeypatch.setenv("RLHF_TEST_DIE_AFTER_STEPS", "3")  # each worker dies in its third step
+    spread = Spread(functools.partial(OursServed, None, "tests.helpers:served_faults", [], {}), 2)
+    server = EpisodeServer(("127.0.0.1", 0), spread, None, 600.0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = EnvironmentServer(EnvironmentServerConfig(url=f"http://127.0.0.1:{server.server_port}"))
+        counting = {**ROW, "fault": "counter"}
+        a, b = (client.request("POST", "/reset", {"row": counting})["episode"] for _ in range(2))
+
+        def step(episode: str, turn: int) -> str:
+            answer = client.request("POST", "/step", {"episode": episode, "turn": turn,
+                                                      "assistant": {"content": "Go on.", "calls": []}})
+            return answer["messages"][0]["content"]
+
+        assert [step(a, 0), step(b, 0), step(a, 1)] == ["1", "1", "2"]  # in one process: 1, 2, 3
+        [pid_a, pid_b] = [w.process.pid for w in spread.workers]
+        with pytest.raises(EpisodeRequestFailed, match=f"HTTP 422.*worker process 0 \\(pid {pid_a}\\) exited"):
+            step(a, 2)  # worker 0's third step: it dies in it
+        with pytest.raises(EpisodeRequestFailed, match="HTTP 422.*worker process 0"):
+            step(a, 2)
+        c = client.request("POST", "/reset", {"row": counting})["episode"]
+        assert step(c, 0) == "2"  # the live worker's second step
+        with pytest.raises(EpisodeRequestFailed, match=f"HTTP 422.*worker process 1 \\(pid {pid_b}\\) exited"):
+            step(b, 1)
+        with pytest.raises(EpisodeRequestFailed, match="HTTP 422.*every worker process exited"):
+            client.request("POST", "/reset", {"row": counting})
+        assert all(client.request("POST", "/close", {"episode": e}) == {} for e in (a, b, c))
+        assert server.info()["failed"] == 4 and server.info()["episodes"] == 0
     finally:
         server.shutdown()
         server.server_close()
@@ -313,11 +360,8 @@ def test_the_tool_world_written_for_verifiers_is_the_in_process_world_and_trains
 
     process, url = serve_env("--kind", "verifiers", "--module", "tools_world", "--path", "examples/verifiers")
     try:
-        row = {"messages": [{"role": "user", "content": "Describe my cat."}], "liked": "warm calm kind"}
-        call = '<tool_call>{"name": "preferences", "arguments": {"subject": "cat"}}</tool_call>'
-        script = [call, "The cat is warm and calm."]
-        in_process = EnvironmentConfig(tools="rlhf.demo.tools:tools", episode_tokens=300)
-        [a] = _runner(chat_tokenizer, in_process, 150).run(Scripted(chat_tokenizer, script), [row], 1.0)
+        row, script = CAT, CAT_SCRIPT
+        [a] = _runner(chat_tokenizer, IN_PROCESS, 150).run(Scripted(chat_tokenizer, script), [row], 1.0)
         [b] = _runner(chat_tokenizer, _served(url, kind="verifiers"), 150).run(Scripted(chat_tokenizer, script), [row],
                                                                                 1.0)
         assert a.status == b.status == "ok" and a.tool_calls == 1
@@ -349,9 +393,12 @@ def test_the_tool_world_written_for_verifiers_is_the_in_process_world_and_trains
 
 
 @pytest.mark.skipif(not VERIFIERS.exists(), reason="the verifiers environment is not built: `make env-verifiers`")
-def test_an_environments_own_prompts_are_the_stages_validated_by_our_contract(tools_trained, tmp_path):
+def test_an_environments_own_prompts_are_the_stages_validated_by_our_contract(chat_tokenizer, tools_trained,
+                                                                             tmp_path):
     """`prompts: {path: "env:"}`: the verifiers environment's tasks, fetched into a file and validated
-    as any prompt file (its `liked` column kept); unset without a server, it is refused."""
+    as any prompt file (its `liked` column kept); unset without a server, it is refused. The server
+    spreads its episodes over two processes (`--workers 2`): the dataset is one worker's, and episodes
+    answered by either are the in-process world's."""
     from rlhf.sections.base import DataSource
     from schemas.validate import load_validated
     from stages.envs.remote.served import env_source
@@ -362,9 +409,14 @@ def test_an_environments_own_prompts_are_the_stages_validated_by_our_contract(to
     prompts = next(world.rglob("prompts.jsonl"))
     config = json.dumps({"taskset": {"prompts": str(prompts)}})
     process, url = serve_env("--kind", "verifiers", "--module", "tools_world", "--path", "examples/verifiers",
-                             "--config", config)
+                             "--config", config, "--workers", "2")
     try:
         settings = _served(url, kind="verifiers")
+        row, script = CAT, CAT_SCRIPT
+        [a] = _runner(chat_tokenizer, IN_PROCESS, 150).run(Scripted(chat_tokenizer, script), [row], 1.0)
+        spread = _runner(chat_tokenizer, settings, 150).run(Scripted(chat_tokenizer, script), [row] * 4, 1.0)
+        assert [[s.ids for s in b.segments] for b in spread] == [[s.ids for s in a.segments]] * 4
+        assert [b.segments[-1].reward for b in spread] == [2.0] * 4
         fetched = env_source(DataSource(path="env:"), settings, tmp_path)
         assert Path(fetched.path).parent == tmp_path and env_source(DataSource(path="env:"), settings, tmp_path) == \
             fetched  # named by its content
