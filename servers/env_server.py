@@ -249,7 +249,10 @@ class EpisodeServer(GuardedServer):
             idle = [key for key, e in self.episodes.items() if now - e.touched > self.idle_s]
             gone = [self.episodes.pop(key) for key in idle]
         for episode in gone:
-            self.served.end(episode.handle)
+            try:
+                self.served.end(episode.handle)
+            except Exception as e:  # noqa: BLE001 - the sweep goes on (it runs on the server's watchdog)
+                print(f"serve-env: letting an idle episode go failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 class _Batch:

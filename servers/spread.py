@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 from collections.abc import Callable
@@ -75,6 +76,11 @@ class Spread:
         except WorkerGone:
             pass  # the episode went with its worker
 
+    def close(self) -> None:
+        """Every worker ended."""
+        for worker in self.workers:
+            worker.close()
+
     def _live(self) -> list[_Worker]:
         live = [w for w in self.workers if w.gone is None]
         if not live:
@@ -84,7 +90,8 @@ class Spread:
 
 class _Worker:
     """One worker process and the parent's end of its pipe: calls sent under a lock, answers read by a
-    thread of their own and handed to the waiting call by its id."""
+    thread of their own and handed to the waiting call by its id. Each answer is `(key, ok, payload)`,
+    the payload pickled on its own, so one that does not unpickle here fails its own call only."""
 
     def __init__(self, process, conn, index: int):
         self.process, self.conn, self.index = process, conn, index
@@ -108,15 +115,21 @@ class _Worker:
     def ready(self) -> _Worker:
         """This worker once it has loaded what it serves (what it raised, raised here)."""
         try:
-            ok, value = self.conn.recv()
+            _, ok, payload = self.conn.recv()
         except EOFError:
             self.process.join()
             raise WorkerGone(f"worker {self.index} exited while loading (exit code {self.process.exitcode})") from None
-        if not ok:
-            raise value
+        value = _loaded(payload)
+        if not ok or isinstance(value, _Unreadable):
+            raise SystemExit(f"worker process {self.index} could not load what is served: {value}")
         self.described = value
         threading.Thread(target=self._read, name=f"serve-env-worker-{self.index}-answers", daemon=True).start()
         return self
+
+    def close(self) -> None:
+        """The worker ended (its calls under way fail as a dead worker's)."""
+        self.process.terminate()
+        self.process.join(timeout=10)
 
     def call(self, *command: Any) -> Any:
         """`command` answered in the worker: its value, or what it raised raised here."""
@@ -126,58 +139,101 @@ class _Worker:
                 raise WorkerGone(self.gone)
             key = next(self._ids)
             self._pending[key] = answer
-            self.conn.send((key, command))
+            try:
+                self.conn.send((key, command))
+            except OSError:  # it exited, and the reader has not said so yet
+                del self._pending[key]
+                raise WorkerGone(f"worker process {self.index} (pid {self.process.pid}) exited") from None
         return answer.result()
 
     def _read(self) -> None:
         while True:
             try:
-                key, ok, value = self.conn.recv()
+                key, ok, payload = self.conn.recv()
             except (EOFError, OSError):
                 break
             with self._lock:
                 answer = self._pending.pop(key)
-            if ok:
+            value = _loaded(payload)
+            if ok and not isinstance(value, _Unreadable):
                 answer.set_result(value)
             else:
                 answer.set_exception(value)
+        with self._lock:  # no call is sent from here on
+            self.gone = f"worker process {self.index} (pid {self.process.pid}) exited"
         self.process.join(timeout=5)
         with self._lock:
-            self.gone = f"worker process {self.index} (pid {self.process.pid}) exited, code {self.process.exitcode}"
+            self.gone += f", code {self.process.exitcode}"
             pending, self._pending = list(self._pending.values()), {}
         for answer in pending:
             answer.set_exception(WorkerGone(self.gone))
 
 
+class WorkerRaised(RuntimeError):
+    """What the served environment raised in a worker, its type's name and message: exceptions of
+    Python's own types cross as themselves (a ValueError still answers 400), others as this (their
+    classes, and what their modules import, stay in the worker)."""
+
+
+class _Unreadable(RuntimeError):
+    """An answer that did not unpickle in the parent."""
+
+
+def _loaded(payload: bytes) -> Any:
+    try:
+        return pickle.loads(payload)
+    except Exception as e:  # noqa: BLE001 - fails this call alone
+        return _Unreadable(f"the worker's answer did not unpickle here: {type(e).__name__}: {e}")
+
+
+def _crossing(error: BaseException) -> BaseException:
+    """`error` as it can cross to the parent (`WorkerRaised`)."""
+    if type(error).__module__ == "builtins" and not isinstance(error, (SystemExit, KeyboardInterrupt)):
+        return error
+    return WorkerRaised(f"{type(error).__name__}: {error}")
+
+
 def _serve(conn, make: Callable[[], Any]) -> None:
     """A worker's life: load what is served, then answer each call on a thread of its own (a verifiers
     step waits for its rollout's next model call), until the parent's end closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; its exit ends this one
+    # Ctrl-C is the parent's to handle, its exit ends this process. A Python handler, not SIG_IGN: what
+    # this process starts (MCP servers, a runtime's programs) gets the default back when it execs.
+    signal.signal(signal.SIGINT, lambda *_: None)
+    send_lock = threading.Lock()
     try:
         served = make()
     except BaseException as e:  # noqa: BLE001 - the parent raises it
-        _send(conn, threading.Lock(), (False, e))
+        _send(conn, send_lock, -1, False, _crossing(e))
         return
     handles: dict[int, Any] = {}
-    ids, lock, send_lock = itertools.count(), threading.Lock(), threading.Lock()
-    _send(conn, send_lock, (True, (served.serves, served.name)))
+    ids, lock = itertools.count(), threading.Lock()
+    _send(conn, send_lock, -1, True, (served.serves, served.name))
+
+    def started(row: dict) -> tuple[int, list[dict], list[dict] | None]:
+        handle, messages, tools = served.start(row)
+        number = next(ids)
+        try:
+            pickle.dumps((messages, tools))  # what cannot go back must not leave an episode behind
+        except Exception:
+            served.end(handle)
+            raise
+        with lock:
+            handles[number] = handle
+        return number, messages, tools
 
     def answer(key: int, name: str, args: tuple) -> None:
         try:
             if name == "start":
-                handle, messages, tools = served.start(*args)
-                with lock:
-                    handles[number := next(ids)] = handle
-                value = (number, messages, tools)
+                value = started(*args)
             elif name in ("step", "end"):
                 with lock:
                     handle = handles[args[0]] if name == "step" else handles.pop(args[0])
                 value = getattr(served, name)(handle, *args[1:])
             else:
                 value = served.dataset(*args)
-            _send(conn, send_lock, (key, True, value))
-        except Exception as e:  # noqa: BLE001 - the call's failure is its caller's
-            _send(conn, send_lock, (key, False, e))
+            _send(conn, send_lock, key, True, value)
+        except BaseException as e:  # noqa: BLE001 - the call's failure is its caller's, a SystemExit's too
+            _send(conn, send_lock, key, False, _crossing(e))
 
     while True:
         try:
@@ -187,11 +243,12 @@ def _serve(conn, make: Callable[[], Any]) -> None:
         threading.Thread(target=answer, args=(key, name, tuple(args)), daemon=True).start()
 
 
-def _send(conn, lock: threading.Lock, message: tuple) -> None:
-    """`message` on the pipe; an exception that does not pickle goes as a RuntimeError saying what it was."""
+def _send(conn, lock: threading.Lock, key: int, ok: bool, value: Any) -> None:
+    """An answer on the pipe, its value pickled on its own; one that does not pickle goes as the
+    `WorkerRaised` saying so."""
+    try:
+        payload = pickle.dumps(value)
+    except Exception as e:  # noqa: BLE001 - nothing is written yet
+        ok, payload = False, pickle.dumps(WorkerRaised(f"an answer that does not pickle ({type(e).__name__}: {e})"))
     with lock:
-        try:
-            conn.send(message)
-        except Exception as e:  # noqa: BLE001 - pickling failed before anything was written
-            *head, _ok, value = message
-            conn.send((*head, False, RuntimeError(f"{type(value).__name__}: {value} (not picklable: {e})")))
+        conn.send((key, ok, payload))

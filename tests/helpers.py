@@ -701,13 +701,23 @@ def stop_process(process) -> None:
             process.wait()
 
 
+class TwoArgumentError(Exception):
+    """An environment's own error whose constructor takes two arguments and passes one up: it pickles,
+    and does not unpickle (as many libraries' errors)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 class ServedFaults:
     """`environment.factory: tests.helpers:served_faults`, served by `rlhf serve-env` for the environment
     server's fault tests: the demo world's tool for its records (with `liked`), `scripted_tools`' for
     others, and a record's `fault` column says what goes wrong:
     `slow` (every step waits `SLOW_STEP_S`), `malformed` (a step answers messages without a role) or
     `counter` (a step's answer counts the steps this process took: not the same when replayed) or
-    `rewrite` (a call is answered with a rewritten history: `Step.restart`).
+    `rewrite` (a call is answered with a rewritten history: `Step.restart`) or `raise` (a step raises
+    `TwoArgumentError`).
     `RLHF_TEST_DIE_AFTER_STEPS=N` ends the server's process in the middle of its N-th step."""
 
     steps = 0
@@ -730,6 +740,8 @@ class ServedFaults:
     def step(self, turn):
         import os
 
+        if self.fault == "raise":
+            raise TwoArgumentError(7, "the environment failed")
         type(self).steps += 1
         if type(self).steps == int(os.environ.get("RLHF_TEST_DIE_AFTER_STEPS", 0)):
             os._exit(1)  # the server dies mid-request, as a killed process does

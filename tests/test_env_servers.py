@@ -182,7 +182,9 @@ def test_episodes_spread_over_worker_processes_and_a_dead_worker_fails_only_its_
     """`--workers 2`: a new episode starts in the worker process holding the fewest and is answered
     there (a `counter` episode counts the steps of its own process); a worker that dies mid-step fails
     that step and its episodes' later calls (422, naming the worker), while the other worker's
-    episodes go on and new episodes start there. Closing an episode of the dead worker is no error."""
+    episodes go on and new episodes start there. Closing an episode of the dead worker is no error.
+    What the environment raises crosses as itself where it is Python's own (a TypeError: 400), else by
+    its name and message (422), even where it would not unpickle."""
     import functools
 
     from servers.spread import Spread
@@ -201,6 +203,12 @@ def test_episodes_spread_over_worker_processes_and_a_dead_worker_fails_only_its_
                                                       "assistant": {"content": "Go on.", "calls": []}})
             return answer["messages"][0]["content"]
 
+        raising = client.request("POST", "/reset", {"row": {**ROW, "fault": "raise"}})["episode"]  # worker 0's
+        with pytest.raises(EpisodeRequestFailed, match="HTTP 422.*TwoArgumentError: the environment failed"):
+            step(raising, 0)
+        with pytest.raises(EpisodeRequestFailed, match="HTTP 400.*TypeError"):
+            client.request("POST", "/step", {"episode": a, "turn": 0, "assistant": {"calls": 5}})
+        client.request("POST", "/close", {"episode": raising})
         assert [step(a, 0), step(b, 0), step(a, 1)] == ["1", "1", "2"]  # in one process: 1, 2, 3
         [pid_a, pid_b] = [w.process.pid for w in spread.workers]
         with pytest.raises(EpisodeRequestFailed, match=f"HTTP 422.*worker process 0 \\(pid {pid_a}\\) exited"):
@@ -214,10 +222,11 @@ def test_episodes_spread_over_worker_processes_and_a_dead_worker_fails_only_its_
         with pytest.raises(EpisodeRequestFailed, match="HTTP 422.*every worker process exited"):
             client.request("POST", "/reset", {"row": counting})
         assert all(client.request("POST", "/close", {"episode": e}) == {} for e in (a, b, c))
-        assert server.info()["failed"] == 4 and server.info()["episodes"] == 0
+        assert server.info()["failed"] == 5 and server.info()["episodes"] == 0
     finally:
         server.shutdown()
         server.server_close()
+        spread.close()
 
 
 def test_a_step_asked_again_is_answered_again_and_a_lost_episode_is_replayed():
