@@ -208,6 +208,8 @@ def test_episodes_spread_over_worker_processes_and_a_dead_worker_fails_only_its_
             step(raising, 0)
         with pytest.raises(EpisodeRequestFailed, match="HTTP 400.*TypeError"):
             client.request("POST", "/step", {"episode": a, "turn": 0, "assistant": {"calls": 5}})
+        with pytest.raises(EpisodeRequestFailed, match=r"HTTP 400.*call 0 of the turn has keys \['name'\]"):
+            client.request("POST", "/step", {"episode": a, "turn": 0, "assistant": {"calls": [{"name": "f"}]}})
         client.request("POST", "/close", {"episode": raising})
         assert [step(a, 0), step(b, 0), step(a, 1)] == ["1", "1", "2"]  # in one process: 1, 2, 3
         [pid_a, pid_b] = [w.process.pid for w in spread.workers]

@@ -81,8 +81,13 @@ def turn_body(turn: AssistantTurn) -> dict:
 
 
 def turn_of_body(body: dict) -> AssistantTurn:
-    """A turn as `turn_body` sent it, on the server's side."""
-    calls = [ToolCall(c["name"], c["arguments"]) if isinstance(c, dict) else str(c) for c in body.get("calls", [])]
+    """A turn as `turn_body` sent it, on the server's side. A call object without its name or arguments
+    is a malformed body (ValueError: the server answers 400), not a missing key (404 there: "unknown episode")."""
+    calls = []
+    for index, call in enumerate(body.get("calls", [])):
+        if isinstance(call, dict) and not {"name", "arguments"} <= call.keys():
+            raise ValueError(f"call {index} of the turn has keys {sorted(call)}; {CALL_SHAPE}")
+        calls.append(ToolCall(call["name"], call["arguments"]) if isinstance(call, dict) else str(call))
     return AssistantTurn(text=body.get("text", ""), content=body.get("content", ""), reasoning=body.get("reasoning"),
                          calls=calls)
 
