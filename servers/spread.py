@@ -9,7 +9,8 @@ holding the fewest. The HTTP server, its caps, batches and tokens stay in the pa
 
 A worker that exits (killed, or crashed mid-call) fails the calls it was answering and its episodes'
 later calls (the server answers 422, and the trainer fails those episodes as any failed episode);
-new episodes start in the workers still running, and with none left every call fails saying so.
+new episodes start in the workers still running, and with none left every call but a close fails
+saying so.
 """
 
 from __future__ import annotations
@@ -209,31 +210,26 @@ def _serve(conn, make: Callable[[], Any]) -> None:
     ids, lock = itertools.count(), threading.Lock()
     _send(conn, send_lock, -1, True, (served.serves, served.name))
 
-    def started(row: dict) -> tuple[int, list[dict], list[dict] | None]:
-        handle, messages, tools = served.start(row)
-        number = next(ids)
-        try:
-            pickle.dumps((messages, tools))  # what cannot go back must not leave an episode behind
-        except Exception:
-            served.end(handle)
-            raise
-        with lock:
-            handles[number] = handle
-        return number, messages, tools
-
     def answer(key: int, name: str, args: tuple) -> None:
         try:
             if name == "start":
-                value = started(*args)
+                handle, messages, tools = served.start(*args)
+                with lock:
+                    handles[number := next(ids)] = handle
+                value = (number, messages, tools)
             elif name in ("step", "end"):
                 with lock:
                     handle = handles[args[0]] if name == "step" else handles.pop(args[0])
                 value = getattr(served, name)(handle, *args[1:])
             else:
                 value = served.dataset(*args)
-            _send(conn, send_lock, key, True, value)
         except BaseException as e:  # noqa: BLE001 - the call's failure is its caller's, a SystemExit's too
             _send(conn, send_lock, key, False, _crossing(e))
+            return
+        if not _send(conn, send_lock, key, True, value) and name == "start":
+            with lock:  # a start whose answer could not go back must not leave its episode behind
+                unanswered = handles.pop(number)
+            served.end(unanswered)
 
     while True:
         try:
@@ -243,12 +239,14 @@ def _serve(conn, make: Callable[[], Any]) -> None:
         threading.Thread(target=answer, args=(key, name, tuple(args)), daemon=True).start()
 
 
-def _send(conn, lock: threading.Lock, key: int, ok: bool, value: Any) -> None:
+def _send(conn, lock: threading.Lock, key: int, ok: bool, value: Any) -> bool:
     """An answer on the pipe, its value pickled on its own; one that does not pickle goes as the
-    `WorkerRaised` saying so."""
+    `WorkerRaised` saying so (False: the value did not go)."""
     try:
-        payload = pickle.dumps(value)
+        payload, sent = pickle.dumps(value), True
     except Exception as e:  # noqa: BLE001 - nothing is written yet
-        ok, payload = False, pickle.dumps(WorkerRaised(f"an answer that does not pickle ({type(e).__name__}: {e})"))
+        ok, sent = False, False
+        payload = pickle.dumps(WorkerRaised(f"an answer that does not pickle ({type(e).__name__}: {e})"))
     with lock:
         conn.send((key, ok, payload))
+    return sent
